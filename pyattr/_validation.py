@@ -1,0 +1,57 @@
+"""Input checks, done once in Python before dispatch; kernels assume checked inputs."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_float(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOATING:
+        raise TypeError(
+            f"{name} must be a floating tensor (float16, bfloat16, float32 or float64), got {t.dtype}"
+        )
+
+
+def check_same_device(**tensors: Optional[torch.Tensor]) -> None:
+    present = [(n, t) for n, t in tensors.items() if t is not None]
+    if not present:
+        return
+    n0, t0 = present[0]
+    for n, t in present[1:]:
+        if t.device != t0.device:
+            raise ValueError(
+                f"{n} is on {t.device} but {n0} is on {t0.device}; all tensors must be on one device"
+            )
+
+
+def check_eps(eps) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    eps = float(eps)
+    if not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be finite and >= 0, got {eps!r}")
+    return eps
+
+
+def check_norm_param(name: str, p: Optional[torch.Tensor], x: torch.Tensor) -> None:
+    if p is None:
+        return
+    check_float(name, p)
+    hidden = x.shape[-1] if x.dim() > 0 else None
+    if p.dim() != 1 or p.shape[0] != hidden:
+        raise ValueError(
+            f"{name} must have shape (hidden_size,) = ({hidden},) to match x of shape "
+            f"{tuple(x.shape)}, got {tuple(p.shape)}"
+        )
+
+
+def check_has_hidden(name: str, x: torch.Tensor) -> None:
+    if x.dim() == 0:
+        raise ValueError(f"{name} must have at least one dimension (..., hidden_size), got a scalar")

@@ -1,0 +1,217 @@
+"""Recognising activation functions and their Identity-rule factor φ.
+
+The Identity-rule (AttnLRP, ICML 2024, Eq. 9) replaces the local derivative of an
+elementwise activation ``act`` by ``φ(x) = act(x) / x``. For the activations used by
+transformer MLPs φ has a closed form that needs no division and is exact at ``x = 0``:
+
+=============  ==========================================================
+``silu``       ``σ(x)``
+``gelu``       ``Φ(x) = ½(1 + erf(x/√2))``
+``gelu_tanh``  ``½(1 + tanh(√(2/π)(x + 0.044715 x³)))``
+``quick_gelu`` ``σ(1.702 x)``
+``relu``       ``1[x > 0]``
+=============  ==========================================================
+
+Any other callable falls back to ``act(x) / x`` with ``φ(0) = zero_limit``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+KNOWN_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "quick_gelu", "relu")
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
+_QUICK_GELU_ALPHA = 1.702
+
+# Names accepted as strings; the Hugging Face ``ACT2FN`` keys map onto the same kinds.
+_NAME_TO_KIND = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_python": "gelu",
+    "gelu_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_python_tanh": "gelu_tanh",
+    "quick_gelu": "quick_gelu",
+    "relu": "relu",
+}
+
+# Hugging Face activation classes by class name, so that transformers stays optional.
+_HF_CLASS_TO_KIND = {
+    "SiLUActivation": "silu",
+    "NewGELUActivation": "gelu_tanh",
+    "FastGELUActivation": "gelu_tanh",
+    "GELUTanh": "gelu_tanh",
+    "PytorchGELUTanh": "gelu_tanh",
+    "QuickGELUActivation": "quick_gelu",
+}
+
+
+@dataclass(frozen=True)
+class Activation:
+    """A resolved activation.
+
+    Attributes:
+        kind: one of :data:`KNOWN_ACTIVATIONS`, or ``"custom"`` for any other callable.
+        fn: the callable that computes the native forward ``act(x)``. For a module it is
+            the module itself, so the forward is bit-identical to the model's own.
+        zero_limit: φ(0) used by the ``custom`` kind (ignored for known kinds).
+    """
+
+    kind: str
+    fn: Callable[[torch.Tensor], torch.Tensor]
+    zero_limit: float = 0.5
+
+    @property
+    def name(self) -> str:
+        return self.kind if self.kind != "custom" else getattr(self.fn, "__name__", type(self.fn).__name__)
+
+
+def _native_fn(kind: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if kind == "silu":
+        return F.silu
+    if kind == "gelu":
+        return F.gelu
+    if kind == "gelu_tanh":
+        return functools.partial(F.gelu, approximate="tanh")
+    if kind == "quick_gelu":
+        return lambda x: x * torch.sigmoid(_QUICK_GELU_ALPHA * x)
+    if kind == "relu":
+        return F.relu
+    raise AssertionError(kind)
+
+
+def _kind_of_module(act: nn.Module) -> Optional[str]:
+    if isinstance(act, nn.SiLU):
+        return "silu"
+    if isinstance(act, nn.ReLU):
+        return "relu"
+    if isinstance(act, nn.GELU):
+        return "gelu_tanh" if act.approximate == "tanh" else "gelu"
+    name = type(act).__name__
+    if name in _HF_CLASS_TO_KIND:
+        return _HF_CLASS_TO_KIND[name]
+    if name == "GELUActivation":
+        # Either F.gelu (exact) or the erf formula in Python: both are exact GELU.
+        return "gelu"
+    return None
+
+
+def _kind_of_function(fn: Callable) -> Optional[str]:
+    if isinstance(fn, functools.partial):
+        inner = _kind_of_function(fn.func)
+        if inner == "gelu" and not fn.args:
+            approx = fn.keywords.get("approximate", "none")
+            if approx == "tanh":
+                return "gelu_tanh"
+            if approx == "none" and set(fn.keywords) <= {"approximate"}:
+                return "gelu"
+            return None
+        if inner is not None and not fn.args and not fn.keywords:
+            return inner
+        # e.g. partial(F.silu, inplace=False) keeps the same math
+        if inner in ("silu", "relu") and set(fn.keywords) <= {"inplace"} and not fn.args:
+            return inner
+        return None
+    if fn in (F.silu, torch.nn.functional.silu):
+        return "silu"
+    if fn in (F.gelu, torch.nn.functional.gelu):
+        return "gelu"
+    if fn in (F.relu, torch.relu, torch.nn.functional.relu):
+        return "relu"
+    return None
+
+
+def resolve_activation(act, zero_limit: float = 0.5) -> Activation:
+    """Resolve ``act`` (name, function, ``functools.partial`` or module) to an :class:`Activation`.
+
+    Raises:
+        ValueError: ``act`` is a string that names no known activation, or ``zero_limit``
+            is not finite.
+        TypeError: ``act`` is neither a string nor a callable.
+    """
+    if not isinstance(zero_limit, (int, float)) or not math.isfinite(zero_limit):
+        raise ValueError(f"zero_limit must be a finite float, got {zero_limit!r}")
+    if isinstance(act, Activation):
+        return act
+    if isinstance(act, str):
+        key = act.lower()
+        if key not in _NAME_TO_KIND:
+            raise ValueError(
+                f"act: unknown activation name {act!r}; expected one of "
+                f"{sorted(_NAME_TO_KIND)} or a callable"
+            )
+        kind = _NAME_TO_KIND[key]
+        return Activation(kind, _native_fn(kind), float(zero_limit))
+    if isinstance(act, nn.Module):
+        kind = _kind_of_module(act)
+        return Activation(kind or "custom", act, float(zero_limit))
+    if callable(act):
+        kind = _kind_of_function(act)
+        return Activation(kind or "custom", act, float(zero_limit))
+    raise TypeError(f"act must be an activation name or a callable, got {type(act).__name__}")
+
+
+def phi(x32: torch.Tensor, act: Activation) -> torch.Tensor:
+    """Identity-rule factor φ(x) = act(x)/x, computed on a float32/float64 tensor.
+
+    Closed forms for the known kinds; ``custom`` divides and sets φ(±0) = ``zero_limit``.
+    NaN inputs give NaN, as the native derivative would; ±inf gives the limit.
+    """
+    k = act.kind
+    if k == "silu":
+        return torch.sigmoid(x32)
+    if k == "gelu":
+        return 0.5 * (1.0 + torch.erf(x32 * _INV_SQRT_2))
+    if k == "gelu_tanh":
+        inner = _SQRT_2_OVER_PI * (x32 + 0.044715 * x32 * x32 * x32)
+        # x³ overflows to ±inf for huge |x|; tanh saturates correctly there.
+        return 0.5 * (1.0 + torch.tanh(inner))
+    if k == "quick_gelu":
+        return torch.sigmoid(_QUICK_GELU_ALPHA * x32)
+    if k == "relu":
+        return (x32 > 0).to(x32.dtype)
+    y = act.fn(x32)
+    out = y / x32
+    out = torch.where(x32 == 0, torch.full_like(out, act.zero_limit), out)
+    # At ±inf the quotient is inf/inf; take it at the largest finite value instead.
+    inf = torch.isinf(x32)
+    if bool(inf.any()):
+        big = torch.where(inf, torch.sign(x32) * torch.finfo(x32.dtype).max, x32)
+        out = torch.where(inf, act.fn(big) / big, out)
+    return out
+
+
+def derivative(x32: torch.Tensor, act: Activation) -> torch.Tensor:
+    """Ordinary derivative act'(x), used when the Identity-rule is switched off."""
+    k = act.kind
+    if k == "silu":
+        s = torch.sigmoid(x32)
+        return s * (1.0 + x32 * (1.0 - s))
+    if k == "gelu":
+        pdf = torch.exp(-0.5 * x32 * x32) / math.sqrt(2.0 * math.pi)
+        return 0.5 * (1.0 + torch.erf(x32 * _INV_SQRT_2)) + x32 * pdf
+    if k == "gelu_tanh":
+        t = torch.tanh(_SQRT_2_OVER_PI * (x32 + 0.044715 * x32 * x32 * x32))
+        dinner = _SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * x32 * x32)
+        return 0.5 * (1.0 + t) + 0.5 * x32 * (1.0 - t * t) * dinner
+    if k == "quick_gelu":
+        s = torch.sigmoid(_QUICK_GELU_ALPHA * x32)
+        return s + _QUICK_GELU_ALPHA * x32 * s * (1.0 - s)
+    if k == "relu":
+        return (x32 > 0).to(x32.dtype)
+    with torch.enable_grad():
+        xr = x32.detach().requires_grad_(True)
+        (d,) = torch.autograd.grad(act.fn(xr).sum(), xr)
+    return d

@@ -1,0 +1,180 @@
+"""Backend dispatch (DESIGN §4).
+
+``torch`` (reference, any device) is always available. ``cpp`` and ``cuda`` come from the
+compiled extension ``pyattr._C``; ``triton`` from ``pyattr.kernels``. A missing backend is
+never an import error: :func:`available_backends` says why it cannot run, and ``auto``
+moves on to the next one. A backend the user forces with :func:`backend` or
+``PYATTR_BACKEND`` raises if it cannot run the call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import os
+from dataclasses import dataclass
+from typing import Dict, Iterator
+
+import torch
+
+BACKEND_NAMES = ("torch", "cpp", "cuda", "triton")
+_CHOICES = BACKEND_NAMES + ("auto",)
+
+_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("pyattr_backend", default=None)
+
+
+class BackendUnavailableError(RuntimeError):
+    """A backend was forced (``pyattr.backend(...)`` or ``PYATTR_BACKEND``) but cannot run."""
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    """Whether a backend can run here, and why not if it cannot."""
+
+    name: str
+    available: bool
+    reason: str
+    devices: tuple = ()
+
+    def __bool__(self) -> bool:  # pragma: no cover - convenience
+        return self.available
+
+
+def _probe_torch() -> BackendStatus:
+    return BackendStatus("torch", True, "reference PyTorch implementation", ("cpu", "cuda"))
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_extension() -> tuple[object | None, str]:
+    try:
+        from pyattr import _C  # type: ignore[attr-defined]
+    except ImportError as e:  # not built, or built against another torch
+        return None, f"extension pyattr._C is not built or failed to load ({e})"
+    return _C, ""
+
+
+def _probe_cpp() -> BackendStatus:
+    ext, why = _probe_extension()
+    if ext is None:
+        return BackendStatus("cpp", False, why)
+    if not hasattr(torch.ops.pyattr, "identity_backward"):
+        return BackendStatus("cpp", False, "pyattr._C loaded but registers no CPU kernels")
+    return BackendStatus("cpp", True, "pyattr._C CPU kernels", ("cpu",))
+
+
+def _probe_cuda() -> BackendStatus:
+    if not torch.cuda.is_available():
+        return BackendStatus("cuda", False, "no CUDA device visible to torch")
+    ext, why = _probe_extension()
+    if ext is None:
+        return BackendStatus("cuda", False, why)
+    if not getattr(ext, "WITH_CUDA", False):
+        return BackendStatus("cuda", False, "pyattr._C was built without CUDA sources")
+    return BackendStatus("cuda", True, "pyattr._C CUDA kernels", ("cuda",))
+
+
+def _probe_triton() -> BackendStatus:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return BackendStatus("triton", False, "triton is not installed")
+    try:
+        from pyattr import kernels
+    except ImportError as e:
+        return BackendStatus("triton", False, f"pyattr.kernels failed to import ({e})")
+    if not getattr(kernels, "KERNELS_READY", False):
+        return BackendStatus("triton", False, "pyattr.kernels ships no Triton kernels yet")
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    if not torch.cuda.is_available() and not interp:
+        return BackendStatus("triton", False, "no CUDA device (set TRITON_INTERPRET=1 to run on CPU)")
+    return BackendStatus("triton", True, "Triton kernels", ("cuda", "cpu") if interp else ("cuda",))
+
+
+def available_backends() -> Dict[str, BackendStatus]:
+    """Return ``{name: BackendStatus}`` for ``torch``, ``cpp``, ``cuda``, ``triton``.
+
+    Each status has ``.available`` (bool) and ``.reason`` (str: what it is, or why it
+    cannot run here).
+    """
+    return {
+        "torch": _probe_torch(),
+        "cpp": _probe_cpp(),
+        "cuda": _probe_cuda(),
+        "triton": _probe_triton(),
+    }
+
+
+def _check_name(name: str, source: str) -> str:
+    if name not in _CHOICES:
+        raise ValueError(f"{source}: unknown backend {name!r}; expected one of {list(_CHOICES)}")
+    return name
+
+
+@contextlib.contextmanager
+def backend(name: str) -> Iterator[str]:
+    """Force a backend inside the ``with`` block (``"auto"`` restores automatic choice).
+
+    Raises:
+        ValueError: unknown backend name.
+        BackendUnavailableError: the backend cannot run on this machine.
+    """
+    _check_name(name, "backend")
+    if name != "auto":
+        status = available_backends()[name]
+        if not status.available:
+            raise BackendUnavailableError(f"backend {name!r} is not available: {status.reason}")
+    token = _forced.set(name)
+    try:
+        yield name
+    finally:
+        _forced.reset(token)
+
+
+def requested_backend() -> str:
+    """The backend asked for by ``backend(...)``, else ``PYATTR_BACKEND``, else ``"auto"``."""
+    name = _forced.get()
+    if name is not None:
+        return name
+    env = os.environ.get("PYATTR_BACKEND", "").strip()
+    if env:
+        return _check_name(env, "PYATTR_BACKEND")
+    return "auto"
+
+
+# Order in which ``auto`` tries backends per device type; the compiled ones are put in
+# front only once a benchmark shows them faster (see README, Performance).
+_AUTO_ORDER = {"cpu": ("torch",), "cuda": ("torch",)}
+
+
+def select(device: torch.device, op: str) -> str:
+    """Name of the backend that runs ``op`` for tensors on ``device``."""
+    name = requested_backend()
+    if name == "torch":
+        return name
+    if name == "auto":
+        for cand in _AUTO_ORDER.get(device.type, ("torch",)):
+            if cand == "torch":
+                return cand
+            st = available_backends()[cand]
+            if st.available and device.type in st.devices:
+                return cand
+        return "torch"
+    st = available_backends()[name]
+    if not st.available:
+        raise BackendUnavailableError(f"backend {name!r} is not available: {st.reason}")
+    if device.type not in st.devices:
+        raise BackendUnavailableError(
+            f"backend {name!r} cannot run {op} on {device.type} tensors (runs on {list(st.devices)})"
+        )
+    return name
+
+
+def implementation(device: torch.device, op: str):
+    """Module implementing the backend functions for ``op`` on ``device``."""
+    name = select(device, op)
+    if name == "torch":
+        from pyattr.backends import reference
+
+        return reference
+    raise BackendUnavailableError(f"backend {name!r} has no implementation of {op}")  # pragma: no cover

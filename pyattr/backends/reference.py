@@ -1,0 +1,126 @@
+"""Reference backend: every rule backward in plain PyTorch.
+
+This is the oracle that the compiled backends are tested against. Each function takes
+checked inputs, computes in float32 (float64 stays float64) and returns results in the
+input dtype. Norm functions take ``x`` as ``(rows, hidden)`` views or any ``(..., hidden)``
+tensor and reduce over the last dimension.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from pyattr.activations import Activation, derivative, phi
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _up(t: torch.Tensor) -> torch.Tensor:
+    return t.to(acc_dtype(t.dtype))
+
+
+# --- identity ---------------------------------------------------------------------------
+
+def identity_backward(x: torch.Tensor, dy: torch.Tensor, act: Activation) -> torch.Tensor:
+    """``dx = dy · φ(x)``."""
+    return (_up(dy) * phi(_up(x), act)).to(x.dtype)
+
+
+# --- half -------------------------------------------------------------------------------
+
+def half_backward(u: torch.Tensor, v: torch.Tensor, dy: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``du = ½·dy·v``, ``dv = ½·dy·u`` at the broadcast shape (the caller reduces)."""
+    d = _up(dy) * 0.5
+    return (d * _up(v)).to(u.dtype), (d * _up(u)).to(v.dtype)
+
+
+# --- gated ------------------------------------------------------------------------------
+
+def gated_forward(g: torch.Tensor, u: torch.Tensor, act: Activation) -> torch.Tensor:
+    """``act(g) · u`` with the activation's own native forward."""
+    return act.fn(g) * u
+
+
+def gated_backward(
+    g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor, act: Activation, identity: bool, half: bool
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``dg = s·dh·u·φ(g)`` (or ``act'(g)`` without the Identity-rule), ``du = s·dh·act(g)``,
+    with ``s = ½`` under the Half-rule and 1 otherwise."""
+    g32, u32, dh32 = _up(g), _up(u), _up(dh)
+    s = 0.5 if half else 1.0
+    local = phi(g32, act) if identity else derivative(g32, act)
+    dg = s * dh32 * u32 * local
+    du = s * dh32 * act.fn(g32)
+    return dg.to(g.dtype), du.to(u.dtype)
+
+
+# --- layer_norm -------------------------------------------------------------------------
+
+def layer_norm_backward(
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    eps: float,
+    dy: torch.Tensor,
+    need_dweight: bool,
+    need_dbias: bool,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """LN-rule backward for LayerNorm: σ constant, μ differentiable.
+
+    ``g = dy·w/σ``, ``dx = g − mean(g)``; ``dw = Σ dy·x̂``, ``db = Σ dy`` over all rows.
+    """
+    x32, dy32 = _up(x), _up(dy)
+    mu = x32.mean(-1, keepdim=True)
+    xc = x32 - mu
+    var = (xc * xc).mean(-1, keepdim=True)
+    rstd = torch.rsqrt(var + eps)
+    g = dy32 * rstd if weight is None else dy32 * _up(weight) * rstd
+    dx = g - g.mean(-1, keepdim=True)
+    dw = db = None
+    if need_dweight:
+        dw = (dy32 * xc * rstd).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+    if need_dbias:
+        db = dy32.reshape(-1, x.shape[-1]).sum(0).to(dy.dtype if weight is None else weight.dtype)
+    return dx.to(x.dtype), dw, db
+
+
+# --- rms_norm ---------------------------------------------------------------------------
+
+def rms_norm_forward(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, offset: float) -> torch.Tensor:
+    """RMSNorm forward in the Hugging Face conventions.
+
+    ``offset == 0`` (Llama, Mistral, Qwen): ``w · (x/r).to(dtype)``;
+    ``offset != 0`` (Gemma): ``((x/r) · (offset + w.float())).to(dtype)``.
+    """
+    xf = x.to(torch.float32) if x.dtype != torch.float64 else x
+    n = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is None:
+        return n.to(x.dtype)
+    if offset == 0.0:
+        return weight * n.to(x.dtype)
+    return (n * (offset + weight.to(n.dtype))).to(x.dtype)
+
+
+def rms_norm_backward(
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    eps: float,
+    offset: float,
+    dy: torch.Tensor,
+    need_dweight: bool,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """LN-rule backward for RMSNorm: ``dx = dy·w_eff/r``, ``w_eff = offset + w``;
+    ``dw = Σ dy·x/r`` (ordinary)."""
+    x32, dy32 = _up(x), _up(dy)
+    rinv = torch.rsqrt((x32 * x32).mean(-1, keepdim=True) + eps)
+    if weight is None:
+        dx = dy32 * rinv
+    else:
+        dx = dy32 * (offset + _up(weight)) * rinv
+    dw = None
+    if need_dweight:
+        dw = (dy32 * x32 * rinv).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+    return dx.to(x.dtype), dw

@@ -1,0 +1,117 @@
+"""Where the rules mount in each supported architecture, by position, not by class.
+
+Every path below is relative to the model's base model (``model.base_model``); the
+scope turns them into the dotted paths of ``model.named_modules()``. A module of a norm
+class elsewhere (Qwen3's per-head ``q_norm``/``k_norm``) is never a mount.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Arch:
+    layers: str                       # ModuleList of blocks
+    norm: str                         # "rms_norm" or "layer_norm"
+    layer_norms: Tuple[str, ...]      # per block, residual-stream norms
+    outer_norms: Tuple[str, ...]      # norms outside the blocks (final / embedding norm)
+    mlp: Tuple[str, str]              # ("gated", mlp path) or ("act", activation module path)
+    attention: Tuple                  # ("separate", q, k, v) or ("concat", fused) or ("per_head", fused)
+    entry: Tuple[str, str]            # (module path, "layer0") where relevance is measured
+    offset: float = 0.0               # RMSNorm weight offset (1.0 for Gemma)
+    gated_extra: Tuple[str, ...] = field(default=())
+
+
+_LLAMA = Arch(
+    layers="layers",
+    norm="rms_norm",
+    layer_norms=("input_layernorm", "post_attention_layernorm"),
+    outer_norms=("norm",),
+    mlp=("gated", "mlp"),
+    attention=("separate", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    entry=("layers.0", "hidden_states"),
+)
+
+ARCHITECTURES = {
+    "llama": _LLAMA,
+    "mistral": _LLAMA,
+    "qwen2": _LLAMA,
+    "qwen3": _LLAMA,
+    "gemma": Arch(**{**_LLAMA.__dict__, "offset": 1.0}),
+    "gemma2": Arch(
+        **{
+            **_LLAMA.__dict__,
+            "offset": 1.0,
+            "layer_norms": (
+                "input_layernorm",
+                "post_attention_layernorm",
+                "pre_feedforward_layernorm",
+                "post_feedforward_layernorm",
+            ),
+        }
+    ),
+    "gpt2": Arch(
+        layers="h",
+        norm="layer_norm",
+        layer_norms=("ln_1", "ln_2"),
+        outer_norms=("ln_f",),
+        mlp=("act", "mlp.act"),
+        attention=("concat", "attn.c_attn"),
+        entry=("h.0", "hidden_states"),
+    ),
+    "gpt_neox": Arch(
+        layers="layers",
+        norm="layer_norm",
+        layer_norms=("input_layernorm", "post_attention_layernorm"),
+        outer_norms=("final_layer_norm",),
+        mlp=("act", "mlp.act"),
+        attention=("per_head", "attention.query_key_value"),
+        entry=("layers.0", "hidden_states"),
+    ),
+    "bert": Arch(
+        layers="encoder.layer",
+        norm="layer_norm",
+        layer_norms=("attention.output.LayerNorm", "output.LayerNorm"),
+        outer_norms=("embeddings.LayerNorm",),
+        mlp=("act", "intermediate.intermediate_act_fn"),
+        attention=(
+            "separate",
+            "attention.self.query",
+            "attention.self.key",
+            "attention.self.value",
+        ),
+        # the sum of word, position and token-type embeddings, before the first LayerNorm
+        entry=("embeddings.LayerNorm", "input"),
+    ),
+}
+
+
+def base_prefix(model: nn.Module) -> str:
+    """Dotted path of the base model inside ``model`` ("" if ``model`` is the base)."""
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and isinstance(getattr(model, prefix, None), nn.Module):
+        return prefix
+    return ""
+
+
+def join(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
+
+
+def get_submodule(model: nn.Module, path: str) -> Optional[nn.Module]:
+    try:
+        return model.get_submodule(path) if path else model
+    except AttributeError:
+        return None
+
+
+def layer_paths(model: nn.Module, arch: Arch) -> List[str]:
+    prefix = base_prefix(model)
+    layers = get_submodule(model, join(prefix, arch.layers))
+    if not isinstance(layers, nn.ModuleList):
+        return []
+    return [join(prefix, arch.layers, str(i)) for i in range(len(layers))]

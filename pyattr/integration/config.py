@@ -1,0 +1,82 @@
+"""Which rules to install, and what was installed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Union
+
+_ATTENTION_MODES = {False: False, True: "frozen", "frozen": "frozen", "attnlrp": "attnlrp"}
+
+
+@dataclass(frozen=True)
+class RelevanceRules:
+    """Switches for the four rule families (the TransformerLens names).
+
+    Attributes:
+        normalization (bool): LN-rule on every residual-stream LayerNorm/RMSNorm,
+            the final norm included. Default: True.
+        activation (bool): Identity-rule on MLP activations. Default: True.
+        multiplicative_gate (bool): Half-rule on the gated product ``act(g)·u``. Default: True.
+        attention (bool | str): ``False`` (native), ``True`` or ``"frozen"`` (AH-rule: the
+            attention pattern is a constant, gradient flows through V only) or
+            ``"attnlrp"`` (uniform rule: q and k gradients ×¼, v gradient ×½). Default: True.
+
+    Raises:
+        ValueError: ``attention`` is none of the values above.
+        TypeError: a switch other than ``attention`` is not a bool.
+    """
+
+    normalization: bool = True
+    activation: bool = True
+    multiplicative_gate: bool = True
+    attention: Union[bool, str] = True
+
+    def __post_init__(self):
+        for name in ("normalization", "activation", "multiplicative_gate"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"RelevanceRules.{name} must be a bool, got {getattr(self, name)!r}")
+        try:
+            mode = _ATTENTION_MODES[self.attention]
+        except (KeyError, TypeError):
+            raise ValueError(
+                f"RelevanceRules.attention must be False, True, 'frozen' or 'attnlrp', got {self.attention!r}"
+            ) from None
+        object.__setattr__(self, "attention", mode)
+
+    @classmethod
+    def none(cls) -> "RelevanceRules":
+        return cls(False, False, False, False)
+
+    def any(self) -> bool:
+        return bool(self.normalization or self.activation or self.multiplicative_gate or self.attention)
+
+
+@dataclass
+class RelevanceRuleCoverage:
+    """What a :func:`use_relevance_rules` scope did.
+
+    Attributes:
+        model_type (str): the ``config.model_type`` (or ``"generic"``).
+        installed (list[str]): dotted module paths (as in ``model.named_modules()``) whose
+            forward carries a rule in this scope.
+        skipped (list[str]): rule mounts and look-alike modules left native, with
+            ``reasons[path]`` saying why (rule switched off, not a residual-stream norm…).
+        by_kind (dict[str, list[str]]): installed paths per rule kind
+            (``normalization``, ``activation``, ``multiplicative_gate``, ``attention``).
+    """
+
+    model_type: str
+    installed: List[str] = field(default_factory=list)
+    skipped: List[str] = field(default_factory=list)
+    reasons: Dict[str, str] = field(default_factory=dict)
+    by_kind: Dict[str, List[str]] = field(default_factory=dict)
+
+    def _add(self, kind: str, path: str) -> None:
+        if path not in self.installed:
+            self.installed.append(path)
+        self.by_kind.setdefault(kind, []).append(path)
+
+    def _skip(self, path: str, reason: str) -> None:
+        if path not in self.skipped and path not in self.installed:
+            self.skipped.append(path)
+            self.reasons[path] = reason

@@ -1,0 +1,137 @@
+"""Instance-level forward patches with per-(module, kind) reference counts.
+
+A patch sets ``module.forward`` on the instance (never the class), remembers what was
+there, and is undone when the last scope holding any rule kind on that module exits.
+The state lives on the instance itself (``module._pyattr_rules``), so two models, or
+two modules of one class, never share it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional
+
+import torch
+from torch import nn
+
+from pyattr.integration.errors import RelevanceRuleConflictError
+
+_STATE = "_pyattr_rules"
+_MISSING = object()
+
+
+class RuleState:
+    """Per-module record: active kinds with their counts and settings, and the original forward."""
+
+    def __init__(self, module: nn.Module, path: str):
+        self.path = path
+        self.counts: Dict[str, int] = {}
+        self.values: Dict[str, object] = {}
+        self.saved_forward = module.__dict__.get("forward", _MISSING)
+        self.native: Callable = module.forward
+        self.hook = None
+        self.expected_out: Optional[int] = None
+
+    def active(self, kind: str) -> bool:
+        return self.counts.get(kind, 0) > 0
+
+    def value(self, kind: str):
+        return self.values.get(kind)
+
+
+def state_of(module: nn.Module) -> Optional[RuleState]:
+    return module.__dict__.get(_STATE)
+
+
+def _output_check(state: RuleState):
+    def hook(module, args, output):
+        expected, state.expected_out = state.expected_out, None
+        if expected is not None and id(output) != expected:
+            raise RelevanceRuleConflictError(
+                f"a forward hook on {state.path!r} replaced the output of a module that carries a "
+                "relevance rule; the rule's backward would silently not apply to the new value. "
+                "Read the output in the hook without returning a new one, or hook another module."
+            )
+
+    return hook
+
+
+def acquire(
+    module: nn.Module,
+    path: str,
+    kind: str,
+    value,
+    make_forward: Callable[[nn.Module, RuleState], Callable],
+    check_output: bool,
+) -> None:
+    """Add one reference to rule ``kind`` (with setting ``value``) on ``module``.
+
+    The first reference on a module installs ``make_forward(module, state)`` as its
+    forward. A second scope asking for the same kind with another setting raises
+    :class:`RelevanceRuleConflictError`.
+    """
+    state = state_of(module)
+    if state is None:
+        state = RuleState(module, path)
+        fwd = make_forward(module, state)
+
+        def patched(*args, **kwargs):
+            out = fwd(*args, **kwargs)
+            if check_output:
+                state.expected_out = id(out)
+            return out
+
+        module.__dict__[_STATE] = state
+        module.__dict__["forward"] = patched
+        if check_output:
+            # Appended last: hooks registered before the scope run first, so one that
+            # returns a replacement output is seen here.
+            state.hook = module.register_forward_hook(_output_check(state))
+    if kind in state.counts:
+        if state.values[kind] != value:
+            raise RelevanceRuleConflictError(
+                f"{path!r} already carries the {kind} rule with setting {state.values[kind]!r}; "
+                f"a nested scope asked for {value!r}"
+            )
+        state.counts[kind] += 1
+    else:
+        state.counts[kind] = 1
+        state.values[kind] = value
+
+
+def release(module: nn.Module, kind: str) -> None:
+    """Drop one reference; restore the module when none is left."""
+    state = state_of(module)
+    if state is None or kind not in state.counts:
+        return
+    state.counts[kind] -= 1
+    if state.counts[kind] == 0:
+        del state.counts[kind]
+        del state.values[kind]
+    if state.counts:
+        return
+    if state.hook is not None:
+        state.hook.remove()
+    if state.saved_forward is _MISSING:
+        module.__dict__.pop("forward", None)
+    else:
+        module.__dict__["forward"] = state.saved_forward
+    module.__dict__.pop(_STATE, None)
+
+
+def has_hooks(module: nn.Module) -> bool:
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or getattr(module, "_backward_pre_hooks", None)
+    )
+
+
+def per_column_scale(out: torch.Tensor, pattern, cache: dict) -> torch.Tensor:
+    """Cached per-column gradient scale for a fused q/k/v projection output."""
+    key = (out.shape[-1], out.device, out.dtype)
+    t = cache.get(key)
+    if t is None:
+        t = pattern(out.shape[-1]).to(device=out.device, dtype=out.dtype)
+        cache[key] = t
+    return t

@@ -1,0 +1,386 @@
+"""``use_relevance_rules``: install rules on a model instance for the length of a scope."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, List, Optional
+
+import torch
+from torch import nn
+
+from pyattr.activations import Activation, _kind_of_module
+from pyattr.integration import architectures as A
+from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
+from pyattr.integration.errors import RelevanceRuleConflictError, RelevanceRuleUnsupportedError
+from pyattr.integration.patching import acquire, has_hooks, per_column_scale, release
+from pyattr.ops.gated import gated_activation
+from pyattr.ops.layer_norm import layer_norm
+from pyattr.ops.rms_norm import rms_norm
+from pyattr.rules.identity import IdentityRuleFunction
+from pyattr.rules.scale import scale_gradient
+
+
+@dataclass
+class _Step:
+    module: nn.Module
+    path: str
+    kind: str
+    value: Any
+    make_forward: Callable
+    check_output: bool
+
+
+# --- forward factories --------------------------------------------------------------------
+
+def _norm_eps(module: nn.Module, path: str) -> float:
+    for name in ("variance_epsilon", "eps"):
+        eps = getattr(module, name, None)
+        if isinstance(eps, (int, float)) and not isinstance(eps, bool):
+            return float(eps)
+    raise RelevanceRuleUnsupportedError(f"{path!r}: norm module has no numeric eps / variance_epsilon")
+
+
+def _rms_forward(offset: float, eps: float):
+    def make(module, state):
+        native = state.native
+
+        def forward(x):
+            return rms_norm(x, module.weight, eps, offset, _native=native)
+
+        return forward
+
+    return make
+
+
+def _layer_norm_forward(eps: float):
+    def make(module, state):
+        native = state.native
+
+        def forward(x):
+            return layer_norm(x, module.weight, module.bias, eps, _native=native)
+
+        return forward
+
+    return make
+
+
+def _activation_forward(kind: str):
+    def make(module, state):
+        act = Activation(kind, state.native)
+
+        def forward(x):
+            return IdentityRuleFunction.apply(x, act)
+
+        return forward
+
+    return make
+
+
+def _gated_forward(kind: str):
+    def make(mlp, state):
+        act = Activation(kind, mlp.act_fn)
+
+        def forward(x):
+            h = gated_activation(
+                mlp.gate_proj(x),
+                mlp.up_proj(x),
+                act,
+                identity=state.active("activation"),
+                half=state.active("multiplicative_gate"),
+            )
+            return mlp.down_proj(h)
+
+        return forward
+
+    return make
+
+
+def _projection_forward(scale: float):
+    def make(module, state):
+        native = state.native
+
+        def forward(*args, **kwargs):
+            out = native(*args, **kwargs)
+            if scale == 0.0:
+                return out.detach()
+            return scale_gradient(out, scale)
+
+        return forward
+
+    return make
+
+
+def _fused_projection_forward(pattern: Callable[[int], torch.Tensor]):
+    def make(module, state):
+        native = state.native
+        cache: dict = {}
+
+        def forward(*args, **kwargs):
+            out = native(*args, **kwargs)
+            return scale_gradient(out, per_column_scale(out, pattern, cache))
+
+        return forward
+
+    return make
+
+
+_ATTN_SCALES = {"frozen": (0.0, 0.0, 1.0), "attnlrp": (0.25, 0.25, 0.5)}
+
+
+def _concat_pattern(scales):
+    def pattern(n: int) -> torch.Tensor:
+        if n % 3:
+            raise RelevanceRuleUnsupportedError(f"fused q/k/v projection of width {n} is not divisible by 3")
+        return torch.tensor(scales, dtype=torch.float32).repeat_interleave(n // 3)
+
+    return pattern
+
+
+def _per_head_pattern(scales, head_size: int):
+    def pattern(n: int) -> torch.Tensor:
+        if n % (3 * head_size):
+            raise RelevanceRuleUnsupportedError(
+                f"fused q/k/v projection of width {n} is not a multiple of 3 × head_size {head_size}"
+            )
+        one = torch.tensor(scales, dtype=torch.float32).repeat_interleave(head_size)
+        return one.repeat(n // (3 * head_size))
+
+    return pattern
+
+
+# --- planning -----------------------------------------------------------------------------
+
+class _Planner:
+    def __init__(self, model: nn.Module, rules: RelevanceRules, model_type: str):
+        self.model = model
+        self.rules = rules
+        self.cov = RelevanceRuleCoverage(model_type=model_type)
+        self.steps: List[_Step] = []
+        self.mounted: set = set()
+
+    def need(self, path: str) -> nn.Module:
+        mod = A.get_submodule(self.model, path)
+        if not isinstance(mod, nn.Module):
+            raise RelevanceRuleUnsupportedError(
+                f"{self.cov.model_type}: expected a module at {path!r}, found {type(mod).__name__}"
+            )
+        return mod
+
+    def add(self, kind, path, module, value, make, check_output=True):
+        self.steps.append(_Step(module, path, kind, value, make, check_output))
+        self.cov._add(kind, path)
+        self.mounted.add(id(module))
+
+    def norm(self, path: str, norm: str, offset: float) -> None:
+        mod = self.need(path)
+        if norm == "layer_norm":
+            if not isinstance(mod, nn.LayerNorm) or len(mod.normalized_shape) != 1:
+                raise RelevanceRuleUnsupportedError(
+                    f"{path!r}: the LN-rule needs an nn.LayerNorm over the last dimension, "
+                    f"found {type(mod).__name__}"
+                )
+            make = _layer_norm_forward(float(mod.eps))
+        else:
+            w = getattr(mod, "weight", None)
+            if not isinstance(w, torch.Tensor) or w.dim() != 1:
+                raise RelevanceRuleUnsupportedError(f"{path!r}: RMSNorm without a 1-D weight")
+            make = _rms_forward(offset, _norm_eps(mod, path))
+        self.mounted.add(id(mod))
+        if self.rules.normalization:
+            self.add("normalization", path, mod, (norm, offset), make)
+        else:
+            self.cov._skip(path, "normalization rule off")
+
+    def gated_mlp(self, path: str) -> None:
+        mlp = self.need(path)
+        for name in ("gate_proj", "up_proj", "down_proj", "act_fn"):
+            if not isinstance(getattr(mlp, name, None), nn.Module):
+                raise RelevanceRuleUnsupportedError(
+                    f"{path!r}: a gated MLP needs gate_proj, up_proj, down_proj and act_fn modules; "
+                    f"{name} is missing"
+                )
+        kind = _kind_of_module(mlp.act_fn) or "custom"
+        self.mounted.add(id(mlp.act_fn))
+        wanted = [k for k in ("activation", "multiplicative_gate") if getattr(self.rules, k)]
+        for k in ("activation", "multiplicative_gate"):
+            if k not in wanted:
+                self.cov._skip(path, f"{k} rule off")
+        if not wanted:
+            return
+        if has_hooks(mlp.act_fn):
+            raise RelevanceRuleConflictError(
+                f"{path + '.act_fn'!r} has hooks, but the gated-activation rule computes act(gate)·up "
+                "in one op and would bypass them; remove the hooks or switch off activation and "
+                "multiplicative_gate"
+            )
+        for k in wanted:
+            self.add(k, path, mlp, True, _gated_forward(kind), check_output=False)
+
+    def activation(self, path: str, mlp_path: str) -> None:
+        mod = self.need(path)
+        kind = _kind_of_module(mod) or "custom"
+        self.mounted.add(id(mod))
+        if self.rules.activation:
+            self.add("activation", path, mod, kind, _activation_forward(kind))
+        else:
+            self.cov._skip(path, "activation rule off")
+        if self.rules.multiplicative_gate:
+            self.cov._skip(mlp_path, "no multiplicative gate in this MLP")
+
+    def attention(self, layer: str, spec) -> None:
+        mode = self.rules.attention
+        layout = spec[0]
+        if layout == "separate":
+            paths = [A.join(layer, p) for p in spec[1:]]
+            mods = [self.need(p) for p in paths]
+            if not mode:
+                for p in paths:
+                    self.cov._skip(p, "attention rule off")
+                return
+            for role, p, m, s in zip("qkv", paths, mods, _ATTN_SCALES[mode]):
+                if s == 1.0:
+                    self.cov._skip(p, "value path stays native under the AH-rule")
+                    continue
+                self.add("attention", p, m, (mode, role), _projection_forward(s))
+            return
+        path = A.join(layer, spec[1])
+        mod = self.need(path)
+        if not mode:
+            self.cov._skip(path, "attention rule off")
+            return
+        if layout == "concat":
+            pattern = _concat_pattern(_ATTN_SCALES[mode])
+        else:
+            parent = self.need(path.rsplit(".", 1)[0])
+            head_size = getattr(parent, "head_size", None)
+            if not isinstance(head_size, int):
+                raise RelevanceRuleUnsupportedError(f"{path!r}: cannot find the attention head size")
+            pattern = _per_head_pattern(_ATTN_SCALES[mode], head_size)
+        self.add("attention", path, mod, (mode, "qkv"), _fused_projection_forward(pattern))
+
+    def skip_lookalikes(self) -> None:
+        for name, mod in self.model.named_modules():
+            if id(mod) in self.mounted:
+                continue
+            cls = type(mod).__name__
+            if isinstance(mod, nn.LayerNorm) or cls.endswith("RMSNorm"):
+                self.cov._skip(name, "not a residual-stream norm")
+
+
+def _plan_known(model: nn.Module, rules: RelevanceRules, model_type: str) -> _Planner:
+    arch = A.ARCHITECTURES[model_type]
+    pl = _Planner(model, rules, model_type)
+    prefix = A.base_prefix(model)
+    layers = A.layer_paths(model, arch)
+    if not layers:
+        raise RelevanceRuleUnsupportedError(
+            f"{model_type}: expected a ModuleList of blocks at {A.join(prefix, arch.layers)!r}"
+        )
+    for p in arch.outer_norms:
+        if p.startswith("embeddings"):
+            pl.norm(A.join(prefix, p), arch.norm, arch.offset)
+    for layer in layers:
+        for p in arch.layer_norms:
+            pl.norm(A.join(layer, p), arch.norm, arch.offset)
+        pl.attention(layer, arch.attention)
+        kind, p = arch.mlp
+        if kind == "gated":
+            pl.gated_mlp(A.join(layer, p))
+        else:
+            pl.activation(A.join(layer, p), A.join(layer, p.rsplit(".", 1)[0]))
+    for p in arch.outer_norms:
+        if not p.startswith("embeddings"):
+            pl.norm(A.join(prefix, p), arch.norm, arch.offset)
+    pl.skip_lookalikes()
+    return pl
+
+
+def _plan_generic(model: nn.Module, rules: RelevanceRules) -> _Planner:
+    """Class-based discovery, used only when asked for: every LayerNorm / *RMSNorm whose
+    weight spans the hidden size, every gated MLP (gate_proj/up_proj/down_proj/act_fn),
+    every recognised activation module elsewhere, every q_proj/k_proj/v_proj triple."""
+    pl = _Planner(model, rules, "generic")
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    gated = {}
+    for name, mod in model.named_modules():
+        if all(isinstance(getattr(mod, n, None), nn.Module) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            gated[id(mod.act_fn)] = name
+    for name, mod in model.named_modules():
+        if not name:
+            continue
+        cls = type(mod).__name__
+        w = getattr(mod, "weight", None)
+        spans = isinstance(w, torch.Tensor) and w.dim() == 1 and (hidden is None or w.shape[0] == hidden)
+        if isinstance(mod, nn.LayerNorm) and len(mod.normalized_shape) == 1 and (hidden is None or mod.normalized_shape[0] == hidden):
+            pl.norm(name, "layer_norm", 0.0)
+        elif cls.endswith("RMSNorm") and spans:
+            pl.norm(name, "rms_norm", 1.0 if "Gemma" in cls else 0.0)
+        if all(isinstance(getattr(mod, n, None), nn.Module) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            pl.gated_mlp(name)
+        elif id(mod) not in gated and _kind_of_module(mod) is not None:
+            pl.activation(name, name.rsplit(".", 1)[0] if "." in name else "")
+        if all(isinstance(getattr(mod, n, None), nn.Module) for n in ("q_proj", "k_proj", "v_proj")):
+            pl.attention(name, ("separate", "q_proj", "k_proj", "v_proj"))
+    pl.skip_lookalikes()
+    return pl
+
+
+def model_type_of(model: nn.Module) -> Optional[str]:
+    cfg = getattr(model, "config", None)
+    return getattr(cfg, "model_type", None)
+
+
+def plan(model: nn.Module, rules: RelevanceRules, generic: bool = False) -> _Planner:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(rules, RelevanceRules):
+        raise TypeError(f"rules must be a RelevanceRules, got {type(rules).__name__}")
+    mt = model_type_of(model)
+    if mt in A.ARCHITECTURES:
+        return _plan_known(model, rules, mt)
+    if generic:
+        return _plan_generic(model, rules)
+    raise RelevanceRuleUnsupportedError(
+        f"model type {mt!r} ({type(model).__name__}) has no rule map; supported: "
+        f"{sorted(A.ARCHITECTURES)}. Pass generic=True for class-based installation."
+    )
+
+
+@contextlib.contextmanager
+def use_relevance_rules(
+    model: nn.Module, rules: Optional[RelevanceRules] = None, *, generic: bool = False
+) -> Iterator[RelevanceRuleCoverage]:
+    """Install relevance rules on ``model``'s module instances for the ``with`` block.
+
+    Args:
+        model (nn.Module): a Hugging Face model (Llama, Mistral, Qwen2, Qwen3, Gemma,
+            Gemma2, GPT-2, GPT-NeoX/Pythia, BERT), with or without its head.
+        rules (RelevanceRules, optional): which rules. Default: all four, AH-rule attention.
+        generic (bool): for an unknown architecture, mount by module class instead of
+            raising. Default: False.
+
+    Yields:
+        RelevanceRuleCoverage: installed and skipped dotted paths.
+
+    Forwards stay bit-identical to the model's own. Patches are per instance, refcounted
+    per (module, rule kind) across nested scopes, and removed on exit, exceptions included.
+
+    Raises:
+        RelevanceRuleUnsupportedError: unknown model type (without ``generic``), or a
+            mount that is not of the expected form; raised before anything is patched.
+        RelevanceRuleConflictError: a nested scope asks for another attention mode on the
+            same module; a hook sits on an activation the gated rule bypasses; at run
+            time, a forward hook replaces the output of a rule-carrying module.
+    """
+    rules = RelevanceRules() if rules is None else rules
+    pl = plan(model, rules, generic)
+    done: List[_Step] = []
+    try:
+        for st in pl.steps:
+            acquire(st.module, st.path, st.kind, st.value, st.make_forward, st.check_output)
+            done.append(st)
+        yield pl.cov
+    finally:
+        for st in reversed(done):
+            release(st.module, st.kind)

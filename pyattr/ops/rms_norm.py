@@ -1,0 +1,75 @@
+"""RMSNorm with the LN-rule backward (RelP, arXiv 2508.21258; AttnLRP, ICML 2024, Prop. 3.3)."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+
+from pyattr import backends
+from pyattr._validation import check_eps, check_float, check_has_hidden, check_norm_param, check_same_device
+
+
+class RMSNormRuleFunction(torch.autograd.Function):
+    """Saves ``x`` and ``weight``; r is recomputed in the backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float, offset: float, native: Optional[Callable]):
+        ctx.eps, ctx.offset = eps, offset
+        ctx.save_for_backward(x, weight)
+        if native is not None:
+            return native(x)
+        impl = backends.implementation(x.device, "rms_norm")
+        return impl.rms_norm_forward(x, weight, eps, offset)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[:2]
+        impl = backends.implementation(x.device, "rms_norm")
+        dx, dw = impl.rms_norm_backward(x, weight, ctx.eps, ctx.offset, dy, need_w)
+        return (dx if need_x else None), dw, None, None, None
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor] = None,
+    eps: float = 1e-6,
+    offset: float = 0.0,
+    *,
+    _native: Optional[Callable] = None,
+) -> torch.Tensor:
+    """RMSNorm over the last dimension with the LN-rule backward.
+
+    Forward, computed in float32 as Hugging Face does (bit-identical to its modules):
+    ``offset == 0`` gives ``w · (x/r).to(dtype)`` (``LlamaRMSNorm``, Mistral, Qwen);
+    ``offset != 0`` gives ``((x/r)·(offset + w)).to(dtype)`` (``Gemma2RMSNorm`` with
+    ``offset=1.0``), where ``r = sqrt(mean(x²) + eps)``.
+    Backward: r is a constant, ``dx = dy·(offset + w)/r``; ``dw = Σ dy·x/r`` is ordinary.
+
+    Args:
+        x (Tensor[..., hidden], float16/bfloat16/float32/float64): input.
+        weight (Tensor[hidden], optional): scale. Default: None.
+        eps (float): finite, >= 0. Default: 1e-6.
+        offset (float): added to the weight, 1.0 for Gemma's ``(1 + w)``. Default: 0.0.
+
+    Saved for backward: ``x`` and ``weight``.
+
+    Raises:
+        TypeError: non-floating tensors or non-numeric ``eps``/``offset``.
+        ValueError: ``weight`` not of shape ``(hidden,)``, tensors on different devices,
+            ``eps`` negative or not finite, ``offset`` not finite.
+    """
+    check_float("x", x)
+    check_has_hidden("x", x)
+    check_norm_param("weight", weight, x)
+    check_same_device(x=x, weight=weight)
+    eps = check_eps(eps)
+    if isinstance(offset, bool) or not isinstance(offset, (int, float)):
+        raise TypeError(f"offset must be a float, got {type(offset).__name__}")
+    if not math.isfinite(offset):
+        raise ValueError(f"offset must be finite, got {offset!r}")
+    if weight is None and offset != 0.0:
+        raise ValueError("offset needs a weight: with weight=None the norm has no scale to offset")
+    return RMSNormRuleFunction.apply(x, weight, eps, float(offset), _native)

@@ -1,0 +1,60 @@
+"""Half-rule for a product of two inputs (RelP, arXiv 2508.21258; AttnLRP, ICML 2024, Eq. 8).
+
+The forward is ``u · v``; the backward gives each factor half of the relevance:
+``du = ½·dy·v``, ``dv = ½·dy·u``, so ``u·du + v·dv == u·v·dy``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pyattr import backends
+from pyattr._validation import check_float, check_same_device
+
+
+class HalfRuleFunction(torch.autograd.Function):
+    """Saves ``u`` and ``v`` (each is the other's gradient factor)."""
+
+    @staticmethod
+    def forward(ctx, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(u, v)
+        return u * v
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        u, v = ctx.saved_tensors
+        impl = backends.implementation(dy.device, "half")
+        du, dv = impl.half_backward(u, v, dy)
+        # Broadcasting in the forward is undone by summing over the expanded dimensions.
+        du = du.sum_to_size(u.shape) if ctx.needs_input_grad[0] else None
+        dv = dv.sum_to_size(v.shape) if ctx.needs_input_grad[1] else None
+        return du, dv
+
+
+def half_rule(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``u * v`` with the Half-rule backward.
+
+    Args:
+        u (Tensor, floating): first factor.
+        v (Tensor, floating): second factor; broadcasts with ``u`` as in ``u * v``.
+
+    Returns:
+        ``u * v`` (bit-identical), at the broadcast shape.
+
+    Backward: ``du = ½·dy·v``, ``dv = ½·dy·u`` (float32 accumulation), each reduced back
+    to its input's shape. Saves ``u`` and ``v``.
+
+    Raises:
+        TypeError: a non-floating input.
+        ValueError: ``u`` and ``v`` are on different devices or do not broadcast.
+    """
+    check_float("u", u)
+    check_float("v", v)
+    check_same_device(u=u, v=v)
+    try:
+        torch.broadcast_shapes(u.shape, v.shape)
+    except RuntimeError:
+        raise ValueError(
+            f"u of shape {tuple(u.shape)} and v of shape {tuple(v.shape)} do not broadcast"
+        ) from None
+    return HalfRuleFunction.apply(u, v)

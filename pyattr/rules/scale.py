@@ -1,0 +1,65 @@
+"""``scale_gradient``: identity forward, gradient multiplied by a constant.
+
+Used for the AttnLRP uniform rule on attention's bilinear products (AttnLRP, ICML 2024,
+Eq. 7 and Prop. 3.2): each of ``n`` factors of a product receives ``1/n`` of the relevance.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Union
+
+import torch
+
+from pyattr._validation import check_float, check_same_device
+
+
+class ScaleGradientFunction(torch.autograd.Function):
+    """Saves nothing but the (small) scale."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: Union[float, torch.Tensor]) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        c = ctx.scale
+        if isinstance(c, torch.Tensor):
+            return (dy * c.to(dy.dtype)).sum_to_size(dy.shape), None
+        return dy * c, None
+
+
+def scale_gradient(x: torch.Tensor, scale: Union[float, torch.Tensor]) -> torch.Tensor:
+    """Return ``x`` unchanged; its gradient becomes ``scale · dy``.
+
+    Args:
+        x (Tensor, floating): any shape.
+        scale (float | Tensor): a finite number, or a tensor broadcastable to ``x``
+            (e.g. a per-column scale of shape ``(hidden,)``) on ``x``'s device.
+
+    Raises:
+        TypeError: ``x`` is not floating, or ``scale`` is neither a number nor a tensor.
+        ValueError: ``scale`` is not finite, on another device, or does not broadcast to ``x``.
+    """
+    check_float("x", x)
+    if isinstance(scale, torch.Tensor):
+        check_float("scale", scale)
+        check_same_device(x=x, scale=scale)
+        if not bool(torch.isfinite(scale).all()):
+            raise ValueError("scale must be finite")
+        try:
+            if torch.broadcast_shapes(scale.shape, x.shape) != x.shape:
+                raise RuntimeError
+        except RuntimeError:
+            raise ValueError(
+                f"scale of shape {tuple(scale.shape)} does not broadcast to x of shape {tuple(x.shape)}"
+            ) from None
+        scale = scale.detach()
+    elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        if not math.isfinite(scale):
+            raise ValueError(f"scale must be finite, got {scale!r}")
+        scale = float(scale)
+    else:
+        raise TypeError(f"scale must be a float or a tensor, got {type(scale).__name__}")
+    return ScaleGradientFunction.apply(x, scale)
