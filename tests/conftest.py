@@ -1,0 +1,42 @@
+import os
+
+import pytest
+import torch
+
+from pyattr import available_backends
+
+# (atol, rtol) against a float64 oracle, per input dtype: the result is cast once to the
+# dtype, so the budget is about one rounding of that dtype plus float32 accumulation.
+TOL = {
+    torch.float64: (1e-12, 1e-10),
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (1e-3, 2e-3),
+    torch.bfloat16: (8e-3, 1.6e-2),
+}
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def cpu_backends():
+    st = available_backends()
+    return [n for n, s in st.items() if s.available and "cpu" in s.devices]
+
+
+@pytest.fixture(params=cpu_backends())
+def backend_name(request):
+    """Every backend that runs on CPU tensors here; each is compared against float64 oracles."""
+    from pyattr import backend
+
+    with backend(request.param):
+        yield request.param
+
+
+def assert_close(actual, expected, dtype):
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(actual.double(), expected.double(), atol=atol, rtol=rtol, equal_nan=True)
+
+
+@pytest.fixture(autouse=True)
+def _no_env_backend(monkeypatch):
+    monkeypatch.delenv("PYATTR_BACKEND", raising=False)
+    torch.manual_seed(0)

@@ -1,0 +1,56 @@
+import pytest
+import torch
+
+import pyattr
+from pyattr import backends
+
+
+def test_available_backends_reports_every_backend():
+    st = pyattr.available_backends()
+    assert list(st) == ["torch", "cpp", "cuda", "triton"]
+    assert st["torch"].available
+    for name, s in st.items():
+        assert isinstance(s.available, bool) and isinstance(s.reason, str) and s.reason
+    if not torch.cuda.is_available():
+        assert not st["cuda"].available
+
+
+def test_auto_picks_torch_on_cpu_and_force_torch():
+    assert backends.select(torch.device("cpu"), "identity") == "torch"
+    with pyattr.backend("torch"):
+        assert backends.requested_backend() == "torch"
+    assert backends.requested_backend() == "auto"
+
+
+def test_forcing_an_unavailable_backend_raises():
+    st = pyattr.available_backends()
+    missing = [n for n, s in st.items() if not s.available]
+    if not missing:
+        pytest.skip("every backend is available on this machine")
+    name = missing[0]
+    with pytest.raises(pyattr.BackendUnavailableError, match=f"backend '{name}' is not available: "):
+        with pyattr.backend(name):
+            pass
+
+
+def test_env_variable(monkeypatch):
+    monkeypatch.setenv("PYATTR_BACKEND", "torch")
+    assert backends.requested_backend() == "torch"
+    monkeypatch.setenv("PYATTR_BACKEND", "fast")
+    with pytest.raises(ValueError, match="PYATTR_BACKEND: unknown backend 'fast'"):
+        backends.requested_backend()
+    with pytest.raises(ValueError, match="PYATTR_BACKEND: unknown backend 'fast'"):
+        x = torch.randn(3, requires_grad=True)
+        pyattr.rules.identity_rule(x, "silu").sum().backward()
+
+
+def test_unknown_backend_name():
+    with pytest.raises(ValueError, match=r"backend: unknown backend 'numpy'"):
+        with pyattr.backend("numpy"):
+            pass
+
+
+def test_context_overrides_env(monkeypatch):
+    monkeypatch.setenv("PYATTR_BACKEND", "auto")
+    with pyattr.backend("torch"):
+        assert backends.requested_backend() == "torch"

@@ -1,0 +1,137 @@
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import DTYPES, assert_close
+from oracles import act64, phi64
+from pyattr.activations import resolve_activation
+from pyattr.ops import activation
+from pyattr.rules import identity_rule
+
+KINDS = ["silu", "gelu", "gelu_tanh", "quick_gelu", "relu"]
+
+
+def _grad(x, act, dy, **kw):
+    x = x.detach().requires_grad_(True)
+    y = identity_rule(x, act, **kw)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    return y, dx
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [17, 768, 1023, 4097])
+def test_identity_backward_matches_float64_oracle(backend_name, kind, dtype, hidden):
+    x = (torch.randn(3, hidden) * 3).to(dtype)
+    dy = torch.randn(3, hidden).to(dtype)
+    _, dx = _grad(x, kind, dy)
+    expected = dy.double() * phi64(kind, x.double())
+    assert dx.dtype == dtype
+    assert_close(dx, expected, dtype)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_identity_rule_conserves_relevance_float64(kind):
+    x = torch.randn(64, 33, dtype=torch.float64) * 4
+    dy = torch.randn_like(x)
+    y, dx = _grad(x, kind, dy)
+    torch.testing.assert_close(x * dx, y * dy, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64])
+def test_special_values(kind, dtype):
+    tiny = torch.finfo(dtype).tiny
+    vals = [0.0, -0.0, tiny / 4, -tiny / 4, float("inf"), float("-inf"), float("nan"), 1e4, -1e4, 60.0, -60.0]
+    x = torch.tensor(vals, dtype=dtype)
+    dy = torch.ones_like(x)
+    _, dx = _grad(x, kind, dy)
+    dx = dx.double()
+    limit0 = 0.0 if kind == "relu" else 0.5
+    assert dx[0] == limit0 and dx[1] == limit0  # φ(±0): the limit, no 0/0
+    # denormals: φ is at its limit (sign-dependent only for relu)
+    assert abs(dx[2] - limit0) <= (0.0 if kind == "relu" else 1e-2) or (kind == "relu" and dx[2] == 1.0)
+    assert dx[3] == 0.0 if kind == "relu" else abs(dx[3] - 0.5) < 1e-2
+    assert dx[4] == 1.0 and dx[5] == 0.0  # φ(+inf) = 1, φ(-inf) = 0: never NaN
+    assert torch.isnan(dx[6])  # NaN propagates
+    assert dx[7] == 1.0 and dx[8] == 0.0
+    assert torch.isfinite(dx[[0, 1, 2, 3, 4, 5, 7, 8, 9, 10]]).all()
+
+
+FORMS = [
+    ("silu", F.silu, "silu"),
+    ("silu", nn.SiLU(), "silu"),
+    ("silu", "swish", "silu"),
+    ("gelu", F.gelu, "gelu"),
+    ("gelu", nn.GELU(), "gelu"),
+    ("gelu", functools.partial(F.gelu, approximate="none"), "gelu"),
+    ("gelu_tanh", functools.partial(F.gelu, approximate="tanh"), "gelu_tanh"),
+    ("gelu_tanh", nn.GELU(approximate="tanh"), "gelu_tanh"),
+    ("gelu_tanh", "gelu_new", "gelu_tanh"),
+    ("gelu_tanh", "gelu_pytorch_tanh", "gelu_tanh"),
+    ("relu", F.relu, "relu"),
+    ("relu", nn.ReLU(), "relu"),
+    ("relu", torch.relu, "relu"),
+    ("quick_gelu", "quick_gelu", "quick_gelu"),
+]
+
+
+@pytest.mark.parametrize("kind,act,expected", FORMS)
+def test_activation_forms_are_recognised(kind, act, expected):
+    assert resolve_activation(act).kind == expected
+
+
+@pytest.mark.parametrize("name", ["silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "quick_gelu", "relu", "gelu_python"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_hf_activation_classes_forward_equal_and_recognised(name, dtype):
+    from transformers.activations import ACT2FN
+
+    mod = ACT2FN[name]
+    x = torch.randn(4, 65).to(dtype)
+    assert resolve_activation(mod).kind != "custom"
+    y, dx = _grad(x, mod, torch.ones_like(x))
+    assert torch.equal(y, mod(x))  # native forward, bit-identical
+    kind = resolve_activation(mod).kind
+    assert_close(dx, phi64(kind, x.double()), dtype)
+
+
+@pytest.mark.parametrize("act", [F.silu, nn.GELU(approximate="tanh"), "quick_gelu", torch.relu])
+def test_forward_bit_identical(act):
+    x = torch.randn(5, 300, dtype=torch.bfloat16)
+    native = resolve_activation(act).fn
+    assert torch.equal(identity_rule(x, act), native(x))
+    assert torch.equal(activation(x, act), native(x))
+
+
+def test_custom_callable_uses_quotient_and_zero_limit():
+    act = lambda t: t * torch.tanh(F.softplus(t))  # mish: no closed form here
+    x = torch.tensor([-2.0, 0.0, 3.0, float("inf")], dtype=torch.float64)
+    _, dx = _grad(x, act, torch.ones_like(x), zero_limit=0.25)
+    expected = torch.tensor([act(torch.tensor(-2.0, dtype=torch.float64)) / -2.0, 0.25, act(torch.tensor(3.0, dtype=torch.float64)) / 3.0, 1.0], dtype=torch.float64)
+    torch.testing.assert_close(dx, expected)
+    assert resolve_activation(act).kind == "custom"
+
+
+def test_non_contiguous_and_empty_and_no_grad():
+    base = torch.randn(64, 48)
+    x = base.t()  # non-contiguous
+    assert not x.is_contiguous()
+    dy = torch.randn(48, 64)
+    _, dx = _grad(x, "silu", dy)
+    torch.testing.assert_close(dx.double(), dy.double() * phi64("silu", x.double()), atol=1e-6, rtol=1e-5)
+    e = torch.empty(0, 7)
+    _, de = _grad(e, "gelu", torch.empty(0, 7))
+    assert de.shape == (0, 7)
+    y = identity_rule(torch.randn(3, 4), "silu")  # no grad required: plain forward
+    assert not y.requires_grad
+
+
+def test_saves_only_x():
+    x = torch.randn(8, 32, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        identity_rule(x, "gelu")
+    assert len(saved) == 1 and saved[0].data_ptr() == x.data_ptr()

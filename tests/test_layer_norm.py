@@ -1,0 +1,80 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import DTYPES, assert_close
+from oracles import layer_norm_rule_grads
+from pyattr.ops import layer_norm
+
+
+def _run(x, w, b, eps, dy):
+    ins = [x.detach().requires_grad_(True)]
+    ins += [t.detach().requires_grad_(True) for t in (w, b) if t is not None]
+    it = iter(ins[1:])
+    wr = next(it) if w is not None else None
+    br = next(it) if b is not None else None
+    y = layer_norm(ins[0], wr, br, eps)
+    grads = torch.autograd.grad(y, ins, dy)
+    return y, grads
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [17, 768, 1023, 4097])
+def test_layer_norm_rule_matches_oracle(backend_name, dtype, hidden):
+    x = (torch.randn(5, hidden) * 2 + 0.5).to(dtype)
+    w = (1 + 0.1 * torch.randn(hidden)).to(dtype)
+    b = (0.1 * torch.randn(hidden)).to(dtype)
+    dy = torch.randn(5, hidden).to(dtype)
+    y, (dx, dw, db) = _run(x, w, b, 1e-5, dy)
+    assert torch.equal(y, F.layer_norm(x, (hidden,), w, b, 1e-5))
+    ex, ew, eb = layer_norm_rule_grads(x, w, b, 1e-5, dy)
+    assert_close(dx, ex, dtype)
+    # parameter grads sum over rows: allow the accumulated rounding of `rows` terms
+    atol = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 1e-1}[dtype]
+    torch.testing.assert_close(dw.double(), ew, atol=atol, rtol=2e-2)
+    torch.testing.assert_close(db.double(), eb, atol=atol, rtol=2e-2)
+
+
+def test_layer_norm_forward_equals_module_and_rule_differs_from_native():
+    mod = nn.LayerNorm(64, eps=1e-5)
+    with torch.no_grad():
+        mod.weight.normal_()
+        mod.bias.normal_()
+    x = torch.randn(3, 7, 64, requires_grad=True)
+    y = layer_norm(x, mod.weight, mod.bias, mod.eps)
+    assert torch.equal(y, mod(x))
+    dy = torch.randn_like(y)
+    (g_rule,) = torch.autograd.grad(y, x, dy)
+    (g_nat,) = torch.autograd.grad(mod(x), x, dy)
+    assert (g_rule - g_nat).abs().max() > 1e-3  # the rule changes the backward
+    # mean of the LN-rule gradient is zero per row (μ stays differentiable)
+    assert g_rule.sum(-1).abs().max() < 1e-5
+
+
+def test_layer_norm_without_affine_non_contiguous_empty():
+    x = torch.randn(40, 17).t()  # (17, 40), non-contiguous
+    dy = torch.randn(17, 40)
+    y, (dx,) = _run(x, None, None, 1e-6, dy)
+    assert torch.equal(y, F.layer_norm(x, (40,), None, None, 1e-6))
+    assert_close(dx, layer_norm_rule_grads(x, None, None, 1e-6, dy)[0], torch.float32)
+    e = torch.empty(0, 8)
+    y, (de,) = _run(e, None, None, 1e-5, torch.empty(0, 8))
+    assert de.shape == (0, 8)
+
+
+def test_layer_norm_special_values():
+    x = torch.tensor([[1.0, 2.0, 3.0, 4.0], [float("nan"), 0.0, 1.0, 2.0], [5.0, 5.0, 5.0, 5.0]])
+    y, (dx,) = _run(x, None, None, 1e-5, torch.ones(3, 4))
+    assert torch.isfinite(dx[0]).all() and torch.isnan(dx[1]).all()
+    assert torch.isfinite(dx[2]).all()  # constant row: σ = sqrt(eps), no 0/0
+
+
+def test_layer_norm_saves_x_and_weight_only():
+    x = torch.randn(4, 32, requires_grad=True)
+    w = torch.randn(32, requires_grad=True)
+    b = torch.randn(32, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        layer_norm(x, w, b, 1e-5)
+    assert sorted(t.numel() for t in saved) == [32, 128]
