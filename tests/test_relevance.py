@@ -1,0 +1,106 @@
+import pytest
+import torch
+
+import pyattr
+from models import VOCAB, minilm, tiny_causal_lm
+from pyattr.rules import half_rule, ln_rule
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_causal_lm("llama")
+
+
+def test_result_shapes_and_default_target_is_top1(llama):
+    ids = torch.randint(0, VOCAB, (2, 8))
+    r = pyattr.relevance(llama, ids)
+    assert r.token_relevance.shape == (2, 8) and r.relevance.shape == (2, 8, 32)
+    logits = llama(ids).logits[:, -1]
+    assert torch.equal(r.target_ids, logits.argmax(-1))
+    torch.testing.assert_close(r.target, logits.max(-1).values.double())
+    torch.testing.assert_close(r.token_relevance, r.relevance.sum(-1))
+    assert r.backend == "torch"
+
+
+def test_target_forms_agree(llama):
+    ids = torch.randint(0, VOCAB, (2, 8))
+    a = pyattr.relevance(llama, ids, target=7)
+    b = pyattr.relevance(llama, ids, target=[7, 7])
+    c = pyattr.relevance(llama, ids, target=torch.tensor([7, 7]))
+    d = pyattr.relevance(llama, ids, target=lambda out: out.logits[:, -1, 7])
+    for r in (b, c, d):
+        torch.testing.assert_close(r.relevance, a.relevance)
+        torch.testing.assert_close(r.target, a.target)
+
+
+def test_per_row_targets_are_independent(llama):
+    ids = torch.randint(0, VOCAB, (2, 8))
+    both = pyattr.relevance(llama, ids, target=[3, 9])
+    row1 = pyattr.relevance(llama, ids[1:], target=9)
+    torch.testing.assert_close(both.relevance[1:], row1.relevance, atol=1e-6, rtol=1e-5)
+
+
+def test_attention_mask_left_padding_uses_last_real_token(llama):
+    ids = torch.randint(1, VOCAB, (1, 6))
+    padded = torch.cat([torch.zeros(1, 2, dtype=torch.long), ids], 1)
+    mask = torch.cat([torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 6, dtype=torch.long)], 1)
+    r = pyattr.relevance(llama, {"input_ids": padded, "attention_mask": mask}, target=4)
+    assert r.token_relevance.shape == (1, 8)
+    assert (r.conservation_delta.abs() <= 1e-4 * r.target.abs()).all()
+    right = torch.cat([ids, torch.zeros(1, 2, dtype=torch.long)], 1)
+    rmask = torch.cat([torch.ones(1, 6, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long)], 1)
+    r2 = pyattr.relevance(llama, right, target=4, attention_mask=rmask)
+    plain = pyattr.relevance(llama, ids, target=4)
+    torch.testing.assert_close(r2.target, plain.target, atol=1e-5, rtol=1e-5)
+
+
+def test_model_state_restored(llama):
+    llama.train()
+    flags = [p.requires_grad for p in llama.parameters()]
+    pyattr.relevance(llama, torch.randint(0, VOCAB, (1, 4)))
+    assert llama.training and [p.requires_grad for p in llama.parameters()] == flags
+    llama.eval()
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,msg",
+    [
+        (dict(inputs=torch.randn(1, 4)), TypeError, "input_ids must be an integer tensor"),
+        (dict(inputs=[1, 2, 3]), TypeError, "inputs must be a LongTensor of token ids or a mapping"),
+        (dict(inputs={"ids": torch.ones(1, 3, dtype=torch.long)}), ValueError, "must contain 'input_ids'"),
+        (dict(inputs=torch.ones(1, 0, dtype=torch.long)), ValueError, r"seq > 0"),
+        (dict(inputs=torch.ones(1, 3, dtype=torch.long), target=VOCAB), ValueError, rf"token ids must be in \[0, {VOCAB}\)"),
+        (dict(inputs=torch.ones(2, 3, dtype=torch.long), target=[1]), ValueError, r"one token id per batch row \(2\)"),
+        (dict(inputs=torch.ones(1, 3, dtype=torch.long), target=lambda o: o.logits), ValueError, "must return a scalar tensor or one value per batch row"),
+        (dict(inputs=torch.ones(1, 3, dtype=torch.long), attention_mask=torch.ones(1, 4)), ValueError, r"attention_mask of shape \(1, 4\) must match"),
+        (dict(inputs=torch.ones(1, 3, dtype=torch.long), target=1.5), TypeError, "target must be None, a token id"),
+    ],
+)
+def test_relevance_errors(llama, kwargs, exc, msg):
+    inputs = kwargs.pop("inputs")
+    with pytest.raises(exc, match=msg):
+        pyattr.relevance(llama, inputs, **kwargs)
+
+
+def test_minilm_pair_cosine_half_rule_split():
+    tok, m = minilm()
+    enc = tok(["a cat on a mat", "a dog on a rug"], padding=True, return_tensors="pt")
+    mask = enc["attention_mask"]
+
+    def cosine(out):
+        h = out.last_hidden_state
+        w = mask.to(h.dtype).unsqueeze(-1)
+        p = (h * w).sum(1) / w.sum(1)
+        return half_rule(ln_rule(p[0], p[0].norm()), ln_rule(p[1], p[1].norm())).sum()
+
+    r = pyattr.relevance(m, dict(enc), target=cosine)
+    with torch.no_grad():
+        h = m(**enc).last_hidden_state
+        w = mask.unsqueeze(-1).float()
+        p = (h * w).sum(1) / w.sum(1)
+        ref = torch.nn.functional.cosine_similarity(p[0], p[1], dim=0)
+    torch.testing.assert_close(r.target.float(), ref, atol=1e-6, rtol=1e-5)
+    assert r.relevance.shape[0] == 2
+    # padded positions carry no relevance
+    assert (r.token_relevance[mask == 0] == 0).all()
+    torch.testing.assert_close(r.relevance.double().sum(), r.target - r.conservation_delta)

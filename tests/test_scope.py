@@ -1,0 +1,179 @@
+"""use_relevance_rules: instance patching, refcounted nesting, restoration, conflicts."""
+
+import pytest
+import torch
+
+import pyattr
+from models import VOCAB, tiny_causal_lm
+from pyattr.integration.patching import state_of
+
+
+def _patched(m):
+    return [n for n, mod in m.named_modules() if "forward" in mod.__dict__ or state_of(mod) is not None]
+
+
+def _input_grad(m, ids):
+    emb = m.get_input_embeddings()(ids).detach().requires_grad_(True)
+    out = m(inputs_embeds=emb).logits[:, -1, 3].sum()
+    (g,) = torch.autograd.grad(out, emb)
+    return g
+
+
+def test_restored_after_exit_and_gradients_native_again():
+    m = tiny_causal_lm("llama")
+    ids = torch.randint(0, VOCAB, (1, 6))
+    native = _input_grad(m, ids)
+    hooks_before = sum(len(mod._forward_hooks) for mod in m.modules())
+    with pyattr.use_relevance_rules(m):
+        assert len(_patched(m)) == 11
+        ruled = _input_grad(m, ids)
+    assert not torch.allclose(ruled, native)
+    assert _patched(m) == []
+    assert sum(len(mod._forward_hooks) for mod in m.modules()) == hooks_before
+    assert torch.equal(_input_grad(m, ids), native)
+
+
+def test_nested_scopes_refcounted():
+    m = tiny_causal_lm("llama")
+    ids = torch.randint(0, VOCAB, (1, 6))
+    with pyattr.use_relevance_rules(m):
+        outer = _input_grad(m, ids)
+        with pyattr.use_relevance_rules(m):
+            assert torch.equal(_input_grad(m, ids), outer)
+        # the inner exit must not remove the outer scope's rules
+        assert len(_patched(m)) == 11
+        assert torch.equal(_input_grad(m, ids), outer)
+        with pyattr.use_relevance_rules(m, pyattr.RelevanceRules(False, False, True, False)):
+            st = state_of(m.model.layers[0].mlp)
+            assert st.counts == {"activation": 1, "multiplicative_gate": 2}
+    assert _patched(m) == []
+
+
+def test_nested_scope_adds_a_rule_for_its_length_only():
+    m = tiny_causal_lm("llama")
+    ids = torch.randint(0, VOCAB, (1, 6))
+    act_only = pyattr.RelevanceRules(False, True, False, False)
+    with pyattr.use_relevance_rules(m, act_only):
+        a = _input_grad(m, ids)
+        with pyattr.use_relevance_rules(m, pyattr.RelevanceRules(False, False, True, False)):
+            b = _input_grad(m, ids)
+        assert torch.equal(_input_grad(m, ids), a)
+    assert not torch.allclose(a, b)
+
+
+def test_restored_on_exception():
+    m = tiny_causal_lm("gpt2")
+    with pytest.raises(KeyError, match="boom"):
+        with pyattr.use_relevance_rules(m):
+            assert _patched(m)
+            raise KeyError("boom")
+    assert _patched(m) == []
+
+
+def test_other_instances_untouched():
+    m1, m2 = tiny_causal_lm("llama", seed=0), tiny_causal_lm("llama", seed=0)
+    ids = torch.randint(0, VOCAB, (1, 6))
+    native = _input_grad(m2, ids)
+    with pyattr.use_relevance_rules(m1):
+        assert _patched(m2) == []
+        assert torch.equal(_input_grad(m2, ids), native)
+        assert not torch.allclose(_input_grad(m1, ids), native)
+
+
+def test_pre_existing_instance_forward_is_restored():
+    m = tiny_causal_lm("llama")
+    norm = m.model.norm
+    custom = norm.forward  # a bound method stored on the instance, as other tools do
+    norm.forward = custom
+    with pyattr.use_relevance_rules(m):
+        assert norm.forward is not custom
+    assert norm.__dict__["forward"] is custom
+
+
+def test_conflicting_attention_modes_in_nested_scopes():
+    m = tiny_causal_lm("llama")
+    with pyattr.use_relevance_rules(m, pyattr.RelevanceRules(attention="frozen")):
+        with pytest.raises(pyattr.RelevanceRuleConflictError, match="already carries the attention rule"):
+            with pyattr.use_relevance_rules(m, pyattr.RelevanceRules(attention="attnlrp")):
+                pass
+        # the failed inner scope released what it had taken; the outer one is intact
+        assert state_of(m.model.layers[0].mlp).counts == {"activation": 1, "multiplicative_gate": 1}
+        assert state_of(m.model.layers[0].self_attn.q_proj).counts == {"attention": 1}
+    assert _patched(m) == []
+
+
+def test_hook_replacing_rule_output_raises():
+    m = tiny_causal_lm("llama")
+    ids = torch.randint(0, VOCAB, (1, 5))
+    h = m.model.layers[0].self_attn.q_proj.register_forward_hook(lambda mod, a, out: out + 0)
+    try:
+        m(ids)  # no scope: fine
+        with pyattr.use_relevance_rules(m):
+            with pytest.raises(pyattr.RelevanceRuleConflictError, match=r"'model.layers.0.self_attn.q_proj'"):
+                m(ids)
+    finally:
+        h.remove()
+    # a hook that only reads the value is fine
+    seen = []
+    h = m.model.norm.register_forward_hook(lambda mod, a, out: seen.append(out.shape))
+    with pyattr.use_relevance_rules(m):
+        m(ids)
+    h.remove()
+    assert seen == [torch.Size([1, 5, 32])]
+
+
+def test_hook_on_bypassed_activation_raises_before_patching():
+    m = tiny_causal_lm("llama")
+    h = m.model.layers[1].mlp.act_fn.register_forward_hook(lambda *a: None)
+    with pytest.raises(pyattr.RelevanceRuleConflictError, match=r"'model.layers.1.mlp.act_fn' has hooks"):
+        with pyattr.use_relevance_rules(m):
+            pass
+    assert _patched(m) == []
+    with pyattr.use_relevance_rules(m, pyattr.RelevanceRules(activation=False, multiplicative_gate=False)):
+        pass
+    h.remove()
+
+
+def _tiny_opt():
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(0)
+    cfg = OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                    word_embed_proj_dim=32, max_position_embeddings=64)
+    return OPTForCausalLM(cfg).eval()
+
+
+def test_unknown_architecture_raises_and_generic_fallback_works():
+    m = _tiny_opt()
+    with pytest.raises(pyattr.RelevanceRuleUnsupportedError, match=r"model type 'opt' \(OPTForCausalLM\) has no rule map"):
+        with pyattr.use_relevance_rules(m):
+            pass
+    assert _patched(m) == []
+    ids = torch.randint(2, VOCAB, (1, 7))
+    ref = m(ids).logits
+    with pyattr.use_relevance_rules(m, generic=True) as cov:
+        assert torch.equal(m(ids).logits, ref)
+    assert cov.model_type == "generic"
+    assert "model.decoder.layers.0.self_attn_layer_norm" in cov.by_kind["normalization"]
+    assert "model.decoder.final_layer_norm" in cov.by_kind["normalization"]
+    assert "model.decoder.layers.0.activation_fn" in cov.by_kind["activation"]
+    assert "model.decoder.layers.0.self_attn.q_proj" in cov.by_kind["attention"]
+    assert _patched(m) == []
+
+
+def test_model_and_rules_type_errors():
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        with pyattr.use_relevance_rules("llama"):
+            pass
+    with pytest.raises(TypeError, match="rules must be a RelevanceRules"):
+        with pyattr.use_relevance_rules(tiny_causal_lm("llama"), {"attention": True}):
+            pass
+
+
+def test_malformed_mount_is_unsupported_before_patching():
+    m = tiny_causal_lm("llama")
+    del m.model.layers[1].mlp.up_proj
+    with pytest.raises(pyattr.RelevanceRuleUnsupportedError, match=r"'model.layers.1.mlp': a gated MLP needs .*up_proj is missing"):
+        with pyattr.use_relevance_rules(m):
+            pass
+    assert _patched(m) == []
