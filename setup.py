@@ -15,6 +15,24 @@ packages = find_packages(include=["pyattr", "pyattr.*"]) + ["pyattr.kernels"]
 ext_modules, cmdclass = [], {}
 
 cpu_sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+
+
+def cpu_flags():
+    """AVX2/FMA code paths of at::vec when the build machine has them (the extension is
+    built from source on the machine that runs it; PYATTR_NO_AVX2=1 opts out)."""
+    flags = ["-O3"]
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        info = ""
+    if os.environ.get("PYATTR_NO_AVX2") != "1" and " avx2" in info and " fma" in info:
+        flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    else:
+        flags += ["-DCPU_CAPABILITY=DEFAULT"]
+    return flags
+
+
 if cpu_sources:
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension, CUDA_HOME
     import torch
@@ -29,10 +47,10 @@ if cpu_sources:
             "pyattr._C",
             cpu_sources + cuda_sources,
             define_macros=[("PYATTR_WITH_CUDA", "1")],
-            extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "--use_fast_math"]},
+            extra_compile_args={"cxx": cpu_flags(), "nvcc": ["-O3"]},
         )
     else:
-        ext = CppExtension("pyattr._C", cpu_sources, extra_compile_args={"cxx": ["-O3"]})
+        ext = CppExtension("pyattr._C", cpu_sources, extra_compile_args={"cxx": cpu_flags()})
     ext_modules = [ext]
     cmdclass = {"build_ext": BuildExtension.with_options(use_ninja=True)}
 

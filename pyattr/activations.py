@@ -211,7 +211,7 @@ def derivative(x32: torch.Tensor, act: Activation) -> torch.Tensor:
         s = torch.sigmoid(_QUICK_GELU_ALPHA * x32)
         return s + _QUICK_GELU_ALPHA * x32 * s * (1.0 - s)
     if k == "relu":
-        return (x32 > 0).to(x32.dtype)
+        return phi(x32, act)
     with torch.enable_grad():
         xr = x32.detach().requires_grad_(True)
         (d,) = torch.autograd.grad(act.fn(xr).sum(), xr)

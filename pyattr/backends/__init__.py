@@ -51,6 +51,11 @@ def _probe_extension() -> tuple[object | None, str]:
         from pyattr import _C  # type: ignore[attr-defined]
     except ImportError as e:  # not built, or built against another torch
         return None, f"extension pyattr._C is not built or failed to load ({e})"
+    except OSError as e:  # a shared library it links against is missing
+        return None, f"extension pyattr._C failed to load ({e})"
+    from pyattr.backends import _fake
+
+    _fake.register()
     return _C, ""
 
 
@@ -95,14 +100,19 @@ def available_backends() -> Dict[str, BackendStatus]:
     """Return ``{name: BackendStatus}`` for ``torch``, ``cpp``, ``cuda``, ``triton``.
 
     Each status has ``.available`` (bool) and ``.reason`` (str: what it is, or why it
-    cannot run here).
+    cannot run here). Probed once per value of ``TRITON_INTERPRET``.
     """
-    return {
+    return dict(_probe_all(os.environ.get("TRITON_INTERPRET")))
+
+
+@functools.lru_cache(maxsize=4)
+def _probe_all(_interpret_flag) -> tuple:
+    return tuple({
         "torch": _probe_torch(),
         "cpp": _probe_cpp(),
         "cuda": _probe_cuda(),
         "triton": _probe_triton(),
-    }
+    }.items())
 
 
 def _check_name(name: str, source: str) -> str:
@@ -177,4 +187,8 @@ def implementation(device: torch.device, op: str):
         from pyattr.backends import reference
 
         return reference
-    raise BackendUnavailableError(f"backend {name!r} has no implementation of {op}")  # pragma: no cover
+    if name in ("cpp", "cuda"):
+        from pyattr.backends import compiled
+
+        return compiled
+    raise BackendUnavailableError(f"backend {name!r} has no implementation of {op}")

@@ -1,0 +1,92 @@
+// Activation kinds and their Identity-rule factor phi(x) = act(x)/x, in closed form.
+// Shared by the CPU and CUDA sources; the math follows DESIGN.md section 2.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include <c10/util/Exception.h>
+
+#if defined(__CUDACC__)
+#define PYATTR_HD __host__ __device__ __forceinline__
+#else
+#define PYATTR_HD inline
+#endif
+
+namespace pyattr {
+
+enum class Act : int { SiLU = 0, GELU = 1, GELUTanh = 2, QuickGELU = 3, ReLU = 4 };
+
+inline Act parse_act(const std::string& name) {
+  if (name == "silu") return Act::SiLU;
+  if (name == "gelu") return Act::GELU;
+  if (name == "gelu_tanh") return Act::GELUTanh;
+  if (name == "quick_gelu") return Act::QuickGELU;
+  if (name == "relu") return Act::ReLU;
+  TORCH_CHECK_VALUE(false, "act: unknown activation '", name,
+                    "'; expected silu, gelu, gelu_tanh, quick_gelu or relu");
+}
+
+constexpr double kSqrt2OverPi = 0.79788456080286535587989211986876;
+constexpr double kInvSqrt2 = 0.70710678118654752440084436210485;
+constexpr double kQuickGeluAlpha = 1.702;
+constexpr double kGeluTanhCoef = 0.044715;
+constexpr double kInvSqrt2Pi = 0.39894228040143267793994605993438;
+
+template <typename T>
+PYATTR_HD T sigmoid_(T x) {
+  return T(1) / (T(1) + std::exp(-x));
+}
+
+// phi(x) = act(x) / x without a division; phi(NaN) = NaN for every kind.
+template <typename T>
+PYATTR_HD T phi_scalar(Act a, T x) {
+  switch (a) {
+    case Act::SiLU:
+      return sigmoid_(x);
+    case Act::GELU:
+      return T(0.5) * (T(1) + std::erf(x * T(kInvSqrt2)));
+    case Act::GELUTanh:
+      return T(0.5) * (T(1) + std::tanh(T(kSqrt2OverPi) * (x + T(kGeluTanhCoef) * x * x * x)));
+    case Act::QuickGELU:
+      return sigmoid_(T(kQuickGeluAlpha) * x);
+    case Act::ReLU:
+    default:
+      return x != x ? x : (x > T(0) ? T(1) : T(0));
+  }
+}
+
+// act(x), the native forward value in the accumulation type.
+template <typename T>
+PYATTR_HD T act_scalar(Act a, T x) {
+  if (a == Act::ReLU) return x != x ? x : (x > T(0) ? x : T(0));
+  return x * phi_scalar(a, x);
+}
+
+// act'(x), the ordinary derivative (used when the Identity-rule is switched off).
+template <typename T>
+PYATTR_HD T dact_scalar(Act a, T x) {
+  switch (a) {
+    case Act::SiLU: {
+      T s = sigmoid_(x);
+      return s * (T(1) + x * (T(1) - s));
+    }
+    case Act::GELU:
+      return T(0.5) * (T(1) + std::erf(x * T(kInvSqrt2))) + x * T(kInvSqrt2Pi) * std::exp(T(-0.5) * x * x);
+    case Act::GELUTanh: {
+      T t = std::tanh(T(kSqrt2OverPi) * (x + T(kGeluTanhCoef) * x * x * x));
+      T dinner = T(kSqrt2OverPi) * (T(1) + T(3 * kGeluTanhCoef) * x * x);
+      return T(0.5) * (T(1) + t) + T(0.5) * x * (T(1) - t * t) * dinner;
+    }
+    case Act::QuickGELU: {
+      T s = sigmoid_(T(kQuickGeluAlpha) * x);
+      return s + T(kQuickGeluAlpha) * x * s * (T(1) - s);
+    }
+    case Act::ReLU:
+    default:
+      return x != x ? x : (x > T(0) ? T(1) : T(0));
+  }
+}
+
+}  // namespace pyattr

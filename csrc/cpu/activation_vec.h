@@ -1,0 +1,88 @@
+// Vectorised phi(x), act(x) and act'(x) for the CPU kernels (same math as activation.h).
+#pragma once
+
+#include "../activation.h"
+#include "vec_utils.h"
+
+namespace pyattr::cpu {
+
+template <typename V>
+inline V sigmoid_vec(const V& x) {
+  const V one(1);
+  if constexpr (std::is_same_v<typename V::value_type, float>) {
+    // exp_u20: at::vec's polynomial exp (no Sleef call), within 20 ulp. It clamps its
+    // argument, so NaN and the far negative tail (sigmoid < 3e-39) are set explicitly.
+    V s = one / (one + x.neg().exp_u20());
+    s = V::blendv(s, V(0), x < V(-88.0f));
+    return V::blendv(s, x, x != x);
+  } else {
+    return one / (one + x.neg().exp());
+  }
+}
+
+// Phi(x) = (1 + erf(x/sqrt2))/2. at::vec's erf is a polynomial that turns +-inf into NaN,
+// so the argument is clamped where erf has long saturated (maximum/minimum keep NaN).
+template <typename V>
+inline V gelu_cdf_vec(const V& x) {
+  using S = typename V::value_type;
+  V xc = at::vec::minimum(at::vec::maximum(x, V(S(-10))), V(S(10)));
+  return V(S(0.5)) * (V(S(1)) + (xc * V(S(kInvSqrt2))).erf());
+}
+
+template <typename V>
+inline V phi_vec(Act a, const V& x) {
+  using S = typename V::value_type;
+  const V one(1), half(0.5);
+  switch (a) {
+    case Act::SiLU:
+      return sigmoid_vec(x);
+    case Act::GELU:
+      return gelu_cdf_vec(x);
+    case Act::GELUTanh:
+      return half * (one + (V(S(kSqrt2OverPi)) * (x + V(S(kGeluTanhCoef)) * x * x * x)).tanh());
+    case Act::QuickGELU:
+      return sigmoid_vec(V(S(kQuickGeluAlpha)) * x);
+    case Act::ReLU:
+    default: {
+      V step = V::blendv(V(0), one, x > V(0));
+      return V::blendv(step, x, x != x);  // NaN stays NaN
+    }
+  }
+}
+
+template <typename V>
+inline V act_vec(Act a, const V& x) {
+  if (a == Act::ReLU) {
+    V r = V::blendv(V(0), x, x > V(0));
+    return V::blendv(r, x, x != x);
+  }
+  return x * phi_vec(a, x);
+}
+
+template <typename V>
+inline V dact_vec(Act a, const V& x) {
+  using S = typename V::value_type;
+  const V one(1), half(0.5);
+  switch (a) {
+    case Act::SiLU: {
+      V s = sigmoid_vec(x);
+      return s * (one + x * (one - s));
+    }
+    case Act::GELU:
+      return gelu_cdf_vec(x) + x * V(S(kInvSqrt2Pi)) * (V(S(-0.5)) * x * x).exp();
+    case Act::GELUTanh: {
+      V t = (V(S(kSqrt2OverPi)) * (x + V(S(kGeluTanhCoef)) * x * x * x)).tanh();
+      V dinner = V(S(kSqrt2OverPi)) * (one + V(S(3 * kGeluTanhCoef)) * x * x);
+      return half * (one + t) + half * x * (one - t * t) * dinner;
+    }
+    case Act::QuickGELU: {
+      V s = sigmoid_vec(V(S(kQuickGeluAlpha)) * x);
+      return s + V(S(kQuickGeluAlpha)) * x * s * (one - s);
+    }
+    case Act::ReLU:
+    default:
+      return phi_vec(a, x);
+  }
+}
+
+}  // namespace pyattr::cpu

@@ -1,0 +1,90 @@
+// LN-rule backward for LayerNorm on CPU. sigma is a constant, mu stays differentiable:
+//   g = dy * w / sigma,  dx = g - mean(g);  dw = sum dy * xhat,  db = sum dy.
+// mu and sigma are recomputed from x in the same pass over each row.
+#include <cmath>
+
+#include <ATen/Dispatch.h>
+#include <torch/library.h>
+
+#include "rows.h"
+
+namespace pyattr::cpu {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(const at::Tensor& x_in,
+                                                                   const std::optional<at::Tensor>& w_opt,
+                                                                   double eps, const at::Tensor& dy_in,
+                                                                   bool need_dw, bool need_db) {
+  TORCH_CHECK_VALUE(x_in.dim() >= 1 && x_in.sizes() == dy_in.sizes(), "dy must have the shape of x");
+  at::Tensor x = x_in.contiguous();
+  at::Tensor dy = dy_in.to(x.scalar_type()).contiguous();
+  const int64_t H = x.size(-1);
+  const int64_t R = H == 0 ? 0 : x.numel() / H;
+  const bool has_w = w_opt.has_value() && w_opt->defined();
+  at::Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
+  const auto pdtype = has_w ? w_opt->scalar_type() : x.scalar_type();
+  at::Tensor dw = need_dw ? at::empty({H}, x.options().dtype(pdtype)) : at::empty({0}, x.options());
+  at::Tensor db = need_db ? at::empty({H}, x.options().dtype(pdtype)) : at::empty({0}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "layer_norm_backward", [&] {
+    using T = scalar_t;
+    using A = acc_t<T>;
+    using V = AccVec<T>;
+    const T* X = x.const_data_ptr<T>();
+    const T* DY = dy.const_data_ptr<T>();
+    // The weight in the accumulation type, once (H values), whatever its dtype.
+    std::vector<A> wacc;
+    if (has_w) {
+      at::Tensor wa = w_opt->to(std::is_same_v<A, double> ? at::kDouble : at::kFloat).contiguous();
+      wacc.assign(wa.const_data_ptr<A>(), wa.const_data_ptr<A>() + H);
+    }
+    const A* W = has_w ? wacc.data() : nullptr;
+    T* DX = dx.mutable_data_ptr<T>();
+    const int64_t chunks = num_row_chunks(R);
+    const bool partials = (need_dw || need_db) && R > 0;
+    std::vector<A> pw(partials && need_dw ? chunks * H : 0, A(0)), pb(partials && need_db ? chunks * H : 0, A(0));
+    auto wv = [&](int64_t j) { return W ? V::loadu(W + j) : V(A(1)); };
+    auto ws = [&](int64_t j) { return W ? W[j] : A(1); };
+    at::parallel_for(0, R > 0 ? chunks : 0, 1, [&](int64_t cb, int64_t ce) {
+      for (int64_t c = cb; c < ce; ++c) {
+        const int64_t r0 = c * R / chunks, r1 = (c + 1) * R / chunks;
+        A* PW = need_dw ? pw.data() + c * H : nullptr;
+        A* PB = need_db ? pb.data() + c * H : nullptr;
+        for (int64_t r = r0; r < r1; ++r) {
+          const T* xr = X + r * H;
+          const T* dr = DY + r * H;
+          T* out = DX + r * H;
+          const A mean = row_sum<T>(H, [&](int64_t j) { return load_acc<T>(xr + j); },
+                                    [&](int64_t j) { return A(xr[j]); }) / A(H);
+          const V vm(mean);
+          const A var = row_sum<T>(
+                            H, [&](int64_t j) { V d = load_acc<T>(xr + j) - vm; return d * d; },
+                            [&](int64_t j) { A d = A(xr[j]) - mean; return d * d; }) / A(H);
+          const A rstd = A(1) / std::sqrt(var + A(eps));
+          const V vr(rstd);
+          const A gmean = row_sum<T>(H, [&](int64_t j) { return load_acc<T>(dr + j) * wv(j) * vr; },
+                                     [&](int64_t j) { return A(dr[j]) * ws(j) * rstd; }) / A(H);
+          const V vg(gmean);
+          int64_t j = 0;
+          for (; j + kStep<T> <= H; j += kStep<T>) {
+            V d = load_acc<T>(dr + j);
+            store_acc<T>(out + j, d * wv(j) * vr - vg);
+            if (PW) (V::loadu(PW + j) + d * (load_acc<T>(xr + j) - vm) * vr).store(PW + j);
+            if (PB) (V::loadu(PB + j) + d).store(PB + j);
+          }
+          for (; j < H; ++j) {
+            A d = A(dr[j]);
+            out[j] = static_cast<T>(d * ws(j) * rstd - gmean);
+            if (PW) PW[j] += d * (A(xr[j]) - mean) * rstd;
+            if (PB) PB[j] += d;
+          }
+        }
+      }
+    });
+    if (need_dw) finish_param_grad<A>(pw, chunks, H, partials, dw);
+    if (need_db) finish_param_grad<A>(pb, chunks, H, partials, db);
+  });
+  return {dx, dw, db};
+}
+
+TORCH_LIBRARY_IMPL(pyattr, CPU, m) { m.impl("layer_norm_backward", &layer_norm_backward); }
+
+}  // namespace pyattr::cpu

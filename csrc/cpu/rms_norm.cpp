@@ -1,0 +1,79 @@
+// LN-rule backward for RMSNorm on CPU: r is a constant,
+//   dx = dy * (offset + w) / r,  dw = sum dy * x / r,  r = sqrt(mean(x^2) + eps),
+// with r recomputed from x in the same pass over each row.
+#include <cmath>
+
+#include <ATen/Dispatch.h>
+#include <torch/library.h>
+
+#include "rows.h"
+
+namespace pyattr::cpu {
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& x_in, const std::optional<at::Tensor>& w_opt,
+                                                     double eps, double offset, const at::Tensor& dy_in,
+                                                     bool need_dw) {
+  TORCH_CHECK_VALUE(x_in.dim() >= 1 && x_in.sizes() == dy_in.sizes(), "dy must have the shape of x");
+  at::Tensor x = x_in.contiguous();
+  at::Tensor dy = dy_in.to(x.scalar_type()).contiguous();
+  const int64_t H = x.size(-1);
+  const int64_t R = H == 0 ? 0 : x.numel() / H;
+  const bool has_w = w_opt.has_value() && w_opt->defined();
+  // w_eff = offset + w is formed in the weight's own precision before the cast, as the
+  // float32 math of the reference does.
+  at::Tensor w = has_w ? w_opt->contiguous() : at::Tensor();
+  at::Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
+  at::Tensor dw = need_dw ? at::empty({H}, x.options().dtype(has_w ? w_opt->scalar_type() : x.scalar_type()))
+                          : at::empty({0}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rms_norm_backward", [&] {
+    using T = scalar_t;
+    using A = acc_t<T>;
+    using V = AccVec<T>;
+    const T* X = x.const_data_ptr<T>();
+    const T* DY = dy.const_data_ptr<T>();
+    T* DX = dx.mutable_data_ptr<T>();
+    // w_eff in the accumulation type, once (H values), so the row loop reads one array.
+    std::vector<A> weff(H, A(1));
+    if (has_w) {
+      at::Tensor wa = w.to(std::is_same_v<A, double> ? at::kDouble : at::kFloat).contiguous();
+      const A* wp = wa.const_data_ptr<A>();
+      for (int64_t j = 0; j < H; ++j) weff[j] = A(offset) + wp[j];
+    }
+    const A* WE = weff.data();
+    const int64_t chunks = num_row_chunks(R);
+    const bool partials = need_dw && R > 0;
+    std::vector<A> pw(partials ? chunks * H : 0, A(0));
+    at::parallel_for(0, R > 0 ? chunks : 0, 1, [&](int64_t cb, int64_t ce) {
+      for (int64_t c = cb; c < ce; ++c) {
+        const int64_t r0 = c * R / chunks, r1 = (c + 1) * R / chunks;
+        A* PW = partials ? pw.data() + c * H : nullptr;
+        for (int64_t r = r0; r < r1; ++r) {
+          const T* xr = X + r * H;
+          const T* dr = DY + r * H;
+          T* out = DX + r * H;
+          const A ms = row_sum<T>(H, [&](int64_t j) { V v = load_acc<T>(xr + j); return v * v; },
+                                  [&](int64_t j) { A v = A(xr[j]); return v * v; }) / A(H);
+          const A rinv = A(1) / std::sqrt(ms + A(eps));
+          const V vr(rinv);
+          int64_t j = 0;
+          for (; j + kStep<T> <= H; j += kStep<T>) {
+            V d = load_acc<T>(dr + j) * vr;
+            store_acc<T>(out + j, d * V::loadu(WE + j));
+            if (PW) (V::loadu(PW + j) + d * load_acc<T>(xr + j)).store(PW + j);
+          }
+          for (; j < H; ++j) {
+            A d = A(dr[j]) * rinv;
+            out[j] = static_cast<T>(d * WE[j]);
+            if (PW) PW[j] += d * A(xr[j]);
+          }
+        }
+      }
+    });
+    if (need_dw) finish_param_grad<A>(pw, chunks, H, partials, dw);
+  });
+  return {dx, dw};
+}
+
+TORCH_LIBRARY_IMPL(pyattr, CPU, m) { m.impl("rms_norm_backward", &rms_norm_backward); }
+
+}  // namespace pyattr::cpu

@@ -1,0 +1,54 @@
+// Row-wise helpers for the norm kernels: rows of any length (vector body + scalar tail)
+// and deterministic parameter-gradient reductions (fixed row chunks, fixed-order sum).
+#pragma once
+
+#include <vector>
+
+#include <ATen/Dispatch.h>
+
+#include "vec_utils.h"
+
+namespace pyattr::cpu {
+
+// Row chunks for parameter-gradient partials. Depends on the shape only, never on the
+// thread count, so dweight/dbias are bit-reproducible run to run.
+inline int64_t num_row_chunks(int64_t rows) { return std::max<int64_t>(1, std::min<int64_t>(rows, 64)); }
+
+// sum_i f(i) over one row, vectorised.
+template <typename T, typename VF, typename SF>
+inline acc_t<T> row_sum(int64_t n, VF vf, SF sf) {
+  AccVec<T> acc(0);
+  int64_t i = 0;
+  for (; i + kStep<T> <= n; i += kStep<T>) acc = acc + vf(i);
+  acc_t<T> s = reduce_sum<T>(acc);
+  for (; i < n; ++i) s += sf(i);
+  return s;
+}
+
+// Sum `chunks` partial rows of length n (float32/float64) in chunk order into out.
+template <typename A, typename P>
+inline void sum_partials(const std::vector<A>& partial, int64_t chunks, int64_t n, P* out) {
+  at::parallel_for(0, n, 2048, [&](int64_t b, int64_t e) {
+    for (int64_t j = b; j < e; ++j) {
+      A s = 0;
+      for (int64_t c = 0; c < chunks; ++c) s += partial[c * n + j];
+      out[j] = static_cast<P>(s);
+    }
+  });
+}
+
+// Write the summed partials (or zeros when there were no rows) into a parameter gradient
+// of any floating dtype.
+template <typename A>
+inline void finish_param_grad(const std::vector<A>& partial, int64_t chunks, int64_t n, bool any_rows,
+                              at::Tensor& out) {
+  if (!any_rows) {
+    out.zero_();
+    return;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "param_grad", [&] {
+    sum_partials<A, scalar_t>(partial, chunks, n, out.mutable_data_ptr<scalar_t>());
+  });
+}
+
+}  // namespace pyattr::cpu

@@ -1,0 +1,79 @@
+// CPU helpers: float32 (float64 for double) accumulation over at::vec::Vectorized, loads
+// and stores that convert 16-bit types once, and a parallel elementwise driver.
+#pragma once
+
+#include <array>
+#include <type_traits>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+namespace pyattr::cpu {
+
+using at::vec::Vectorized;
+
+template <typename T>
+using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+template <typename T>
+using AccVec = Vectorized<acc_t<T>>;
+
+template <typename T>
+constexpr int64_t kStep = AccVec<T>::size();
+
+// Load kStep<T> elements starting at p, converted to the accumulation type.
+template <typename T>
+inline AccVec<T> load_acc(const T* p) {
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+    return AccVec<T>::loadu(p);
+  } else {
+    Vectorized<float> out;
+    at::vec::load_to_float<T>(p, out);
+    return out;
+  }
+}
+
+template <typename T>
+inline void store_acc(T* p, const AccVec<T>& v) {
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+    v.store(p);
+  } else {
+    at::vec::convert_from_float<T>(v, v).store(p, kStep<T>);
+  }
+}
+
+template <typename T>
+inline acc_t<T> reduce_sum(const AccVec<T>& v) {
+  return at::vec::vec_reduce_all<acc_t<T>>([](auto& a, auto& b) { return a + b; }, v);
+}
+
+// Elements per parallel task: large enough to amortise scheduling, small enough to split.
+constexpr int64_t kGrain = 16384;
+
+// out_k[i] = f(in_0[i], ..., in_{N-1}[i]) for every i, in parallel; vf works on
+// AccVec<T> lanes, sf on acc_t<T> scalars (the tail that does not fill a vector).
+template <typename T, size_t NIN, size_t NOUT, typename VF, typename SF>
+void elementwise(const std::array<const T*, NIN>& in, const std::array<T*, NOUT>& out, int64_t n, VF vf,
+                 SF sf) {
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    int64_t i = begin;
+    for (; i + kStep<T> <= end; i += kStep<T>) {
+      std::array<AccVec<T>, NIN> a;
+      for (size_t k = 0; k < NIN; ++k) a[k] = load_acc<T>(in[k] + i);
+      std::array<AccVec<T>, NOUT> r = vf(a);
+      for (size_t k = 0; k < NOUT; ++k) store_acc<T>(out[k] + i, r[k]);
+    }
+    for (; i < end; ++i) {
+      std::array<acc_t<T>, NIN> a;
+      for (size_t k = 0; k < NIN; ++k) a[k] = static_cast<acc_t<T>>(in[k][i]);
+      std::array<acc_t<T>, NOUT> r = sf(a);
+      for (size_t k = 0; k < NOUT; ++k) out[k][i] = static_cast<T>(r[k]);
+    }
+  });
+}
+
+}  // namespace pyattr::cpu

@@ -1,0 +1,30 @@
+// Operator schemas of pyattr._C and the Python module init. Kernels register per device
+// in csrc/cpu/*.cpp and csrc/cuda/*.cu (one file per rule family).
+#include <Python.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(pyattr, m) {
+  // Identity-rule: dx = dy * phi(x).
+  m.def("identity_backward(Tensor x, Tensor dy, str act) -> Tensor");
+  // Half-rule: du = dy*v/2, dv = dy*u/2 (same-shape inputs).
+  m.def("half_backward(Tensor u, Tensor v, Tensor dy) -> (Tensor, Tensor)");
+  // Gated activation h = act(gate)*up under the Identity- and/or Half-rule.
+  m.def("gated_backward(Tensor gate, Tensor up, Tensor dh, str act, bool identity, bool half) -> (Tensor, Tensor)");
+  // LN-rule for LayerNorm; dweight/dbias are empty tensors when not requested.
+  m.def("layer_norm_backward(Tensor x, Tensor? weight, float eps, Tensor dy, bool need_dweight, bool need_dbias) -> (Tensor, Tensor, Tensor)");
+  // LN-rule for RMSNorm with weight offset (1.0 for Gemma).
+  m.def("rms_norm_backward(Tensor x, Tensor? weight, float eps, float offset, Tensor dy, bool need_dweight) -> (Tensor, Tensor)");
+}
+
+static PyModuleDef pyattr_module = {PyModuleDef_HEAD_INIT, "_C", "pyattr compiled kernels", -1, nullptr};
+
+PyMODINIT_FUNC PyInit__C(void) {
+  PyObject* mod = PyModule_Create(&pyattr_module);
+  if (mod == nullptr) return nullptr;
+#ifdef PYATTR_WITH_CUDA
+  PyModule_AddIntConstant(mod, "WITH_CUDA", 1);
+#else
+  PyModule_AddIntConstant(mod, "WITH_CUDA", 0);
+#endif
+  return mod;
+}

@@ -1,0 +1,47 @@
+"""Fake (meta) implementations of the ``pyattr::`` ops, so that ``torch.compile`` and
+``torch.library.opcheck`` can trace them without running a kernel."""
+
+from __future__ import annotations
+
+import torch
+
+_DONE = False
+
+
+def _like(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
+def _param(x, weight, need):
+    if not need:
+        return x.new_empty((0,))
+    dtype = weight.dtype if weight is not None else x.dtype
+    return x.new_empty((x.shape[-1],), dtype=dtype)
+
+
+def register() -> None:
+    global _DONE
+    if _DONE:
+        return
+    _DONE = True
+    lib = torch.library
+
+    @lib.register_fake("pyattr::identity_backward")
+    def _identity(x, dy, act):
+        return _like(x)
+
+    @lib.register_fake("pyattr::half_backward")
+    def _half(u, v, dy):
+        return _like(u), _like(v)
+
+    @lib.register_fake("pyattr::gated_backward")
+    def _gated(gate, up, dh, act, identity, half):
+        return _like(gate), _like(up)
+
+    @lib.register_fake("pyattr::layer_norm_backward")
+    def _layer_norm(x, weight, eps, dy, need_dweight, need_dbias):
+        return _like(x), _param(x, weight, need_dweight), _param(x, weight, need_dbias)
+
+    @lib.register_fake("pyattr::rms_norm_backward")
+    def _rms_norm(x, weight, eps, offset, dy, need_dweight):
+        return _like(x), _param(x, weight, need_dweight)

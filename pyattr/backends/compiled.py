@@ -1,0 +1,56 @@
+"""``cpp`` and ``cuda`` backends: the kernels of the extension ``pyattr._C``.
+
+Both run through ``torch.ops.pyattr.*``; the dispatcher picks the CPU or CUDA kernel
+from the tensors' device. What the kernels do not cover runs in the reference backend,
+stated per function: custom activation callables (no closed form to compile) and
+broadcasting Half-rule inputs (the kernel takes equal shapes). Non-contiguous inputs are
+copied once to contiguous buffers inside the kernels' C++ wrappers.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from pyattr.activations import Activation
+from pyattr.backends import reference
+
+# Forwards stay on the native ops: they are what keeps forwards bit-identical.
+rms_norm_forward = reference.rms_norm_forward
+gated_forward = reference.gated_forward
+
+
+def _ops():
+    from pyattr.backends import _probe_extension
+
+    _probe_extension()  # loads pyattr._C, which registers the ops
+    return torch.ops.pyattr
+
+
+def identity_backward(x: torch.Tensor, dy: torch.Tensor, act: Activation) -> torch.Tensor:
+    if act.kind == "custom":
+        return reference.identity_backward(x, dy, act)
+    return _ops().identity_backward(x, dy, act.kind)
+
+
+def half_backward(u: torch.Tensor, v: torch.Tensor, dy: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    if u.shape != dy.shape or v.shape != dy.shape or u.dtype != v.dtype:
+        return reference.half_backward(u, v, dy)
+    return _ops().half_backward(u, v, dy)
+
+
+def gated_backward(g, u, dh, act: Activation, identity: bool, half: bool):
+    if act.kind == "custom":
+        return reference.gated_backward(g, u, dh, act, identity, half)
+    return _ops().gated_backward(g, u, dh, act.kind, identity, half)
+
+
+def layer_norm_backward(x, weight: Optional[torch.Tensor], eps: float, dy, need_dweight: bool, need_dbias: bool):
+    dx, dw, db = _ops().layer_norm_backward(x, weight, eps, dy, need_dweight, need_dbias)
+    return dx, (dw if need_dweight else None), (db if need_dbias else None)
+
+
+def rms_norm_backward(x, weight: Optional[torch.Tensor], eps: float, offset: float, dy, need_dweight: bool):
+    dx, dw = _ops().rms_norm_backward(x, weight, eps, offset, dy, need_dweight)
+    return dx, (dw if need_dweight else None)
