@@ -18,15 +18,23 @@ cpu_sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
 
 
 def cpu_flags():
-    """AVX2/FMA code paths of at::vec when the build machine has them (the extension is
-    built from source on the machine that runs it; PYATTR_NO_AVX2=1 opts out)."""
-    flags = ["-O3"]
+    """The widest at::vec code path the build machine has (AVX-512, else AVX2/FMA, else
+    the portable one): the extension is built from source on the machine that runs it.
+    PYATTR_CPU_CAPABILITY=AVX2 or DEFAULT caps it."""
+    # at::parallel_for is header code over OpenMP: without -fopenmp it runs on one thread.
+    # The process already holds torch's libgomp.so.1, which the extension then shares.
+    flags = ["-O3", "-fopenmp"]
     try:
         with open("/proc/cpuinfo") as f:
             info = f.read()
     except OSError:
         info = ""
-    if os.environ.get("PYATTR_NO_AVX2") != "1" and " avx2" in info and " fma" in info:
+    level = os.environ.get("PYATTR_CPU_CAPABILITY", "").upper()
+    has = lambda *f: all(f" {x}" in info for x in f)  # noqa: E731
+    if level in ("", "AVX512") and has("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"):
+        flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
+        flags += ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
+    elif level in ("", "AVX2", "AVX512") and has("avx2", "fma"):
         flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
     else:
         flags += ["-DCPU_CAPABILITY=DEFAULT"]
@@ -48,9 +56,12 @@ if cpu_sources:
             cpu_sources + cuda_sources,
             define_macros=[("PYATTR_WITH_CUDA", "1")],
             extra_compile_args={"cxx": cpu_flags(), "nvcc": ["-O3"]},
+            extra_link_args=["-fopenmp"],
         )
     else:
-        ext = CppExtension("pyattr._C", cpu_sources, extra_compile_args={"cxx": cpu_flags()})
+        ext = CppExtension(
+            "pyattr._C", cpu_sources, extra_compile_args={"cxx": cpu_flags()}, extra_link_args=["-fopenmp"]
+        )
     ext_modules = [ext]
     cmdclass = {"build_ext": BuildExtension.with_options(use_ninja=True)}
 

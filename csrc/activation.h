@@ -75,13 +75,16 @@ PYATTR_HD T dact_scalar(Act a, T x) {
     case Act::GELU:
       return T(0.5) * (T(1) + std::erf(x * T(kInvSqrt2))) + x * T(kInvSqrt2Pi) * std::exp(T(-0.5) * x * x);
     case Act::GELUTanh: {
-      T t = std::tanh(T(kSqrt2OverPi) * (x + T(kGeluTanhCoef) * x * x * x));
-      T dinner = T(kSqrt2OverPi) * (T(1) + T(3 * kGeluTanhCoef) * x * x);
-      return T(0.5) * (T(1) + t) + T(0.5) * x * (T(1) - t * t) * dinner;
+      // saturated beyond |x| = 10 (derivative 0 or 1 in float32); the clamp keeps
+      // x^2 from overflowing into inf * 0
+      T xc = x != x ? x : (x < T(-10) ? T(-10) : (x > T(10) ? T(10) : x));
+      T t = std::tanh(T(kSqrt2OverPi) * (xc + T(kGeluTanhCoef) * xc * xc * xc));
+      T dinner = T(kSqrt2OverPi) * (T(1) + T(3 * kGeluTanhCoef) * xc * xc);
+      return T(0.5) * (T(1) + t) + T(0.5) * xc * (T(1) - t * t) * dinner;
     }
     case Act::QuickGELU: {
       T s = sigmoid_(T(kQuickGeluAlpha) * x);
-      return s + T(kQuickGeluAlpha) * x * s * (T(1) - s);
+      return s + T(kQuickGeluAlpha) * (x * (s * (T(1) - s)));
     }
     case Act::ReLU:
     default:

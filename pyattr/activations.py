@@ -64,8 +64,10 @@ class Activation:
 
     Attributes:
         kind: one of :data:`KNOWN_ACTIVATIONS`, or ``"custom"`` for any other callable.
-        fn: the callable that computes the native forward ``act(x)``. For a module it is
-            the module itself, so the forward is bit-identical to the model's own.
+        fn: the callable that computes the forward ``act(x)``: for a known kind the
+            out-of-place ``torch.nn.functional`` op (same values as any of its forms, and
+            an in-place module can no longer overwrite the saved input); for a custom
+            callable the callable itself.
         zero_limit: φ(0) used by the ``custom`` kind (ignored for known kinds).
     """
 
@@ -73,9 +75,42 @@ class Activation:
     fn: Callable[[torch.Tensor], torch.Tensor]
     zero_limit: float = 0.5
 
+    def native(self, x: torch.Tensor) -> torch.Tensor:
+        """``act(x)`` for use inside a backward: the functional op for known kinds (no
+        module hooks run), the callable on a copy for custom ones."""
+        if self.kind == "custom":
+            return self.eval_custom(x)
+        return _native_fn(self.kind)(x)
+
     @property
     def name(self) -> str:
         return self.kind if self.kind != "custom" else getattr(self.fn, "__name__", type(self.fn).__name__)
+
+    def eval_custom(self, x: torch.Tensor) -> torch.Tensor:
+        """``act(x)`` for a custom callable on a copy of ``x`` (a callable that works in
+        place must not overwrite a saved tensor), in float32/float64 where the callable
+        allows it, else in ``x``'s own dtype (e.g. a module with float16 parameters)."""
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        try:
+            return self.fn(x.to(acc).clone()).to(acc)
+        except RuntimeError:
+            own = _param_dtype(self.fn)
+            if own is None or own == acc:
+                raise
+            return self.fn(x.to(own)).to(acc)
+
+
+def _param_dtype(fn) -> Optional[torch.dtype]:
+    if isinstance(fn, nn.Module):
+        for t in list(fn.parameters()) + list(fn.buffers()):
+            if t.is_floating_point():
+                return t.dtype
+    return None
+
+
+def known(kind: str, zero_limit: float = 0.5) -> Activation:
+    """The :class:`Activation` of a known kind, computed with the functional op."""
+    return Activation(kind, _native_fn(kind), zero_limit)
 
 
 def _native_fn(kind: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -120,10 +155,12 @@ def _kind_of_function(fn: Callable) -> Optional[str]:
             return None
         if inner is not None and not fn.args and not fn.keywords:
             return inner
-        # e.g. partial(F.silu, inplace=False) keeps the same math
+        # partial(F.silu, inplace=...) keeps the same math
         if inner in ("silu", "relu") and set(fn.keywords) <= {"inplace"} and not fn.args:
             return inner
         return None
+    if isinstance(fn, nn.Module):
+        return _kind_of_module(fn)
     if fn in (F.silu, torch.nn.functional.silu):
         return "silu"
     if fn in (F.gelu, torch.nn.functional.gelu):
@@ -152,15 +189,30 @@ def resolve_activation(act, zero_limit: float = 0.5) -> Activation:
                 f"act: unknown activation name {act!r}; expected one of "
                 f"{sorted(_NAME_TO_KIND)} or a callable"
             )
-        kind = _NAME_TO_KIND[key]
-        return Activation(kind, _native_fn(kind), float(zero_limit))
+        return known(_NAME_TO_KIND[key], float(zero_limit))
     if isinstance(act, nn.Module):
         kind = _kind_of_module(act)
-        return Activation(kind or "custom", act, float(zero_limit))
-    if callable(act):
+    elif callable(act):
         kind = _kind_of_function(act)
-        return Activation(kind or "custom", act, float(zero_limit))
-    raise TypeError(f"act must be an activation name or a callable, got {type(act).__name__}")
+    else:
+        raise TypeError(f"act must be an activation name or a callable, got {type(act).__name__}")
+    if kind is None:
+        return Activation("custom", act, float(zero_limit))
+    return Activation(kind, forward_fn(act, kind), float(zero_limit))
+
+
+def _is_inplace(act) -> bool:
+    if isinstance(act, functools.partial):
+        return bool(act.keywords.get("inplace", False))
+    return bool(getattr(act, "inplace", False))
+
+
+def forward_fn(act, kind: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The callable that computes the forward of a known-kind activation: the object
+    itself (so the forward is bit-identical to it, e.g. Hugging Face's Python GELU
+    formulas), except in-place forms, which are replaced by the out-of-place op with
+    the same values so that the input saved for the backward is not overwritten."""
+    return _native_fn(kind) if _is_inplace(act) else act
 
 
 def phi(x32: torch.Tensor, act: Activation) -> torch.Tensor:
@@ -183,20 +235,22 @@ def phi(x32: torch.Tensor, act: Activation) -> torch.Tensor:
     if k == "relu":
         # NaN stays NaN (a comparison alone would turn it into 0)
         return torch.where(torch.isnan(x32), x32, (x32 > 0).to(x32.dtype))
-    y = act.fn(x32)
+    y = act.eval_custom(x32)
     out = y / x32
     out = torch.where(x32 == 0, torch.full_like(out, act.zero_limit), out)
     # At ±inf the quotient is inf/inf; take it at the largest finite value instead.
     inf = torch.isinf(x32)
     if bool(inf.any()):
         big = torch.where(inf, torch.sign(x32) * torch.finfo(x32.dtype).max, x32)
-        out = torch.where(inf, act.fn(big) / big, out)
+        out = torch.where(inf, act.eval_custom(big) / big, out)
     return out
 
 
 def derivative(x32: torch.Tensor, act: Activation) -> torch.Tensor:
     """Ordinary derivative act'(x), used when the Identity-rule is switched off."""
     k = act.kind
+    # Products are ordered so that a saturated factor (s·(1−s) = 0) meets x before any
+    # constant can overflow it: huge finite x gives the native 0/1, never inf·0.
     if k == "silu":
         s = torch.sigmoid(x32)
         return s * (1.0 + x32 * (1.0 - s))
@@ -204,15 +258,17 @@ def derivative(x32: torch.Tensor, act: Activation) -> torch.Tensor:
         pdf = torch.exp(-0.5 * x32 * x32) / math.sqrt(2.0 * math.pi)
         return 0.5 * (1.0 + torch.erf(x32 * _INV_SQRT_2)) + x32 * pdf
     if k == "gelu_tanh":
-        t = torch.tanh(_SQRT_2_OVER_PI * (x32 + 0.044715 * x32 * x32 * x32))
-        dinner = _SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * x32 * x32)
-        return 0.5 * (1.0 + t) + 0.5 * x32 * (1.0 - t * t) * dinner
+        # saturated beyond |x| = 10; the clamp keeps x² from overflowing into inf·0
+        xc = torch.clamp(x32, -10.0, 10.0)
+        t = torch.tanh(_SQRT_2_OVER_PI * (xc + 0.044715 * xc * xc * xc))
+        dinner = _SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * xc * xc)
+        return 0.5 * (1.0 + t) + 0.5 * xc * (1.0 - t * t) * dinner
     if k == "quick_gelu":
         s = torch.sigmoid(_QUICK_GELU_ALPHA * x32)
-        return s + _QUICK_GELU_ALPHA * x32 * s * (1.0 - s)
+        return s + _QUICK_GELU_ALPHA * (x32 * (s * (1.0 - s)))
     if k == "relu":
         return phi(x32, act)
     with torch.enable_grad():
-        xr = x32.detach().requires_grad_(True)
-        (d,) = torch.autograd.grad(act.fn(xr).sum(), xr)
+        xr = x32.detach().clone().requires_grad_(True)
+        (d,) = torch.autograd.grad(act.fn(xr * 1.0).sum(), xr)
     return d

@@ -14,6 +14,7 @@ from torch import nn
 from pyattr import backends
 from pyattr.integration import architectures as A
 from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
+from pyattr.integration.errors import RelevanceRuleConflictError
 from pyattr.integration.scope import model_type_of, use_relevance_rules
 
 Target = Union[None, int, Sequence[int], torch.Tensor, Callable]
@@ -33,7 +34,6 @@ class RelevanceResult:
         target_ids (Tensor[batch] or None): the token ids explained, for logit targets.
         coverage (RelevanceRuleCoverage): what the rule scope installed and skipped.
         backend (str): the backend that ran the rule backwards.
-        output: the model output of the pass (detached).
     """
 
     token_relevance: torch.Tensor
@@ -43,7 +43,6 @@ class RelevanceResult:
     target_ids: Optional[torch.Tensor]
     coverage: RelevanceRuleCoverage
     backend: str
-    output: object = None
 
 
 def _normalise_inputs(inputs, attention_mask):
@@ -60,17 +59,23 @@ def _normalise_inputs(inputs, attention_mask):
         raise TypeError("inputs: input_ids must be an integer tensor of shape (batch, seq)")
     if ids.dim() == 1:
         ids = ids.unsqueeze(0)
-    if ids.dim() != 2 or ids.shape[1] == 0:
-        raise ValueError(f"inputs: input_ids must have shape (batch, seq) with seq > 0, got {tuple(ids.shape)}")
+    if ids.dim() != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
+        raise ValueError(
+            f"inputs: input_ids must have shape (batch, seq) with batch > 0 and seq > 0, got {tuple(ids.shape)}"
+        )
     kwargs["input_ids"] = ids
     if attention_mask is not None:
         kwargs["attention_mask"] = attention_mask
     mask = kwargs.get("attention_mask")
     if mask is not None:
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"attention_mask must be a tensor of shape (batch, seq), got {type(mask).__name__}")
         if mask.dim() == 1:
             mask = mask.unsqueeze(0)
         if mask.shape != ids.shape:
             raise ValueError(f"attention_mask of shape {tuple(mask.shape)} must match input_ids {tuple(ids.shape)}")
+        if bool((mask.sum(1) == 0).any()):
+            raise ValueError("attention_mask has a row with no real token (all zeros)")
         kwargs["attention_mask"] = mask
     return kwargs
 
@@ -84,11 +89,13 @@ def _last_positions(ids: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Te
 
 def _logit_target(output, ids, mask, target):
     logits = getattr(output, "logits", None)
-    if logits is None:
-        if isinstance(output, torch.Tensor):
-            logits = output
-        else:
-            raise ValueError("target: a token id needs a model that returns logits; pass a callable instead")
+    if logits is None and isinstance(output, torch.Tensor):
+        logits = output
+    if logits is None or logits.dim() != 3:
+        raise ValueError(
+            "target: a token id needs a model that returns next-token logits of shape (batch, seq, vocab); "
+            "for other outputs pass a callable target"
+        )
     batch, vocab = ids.shape[0], logits.shape[-1]
     pos = _last_positions(ids, mask)
     rows = torch.arange(batch, device=logits.device)
@@ -96,11 +103,14 @@ def _logit_target(output, ids, mask, target):
     if target is None:
         tid = last.detach().argmax(-1)
     else:
-        if isinstance(target, int) and not isinstance(target, bool):
+        if isinstance(target, int):
             tid = torch.full((batch,), target, dtype=torch.long)
         else:
-            tid = torch.as_tensor(list(target) if not isinstance(target, torch.Tensor) else target)
-            if tid.dim() != 1 or tid.shape[0] != batch or tid.dtype.is_floating_point:
+            items = target.tolist() if isinstance(target, torch.Tensor) else list(target)
+            if any(isinstance(i, bool) or not isinstance(i, int) for i in items):
+                raise TypeError(f"target: token ids must be integers, got {target!r}")
+            tid = torch.tensor(items, dtype=torch.long)
+            if tid.dim() != 1 or tid.shape[0] != batch:
                 raise ValueError(f"target: expected one token id per batch row ({batch}), got {target!r}")
         tid = tid.to(device=logits.device, dtype=torch.long)
         if bool(((tid < 0) | (tid >= vocab)).any()):
@@ -213,12 +223,24 @@ def relevance(
     """
     kwargs = _normalise_inputs(inputs, attention_mask)
     ids, mask = kwargs["input_ids"], kwargs.get("attention_mask")
-    if target is not None and not callable(target) and not isinstance(target, (int, Sequence, torch.Tensor)):
-        raise TypeError(f"target must be None, a token id, a list of ids or a callable, got {type(target).__name__}")
+    if isinstance(target, (bool, str, bytes, float)) or (
+        target is not None and not callable(target) and not isinstance(target, (int, Sequence, torch.Tensor))
+    ):
+        raise TypeError(
+            f"target must be None, a token id, a list of ids or a callable, got {type(target).__name__}"
+        )
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError("relevance() needs autograd; it cannot run under torch.inference_mode()")
     entry, where = _entry_module(model)
     store: list = []
     rules = RelevanceRules() if rules is None else rules
     with _inference_state(model), use_relevance_rules(model, rules, generic=generic) as cov:
+        if cov.inherited:
+            raise RelevanceRuleConflictError(
+                f"relevance(rules={rules}) runs inside a use_relevance_rules scope that keeps other "
+                f"rules on ({', '.join(sorted(cov.inherited))[:200]}); the result would not reflect "
+                "`rules`. Call relevance() outside that scope, or with the same rules."
+            )
         with _capture_leaf(entry, where, store), torch.enable_grad():
             output = model(**kwargs)
         if not store:
@@ -245,7 +267,6 @@ def relevance(
         delta = t64 - rel.double().sum()
     else:
         delta = t64 - rel.double().sum(dim=(1, 2))
-    out_detached = output
     return RelevanceResult(
         token_relevance=tok,
         relevance=rel,
@@ -254,5 +275,4 @@ def relevance(
         target_ids=tid,
         coverage=cov,
         backend=backend_name,
-        output=out_detached,
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -22,11 +23,19 @@ def _rules(args):
 
 
 def _explain(args) -> int:
+    import contextlib
+
     from pyattr import backend as use_backend
     from pyattr.explain import DEFAULT_PAIR, DEFAULT_TEXT, ExplainError, explain_causal, explain_pair
+    from pyattr.integration.errors import RelevanceRuleConflictError, RelevanceRuleUnsupportedError
 
+    if args.html is not None and not args.html.strip():
+        print("pyattr explain: error: --html needs a file path", file=sys.stderr)
+        return 2
+    # --backend wins; without it PYATTR_BACKEND (or auto) applies, as in the Python API
+    scope = use_backend(args.backend) if args.backend else contextlib.nullcontext()
     try:
-        with use_backend(args.backend):
+        with scope:
             if args.model is not None:
                 if args.pair is not None:
                     raise ExplainError("--pair works with the sentence-embedding model only (drop --model)")
@@ -41,6 +50,9 @@ def _explain(args) -> int:
                 expl = explain_pair(a, b, rules=_rules(args))
     except ExplainError as e:
         print(f"pyattr explain: error: {e}", file=sys.stderr)
+        return 2
+    except (RelevanceRuleUnsupportedError, RelevanceRuleConflictError) as e:
+        print(f"pyattr explain: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     if args.html:
         from pyattr.render import to_html
@@ -82,7 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-norm-rule", action="store_true", help="switch off the LN-rule")
     e.add_argument("--no-activation-rule", action="store_true", help="switch off the Identity-rule")
     e.add_argument("--no-gate-rule", action="store_true", help="switch off the Half-rule on gates")
-    e.add_argument("--backend", default="auto", choices=["auto", "torch", "cpp", "cuda", "triton"])
+    e.add_argument(
+        "--backend",
+        default=None,
+        choices=["auto", "torch", "cpp", "cuda", "triton"],
+        help="force a backend (default: PYATTR_BACKEND, else auto)",
+    )
     e.set_defaults(func=_explain)
     return p
 
@@ -91,13 +108,25 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except Exception as e:  # one line for expected failures such as a forced, missing backend
+    except BrokenPipeError:  # e.g. `pyattr explain --json | head`
+        sys.stderr.close()
+        return 0
+    except Exception as e:
         from pyattr.backends import BackendUnavailableError
 
-        if isinstance(e, BackendUnavailableError):
+        if isinstance(e, BackendUnavailableError) or (
+            isinstance(e, ValueError) and "PYATTR_BACKEND" in str(e)
+        ):
             print(f"pyattr {args.command}: error: {e}", file=sys.stderr)
             return 2
-        raise
+        if os.environ.get("PYATTR_DEBUG") == "1":
+            raise
+        msg = " ".join(str(e).split())[:400]
+        print(
+            f"pyattr {args.command}: error: {type(e).__name__}: {msg} (PYATTR_DEBUG=1 shows the traceback)",
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":

@@ -119,8 +119,10 @@ def _load(path: Path, causal: bool):
         cls = AutoModelForCausalLM if causal else AutoModel
         model = cls.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
     except Exception as e:  # transformers raises OSError/ValueError/KeyError for broken dirs
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ExplainError(f"cannot load model from {str(path)!r}: {first}") from None
+        text = " ".join(str(e).split()) or type(e).__name__
+        if len(text) > 400:
+            text = text[:400] + "…"
+        raise ExplainError(f"cannot load model from {str(path)!r}: {text}") from None
     model.eval()
     return tok, model
 
@@ -144,6 +146,24 @@ def _check_text(name: str, text: Optional[str]) -> str:
     return text
 
 
+def _max_positions(model) -> Optional[int]:
+    cfg = model.config
+    for key in ("max_position_embeddings", "n_positions"):
+        v = getattr(cfg, key, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def _check_tokens(name: str, n_tokens: int, model, tok) -> None:
+    n_special = tok.num_special_tokens_to_add() if hasattr(tok, "num_special_tokens_to_add") else 0
+    if n_tokens <= n_special:
+        raise ExplainError(f"{name} has no tokens the model can read after tokenisation")
+    limit = _max_positions(model)
+    if limit is not None and n_tokens > limit:
+        raise ExplainError(f"{name} is {n_tokens} tokens long; the model reads at most {limit}")
+
+
 def explain_pair(
     text_a: str, text_b: str, model_dir: Optional[Path] = None, rules: Optional[RelevanceRules] = None
 ) -> Explanation:
@@ -155,6 +175,8 @@ def explain_pair(
     rules = rules or RelevanceRules()
     enc = tok([text_a, text_b], padding=True, return_tensors="pt")
     mask = enc["attention_mask"]
+    for name, row in (("--text", 0), ("--pair", 1)):
+        _check_tokens(name, int(mask[row].sum()), model, tok)
 
     def cosine(output):
         h = output.last_hidden_state  # (2, seq, hidden)
@@ -188,13 +210,19 @@ def explain_pair(
     )
 
 
-def _target_id(tok, target: str) -> int:
+def _target_id(tok, target: str, vocab_size: int) -> int:
     vocab = tok.get_vocab()
     if target in vocab:
-        return int(vocab[target])
-    ids = tok.encode(target, add_special_tokens=False)
-    if len(ids) == 1:
-        return int(ids[0])
+        tid = int(vocab[target])
+    else:
+        ids = tok.encode(target, add_special_tokens=False)
+        tid = int(ids[0]) if len(ids) == 1 else None
+    if tid is not None:
+        if tid >= vocab_size:
+            raise ExplainError(
+                f"target token {target!r} has id {tid}, outside the model's {vocab_size} output logits"
+            )
+        return tid
     raise ExplainError(
         f"target token {target!r} is not in the vocabulary"
         + (f" (it splits into {len(ids)} tokens)" if len(ids) > 1 else "")
@@ -208,14 +236,25 @@ def explain_causal(
     _check_text("--text", text)
     tok, model = _load(Path(model_dir), causal=True)
     rules = rules or RelevanceRules()
-    tid = _target_id(tok, target) if target is not None else None
+    vocab_size = int(getattr(model.config, "vocab_size", 0) or len(tok))
+    tid = _target_id(tok, target, vocab_size) if target is not None else None
     enc = tok(text, return_tensors="pt")
+    ids = enc["input_ids"][0].tolist()
+    # The next token follows the prompt itself: drop end-of-text markers the tokenizer appends.
+    while len(ids) > 1 and ids[-1] in {tok.sep_token_id, tok.eos_token_id} - {None}:
+        ids.pop()
+    if not ids or (len(ids) == 1 and ids[0] in set(tok.all_special_ids)):
+        raise ExplainError("--text has no tokens the model can read after tokenisation")
+    limit = _max_positions(model)
+    if limit is not None and len(ids) > limit:
+        raise ExplainError(f"--text is {len(ids)} tokens long; the model reads at most {limit}")
+    enc = {"input_ids": torch.tensor([ids])}
     t0 = time.perf_counter()
     res = relevance(model, {"input_ids": enc["input_ids"]}, target=tid, rules=rules)
     wall = time.perf_counter() - t0
     chosen = int(res.target_ids[0])
     name = tok.convert_ids_to_tokens([chosen])[0]
-    seg = Segment(text, _tokens(tok, enc["input_ids"][0]), [float(v) for v in res.token_relevance[0]])
+    seg = Segment(text, _tokens(tok, ids), [float(v) for v in res.token_relevance[0]])
     return Explanation(
         mode="causal",
         model=str(model_dir),

@@ -24,32 +24,43 @@ def _display(token: str) -> str:
     return token.replace("Ġ", " ").replace("▁", " ").replace("Ċ", "\\n")
 
 
+def conservation_note(expl: Explanation) -> str:
+    if abs(expl.conservation_delta) <= 1e-4 * max(abs(expl.target), 1e-12):
+        return "conserved: relevance sums to the target"
+    return "relevance absorbed by biases, or lost where a rule is off"
+
+
 def print_terminal(expl: Explanation, console=None) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.text import Text
 
-    console = console or Console()
+    # soft_wrap: no hard line breaks when stdout is a file or a pipe
+    console = console or Console(soft_wrap=True)
     scale = _scale(expl)
-    console.print(f"[bold]model[/bold]   {expl.model}")
-    console.print(f"[bold]target[/bold]  {expl.target_description}")
+    console.print(f"[bold]model[/bold]   {escape(expl.model)}")
+    console.print(f"[bold]target[/bold]  {escape(expl.target_description)}")
     for i, seg in enumerate(expl.segments):
         line = Text(f"[{i + 1}] " if len(expl.segments) > 1 else "")
-        for tokn, v in zip(seg.tokens, seg.relevance):
+        for j, (tokn, v) in enumerate(zip(seg.tokens, seg.relevance)):
             r, g, b = _rgb(v, scale)
+            if j:
+                line.append(" ")
             line.append(_display(tokn), style=f"black on rgb({r},{g},{b})")
-            line.append(" ")
         console.print(line)
     top = sorted(
         ((v, t, i) for i, s in enumerate(expl.segments) for t, v in zip(s.tokens, s.relevance)),
         key=lambda z: -abs(z[0]),
     )[:5]
-    console.print("top tokens: " + ", ".join(f"{_display(t)!r}={v:+.4f}" for v, t, _ in top))
+    console.print(Text("top tokens by |relevance|: " + ", ".join(f"{_display(t)!r}={v:+.4f}" for v, t, _ in top)))
     console.print(
-        f"target value       {expl.target:+.6f}\n"
-        f"relevance sum      {expl.relevance_sum:+.6f}\n"
-        f"conservation delta {expl.conservation_delta:+.3e}  (target − Σ relevance; relevance absorbed by biases)\n"
-        f"wall time          {expl.wall_time_s * 1e3:.1f} ms  (forward + rule backward)\n"
-        f"backend            {expl.backend}   rules on {expl.installed} modules"
+        Text(
+            f"target value       {expl.target:+.6f}\n"
+            f"relevance sum      {expl.relevance_sum:+.6f}\n"
+            f"conservation delta {expl.conservation_delta:+.3e}  (target − Σ relevance; {conservation_note(expl)})\n"
+            f"wall time          {expl.wall_time_s * 1e3:.1f} ms  (forward + rule backward)\n"
+            f"backend            {expl.backend}   rules on {expl.installed} modules"
+        )
     )
 
 

@@ -15,8 +15,9 @@ def test_available_backends_reports_every_backend():
         assert not st["cuda"].available
 
 
-def test_auto_picks_torch_on_cpu_and_force_torch():
-    assert backends.select(torch.device("cpu"), "identity") == "torch"
+def test_auto_picks_cpp_on_cpu_when_built_and_force_torch():
+    expected = "cpp" if pyattr.available_backends()["cpp"].available else "torch"
+    assert backends.select(torch.device("cpu"), "identity") == expected
     with pyattr.backend("torch"):
         assert backends.requested_backend() == "torch"
     assert backends.requested_backend() == "auto"

@@ -46,7 +46,10 @@ def test_explain_bundled_default_json():
     assert abs(total - out["relevance_sum"]) < 1e-5
     assert 0.3 < out["target"] < 1.0  # the two built-in sentences are paraphrases
     assert out["segments"][0]["tokens"][0] == "[CLS]"
-    assert out["backend"] == "torch" and out["rules_installed"] == 31
+    import pyattr
+
+    assert out["backend"] == ("cpp" if pyattr.available_backends()["cpp"].available else "torch")
+    assert out["rules_installed"] == 31
 
 
 def test_explain_bundled_terminal_and_html(tmp_path):
@@ -83,6 +86,38 @@ def test_explain_errors_one_line(args, msg):
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and msg in lines[0], p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_markup_like_tokens_and_paths_are_printed_verbatim():
+    import io
+
+    from rich.console import Console
+
+    from pyattr.explain import Explanation, Segment
+    from pyattr.render import print_terminal
+
+    expl = Explanation(
+        mode="causal", model="./[red]m[/x]", target_description="next-token logit of '[/INST]'",
+        target=1.0, relevance_sum=1.0, conservation_delta=0.0, wall_time_s=0.01, backend="torch",
+        rules={}, segments=[Segment("t", ["[INST]", "hi", "[/INST]", "[unused5]"], [0.1, 0.5, -0.2, 0.0])],
+    )
+    buf = io.StringIO()
+    print_terminal(expl, Console(file=buf, width=200, soft_wrap=True))
+    out = buf.getvalue()
+    for text in ("./[red]m[/x]", "'[/INST]'", "[INST] hi [/INST] [unused5]", "conserved"):
+        assert text in out, out
+
+
+def test_explain_too_long_text_and_backend_env():
+    p = run("explain", "--text", "word " * 700, check=False)
+    assert p.returncode == 2 and "tokens long; the model reads at most 512" in p.stderr
+    env_run = subprocess.run(
+        [PYATTR, "explain"], capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, HF_HUB_OFFLINE="1", PYATTR_BACKEND="bogus"),
+    )
+    assert env_run.returncode == 2 and "PYATTR_BACKEND: unknown backend 'bogus'" in env_run.stderr
+    p = run("explain", "--html", "", check=False)
+    assert p.returncode == 2 and "--html needs a file path" in p.stderr
 
 
 def test_explain_error_unknown_target_and_broken_dir(causal_dir, tmp_path):

@@ -59,3 +59,61 @@ def test_relevance_rules_validation():
     with pytest.raises(TypeError, match="RelevanceRules.normalization must be a bool"):
         pyattr.RelevanceRules(normalization=1)
     assert pyattr.RelevanceRules(attention=True).attention == "frozen"
+
+
+def test_ln_rule_errors_name_arguments():
+    from pyattr.rules import ln_rule, ln_rule_grad
+
+    with pytest.raises(ValueError, match=r"denom of shape \(3,\) does not broadcast with num of shape \(2,\)"):
+        ln_rule(torch.randn(2), torch.randn(3))
+    with pytest.raises(ValueError, match="offset must be a finite float, got '1'"):
+        ln_rule_grad(X, X, torch.ones(8), norm="rms_norm", offset="1")
+    with pytest.raises(ValueError, match="offset must be a finite float, got nan"):
+        ln_rule_grad(X, X, torch.ones(8), norm="rms_norm", offset=float("nan"))
+
+
+def test_inplace_activation_forms_do_not_corrupt_inputs():
+    import functools
+
+    import torch.nn.functional as F
+    from torch import nn
+
+    for act in (nn.SiLU(inplace=True), functools.partial(F.silu, inplace=True), nn.ReLU(inplace=True)):
+        x = torch.tensor([-1.0, 0.5, 2.0], requires_grad=True)
+        y = identity_rule(x, act)
+        (dx,) = torch.autograd.grad(y.sum(), x)
+        assert torch.equal(x.detach(), torch.tensor([-1.0, 0.5, 2.0]))
+        kind = "relu" if "relu" in repr(act).lower() else "silu"
+        expected = (x > 0).float() if kind == "relu" else torch.sigmoid(x)
+        torch.testing.assert_close(dx, expected.detach())
+    g = torch.tensor([-1.0, 0.5, 2.0])
+    gated_activation(g, torch.ones(3), nn.SiLU(inplace=True))
+    assert torch.equal(g, torch.tensor([-1.0, 0.5, 2.0]))
+    # an in-place custom callable cannot overwrite the saved input either
+    x = torch.tensor([-1.0, 0.5, 2.0], requires_grad=True)
+
+    def mish_(t):
+        return t.mul_(torch.tanh(F.softplus(t)))
+
+    y = identity_rule(x, mish_)
+    assert torch.equal(x.detach(), torch.tensor([-1.0, 0.5, 2.0]))
+    (dx,) = torch.autograd.grad(y.sum(), x)
+    torch.testing.assert_close(dx, (y / x).detach())
+
+
+def test_custom_activation_module_with_half_parameters():
+    from torch import nn
+
+    act = nn.PReLU().half()
+    x = torch.randn(4, 6, dtype=torch.float16, requires_grad=True)
+    y = identity_rule(x, act)
+    (dx,) = torch.autograd.grad(y.sum(), x)
+    torch.testing.assert_close(dx.float(), (act(x) / x).detach().float(), atol=2e-3, rtol=2e-3)
+
+
+def test_derivative_does_not_overflow_to_nan():
+    g = torch.tensor([3e38, -3e38, 1e30, -1e30])
+    for kind in ("silu", "quick_gelu", "gelu", "gelu_tanh", "relu"):
+        gg = g.clone().requires_grad_(True)
+        (dg,) = torch.autograd.grad(gated_activation(gg, torch.ones(4), kind, identity=False, half=False).sum(), gg)
+        assert torch.equal(dg, torch.tensor([1.0, 0.0, 1.0, 0.0])), (kind, dg)

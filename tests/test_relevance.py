@@ -19,7 +19,7 @@ def test_result_shapes_and_default_target_is_top1(llama):
     assert torch.equal(r.target_ids, logits.argmax(-1))
     torch.testing.assert_close(r.target, logits.max(-1).values.double())
     torch.testing.assert_close(r.token_relevance, r.relevance.sum(-1))
-    assert r.backend == "torch"
+    assert r.backend == ("cpp" if pyattr.available_backends()["cpp"].available else "torch")
 
 
 def test_target_forms_agree(llama):

@@ -177,3 +177,71 @@ def test_malformed_mount_is_unsupported_before_patching():
         with pyattr.use_relevance_rules(m):
             pass
     assert _patched(m) == []
+
+
+def test_hook_registered_inside_scope_is_checked_too():
+    m = tiny_causal_lm("llama")
+    ids = torch.randint(0, VOCAB, (1, 5))
+    with pyattr.use_relevance_rules(m):
+        h = m.model.layers[0].self_attn.q_proj.register_forward_hook(lambda mod, a, out: out * 1.0)
+        try:
+            with pytest.raises(pyattr.RelevanceRuleConflictError, match="replaced the output"):
+                m(ids)
+        finally:
+            h.remove()
+        h = m.model.layers[0].mlp.act_fn.register_forward_hook(lambda *a: None)
+        try:
+            with pytest.raises(pyattr.RelevanceRuleConflictError, match="would bypass them"):
+                m(ids)
+        finally:
+            h.remove()
+
+
+def test_deepcopy_inside_scope_raises_and_outside_works():
+    import copy
+
+    m = tiny_causal_lm("llama")
+    with pyattr.use_relevance_rules(m):
+        with pytest.raises(pyattr.RelevanceRuleConflictError, match=r"cannot copy 'model\.layers\.0\..*' while relevance rules are installed"):
+            copy.deepcopy(m)
+    c = copy.deepcopy(m)
+    assert _patched(c) == []
+
+
+def test_relevance_inside_a_scope_with_other_rules_raises():
+    m = tiny_causal_lm("llama")
+    ids = torch.randint(0, VOCAB, (1, 5))
+    with pyattr.use_relevance_rules(m) as outer:
+        with pyattr.use_relevance_rules(m, pyattr.RelevanceRules.none()) as inner:
+            assert inner.installed == []
+            assert inner.inherited["model.norm"] == ["normalization"]
+        with pytest.raises(pyattr.RelevanceRuleConflictError, match="keeps other rules on"):
+            pyattr.relevance(m, ids, rules=pyattr.RelevanceRules.none())
+        same = pyattr.relevance(m, ids)  # the same rules nest without conflict
+    plain = pyattr.relevance(m, ids)
+    torch.testing.assert_close(same.relevance, plain.relevance)
+
+
+class _ScaledMLP(torch.nn.Module):
+    """A gated MLP that is not the plain form: an extra multiplier on the product."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj, self.act_fn = mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x) * 0.5)
+
+
+def test_non_plain_gated_mlp_unsupported_or_skipped_in_generic():
+    m = tiny_causal_lm("llama")
+    m.model.layers[0].mlp = _ScaledMLP(m.model.layers[0].mlp)
+    with pytest.raises(pyattr.RelevanceRuleUnsupportedError, match=r"'model.layers.0.mlp': _ScaledMLP.forward is not the plain"):
+        with pyattr.use_relevance_rules(m):
+            pass
+    ids = torch.randint(0, VOCAB, (1, 6))
+    ref = m(ids).logits
+    m.config.model_type = "llama-variant"  # unknown type: class-based mounting
+    with pyattr.use_relevance_rules(m, generic=True) as cov:
+        assert torch.equal(m(ids).logits, ref)
+    assert "model.layers.0.mlp" in cov.skipped and "model.layers.1.mlp" in cov.installed

@@ -71,13 +71,14 @@ inline V dact_vec(Act a, const V& x) {
     case Act::GELU:
       return gelu_cdf_vec(x) + x * V(S(kInvSqrt2Pi)) * (V(S(-0.5)) * x * x).exp();
     case Act::GELUTanh: {
-      V t = (V(S(kSqrt2OverPi)) * (x + V(S(kGeluTanhCoef)) * x * x * x)).tanh();
-      V dinner = V(S(kSqrt2OverPi)) * (one + V(S(3 * kGeluTanhCoef)) * x * x);
-      return half * (one + t) + half * x * (one - t * t) * dinner;
+      V xc = at::vec::minimum(at::vec::maximum(x, V(S(-10))), V(S(10)));
+      V t = (V(S(kSqrt2OverPi)) * (xc + V(S(kGeluTanhCoef)) * xc * xc * xc)).tanh();
+      V dinner = V(S(kSqrt2OverPi)) * (one + V(S(3 * kGeluTanhCoef)) * xc * xc);
+      return half * (one + t) + half * xc * (one - t * t) * dinner;
     }
     case Act::QuickGELU: {
       V s = sigmoid_vec(V(S(kQuickGeluAlpha)) * x);
-      return s + V(S(kQuickGeluAlpha)) * x * s * (one - s);
+      return s + V(S(kQuickGeluAlpha)) * (x * (s * (one - s)));
     }
     case Act::ReLU:
     default:

@@ -154,7 +154,7 @@ def requested_backend() -> str:
 
 # Order in which ``auto`` tries backends per device type; the compiled ones are put in
 # front only once a benchmark shows them faster (see README, Performance).
-_AUTO_ORDER = {"cpu": ("torch",), "cuda": ("torch",)}
+_AUTO_ORDER = {"cpu": ("cpp", "torch"), "cuda": ("torch",)}
 
 
 def select(device: torch.device, op: str) -> str:

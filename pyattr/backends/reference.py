@@ -54,7 +54,7 @@ def gated_backward(
     s = 0.5 if half else 1.0
     local = phi(g32, act) if identity else derivative(g32, act)
     dg = s * dh32 * u32 * local
-    du = s * dh32 * act.fn(g32)
+    du = s * dh32 * act.native(g32)
     return dg.to(g.dtype), du.to(u.dtype)
 
 

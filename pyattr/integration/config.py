@@ -63,6 +63,9 @@ class RelevanceRuleCoverage:
             ``reasons[path]`` saying why (rule switched off, not a residual-stream norm…).
         by_kind (dict[str, list[str]]): installed paths per rule kind
             (``normalization``, ``activation``, ``multiplicative_gate``, ``attention``).
+        inherited (dict[str, list[str]]): paths whose rule this scope leaves off but an
+            enclosing scope still holds (nested scopes add rules, never remove them),
+            with the kinds.
     """
 
     model_type: str
@@ -70,6 +73,10 @@ class RelevanceRuleCoverage:
     skipped: List[str] = field(default_factory=list)
     reasons: Dict[str, str] = field(default_factory=dict)
     by_kind: Dict[str, List[str]] = field(default_factory=dict)
+    inherited: Dict[str, List[str]] = field(default_factory=dict)
+
+    def _inherit(self, path: str, kind: str) -> None:
+        self.inherited.setdefault(path, []).append(kind)
 
     def _add(self, kind: str, path: str) -> None:
         if path not in self.installed:

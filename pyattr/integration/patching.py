@@ -31,6 +31,19 @@ class RuleState:
         self.hook = None
         self.expected_out: Optional[int] = None
 
+    def __deepcopy__(self, memo):
+        raise RelevanceRuleConflictError(
+            f"cannot copy {self.path!r} while relevance rules are installed on it: the copy would "
+            "keep the rule patch bound to the original module. Copy the model outside the "
+            "use_relevance_rules scope."
+        )
+
+    def __reduce__(self):
+        raise RelevanceRuleConflictError(
+            f"cannot pickle {self.path!r} while relevance rules are installed on it; "
+            "save the model outside the use_relevance_rules scope"
+        )
+
     def active(self, kind: str) -> bool:
         return self.counts.get(kind, 0) > 0
 
@@ -78,6 +91,11 @@ def acquire(
             out = fwd(*args, **kwargs)
             if check_output:
                 state.expected_out = id(out)
+                # keep the check last, after hooks registered inside the scope too
+                if state.hook is not None:
+                    hooks = module._forward_hooks
+                    if next(reversed(hooks), None) != state.hook.id:
+                        hooks.move_to_end(state.hook.id)
             return out
 
         module.__dict__[_STATE] = state

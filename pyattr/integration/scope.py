@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, Optional
 
 import torch
 from torch import nn
 
-from pyattr.activations import Activation, _kind_of_module
+from pyattr.activations import Activation, _kind_of_module, forward_fn
 from pyattr.integration import architectures as A
 from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.integration.errors import RelevanceRuleConflictError, RelevanceRuleUnsupportedError
-from pyattr.integration.patching import acquire, has_hooks, per_column_scale, release
+from pyattr.integration.patching import acquire, has_hooks, per_column_scale, release, state_of
 from pyattr.ops.gated import gated_activation
 from pyattr.ops.layer_norm import layer_norm
 from pyattr.ops.rms_norm import rms_norm
@@ -32,6 +34,14 @@ class _Step:
 
 
 # --- forward factories --------------------------------------------------------------------
+
+def _bypass_message(path: str) -> str:
+    return (
+        f"{path + '.act_fn'!r} has hooks, but the gated-activation rule computes act(gate)·up "
+        "in one op and would bypass them; remove the hooks or switch off activation and "
+        "multiplicative_gate"
+    )
+
 
 def _norm_eps(module: nn.Module, path: str) -> float:
     for name in ("variance_epsilon", "eps"):
@@ -67,7 +77,10 @@ def _layer_norm_forward(eps: float):
 
 def _activation_forward(kind: str):
     def make(module, state):
-        act = Activation(kind, state.native)
+        # in-place modules (nn.ReLU(inplace=True)) run out of place, as the saved input
+        # must survive; otherwise the module's own forward, without its __call__
+        inplace = kind != "custom" and getattr(module, "inplace", False)
+        act = Activation(kind, forward_fn(module, kind) if inplace else state.native)
 
         def forward(x):
             return IdentityRuleFunction.apply(x, act)
@@ -77,11 +90,15 @@ def _activation_forward(kind: str):
     return make
 
 
-def _gated_forward(kind: str):
+def _gated_forward(kind: str, path: str):
     def make(mlp, state):
-        act = Activation(kind, mlp.act_fn)
+        # The module's own forward (bit-identical values) without its __call__: the
+        # act_fn's hooks would be bypassed, which is checked at install and at each call.
+        act = Activation(kind, forward_fn(mlp.act_fn, kind) if kind != "custom" else mlp.act_fn.forward)
 
         def forward(x):
+            if has_hooks(mlp.act_fn):
+                raise RelevanceRuleConflictError(_bypass_message(path))
             h = gated_activation(
                 mlp.gate_proj(x),
                 mlp.up_proj(x),
@@ -151,6 +168,26 @@ def _per_head_pattern(scales, head_size: int):
 
 # --- planning -----------------------------------------------------------------------------
 
+_GATED_EXPR = re.compile(r"self\.down_proj\(self\.act_fn\(self\.gate_proj\((\w+)\)\)\*self\.up_proj\(\1\)\)")
+
+
+def plain_gated_forward(mlp: nn.Module) -> bool:
+    """True when the MLP's forward is exactly ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``:
+    the form the gated rule re-implements (no extra norm, multiplier or dropout)."""
+    fwd = type(mlp).forward
+    try:
+        src = inspect.getsource(fwd)
+    except (OSError, TypeError):
+        return False
+    body = re.sub(r"#.*", "", src)
+    body = re.sub(r'"""[\s\S]*?"""', "", body)
+    flat = re.sub(r"\s+", "", body)
+    if not _GATED_EXPR.search(flat):
+        return False
+    used = set(re.findall(r"self\.(\w+)", flat))
+    return used <= {"down_proj", "act_fn", "gate_proj", "up_proj"}
+
+
 class _Planner:
     def __init__(self, model: nn.Module, rules: RelevanceRules, model_type: str):
         self.model = model
@@ -158,6 +195,7 @@ class _Planner:
         self.cov = RelevanceRuleCoverage(model_type=model_type)
         self.steps: List[_Step] = []
         self.mounted: set = set()
+        self.generic = model_type == "generic"
 
     def need(self, path: str) -> nn.Module:
         mod = A.get_submodule(self.model, path)
@@ -166,6 +204,14 @@ class _Planner:
                 f"{self.cov.model_type}: expected a module at {path!r}, found {type(mod).__name__}"
             )
         return mod
+
+    def off(self, kind: str, path: str, module: nn.Module, reason: str) -> None:
+        """A mount whose rule this scope leaves off; an enclosing scope may still hold it."""
+        st = state_of(module)
+        if st is not None and st.active(kind):
+            self.cov._inherit(path, kind)
+        else:
+            self.cov._skip(path, reason)
 
     def add(self, kind, path, module, value, make, check_output=True):
         self.steps.append(_Step(module, path, kind, value, make, check_output))
@@ -190,7 +236,7 @@ class _Planner:
         if self.rules.normalization:
             self.add("normalization", path, mod, (norm, offset), make)
         else:
-            self.cov._skip(path, "normalization rule off")
+            self.off("normalization", path, mod, "normalization rule off")
 
     def gated_mlp(self, path: str) -> None:
         mlp = self.need(path)
@@ -203,19 +249,25 @@ class _Planner:
         kind = _kind_of_module(mlp.act_fn) or "custom"
         self.mounted.add(id(mlp.act_fn))
         wanted = [k for k in ("activation", "multiplicative_gate") if getattr(self.rules, k)]
+        if wanted and not plain_gated_forward(mlp):
+            msg = (
+                f"{path!r}: {type(mlp).__name__}.forward is not the plain "
+                "down_proj(act_fn(gate_proj(x)) * up_proj(x)); the gated rule would change its forward"
+            )
+            if self.generic:
+                for k in wanted:
+                    self.cov._skip(path, msg)
+                return
+            raise RelevanceRuleUnsupportedError(msg)
         for k in ("activation", "multiplicative_gate"):
             if k not in wanted:
-                self.cov._skip(path, f"{k} rule off")
+                self.off(k, path, mlp, f"{k} rule off")
         if not wanted:
             return
         if has_hooks(mlp.act_fn):
-            raise RelevanceRuleConflictError(
-                f"{path + '.act_fn'!r} has hooks, but the gated-activation rule computes act(gate)·up "
-                "in one op and would bypass them; remove the hooks or switch off activation and "
-                "multiplicative_gate"
-            )
+            raise RelevanceRuleConflictError(_bypass_message(path))
         for k in wanted:
-            self.add(k, path, mlp, True, _gated_forward(kind), check_output=False)
+            self.add(k, path, mlp, True, _gated_forward(kind, path), check_output=False)
 
     def activation(self, path: str, mlp_path: str) -> None:
         mod = self.need(path)
@@ -224,7 +276,7 @@ class _Planner:
         if self.rules.activation:
             self.add("activation", path, mod, kind, _activation_forward(kind))
         else:
-            self.cov._skip(path, "activation rule off")
+            self.off("activation", path, mod, "activation rule off")
         if self.rules.multiplicative_gate:
             self.cov._skip(mlp_path, "no multiplicative gate in this MLP")
 
@@ -235,8 +287,8 @@ class _Planner:
             paths = [A.join(layer, p) for p in spec[1:]]
             mods = [self.need(p) for p in paths]
             if not mode:
-                for p in paths:
-                    self.cov._skip(p, "attention rule off")
+                for p, m in zip(paths, mods):
+                    self.off("attention", p, m, "attention rule off")
                 return
             for role, p, m, s in zip("qkv", paths, mods, _ATTN_SCALES[mode]):
                 if s == 1.0:
@@ -247,7 +299,7 @@ class _Planner:
         path = A.join(layer, spec[1])
         mod = self.need(path)
         if not mode:
-            self.cov._skip(path, "attention rule off")
+            self.off("attention", path, mod, "attention rule off")
             return
         if layout == "concat":
             pattern = _concat_pattern(_ATTN_SCALES[mode])

@@ -16,7 +16,8 @@ class GatedActivationFunction(torch.autograd.Function):
     def forward(ctx, gate, up, act: Activation, identity: bool, half: bool):
         ctx.act, ctx.identity, ctx.half = act, identity, half
         ctx.save_for_backward(gate, up)
-        return act.fn(gate) * up
+        a = act.fn(gate.clone()) if act.kind == "custom" else act.fn(gate)
+        return a * up
 
     @staticmethod
     def backward(ctx, dh):

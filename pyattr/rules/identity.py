@@ -20,7 +20,8 @@ class IdentityRuleFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, act: Activation) -> torch.Tensor:
         ctx.act = act
         ctx.save_for_backward(x)
-        return act.fn(x)
+        # a custom callable may work in place; the saved x must stay the input
+        return act.fn(x.clone()) if act.kind == "custom" else act.fn(x)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):

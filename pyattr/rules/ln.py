@@ -6,6 +6,7 @@ in the backward, which makes the norm linear in its input along the modified bac
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Union
 
 import torch
@@ -53,6 +54,12 @@ def ln_rule(num: torch.Tensor, denom: Union[torch.Tensor, float]) -> torch.Tenso
     if isinstance(denom, torch.Tensor):
         check_float("denom", denom)
         check_same_device(num=num, denom=denom)
+        try:
+            torch.broadcast_shapes(num.shape, denom.shape)
+        except RuntimeError:
+            raise ValueError(
+                f"denom of shape {tuple(denom.shape)} does not broadcast with num of shape {tuple(num.shape)}"
+            ) from None
     elif not isinstance(denom, (int, float)) or isinstance(denom, bool):
         raise TypeError(f"denom must be a tensor or a number, got {type(denom).__name__}")
     return LNRuleFunction.apply(num, denom)
@@ -96,6 +103,8 @@ def ln_rule_grad(
     check_norm_param("weight", weight, x)
     check_same_device(x=x, dy=dy, weight=weight)
     eps = check_eps(eps)
+    if isinstance(offset, bool) or not isinstance(offset, (int, float)) or not math.isfinite(offset):
+        raise ValueError(f"offset must be a finite float, got {offset!r}")
     impl = backends.implementation(x.device, norm)
     if norm == "layer_norm":
         if offset != 0.0:
