@@ -8,6 +8,7 @@ against the torch that will run it.
 
 import glob
 import os
+import shutil
 
 from setuptools import find_packages, setup
 
@@ -41,13 +42,41 @@ def cpu_flags():
     return flags
 
 
+def _cuda_home_hint():
+    """Point CUDA_HOME at a full toolkit when `nvcc` on PATH is a wrapper outside it
+    (e.g. /usr/local/bin/nvcc with the toolkit in /usr/local/cuda); torch would otherwise
+    look for libcudart next to the wrapper."""
+    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
+        return
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return
+    home = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+    if not os.path.exists(os.path.join(home, "lib64")) and os.path.exists("/usr/local/cuda/lib64"):
+        os.environ["CUDA_HOME"] = "/usr/local/cuda"
+
+
+def _nvidia_include_dirs():
+    """CUDA headers that ship in the nvidia-* wheels torch depends on."""
+    try:
+        import nvidia
+    except ImportError:
+        return []
+    dirs = []
+    for base in getattr(nvidia, "__path__", []):
+        dirs += sorted(glob.glob(os.path.join(base, "cu*", "include")))
+    return dirs
+
+
 if cpu_sources:
+    _cuda_home_hint()
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension, CUDA_HOME
     import torch
 
     cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
     with_cuda = bool(cuda_sources) and (
-        os.environ.get("PYATTR_FORCE_CUDA") == "1" or (torch.version.cuda is not None and CUDA_HOME is not None)
+        os.environ.get("PYATTR_FORCE_CUDA") == "1"
+        or (torch.version.cuda is not None and CUDA_HOME is not None and shutil.which("nvcc") is not None)
     )
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
     if with_cuda:
@@ -55,6 +84,7 @@ if cpu_sources:
             "pyattr._C",
             cpu_sources + cuda_sources,
             define_macros=[("PYATTR_WITH_CUDA", "1")],
+            include_dirs=_nvidia_include_dirs(),
             extra_compile_args={"cxx": cpu_flags(), "nvcc": ["-O3"]},
             extra_link_args=["-fopenmp"],
         )

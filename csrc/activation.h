@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cmath>
+#include <math.h>
 #include <cstdint>
 #include <string>
 
@@ -34,9 +35,17 @@ constexpr double kQuickGeluAlpha = 1.702;
 constexpr double kGeluTanhCoef = 0.044715;
 constexpr double kInvSqrt2Pi = 0.39894228040143267793994605993438;
 
+// float and double overloads that exist in host and device code alike
+PYATTR_HD float exp_(float x) { return ::expf(x); }
+PYATTR_HD double exp_(double x) { return ::exp(x); }
+PYATTR_HD float erf_(float x) { return ::erff(x); }
+PYATTR_HD double erf_(double x) { return ::erf(x); }
+PYATTR_HD float tanh_(float x) { return ::tanhf(x); }
+PYATTR_HD double tanh_(double x) { return ::tanh(x); }
+
 template <typename T>
 PYATTR_HD T sigmoid_(T x) {
-  return T(1) / (T(1) + std::exp(-x));
+  return T(1) / (T(1) + exp_(-x));
 }
 
 // phi(x) = act(x) / x without a division; phi(NaN) = NaN for every kind.
@@ -46,9 +55,9 @@ PYATTR_HD T phi_scalar(Act a, T x) {
     case Act::SiLU:
       return sigmoid_(x);
     case Act::GELU:
-      return T(0.5) * (T(1) + std::erf(x * T(kInvSqrt2)));
+      return T(0.5) * (T(1) + erf_(x * T(kInvSqrt2)));
     case Act::GELUTanh:
-      return T(0.5) * (T(1) + std::tanh(T(kSqrt2OverPi) * (x + T(kGeluTanhCoef) * x * x * x)));
+      return T(0.5) * (T(1) + tanh_(T(kSqrt2OverPi) * (x + T(kGeluTanhCoef) * x * x * x)));
     case Act::QuickGELU:
       return sigmoid_(T(kQuickGeluAlpha) * x);
     case Act::ReLU:
@@ -73,12 +82,12 @@ PYATTR_HD T dact_scalar(Act a, T x) {
       return s * (T(1) + x * (T(1) - s));
     }
     case Act::GELU:
-      return T(0.5) * (T(1) + std::erf(x * T(kInvSqrt2))) + x * T(kInvSqrt2Pi) * std::exp(T(-0.5) * x * x);
+      return T(0.5) * (T(1) + erf_(x * T(kInvSqrt2))) + x * T(kInvSqrt2Pi) * exp_(T(-0.5) * x * x);
     case Act::GELUTanh: {
       // saturated beyond |x| = 10 (derivative 0 or 1 in float32); the clamp keeps
       // x^2 from overflowing into inf * 0
       T xc = x != x ? x : (x < T(-10) ? T(-10) : (x > T(10) ? T(10) : x));
-      T t = std::tanh(T(kSqrt2OverPi) * (xc + T(kGeluTanhCoef) * xc * xc * xc));
+      T t = tanh_(T(kSqrt2OverPi) * (xc + T(kGeluTanhCoef) * xc * xc * xc));
       T dinner = T(kSqrt2OverPi) * (T(1) + T(3 * kGeluTanhCoef) * xc * xc);
       return T(0.5) * (T(1) + t) + T(0.5) * xc * (T(1) - t * t) * dinner;
     }

@@ -73,6 +73,63 @@ def _explain(args) -> int:
     return 0
 
 
+def _parse_shapes(text: str):
+    try:
+        shapes = [tuple(int(v) for v in part.lower().split("x")) for part in text.split(",") if part.strip()]
+    except ValueError:
+        shapes = []
+    if not shapes or len(shapes) > 2 or any(len(s) != 2 or min(s) <= 0 for s in shapes):
+        raise ValueError(f"--shapes: expected ROWSxHIDDEN[,ROWSxHIDDEN] (elementwise, norm), got {text!r}")
+    return {"elementwise": shapes[0], "norm": shapes[-1]}
+
+
+def _bench(args) -> int:
+    import torch
+
+    from pyattr.bench import e2e, micro, report
+
+    try:
+        device = torch.device(args.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is visible to torch")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"--device: expected cpu or cuda, got {args.device!r}")
+        dtypes = []
+        for name in args.dtypes.split(","):
+            dt = getattr(torch, name.strip(), None)
+            if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+                raise ValueError(f"--dtypes: unknown floating dtype {name!r}")
+            dtypes.append(dt)
+        ops = [o.strip() for o in args.ops.split(",")] if args.ops else list(micro.OPS)
+        bad = [o for o in ops if o not in micro.OPS]
+        if bad:
+            raise ValueError(f"--ops: unknown op(s) {bad}; expected some of {list(micro.OPS)}")
+        shapes = _parse_shapes(args.shapes) if args.shapes else (micro.QUICK_SHAPES if args.quick else micro.DEFAULT_SHAPES)
+    except ValueError as e:
+        print(f"pyattr bench: error: {e}", file=sys.stderr)
+        return 2
+    if args.e2e:
+        rows = e2e.run_all(device.type, dtypes, args.repeats or 3, args.layers)
+        doc = report.document("e2e", device, rows, ratios=e2e.ratios(rows))
+        table = e2e.markdown(rows, doc["ratios"])
+    else:
+        repeats = args.repeats or (5 if args.quick else 15)
+        copy_bw, rows = micro.run_suite(
+            device, ops, dtypes, shapes, warmup=2 if args.quick else 3, repeats=repeats,
+            activations=("silu", "gelu_tanh") if args.quick else micro.ACTIVATIONS,
+        )
+        doc = report.document("micro", device, micro.rows_as_dicts(rows), copy_bandwidth_gbps=copy_bw)
+        report.validate(doc)
+        title = f"pyattr microbenchmarks on {device.type} ({doc['machine']['processor']}, torch {torch.__version__})"
+        table = report.markdown(doc["rows"], copy_bw, title)
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+    if args.markdown:
+        Path(args.markdown).write_text(table)
+    print(table)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pyattr", description="Relevance attribution with fused LRP-rule kernels.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -101,6 +158,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="force a backend (default: PYATTR_BACKEND, else auto)",
     )
     e.set_defaults(func=_explain)
+
+    b = sub.add_parser("bench", help="kernel microbenchmarks and the end-to-end relevance benchmark")
+    b.add_argument("--quick", action="store_true", help="small shapes and few repeats (under a minute on 2 CPU cores)")
+    b.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    b.add_argument("--ops", help="comma-separated: identity,half,gated,layer_norm,rms_norm (default: all)")
+    b.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes (default: float32,bfloat16)")
+    b.add_argument("--shapes", help="ROWSxHIDDEN for elementwise ops[,ROWSxHIDDEN for norms]")
+    b.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement")
+    b.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    b.add_argument("--markdown", metavar="PATH", help="write the results as a markdown table")
+    b.add_argument("--e2e", action="store_true", help="end-to-end relevance run on a random Llama instead")
+    b.add_argument("--layers", type=int, default=None, help="e2e: override the number of layers")
+    b.set_defaults(func=_bench)
     return p
 
 

@@ -1,0 +1,84 @@
+// LN-rule backward for LayerNorm on CUDA. One block walks a fixed chunk of rows; for each
+// row it recomputes mu and sigma with block reductions (a looped reduction, so any hidden
+// size works), writes dx = g - mean(g) with g = dy*w/sigma, and adds dy*xhat and dy into
+// the chunk's float32 partials, which a second kernel sums in chunk order.
+#include <ATen/Dispatch.h>
+#include <torch/library.h>
+
+#include "common.cuh"
+
+namespace pyattr::cuda {
+
+template <typename T, typename A>
+__global__ void layer_norm_backward_kernel(const T* __restrict__ X, const T* __restrict__ DY, const A* __restrict__ W,
+                                           T* __restrict__ DX, A* __restrict__ PW, A* __restrict__ PB, int64_t R,
+                                           int64_t H, int64_t chunks, A eps) {
+  __shared__ A shared[32];
+  const int64_t c = blockIdx.x;
+  const int64_t r0 = c * R / chunks, r1 = (c + 1) * R / chunks;
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* xr = X + r * H;
+    const T* dr = DY + r * H;
+    A s = 0;
+    for (int64_t j = threadIdx.x; j < H; j += blockDim.x) s += static_cast<A>(xr[j]);
+    const A mean = block_sum(s, shared) / A(H);
+    A q = 0;
+    for (int64_t j = threadIdx.x; j < H; j += blockDim.x) {
+      const A d = static_cast<A>(xr[j]) - mean;
+      q += d * d;
+    }
+    const A var = block_sum(q, shared) / A(H);
+    const A rstd = A(1) / sqrt(var + eps);
+    A gs = 0;
+    for (int64_t j = threadIdx.x; j < H; j += blockDim.x) gs += static_cast<A>(dr[j]) * (W ? W[j] : A(1)) * rstd;
+    const A gmean = block_sum(gs, shared) / A(H);
+    for (int64_t j = threadIdx.x; j < H; j += blockDim.x) {
+      const A d = static_cast<A>(dr[j]);
+      DX[r * H + j] = static_cast<T>(d * (W ? W[j] : A(1)) * rstd - gmean);
+      if (PW) PW[c * H + j] += d * (static_cast<A>(xr[j]) - mean) * rstd;
+      if (PB) PB[c * H + j] += d;
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(const at::Tensor& x_in, const std::optional<at::Tensor>& w_opt,
+                                                                   double eps, const at::Tensor& dy_in, bool need_dw,
+                                                                   bool need_db) {
+  TORCH_CHECK_VALUE(x_in.dim() >= 1 && x_in.sizes() == dy_in.sizes(), "dy must have the shape of x");
+  c10::cuda::CUDAGuard guard(x_in.device());
+  at::Tensor x = x_in.contiguous();
+  at::Tensor dy = dy_in.to(x.scalar_type()).contiguous();
+  const int64_t H = x.size(-1);
+  const int64_t R = H == 0 ? 0 : x.numel() / H;
+  const bool has_w = w_opt.has_value() && w_opt->defined();
+  const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor w = has_w ? w_opt->to(acc).contiguous() : at::Tensor();
+  at::Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
+  const auto pdtype = has_w ? w_opt->scalar_type() : x.scalar_type();
+  at::Tensor dw = need_dw ? at::empty({H}, x.options().dtype(pdtype)) : at::empty({0}, x.options());
+  at::Tensor db = need_db ? at::empty({H}, x.options().dtype(pdtype)) : at::empty({0}, x.options());
+  // without parameter gradients every row gets its own block; with them, fixed chunks
+  const int64_t chunks = (need_dw || need_db) ? num_row_chunks(R) : R;
+  at::Tensor pw = need_dw ? at::zeros({chunks, H}, x.options().dtype(acc)) : at::Tensor();
+  at::Tensor pb = need_db ? at::zeros({chunks, H}, x.options().dtype(acc)) : at::Tensor();
+  if (R > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "layer_norm_backward_cuda", [&] {
+      using A = acc_t<scalar_t>;
+      layer_norm_backward_kernel<scalar_t, A><<<chunks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+          x.const_data_ptr<scalar_t>(), dy.const_data_ptr<scalar_t>(), has_w ? w.const_data_ptr<A>() : nullptr,
+          dx.mutable_data_ptr<scalar_t>(), need_dw ? pw.mutable_data_ptr<A>() : nullptr,
+          need_db ? pb.mutable_data_ptr<A>() : nullptr, R, H, chunks, static_cast<A>(eps));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      if (need_dw) finish_param_grad<A>(pw, chunks, H, dw);
+      if (need_db) finish_param_grad<A>(pb, chunks, H, db);
+    });
+  } else {
+    if (need_dw) dw.zero_();
+    if (need_db) db.zero_();
+  }
+  return {dx, dw, db};
+}
+
+TORCH_LIBRARY_IMPL(pyattr, CUDA, m) { m.impl("layer_norm_backward", &layer_norm_backward); }
+
+}  // namespace pyattr::cuda

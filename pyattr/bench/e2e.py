@@ -1,0 +1,183 @@
+"""End-to-end relevance run on a Llama-architecture model with random weights.
+
+Variants, each measured for wall time and peak memory:
+
+* ``plain``   forward + backward of the target to the input embeddings, no rules;
+* ``pyattr``  :func:`pyattr.relevance` with all four rules and the best backend;
+* ``unfused`` the same four rules written as separate PyTorch ops (TransformerLens /
+  LXT style, :mod:`pyattr.bench.unfused`), same target, same input.
+
+On CPU each variant runs in its own process and its peak memory is that process's
+peak resident set size (model weights included, the same for every variant); on CUDA it
+is ``torch.cuda.max_memory_allocated`` over the measured pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Dict, List
+
+import torch
+
+SIZES = {
+    # CPU: sized to a 2-core, 24 GB machine
+    "cpu": dict(num_hidden_layers=8, hidden_size=1024, intermediate_size=2816, num_attention_heads=16,
+                num_key_value_heads=16, seq=512),
+    # CUDA: ~1.1B parameters (TinyLlama-shaped)
+    "cuda": dict(num_hidden_layers=22, hidden_size=2048, intermediate_size=5632, num_attention_heads=32,
+                 num_key_value_heads=4, seq=4096),
+}
+VARIANTS = ("plain", "pyattr", "unfused")
+
+
+def build_model(device: str, dtype: torch.dtype, layers: int = None):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    size = dict(SIZES[device])
+    seq = size.pop("seq")
+    if layers is not None:
+        size["num_hidden_layers"] = layers
+    cfg = LlamaConfig(vocab_size=32000, max_position_embeddings=max(seq, 2048), **size)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg)
+    model = model.to(dtype).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model, seq
+
+
+@contextlib.contextmanager
+def unfused_rules(model):
+    """Install the unfused rule composition on a Llama model (instance patches)."""
+    from pyattr.bench import unfused
+
+    patched = []
+
+    def put(mod, fwd):
+        mod.forward = fwd
+        patched.append(mod)
+
+    for mod in model.modules():
+        name = type(mod).__name__
+        if name.endswith("RMSNorm"):
+            put(mod, lambda x, m=mod: unfused.rms_norm_unfused(x, m.weight, m.variance_epsilon))
+        elif name.endswith("MLP"):
+            put(mod, lambda x, m=mod: m.down_proj(unfused.gated_unfused(m.gate_proj(x), m.up_proj(x), m.act_fn)))
+        elif name.endswith("Attention"):
+            for proj in (mod.q_proj, mod.k_proj):
+                put(proj, lambda x, p=proj: torch.nn.functional.linear(x, p.weight, p.bias).detach())
+    try:
+        yield
+    finally:
+        for mod in patched:
+            del mod.__dict__["forward"]
+
+
+def one_pass(model, variant: str, ids: torch.Tensor, target: int):
+    import pyattr
+
+    if variant == "pyattr":
+        return pyattr.relevance(model, ids, target=target).token_relevance
+    emb = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+    ctx = unfused_rules(model) if variant == "unfused" else contextlib.nullcontext()
+    with ctx:
+        out = model(inputs_embeds=emb).logits[:, -1, target].sum()
+        (g,) = torch.autograd.grad(out, emb)
+    return (emb * g).sum(-1)
+
+
+def measure(device: str, dtype: torch.dtype, variant: str, repeats: int, layers: int = None) -> Dict:
+    model, seq = build_model(device, dtype, layers)
+    ids = torch.randint(0, 32000, (1, seq), generator=torch.Generator().manual_seed(1)).to(device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    one_pass(model, variant, ids, 5)  # warm-up
+    sync()
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        one_pass(model, variant, ids, 5)
+        sync()
+        ts.append(time.perf_counter() - t0)
+    peak = (torch.cuda.max_memory_allocated() - base) if device == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {
+        "variant": variant,
+        "dtype": str(dtype).replace("torch.", ""),
+        "device": device,
+        "seq": seq,
+        "layers": model.config.num_hidden_layers,
+        "hidden": model.config.hidden_size,
+        "median_s": statistics.median(ts),
+        "min_s": min(ts),
+        "max_s": max(ts),
+        "peak_bytes": int(peak),
+        "peak_kind": "cuda max_memory_allocated above the model" if device == "cuda" else "process peak RSS",
+    }
+
+
+def run_all(device: str, dtypes: List[torch.dtype], repeats: int, layers: int = None, progress=None) -> List[Dict]:
+    rows = []
+    for dt in dtypes:
+        for v in VARIANTS:
+            if device == "cpu":  # one process per variant: peak RSS cannot be reset in-process
+                cmd = [sys.executable, "-m", "pyattr.bench.e2e", "--child", v, "--dtype", str(dt).replace("torch.", ""),
+                       "--repeats", str(repeats)] + (["--layers", str(layers)] if layers else [])
+                out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+                rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            else:
+                rows.append(measure(device, dt, v, repeats, layers))
+            if progress:
+                progress()
+    return rows
+
+
+def ratios(rows: List[Dict]) -> List[Dict]:
+    out = []
+    for dt in sorted({r["dtype"] for r in rows}):
+        by = {r["variant"]: r for r in rows if r["dtype"] == dt}
+        a, b, c = by["plain"], by["pyattr"], by["unfused"]
+        out.append({
+            "dtype": dt,
+            "time_pyattr_over_plain": b["median_s"] / a["median_s"],
+            "time_pyattr_over_unfused": b["median_s"] / c["median_s"],
+            "peak_pyattr_over_plain": b["peak_bytes"] / a["peak_bytes"],
+            "peak_pyattr_over_unfused": b["peak_bytes"] / c["peak_bytes"],
+        })
+    return out
+
+
+def markdown(rows: List[Dict], rat: List[Dict]) -> str:
+    lines = ["| dtype | variant | median s | min–max s | peak MiB |", "|---|---|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['dtype']} | {r['variant']} | {r['median_s']:.3f} | {r['min_s']:.3f}–{r['max_s']:.3f} | {r['peak_bytes'] / 2**20:.0f} |")
+    lines += ["", "| dtype | time (b)/(a) | time (b)/(c) | peak (b)/(a) | peak (b)/(c) |", "|---|---:|---:|---:|---:|"]
+    for q in rat:
+        lines.append(f"| {q['dtype']} | {q['time_pyattr_over_plain']:.2f} | {q['time_pyattr_over_unfused']:.2f} | "
+                     f"{q['peak_pyattr_over_plain']:.2f} | {q['peak_pyattr_over_unfused']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _child_main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--child", choices=VARIANTS, required=True)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--layers", type=int, default=None)
+    a = p.parse_args(argv)
+    row = measure("cpu", getattr(torch, a.dtype), a.child, a.repeats, a.layers)
+    print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    _child_main()

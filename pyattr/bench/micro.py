@@ -1,0 +1,309 @@
+"""Kernel microbenchmarks: op × provider × dtype × shape × mode.
+
+Providers: ``native`` (autograd without any rule: the floor a rule should reach),
+``unfused`` (the rules as separate PyTorch ops, :mod:`pyattr.bench.unfused`) and
+``pyattr-<backend>`` for every available backend that runs on the device.
+
+Bytes-moved model (what the GB/s column divides by), per element of one
+``(rows, hidden)`` operand of ``b`` bytes; parameters and per-row statistics are
+ignored as negligible:
+
+============== ======== ========
+op             forward  backward
+============== ======== ========
+identity       2 (x→y)  3 (x, dy → dx)
+half           3        5 (u, v, dy → du, dv)
+gated          3        5 (g, u, dh → dg, du)
+layer_norm     2        3 (x, dy → dx)
+rms_norm       2        3 (x, dy → dx)
+============== ======== ========
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+import pyattr
+from pyattr.activations import resolve_activation
+from pyattr.bench import unfused
+
+OPS = ("identity", "half", "gated", "layer_norm", "rms_norm")
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "quick_gelu", "relu")
+MODES = ("fwd", "bwd", "fwd+bwd")
+BYTES_MOVED = {"identity": (2, 3), "half": (3, 5), "gated": (3, 5), "layer_norm": (2, 3), "rms_norm": (2, 3)}
+DEFAULT_SHAPES = {"elementwise": (2048, 4096), "norm": (2048, 1024)}
+QUICK_SHAPES = {"elementwise": (256, 2048), "norm": (256, 1024)}
+
+
+@dataclass
+class Row:
+    op: str
+    activation: Optional[str]
+    provider: str
+    dtype: str
+    shape: Tuple[int, int]
+    mode: str
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+    saved_bytes: int
+    saved_ratio_to_inputs: float
+    peak_bytes: Optional[int]
+    gbps: float
+    frac_of_copy_bandwidth: float
+    ratio_to_native: Optional[float] = None
+    ratio_to_unfused: Optional[float] = None
+
+
+# --- the functions each provider runs -------------------------------------------------------
+
+def _hf_rms_norm(x, w, eps):
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def build(op: str, act: Optional[str], provider: str, shape, dtype, device) -> Tuple[Callable, List[torch.Tensor], int]:
+    """Return (forward function, inputs requiring grad, input bytes) for one case."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def rnd(*s):
+        return torch.randn(*s, generator=g).to(device=device, dtype=dtype).requires_grad_(True)
+
+    rows, hidden = shape
+    if op in ("identity",):
+        x = rnd(rows, hidden)
+        ins = [x]
+        a = resolve_activation(act)
+        fn = {
+            "native": lambda: a.fn(x),
+            "unfused": lambda: unfused.identity_unfused(x, act),
+        }.get(provider, lambda: pyattr.rules.identity_rule(x, act))
+    elif op == "half":
+        u, v = rnd(rows, hidden), rnd(rows, hidden)
+        ins = [u, v]
+        fn = {"native": lambda: u * v, "unfused": lambda: unfused.half_unfused(u, v)}.get(
+            provider, lambda: pyattr.rules.half_rule(u, v)
+        )
+    elif op == "gated":
+        gt, up = rnd(rows, hidden), rnd(rows, hidden)
+        ins = [gt, up]
+        a = resolve_activation(act)
+        fn = {
+            "native": lambda: a.fn(gt) * up,
+            "unfused": lambda: unfused.gated_unfused(gt, up, act),
+        }.get(provider, lambda: pyattr.ops.gated_activation(gt, up, act))
+    elif op == "layer_norm":
+        x, w, b = rnd(rows, hidden), rnd(hidden), rnd(hidden)
+        ins = [x, w, b]
+        fn = {
+            "native": lambda: F.layer_norm(x, (hidden,), w, b, 1e-5),
+            "unfused": lambda: unfused.layer_norm_unfused(x, w, b, 1e-5),
+        }.get(provider, lambda: pyattr.ops.layer_norm(x, w, b, 1e-5))
+    elif op == "rms_norm":
+        x, w = rnd(rows, hidden), rnd(hidden)
+        ins = [x, w]
+        fn = {
+            "native": lambda: _hf_rms_norm(x, w, 1e-6),
+            "unfused": lambda: unfused.rms_norm_unfused(x, w, 1e-6),
+        }.get(provider, lambda: pyattr.ops.rms_norm(x, w, 1e-6))
+    else:
+        raise ValueError(f"ops: unknown op {op!r}; expected one of {OPS}")
+    in_bytes = sum(t.numel() * t.element_size() for t in ins if t.dim() == 2)
+    return fn, ins, in_bytes
+
+
+def saved_bytes(fn: Callable) -> int:
+    """Bytes of the distinct tensors autograd saves for the backward of one forward."""
+    seen: Dict[Tuple[int, int], int] = {}
+
+    def pack(t):
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        seen[key] = max(seen.get(key, 0), t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+# --- timing ------------------------------------------------------------------------------------
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(run: Callable, device, warmup: int, repeats: int) -> List[float]:
+    """Wall times in ms: CUDA events on GPU, perf_counter on CPU; warm-up excluded."""
+    for _ in range(warmup):
+        run()
+    _sync(device)
+    out = []
+    if device.type == "cuda":
+        for _ in range(repeats):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            run()
+            e.record()
+            e.synchronize()
+            out.append(s.elapsed_time(e))
+    else:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run()
+            out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def copy_bandwidth_gbps(device, nbytes: int = 1 << 27, repeats: int = 10) -> float:
+    """Measured device copy bandwidth: (read + write) bytes / time of ``dst.copy_(src)``."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    ts = time_ms(lambda: dst.copy_(src), device, 3, repeats)
+    return 2 * nbytes / (statistics.median(ts) * 1e-3) / 1e9
+
+
+def _pct(ts: Sequence[float], q: float) -> float:
+    s = sorted(ts)
+    k = (len(s) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def measure(op, act, provider, shape, dtype, device, mode, warmup, repeats, copy_bw) -> Row:
+    backend = provider.split("-", 1)[1] if provider.startswith("pyattr-") else None
+    ctx = pyattr.backend(backend) if backend else _Null()
+    with ctx:
+        fn, ins, in_bytes = build(op, act, provider, shape, dtype, device)
+        sb = saved_bytes(fn)
+        y = fn()
+        dy = torch.randn_like(y)
+        if mode == "fwd":
+            run = fn  # with autograd recording, as a relevance pass runs it
+        elif mode == "bwd":
+            def run():
+                torch.autograd.grad(y, ins, dy, retain_graph=True)
+        else:
+            def run():
+                torch.autograd.grad(fn(), ins, dy)
+        peak = None
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+            run()
+            _sync(device)
+            peak = torch.cuda.max_memory_allocated(device) - base
+        ts = time_ms(run, device, warmup, repeats)
+    med = statistics.median(ts)
+    n = shape[0] * shape[1] * torch.empty((), dtype=dtype).element_size()
+    fw, bw = BYTES_MOVED[op]
+    moved = {"fwd": fw, "bwd": bw, "fwd+bwd": fw + bw}[mode] * n
+    gbps = moved / (med * 1e-3) / 1e9
+    return Row(
+        op=op, activation=act, provider=provider, dtype=str(dtype).replace("torch.", ""), shape=tuple(shape),
+        mode=mode, median_ms=med, p20_ms=_pct(ts, 0.2), p80_ms=_pct(ts, 0.8), saved_bytes=sb,
+        saved_ratio_to_inputs=sb / in_bytes if in_bytes else 0.0, peak_bytes=peak, gbps=gbps,
+        frac_of_copy_bandwidth=gbps / copy_bw if copy_bw else 0.0,
+    )
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+def providers_for(device) -> List[str]:
+    out = ["native", "unfused"]
+    for name, st in pyattr.available_backends().items():
+        if st.available and device.type in st.devices:
+            out.append(f"pyattr-{name}")
+    return out
+
+
+def cases(ops: Sequence[str], activations: Sequence[str]):
+    for op in ops:
+        if op in ("identity", "gated"):
+            for a in activations if op == "identity" else activations[:1]:
+                yield op, a
+        else:
+            yield op, None
+
+
+def run_suite(
+    device: torch.device,
+    ops: Sequence[str],
+    dtypes: Sequence[torch.dtype],
+    shapes: Optional[Dict[str, Tuple[int, int]]] = None,
+    modes: Sequence[str] = MODES,
+    activations: Sequence[str] = ACTIVATIONS,
+    warmup: int = 3,
+    repeats: int = 10,
+    progress: bool = True,
+) -> Tuple[float, List[Row]]:
+    shapes = shapes or DEFAULT_SHAPES
+    copy_bw = copy_bandwidth_gbps(device)
+    plan = [
+        (op, a, p, shapes["norm" if op.endswith("norm") else "elementwise"], dt, m)
+        for op, a in cases(ops, activations)
+        for dt in dtypes
+        for m in modes
+        for p in providers_for(device)
+    ]
+    rows: List[Row] = []
+    bar = _progress(len(plan)) if progress else None
+    try:
+        for op, a, p, shape, dt, m in plan:
+            rows.append(measure(op, a, p, shape, dt, device, m, warmup, repeats, copy_bw))
+            if bar:
+                bar.advance()
+    finally:
+        if bar:
+            bar.close()
+    index = {(r.op, r.activation, r.dtype, r.shape, r.mode, r.provider): r for r in rows}
+    for r in rows:
+        nat = index.get((r.op, r.activation, r.dtype, r.shape, r.mode, "native"))
+        unf = index.get((r.op, r.activation, r.dtype, r.shape, r.mode, "unfused"))
+        r.ratio_to_native = r.median_ms / nat.median_ms if nat else None
+        r.ratio_to_unfused = r.median_ms / unf.median_ms if unf else None
+    return copy_bw, rows
+
+
+class _progress:
+    """A rich progress bar on stderr (plain counter when rich is missing)."""
+
+    def __init__(self, total: int):
+        try:
+            from rich.progress import Progress
+
+            self._p = Progress(transient=True)
+            self._p.start()
+            self._t = self._p.add_task("benchmarking", total=total)
+        except ImportError:  # pragma: no cover
+            self._p = None
+
+    def advance(self):
+        if self._p:
+            self._p.advance(self._t)
+
+    def close(self):
+        if self._p:
+            self._p.stop()
+
+
+def rows_as_dicts(rows: List[Row]) -> List[dict]:
+    out = []
+    for r in rows:
+        d = asdict(r)
+        d["shape"] = list(r.shape)
+        out.append(d)
+    return out
