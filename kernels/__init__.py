@@ -1,8 +1,9 @@
 """Triton kernels for the rule backwards, shipped as ``pyattr.kernels``.
 
-One module per rule family (``identity``, ``half``, ``gated``, ``layer_norm``,
-``rms_norm``) lands here with the Triton backend. Until then ``KERNELS_READY`` is False
-and :func:`pyattr.available_backends` reports the ``triton`` backend as unavailable.
+One module per rule family: ``identity``, ``half``, ``gated``, ``layer_norm``,
+``rms_norm``. They run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``
+(how CI tests them). Every kernel loads, casts to float32 (float64 stays float64),
+computes, and casts once on store; offsets are int64; masks cover any size.
 """
 
-KERNELS_READY = False
+KERNELS_READY = True

@@ -1,5 +1,15 @@
 import os
 
+# Without a GPU the Triton kernels run under Triton's interpreter on CPU tensors; the flag
+# must be set before triton.jit decorates them (before pyattr.kernels is imported).
+try:
+    import torch as _torch
+
+    if not _torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:  # pragma: no cover
+    pass
+
 import pytest
 import torch
 

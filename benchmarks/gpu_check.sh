@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# On a CUDA machine: install pyattr against the torch that is there, build pyattr._C with
+# its CUDA kernels, run the CUDA tests, the kernel microbenchmarks at the issue shapes and
+# the end-to-end relevance run, and leave logs and JSON in OUTDIR. Budget: < 8 minutes.
+#   usage: benchmarks/gpu_check.sh OUTDIR
+set -uo pipefail
+OUT="${1:?usage: benchmarks/gpu_check.sh OUTDIR}"
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+log() { echo "[$(date +%T)] $*" | tee -a "$OUT/gpu_check.log"; }
+
+log "device: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>&1 | head -1)"
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  log "torch with CUDA is not importable with $PY; installing torch==2.14.1"
+  "$PY" -m pip install -q "torch==2.14.1" >> "$OUT/install.log" 2>&1 || { log "torch install failed"; exit 1; }
+fi
+export MAX_JOBS="${MAX_JOBS:-16}" TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
+log "building pyattr._C (CPU + CUDA, arch $TORCH_CUDA_ARCH_LIST)"
+timeout 300 "$PY" -m pip install -q --no-build-isolation -e ".[dev]" > "$OUT/build.log" 2>&1 \
+  || { log "build failed (see build.log)"; tail -30 "$OUT/build.log"; exit 1; }
+"$PY" -c "import pyattr, json; print(json.dumps({k: [v.available, v.reason] for k, v in pyattr.available_backends().items()}))" \
+  | tee -a "$OUT/gpu_check.log"
+
+log "CUDA tests"
+timeout 150 "$PY" -m pytest -q tests/test_cuda.py tests/test_backend_parity.py > "$OUT/tests.log" 2>&1
+log "tests exit $? — $(tail -1 "$OUT/tests.log")"
+
+log "microbenchmarks, bf16, (16384, 14336) elementwise and (16384, 4096) norms"
+timeout 150 "$PY" -m pyattr bench --device cuda --dtypes bfloat16 --shapes 16384x14336,16384x4096 \
+  --ops identity,half,gated,layer_norm,rms_norm --repeats 20 \
+  --json "$OUT/micro_cuda.json" --markdown "$OUT/micro_cuda.md" > "$OUT/micro.log" 2>&1
+log "micro exit $?"
+grep -E "fwd\+bwd|bwd \|" "$OUT/micro_cuda.md" | head -60 | tee -a "$OUT/gpu_check.log"
+
+log "end-to-end relevance run (~1.1B Llama, bf16, seq 4096)"
+timeout 120 "$PY" -m pyattr bench --e2e --device cuda --dtypes bfloat16 --repeats 3 \
+  --json "$OUT/e2e_cuda.json" --markdown "$OUT/e2e_cuda.md" > "$OUT/e2e.log" 2>&1
+log "e2e exit $?"
+cat "$OUT/e2e_cuda.md" 2>/dev/null | tee -a "$OUT/gpu_check.log"
+log "done"

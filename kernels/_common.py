@@ -1,0 +1,83 @@
+"""Shared Triton helpers: launch configuration and the activation math (φ, act, act')
+used by the identity and gated kernels. Everything is computed in the accumulation type
+(float32, float64 for float64 inputs) after one load-and-cast; results are cast once on
+store. ``tanh`` is written through ``sigmoid`` (no libdevice under the interpreter)."""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+ACT_IDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "quick_gelu": 3, "relu": 4}
+
+
+def acc_dtype(dtype: torch.dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def elementwise_configs():
+    if INTERPRET:  # the interpreter runs blocks in numpy: one small config, no tuning
+        return [triton.Config({"BLOCK": 1024}, num_warps=4)]
+    return [triton.Config({"BLOCK": b}, num_warps=w) for b, w in ((1024, 4), (2048, 8), (4096, 8), (8192, 16))]
+
+
+def row_configs():
+    if INTERPRET:
+        return [triton.Config({"BLOCK": 256}, num_warps=4)]
+    return [triton.Config({"BLOCK": b}, num_warps=w) for b, w in ((1024, 4), (2048, 8), (4096, 8), (8192, 16))]
+
+
+@triton.jit
+def tanh_(z):
+    return 2.0 * tl.sigmoid(2.0 * z) - 1.0
+
+
+@triton.jit
+def phi(x, ACT: tl.constexpr):
+    """act(x)/x in closed form; NaN stays NaN."""
+    if ACT == 0:
+        r = tl.sigmoid(x)
+    elif ACT == 1:
+        xc = tl.minimum(tl.maximum(x, -10.0), 10.0)
+        r = 0.5 * (1.0 + tl.math.erf(xc * 0.7071067811865476))
+    elif ACT == 2:
+        xc = tl.minimum(tl.maximum(x, -10.0), 10.0)
+        r = 0.5 * (1.0 + tanh_(0.7978845608028654 * (xc + 0.044715 * xc * xc * xc)))
+    elif ACT == 3:
+        r = tl.sigmoid(1.702 * x)
+    else:
+        r = tl.where(x > 0, 1.0, 0.0).to(x.dtype)
+    return tl.where(x != x, x, r)
+
+
+@triton.jit
+def act_(x, ACT: tl.constexpr):
+    if ACT == 4:
+        r = tl.where(x > 0, x, 0.0).to(x.dtype)
+        return tl.where(x != x, x, r)
+    return x * phi(x, ACT)
+
+
+@triton.jit
+def dact(x, ACT: tl.constexpr):
+    """act'(x), for the gated kernel with the Identity-rule off."""
+    if ACT == 0:
+        s = tl.sigmoid(x)
+        r = s * (1.0 + x * (1.0 - s))
+    elif ACT == 1:
+        xc = tl.minimum(tl.maximum(x, -10.0), 10.0)
+        r = 0.5 * (1.0 + tl.math.erf(xc * 0.7071067811865476)) + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
+    elif ACT == 2:
+        xc = tl.minimum(tl.maximum(x, -10.0), 10.0)
+        t = tanh_(0.7978845608028654 * (xc + 0.044715 * xc * xc * xc))
+        dinner = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * xc * xc)
+        r = 0.5 * (1.0 + t) + 0.5 * xc * (1.0 - t * t) * dinner
+    elif ACT == 3:
+        s = tl.sigmoid(1.702 * x)
+        r = s + 1.702 * (x * (s * (1.0 - s)))
+    else:
+        r = tl.where(x > 0, 1.0, 0.0).to(x.dtype)
+    return tl.where(x != x, x, r)

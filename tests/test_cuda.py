@@ -1,0 +1,97 @@
+"""CUDA backends against the reference on CUDA tensors. These run on a machine with a GPU
+(benchmarks/gpu_check.sh); on a CPU-only machine they are skipped, and reported so."""
+
+import pytest
+import torch
+
+import pyattr
+from pyattr.activations import resolve_activation
+from pyattr.backends import compiled, reference
+
+from conftest import TOL
+
+HAS_CUDA = torch.cuda.is_available()
+GPU_BACKENDS = [n for n in ("cuda", "triton") if pyattr.available_backends()[n].available] if HAS_CUDA else []
+
+pytestmark = pytest.mark.skipif(not GPU_BACKENDS, reason="no CUDA device with a compiled GPU backend")
+
+KINDS = ["silu", "gelu", "gelu_tanh", "quick_gelu", "relu"]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+HIDDEN = [17, 768, 1023, 4097, 65536 + 3]
+
+
+def _close(a, b, dtype):
+    atol, rtol = TOL[dtype]
+    fin = b[torch.isfinite(b)]
+    scale = max(1.0, float(fin.abs().max())) if fin.numel() else 1.0
+    torch.testing.assert_close(a.double().cpu(), b.double().cpu(), atol=atol * scale, rtol=rtol, equal_nan=True)
+
+
+def _rand(*shape, dtype):
+    return (torch.randn(*shape, device="cuda") * 3).to(dtype)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", HIDDEN)
+def test_identity_cuda(kind, dtype, hidden):
+    x, dy = _rand(3, hidden, dtype=dtype), _rand(3, hidden, dtype=dtype)
+    act = resolve_activation(kind)
+    _close(compiled.identity_backward(x, dy, act), reference.identity_backward(x, dy, act), dtype)
+    xs = x.t().contiguous().t()  # same values, strided view handled by an explicit copy
+    _close(compiled.identity_backward(x[:, 1:], dy[:, 1:], act), reference.identity_backward(x[:, 1:], dy[:, 1:], act), dtype)
+    assert xs.shape == x.shape
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", HIDDEN)
+def test_half_and_gated_cuda(dtype, hidden):
+    g, u, d = (_rand(2, hidden, dtype=dtype) for _ in range(3))
+    for a, b in zip(compiled.half_backward(g, u, d), reference.half_backward(g, u, d)):
+        _close(a, b, dtype)
+    for kind in KINDS:
+        act = resolve_activation(kind)
+        for ident, half in ((True, True), (False, True), (True, False)):
+            for a, b in zip(compiled.gated_backward(g, u, d, act, ident, half), reference.gated_backward(g, u, d, act, ident, half)):
+                _close(a, b, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("rows", [1, 300])
+def test_norms_cuda(dtype, hidden, rows):
+    x, dy = _rand(rows, hidden, dtype=dtype), _rand(rows, hidden, dtype=dtype)
+    w = (torch.randn(hidden, device="cuda") * 0.5 + 1).to(dtype)
+    got = compiled.layer_norm_backward(x, w, 1e-5, dy, True, True)
+    ref = reference.layer_norm_backward(x, w, 1e-5, dy, True, True)
+    _close(got[0], ref[0], dtype)
+    for a, b in zip(got[1:], ref[1:]):
+        torch.testing.assert_close(a.double().cpu(), b.double().cpu(), atol=0.1 if dtype != torch.float32 else 1e-3, rtol=2e-2)
+    got = compiled.rms_norm_backward(x, w, 1e-6, 1.0, dy, True)
+    ref = reference.rms_norm_backward(x, w, 1e-6, 1.0, dy, True)
+    _close(got[0], ref[0], dtype)
+
+
+def test_empty_and_more_than_2_31_elements():
+    e = torch.empty(0, 8, device="cuda")
+    act = resolve_activation("silu")
+    assert compiled.identity_backward(e, e, act).shape == (0, 8)
+    free, _ = torch.cuda.mem_get_info()
+    n = 2**31 + 33
+    if free < n * 2 * 3 + (1 << 30):
+        pytest.skip("not enough GPU memory for a > 2**31-element check")
+    x = torch.ones(n, dtype=torch.bfloat16, device="cuda")
+    dx = compiled.identity_backward(x, x, resolve_activation("relu"))
+    assert float(dx[-1]) == 1.0 and float(dx[0]) == 1.0
+
+
+def test_relevance_on_cuda_matches_torch_backend():
+    from models import VOCAB, tiny_causal_lm
+
+    m = tiny_causal_lm("llama").cuda()
+    ids = torch.randint(0, VOCAB, (2, 9), device="cuda")
+    with pyattr.backend("torch"):
+        ref = pyattr.relevance(m, ids)
+    with pyattr.backend("cuda"):
+        got = pyattr.relevance(m, ids)
+    torch.testing.assert_close(got.relevance, ref.relevance, atol=1e-5, rtol=1e-4)
