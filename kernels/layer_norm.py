@@ -73,14 +73,20 @@ def sum_partials(partial: torch.Tensor, out: torch.Tensor) -> None:
     _sum_partials[(triton.cdiv(H, 256),)](partial, out, chunks, H, BLOCK=256)
 
 
-def layer_norm_backward(x, weight, eps, dy, need_dw, need_db):
+def prepare_rows(x, weight, dy):
+    """Contiguous ``x`` and ``dy`` (strided inputs copied once), rows ``R`` of length ``H``,
+    the accumulation dtype, the weight in it, and an empty contiguous ``dx``."""
     x = x.contiguous()
     dy = dy.to(x.dtype).contiguous()
     H = x.shape[-1]
     R = x.numel() // H if H else 0
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     w = weight.to(acc).contiguous() if weight is not None else None
-    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return x, dy, R, H, acc, w, torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def layer_norm_backward(x, weight, eps, dy, need_dw, need_db):
+    x, dy, R, H, acc, w, dx = prepare_rows(x, weight, dy)
     pdt = weight.dtype if weight is not None else x.dtype
     dw = torch.zeros(H, dtype=pdt, device=x.device) if need_dw else None
     db = torch.zeros(H, dtype=pdt, device=x.device) if need_db else None

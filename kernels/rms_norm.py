@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from pyattr.kernels._common import acc_dtype, row_configs
-from pyattr.kernels.layer_norm import num_row_chunks, sum_partials
+from pyattr.kernels.layer_norm import num_row_chunks, prepare_rows, sum_partials
 
 
 @triton.autotune(configs=row_configs(), key=["H"])
@@ -38,13 +38,7 @@ def _rms_norm_backward(X, DY, W, DX, PW, R, H, chunks, eps, offset, HAS_W: tl.co
 
 
 def rms_norm_backward(x, weight, eps, offset, dy, need_dw):
-    x = x.contiguous()
-    dy = dy.to(x.dtype).contiguous()
-    H = x.shape[-1]
-    R = x.numel() // H if H else 0
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    w = weight.to(acc).contiguous() if weight is not None else None
-    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    x, dy, R, H, acc, w, dx = prepare_rows(x, weight, dy)
     dw = torch.zeros(H, dtype=weight.dtype if weight is not None else x.dtype, device=x.device) if need_dw else None
     if R == 0:
         return dx, dw

@@ -55,3 +55,12 @@ def check_norm_param(name: str, p: Optional[torch.Tensor], x: torch.Tensor) -> N
 def check_has_hidden(name: str, x: torch.Tensor) -> None:
     if x.dim() == 0:
         raise ValueError(f"{name} must have at least one dimension (..., hidden_size), got a scalar")
+
+
+def check_broadcast(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
+    try:
+        torch.broadcast_shapes(a.shape, b.shape)
+    except RuntimeError:
+        raise ValueError(
+            f"{name_a} of shape {tuple(a.shape)} and {name_b} of shape {tuple(b.shape)} do not broadcast"
+        ) from None

@@ -64,7 +64,7 @@ def test_relevance_rules_validation():
 def test_ln_rule_errors_name_arguments():
     from pyattr.rules import ln_rule, ln_rule_grad
 
-    with pytest.raises(ValueError, match=r"denom of shape \(3,\) does not broadcast with num of shape \(2,\)"):
+    with pytest.raises(ValueError, match=r"num of shape \(2,\) and denom of shape \(3,\) do not broadcast"):
         ln_rule(torch.randn(2), torch.randn(3))
     with pytest.raises(ValueError, match="offset must be a finite float, got '1'"):
         ln_rule_grad(X, X, torch.ones(8), norm="rms_norm", offset="1")

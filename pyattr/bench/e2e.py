@@ -47,8 +47,14 @@ def build_model(device: str, dtype: torch.dtype, layers: int = None):
     cfg = LlamaConfig(vocab_size=32000, max_position_embeddings=max(seq, 2048), **size)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg)
+    # built directly in `dtype`, so that construction does not set the process peak
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
     model = model.to(dtype).eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -95,11 +101,28 @@ def one_pass(model, variant: str, ids: torch.Tensor, target: int):
     return (emb * g).sum(-1)
 
 
+def saved_activation_bytes(model, variant: str, ids, target: int) -> int:
+    """Bytes autograd keeps for the backward in one pass: distinct saved storages that are
+    not model parameters (those exist anyway)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: Dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        one_pass(model, variant, ids, target)
+    return sum(seen.values())
+
+
 def measure(device: str, dtype: torch.dtype, variant: str, repeats: int, layers: int = None) -> Dict:
     model, seq = build_model(device, dtype, layers)
     ids = torch.randint(0, 32000, (1, seq), generator=torch.Generator().manual_seed(1)).to(device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    one_pass(model, variant, ids, 5)  # warm-up
+    saved = saved_activation_bytes(model, variant, ids, 5)  # also the warm-up
     sync()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -122,6 +145,7 @@ def measure(device: str, dtype: torch.dtype, variant: str, repeats: int, layers:
         "min_s": min(ts),
         "max_s": max(ts),
         "peak_bytes": int(peak),
+        "saved_bytes": int(saved),
         "peak_kind": "cuda max_memory_allocated above the model" if device == "cuda" else "process peak RSS",
     }
 
@@ -153,18 +177,23 @@ def ratios(rows: List[Dict]) -> List[Dict]:
             "time_pyattr_over_unfused": b["median_s"] / c["median_s"],
             "peak_pyattr_over_plain": b["peak_bytes"] / a["peak_bytes"],
             "peak_pyattr_over_unfused": b["peak_bytes"] / c["peak_bytes"],
+            "saved_pyattr_over_plain": b["saved_bytes"] / a["saved_bytes"],
+            "saved_pyattr_over_unfused": b["saved_bytes"] / c["saved_bytes"],
         })
     return out
 
 
 def markdown(rows: List[Dict], rat: List[Dict]) -> str:
-    lines = ["| dtype | variant | median s | min–max s | peak MiB |", "|---|---|---:|---:|---:|"]
+    lines = ["| dtype | variant | median s | min–max s | peak MiB | saved for backward MiB |", "|---|---|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['dtype']} | {r['variant']} | {r['median_s']:.3f} | {r['min_s']:.3f}–{r['max_s']:.3f} | {r['peak_bytes'] / 2**20:.0f} |")
-    lines += ["", "| dtype | time (b)/(a) | time (b)/(c) | peak (b)/(a) | peak (b)/(c) |", "|---|---:|---:|---:|---:|"]
+        lines.append(f"| {r['dtype']} | {r['variant']} | {r['median_s']:.3f} | {r['min_s']:.3f}–{r['max_s']:.3f} | "
+                     f"{r['peak_bytes'] / 2**20:.0f} | {r['saved_bytes'] / 2**20:.1f} |")
+    lines += ["", "| dtype | time (b)/(a) | time (b)/(c) | peak (b)/(a) | peak (b)/(c) | saved (b)/(a) | saved (b)/(c) |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
     for q in rat:
         lines.append(f"| {q['dtype']} | {q['time_pyattr_over_plain']:.2f} | {q['time_pyattr_over_unfused']:.2f} | "
-                     f"{q['peak_pyattr_over_plain']:.2f} | {q['peak_pyattr_over_unfused']:.2f} |")
+                     f"{q['peak_pyattr_over_plain']:.2f} | {q['peak_pyattr_over_unfused']:.2f} | "
+                     f"{q['saved_pyattr_over_plain']:.2f} | {q['saved_pyattr_over_unfused']:.2f} |")
     return "\n".join(lines) + "\n"
 
 

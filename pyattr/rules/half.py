@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from pyattr import backends
-from pyattr._validation import check_float, check_same_device
+from pyattr._validation import check_broadcast, check_float, check_same_device
 
 
 class HalfRuleFunction(torch.autograd.Function):
@@ -51,10 +51,5 @@ def half_rule(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     check_float("u", u)
     check_float("v", v)
     check_same_device(u=u, v=v)
-    try:
-        torch.broadcast_shapes(u.shape, v.shape)
-    except RuntimeError:
-        raise ValueError(
-            f"u of shape {tuple(u.shape)} and v of shape {tuple(v.shape)} do not broadcast"
-        ) from None
+    check_broadcast("u", u, "v", v)
     return HalfRuleFunction.apply(u, v)

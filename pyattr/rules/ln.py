@@ -12,7 +12,7 @@ from typing import Optional, Union
 import torch
 
 from pyattr import backends
-from pyattr._validation import check_eps, check_float, check_has_hidden, check_norm_param, check_same_device
+from pyattr._validation import check_broadcast, check_eps, check_float, check_has_hidden, check_norm_param, check_same_device
 
 
 class LNRuleFunction(torch.autograd.Function):
@@ -54,12 +54,7 @@ def ln_rule(num: torch.Tensor, denom: Union[torch.Tensor, float]) -> torch.Tenso
     if isinstance(denom, torch.Tensor):
         check_float("denom", denom)
         check_same_device(num=num, denom=denom)
-        try:
-            torch.broadcast_shapes(num.shape, denom.shape)
-        except RuntimeError:
-            raise ValueError(
-                f"denom of shape {tuple(denom.shape)} does not broadcast with num of shape {tuple(num.shape)}"
-            ) from None
+        check_broadcast("num", num, "denom", denom)
     elif not isinstance(denom, (int, float)) or isinstance(denom, bool):
         raise TypeError(f"denom must be a tensor or a number, got {type(denom).__name__}")
     return LNRuleFunction.apply(num, denom)
