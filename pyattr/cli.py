@@ -89,17 +89,32 @@ def _bench(args) -> int:
     from pyattr.bench import e2e, micro, report
 
     try:
-        device = torch.device(args.device)
+        try:
+            device = torch.device(args.device)
+        except RuntimeError:
+            raise ValueError(f"--device: expected cpu or cuda, got {args.device!r}") from None
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: no CUDA device is visible to torch")
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"--device: expected cpu or cuda, got {args.device!r}")
         dtypes = []
+        allowed = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
         for name in args.dtypes.split(","):
-            dt = getattr(torch, name.strip(), None)
-            if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
-                raise ValueError(f"--dtypes: unknown floating dtype {name!r}")
-            dtypes.append(dt)
+            if name.strip() not in allowed:
+                raise ValueError(f"--dtypes: expected some of {list(allowed)}, got {name!r}")
+            dtypes.append(allowed[name.strip()])
+        if args.repeats is not None and args.repeats < 1:
+            raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+        if args.layers is not None and args.layers < 1:
+            raise ValueError(f"--layers must be >= 1, got {args.layers}")
+        for flag, path in (("--json", args.json), ("--markdown", args.markdown)):
+            if path is None:
+                continue
+            if not path.strip():
+                raise ValueError(f"{flag} needs a file path")
+            parent = Path(path).resolve().parent
+            if not parent.is_dir() or not os.access(parent, os.W_OK) or Path(path).is_dir():
+                raise ValueError(f"{flag}: cannot write {path!r}")
         ops = [o.strip() for o in args.ops.split(",")] if args.ops else list(micro.OPS)
         bad = [o for o in ops if o not in micro.OPS]
         if bad:
@@ -109,7 +124,11 @@ def _bench(args) -> int:
         print(f"pyattr bench: error: {e}", file=sys.stderr)
         return 2
     if args.e2e:
-        rows = e2e.run_all(device.type, dtypes, args.repeats or 3, args.layers)
+        try:
+            rows = e2e.run_all(device.type, dtypes, args.repeats or 3, args.layers)
+        except e2e.E2EError as e:
+            print(f"pyattr bench: error: {e}", file=sys.stderr)
+            return 1
         doc = report.document("e2e", device, rows, ratios=e2e.ratios(rows))
         table = e2e.markdown(rows, doc["ratios"])
     else:

@@ -202,3 +202,49 @@ def test_kernel_errors_name_the_problem():
         torch.ops.pyattr.identity_backward(torch.randn(3), torch.randn(3), "tanh")
     with pytest.raises(ValueError, match="dy must have the shape of x"):
         torch.ops.pyattr.rms_norm_backward(torch.randn(3, 4), None, 1e-6, 0.0, torch.randn(3, 5), False)
+
+
+def test_wider_incoming_gradient_is_not_rounded_down(impl):
+    """A float32 dy at float16 activations (a norm with a float32 weight returns float32)."""
+    x = ((torch.randn(2, 8) * 1000).half())
+    w = torch.rand(8) + 0.5
+    dy = torch.full((2, 8), 1e5)
+    for got, ref in (
+        (impl.rms_norm_backward(x, w, 1e-6, 0.0, dy, True), reference.rms_norm_backward(x, w, 1e-6, 0.0, dy, True)),
+        (impl.layer_norm_backward(x, w, 1e-5, dy, True, True), reference.layer_norm_backward(x, w, 1e-5, dy, True, True)),
+    ):
+        assert torch.isfinite(got[0]).all() and torch.isfinite(got[1]).all()
+        assert got[0].dtype == torch.float16 and got[1].dtype == torch.float32
+        torch.testing.assert_close(got[0].float(), ref[0].float(), atol=1e-2, rtol=2e-3)
+        torch.testing.assert_close(got[1], ref[1], atol=1e-1, rtol=1e-4)
+    act = resolve_activation("silu")
+    xn = torch.full((2, 8), -10.0, dtype=torch.float16)  # φ = σ(-10) ≈ 4.5e-5: dx ≈ 4.5, finite
+    g = impl.identity_backward(xn, dy, act)
+    assert g.dtype == torch.float16
+    torch.testing.assert_close(g.float(), reference.identity_backward(xn, dy, act).float(), atol=1e-2, rtol=2e-3)
+
+
+@pytest.mark.skipif(not CPU_COMPILED, reason="pyattr._C is not built")
+@pytest.mark.parametrize(
+    "call,exc,msg",
+    [
+        (lambda: torch.ops.pyattr.rms_norm_backward(torch.randn(4, 8), torch.empty(0), 1e-5, 0.0, torch.randn(4, 8), False),
+         ValueError, r"weight must have shape \(hidden_size,\) = \(8,\)"),
+        (lambda: torch.ops.pyattr.layer_norm_backward(torch.randn(4, 8), torch.ones(2, 8), 1e-5, torch.randn(4, 8), True, True),
+         ValueError, "weight must have shape"),
+        (lambda: torch.ops.pyattr.layer_norm_backward(torch.randn(4, 8), torch.ones(8, device="meta"), 1e-5, torch.randn(4, 8), False, False),
+         ValueError, "weight is on meta but x is on cpu"),
+        (lambda: torch.ops.pyattr.rms_norm_backward(torch.randn(4, 8), None, float("nan"), 0.0, torch.randn(4, 8), False),
+         ValueError, "eps must be finite and >= 0"),
+        (lambda: torch.ops.pyattr.rms_norm_backward(torch.randn(4, 8), None, 1e-6, float("inf"), torch.randn(4, 8), False),
+         ValueError, "offset must be finite"),
+    ],
+)
+def test_norm_ops_check_their_arguments(call, exc, msg):
+    with pytest.raises(exc, match=msg):
+        call()
+
+
+def test_layer_norm_one_element_rows_are_exactly_zero(impl):
+    x, dy = torch.randn(4, 1), torch.randn(4, 1)
+    assert torch.equal(impl.layer_norm_backward(x, None, 1e-5, dy, False, False)[0], torch.zeros(4, 1))

@@ -101,3 +101,46 @@ def test_cli_bench_quick_json(tmp_path):
     assert {r["op"] for r in d["rows"]} == {"identity", "rms_norm"}
     bad = subprocess.run([sys.executable, "-m", "pyattr", "bench", "--shapes", "16by64"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--shapes: expected ROWSxHIDDEN" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    "mutate,msg",
+    [
+        (lambda d: d.update(copy_bandwidth_gbps=float("nan")), "copy_bandwidth_gbps must be a finite positive"),
+        (lambda d: d["rows"][0].update(gbps=float("-inf")), "field 'gbps' must be a finite non-negative"),
+        (lambda d: d["rows"][0].update(saved_bytes=-5), "field 'saved_bytes' must be"),
+        (lambda d: d["rows"][0].update(shape=["a", 1]), "shape must be two positive integers"),
+        (lambda d: d.update(kind="other"), "kind 'other'"),
+        (lambda d: d.update(kind="e2e", rows=[1, 2]), "row 0 is not an object"),
+    ],
+)
+def test_validate_rejects_bad_values(doc, mutate, msg):
+    bad = copy.deepcopy(doc)
+    mutate(bad)
+    with pytest.raises(ValueError, match=msg):
+        report.validate(bad)
+
+
+def test_check_tool_one_line_errors(tmp_path):
+    cases = {"bad.json": "{not json", "list.json": "[1, 2]", "empty.json": json.dumps({"schema": "pyattr-bench/1"})}
+    for name, text in cases.items():
+        (tmp_path / name).write_text(text)
+    for name in list(cases) + ["missing.json"]:
+        p = subprocess.run([sys.executable, "-m", "pyattr.bench.check", str(tmp_path / name)], capture_output=True, text=True)
+        assert p.returncode == 1 and "invalid:" in p.stderr and "Traceback" not in p.stderr, (name, p.stderr)
+
+
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["--repeats", "0"], "--repeats must be >= 1"),
+        (["--dtypes", "float8_e4m3fn"], "--dtypes: expected some of"),
+        (["--device", "cuda:abc"], "--device: expected cpu or cuda"),
+        (["--json", ""], "--json needs a file path"),
+        (["--json", "/nonexistent/dir/x.json"], "--json: cannot write"),
+        (["--e2e", "--layers", "-1"], "--layers must be >= 1"),
+    ],
+)
+def test_cli_bench_bad_arguments(args, msg):
+    p = subprocess.run([sys.executable, "-m", "pyattr", "bench", "--quick", *args], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr, p.stderr

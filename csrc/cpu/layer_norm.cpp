@@ -6,6 +6,8 @@
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
+#include "../checks.h"
+
 #include "rows.h"
 
 namespace pyattr::cpu {
@@ -14,7 +16,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(const at::Ten
                                                                    const std::optional<at::Tensor>& w_opt,
                                                                    double eps, const at::Tensor& dy_in,
                                                                    bool need_dw, bool need_db) {
-  TORCH_CHECK_VALUE(x_in.dim() >= 1 && x_in.sizes() == dy_in.sizes(), "dy must have the shape of x");
+  check_norm_args(x_in, dy_in, w_opt, eps);
   at::Tensor x = x_in.contiguous();
   at::Tensor dy = dy_in.to(x.scalar_type()).contiguous();
   const int64_t H = x.size(-1);

@@ -3,6 +3,8 @@
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
+#include "../checks.h"
+
 #include "common.cuh"
 
 namespace pyattr::cuda {
@@ -33,7 +35,8 @@ __global__ void rms_norm_backward_kernel(const T* __restrict__ X, const T* __res
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& x_in, const std::optional<at::Tensor>& w_opt,
                                                      double eps, double offset, const at::Tensor& dy_in, bool need_dw) {
-  TORCH_CHECK_VALUE(x_in.dim() >= 1 && x_in.sizes() == dy_in.sizes(), "dy must have the shape of x");
+  check_norm_args(x_in, dy_in, w_opt, eps);
+  TORCH_CHECK_VALUE(std::isfinite(offset), "offset must be finite, got ", offset);
   c10::cuda::CUDAGuard guard(x_in.device());
   at::Tensor x = x_in.contiguous();
   at::Tensor dy = dy_in.to(x.scalar_type()).contiguous();

@@ -12,6 +12,17 @@ def _like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
+def _check_norm(x, weight, dy):
+    # mirrors csrc/checks.h; a tensor on "meta" routes the call here instead of a kernel
+    if dy.shape != x.shape:
+        raise ValueError("dy must have the shape of x")
+    if weight is not None:
+        if weight.device != x.device:
+            raise ValueError(f"weight is on {weight.device} but x is on {x.device}")
+        if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+            raise ValueError(f"weight must have shape (hidden_size,) = ({x.shape[-1]},), got {tuple(weight.shape)}")
+
+
 def _param(x, weight, need):
     if not need:
         return x.new_empty((0,))
@@ -40,8 +51,10 @@ def register() -> None:
 
     @lib.register_fake("pyattr::layer_norm_backward")
     def _layer_norm(x, weight, eps, dy, need_dweight, need_dbias):
+        _check_norm(x, weight, dy)
         return _like(x), _param(x, weight, need_dweight), _param(x, weight, need_dbias)
 
     @lib.register_fake("pyattr::rms_norm_backward")
     def _rms_norm(x, weight, eps, offset, dy, need_dweight):
+        _check_norm(x, weight, dy)
         return _like(x), _param(x, weight, need_dweight)

@@ -15,9 +15,11 @@ import torch
 
 from pyattr.activations import Activation
 from pyattr.backends import reference
+from pyattr.backends.reference import promoted_dtype as _promoted
 
 # Forwards stay on the native ops: they are what keeps forwards bit-identical.
 rms_norm_forward = reference.rms_norm_forward
+
 gated_forward = reference.gated_forward
 
 
@@ -31,26 +33,33 @@ def _ops():
 def identity_backward(x: torch.Tensor, dy: torch.Tensor, act: Activation) -> torch.Tensor:
     if act.kind == "custom":
         return reference.identity_backward(x, dy, act)
-    return _ops().identity_backward(x, dy, act.kind)
+    dt = _promoted(x, dy)
+    return _ops().identity_backward(x.to(dt), dy.to(dt), act.kind).to(x.dtype)
 
 
 def half_backward(u: torch.Tensor, v: torch.Tensor, dy: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     if u.shape != dy.shape or v.shape != dy.shape or u.dtype != v.dtype:
         return reference.half_backward(u, v, dy)
-    return _ops().half_backward(u, v, dy)
+    dt = _promoted(u, dy)
+    du, dv = _ops().half_backward(u.to(dt), v.to(dt), dy.to(dt))
+    return du.to(u.dtype), dv.to(v.dtype)
 
 
 def gated_backward(g, u, dh, act: Activation, identity: bool, half: bool):
     if act.kind == "custom":
         return reference.gated_backward(g, u, dh, act, identity, half)
-    return _ops().gated_backward(g, u, dh, act.kind, identity, half)
+    dt = _promoted(g, u, dh)
+    dg, du = _ops().gated_backward(g.to(dt), u.to(dt), dh.to(dt), act.kind, identity, half)
+    return dg.to(g.dtype), du.to(u.dtype)
 
 
 def layer_norm_backward(x, weight: Optional[torch.Tensor], eps: float, dy, need_dweight: bool, need_dbias: bool):
-    dx, dw, db = _ops().layer_norm_backward(x, weight, eps, dy, need_dweight, need_dbias)
-    return dx, (dw if need_dweight else None), (db if need_dbias else None)
+    dt = _promoted(x, dy)
+    dx, dw, db = _ops().layer_norm_backward(x.to(dt), weight, eps, dy.to(dt), need_dweight, need_dbias)
+    return dx.to(x.dtype), (dw if need_dweight else None), (db if need_dbias else None)
 
 
 def rms_norm_backward(x, weight: Optional[torch.Tensor], eps: float, offset: float, dy, need_dweight: bool):
-    dx, dw = _ops().rms_norm_backward(x, weight, eps, offset, dy, need_dweight)
-    return dx, (dw if need_dweight else None)
+    dt = _promoted(x, dy)
+    dx, dw = _ops().rms_norm_backward(x.to(dt), weight, eps, offset, dy.to(dt), need_dweight)
+    return dx.to(x.dtype), (dw if need_dweight else None)

@@ -19,6 +19,16 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def promoted_dtype(x: torch.Tensor, *others: torch.Tensor) -> torch.dtype:
+    """The dtype a one-dtype kernel runs in: ``x``'s, widened to the others'. A float32 dy
+    arriving at bfloat16 activations (after a norm with a float32 weight) is not rounded
+    down; the kernel runs in float32 and its results are cast back."""
+    dt = x.dtype
+    for t in others:
+        dt = torch.promote_types(dt, t.dtype)
+    return dt
+
+
 def _up(t: torch.Tensor) -> torch.Tensor:
     return t.to(acc_dtype(t.dtype))
 

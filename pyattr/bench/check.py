@@ -11,9 +11,15 @@ def main(argv=None) -> int:
     if len(args) != 1:
         print("usage: python -m pyattr.bench.check FILE.json", file=sys.stderr)
         return 2
-    with open(args[0]) as f:
-        doc = json.load(f)
-    validate(doc)
+    try:
+        with open(args[0], encoding="utf-8") as f:
+            doc = json.load(f)
+        if not isinstance(doc, dict):
+            raise ValueError("benchmark JSON: the top level must be an object")
+        validate(doc)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
+        print(f"{args[0]}: invalid: {e}", file=sys.stderr)
+        return 1
     print(f"{args[0]}: valid {doc['schema']} document, {len(doc['rows'])} rows")
     return 0
 

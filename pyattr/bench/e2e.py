@@ -150,6 +150,10 @@ def measure(device: str, dtype: torch.dtype, variant: str, repeats: int, layers:
     }
 
 
+class E2EError(RuntimeError):
+    """A measurement process failed; the message carries the end of its stderr."""
+
+
 def run_all(device: str, dtypes: List[torch.dtype], repeats: int, layers: int = None, progress=None) -> List[Dict]:
     rows = []
     for dt in dtypes:
@@ -157,7 +161,10 @@ def run_all(device: str, dtypes: List[torch.dtype], repeats: int, layers: int = 
             if device == "cpu":  # one process per variant: peak RSS cannot be reset in-process
                 cmd = [sys.executable, "-m", "pyattr.bench.e2e", "--child", v, "--dtype", str(dt).replace("torch.", ""),
                        "--repeats", str(repeats)] + (["--layers", str(layers)] if layers else [])
-                out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+                out = subprocess.run(cmd, capture_output=True, text=True)
+                if out.returncode != 0:
+                    tail = " ".join(out.stderr.strip().splitlines()[-1:]) or f"exit status {out.returncode}"
+                    raise E2EError(f"e2e variant {v!r} ({dt}) failed: {tail}")
                 rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
             else:
                 rows.append(measure(device, dt, v, repeats, layers))

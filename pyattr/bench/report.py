@@ -28,6 +28,9 @@ ROW_FIELDS = {
     "frac_of_copy_bandwidth": float,
     "ratio_to_native": (float, type(None)),
     "ratio_to_unfused": (float, type(None)),
+    "machine": str,
+    "torch_version": str,
+    "git_commit": (str, type(None)),
 }
 
 
@@ -54,19 +57,35 @@ def machine(device: torch.device) -> dict:
 
 
 def document(kind: str, device: torch.device, rows: List[dict], **extra) -> dict:
+    """The JSON document; every row also carries the machine, torch version and commit,
+    so rows stay self-describing when results of several runs are concatenated."""
     from pyattr import __version__, available_backends
 
+    commit = git_commit()
+    where = machine(device)
+    tag = f"{where['processor']} {where['cpu_count']} cores" + (f" {where['gpu']}" if "gpu" in where else "")
+    for r in rows:
+        r.setdefault("machine", tag)
+        r.setdefault("torch_version", torch.__version__)
+        r.setdefault("git_commit", commit)
     return {
         "schema": SCHEMA,
         "kind": kind,
         "pyattr_version": __version__,
         "torch_version": torch.__version__,
-        "git_commit": git_commit(),
-        "machine": machine(device),
+        "git_commit": commit,
+        "machine": where,
         "backends": {n: {"available": s.available, "reason": s.reason} for n, s in available_backends().items()},
         **extra,
         "rows": rows,
     }
+
+
+def _finite_nonneg(v, what: str, positive: bool = False) -> None:
+    import math
+
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (positive and v == 0):
+        raise ValueError(f"benchmark JSON: {what} must be a finite {'positive' if positive else 'non-negative'} number, got {v!r}")
 
 
 def validate(doc: dict) -> None:
@@ -76,22 +95,38 @@ def validate(doc: dict) -> None:
             raise ValueError(f"benchmark JSON: field {key!r} missing or not {typ.__name__}")
     if doc["schema"] != SCHEMA:
         raise ValueError(f"benchmark JSON: schema {doc['schema']!r}, expected {SCHEMA!r}")
-    if doc["kind"] == "micro":
-        if not isinstance(doc.get("copy_bandwidth_gbps"), float) or doc["copy_bandwidth_gbps"] <= 0:
-            raise ValueError("benchmark JSON: copy_bandwidth_gbps must be a positive float")
-        if not doc["rows"]:
-            raise ValueError("benchmark JSON: no rows")
+    if not doc["rows"]:
+        raise ValueError("benchmark JSON: no rows")
+    if doc["kind"] == "e2e":
         for i, row in enumerate(doc["rows"]):
+            if not isinstance(row, dict):
+                raise ValueError(f"benchmark JSON: row {i} is not an object")
+            for k in ("variant", "dtype", "device"):
+                if not isinstance(row.get(k), str):
+                    raise ValueError(f"benchmark JSON: row {i} field {k!r} missing or not a string")
+            for k in ("median_s", "min_s", "max_s", "peak_bytes", "saved_bytes"):
+                _finite_nonneg(row.get(k), f"row {i} field {k!r}")
+    elif doc["kind"] == "micro":
+        _finite_nonneg(doc.get("copy_bandwidth_gbps"), "copy_bandwidth_gbps", positive=True)
+        for i, row in enumerate(doc["rows"]):
+            if not isinstance(row, dict):
+                raise ValueError(f"benchmark JSON: row {i} is not an object")
             missing = set(ROW_FIELDS) - set(row)
             if missing:
                 raise ValueError(f"benchmark JSON: row {i} lacks {sorted(missing)}")
             for k, typ in ROW_FIELDS.items():
                 if not isinstance(row[k], typ) or isinstance(row[k], bool):
                     raise ValueError(f"benchmark JSON: row {i} field {k!r} has type {type(row[k]).__name__}")
+            for k in ("median_ms", "p20_ms", "p80_ms", "saved_bytes", "saved_ratio_to_inputs", "gbps", "frac_of_copy_bandwidth"):
+                _finite_nonneg(row[k], f"row {i} field {k!r}")
+            if len(row["shape"]) != 2 or not all(isinstance(v, int) and v > 0 for v in row["shape"]):
+                raise ValueError(f"benchmark JSON: row {i} shape must be two positive integers")
             if not row["p20_ms"] <= row["median_ms"] <= row["p80_ms"]:
                 raise ValueError(f"benchmark JSON: row {i} percentiles out of order")
             if row["mode"] not in ("fwd", "bwd", "fwd+bwd"):
                 raise ValueError(f"benchmark JSON: row {i} mode {row['mode']!r}")
+    else:
+        raise ValueError(f"benchmark JSON: kind {doc['kind']!r}, expected 'micro' or 'e2e'")
 
 
 def markdown(rows: List[dict], copy_bw: float, title: str) -> str:
