@@ -40,7 +40,11 @@ def _explain(args) -> int:
                 if args.pair is not None:
                     raise ExplainError("--pair works with the sentence-embedding model only (drop --model)")
                 expl = explain_causal(
-                    Path(args.model), args.text if args.text is not None else DEFAULT_TEXT, args.target, _rules(args)
+                    Path(args.model),
+                    args.text if args.text is not None else DEFAULT_TEXT,
+                    args.target,
+                    _rules(args),
+                    generic=args.generic,
                 )
             else:
                 if args.target is not None:
@@ -52,7 +56,8 @@ def _explain(args) -> int:
         print(f"pyattr explain: error: {e}", file=sys.stderr)
         return 2
     except (RelevanceRuleUnsupportedError, RelevanceRuleConflictError) as e:
-        print(f"pyattr explain: error: {' '.join(str(e).split())}", file=sys.stderr)
+        msg = " ".join(str(e).split()).replace("Pass generic=True", "Pass --generic")
+        print(f"pyattr explain: error: {msg}", file=sys.stderr)
         return 2
     if args.html:
         from pyattr.render import to_html
@@ -167,6 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--html", metavar="PATH", help="also write a self-contained HTML heatmap")
     e.add_argument("--json", action="store_true", help="print machine-readable JSON instead of the heatmap")
     e.add_argument("--attention", choices=["frozen", "attnlrp", "off"], default="frozen", help="attention rule")
+    e.add_argument(
+        "--generic",
+        action="store_true",
+        help="--model of an architecture without a rule map: mount rules by module class",
+    )
     e.add_argument("--no-norm-rule", action="store_true", help="switch off the LN-rule")
     e.add_argument("--no-activation-rule", action="store_true", help="switch off the Identity-rule")
     e.add_argument("--no-gate-rule", action="store_true", help="switch off the Half-rule on gates")

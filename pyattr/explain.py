@@ -232,7 +232,11 @@ def _target_id(tok, target: str, vocab_size: int) -> int:
 
 
 def explain_causal(
-    model_dir: Path, text: str, target: Optional[str] = None, rules: Optional[RelevanceRules] = None
+    model_dir: Path,
+    text: str,
+    target: Optional[str] = None,
+    rules: Optional[RelevanceRules] = None,
+    generic: bool = False,
 ) -> Explanation:
     """Relevance of each token of ``text`` for the next-token logit (top-1 or ``target``)."""
     _check_text("--text", text)
@@ -253,7 +257,7 @@ def explain_causal(
     enc = {"input_ids": torch.tensor([ids])}
     available_backends()  # probe (imports, extension load) outside the timed pass
     t0 = time.perf_counter()
-    res = relevance(model, enc, target=tid, rules=rules)
+    res = relevance(model, enc, target=tid, rules=rules, generic=generic)
     wall = time.perf_counter() - t0
     chosen = int(res.target_ids[0])
     name = tok.convert_ids_to_tokens([chosen])[0]

@@ -133,3 +133,18 @@ def test_explain_error_unknown_target_and_broken_dir(causal_dir, tmp_path):
     empty.mkdir()
     p = run("explain", "--model", str(empty), check=False)
     assert p.returncode == 2 and "has no config.json" in p.stderr
+
+
+def test_explain_unsupported_architecture_and_generic(tmp_path):
+    from transformers import OPTConfig, OPTForCausalLM
+
+    tok, _ = minilm()
+    d = tmp_path / "tiny-opt"
+    torch.manual_seed(0)
+    OPTForCausalLM(OPTConfig(vocab_size=len(tok), hidden_size=16, ffn_dim=32, num_hidden_layers=1,
+                             num_attention_heads=2, word_embed_proj_dim=16)).save_pretrained(d)
+    tok.save_pretrained(d)
+    p = run("explain", "--model", str(d), "--text", "hello", check=False)
+    assert p.returncode == 2 and "model type 'opt'" in p.stderr and "Pass --generic" in p.stderr
+    out = json.loads(run("explain", "--model", str(d), "--text", "hello", "--generic", "--json").stdout)
+    assert out["mode"] == "causal" and out["rules_installed"] > 0
