@@ -23,15 +23,22 @@ def test_auto_picks_cpp_on_cpu_when_built_and_force_torch():
     assert backends.requested_backend() == "auto"
 
 
-def test_forcing_an_unavailable_backend_raises():
-    st = pyattr.available_backends()
-    missing = [n for n, s in st.items() if not s.available]
-    if not missing:
-        pytest.skip("every backend is available on this machine")
-    name = missing[0]
-    with pytest.raises(pyattr.BackendUnavailableError, match=f"backend '{name}' is not available: "):
-        with pyattr.backend(name):
+def test_forcing_an_unavailable_backend_raises(monkeypatch):
+    # make one backend unavailable whatever this machine has, so the test always runs
+    real = backends.available_backends
+
+    def fake():
+        st = real()
+        st["cuda"] = backends.BackendStatus("cuda", False, "no CUDA device visible to torch")
+        return st
+
+    monkeypatch.setattr(backends, "available_backends", fake)
+    with pytest.raises(pyattr.BackendUnavailableError, match="backend 'cuda' is not available: no CUDA device"):
+        with pyattr.backend("cuda"):
             pass
+    monkeypatch.setenv("PYATTR_BACKEND", "cuda")  # forced through the environment: raised at use
+    with pytest.raises(pyattr.BackendUnavailableError, match="backend 'cuda' is not available"):
+        backends.select(torch.device("cpu"), "identity")
 
 
 def test_env_variable(monkeypatch):

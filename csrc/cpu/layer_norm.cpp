@@ -16,29 +16,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(const at::Ten
                                                                    const std::optional<at::Tensor>& w_opt,
                                                                    double eps, const at::Tensor& dy_in,
                                                                    bool need_dw, bool need_db) {
-  check_norm_args(x_in, dy_in, w_opt, eps);
-  at::Tensor x = x_in.contiguous();
-  at::Tensor dy = dy_in.to(x.scalar_type()).contiguous();
-  const int64_t H = x.size(-1);
-  const int64_t R = H == 0 ? 0 : x.numel() / H;
-  const bool has_w = w_opt.has_value() && w_opt->defined();
-  at::Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
-  const auto pdtype = has_w ? w_opt->scalar_type() : x.scalar_type();
-  at::Tensor dw = need_dw ? at::empty({H}, x.options().dtype(pdtype)) : at::empty({0}, x.options());
-  at::Tensor db = need_db ? at::empty({H}, x.options().dtype(pdtype)) : at::empty({0}, x.options());
+  const NormRows rows = prepare_norm_rows(x_in, dy_in, w_opt, eps);
+  const at::Tensor &x = rows.x, &dy = rows.dy, &dx = rows.dx;
+  const int64_t H = rows.H, R = rows.R;
+  // the weight in the accumulation type, once (H values), whatever its dtype
+  const at::Tensor wacc = rows.weight_acc(w_opt);
+  at::Tensor dw = rows.param_grad(need_dw), db = rows.param_grad(need_db);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "layer_norm_backward", [&] {
     using T = scalar_t;
     using A = acc_t<T>;
     using V = AccVec<T>;
     const T* X = x.const_data_ptr<T>();
     const T* DY = dy.const_data_ptr<T>();
-    // The weight in the accumulation type, once (H values), whatever its dtype.
-    std::vector<A> wacc;
-    if (has_w) {
-      at::Tensor wa = w_opt->to(std::is_same_v<A, double> ? at::kDouble : at::kFloat).contiguous();
-      wacc.assign(wa.const_data_ptr<A>(), wa.const_data_ptr<A>() + H);
-    }
-    const A* W = has_w ? wacc.data() : nullptr;
+    const A* W = rows.has_w ? wacc.const_data_ptr<A>() : nullptr;
     T* DX = dx.mutable_data_ptr<T>();
     const int64_t chunks = num_row_chunks(R);
     const bool partials = (need_dw || need_db) && R > 0;

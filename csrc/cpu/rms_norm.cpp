@@ -15,19 +15,12 @@ namespace pyattr::cpu {
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& x_in, const std::optional<at::Tensor>& w_opt,
                                                      double eps, double offset, const at::Tensor& dy_in,
                                                      bool need_dw) {
-  check_norm_args(x_in, dy_in, w_opt, eps);
   TORCH_CHECK_VALUE(std::isfinite(offset), "offset must be finite, got ", offset);
-  at::Tensor x = x_in.contiguous();
-  at::Tensor dy = dy_in.to(x.scalar_type()).contiguous();
-  const int64_t H = x.size(-1);
-  const int64_t R = H == 0 ? 0 : x.numel() / H;
-  const bool has_w = w_opt.has_value() && w_opt->defined();
-  // w_eff = offset + w is formed in the weight's own precision before the cast, as the
-  // float32 math of the reference does.
-  at::Tensor w = has_w ? w_opt->contiguous() : at::Tensor();
-  at::Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
-  at::Tensor dw = need_dw ? at::empty({H}, x.options().dtype(has_w ? w_opt->scalar_type() : x.scalar_type()))
-                          : at::empty({0}, x.options());
+  const NormRows rows = prepare_norm_rows(x_in, dy_in, w_opt, eps);
+  const at::Tensor &x = rows.x, &dy = rows.dy, &dx = rows.dx;
+  const int64_t H = rows.H, R = rows.R;
+  const at::Tensor wacc = rows.weight_acc(w_opt);
+  at::Tensor dw = rows.param_grad(need_dw);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rms_norm_backward", [&] {
     using T = scalar_t;
     using A = acc_t<T>;
@@ -37,9 +30,8 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& x_in, con
     T* DX = dx.mutable_data_ptr<T>();
     // w_eff in the accumulation type, once (H values), so the row loop reads one array.
     std::vector<A> weff(H, A(1));
-    if (has_w) {
-      at::Tensor wa = w.to(std::is_same_v<A, double> ? at::kDouble : at::kFloat).contiguous();
-      const A* wp = wa.const_data_ptr<A>();
+    if (rows.has_w) {
+      const A* wp = wacc.const_data_ptr<A>();
       for (int64_t j = 0; j < H; ++j) weff[j] = A(offset) + wp[j];
     }
     const A* WE = weff.data();

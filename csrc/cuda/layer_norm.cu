@@ -46,19 +46,14 @@ __global__ void layer_norm_backward_kernel(const T* __restrict__ X, const T* __r
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(const at::Tensor& x_in, const std::optional<at::Tensor>& w_opt,
                                                                    double eps, const at::Tensor& dy_in, bool need_dw,
                                                                    bool need_db) {
-  check_norm_args(x_in, dy_in, w_opt, eps);
   c10::cuda::CUDAGuard guard(x_in.device());
-  at::Tensor x = x_in.contiguous();
-  at::Tensor dy = dy_in.to(x.scalar_type()).contiguous();
-  const int64_t H = x.size(-1);
-  const int64_t R = H == 0 ? 0 : x.numel() / H;
-  const bool has_w = w_opt.has_value() && w_opt->defined();
-  const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  at::Tensor w = has_w ? w_opt->to(acc).contiguous() : at::Tensor();
-  at::Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
-  const auto pdtype = has_w ? w_opt->scalar_type() : x.scalar_type();
-  at::Tensor dw = need_dw ? at::empty({H}, x.options().dtype(pdtype)) : at::empty({0}, x.options());
-  at::Tensor db = need_db ? at::empty({H}, x.options().dtype(pdtype)) : at::empty({0}, x.options());
+  const NormRows rows = prepare_norm_rows(x_in, dy_in, w_opt, eps);
+  const at::Tensor &x = rows.x, &dy = rows.dy, &dx = rows.dx;
+  const int64_t H = rows.H, R = rows.R;
+  const bool has_w = rows.has_w;
+  const auto acc = rows.acc;
+  at::Tensor w = rows.weight_acc(w_opt);
+  at::Tensor dw = rows.param_grad(need_dw), db = rows.param_grad(need_db);
   // without parameter gradients every row gets its own block; with them, fixed chunks
   const int64_t chunks = (need_dw || need_db) ? num_row_chunks(R) : R;
   at::Tensor pw = need_dw ? at::zeros({chunks, H}, x.options().dtype(acc)) : at::Tensor();
