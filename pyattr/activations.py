@@ -268,6 +268,10 @@ def derivative(x32: torch.Tensor, act: Activation) -> torch.Tensor:
         return s + _QUICK_GELU_ALPHA * (x32 * (s * (1.0 - s)))
     if k == "relu":
         return phi(x32, act)
+    if torch.is_grad_enabled() and x32.requires_grad:
+        # inside a backward recorded for a second one (create_graph=True): keep the graph
+        (d,) = torch.autograd.grad(act.fn(x32 * 1.0).sum(), x32, create_graph=True)
+        return d
     with torch.enable_grad():
         xr = x32.detach().clone().requires_grad_(True)
         (d,) = torch.autograd.grad(act.fn(xr * 1.0).sum(), xr)

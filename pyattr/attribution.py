@@ -5,6 +5,8 @@ propagation, and ``input · grad`` at the embeddings is each input's relevance."
 from __future__ import annotations
 
 import contextlib
+import inspect
+import numbers
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence, Union
 
@@ -80,11 +82,89 @@ def _normalise_inputs(inputs, attention_mask):
     return kwargs
 
 
+def _accepts(model: nn.Module, name: str) -> bool:
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _padding_positions(model: nn.Module, kwargs: dict) -> dict:
+    """Position ids that make a padded row equal to the same row alone.
+
+    Hugging Face models build positions with ``arange(seq)`` whatever the mask, so a row
+    left-padded by ``p`` tokens would see its tokens at positions ``p, p+1, …``: a different
+    input for absolute position embeddings (GPT-2, BERT) and for sliding windows. As
+    ``generate`` does, the real tokens get ``0, 1, …`` counted along the mask; pad
+    positions get 0 (they are masked out and never attended to). Right-padded and
+    unpadded rows get the same ids as ``arange``. Ids the caller passes are kept.
+    """
+    mask = kwargs.get("attention_mask")
+    if mask is None or "position_ids" in kwargs:
+        return kwargs
+    m = mask.to(torch.long)
+    pos = (m.cumsum(-1) - 1).clamp_min(0) * m
+    if torch.equal(pos, torch.arange(m.shape[1], device=m.device).expand_as(m) * m):
+        return kwargs  # no row has padding before a real token: arange is already right
+    if not _accepts(model, "position_ids"):
+        raise ValueError(
+            f"attention_mask pads some rows on the left, but {type(model).__name__}.forward takes no "
+            "position_ids, so those rows would see shifted positions and a different result than "
+            "alone; pad on the right, or pass inputs the model can position itself"
+        )
+    return {**kwargs, "position_ids": pos}
+
+
 def _last_positions(ids: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
     if mask is None:
         return torch.full((ids.shape[0],), ids.shape[1] - 1, dtype=torch.long, device=ids.device)
     flipped = torch.flip(mask.to(torch.long), dims=[1])
     return ids.shape[1] - 1 - flipped.argmax(dim=1)
+
+
+def _is_integer(v) -> bool:
+    """Python and NumPy integers (``numbers.Integral``), not bools."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool) and type(v).__name__ != "bool_"
+
+
+def _target_ids(target, batch: int) -> torch.Tensor:
+    """Token-id targets in any integer form → LongTensor[batch].
+
+    Accepted: an int or NumPy integer, a 0-d integer tensor or array (one id for every
+    row); a list / tuple, 1-d integer tensor or array with one id per row; a ``(batch, 1)``
+    tensor, array or nested list. A single id given as a length-1 sequence is used for
+    every row only when ``batch == 1``.
+    """
+    if _is_integer(target):
+        return torch.full((batch,), int(target), dtype=torch.long)
+    if isinstance(target, torch.Tensor):
+        t = target.detach()
+        if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+            raise TypeError(f"target: token ids must be an integer tensor, got dtype {t.dtype}")
+        t = t.to("cpu", torch.long)
+    elif type(target).__module__ == "numpy" and hasattr(target, "dtype") and hasattr(target, "shape"):
+        if target.dtype.kind not in "iu":
+            raise TypeError(f"target: token ids must be an integer array, got dtype {target.dtype}")
+        t = torch.as_tensor(target.astype("int64"))
+    elif isinstance(target, (list, tuple)):
+        flat = [v[0] if isinstance(v, (list, tuple)) and len(v) == 1 else v for v in target]
+        bad = [v for v in flat if not _is_integer(v) and not (isinstance(v, torch.Tensor) and v.numel() == 1)]
+        if bad or any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.dtype == torch.bool) for v in flat):
+            raise TypeError(f"target: token ids must be integers, got {target!r}")
+        t = torch.tensor([int(v) for v in flat], dtype=torch.long)
+    else:
+        raise TypeError(f"target: token ids must be integers, got {type(target).__name__}")
+    if t.dim() == 0:
+        return t.expand(batch).clone()
+    if t.dim() == 2 and t.shape[1] == 1:
+        t = t[:, 0]
+    if t.dim() != 1 or t.shape[0] != batch:
+        raise ValueError(
+            f"target: expected one token id per batch row, shape ({batch},) or ({batch}, 1), "
+            f"got shape {tuple(t.shape)}"
+        )
+    return t
 
 
 def _logit_target(output, ids, mask, target):
@@ -103,16 +183,7 @@ def _logit_target(output, ids, mask, target):
     if target is None:
         tid = last.detach().argmax(-1)
     else:
-        if isinstance(target, int):
-            tid = torch.full((batch,), target, dtype=torch.long)
-        else:
-            items = target.tolist() if isinstance(target, torch.Tensor) else list(target)
-            if any(isinstance(i, bool) or not isinstance(i, int) for i in items):
-                raise TypeError(f"target: token ids must be integers, got {target!r}")
-            tid = torch.tensor(items, dtype=torch.long)
-            if tid.dim() != 1 or tid.shape[0] != batch:
-                raise ValueError(f"target: expected one token id per batch row ({batch}), got {target!r}")
-        tid = tid.to(device=logits.device, dtype=torch.long)
+        tid = _target_ids(target, batch).to(logits.device)
         if bool(((tid < 0) | (tid >= vocab)).any()):
             raise ValueError(f"target: token ids must be in [0, {vocab}), got {tid.tolist()}")
     return last.gather(1, tid[:, None]).squeeze(1), tid
@@ -169,19 +240,46 @@ def _capture_leaf(module: nn.Module, where: str, store: list):
 
 @contextlib.contextmanager
 def _inference_state(model: nn.Module):
-    """eval() mode and parameters frozen for the pass, restored afterwards."""
+    """eval() mode and parameters frozen for the pass, restored afterwards.
+
+    Only parameters that required grad are touched, and each flag is restored on its own,
+    so one that cannot be restored never leaves the others (or the modules' ``training``
+    flags) changed."""
     training = [(m, m.training) for m in model.modules()]
-    flags = [(p, p.requires_grad) for p in model.parameters()]
-    model.eval()
-    for p, _ in flags:
-        p.requires_grad_(False)
+    frozen = []
     try:
+        model.eval()
+        for p in model.parameters():
+            if p.requires_grad:
+                p.requires_grad_(False)
+                frozen.append(p)
         yield
     finally:
-        for p, f in flags:
-            p.requires_grad_(f)
         for m, t in training:
             m.training = t
+        for p in frozen:
+            if p.is_inference():
+                with torch.inference_mode():
+                    p.requires_grad_(True)
+            else:
+                p.requires_grad_(True)
+
+
+def _no_inference_tensors(kwargs: dict) -> dict:
+    """Inputs created under ``torch.inference_mode()`` cannot enter an autograd graph;
+    copies of them can (integer ids and masks are small)."""
+    return {k: (v.clone() if isinstance(v, torch.Tensor) and v.is_inference() else v) for k, v in kwargs.items()}
+
+
+def _check_parameters_usable(model: nn.Module) -> None:
+    for name, p in model.named_parameters():
+        if p.is_inference():
+            raise RuntimeError(
+                f"relevance(): parameter {name!r} is an inference tensor (the model was created or "
+                "loaded under torch.inference_mode()), and autograd cannot differentiate through it. "
+                "Load the model outside inference_mode, or replace its parameters with clones made "
+                "outside it."
+            )
 
 
 def relevance(
@@ -204,9 +302,11 @@ def relevance(
         inputs (LongTensor[batch, seq] | Mapping): token ids, or a tokenizer output
             (``input_ids``, optional ``attention_mask`` and other model kwargs).
         target: ``None`` (the top-1 next-token logit at each row's last real position),
-            a token id, one token id per row, or a callable ``f(output) -> Tensor[]`` or
+            a token id (``int``, NumPy integer, 0-d tensor), one token id per row (list,
+            1-d or ``(batch, 1)`` integer tensor or array), or a callable ``f(output) -> Tensor[]`` or
             ``Tensor[batch]`` for any other differentiable target. Default: None.
-        rules (RelevanceRules, optional): Default: all four rules, AH-rule attention.
+        rules (RelevanceRules, optional): Default: ``RelevanceRules.all()``, the four rules
+            with AH-rule attention (``RelevanceRules()`` is every rule off).
         attention_mask (Tensor[batch, seq], optional): 1 for real tokens.
         generic (bool): class-based rule installation for unknown architectures.
 
@@ -215,33 +315,46 @@ def relevance(
         (batch, seq, hidden), ``target`` and ``conservation_delta``.
 
     The model runs in eval mode with its parameters' ``requires_grad`` off during the
-    pass; both are restored afterwards.
+    pass; both are restored afterwards, also when the call fails. The pass enables
+    autograd for itself, so a call under ``torch.no_grad()`` or ``torch.inference_mode()``
+    returns the same result. Padded rows (``attention_mask``) equal the same row alone:
+    position ids are counted along the mask (see :func:`_padding_positions`).
 
     Raises:
-        TypeError / ValueError: malformed inputs or target (the message names which).
+        TypeError / ValueError: malformed inputs or target (the message names which); a
+            left-padded batch on a model whose forward takes no ``position_ids``.
+        RuntimeError: the model's parameters are inference tensors.
         RelevanceRuleUnsupportedError, RelevanceRuleConflictError: see :func:`use_relevance_rules`.
     """
     kwargs = _normalise_inputs(inputs, attention_mask)
     ids, mask = kwargs["input_ids"], kwargs.get("attention_mask")
     if isinstance(target, (bool, str, bytes, float)) or (
-        target is not None and not callable(target) and not isinstance(target, (int, Sequence, torch.Tensor))
+        target is not None
+        and not callable(target)
+        and not _is_integer(target)
+        and not isinstance(target, (Sequence, torch.Tensor))
+        and type(target).__module__ != "numpy"
     ):
         raise TypeError(
             f"target must be None, a token id, a list of ids or a callable, got {type(target).__name__}"
         )
-    if torch.is_inference_mode_enabled():
-        raise RuntimeError("relevance() needs autograd; it cannot run under torch.inference_mode()")
     entry, where = _entry_module(model)
+    _check_parameters_usable(model)
+    kwargs = _padding_positions(model, _no_inference_tensors(kwargs))
     store: list = []
-    rules = RelevanceRules() if rules is None else rules
-    with _inference_state(model), use_relevance_rules(model, rules, generic=generic) as cov:
+    rules = RelevanceRules.all() if rules is None else rules
+    # The pass needs autograd whatever the caller's grad mode: a call under torch.no_grad()
+    # or torch.inference_mode() gives the same result as outside (as Captum does).
+    with torch.inference_mode(False), torch.enable_grad(), _inference_state(model), use_relevance_rules(
+        model, rules, generic=generic
+    ) as cov:
         if cov.inherited:
             raise RelevanceRuleConflictError(
                 f"relevance(rules={rules}) runs inside a use_relevance_rules scope that keeps other "
                 f"rules on ({', '.join(sorted(cov.inherited))[:200]}); the result would not reflect "
                 "`rules`. Call relevance() outside that scope, or with the same rules."
             )
-        with _capture_leaf(entry, where, store), torch.enable_grad():
+        with _capture_leaf(entry, where, store):
             output = model(**kwargs)
         if not store:
             raise RuntimeError("the embedding entry point was not reached during the forward pass")

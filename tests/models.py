@@ -19,6 +19,8 @@ def _cfg(arch: str, attn: str):
         c = T.Qwen2Config(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, **common)
     elif arch == "qwen3":
         c = T.Qwen3Config(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8, **common)
+    elif arch == "gemma":
+        c = T.GemmaConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8, **common)
     elif arch == "gemma2":
         c = T.Gemma2Config(
             hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -28,6 +30,9 @@ def _cfg(arch: str, attn: str):
         c = T.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64, initializer_range=0.2)
     elif arch == "gpt_neox":
         c = T.GPTNeoXConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, rotary_pct=0.5, use_parallel_residual=True, **common)
+    elif arch == "bert":
+        c = T.BertConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, max_position_embeddings=64,
+                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **common)
     else:
         raise KeyError(arch)
     c._attn_implementation = attn
@@ -35,10 +40,12 @@ def _cfg(arch: str, attn: str):
 
 
 def tiny_causal_lm(arch: str, attn: str = "eager", dtype=torch.float32, seed: int = 0):
-    from transformers import AutoModelForCausalLM
+    """A tiny random model with next-token (for BERT: masked-LM) logits of shape (batch, seq, VOCAB)."""
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
     torch.manual_seed(seed)
-    m = AutoModelForCausalLM.from_config(_cfg(arch, attn), attn_implementation=attn)
+    auto = AutoModelForMaskedLM if arch == "bert" else AutoModelForCausalLM
+    m = auto.from_config(_cfg(arch, attn), attn_implementation=attn)
     return m.to(dtype).eval()
 
 

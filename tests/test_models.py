@@ -26,7 +26,7 @@ def test_forward_bit_identical_all_rules(arch, impl, attention):
     m = tiny_causal_lm(arch, impl)
     ids = torch.randint(0, VOCAB, (2, 11))
     ref = m(ids).logits
-    with pyattr.use_relevance_rules(m, pyattr.RelevanceRules(attention=attention)):
+    with pyattr.use_relevance_rules(m, pyattr.RelevanceRules.all(attention=attention)):
         out = m(ids).logits
     assert torch.equal(ref, out)
 
@@ -98,7 +98,7 @@ def test_coverage_paths_exact(arch):
 
 def test_coverage_when_rules_off():
     m = tiny_causal_lm("llama")
-    with pyattr.use_relevance_rules(m, pyattr.RelevanceRules(normalization=False, attention="attnlrp")) as cov:
+    with pyattr.use_relevance_rules(m, pyattr.RelevanceRules(activation=True, multiplicative_gate=True, attention="attnlrp")) as cov:
         assert "model.norm" in cov.skipped and cov.reasons["model.norm"] == "normalization rule off"
         assert "model.layers.0.self_attn.v_proj" in cov.installed
         assert "model.layers.0.input_layernorm" not in cov.installed
@@ -119,7 +119,7 @@ def test_conservation_bias_free_decoders(arch, impl):
 def test_llama_without_attention_rule_does_not_conserve():
     m = tiny_causal_lm("llama")
     ids = torch.randint(0, VOCAB, (3, 13))
-    r = pyattr.relevance(m, ids, rules=pyattr.RelevanceRules(attention=False))
+    r = pyattr.relevance(m, ids, rules=pyattr.RelevanceRules(True, True, True, False))
     assert (r.conservation_delta.abs() > 1e-3 * r.target.abs()).any(), r.conservation_delta
 
 

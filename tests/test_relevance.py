@@ -70,7 +70,7 @@ def test_model_state_restored(llama):
         (dict(inputs={"ids": torch.ones(1, 3, dtype=torch.long)}), ValueError, "must contain 'input_ids'"),
         (dict(inputs=torch.ones(1, 0, dtype=torch.long)), ValueError, r"seq > 0"),
         (dict(inputs=torch.ones(1, 3, dtype=torch.long), target=VOCAB), ValueError, rf"token ids must be in \[0, {VOCAB}\)"),
-        (dict(inputs=torch.ones(2, 3, dtype=torch.long), target=[1]), ValueError, r"one token id per batch row \(2\)"),
+        (dict(inputs=torch.ones(2, 3, dtype=torch.long), target=[1]), ValueError, r"one token id per batch row, shape \(2,\) or \(2, 1\), got shape \(1,\)"),
         (dict(inputs=torch.ones(1, 3, dtype=torch.long), target=lambda o: o.logits), ValueError, "must return a scalar tensor or one value per batch row"),
         (dict(inputs=torch.ones(1, 3, dtype=torch.long), attention_mask=torch.ones(1, 4)), ValueError, r"attention_mask of shape \(1, 4\) must match"),
         (dict(inputs=torch.ones(1, 3, dtype=torch.long), target=1.5), TypeError, "target must be None, a token id"),
@@ -104,3 +104,59 @@ def test_minilm_pair_cosine_half_rule_split():
     # padded positions carry no relevance
     assert (r.token_relevance[mask == 0] == 0).all()
     torch.testing.assert_close(r.relevance.double().sum(), r.target - r.conservation_delta)
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        lambda b: torch.tensor(5),
+        lambda b: torch.tensor([5] * b),
+        lambda b: torch.tensor([[5]] * b),
+        lambda b: torch.tensor([5] * b, dtype=torch.int32),
+        lambda b: __import__("numpy").int64(5),
+        lambda b: __import__("numpy").int32(5),
+        lambda b: __import__("numpy").array(5),
+        lambda b: __import__("numpy").array([5] * b),
+        lambda b: __import__("numpy").array([[5]] * b, dtype="uint8"),
+        lambda b: [[5]] * b,
+        lambda b: (5,) * b,
+        lambda b: [__import__("numpy").int64(5)] * b,
+    ],
+    ids=["tensor0d", "tensor1d", "tensor_b1", "int32", "np_int64", "np_int32", "np_0d", "np_1d", "np_b1_uint8",
+         "list_b1", "tuple", "list_np"],
+)
+def test_integer_like_target_forms_equal_int(llama, form):
+    ids = torch.randint(0, VOCAB, (2, 6))
+    ref = pyattr.relevance(llama, ids, target=5)
+    r = pyattr.relevance(llama, ids, target=form(2))
+    torch.testing.assert_close(r.relevance, ref.relevance, atol=0, rtol=0)
+    assert torch.equal(r.target_ids, torch.tensor([5, 5]))
+
+
+@pytest.mark.parametrize(
+    "target,exc,msg",
+    [
+        (torch.tensor(5.0), TypeError, r"token ids must be an integer tensor, got dtype torch.float32"),
+        (torch.tensor([True, False]), TypeError, r"token ids must be an integer tensor, got dtype torch.bool"),
+        (torch.tensor([[5, 6], [7, 8]]), ValueError, r"one token id per batch row, shape \(2,\) or \(2, 1\), got shape \(2, 2\)"),
+        (torch.tensor([5, 6, 7]), ValueError, r"got shape \(3,\)"),
+        ([5.0, 6.0], TypeError, r"token ids must be integers"),
+        ([True, False], TypeError, r"token ids must be integers"),
+        ("5", TypeError, r"target must be None, a token id"),
+        (True, TypeError, r"target must be None, a token id"),
+    ],
+)
+def test_bad_target_forms(llama, target, exc, msg):
+    import numpy as np  # noqa: F401
+
+    with pytest.raises(exc, match=msg):
+        pyattr.relevance(llama, torch.randint(0, VOCAB, (2, 6)), target=target)
+
+
+def test_bad_numpy_target_forms(llama):
+    import numpy as np
+
+    with pytest.raises(TypeError, match=r"token ids must be an integer array, got dtype float64"):
+        pyattr.relevance(llama, torch.randint(0, VOCAB, (2, 6)), target=np.array([1.0, 2.0]))
+    with pytest.raises(TypeError, match=r"target must be None, a token id"):
+        pyattr.relevance(llama, torch.randint(0, VOCAB, (2, 6)), target=np.float64(3.0))

@@ -92,9 +92,9 @@ def test_pre_existing_instance_forward_is_restored():
 
 def test_conflicting_attention_modes_in_nested_scopes():
     m = tiny_causal_lm("llama")
-    with pyattr.use_relevance_rules(m, pyattr.RelevanceRules(attention="frozen")):
+    with pyattr.use_relevance_rules(m, pyattr.RelevanceRules.all(attention="frozen")):
         with pytest.raises(pyattr.RelevanceRuleConflictError, match="already carries the attention rule"):
-            with pyattr.use_relevance_rules(m, pyattr.RelevanceRules(attention="attnlrp")):
+            with pyattr.use_relevance_rules(m, pyattr.RelevanceRules.all(attention="attnlrp")):
                 pass
         # the failed inner scope released what it had taken; the outer one is intact
         assert state_of(m.model.layers[0].mlp).counts == {"activation": 1, "multiplicative_gate": 1}
@@ -129,7 +129,7 @@ def test_hook_on_bypassed_activation_raises_before_patching():
         with pyattr.use_relevance_rules(m):
             pass
     assert _patched(m) == []
-    with pyattr.use_relevance_rules(m, pyattr.RelevanceRules(activation=False, multiplicative_gate=False)):
+    with pyattr.use_relevance_rules(m, pyattr.RelevanceRules(normalization=True, attention=True)):
         pass
     h.remove()
 

@@ -197,3 +197,20 @@ def implementation(device: torch.device, op: str):
 
         return triton_backend
     raise BackendUnavailableError(f"backend {name!r} has no implementation of {op}")
+
+
+def backward_implementation(device: torch.device, op: str):
+    """Module for a rule's backward inside ``autograd.Function.backward``.
+
+    When the backward itself is being recorded (``create_graph=True``: grad mode is on
+    inside the backward), the reference formula runs, because autograd can differentiate
+    it and the compiled kernels have no derivative of their own; a second backward then
+    gives the reference's second-order result on every backend. Otherwise the selected
+    backend runs (a forced backend that cannot run still raises).
+    """
+    if torch.is_grad_enabled():
+        select(device, op)
+        from pyattr.backends import reference
+
+        return reference
+    return implementation(device, op)

@@ -23,6 +23,9 @@ class Arch:
     attention: Tuple                  # ("separate", q, k, v) or ("concat", fused) or ("per_head", fused)
     entry: Tuple[str, str]            # (module path, "layer0") where relevance is measured
     offset: float = 0.0               # RMSNorm weight offset (1.0 for Gemma)
+    # per-head q/k norms inside attention (Qwen3): LN-rule only under AttnLRP, where
+    # gradient reaches q and k; under the AH-rule none does, and they stay native
+    qk_norms: Tuple[str, ...] = field(default=())
     gated_extra: Tuple[str, ...] = field(default=())
 
 
@@ -40,7 +43,7 @@ ARCHITECTURES = {
     "llama": _LLAMA,
     "mistral": _LLAMA,
     "qwen2": _LLAMA,
-    "qwen3": _LLAMA,
+    "qwen3": Arch(**{**_LLAMA.__dict__, "qk_norms": ("self_attn.q_norm", "self_attn.k_norm")}),
     "gemma": Arch(**{**_LLAMA.__dict__, "offset": 1.0}),
     "gemma2": Arch(
         **{

@@ -10,26 +10,32 @@ _ATTENTION_MODES = {False: False, True: "frozen", "frozen": "frozen", "attnlrp":
 
 @dataclass(frozen=True)
 class RelevanceRules:
-    """Switches for the four rule families (the TransformerLens names).
+    """Switches for the four rule families, with TransformerLens' names and defaults.
+
+    As in TransformerLens every field is off by default, so ``RelevanceRules(normalization=True)``
+    is the LN-rule alone; :meth:`all` switches on all four (what :func:`pyattr.relevance`
+    uses when ``rules`` is not given).
 
     Attributes:
         normalization (bool): LN-rule on every residual-stream LayerNorm/RMSNorm,
-            the final norm included. Default: True.
-        activation (bool): Identity-rule on MLP activations. Default: True.
-        multiplicative_gate (bool): Half-rule on the gated product ``act(g)·u``. Default: True.
+            the final norm included; under ``attention="attnlrp"`` also on the per-head
+            q/k norms (Qwen3), as the AttnLRP reference applies it to every norm.
+            Default: False.
+        activation (bool): Identity-rule on MLP activations. Default: False.
+        multiplicative_gate (bool): Half-rule on the gated product ``act(g)·u``. Default: False.
         attention (bool | str): ``False`` (native), ``True`` or ``"frozen"`` (AH-rule: the
             attention pattern is a constant, gradient flows through V only) or
-            ``"attnlrp"`` (uniform rule: q and k gradients ×¼, v gradient ×½). Default: True.
+            ``"attnlrp"`` (uniform rule: q and k gradients ×¼, v gradient ×½). Default: False.
 
     Raises:
         ValueError: ``attention`` is none of the values above.
         TypeError: a switch other than ``attention`` is not a bool.
     """
 
-    normalization: bool = True
-    activation: bool = True
-    multiplicative_gate: bool = True
-    attention: Union[bool, str] = True
+    normalization: bool = False
+    activation: bool = False
+    multiplicative_gate: bool = False
+    attention: Union[bool, str] = False
 
     def __post_init__(self):
         for name in ("normalization", "activation", "multiplicative_gate"):
@@ -44,7 +50,14 @@ class RelevanceRules:
         object.__setattr__(self, "attention", mode)
 
     @classmethod
+    def all(cls, attention: Union[bool, str] = True) -> "RelevanceRules":
+        """All four rules: LN-rule, Identity-rule, Half-rule and the AH-rule (``attention=True``),
+        or the AttnLRP attention rule with ``attention="attnlrp"``."""
+        return cls(normalization=True, activation=True, multiplicative_gate=True, attention=attention)
+
+    @classmethod
     def none(cls) -> "RelevanceRules":
+        """Every rule off (plain gradients); the same as ``RelevanceRules()``."""
         return cls(False, False, False, False)
 
     def any(self) -> bool:

@@ -311,6 +311,27 @@ class _Planner:
             pattern = _per_head_pattern(_ATTN_SCALES[mode], head_size)
         self.add("attention", path, mod, (mode, "qkv"), _fused_projection_forward(pattern))
 
+    def qk_norms(self, paths, norm: str, offset: float) -> None:
+        """Per-head q/k norms (Qwen3): the LN-rule under AttnLRP with ``normalization`` on,
+        as the AttnLRP reference treats every norm; native otherwise (under the AH-rule no
+        gradient reaches q or k, so a rule there would change nothing)."""
+        for path in paths:
+            mod = A.get_submodule(self.model, path)
+            if not isinstance(mod, nn.Module):
+                continue
+            self.mounted.add(id(mod))
+            if self.rules.attention != "attnlrp":
+                why = "AH-rule: no gradient reaches q/k" if self.rules.attention else "attention rule off"
+                self.cov._skip(path, f"q/k norm left native ({why}; the LN-rule applies here under attnlrp)")
+                continue
+            if not self.rules.normalization:
+                self.off("normalization", path, mod, "normalization rule off")
+                continue
+            w = getattr(mod, "weight", None)
+            if not isinstance(w, torch.Tensor) or w.dim() != 1:
+                raise RelevanceRuleUnsupportedError(f"{path!r}: q/k RMSNorm without a 1-D weight")
+            self.add("normalization", path, mod, (norm, offset), _rms_forward(offset, _norm_eps(mod, path)))
+
     def skip_lookalikes(self) -> None:
         for name, mod in self.model.named_modules():
             if id(mod) in self.mounted:
@@ -336,6 +357,7 @@ def _plan_known(model: nn.Module, rules: RelevanceRules, model_type: str) -> _Pl
         for p in arch.layer_norms:
             pl.norm(A.join(layer, p), arch.norm, arch.offset)
         pl.attention(layer, arch.attention)
+        pl.qk_norms([A.join(layer, p) for p in arch.qk_norms], arch.norm, arch.offset)
         kind, p = arch.mlp
         if kind == "gated":
             pl.gated_mlp(A.join(layer, p))
@@ -359,7 +381,7 @@ def _plan_generic(model: nn.Module, rules: RelevanceRules) -> _Planner:
         if all(isinstance(getattr(mod, n, None), nn.Module) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
             gated[id(mod.act_fn)] = name
     for name, mod in model.named_modules():
-        if not name:
+        if not name or id(mod) in pl.mounted:
             continue
         cls = type(mod).__name__
         w = getattr(mod, "weight", None)
@@ -374,6 +396,11 @@ def _plan_generic(model: nn.Module, rules: RelevanceRules) -> _Planner:
             pl.activation(name, name.rsplit(".", 1)[0] if "." in name else "")
         if all(isinstance(getattr(mod, n, None), nn.Module) for n in ("q_proj", "k_proj", "v_proj")):
             pl.attention(name, ("separate", "q_proj", "k_proj", "v_proj"))
+            qk = [A.join(name, n) for n in ("q_norm", "k_norm") if isinstance(getattr(mod, n, None), nn.Module)]
+            qk = [p for p in qk if type(A.get_submodule(model, p)).__name__.endswith("RMSNorm")]
+            if qk:
+                cls = type(A.get_submodule(model, qk[0])).__name__
+                pl.qk_norms(qk, "rms_norm", 1.0 if "Gemma" in cls else 0.0)
     pl.skip_lookalikes()
     return pl
 
@@ -408,7 +435,10 @@ def use_relevance_rules(
     Args:
         model (nn.Module): a Hugging Face model (Llama, Mistral, Qwen2, Qwen3, Gemma,
             Gemma2, GPT-2, GPT-NeoX/Pythia, BERT), with or without its head.
-        rules (RelevanceRules, optional): which rules. Default: all four, AH-rule attention.
+        rules (RelevanceRules, optional): which rules. ``RelevanceRules()`` is every rule off
+            (TransformerLens' defaults: ``RelevanceRules(normalization=True)`` is the
+            LN-rule alone). Default (``None``): ``RelevanceRules.all()``, the four rules
+            with the AH-rule.
         generic (bool): for an unknown architecture, mount by module class instead of
             raising. Default: False.
 
@@ -425,14 +455,69 @@ def use_relevance_rules(
             same module; a hook sits on an activation the gated rule bypasses; at run
             time, a forward hook replaces the output of a rule-carrying module.
     """
-    rules = RelevanceRules() if rules is None else rules
+    rules = RelevanceRules.all() if rules is None else rules
     pl = plan(model, rules, generic)
     done: List[_Step] = []
+    active = [True]
     try:
         for st in pl.steps:
             acquire(st.module, st.path, st.kind, st.value, st.make_forward, st.check_output)
             done.append(st)
-        yield pl.cov
+        with _checkpoint_recompute_with_rules(model, pl.steps, active):
+            yield pl.cov
     finally:
+        active[0] = False
         for st in reversed(done):
             release(st.module, st.kind)
+
+
+@contextlib.contextmanager
+def _checkpoint_recompute_with_rules(model: nn.Module, steps: List[_Step], active: list):
+    """Keep the rules on in activation-checkpoint recomputations of forwards run in the scope.
+
+    Hugging Face gradient checkpointing (``model.gradient_checkpointing_enable()``) runs a
+    block's forward again during the backward. A backward that starts after the scope
+    ended would recompute the block without the rules and mix rule and plain gradients
+    (reentrant), or fail on mismatched saved tensors (non-reentrant). Each block's
+    ``_gradient_checkpointing_func`` is wrapped for the scope so that the function it
+    checkpoints carries the scope's rules with it: a recomputation after the scope
+    re-installs the same rules around itself (and raises
+    :class:`RelevanceRuleConflictError` if another scope holds the modules with other
+    settings then).
+    """
+    if not steps:
+        yield
+        return
+
+    def bind(run_function):
+        def run(*args, **kwargs):
+            if active[0]:
+                return run_function(*args, **kwargs)
+            held: List[_Step] = []
+            try:
+                for st in steps:
+                    acquire(st.module, st.path, st.kind, st.value, st.make_forward, st.check_output)
+                    held.append(st)
+                return run_function(*args, **kwargs)
+            finally:
+                for st in reversed(held):
+                    release(st.module, st.kind)
+
+        return run
+
+    wrapped = []
+    for mod in model.modules():
+        fn = mod.__dict__.get("_gradient_checkpointing_func")
+        if not callable(fn):
+            continue
+
+        def checkpointed(run_function, *args, _fn=fn, **kwargs):
+            return _fn(bind(run_function), *args, **kwargs)
+
+        mod.__dict__["_gradient_checkpointing_func"] = checkpointed
+        wrapped.append((mod, fn))
+    try:
+        yield
+    finally:
+        for mod, fn in reversed(wrapped):
+            mod.__dict__["_gradient_checkpointing_func"] = fn

@@ -22,7 +22,7 @@ class GatedActivationFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dh):
         gate, up = ctx.saved_tensors
-        impl = backends.implementation(gate.device, "gated")
+        impl = backends.backward_implementation(gate.device, "gated")
         dg, du = impl.gated_backward(gate, up, dh, ctx.act, ctx.identity, ctx.half)
         return (
             dg if ctx.needs_input_grad[0] else None,

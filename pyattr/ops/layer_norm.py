@@ -27,7 +27,7 @@ class LayerNormRuleFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        impl = backends.implementation(x.device, "layer_norm")
+        impl = backends.backward_implementation(x.device, "layer_norm")
         dx, dw, db = impl.layer_norm_backward(x, weight, ctx.eps, dy, need_w, need_b and ctx.has_bias)
         return (dx if need_x else None), dw, db, None, None
 

@@ -27,7 +27,7 @@ class RMSNormRuleFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[:2]
-        impl = backends.implementation(x.device, "rms_norm")
+        impl = backends.backward_implementation(x.device, "rms_norm")
         dx, dw = impl.rms_norm_backward(x, weight, ctx.eps, ctx.offset, dy, need_w)
         return (dx if need_x else None), dw, None, None, None
 

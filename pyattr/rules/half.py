@@ -23,7 +23,7 @@ class HalfRuleFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         u, v = ctx.saved_tensors
-        impl = backends.implementation(dy.device, "half")
+        impl = backends.backward_implementation(dy.device, "half")
         du, dv = impl.half_backward(u, v, dy)
         # Broadcasting in the forward is undone by summing over the expanded dimensions.
         du = du.sum_to_size(u.shape) if ctx.needs_input_grad[0] else None

@@ -28,7 +28,7 @@ class IdentityRuleFunction(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return None, None
-        impl = backends.implementation(x.device, "identity")
+        impl = backends.backward_implementation(x.device, "identity")
         return impl.identity_backward(x, dy, ctx.act), None
 
 

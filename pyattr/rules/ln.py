@@ -68,10 +68,13 @@ def ln_rule_grad(
     norm: str = "layer_norm",
     offset: float = 0.0,
 ) -> torch.Tensor:
-    """The LN-rule input gradient of a norm, as a plain function (no autograd).
+    """The LN-rule input gradient of a norm, as a plain function.
 
     For library authors who write their own backward: returns ``dx`` given the norm's
-    input ``x`` and the incoming gradient ``dy``, through the active backend.
+    input ``x`` and the incoming gradient ``dy``, through the active backend. Where
+    autograd records (grad mode on and an input that requires grad, e.g. inside a
+    backward run with ``create_graph=True``) it runs the reference formula, so that the
+    result can itself be differentiated.
 
     * ``norm="layer_norm"``: ``g = dy·w/σ``, ``dx = g − mean(g)``, ``σ = sqrt(var(x) + eps)``.
     * ``norm="rms_norm"``: ``dx = dy·(offset + w)/r``, ``r = sqrt(mean(x²) + eps)``.
@@ -100,11 +103,18 @@ def ln_rule_grad(
     eps = check_eps(eps)
     if isinstance(offset, bool) or not isinstance(offset, (int, float)) or not math.isfinite(offset):
         raise ValueError(f"offset must be a finite float, got {offset!r}")
-    impl = backends.implementation(x.device, norm)
+    if norm not in ("layer_norm", "rms_norm"):
+        raise ValueError(f"norm must be 'layer_norm' or 'rms_norm', got {norm!r}")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (dy, x, weight)):
+        # called where autograd records (a custom backward run with create_graph=True, or
+        # plain code on tensors that require grad): the differentiable reference, since
+        # the compiled kernels would return a result with no graph behind it
+        backends.select(x.device, norm)
+        from pyattr.backends import reference as impl
+    else:
+        impl = backends.implementation(x.device, norm)
     if norm == "layer_norm":
         if offset != 0.0:
             raise ValueError("offset applies to norm='rms_norm' only")
         return impl.layer_norm_backward(x, weight, eps, dy, False, False)[0]
-    if norm == "rms_norm":
-        return impl.rms_norm_backward(x, weight, eps, float(offset), dy, False)[0]
-    raise ValueError(f"norm must be 'layer_norm' or 'rms_norm', got {norm!r}")
+    return impl.rms_norm_backward(x, weight, eps, float(offset), dy, False)[0]

@@ -1,0 +1,132 @@
+"""Second-order gradients through every rule op on every backend: the reference's result.
+
+Oracle: ``gradgradcheck`` differentiates the rule backward numerically (float64), so the
+second backward must be the derivative of the first-order rule gradient, on every backend;
+and every backend's second-order result must equal the ``torch`` backend's.
+"""
+
+import pytest
+import torch
+
+import pyattr
+from conftest import cpu_backends
+from models import VOCAB, tiny_causal_lm
+from pyattr.ops import gated_activation, layer_norm, rms_norm
+from pyattr.rules import half_rule, identity_rule, ln_rule, ln_rule_grad, scale_gradient
+
+ACTS = ["silu", "gelu", "gelu_tanh", "quick_gelu", "relu", torch.tanh]
+
+
+def _ops():
+    w = torch.randn(6, dtype=torch.float64) + 1.5
+    b = torch.randn(6, dtype=torch.float64)
+    yield "layer_norm", lambda x: layer_norm(x, w, b, 1e-5)
+    yield "layer_norm_noaffine", lambda x: layer_norm(x, None, None, 1e-5)
+    yield "rms_norm", lambda x: rms_norm(x, w, 1e-6)
+    yield "rms_norm_offset", lambda x: rms_norm(x, w, 1e-6, offset=1.0)
+    for a in ACTS:
+        name = a if isinstance(a, str) else "custom"
+        yield f"identity_{name}", (lambda a: lambda x: identity_rule(x, a))(a)
+        for ident, half in [(True, True), (True, False), (False, True)]:
+            yield f"gated_{name}_{int(ident)}{int(half)}", (
+                lambda a, i, h: lambda x: gated_activation(x, x.flip(-1) * 0.7 + 0.1, a, identity=i, half=h)
+            )(a, ident, half)
+    yield "half", lambda x: half_rule(x, x.roll(1, -1) + 0.3)
+    yield "ln_rule", lambda x: ln_rule(x - x.mean(-1, keepdim=True), x.std(-1, keepdim=True))
+    yield "scale_gradient", lambda x: scale_gradient(x * x, 0.25)
+
+
+OPS = dict(_ops())
+
+
+def _x():
+    g = torch.Generator().manual_seed(3)
+    # away from 0 so that ReLU's kink is not inside the finite-difference step
+    x = torch.randn(3, 6, dtype=torch.float64, generator=g)
+    return (x + 0.2 * torch.sign(x)).requires_grad_(True)
+
+
+def _second_order(fn, x, dy):
+    (g,) = torch.autograd.grad(fn(x), x, dy, create_graph=True)
+    (gg,) = torch.autograd.grad((g * g).sum(), x)
+    return g, gg
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_gradgradcheck_every_backend(name, backend_name):
+    fn = OPS[name]
+    x = _x()
+    assert torch.autograd.gradgradcheck(fn, (x,), eps=1e-6, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_second_order_matches_reference_backend(name):
+    fn = OPS[name]
+    x = _x()
+    dy = torch.randn(3, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    with pyattr.backend("torch"):
+        g_ref, gg_ref = _second_order(fn, x, dy)
+    assert gg_ref.abs().sum() > 0 or name.startswith(("identity_relu", "scale"))
+    for b in cpu_backends():
+        with pyattr.backend(b):
+            g, gg = _second_order(fn, x, dy)
+            # first order without create_graph runs the backend's own kernel
+            (g1,) = torch.autograd.grad(fn(x), x, dy)
+        assert gg is not None, b
+        torch.testing.assert_close(g, g_ref, atol=1e-12, rtol=1e-10)
+        torch.testing.assert_close(gg, gg_ref, atol=1e-12, rtol=1e-10)
+        torch.testing.assert_close(g1, g_ref, atol=1e-12, rtol=1e-10)
+
+
+def test_identity_issue_case_x_grad_is_not_none():
+    """The reported case: x.grad stayed None on cpp after a double backward."""
+    for b in cpu_backends():
+        x = torch.randn(4, 8, requires_grad=True)
+        dy = torch.randn(4, 8)
+        with pyattr.backend(b):
+            (g,) = torch.autograd.grad(identity_rule(x, "silu"), x, dy, create_graph=True)
+            g.sum().backward()
+        # d/dx Σ dy·σ(x) = dy·σ(x)(1 − σ(x))
+        s = torch.sigmoid(x.detach().double())
+        torch.testing.assert_close(x.grad.double(), dy.double() * s * (1 - s), atol=1e-6, rtol=1e-5)
+
+
+def test_llama_gradient_of_token_relevance_backend_independent():
+    """Gradient of one token's relevance (second order through every rule in a model)."""
+    m = tiny_causal_lm("llama")
+    ids = torch.randint(0, VOCAB, (1, 6))
+    results = {}
+    for b in cpu_backends():
+        with pyattr.backend(b), pyattr.use_relevance_rules(m):
+            emb = m.get_input_embeddings()(ids).detach().requires_grad_(True)
+            out = m(inputs_embeds=emb).logits[0, -1, 3]
+            (g,) = torch.autograd.grad(out, emb, create_graph=True)
+            rel = (emb * g).sum(-1)[0, 2]
+            (gg,) = torch.autograd.grad(rel, emb)
+        results[b] = gg
+    assert results["torch"].abs().sum() > 0
+    for b, gg in results.items():
+        torch.testing.assert_close(gg, results["torch"], atol=1e-6, rtol=1e-5, msg=f"backend {b}")
+
+
+@pytest.mark.parametrize("norm,offset", [("layer_norm", 0.0), ("rms_norm", 0.0), ("rms_norm", 1.0)])
+def test_ln_rule_grad_is_differentiable_on_every_backend(norm, offset):
+    """``ln_rule_grad`` on tensors that require grad keeps a graph (the reference formula runs)."""
+    g = torch.Generator().manual_seed(6)
+    x0 = torch.randn(3, 6, dtype=torch.float64, generator=g)
+    dy = torch.randn(3, 6, dtype=torch.float64, generator=g)
+    w = torch.randn(6, dtype=torch.float64, generator=g)
+    grads = {}
+    for b in cpu_backends():
+        x = x0.clone().requires_grad_(True)
+        with pyattr.backend(b):
+            dx = ln_rule_grad(dy, x, w, 1e-5, norm=norm, offset=offset)
+            (dx * dx).sum().backward()
+        assert x.grad is not None, b
+        grads[b] = x.grad
+        # without grad-requiring inputs it is the backend's kernel, with the same value
+        with pyattr.backend(b):
+            torch.testing.assert_close(ln_rule_grad(dy, x0, w, 1e-5, norm=norm, offset=offset), dx.detach())
+    assert grads["torch"].abs().sum() > 0
+    for b, gx in grads.items():
+        torch.testing.assert_close(gx, grads["torch"], atol=1e-12, rtol=1e-10)
