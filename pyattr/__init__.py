@@ -7,32 +7,58 @@ See ``DESIGN.md`` for the rule math. Public API::
     pyattr.use_relevance_rules(model, pyattr.RelevanceRules(...))
     pyattr.relevance(model, inputs, target=...)
     pyattr.available_backends(), pyattr.backend("torch")
+
+The names below load on first use (PEP 562), so that ``import pyattr`` and the command
+line's ``--help`` / ``--version`` do not import torch.
 """
 
-from pyattr import ops, rules
-from pyattr.attribution import RelevanceResult, relevance
-from pyattr.backends import BackendUnavailableError, available_backends, backend
-from pyattr.integration import (
-    RelevanceRuleConflictError,
-    RelevanceRuleCoverage,
-    RelevanceRules,
-    RelevanceRuleUnsupportedError,
-    use_relevance_rules,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ops",
-    "rules",
-    "relevance",
-    "RelevanceResult",
-    "available_backends",
-    "backend",
-    "BackendUnavailableError",
-    "RelevanceRules",
-    "RelevanceRuleCoverage",
-    "use_relevance_rules",
-    "RelevanceRuleConflictError",
-    "RelevanceRuleUnsupportedError",
-]
+# public name -> module that defines it
+_EXPORTS = {
+    "relevance": "pyattr.attribution",
+    "RelevanceResult": "pyattr.attribution",
+    "available_backends": "pyattr.backends",
+    "backend": "pyattr.backends",
+    "BackendUnavailableError": "pyattr.backends",
+    "RelevanceRules": "pyattr.integration",
+    "RelevanceRuleCoverage": "pyattr.integration",
+    "use_relevance_rules": "pyattr.integration",
+    "RelevanceRuleConflictError": "pyattr.integration",
+    "RelevanceRuleUnsupportedError": "pyattr.integration",
+}
+_SUBMODULES = ("ops", "rules")
+
+__all__ = [*_SUBMODULES, *_EXPORTS]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f"pyattr.{name}")
+    raise AttributeError(f"module 'pyattr' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # what static tools see
+    from pyattr import ops, rules
+    from pyattr.attribution import RelevanceResult, relevance
+    from pyattr.backends import BackendUnavailableError, available_backends, backend
+    from pyattr.integration import (
+        RelevanceRuleConflictError,
+        RelevanceRuleCoverage,
+        RelevanceRules,
+        RelevanceRuleUnsupportedError,
+        use_relevance_rules,
+    )
