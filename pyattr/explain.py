@@ -21,6 +21,7 @@ import torch
 
 from pyattr.attribution import relevance
 from pyattr.backends import available_backends
+from pyattr.bench import contention as _contention
 from pyattr.integration.config import RelevanceRules
 from pyattr.rules import half_rule, ln_rule
 
@@ -55,23 +56,63 @@ class Explanation:
     rules: dict
     segments: List[Segment] = field(default_factory=list)
     installed: int = 0
+    has_bias: Optional[bool] = None  # None: not known
+    contention: Optional[_contention.Contention] = None  # CPU conditions of the timed pass
+
+    @property
+    def conserved(self) -> bool:
+        return abs(self.conservation_delta) <= 1e-4 * max(abs(self.target), 1e-12)
+
+    @property
+    def conservation_note(self) -> str:
+        """Why ``target − Σ relevance`` is not zero, naming the causes that apply."""
+        if self.conserved:
+            return "conserved: relevance sums to the target"
+        rules = self.rules or {}
+        causes = []
+        if rules.get("attention") == "attnlrp":
+            causes.append("the AttnLRP rule does not conserve relevance (it scales the q, k, v gradients by ¼, ¼, ½)")
+        off = [name for key, name in _RULE_NAMES if key in rules and rules[key] is False]
+        if off:
+            causes.append(f"relevance is lost where a rule is off ({', '.join(off)})")
+        if self.has_bias is not False:
+            causes.append("biases absorb relevance")
+        if not causes:
+            causes.append("relevance is lost in modules that carry no rule")
+        return "; ".join(causes)
 
     def to_json(self) -> dict:
         return {
             "mode": self.mode,
             "model": self.model,
             "target_description": self.target_description,
-            "target": self.target,
-            "relevance_sum": self.relevance_sum,
-            "conservation_delta": self.conservation_delta,
+            "target": _unsigned_zero(self.target),
+            "relevance_sum": _unsigned_zero(self.relevance_sum),
+            "conservation_delta": _unsigned_zero(self.conservation_delta),
+            "conservation_note": self.conservation_note,
             "wall_time_s": self.wall_time_s,
+            "contention": self.contention.to_json() if self.contention is not None else None,
             "backend": self.backend,
             "rules": self.rules,
             "rules_installed": self.installed,
             "segments": [
-                {"text": s.text, "tokens": s.tokens, "relevance": s.relevance} for s in self.segments
+                {"text": s.text, "tokens": s.tokens, "relevance": [_unsigned_zero(v) for v in s.relevance]}
+                for s in self.segments
             ],
         }
+
+
+_RULE_NAMES = (
+    ("normalization", "LN-rule"),
+    ("activation", "Identity-rule"),
+    ("multiplicative_gate", "Half-rule"),
+    ("attention", "AH-rule"),
+)
+
+
+def _unsigned_zero(v: float) -> float:
+    """-0.0 becomes 0.0 (so JSON never shows ``-0.0``); every other value is unchanged."""
+    return v + 0.0
 
 
 def _offline():
@@ -128,6 +169,14 @@ def _load(path: Path, causal: bool):
     return tok, model
 
 
+def _has_bias(model) -> bool:
+    """Whether any bias is nonzero (a zero bias absorbs no relevance)."""
+    with torch.no_grad():
+        return any(
+            name.rsplit(".", 1)[-1] == "bias" and bool(p.count_nonzero()) for name, p in model.named_parameters()
+        )
+
+
 def _tokens(tok, ids) -> List[str]:
     return tok.convert_ids_to_tokens([int(i) for i in ids])
 
@@ -171,9 +220,10 @@ def explain_pair(
     """Relevance of each token of two sentences for their embeddings' cosine similarity."""
     _check_text("--text", text_a)
     _check_text("--pair", text_b)
+    monitor = _contention.start()  # the window spans the load too: long enough to measure
     path = bundled_model_dir() if model_dir is None else Path(model_dir)
     tok, model = _load(path, causal=False)
-    rules = rules or RelevanceRules()
+    rules = RelevanceRules.all() if rules is None else rules
     enc = tok([text_a, text_b], padding=True, return_tensors="pt")
     mask = enc["attention_mask"]
     for name, row in (("--text", 0), ("--pair", 1)):
@@ -191,6 +241,7 @@ def explain_pair(
     t0 = time.perf_counter()
     res = relevance(model, dict(enc), target=cosine, rules=rules)
     wall = time.perf_counter() - t0
+    cond = monitor.stop()
     segs = []
     for row, text in enumerate((text_a, text_b)):
         n = int(mask[row].sum())
@@ -209,6 +260,8 @@ def explain_pair(
         rules=_rules_dict(rules),
         segments=segs,
         installed=len(res.coverage.installed),
+        has_bias=_has_bias(model),
+        contention=cond,
     )
 
 
@@ -240,8 +293,9 @@ def explain_causal(
 ) -> Explanation:
     """Relevance of each token of ``text`` for the next-token logit (top-1 or ``target``)."""
     _check_text("--text", text)
+    monitor = _contention.start()  # the window spans the load too: long enough to measure
     tok, model = _load(Path(model_dir), causal=True)
-    rules = rules or RelevanceRules()
+    rules = RelevanceRules.all() if rules is None else rules
     vocab_size = int(getattr(model.config, "vocab_size", 0) or len(tok))
     tid = _target_id(tok, target, vocab_size) if target is not None else None
     enc = tok(text, return_tensors="pt")
@@ -259,6 +313,7 @@ def explain_causal(
     t0 = time.perf_counter()
     res = relevance(model, enc, target=tid, rules=rules, generic=generic)
     wall = time.perf_counter() - t0
+    cond = monitor.stop()
     chosen = int(res.target_ids[0])
     name = tok.convert_ids_to_tokens([chosen])[0]
     seg = Segment(text, _tokens(tok, ids), [float(v) for v in res.token_relevance[0]])
@@ -274,4 +329,6 @@ def explain_causal(
         rules=_rules_dict(rules),
         segments=[seg],
         installed=len(res.coverage.installed),
+        has_bias=_has_bias(model),
+        contention=cond,
     )

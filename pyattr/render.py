@@ -24,10 +24,20 @@ def _display(token: str) -> str:
     return token.replace("Ġ", " ").replace("▁", " ").replace("Ċ", "\\n")
 
 
+def num(v: float, spec: str) -> str:
+    """``format(v, spec)``, except that a value that rounds to zero prints as an unsigned
+    zero (``0.0000``, ``0.000e+00``), never ``-0.0000`` or ``+0.0000``."""
+    s = format(v, spec)
+    try:
+        if float(s) == 0.0:
+            return format(0.0, spec.replace("+", "").replace(" ", ""))
+    except ValueError:  # nan, inf
+        pass
+    return s
+
+
 def conservation_note(expl: Explanation) -> str:
-    if abs(expl.conservation_delta) <= 1e-4 * max(abs(expl.target), 1e-12):
-        return "conserved: relevance sums to the target"
-    return "relevance absorbed by biases, or lost where a rule is off"
+    return expl.conservation_note
 
 
 def print_terminal(expl: Explanation, console=None) -> None:
@@ -52,14 +62,16 @@ def print_terminal(expl: Explanation, console=None) -> None:
         ((v, t, i) for i, s in enumerate(expl.segments) for t, v in zip(s.tokens, s.relevance)),
         key=lambda z: -abs(z[0]),
     )[:5]
-    console.print(Text("top tokens by |relevance|: " + ", ".join(f"{_display(t)!r}={v:+.4f}" for v, t, _ in top)))
+    console.print(Text("top tokens by |relevance|: " + ", ".join(f"{_display(t)!r}={num(v, '+.4f')}" for v, t, _ in top)))
+    warning = expl.contention.warning if expl.contention is not None else None
     console.print(
         Text(
-            f"target value       {expl.target:+.6f}\n"
-            f"relevance sum      {expl.relevance_sum:+.6f}\n"
-            f"conservation delta {expl.conservation_delta:+.3e}  (target − Σ relevance; {conservation_note(expl)})\n"
+            f"target value       {num(expl.target, '+.6f')}\n"
+            f"relevance sum      {num(expl.relevance_sum, '+.6f')}\n"
+            f"conservation delta {num(expl.conservation_delta, '+.3e')}  (target − Σ relevance; {conservation_note(expl)})\n"
             f"wall time          {expl.wall_time_s * 1e3:.1f} ms  (forward + rule backward)\n"
-            f"backend            {expl.backend}   rules on {expl.installed} modules"
+            + (f"warning            {warning}\n" if warning else "")
+            + f"backend            {expl.backend}   rules on {expl.installed} modules"
         )
     )
 
@@ -73,10 +85,12 @@ def to_html(expl: Explanation) -> str:
             r, g, b = _rgb(v, scale)
             out.append(
                 f'<span class="tok" style="background:rgb({r},{g},{b})" '
-                f'title="{v:+.5f}">{html.escape(_display(t))}</span>'
+                f'title="{num(v, "+.5f")}">{html.escape(_display(t))}</span>'
             )
         return " ".join(out)
 
+    warning = expl.contention.warning if expl.contention is not None else None
+    warn_html = f" <strong>({html.escape(warning)})</strong>" if warning else ""
     rows = "\n".join(
         f"<p><span class='lbl'>{i + 1}</span> {spans(s.tokens, s.relevance)}</p>"
         for i, s in enumerate(expl.segments)
@@ -93,10 +107,10 @@ td {{ padding: 0.1em 1em 0.1em 0; }}
 <p>{html.escape(expl.target_description)} — model <code>{html.escape(expl.model)}</code></p>
 {rows}
 <table>
-<tr><td>target value</td><td>{expl.target:+.6f}</td></tr>
-<tr><td>relevance sum</td><td>{expl.relevance_sum:+.6f}</td></tr>
-<tr><td>conservation delta</td><td>{expl.conservation_delta:+.3e}</td></tr>
-<tr><td>wall time</td><td>{expl.wall_time_s * 1e3:.1f} ms</td></tr>
+<tr><td>target value</td><td>{num(expl.target, "+.6f")}</td></tr>
+<tr><td>relevance sum</td><td>{num(expl.relevance_sum, "+.6f")}</td></tr>
+<tr><td>conservation delta</td><td>{num(expl.conservation_delta, "+.3e")} ({html.escape(conservation_note(expl))})</td></tr>
+<tr><td>wall time</td><td>{expl.wall_time_s * 1e3:.1f} ms{warn_html}</td></tr>
 <tr><td>backend</td><td>{html.escape(expl.backend)}</td></tr>
 </table>
 <p>Red: positive relevance, blue: negative; hover a token for its value.</p>

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import pyattr
-from pyattr.bench import e2e, micro, report
+from pyattr.bench import contention, e2e, micro, report
 
 TINY = {"elementwise": (8, 96), "norm": (8, 64)}
 
@@ -69,7 +69,99 @@ def test_validate_rejects_broken_documents(doc, mutate, msg):
 
 def test_markdown_table(doc):
     md = report.markdown(doc["rows"], doc["copy_bandwidth_gbps"], "t")
-    assert md.count("\n| ") == len(doc["rows"]) + 1
+    n_cases = len({(r["op"], r["activation"], r["dtype"]) for r in doc["rows"]})
+    # summary: header + one line per case; every measurement: header + one line per row
+    assert md.count("\n| ") == (n_cases + 1) + (len(doc["rows"]) + 1)
+    assert "Warning" not in md and "Conditions" not in md  # no contention given
+
+
+def test_torch_reference_is_measured_and_compared(doc):
+    providers = micro.providers_for(torch.device("cpu"))
+    assert providers[:3] == ["native", "unfused", "pyattr-torch"]
+    rows = doc["rows"]
+    index = {(r["op"], r["activation"], r["mode"], r["provider"]): r for r in rows}
+    for r in rows:
+        ref = index[(r["op"], r["activation"], r["mode"], "pyattr-torch")]
+        assert r["ratio_to_torch"] == r["median_ms"] / ref["median_ms"]
+        if r["provider"] == "pyattr-torch":
+            assert r["ratio_to_torch"] == 1.0
+
+
+def test_summary_shows_torch_next_to_each_compiled_backend(doc):
+    compiled = [p.split("-", 1)[1] for p in micro.providers_for(torch.device("cpu"))
+                if p.startswith("pyattr-") and p != "pyattr-torch"]
+    lines = report.summary(doc["rows"]).splitlines()
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    expect = ["op", "dtype", "shape", "native ms", "unfused ms", "pyattr-torch ms"] + [f"pyattr-{b} ms" for b in compiled]
+    for b in compiled:
+        expect += [f"{b} ÷ torch", f"{b} ÷ native", f"{b} ÷ unfused"]
+    expect.append("saved/inputs " + " · ".join(["native", "unfused", "torch"] + compiled))
+    assert head == expect
+    first = [c.strip() for c in lines[2].strip("|").split("|")]
+    r = {x["provider"]: x for x in doc["rows"] if x["op"] == "identity" and x["activation"] == "silu"
+         and x["mode"] == "fwd+bwd"}
+    assert first[:3] == ["identity silu", "float32", "8×96"]
+    assert first[5] == f"{r['pyattr-torch']['median_ms']:.3f}"
+    for i, b in enumerate(compiled):
+        assert first[6 + len(compiled) + 3 * i] == f"{r[f'pyattr-{b}']['ratio_to_torch']:.2f}"
+
+
+def test_document_carries_the_cpu_conditions(doc):
+    c = doc["contention"]
+    assert set(c) == set(report.CONTENTION_FIELDS)
+    assert c["cores"] == contention.usable_cores() and c["threads"] == torch.get_num_threads()
+    assert c["oversubscribed"] == bool(c["reasons"]) == (c["warning"] is not None)
+
+
+def test_markdown_warns_when_oversubscribed(doc):
+    busy = contention.judge(2, 2, 2, 9.0, None)
+    md = report.markdown(doc["rows"], doc["copy_bandwidth_gbps"], "t", busy)
+    assert ("**Warning: timings unreliable, the CPU is oversubscribed: load average 9.00 above the 2 CPUs of "
+            "the machine. For stable numbers run on an idle machine, or with OMP_NUM_THREADS=1.**") in md
+    quiet = contention.judge(2, 2, 2, 0.1, 0.0)
+    md = report.markdown(doc["rows"], doc["copy_bandwidth_gbps"], "t", quiet)
+    assert "Warning" not in md
+    assert ("Conditions: 2 torch threads on 2 cores, load average 0.10 on 2 CPUs at the start, other processes "
+            "kept 0.0 of those cores busy during the run.") in md
+    rows = [dict(variant=v, dtype="float32", median_s=1.0, min_s=1.0, max_s=1.0, peak_bytes=2**20, saved_bytes=2**20)
+            for v in e2e.VARIANTS]
+    md = e2e.markdown(rows, e2e.ratios(rows), busy)
+    assert md.startswith("**Warning: timings unreliable, the CPU is oversubscribed: load average 9.00")
+
+
+def test_legacy_schema_still_validates(doc):
+    old = copy.deepcopy(doc)
+    old["schema"] = "pyattr-bench/1"
+    del old["contention"]
+    for r in old["rows"]:
+        del r["ratio_to_torch"]
+    report.validate(old)
+    new = copy.deepcopy(old)
+    new["schema"] = report.SCHEMA
+    with pytest.raises(ValueError, match="field 'contention' missing"):
+        report.validate(new)
+
+
+def test_cli_bench_reports_oversubscription(tmp_path, monkeypatch, capsys):
+    from pyattr.cli import main
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (50.0, 50.0, 50.0))
+    out, md = tmp_path / "b.json", tmp_path / "b.md"
+    assert main(["bench", "--ops", "identity", "--dtypes", "float32", "--shapes", "16x64,16x32", "--repeats", "2",
+                 "--json", str(out), "--markdown", str(md)]) == 0
+    printed = capsys.readouterr().out
+    d = json.loads(out.read_text())
+    report.validate(d)
+    cpus = os.cpu_count()
+    assert d["contention"]["oversubscribed"] is True
+    assert d["contention"]["reasons"][0] == f"load average 50.00 above the {cpus} CPUs of the machine"
+    warning = f"**Warning: timings unreliable, the CPU is oversubscribed: load average 50.00 above the {cpus} CPUs"
+    assert warning in printed and warning in md.read_text()
+    assert {r["provider"] for r in d["rows"]} >= {"native", "unfused", "pyattr-torch"}
+    p = subprocess.run([sys.executable, "-m", "pyattr.bench.check", str(out)], capture_output=True, text=True)
+    assert p.returncode == 0
+    assert p.stdout == (f"{out}: valid {report.SCHEMA} document, {len(d['rows'])} rows "
+                        "(measured on an oversubscribed CPU: timings unreliable)\n")
 
 
 def test_unfused_baseline_computes_the_same_rules(monkeypatch):
@@ -112,6 +204,11 @@ def test_cli_bench_quick_json(tmp_path):
         (lambda d: d["rows"][0].update(shape=["a", 1]), "shape must be two positive integers"),
         (lambda d: d.update(kind="other"), "kind 'other'"),
         (lambda d: d.update(kind="e2e", rows=[1, 2]), "row 0 is not an object"),
+        (lambda d: d["rows"][0].pop("ratio_to_torch"), "lacks \\['ratio_to_torch'\\]"),
+        (lambda d: d["contention"].pop("threads"), "contention lacks 'threads'"),
+        (lambda d: d["contention"].update(threads=0), "contention field 'threads' must be a finite positive"),
+        (lambda d: d["contention"].update(oversubscribed="yes"), "contention field 'oversubscribed' has type str"),
+        (lambda d: d["contention"].update(oversubscribed=not d["contention"]["oversubscribed"]), "'oversubscribed', 'reasons' and 'warning' disagree"),
     ],
 )
 def test_validate_rejects_bad_values(doc, mutate, msg):

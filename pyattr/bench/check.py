@@ -20,7 +20,9 @@ def main(argv=None) -> int:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
         print(f"{args[0]}: invalid: {e}", file=sys.stderr)
         return 1
-    print(f"{args[0]}: valid {doc['schema']} document, {len(doc['rows'])} rows")
+    busy = (doc.get("contention") or {}).get("oversubscribed")
+    note = " (measured on an oversubscribed CPU: timings unreliable)" if busy else ""
+    print(f"{args[0]}: valid {doc['schema']} document, {len(doc['rows'])} rows{note}")
     return 0
 
 

@@ -190,8 +190,12 @@ def ratios(rows: List[Dict]) -> List[Dict]:
     return out
 
 
-def markdown(rows: List[Dict], rat: List[Dict]) -> str:
-    lines = ["| dtype | variant | median s | min–max s | peak MiB | saved for backward MiB |", "|---|---|---:|---:|---:|---:|"]
+def markdown(rows: List[Dict], rat: List[Dict], contention=None) -> str:
+    """Tables of the run; first the CPU conditions (a warning when oversubscribed)."""
+    from pyattr.bench.report import conditions
+
+    lines = [conditions(contention).rstrip("\n"), ""] if contention is not None else []
+    lines += ["| dtype | variant | median s | min–max s | peak MiB | saved for backward MiB |", "|---|---|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['dtype']} | {r['variant']} | {r['median_s']:.3f} | {r['min_s']:.3f}–{r['max_s']:.3f} | "
                      f"{r['peak_bytes'] / 2**20:.0f} | {r['saved_bytes'] / 2**20:.1f} |")

@@ -1,8 +1,10 @@
 """Kernel microbenchmarks: op × provider × dtype × shape × mode.
 
 Providers: ``native`` (autograd without any rule: the floor a rule should reach),
-``unfused`` (the rules as separate PyTorch ops, :mod:`pyattr.bench.unfused`) and
-``pyattr-<backend>`` for every available backend that runs on the device.
+``unfused`` (the rules as separate PyTorch ops, :mod:`pyattr.bench.unfused`),
+``pyattr-torch`` (pyattr's reference backend, always measured: the compiled backends'
+``ratio_to_torch`` divides by it) and ``pyattr-<backend>`` for every other available
+backend that runs on the device.
 
 Bytes-moved model (what the GB/s column divides by), per element of one
 ``(rows, hidden)`` operand of ``b`` bytes; parameters and per-row statistics are
@@ -60,6 +62,7 @@ class Row:
     frac_of_copy_bandwidth: float
     ratio_to_native: Optional[float] = None
     ratio_to_unfused: Optional[float] = None
+    ratio_to_torch: Optional[float] = None  # to the pyattr-torch (reference backend) row of the same case
 
 
 # --- the functions each provider runs -------------------------------------------------------
@@ -223,9 +226,10 @@ class _Null:
 
 
 def providers_for(device) -> List[str]:
-    out = ["native", "unfused"]
+    """native, unfused, pyattr-torch, then every other backend available on the device."""
+    out = ["native", "unfused", "pyattr-torch"]
     for name, st in pyattr.available_backends().items():
-        if st.available and device.type in st.devices:
+        if name != "torch" and st.available and device.type in st.devices:
             out.append(f"pyattr-{name}")
     return out
 
@@ -273,8 +277,10 @@ def run_suite(
     for r in rows:
         nat = index.get((r.op, r.activation, r.dtype, r.shape, r.mode, "native"))
         unf = index.get((r.op, r.activation, r.dtype, r.shape, r.mode, "unfused"))
+        ref = index.get((r.op, r.activation, r.dtype, r.shape, r.mode, "pyattr-torch"))
         r.ratio_to_native = r.median_ms / nat.median_ms if nat else None
         r.ratio_to_unfused = r.median_ms / unf.median_ms if unf else None
+        r.ratio_to_torch = r.median_ms / ref.median_ms if ref else None
     return copy_bw, rows
 
 

@@ -1,4 +1,14 @@
-"""Benchmark output: the JSON document (one row per measurement) and a markdown table."""
+"""Benchmark output: the JSON document (one row per measurement) and markdown tables.
+
+Schema ``pyattr-bench/2`` (``/1`` documents still validate) adds:
+
+* ``contention`` (top level): the CPU conditions of the run, :mod:`pyattr.bench.contention`:
+  ``cores``, ``cpu_count``, ``threads``, ``load_avg_1min``, ``others_busy_cores``,
+  ``window_s``, ``oversubscribed``, ``reasons``, ``warning`` (null unless oversubscribed:
+  then the timings are unreliable);
+* ``ratio_to_torch`` (micro rows): median over the ``pyattr-torch`` (reference backend)
+  row of the same op, dtype, shape and mode.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +19,8 @@ from typing import List, Optional
 
 import torch
 
-SCHEMA = "pyattr-bench/1"
+SCHEMA = "pyattr-bench/2"
+LEGACY_SCHEMAS = ("pyattr-bench/1",)
 
 ROW_FIELDS = {
     "op": str,
@@ -28,6 +39,7 @@ ROW_FIELDS = {
     "frac_of_copy_bandwidth": float,
     "ratio_to_native": (float, type(None)),
     "ratio_to_unfused": (float, type(None)),
+    "ratio_to_torch": (float, type(None)),
     "machine": str,
     "torch_version": str,
     "git_commit": (str, type(None)),
@@ -56,10 +68,29 @@ def machine(device: torch.device) -> dict:
     return info
 
 
-def document(kind: str, device: torch.device, rows: List[dict], **extra) -> dict:
+CONTENTION_FIELDS = {
+    "cores": int,
+    "cpu_count": int,
+    "threads": int,
+    "load_avg_1min": (float, type(None)),
+    "others_busy_cores": (float, type(None)),
+    "window_s": float,
+    "oversubscribed": bool,
+    "reasons": list,
+    "warning": (str, type(None)),
+}
+
+
+def document(kind: str, device: torch.device, rows: List[dict], contention=None, **extra) -> dict:
     """The JSON document; every row also carries the machine, torch version and commit,
-    so rows stay self-describing when results of several runs are concatenated."""
+    so rows stay self-describing when results of several runs are concatenated.
+    ``contention``: the :class:`~pyattr.bench.contention.Contention` measured over the
+    run (default: a snapshot now, load average and threads only)."""
     from pyattr import __version__, available_backends
+    from pyattr.bench import contention as _contention
+
+    if contention is None:
+        contention = _contention.snapshot()
 
     commit = git_commit()
     where = machine(device)
@@ -76,6 +107,7 @@ def document(kind: str, device: torch.device, rows: List[dict], **extra) -> dict
         "git_commit": commit,
         "machine": where,
         "backends": {n: {"available": s.available, "reason": s.reason} for n, s in available_backends().items()},
+        "contention": contention.to_json(),
         **extra,
         "rows": rows,
     }
@@ -93,10 +125,13 @@ def validate(doc: dict) -> None:
     for key, typ in (("schema", str), ("kind", str), ("torch_version", str), ("machine", dict), ("rows", list)):
         if not isinstance(doc.get(key), typ):
             raise ValueError(f"benchmark JSON: field {key!r} missing or not {typ.__name__}")
-    if doc["schema"] != SCHEMA:
+    if doc["schema"] != SCHEMA and doc["schema"] not in LEGACY_SCHEMAS:
         raise ValueError(f"benchmark JSON: schema {doc['schema']!r}, expected {SCHEMA!r}")
+    legacy = doc["schema"] in LEGACY_SCHEMAS
     if not doc["rows"]:
         raise ValueError("benchmark JSON: no rows")
+    if not legacy:
+        _validate_contention(doc.get("contention"))
     if doc["kind"] == "e2e":
         for i, row in enumerate(doc["rows"]):
             if not isinstance(row, dict):
@@ -111,10 +146,11 @@ def validate(doc: dict) -> None:
         for i, row in enumerate(doc["rows"]):
             if not isinstance(row, dict):
                 raise ValueError(f"benchmark JSON: row {i} is not an object")
-            missing = set(ROW_FIELDS) - set(row)
+            fields = {k: v for k, v in ROW_FIELDS.items() if not (legacy and k == "ratio_to_torch")}
+            missing = set(fields) - set(row)
             if missing:
                 raise ValueError(f"benchmark JSON: row {i} lacks {sorted(missing)}")
-            for k, typ in ROW_FIELDS.items():
+            for k, typ in fields.items():
                 if not isinstance(row[k], typ) or isinstance(row[k], bool):
                     raise ValueError(f"benchmark JSON: row {i} field {k!r} has type {type(row[k]).__name__}")
             for k in ("median_ms", "p20_ms", "p80_ms", "saved_bytes", "saved_ratio_to_inputs", "gbps", "frac_of_copy_bandwidth"):
@@ -129,21 +165,92 @@ def validate(doc: dict) -> None:
         raise ValueError(f"benchmark JSON: kind {doc['kind']!r}, expected 'micro' or 'e2e'")
 
 
-def markdown(rows: List[dict], copy_bw: float, title: str) -> str:
+def _validate_contention(c) -> None:
+    if not isinstance(c, dict):
+        raise ValueError("benchmark JSON: field 'contention' missing or not dict")
+    for k, typ in CONTENTION_FIELDS.items():
+        if k not in c:
+            raise ValueError(f"benchmark JSON: contention lacks {k!r}")
+        v = c[k]
+        if not isinstance(v, typ) or (isinstance(v, bool) and typ is not bool):
+            raise ValueError(f"benchmark JSON: contention field {k!r} has type {type(v).__name__}")
+    for k in ("cores", "cpu_count", "threads"):
+        _finite_nonneg(c[k], f"contention field {k!r}", positive=True)
+    if c["oversubscribed"] != bool(c["reasons"]) or (c["warning"] is None) == c["oversubscribed"]:
+        raise ValueError("benchmark JSON: contention 'oversubscribed', 'reasons' and 'warning' disagree")
+
+
+def conditions(contention) -> str:
+    """Markdown lines on the CPU conditions: a warning first when they ruin the timings."""
+    if contention is None:
+        return ""
+    text = f"Conditions: {contention.summary()}.\n\n"
+    if contention.warning:
+        text = f"**Warning: {contention.warning}.**\n\n" + text
+    return text
+
+
+def _fmt(v, spec):
+    return "" if v is None else format(v, spec)
+
+
+def summary(rows: List[dict], mode: str = "fwd+bwd") -> str:
+    """One line per op × activation × dtype × shape at ``mode``: native, unfused and every
+    pyattr backend's median ms side by side, each compiled backend divided by the
+    ``torch`` reference, by native and by the unfused rules, and bytes saved for backward
+    over input bytes per provider."""
+    rows = [r for r in rows if r["mode"] == mode]
+    providers = []
+    for r in rows:
+        if r["provider"] not in providers:
+            providers.append(r["provider"])
+    # native, unfused, pyattr-torch first (when measured), then the other backends as measured
+    order = [p for p in ("native", "unfused", "pyattr-torch") if p in providers]
+    order += [p for p in providers if p not in order]
+    compiled = [p for p in order if p.startswith("pyattr-") and p != "pyattr-torch"]
+    cases, by = [], {}
+    for r in rows:
+        key = (r["op"], r["activation"], r["dtype"], tuple(r["shape"]))
+        if key not in by:
+            cases.append(key)
+            by[key] = {}
+        by[key][r["provider"]] = r
+    head = ["op", "dtype", "shape"] + [f"{p} ms" for p in order]
+    for p in compiled:
+        b = p.split("-", 1)[1]
+        head += [f"{b} ÷ torch", f"{b} ÷ native", f"{b} ÷ unfused"]
+    head.append("saved/inputs " + " · ".join(p.replace("pyattr-", "") for p in order))
+    lines = ["| " + " | ".join(head) + " |", "|---|---|---|" + "---:|" * (len(head) - 4) + "---|"]
+    for key in cases:
+        op, act, dtype, shape = key
+        got = by[key]
+        cells = [f"{op} {act}" if act else op, dtype, "×".join(map(str, shape))]
+        cells += [_fmt(got[p]["median_ms"], ".3f") if p in got else "" for p in order]
+        for p in compiled:
+            r = got.get(p)
+            cells += [_fmt(r and r.get("ratio_to_torch"), ".2f"), _fmt(r and r["ratio_to_native"], ".2f"),
+                      _fmt(r and r["ratio_to_unfused"], ".2f")]
+        cells.append(" · ".join(_fmt(got[p]["saved_ratio_to_inputs"], ".1f") if p in got else "–" for p in order))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def markdown(rows: List[dict], copy_bw: float, title: str, contention=None) -> str:
+    """The run as markdown: the CPU conditions (a warning when oversubscribed), the
+    fwd+bwd summary (:func:`summary`), then every measurement."""
     head = (
-        f"### {title}\n\nCopy bandwidth measured in the same run: {copy_bw:.1f} GB/s.\n\n"
-        "| op | act | dtype | shape | mode | provider | median ms | p20–p80 ms | saved / inputs | GB/s | % copy bw | × native | × unfused |\n"
-        "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|\n"
+        f"### {title}\n\n{conditions(contention)}Copy bandwidth measured in the same run: {copy_bw:.1f} GB/s.\n\n"
+        "Forward + backward, median ms (`torch` is pyattr's reference backend):\n\n"
+        + summary(rows)
+        + "\nEvery measurement:\n\n"
+        "| op | act | dtype | shape | mode | provider | median ms | p20–p80 ms | saved / inputs | GB/s | % copy bw | × native | × unfused | × torch |\n"
+        "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     )
-
-    def f(v, fmt):
-        return "" if v is None else format(v, fmt)
-
     lines = [
         f"| {r['op']} | {r['activation'] or ''} | {r['dtype']} | {'×'.join(map(str, r['shape']))} | {r['mode']} | "
         f"{r['provider']} | {r['median_ms']:.3f} | {r['p20_ms']:.3f}–{r['p80_ms']:.3f} | "
         f"{r['saved_ratio_to_inputs']:.2f} | {r['gbps']:.1f} | {100 * r['frac_of_copy_bandwidth']:.0f} | "
-        f"{f(r['ratio_to_native'], '.2f')} | {f(r['ratio_to_unfused'], '.2f')} |"
+        f"{_fmt(r['ratio_to_native'], '.2f')} | {_fmt(r['ratio_to_unfused'], '.2f')} | {_fmt(r.get('ratio_to_torch'), '.2f')} |"
         for r in rows
     ]
     return head + "\n".join(lines) + "\n"

@@ -1,0 +1,122 @@
+"""Command line: parse and dispatch. One module per command (``explain``, ``bench``);
+each imports torch, transformers and the rest of pyattr inside the command, so that
+``pyattr --help`` and ``pyattr --version`` answer without loading them."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import List, NoReturn, Optional
+
+from pyattr import __version__
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with the errors every pyattr command gives: one line on stderr
+    (``pyattr explain: error: ...``), exit status 2, no usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
+
+
+def _explain(args) -> int:
+    from pyattr.cli.explain import run
+
+    return run(args)
+
+
+def _bench(args) -> int:
+    from pyattr.cli.bench import run
+
+    return run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="pyattr", description="Relevance attribution with fused LRP-rule kernels.")
+    p.add_argument("--version", action="version", version=f"pyattr {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{explain,bench}")
+    e = sub.add_parser(
+        "explain",
+        help="token relevance heatmap",
+        description=(
+            "Explain a model output token by token. With no arguments: the bundled all-MiniLM-L6-v2 "
+            "and the cosine similarity of a built-in sentence pair."
+        ),
+    )
+    e.add_argument("--text", help="sentence to explain (first of the pair, or the causal-LM prompt)")
+    e.add_argument("--pair", help="second sentence (sentence-embedding model)")
+    e.add_argument("--model", help="local Hugging Face causal-LM directory; explains the next-token logit")
+    e.add_argument("--target", help="target token for --model (default: the top-1 prediction)")
+    e.add_argument("--html", metavar="PATH", help="also write a self-contained HTML heatmap")
+    e.add_argument("--json", action="store_true", help="print machine-readable JSON instead of the heatmap")
+    e.add_argument("--attention", choices=["frozen", "attnlrp", "off"], default="frozen", help="attention rule")
+    e.add_argument(
+        "--generic",
+        action="store_true",
+        help="--model of an architecture without a rule map: mount rules by module class",
+    )
+    e.add_argument("--no-norm-rule", action="store_true", help="switch off the LN-rule")
+    e.add_argument("--no-activation-rule", action="store_true", help="switch off the Identity-rule")
+    e.add_argument("--no-gate-rule", action="store_true", help="switch off the Half-rule on gates")
+    e.add_argument(
+        "--backend",
+        default=None,
+        choices=["auto", "torch", "cpp", "cuda", "triton"],
+        help="force a backend (default: PYATTR_BACKEND, else auto)",
+    )
+    e.set_defaults(func=_explain)
+
+    b = sub.add_parser(
+        "bench",
+        help="kernel microbenchmarks and the end-to-end relevance benchmark",
+        description=(
+            "Kernel microbenchmarks (native autograd, the unfused rules, and every pyattr backend, "
+            "the torch reference included), or the end-to-end relevance run with --e2e. The output "
+            "says when the CPU was oversubscribed (timings unreliable)."
+        ),
+    )
+    b.add_argument("--quick", action="store_true", help="small shapes and few repeats (under a minute on 2 CPU cores)")
+    b.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    b.add_argument("--ops", help="comma-separated: identity,half,gated,layer_norm,rms_norm (default: all)")
+    b.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes (default: float32,bfloat16)")
+    b.add_argument("--shapes", help="ROWSxHIDDEN for elementwise ops[,ROWSxHIDDEN for norms]")
+    b.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement")
+    b.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    b.add_argument("--markdown", metavar="PATH", help="write the results as a markdown table")
+    b.add_argument("--e2e", action="store_true", help="end-to-end relevance run on a random Llama instead")
+    b.add_argument("--layers", type=int, default=None, help="e2e: override the number of layers")
+    b.set_defaults(func=_bench)
+    p.commands = {"explain": e, "bench": b}
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # name the command whose arguments they are, as its other errors do
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # e.g. `pyattr explain --json | head`
+        sys.stderr.close()
+        return 0
+    except Exception as e:
+        from pyattr.backends import BackendUnavailableError
+
+        if isinstance(e, BackendUnavailableError) or (
+            isinstance(e, ValueError) and "PYATTR_BACKEND" in str(e)
+        ):
+            print(f"pyattr {args.command}: error: {e}", file=sys.stderr)
+            return 2
+        if os.environ.get("PYATTR_DEBUG") == "1":
+            raise
+        msg = " ".join(str(e).split())[:400]
+        print(
+            f"pyattr {args.command}: error: {type(e).__name__}: {msg} (PYATTR_DEBUG=1 shows the traceback)",
+            file=sys.stderr,
+        )
+        return 1
+
+
+__all__ = ["main", "build_parser", "OneLineParser"]

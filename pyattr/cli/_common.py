@@ -1,0 +1,47 @@
+"""What the commands share: the one-line error and the check of an output path."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+
+class UsageError(ValueError):
+    """A bad argument: printed as one line (``pyattr CMD: error: ...``), exit status 2."""
+
+
+def fail(command: str, message: str, status: int = 2) -> int:
+    print(f"pyattr {command}: error: {' '.join(str(message).split())}", file=sys.stderr)
+    return status
+
+
+def check_output_path(flag: str, path: str) -> None:
+    """Raise :class:`UsageError` unless ``path`` can be written as a file, so that a bad
+    output path fails before any model is loaded or any benchmark runs.
+
+    The directory must exist, and the file is opened for appending (and removed again if
+    this created it): that is the one test that holds for root, read-only file systems
+    and access-control lists alike.
+    """
+    if not path or not path.strip():
+        raise UsageError(f"{flag} needs a file path")
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"{flag}: cannot write {path!r}: it is a directory")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.exists():
+        raise UsageError(f"{flag}: cannot write {path!r}: directory {str(parent)!r} does not exist")
+    if not parent.is_dir():
+        raise UsageError(f"{flag}: cannot write {path!r}: {str(parent)!r} is not a directory")
+    existed = p.exists()
+    try:
+        with open(p, "a"):
+            pass
+    except OSError as e:
+        raise UsageError(f"{flag}: cannot write {path!r}: {e.strerror or e}") from None
+    if not existed:
+        try:
+            os.unlink(p)
+        except OSError:
+            pass

@@ -1,0 +1,104 @@
+"""``pyattr bench``: kernel microbenchmarks, or the end-to-end relevance run (``--e2e``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pyattr.cli._common import UsageError, check_output_path, fail
+
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def parse_shapes(text: str):
+    try:
+        shapes = [tuple(int(v) for v in part.lower().split("x")) for part in text.split(",") if part.strip()]
+    except ValueError:
+        shapes = []
+    if not shapes or len(shapes) > 2 or any(len(s) != 2 or min(s) <= 0 for s in shapes):
+        raise UsageError(f"--shapes: expected ROWSxHIDDEN[,ROWSxHIDDEN] (elementwise, norm), got {text!r}")
+    return {"elementwise": shapes[0], "norm": shapes[-1]}
+
+
+def _check_args(args):
+    """Everything checked before torch loads; returns (dtype names, shapes or None)."""
+    names = [n.strip() for n in args.dtypes.split(",")]
+    bad = [n for n in names if n not in DTYPES]
+    if bad:
+        raise UsageError(f"--dtypes: expected some of {list(DTYPES)}, got {bad[0]!r}")
+    if args.repeats is not None and args.repeats < 1:
+        raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.layers is not None and args.layers < 1:
+        raise UsageError(f"--layers must be >= 1, got {args.layers}")
+    for flag, path in (("--json", args.json), ("--markdown", args.markdown)):
+        if path is not None:
+            check_output_path(flag, path)
+    shapes = parse_shapes(args.shapes) if args.shapes else None
+    return names, shapes
+
+
+def _ops(text):
+    from pyattr.bench.micro import OPS
+
+    ops = [o.strip() for o in text.split(",")] if text else list(OPS)
+    bad = [o for o in ops if o not in OPS]
+    if bad:
+        raise UsageError(f"--ops: unknown op(s) {bad}; expected some of {list(OPS)}")
+    return ops
+
+
+def _device(text: str):
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise UsageError(f"--device: expected cpu or cuda, got {text!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device: expected cpu or cuda, got {text!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is visible to torch")
+    return device
+
+
+def run(args) -> int:
+    try:
+        names, shapes = _check_args(args)
+        device = _device(args.device)
+        ops = _ops(args.ops)
+    except UsageError as e:
+        return fail("bench", str(e))
+
+    import torch
+
+    from pyattr.bench import contention, e2e, micro, report
+
+    dtypes = [getattr(torch, n) for n in names]
+    if args.e2e:
+        monitor = contention.start()
+        try:
+            rows = e2e.run_all(device.type, dtypes, args.repeats or 3, args.layers)
+        except e2e.E2EError as e:
+            return fail("bench", str(e), status=1)
+        cond = monitor.stop()
+        doc = report.document("e2e", device, rows, contention=cond, ratios=e2e.ratios(rows))
+        table = e2e.markdown(rows, doc["ratios"], cond)
+    else:
+        shapes = shapes or (micro.QUICK_SHAPES if args.quick else micro.DEFAULT_SHAPES)
+        repeats = args.repeats or (5 if args.quick else 15)
+        monitor = contention.start()
+        copy_bw, rows = micro.run_suite(
+            device, ops, dtypes, shapes, warmup=2 if args.quick else 3, repeats=repeats,
+            activations=("silu", "gelu_tanh") if args.quick else micro.ACTIVATIONS,
+        )
+        cond = monitor.stop()
+        doc = report.document("micro", device, micro.rows_as_dicts(rows), contention=cond, copy_bandwidth_gbps=copy_bw)
+        report.validate(doc)
+        title = f"pyattr microbenchmarks on {device.type} ({doc['machine']['processor']}, torch {torch.__version__})"
+        table = report.markdown(doc["rows"], copy_bw, title, cond)
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+    if args.markdown:
+        Path(args.markdown).write_text(table)
+    print(table)
+    return 0

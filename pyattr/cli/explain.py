@@ -1,0 +1,76 @@
+"""``pyattr explain``: token relevance of a model output, as a heatmap or JSON."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+from pyattr.cli._common import UsageError, check_output_path, fail
+
+
+def rules_from_args(args):
+    """The RelevanceRules the flags ask for; every field given, whatever the defaults."""
+    from pyattr.integration.config import RelevanceRules
+
+    attention = {"frozen": "frozen", "attnlrp": "attnlrp", "off": False}[args.attention]
+    return RelevanceRules(
+        normalization=not args.no_norm_rule,
+        activation=not args.no_activation_rule,
+        multiplicative_gate=not args.no_gate_rule,
+        attention=attention,
+    )
+
+
+def run(args) -> int:
+    # checks that need no model come first: a bad output path fails in milliseconds
+    try:
+        if args.html is not None:
+            check_output_path("--html", args.html)
+        if args.model is not None and args.pair is not None:
+            raise UsageError("--pair works with the sentence-embedding model only (drop --model)")
+        if args.model is None and args.target is not None:
+            raise UsageError("--target needs --model (a causal LM directory)")
+    except UsageError as e:
+        return fail("explain", str(e))
+
+    from pyattr import backend as use_backend
+    from pyattr.explain import DEFAULT_PAIR, DEFAULT_TEXT, ExplainError, explain_causal, explain_pair
+    from pyattr.integration.errors import RelevanceRuleConflictError, RelevanceRuleUnsupportedError
+
+    # --backend wins; without it PYATTR_BACKEND (or auto) applies, as in the Python API
+    scope = use_backend(args.backend) if args.backend else contextlib.nullcontext()
+    try:
+        with scope:
+            if args.model is not None:
+                expl = explain_causal(
+                    Path(args.model),
+                    args.text if args.text is not None else DEFAULT_TEXT,
+                    args.target,
+                    rules_from_args(args),
+                    generic=args.generic,
+                )
+            else:
+                a = args.text if args.text is not None else DEFAULT_PAIR[0]
+                b = args.pair if args.pair is not None else DEFAULT_PAIR[1]
+                expl = explain_pair(a, b, rules=rules_from_args(args))
+    except ExplainError as e:
+        return fail("explain", str(e))
+    except (RelevanceRuleUnsupportedError, RelevanceRuleConflictError) as e:
+        return fail("explain", str(e).replace("Pass generic=True", "Pass --generic"))
+    if args.html:
+        from pyattr.render import to_html
+
+        try:
+            Path(args.html).write_text(to_html(expl), encoding="utf-8")
+        except OSError as e:
+            return fail("explain", f"cannot write {args.html!r}: {e.strerror}")
+    if args.json:
+        print(json.dumps(expl.to_json(), indent=2))
+    else:
+        from pyattr.render import print_terminal
+
+        print_terminal(expl)
+        if args.html:
+            print(f"heatmap written to {args.html}")
+    return 0

@@ -1,0 +1,138 @@
+"""The command line answers `--help`, `--version` and bad arguments without loading torch;
+argparse errors and bad output paths are one line on stderr with exit status 2."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import pyattr
+from pyattr.cli._common import UsageError, check_output_path
+
+PYATTR = shutil.which("pyattr", path=os.path.dirname(sys.executable)) or "pyattr"
+ROOT = Path(__file__).resolve().parent.parent
+
+# Runs pyattr.cli.main in a fresh interpreter and reports the exit status, the output and
+# whether torch / transformers were imported on the way.
+PROBE = """
+import contextlib, io, json, sys
+from pyattr.cli import main
+out, err = io.StringIO(), io.StringIO()
+with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    try:
+        code = main(json.loads(sys.argv[1]))
+    except SystemExit as e:
+        code = e.code
+print(json.dumps({"code": code, "stdout": out.getvalue(), "stderr": err.getvalue(),
+                  "torch": "torch" in sys.modules, "transformers": "transformers" in sys.modules}))
+"""
+
+
+def probe(*args):
+    p = subprocess.run([sys.executable, "-c", PROBE, json.dumps(list(args))], capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_version_is_the_package_version():
+    p = subprocess.run([PYATTR, "--version"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stderr == ""
+    assert p.stdout == f"pyattr {pyattr.__version__}\n"
+    declared = re.search(r'(?m)^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    assert declared == pyattr.__version__
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["explain", "--help"], ["bench", "--help"]])
+def test_help_and_version_do_not_import_torch(args):
+    r = probe(*args)
+    assert r["code"] == 0 and r["stdout"] and r["stderr"] == ""
+    assert r["torch"] is False and r["transformers"] is False
+
+
+def test_import_pyattr_is_lazy_but_complete():
+    code = ("import sys, pyattr; assert 'torch' not in sys.modules; "
+            "print(pyattr.relevance.__module__, pyattr.ops.layer_norm.__name__, pyattr.RelevanceRules.__name__, "
+            "sorted(pyattr.available_backends())[0], 'torch' in sys.modules)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["pyattr.attribution", "layer_norm", "RelevanceRules", "cpp", "True"]
+    with pytest.raises(AttributeError, match="module 'pyattr' has no attribute 'nope'"):
+        pyattr.nope  # noqa: B018
+
+
+@pytest.mark.parametrize(
+    "args,line",
+    [
+        ([], "pyattr: error: the following arguments are required: {explain,bench}"),
+        (["frobnicate"], "pyattr: error: argument {explain,bench}: invalid choice: 'frobnicate'"),
+        (["explain", "--attention", "bogus"], "pyattr explain: error: argument --attention: invalid choice: 'bogus'"),
+        (["explain", "--backend"], "pyattr explain: error: argument --backend: expected one argument"),
+        (["bench", "--repeats", "x"], "pyattr bench: error: argument --repeats: invalid int value: 'x'"),
+        (["explain", "--bogus", "x"], "pyattr explain: error: unrecognized arguments: --bogus x"),
+    ],
+)
+def test_argparse_errors_are_one_line_with_status_2(args, line):
+    p = subprocess.run([PYATTR, *args], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stdout == ""
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(line), p.stderr
+    assert "usage:" not in p.stderr
+    r = probe(*args)  # and without importing torch
+    assert r["code"] == 2 and r["stderr"].startswith(line) and r["torch"] is False
+
+
+def _sys_refuses():
+    try:
+        with open("/sys/pyattr-probe.html", "a"):
+            pass
+    except OSError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("case", ["directory", "missing parent", "parent is a file", "unwritable"])
+@pytest.mark.parametrize("command,flag", [("explain", "--html"), ("bench", "--json"), ("bench", "--markdown")])
+def test_output_paths_are_checked_before_any_model_or_benchmark(tmp_path, case, command, flag):
+    (tmp_path / "file").write_text("x")
+    path, why = {
+        "directory": (str(tmp_path), "it is a directory"),
+        "missing parent": (str(tmp_path / "no" / "out.x"), f"directory {str(tmp_path / 'no')!r} does not exist"),
+        "parent is a file": (str(tmp_path / "file" / "out.x"), f"{str(tmp_path / 'file')!r} is not a directory"),
+        "unwritable": ("/sys/pyattr-out.x", "Permission denied"),
+    }[case]
+    if case == "unwritable" and not _sys_refuses():
+        pytest.skip("/sys accepts new files here")
+    # --model of a missing directory: the path error must come first, before any model load
+    extra = ["--model", "/nonexistent/model"] if command == "explain" else ["--ops", "identity"]
+    r = probe(command, *extra, flag, path)
+    assert r["code"] == 2 and r["stdout"] == ""
+    assert r["stderr"] == f"pyattr {command}: error: {flag}: cannot write {path!r}: {why}\n"
+    assert r["torch"] is False and r["transformers"] is False
+
+
+def test_check_output_path_leaves_files_as_they_were(tmp_path, monkeypatch):
+    new = tmp_path / "new.html"
+    check_output_path("--html", str(new))
+    assert not new.exists()  # the probe removes the file it created
+    old = tmp_path / "old.html"
+    old.write_text("keep me")
+    check_output_path("--html", str(old))
+    assert old.read_text() == "keep me"
+    monkeypatch.chdir(tmp_path)
+    check_output_path("--html", "relative.html")  # a bare file name: the current directory
+    assert not (tmp_path / "relative.html").exists()
+    with pytest.raises(UsageError, match="^--json needs a file path$"):
+        check_output_path("--json", "  ")
+
+
+def test_later_arguments_are_checked_without_leaving_the_probe_file(tmp_path):
+    out = tmp_path / "b.json"
+    r = probe("bench", "--json", str(out), "--ops", "nope")
+    assert r["code"] == 2 and r["stderr"].startswith("pyattr bench: error: --ops: unknown op(s) ['nope']")
+    assert not out.exists()
