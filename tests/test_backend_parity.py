@@ -147,7 +147,10 @@ def test_mixed_weight_dtype_parity(impl):
 
 
 def test_parameter_gradients_deterministic(impl):
-    x, dy = _inputs((513, 100), torch.float32, 2)
+    # Triton's CPU interpreter runs one Python program per row block: fewer rows keep the
+    # test short there, still several programs whose partial sums are reduced in order
+    rows = 67 if impl.__name__.endswith("triton_backend") else 513
+    x, dy = _inputs((rows, 100), torch.float32, 2)
     w = torch.randn(100)
     a = impl.layer_norm_backward(x, w, 1e-5, dy, True, True)
     for threads in (1, 2):

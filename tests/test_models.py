@@ -89,7 +89,10 @@ def test_coverage_paths_exact(arch):
         for i in range(2):
             for n in ("q_norm", "k_norm"):
                 p = f"model.layers.{i}.self_attn.{n}"
-                assert p in cov.skipped and cov.reasons[p] == "not a residual-stream norm"
+                assert p in cov.skipped
+                assert cov.reasons[p] == (
+                    "q/k norm left native (AH-rule: no gradient reaches q/k; the LN-rule applies here under attnlrp)"
+                )
                 assert p not in cov.installed
     if arch in ("llama", "qwen3"):
         assert cov.by_kind["multiplicative_gate"] == ["model.layers.0.mlp", "model.layers.1.mlp"]

@@ -77,7 +77,10 @@ def test_cli_line_runs(line, workdir, monkeypatch, capsys):
 
     monkeypatch.chdir(workdir)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    rc = main(shlex.split(line)[1:])
+    try:
+        rc = main(shlex.split(line)[1:])
+    except SystemExit as e:  # argparse's --version / --help exit through SystemExit
+        rc = e.code
     out = capsys.readouterr()
     assert rc == 0, (line, out.out[-2000:], out.err[-2000:])
     assert out.out.strip()
