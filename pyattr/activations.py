@@ -236,14 +236,33 @@ def phi(x32: torch.Tensor, act: Activation) -> torch.Tensor:
         # NaN stays NaN (a comparison alone would turn it into 0)
         return torch.where(torch.isnan(x32), x32, (x32 > 0).to(x32.dtype))
     y = act.eval_custom(x32)
-    out = y / x32
-    out = torch.where(x32 == 0, torch.full_like(out, act.zero_limit), out)
+    zero = x32 == 0
+    # divide by 1 where x == 0: the branch torch.where drops must stay finite, or its
+    # derivative (a second backward) would be NaN·0 = NaN there
+    out = y / torch.where(zero, torch.ones_like(x32), x32)
+    at_zero = torch.full_like(out, act.zero_limit)
+    if torch.is_grad_enabled() and x32.requires_grad and bool(zero.any()):
+        # recorded for a second backward: φ near 0 is φ(0) + x·act''(0)/2 (Taylor), so that
+        # dφ/dx at 0 is act''(0)/2 and not the constant's 0
+        at_zero = at_zero + x32 * (0.5 * _second_derivative_at_zero(act, x32))
+    out = torch.where(zero, at_zero, out)
     # At ±inf the quotient is inf/inf; take it at the largest finite value instead.
     inf = torch.isinf(x32)
     if bool(inf.any()):
         big = torch.where(inf, torch.sign(x32) * torch.finfo(x32.dtype).max, x32)
         out = torch.where(inf, act.eval_custom(big) / big, out)
     return out
+
+
+def _second_derivative_at_zero(act: Activation, like: torch.Tensor) -> torch.Tensor:
+    """act''(0) of a custom callable (0 where it has none), shaped like ``like``, no graph."""
+    with torch.enable_grad():
+        z = torch.zeros_like(like).detach().requires_grad_(True)
+        (d1,) = torch.autograd.grad(act.fn(z * 1.0).sum(), z, create_graph=True)
+        if not d1.requires_grad:
+            return torch.zeros_like(like).detach()
+        (d2,) = torch.autograd.grad(d1.sum(), z, allow_unused=True)
+    return torch.zeros_like(like).detach() if d2 is None else d2.detach()
 
 
 def derivative(x32: torch.Tensor, act: Activation) -> torch.Tensor:

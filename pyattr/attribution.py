@@ -66,6 +66,9 @@ def _normalise_inputs(inputs, attention_mask):
             f"inputs: input_ids must have shape (batch, seq) with batch > 0 and seq > 0, got {tuple(ids.shape)}"
         )
     kwargs["input_ids"] = ids
+    # a tokenizer or collator may hand over None for absent inputs
+    for key in [k for k, v in kwargs.items() if v is None]:
+        del kwargs[key]
     if attention_mask is not None:
         kwargs["attention_mask"] = attention_mask
     mask = kwargs.get("attention_mask")
@@ -76,6 +79,8 @@ def _normalise_inputs(inputs, attention_mask):
             mask = mask.unsqueeze(0)
         if mask.shape != ids.shape:
             raise ValueError(f"attention_mask of shape {tuple(mask.shape)} must match input_ids {tuple(ids.shape)}")
+        if not bool(((mask == 0) | (mask == 1)).all()):
+            raise ValueError("attention_mask must hold only 0 (padding) and 1 (real token), or booleans")
         if bool((mask.sum(1) == 0).any()):
             raise ValueError("attention_mask has a row with no real token (all zeros)")
         kwargs["attention_mask"] = mask
@@ -90,6 +95,15 @@ def _accepts(model: nn.Module, name: str) -> bool:
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
+def _has_sliding_window(model: nn.Module) -> bool:
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return False
+    if "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
+        return True
+    return bool(getattr(cfg, "sliding_window", None)) and getattr(cfg, "use_sliding_window", True) is not False
+
+
 def _padding_positions(model: nn.Module, kwargs: dict) -> dict:
     """Position ids that make a padded row equal to the same row alone.
 
@@ -101,9 +115,23 @@ def _padding_positions(model: nn.Module, kwargs: dict) -> dict:
     unpadded rows get the same ids as ``arange``. Ids the caller passes are kept.
     """
     mask = kwargs.get("attention_mask")
-    if mask is None or "position_ids" in kwargs:
+    if mask is None:
         return kwargs
     m = mask.to(torch.long)
+    # padding between real tokens: a sliding window counts raw positions, so a gap would
+    # change which tokens a query sees
+    first = m.argmax(1)
+    last = m.shape[1] - 1 - m.flip(1).argmax(1)
+    gaps = (m.sum(1) != last - first + 1)
+    if bool(gaps.any()) and _has_sliding_window(model):
+        row = int(gaps.nonzero()[0, 0])
+        raise ValueError(
+            f"attention_mask row {row} has padding between real tokens; {type(model).__name__} uses "
+            "sliding-window attention over raw positions, so that row would not equal the row alone. "
+            "Pad on the left or on the right only."
+        )
+    if "position_ids" in kwargs:
+        return kwargs
     pos = (m.cumsum(-1) - 1).clamp_min(0) * m
     if torch.equal(pos, torch.arange(m.shape[1], device=m.device).expand_as(m) * m):
         return kwargs  # no row has padding before a real token: arange is already right
@@ -128,6 +156,11 @@ def _is_integer(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool) and type(v).__name__ != "bool_"
 
 
+def _check_int64(v: int) -> None:
+    if not -(2**63) <= v < 2**63:
+        raise ValueError(f"target: token id {v} is out of range for a token id")
+
+
 def _target_ids(target, batch: int) -> torch.Tensor:
     """Token-id targets in any integer form → LongTensor[batch].
 
@@ -137,6 +170,7 @@ def _target_ids(target, batch: int) -> torch.Tensor:
     every row only when ``batch == 1``.
     """
     if _is_integer(target):
+        _check_int64(int(target))
         return torch.full((batch,), int(target), dtype=torch.long)
     if isinstance(target, torch.Tensor):
         t = target.detach()
@@ -146,12 +180,16 @@ def _target_ids(target, batch: int) -> torch.Tensor:
     elif type(target).__module__ == "numpy" and hasattr(target, "dtype") and hasattr(target, "shape"):
         if target.dtype.kind not in "iu":
             raise TypeError(f"target: token ids must be an integer array, got dtype {target.dtype}")
+        for v in (target.min(initial=0), target.max(initial=0)):
+            _check_int64(int(v))
         t = torch.as_tensor(target.astype("int64"))
     elif isinstance(target, (list, tuple)):
         flat = [v[0] if isinstance(v, (list, tuple)) and len(v) == 1 else v for v in target]
         bad = [v for v in flat if not _is_integer(v) and not (isinstance(v, torch.Tensor) and v.numel() == 1)]
         if bad or any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.dtype == torch.bool) for v in flat):
             raise TypeError(f"target: token ids must be integers, got {target!r}")
+        for v in flat:
+            _check_int64(int(v))
         t = torch.tensor([int(v) for v in flat], dtype=torch.long)
     else:
         raise TypeError(f"target: token ids must be integers, got {type(target).__name__}")
@@ -363,6 +401,16 @@ def relevance(
             t = target(output)
             if not isinstance(t, torch.Tensor) or t.dim() > 1 or (t.dim() == 1 and t.shape[0] != ids.shape[0]):
                 raise ValueError("target: the callable must return a scalar tensor or one value per batch row")
+            if not t.is_floating_point():
+                raise TypeError(
+                    f"target: the callable returned a {t.dtype} tensor; it must return a floating value "
+                    "computed from the output (e.g. out.logits[:, -1, token_id]), not ids or a comparison"
+                )
+            if not t.requires_grad:
+                raise ValueError(
+                    "target: the callable's value does not depend on the model output through "
+                    "differentiable operations (detached, .item(), argmax, …), so every relevance would be 0"
+                )
             tid = None
         else:
             t, tid = _logit_target(output, ids, mask, target)

@@ -64,17 +64,105 @@ def test_checkpoint_function_restored_after_scope(setup):
         m.gradient_checkpointing_disable()
 
 
-def test_late_backward_conflicting_scope_raises(setup):
+def _ref(m, ids, rules):
+    """Gradient without checkpointing under ``rules`` (None: plain gradient)."""
+    emb = m.get_input_embeddings()(ids).detach().requires_grad_(True)
+    if rules is None:
+        m(inputs_embeds=emb).logits[0, -1, 5].backward()
+    else:
+        with pyattr.use_relevance_rules(m, rules):
+            m(inputs_embeds=emb).logits[0, -1, 5].backward()
+    return emb.grad
+
+
+LN = pyattr.RelevanceRules(normalization=True)
+ALL = pyattr.RelevanceRules.all()
+LRP = pyattr.RelevanceRules.all(attention="attnlrp")
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+@pytest.mark.parametrize(
+    "forward_rules,backward_rules",
+    [(None, ALL), (LN, ALL), (LN, LRP), (ALL, LRP), (LRP, None), (None, None)],
+    ids=["plain->all", "ln->all", "ln->attnlrp", "all->attnlrp", "attnlrp->none", "plain->plain"],
+)
+def test_recomputation_uses_the_forward_rules(setup, mode, forward_rules, backward_rules):
+    """Whatever scope the backward runs in, a checkpointed block recomputes with the rules of
+    its forward: the gradient is the one of the forward's rules without checkpointing."""
     m, ids, _ = setup
-    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    expected = _ref(m, ids, forward_rules)
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"})
     m.train()
     try:
         emb = m.get_input_embeddings()(ids).detach().requires_grad_(True)
-        with pyattr.use_relevance_rules(m, pyattr.RelevanceRules.all(attention="frozen")):
+        if forward_rules is None:
             out = m(inputs_embeds=emb).logits[0, -1, 5]
-        with pyattr.use_relevance_rules(m, pyattr.RelevanceRules.all(attention="attnlrp")):
-            with pytest.raises(pyattr.RelevanceRuleConflictError, match="already carries the attention rule"):
+        else:
+            with pyattr.use_relevance_rules(m, forward_rules):
+                out = m(inputs_embeds=emb).logits[0, -1, 5]
+        if backward_rules is None:
+            out.backward()
+        else:
+            with pyattr.use_relevance_rules(m, backward_rules):
                 out.backward()
     finally:
         m.gradient_checkpointing_disable()
         m.eval()
+    torch.testing.assert_close(emb.grad, expected, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+def test_nested_scope_forward_backward_after_both(setup, mode):
+    m, ids, _ = setup
+    expected = _ref(m, ids, ALL)
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"})
+    m.train()
+    try:
+        emb = m.get_input_embeddings()(ids).detach().requires_grad_(True)
+        with pyattr.use_relevance_rules(m, LN):
+            with pyattr.use_relevance_rules(m, ALL):
+                out = m(inputs_embeds=emb).logits[0, -1, 5]
+        out.backward()
+    finally:
+        m.gradient_checkpointing_disable()
+        m.eval()
+    torch.testing.assert_close(emb.grad, expected, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+def test_checkpointing_enabled_inside_the_scope(setup, mode):
+    m, ids, rule = setup
+    m.train()
+    try:
+        emb = m.get_input_embeddings()(ids).detach().requires_grad_(True)
+        with pyattr.use_relevance_rules(m):
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"})
+            inner = [mod.__dict__.get("_gradient_checkpointing_func") for mod in m.modules()]
+            out = m(inputs_embeds=emb).logits[0, -1, 5]
+        out.backward()
+        # the function enabled inside the scope is the one left after it (unwrapped)
+        after = [mod.__dict__.get("_gradient_checkpointing_func") for mod in m.modules()]
+        assert after == inner
+    finally:
+        m.gradient_checkpointing_disable()
+        m.eval()
+    torch.testing.assert_close(emb.grad, rule, atol=1e-6, rtol=1e-5)
+
+
+def test_plain_and_rule_forwards_summed(setup):
+    """A checkpointed plain forward and a rule forward, one backward inside the scope: each
+    part keeps its own gradient."""
+    m, ids, rule = setup
+    plain = _ref(m, ids, None)
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    m.train()
+    try:
+        emb = m.get_input_embeddings()(ids).detach().requires_grad_(True)
+        a = m(inputs_embeds=emb).logits[0, -1, 5]
+        with pyattr.use_relevance_rules(m):
+            b = m(inputs_embeds=emb).logits[0, -1, 5]
+            (a + b).backward()
+    finally:
+        m.gradient_checkpointing_disable()
+        m.eval()
+    torch.testing.assert_close(emb.grad, plain + rule, atol=1e-6, rtol=1e-5)

@@ -131,6 +131,20 @@ def test_check_output_path_leaves_files_as_they_were(tmp_path, monkeypatch):
         check_output_path("--json", "  ")
 
 
+def test_check_output_path_keeps_symlinks(tmp_path):
+    """A dangling symlink is probed through: the link stays, no file is left at its target."""
+    target = tmp_path / "target.html"
+    link = tmp_path / "link.html"
+    link.symlink_to(target)
+    check_output_path("--html", str(link))
+    assert link.is_symlink() and not target.exists()
+    missing = tmp_path / "link2.html"
+    missing.symlink_to(tmp_path / "nodir" / "t.html")
+    with pytest.raises(UsageError, match=r"directory '.*nodir' does not exist"):
+        check_output_path("--html", str(missing))
+    assert missing.is_symlink()
+
+
 def test_later_arguments_are_checked_without_leaving_the_probe_file(tmp_path):
     out = tmp_path / "b.json"
     r = probe("bench", "--json", str(out), "--ops", "nope")

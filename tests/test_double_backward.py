@@ -130,3 +130,25 @@ def test_ln_rule_grad_is_differentiable_on_every_backend(norm, offset):
     assert grads["torch"].abs().sum() > 0
     for b, gx in grads.items():
         torch.testing.assert_close(gx, grads["torch"], atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("op", ["identity", "gated"])
+def test_custom_activation_second_order_at_zero(op):
+    """At x == 0 the custom φ = act(x)/x has the limit derivative act''(0)/2: a custom SiLU
+    matches the closed-form "silu" there (0.25), never NaN."""
+    custom = lambda t: t * torch.sigmoid(t)  # noqa: E731
+    x0 = torch.tensor([0.0, -0.0, 0.7, -1.3], dtype=torch.float64)
+    dy = torch.tensor([1.0, 0.5, -2.0, 1.5], dtype=torch.float64)
+    res = []
+    for act in ("silu", custom):
+        x = x0.clone().requires_grad_(True)
+        if op == "identity":
+            y = identity_rule(x, act)
+        else:
+            y = gated_activation(x, x * 0 + 0.9, act, identity=True, half=True)
+        (g,) = torch.autograd.grad(y, x, dy, create_graph=True)
+        (gg,) = torch.autograd.grad(g.sum(), x)
+        res.append((g.detach(), gg))
+    assert torch.isfinite(res[1][1]).all()
+    torch.testing.assert_close(res[1][0], res[0][0], atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(res[1][1], res[0][1], atol=1e-12, rtol=1e-10)

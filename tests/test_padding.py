@@ -88,3 +88,51 @@ def test_left_padding_without_position_ids_raises():
     r = pyattr.relevance(m, ids, attention_mask=torch.tensor([[1, 1, 1, 1, 0]]), target=2,
                          rules=pyattr.RelevanceRules())
     assert r.token_relevance.shape == (1, 5)
+
+
+def test_middle_padding_without_sliding_window_equals_row_alone():
+    m = tiny_causal_lm("llama")
+    row = torch.randint(1, VOCAB, (1, 6))
+    ids = torch.cat([row[:, :2], torch.zeros(1, 2, dtype=torch.long), row[:, 2:]], 1)
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 1, 1]])
+    r = pyattr.relevance(m, ids, attention_mask=mask, target=5)
+    alone = pyattr.relevance(m, row, target=5)
+    torch.testing.assert_close(r.target, alone.target, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(r.token_relevance[mask.bool()], alone.token_relevance[0], atol=1e-5, rtol=1e-4)
+
+
+def test_middle_padding_with_sliding_window_raises():
+    m = tiny_causal_lm("gemma2")  # sliding-window layers
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 1, 1]])
+    with pytest.raises(ValueError, match=r"attention_mask row 0 has padding between real tokens; Gemma2ForCausalLM uses "
+                                         r"sliding-window attention"):
+        pyattr.relevance(m, torch.randint(1, VOCAB, (1, 8)), attention_mask=mask)
+    # left padding stays fine there
+    r = pyattr.relevance(m, torch.randint(1, VOCAB, (1, 8)), attention_mask=torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1]]))
+    assert r.token_relevance.shape == (1, 8)
+
+
+def test_position_ids_none_is_absent():
+    m = tiny_causal_lm("gpt2")
+    row = torch.randint(1, VOCAB, (1, 5))
+    ids = torch.cat([torch.zeros(1, 3, dtype=torch.long), row], 1)
+    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 5, dtype=torch.long)], 1)
+    r = pyattr.relevance(m, {"input_ids": ids, "attention_mask": mask, "position_ids": None}, target=7)
+    alone = pyattr.relevance(m, row, target=7)
+    torch.testing.assert_close(r.target, alone.target, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mask", [[[2, 2, 2, 2]], [[1, -1, 1, 1]], [[0.5, 1.0, 1.0, 1.0]]])
+def test_non_binary_mask_raises(mask):
+    m = tiny_causal_lm("gpt2")
+    with pytest.raises(ValueError, match=r"attention_mask must hold only 0 \(padding\) and 1 \(real token\), or booleans"):
+        pyattr.relevance(m, torch.randint(1, VOCAB, (1, 4)), attention_mask=torch.tensor(mask))
+
+
+def test_bool_and_float_masks_accepted():
+    m = tiny_causal_lm("gpt2")
+    ids = torch.randint(1, VOCAB, (1, 5))
+    ref = pyattr.relevance(m, ids, attention_mask=torch.tensor([[0, 1, 1, 1, 1]]), target=3)
+    for mask in (torch.tensor([[False, True, True, True, True]]), torch.tensor([[0.0, 1.0, 1.0, 1.0, 1.0]])):
+        r = pyattr.relevance(m, ids, attention_mask=mask, target=3)
+        torch.testing.assert_close(r.relevance, ref.relevance, atol=0, rtol=0)

@@ -160,3 +160,23 @@ def test_bad_numpy_target_forms(llama):
         pyattr.relevance(llama, torch.randint(0, VOCAB, (2, 6)), target=np.array([1.0, 2.0]))
     with pytest.raises(TypeError, match=r"target must be None, a token id"):
         pyattr.relevance(llama, torch.randint(0, VOCAB, (2, 6)), target=np.float64(3.0))
+
+
+def test_callable_target_must_be_differentiable(llama):
+    ids = torch.randint(0, VOCAB, (2, 6))
+    with pytest.raises(TypeError, match=r"target: the callable returned a torch.int64 tensor"):
+        pyattr.relevance(llama, ids, target=lambda o: o.logits[:, -1].argmax(-1))
+    with pytest.raises(TypeError, match=r"target: the callable returned a torch.bool tensor"):
+        pyattr.relevance(llama, ids, target=lambda o: o.logits[:, -1, 0] > 0)
+    with pytest.raises(ValueError, match=r"target: the callable's value does not depend on the model output"):
+        pyattr.relevance(llama, ids, target=lambda o: o.logits[:, -1, 0].detach())
+
+
+@pytest.mark.parametrize("target", [2**63, -(2**63) - 1, [2**64, 1], "np_uint64"])
+def test_target_ids_beyond_int64(llama, target):
+    import numpy as np
+
+    if target == "np_uint64":
+        target = np.array([2**64 - 1, 3], dtype=np.uint64)
+    with pytest.raises(ValueError, match=r"target: token id -?\d+ is out of range for a token id"):
+        pyattr.relevance(llama, torch.randint(0, VOCAB, (2, 6)), target=target)

@@ -91,3 +91,13 @@ def test_relevance_default_is_all_four(llama):
 def test_scope_without_rules_argument_is_all_four(llama):
     with use_relevance_rules(llama) as cov:
         assert sorted(cov.by_kind) == ["activation", "attention", "multiplicative_gate", "normalization"]
+
+
+@pytest.mark.parametrize("kind", ["activation", "multiplicative_gate"])
+def test_coverage_one_gated_rule_is_exact(llama, kind):
+    rules = RelevanceRules(**{kind: True})
+    with use_relevance_rules(llama, rules) as cov:
+        mlps = ["model.layers.0.mlp", "model.layers.1.mlp"]
+        assert cov.installed == mlps and cov.by_kind == {kind: mlps}
+        assert not set(cov.installed) & set(cov.skipped)
+        assert all(p not in cov.reasons for p in cov.installed)

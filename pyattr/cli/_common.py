@@ -29,19 +29,22 @@ def check_output_path(flag: str, path: str) -> None:
     p = Path(path)
     if p.is_dir():
         raise UsageError(f"{flag}: cannot write {path!r}: it is a directory")
-    parent = p.parent if str(p.parent) else Path(".")
+    # a symlink (dangling or not) is written through: probe and clean up its target,
+    # never the link itself
+    real = Path(os.path.realpath(p)) if p.is_symlink() else p
+    parent = real.parent if str(real.parent) else Path(".")
     if not parent.exists():
         raise UsageError(f"{flag}: cannot write {path!r}: directory {str(parent)!r} does not exist")
     if not parent.is_dir():
         raise UsageError(f"{flag}: cannot write {path!r}: {str(parent)!r} is not a directory")
-    existed = p.exists()
+    existed = real.exists()
     try:
-        with open(p, "a"):
+        with open(real, "a"):
             pass
     except OSError as e:
         raise UsageError(f"{flag}: cannot write {path!r}: {e.strerror or e}") from None
     if not existed:
         try:
-            os.unlink(p)
+            os.unlink(real)
         except OSError:
             pass

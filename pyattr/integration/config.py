@@ -94,6 +94,9 @@ class RelevanceRuleCoverage:
     def _add(self, kind: str, path: str) -> None:
         if path not in self.installed:
             self.installed.append(path)
+        if path in self.skipped:  # another rule kind on the same module is off: by_kind says which
+            self.skipped.remove(path)
+            self.reasons.pop(path, None)
         self.by_kind.setdefault(kind, []).append(path)
 
     def _skip(self, path: str, reason: str) -> None:

@@ -8,7 +8,9 @@ two modules of one class, never share it.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+import contextlib
+import threading
+from typing import Callable, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -22,8 +24,10 @@ _MISSING = object()
 class RuleState:
     """Per-module record: active kinds with their counts and settings, and the original forward."""
 
-    def __init__(self, module: nn.Module, path: str):
+    def __init__(self, module: nn.Module, path: str, make_forward: Callable = None, check_output: bool = True):
         self.path = path
+        self.make_forward = make_forward
+        self.check_output = check_output
         self.counts: Dict[str, int] = {}
         self.values: Dict[str, object] = {}
         self.saved_forward = module.__dict__.get("forward", _MISSING)
@@ -84,10 +88,14 @@ def acquire(
     """
     state = state_of(module)
     if state is None:
-        state = RuleState(module, path)
+        state = RuleState(module, path, make_forward, check_output)
         fwd = make_forward(module, state)
 
         def patched(*args, **kwargs):
+            if _unbound_recomputation():
+                # an activation-checkpoint recomputation, during a backward, of a forward
+                # that ran without rules: it must run as it did then
+                return state.native(*args, **kwargs)
             out = fwd(*args, **kwargs)
             if check_output:
                 state.expected_out = id(out)
@@ -153,3 +161,72 @@ def per_column_scale(out: torch.Tensor, pattern, cache: dict) -> torch.Tensor:
         t = pattern(out.shape[-1]).to(device=out.device, dtype=out.dtype)
         cache[key] = t
     return t
+
+
+# --- activation-checkpoint recomputation ------------------------------------------------
+
+_local = threading.local()
+
+
+def _in_backward() -> bool:
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+def _unbound_recomputation() -> bool:
+    """True while a backward runs a module forward that no pyattr-bound checkpoint asked
+    for: the recomputation of a block checkpointed outside any rule scope."""
+    return _in_backward() and not getattr(_local, "recomputing", 0)
+
+
+def snapshot(modules: List[nn.Module]) -> list:
+    """The rules active on ``modules`` now: what a recomputation must reinstall."""
+    snap = []
+    for m in modules:
+        st = state_of(m)
+        if st is not None and st.counts:
+            snap.append((m, st.path, st.make_forward, st.check_output, dict(st.values)))
+    return snap
+
+
+@contextlib.contextmanager
+def recomputing(modules: List[nn.Module], snap: list):
+    """Run a checkpointed block's recomputation with exactly the rules of its forward.
+
+    Whatever rule states the modules hold now (another scope's, or none after the scope
+    ended) are set aside, the forward-time rules of ``snap`` are installed, and after the
+    recomputation the modules get back exactly what they held.
+    """
+    suspended = []
+    for m in modules:
+        st = state_of(m)
+        if st is None:
+            continue
+        suspended.append((m, st, m.__dict__.get("forward", _MISSING)))
+        if st.hook is not None:
+            st.hook.remove()
+        if st.saved_forward is _MISSING:
+            m.__dict__.pop("forward", None)
+        else:
+            m.__dict__["forward"] = st.saved_forward
+        m.__dict__.pop(_STATE, None)
+    held = []
+    _local.recomputing = getattr(_local, "recomputing", 0) + 1
+    try:
+        for m, path, make, check, values in snap:
+            for kind, value in values.items():
+                acquire(m, path, kind, value, make, check)
+                held.append((m, kind))
+        yield
+    finally:
+        _local.recomputing -= 1
+        for m, kind in reversed(held):
+            release(m, kind)
+        for m, st, fwd in reversed(suspended):
+            m.__dict__[_STATE] = st
+            if fwd is _MISSING:
+                m.__dict__.pop("forward", None)
+            else:
+                m.__dict__["forward"] = fwd
+            if st.hook is not None:
+                st.hook = m.register_forward_hook(_output_check(st))

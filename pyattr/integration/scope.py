@@ -15,7 +15,15 @@ from pyattr.activations import Activation, _kind_of_module, forward_fn
 from pyattr.integration import architectures as A
 from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.integration.errors import RelevanceRuleConflictError, RelevanceRuleUnsupportedError
-from pyattr.integration.patching import acquire, has_hooks, per_column_scale, release, state_of
+from pyattr.integration.patching import (
+    acquire,
+    has_hooks,
+    per_column_scale,
+    recomputing,
+    release,
+    snapshot,
+    state_of,
+)
 from pyattr.ops.gated import gated_activation
 from pyattr.ops.layer_norm import layer_norm
 from pyattr.ops.rms_norm import rms_norm
@@ -447,6 +455,9 @@ def use_relevance_rules(
 
     Forwards stay bit-identical to the model's own. Patches are per instance, refcounted
     per (module, rule kind) across nested scopes, and removed on exit, exceptions included.
+    With Hugging Face gradient checkpointing, a recomputed block runs with exactly the
+    rules its forward ran with, whenever and in whatever scope the backward runs (see
+    :func:`_checkpoints_bound`).
 
     Raises:
         RelevanceRuleUnsupportedError: unknown model type (without ``generic``), or a
@@ -458,66 +469,86 @@ def use_relevance_rules(
     rules = RelevanceRules.all() if rules is None else rules
     pl = plan(model, rules, generic)
     done: List[_Step] = []
-    active = [True]
     try:
         for st in pl.steps:
             acquire(st.module, st.path, st.kind, st.value, st.make_forward, st.check_output)
             done.append(st)
-        with _checkpoint_recompute_with_rules(model, pl.steps, active):
+        with _checkpoints_bound(model):
             yield pl.cov
     finally:
-        active[0] = False
         for st in reversed(done):
             release(st.module, st.kind)
 
 
-@contextlib.contextmanager
-def _checkpoint_recompute_with_rules(model: nn.Module, steps: List[_Step], active: list):
-    """Keep the rules on in activation-checkpoint recomputations of forwards run in the scope.
+# --- activation checkpointing -------------------------------------------------------------
 
-    Hugging Face gradient checkpointing (``model.gradient_checkpointing_enable()``) runs a
-    block's forward again during the backward. A backward that starts after the scope
-    ended would recompute the block without the rules and mix rule and plain gradients
-    (reentrant), or fail on mismatched saved tensors (non-reentrant). Each block's
-    ``_gradient_checkpointing_func`` is wrapped for the scope so that the function it
-    checkpoints carries the scope's rules with it: a recomputation after the scope
-    re-installs the same rules around itself (and raises
-    :class:`RelevanceRuleConflictError` if another scope holds the modules with other
-    settings then).
-    """
-    if not steps:
-        yield
-        return
+_INNER = "_pyattr_checkpoint_inner"
+_SCOPES = "_pyattr_checkpoint_scopes"
 
-    def bind(run_function):
-        def run(*args, **kwargs):
-            if active[0]:
-                return run_function(*args, **kwargs)
-            held: List[_Step] = []
-            try:
-                for st in steps:
-                    acquire(st.module, st.path, st.kind, st.value, st.make_forward, st.check_output)
-                    held.append(st)
-                return run_function(*args, **kwargs)
-            finally:
-                for st in reversed(held):
-                    release(st.module, st.kind)
 
-        return run
+def _block_of(run_function, owner: nn.Module) -> nn.Module:
+    """The module a checkpointed function runs: ``partial(layer.__call__)`` or
+    ``block.__call__`` in Hugging Face's models, else the module that checkpoints."""
+    fn = getattr(run_function, "func", run_function)
+    mod = getattr(fn, "__self__", None)
+    return mod if isinstance(mod, nn.Module) else owner
 
-    wrapped = []
+
+def _bind(fn: Callable, owner: nn.Module) -> Callable:
+    def checkpointed(run_function, *args, **kwargs):
+        mods = list(_block_of(run_function, owner).modules())
+        snap = snapshot(mods)  # the rules of this forward, whatever holds them
+        first = [True]
+
+        def run(*a, **k):
+            if first[0]:
+                return run_function(*a, **k)
+            with recomputing(mods, snap):
+                return run_function(*a, **k)
+
+        try:
+            return fn(run, *args, **kwargs)
+        finally:
+            first[0] = False
+
+    setattr(checkpointed, _INNER, fn)
+    return checkpointed
+
+
+def _wrap_checkpoint_functions(model: nn.Module) -> None:
     for mod in model.modules():
         fn = mod.__dict__.get("_gradient_checkpointing_func")
-        if not callable(fn):
-            continue
+        if callable(fn) and not hasattr(fn, _INNER):
+            mod.__dict__["_gradient_checkpointing_func"] = _bind(fn, mod)
 
-        def checkpointed(run_function, *args, _fn=fn, **kwargs):
-            return _fn(bind(run_function), *args, **kwargs)
 
-        mod.__dict__["_gradient_checkpointing_func"] = checkpointed
-        wrapped.append((mod, fn))
+@contextlib.contextmanager
+def _checkpoints_bound(model: nn.Module):
+    """Activation-checkpoint recomputations run with the rules of their forward.
+
+    Hugging Face gradient checkpointing (``model.gradient_checkpointing_enable()``) runs
+    a block's forward again during the backward. Without care, a backward that starts
+    after the scope ended would recompute the block without the rules (a mixture of rule
+    and plain gradients when reentrant; a ``CheckpointError`` when not), and one run in
+    another scope would recompute with that scope's rules. While any scope is open on
+    the model, each block's ``_gradient_checkpointing_func`` (also one set by
+    ``gradient_checkpointing_enable()`` inside the scope) is wrapped so that it records
+    the rules active at the forward and reinstalls exactly those for the recomputation.
+    A block checkpointed outside every scope recomputes without rules even inside one
+    (see ``patching._unbound_recomputation``).
+    """
+    count = model.__dict__.get(_SCOPES, 0)
+    model.__dict__[_SCOPES] = count + 1
+    _wrap_checkpoint_functions(model)
+    hook = model.register_forward_pre_hook(lambda mod, args: _wrap_checkpoint_functions(model))
     try:
         yield
     finally:
-        for mod, fn in reversed(wrapped):
-            mod.__dict__["_gradient_checkpointing_func"] = fn
+        hook.remove()
+        model.__dict__[_SCOPES] -= 1
+        if model.__dict__[_SCOPES] == 0:
+            del model.__dict__[_SCOPES]
+            for mod in model.modules():
+                fn = mod.__dict__.get("_gradient_checkpointing_func")
+                if hasattr(fn, _INNER):
+                    mod.__dict__["_gradient_checkpointing_func"] = getattr(fn, _INNER)
