@@ -1,28 +1,109 @@
 # Two entry points, each doing all set-up on a fresh machine:
-#   make demo   installs pyattr with the bundled model and runs `pyattr explain`
-#   make test   installs pyattr with the test dependencies and runs the test suite
+#   make demo   installs pyattr and runs `pyattr explain` on the bundled model
+#   make test   installs pyattr and runs the test suite
+# Both share one install (pyattr[demo,dev], editable, built against .venv's torch): the
+# second command reinstalls only when setup.py, pyproject.toml, MANIFEST.in, a file under
+# csrc/ or a build setting (PYATTR_FORCE_CUDA, PYATTR_CPU_CAPABILITY, TORCH_CUDA_ARCH_LIST,
+# the GPUs nvidia-smi lists) changed, and then recompiles only what changed (build/).
+SHELL       := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.14.1
+EXTRAS ?= demo,dev
 PIP    := $(PY) -m pip install --no-input --disable-pip-version-check
+STAMP  := $(VENV)/.pyattr-installed
+CONFIG := $(VENV)/.pyattr-build-settings
+LOG    := $(VENV)/pyattr-install.log
+CSRC   := $(shell find csrc 2>/dev/null)
+SETTINGS = extras=$(EXTRAS) force_cuda=$(PYATTR_FORCE_CUDA) cpu=$(PYATTR_CPU_CAPABILITY) \
+  arch=$(TORCH_CUDA_ARCH_LIST) visible=$(CUDA_VISIBLE_DEVICES) \
+  gpus=$(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 
-.PHONY: demo test venv install-demo install-dev
+step = @echo "==> [$$(date +%T)] $(1)"
+
+# What the installs show of pip -v (all of it goes to $(LOG)), each line with the seconds
+# since the step began: pip's progress, setup.py's "pyattr build:" lines, each file ninja
+# finishes compiling ([n/N]), the link, and compiler errors and warnings.
+define SHOW
+import re, sys, time
+t0 = time.monotonic()
+tag = sys.argv[1] + " " if len(sys.argv) > 1 else ""
+def out(s):
+    print(f"  {tag}{time.monotonic() - t0:4.0f}s  {s}", flush=True)
+for line in iter(sys.stdin.readline, ""):
+    s = line.strip()
+    m = re.match(r"\[(\d+)/(\d+)\] ", s)
+    if m:
+        tok = s.split()
+        src = next((b for a, b in zip(tok, tok[1:]) if a == "-c" and b.endswith((".cpp", ".cu"))), "")
+        out(f"[{m[1]}/{m[2]}] compiled {src[src.find('csrc/'):] if 'csrc/' in src else src}")
+    elif " -shared " in s and "pyattr/_C." in s:
+        out("linking pyattr._C")
+    elif "pyattr build:" in s:
+        out(s[s.find("pyattr build:"):])
+    elif s.startswith(("Collecting", "Installing collected", "Successfully installed", "ERROR")):
+        out(s)
+    elif ("error" in s.lower() or "warning:" in s) and "no previously-included" not in s:
+        out(s)
+endef
+export SHOW
+
+.PHONY: demo test install venv FORCE
 
 $(VENV)/.torch-installed:
+	$(call step,creating $(VENV) with $(TORCH) (about a minute))
 	python3 -m venv $(VENV)
-	$(PIP) -q "$(TORCH)" "setuptools>=64" wheel ninja
+	@$(PIP) "$(TORCH)" "setuptools>=64" wheel ninja numpy 2>&1 | tee $(VENV)/torch-install.log \
+	  | $(PY) -u -c "$$SHOW" || { tail -n 30 $(VENV)/torch-install.log; exit 1; }
 	touch $@
 
 venv: $(VENV)/.torch-installed
 
-install-demo: venv
-	$(PIP) -q --no-build-isolation -e '.[demo]'
+# Rewritten only when the settings differ from the last install's, so that its mtime
+# says when they last changed.
+$(CONFIG): FORCE
+	@mkdir -p $(VENV)
+	@echo '$(SETTINGS)' | cmp -s - $@ || echo '$(SETTINGS)' > $@
 
-install-dev: venv
-	$(PIP) -q --no-build-isolation -e '.[dev]'
+# pyattr's dependencies (pyproject.toml: dependencies + the extras) install in the
+# background while the foreground pip builds pyattr._C and installs pyattr alone: the
+# compile is CPU-bound, the dependency install mostly unpacking, so the two overlap.
+# Both pips install disjoint sets of packages (what the build uses, torch, setuptools and
+# ninja, is already there).
+define REQS
+import sys
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    from pip._vendor import tomli as tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+extras = project.get("optional-dependencies", {})
+print("\n".join(project.get("dependencies", []) + [r for e in sys.argv[1].split(",") for r in extras[e]]))
+endef
+export REQS
+DEPS_LOG := $(VENV)/deps-install.log
 
-demo: install-demo
+$(STAMP): $(VENV)/.torch-installed $(CONFIG) setup.py pyproject.toml MANIFEST.in $(CSRC)
+	$(call step,installing pyattr[$(EXTRAS)]: building pyattr._C (log $(LOG)) while the dependencies install (lines marked deps; log $(DEPS_LOG)))
+	@$(PY) -c "$$REQS" '$(EXTRAS)' > $(VENV)/requirements.txt
+	@( $(PIP) -r $(VENV)/requirements.txt 2>&1 | tee $(DEPS_LOG) | $(PY) -u -c "$$SHOW" deps ) & deps=$$!; \
+	if ! PYTHONUNBUFFERED=1 $(PIP) -v --no-build-isolation --no-deps -e . 2>&1 \
+	    | tee $(LOG) | $(PY) -u -c "$$SHOW"; then \
+	  echo "build failed; the last 60 lines of $(LOG):"; tail -n 60 $(LOG); \
+	  wait $$deps; exit 1; \
+	fi; \
+	wait $$deps || { echo "dependency install failed; the last 30 lines of $(DEPS_LOG):"; \
+	  tail -n 30 $(DEPS_LOG); exit 1; }
+	touch $@
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(call step,pyattr explain)
 	$(VENV)/bin/pyattr explain
 
-test: install-dev
+# pytest's exit status fails make on any failure and on exit 5 (no tests collected).
+test: $(STAMP)
+	$(call step,pytest (about 2 minutes on 2 cores))
 	$(PY) -m pytest -q
