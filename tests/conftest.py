@@ -50,3 +50,26 @@ def assert_close(actual, expected, dtype):
 def _no_env_backend(monkeypatch):
     monkeypatch.delenv("PYATTR_BACKEND", raising=False)
     torch.manual_seed(0)
+
+
+def save_tiny_llama(path, vocab_size: int, tokenizer=None, **overrides):
+    """A tiny random Llama saved with ``save_pretrained`` (and ``tokenizer`` beside it)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+               num_attention_heads=2, num_key_value_heads=1, initializer_range=0.2)
+    LlamaForCausalLM(LlamaConfig(**{**cfg, **overrides})).save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def causal_dir(tmp_path_factory):
+    """A local causal LM directory for the command line: a tiny Llama with the bundled
+    MiniLM's tokenizer."""
+    from models import minilm
+
+    tok, _ = minilm()
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), len(tok), tok)

@@ -1,4 +1,7 @@
-"""Hugging Face gradient checkpointing inside and after a rule scope: rule gradients, never a mixture."""
+"""Hugging Face gradient checkpointing with rule scopes: a recomputed block runs with exactly
+the rules of its forward, whenever and in whatever scope the backward runs; never a mixture."""
+
+import contextlib
 
 import pytest
 import torch
@@ -6,46 +9,59 @@ import torch
 import pyattr
 from models import VOCAB, tiny_causal_lm
 
+LN = pyattr.RelevanceRules(normalization=True)
+ALL = pyattr.RelevanceRules.all()
+LRP = pyattr.RelevanceRules.all(attention="attnlrp")
+MODES = ["reentrant", "non_reentrant"]
 
-def _grads(m, ids, tid, *, checkpoint=None, backward_inside=True, rules=True):
-    """Gradient of one logit with respect to the input embeddings, rules on or off."""
-    if checkpoint is not None:
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpoint == "reentrant"})
-    else:
-        m.gradient_checkpointing_disable()
-    m.train()  # Hugging Face checkpoints only in training mode (the tiny configs have no dropout)
-    emb = m.get_input_embeddings()(ids).detach().requires_grad_(True)
+
+@contextlib.contextmanager
+def _checkpointing(m, mode):
+    """Checkpointing on (``mode`` None: off) in training mode, which is when Hugging Face
+    checkpoints (the tiny configs have no dropout); both undone afterwards."""
+    if mode is not None:
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"})
+    m.train()
     try:
-        if not rules:
-            m(inputs_embeds=emb).logits[0, -1, tid].backward()
-            return emb.grad
-        with pyattr.use_relevance_rules(m):
-            out = m(inputs_embeds=emb).logits[0, -1, tid]
-            if backward_inside:
-                out.backward()
-        if not backward_inside:
-            out.backward()
-        return emb.grad
+        yield
     finally:
         m.gradient_checkpointing_disable()
         m.eval()
+
+
+def _scope(m, rules):
+    return contextlib.nullcontext() if rules is None else pyattr.use_relevance_rules(m, rules)
+
+
+def _grad(m, ids, forward_rules, backward_rules="same", mode=None):
+    """Gradient of one logit w.r.t. the input embeddings: the forward under ``forward_rules``,
+    the backward inside that scope ("same") or afterwards inside ``backward_rules``."""
+    with _checkpointing(m, mode):
+        emb = m.get_input_embeddings()(ids).detach().requires_grad_(True)
+        with _scope(m, forward_rules):
+            out = m(inputs_embeds=emb).logits[0, -1, 5]
+            if backward_rules == "same":
+                out.backward()
+        if backward_rules != "same":
+            with _scope(m, backward_rules):
+                out.backward()
+    return emb.grad
 
 
 @pytest.fixture(scope="module")
 def setup():
     m = tiny_causal_lm("llama")
     ids = torch.randint(0, VOCAB, (1, 7))
-    rule = _grads(m, ids, 5)
-    plain = _grads(m, ids, 5, rules=False)
+    rule, plain = _grad(m, ids, ALL), _grad(m, ids, None)
     assert (rule - plain).abs().max() > 1e-3  # the rules change the gradient here
     return m, ids, rule
 
 
-@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("inside", [True, False], ids=["backward_inside", "backward_after_scope"])
 def test_checkpointed_rule_gradient_equals_unchecked(setup, mode, inside):
     m, ids, rule = setup
-    g = _grads(m, ids, 5, checkpoint=mode, backward_inside=inside)
+    g = _grad(m, ids, ALL, "same" if inside else None, mode)
     torch.testing.assert_close(g, rule, atol=1e-6, rtol=1e-5)
     # the model is back to its own forwards after the late backward
     assert all("forward" not in mod.__dict__ for mod in m.modules())
@@ -53,87 +69,43 @@ def test_checkpointed_rule_gradient_equals_unchecked(setup, mode, inside):
 
 def test_checkpoint_function_restored_after_scope(setup):
     m, _, _ = setup
-    m.gradient_checkpointing_enable()
-    try:
+    with _checkpointing(m, "reentrant"):
         before = [mod.__dict__.get("_gradient_checkpointing_func") for mod in m.modules()]
         with pyattr.use_relevance_rules(m):
             inside = [mod.__dict__.get("_gradient_checkpointing_func") for mod in m.modules()]
         after = [mod.__dict__.get("_gradient_checkpointing_func") for mod in m.modules()]
-        assert after == before and inside != before
-    finally:
-        m.gradient_checkpointing_disable()
+    assert after == before and inside != before
 
 
-def _ref(m, ids, rules):
-    """Gradient without checkpointing under ``rules`` (None: plain gradient)."""
-    emb = m.get_input_embeddings()(ids).detach().requires_grad_(True)
-    if rules is None:
-        m(inputs_embeds=emb).logits[0, -1, 5].backward()
-    else:
-        with pyattr.use_relevance_rules(m, rules):
-            m(inputs_embeds=emb).logits[0, -1, 5].backward()
-    return emb.grad
-
-
-LN = pyattr.RelevanceRules(normalization=True)
-ALL = pyattr.RelevanceRules.all()
-LRP = pyattr.RelevanceRules.all(attention="attnlrp")
-
-
-@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(
     "forward_rules,backward_rules",
     [(None, ALL), (LN, ALL), (LN, LRP), (ALL, LRP), (LRP, None), (None, None)],
     ids=["plain->all", "ln->all", "ln->attnlrp", "all->attnlrp", "attnlrp->none", "plain->plain"],
 )
 def test_recomputation_uses_the_forward_rules(setup, mode, forward_rules, backward_rules):
-    """Whatever scope the backward runs in, a checkpointed block recomputes with the rules of
-    its forward: the gradient is the one of the forward's rules without checkpointing."""
+    """The backward in another scope (or none) gives the forward's rule gradient."""
     m, ids, _ = setup
-    expected = _ref(m, ids, forward_rules)
-    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"})
-    m.train()
-    try:
-        emb = m.get_input_embeddings()(ids).detach().requires_grad_(True)
-        if forward_rules is None:
-            out = m(inputs_embeds=emb).logits[0, -1, 5]
-        else:
-            with pyattr.use_relevance_rules(m, forward_rules):
-                out = m(inputs_embeds=emb).logits[0, -1, 5]
-        if backward_rules is None:
-            out.backward()
-        else:
-            with pyattr.use_relevance_rules(m, backward_rules):
-                out.backward()
-    finally:
-        m.gradient_checkpointing_disable()
-        m.eval()
-    torch.testing.assert_close(emb.grad, expected, atol=1e-6, rtol=1e-5)
+    expected = _grad(m, ids, forward_rules)
+    g = _grad(m, ids, forward_rules, backward_rules, mode)
+    torch.testing.assert_close(g, expected, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("mode", MODES)
 def test_nested_scope_forward_backward_after_both(setup, mode):
-    m, ids, _ = setup
-    expected = _ref(m, ids, ALL)
-    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"})
-    m.train()
-    try:
+    m, ids, rule = setup
+    with _checkpointing(m, mode):
         emb = m.get_input_embeddings()(ids).detach().requires_grad_(True)
-        with pyattr.use_relevance_rules(m, LN):
-            with pyattr.use_relevance_rules(m, ALL):
-                out = m(inputs_embeds=emb).logits[0, -1, 5]
+        with pyattr.use_relevance_rules(m, LN), pyattr.use_relevance_rules(m, ALL):
+            out = m(inputs_embeds=emb).logits[0, -1, 5]
         out.backward()
-    finally:
-        m.gradient_checkpointing_disable()
-        m.eval()
-    torch.testing.assert_close(emb.grad, expected, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(emb.grad, rule, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("mode", MODES)
 def test_checkpointing_enabled_inside_the_scope(setup, mode):
     m, ids, rule = setup
-    m.train()
-    try:
+    with _checkpointing(m, None):
         emb = m.get_input_embeddings()(ids).detach().requires_grad_(True)
         with pyattr.use_relevance_rules(m):
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"})
@@ -141,11 +113,7 @@ def test_checkpointing_enabled_inside_the_scope(setup, mode):
             out = m(inputs_embeds=emb).logits[0, -1, 5]
         out.backward()
         # the function enabled inside the scope is the one left after it (unwrapped)
-        after = [mod.__dict__.get("_gradient_checkpointing_func") for mod in m.modules()]
-        assert after == inner
-    finally:
-        m.gradient_checkpointing_disable()
-        m.eval()
+        assert [mod.__dict__.get("_gradient_checkpointing_func") for mod in m.modules()] == inner
     torch.testing.assert_close(emb.grad, rule, atol=1e-6, rtol=1e-5)
 
 
@@ -153,16 +121,11 @@ def test_plain_and_rule_forwards_summed(setup):
     """A checkpointed plain forward and a rule forward, one backward inside the scope: each
     part keeps its own gradient."""
     m, ids, rule = setup
-    plain = _ref(m, ids, None)
-    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    m.train()
-    try:
+    plain = _grad(m, ids, None)
+    with _checkpointing(m, "reentrant"):
         emb = m.get_input_embeddings()(ids).detach().requires_grad_(True)
         a = m(inputs_embeds=emb).logits[0, -1, 5]
         with pyattr.use_relevance_rules(m):
             b = m(inputs_embeds=emb).logits[0, -1, 5]
             (a + b).backward()
-    finally:
-        m.gradient_checkpointing_disable()
-        m.eval()
     torch.testing.assert_close(emb.grad, plain + rule, atol=1e-6, rtol=1e-5)

@@ -22,20 +22,6 @@ def run(*args, check=True):
     return p
 
 
-@pytest.fixture(scope="module")
-def causal_dir(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tok, _ = minilm()
-    d = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, initializer_range=0.2)
-    LlamaForCausalLM(cfg).save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
-
-
 def test_explain_bundled_default_json():
     p = run("explain", "--json")
     out = json.loads(p.stdout)

@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from pyattr.bench import contention
 from pyattr.cli import main
@@ -78,22 +77,6 @@ def test_conservation_note_names_the_cause(rules, has_bias, delta, note):
     assert expl.conservation_note == note
     assert f"(target − Σ relevance; {note})" in _terminal(expl)
     assert expl.to_json()["conservation_note"] == note
-
-
-@pytest.fixture(scope="module")
-def causal_dir(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from models import minilm
-
-    tok, _ = minilm()
-    d = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, initializer_range=0.2)
-    LlamaForCausalLM(cfg).save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
 
 
 def _run(*args):

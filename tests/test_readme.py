@@ -11,7 +11,6 @@ import shlex
 from pathlib import Path
 
 import pytest
-import torch
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 BLOCKS = re.findall(r"```(\w*)\n(.*?)```", README.read_text(), flags=re.S)
@@ -21,24 +20,15 @@ def _blocks(lang):
     return [(i, code) for i, (l, code) in enumerate(BLOCKS) if l == lang]
 
 
-def _tiny_llama(path: Path, vocab: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    LlamaForCausalLM(cfg).save_pretrained(path)
-
-
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("readme")
-    _tiny_llama(d / "path" / "to" / "llama", 8000)
+    from conftest import save_tiny_llama
     from models import minilm
 
+    d = tmp_path_factory.mktemp("readme")
+    save_tiny_llama(d / "path" / "to" / "llama", 8000)  # the Quick start's ids go up to 7483
     tok, _ = minilm()
-    _tiny_llama(d / "my-llama", len(tok))
-    tok.save_pretrained(d / "my-llama")
+    save_tiny_llama(d / "my-llama", len(tok), tok)
     return d
 
 
