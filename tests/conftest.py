@@ -73,3 +73,29 @@ def causal_dir(tmp_path_factory):
 
     tok, _ = minilm()
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), len(tok), tok)
+
+
+def run_cli(*args, env=None):
+    """``pyattr ARGS`` in this process through the console script's entry point
+    (``pyattr.cli:main``), with ``env`` added to the environment: what a subprocess would
+    give (exit status, stdout, stderr) without paying for a fresh interpreter, torch and
+    transformers imports on every call. Tests of the installed script itself spawn it."""
+    import contextlib
+    import io
+    import types
+
+    from pyattr.cli import main
+
+    saved = dict(os.environ)
+    os.environ.update({"HF_HUB_OFFLINE": "1", "COLUMNS": "100", **(env or {})})
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main([str(a) for a in args])
+            except SystemExit as e:  # argparse's errors, --help and --version
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return types.SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())

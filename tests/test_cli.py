@@ -9,21 +9,24 @@ import sys
 import pytest
 import torch
 
+from conftest import run_cli
 from models import minilm
 
 PYATTR = shutil.which("pyattr", path=os.path.dirname(sys.executable)) or "pyattr"
 
 
-def run(*args, check=True):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", COLUMNS="100")
-    p = subprocess.run([PYATTR, *args], capture_output=True, text=True, env=env, timeout=300)
+def run(*args, check=True, env=None):
+    p = run_cli(*args, env=env)
     if check:
         assert p.returncode == 0, p.stderr
     return p
 
 
 def test_explain_bundled_default_json():
-    p = run("explain", "--json")
+    # through the installed console script, in its own process
+    env = dict(os.environ, HF_HUB_OFFLINE="1", COLUMNS="100")
+    p = subprocess.run([PYATTR, "explain", "--json"], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert out["mode"] == "pair" and out["model"] == "all-MiniLM-L6-v2 (bundled)"
     assert len(out["segments"]) == 2
@@ -97,10 +100,7 @@ def test_markup_like_tokens_and_paths_are_printed_verbatim():
 def test_explain_too_long_text_and_backend_env():
     p = run("explain", "--text", "word " * 700, check=False)
     assert p.returncode == 2 and "tokens long; the model reads at most 512" in p.stderr
-    env_run = subprocess.run(
-        [PYATTR, "explain"], capture_output=True, text=True, timeout=300,
-        env=dict(os.environ, HF_HUB_OFFLINE="1", PYATTR_BACKEND="bogus"),
-    )
+    env_run = run("explain", check=False, env={"PYATTR_BACKEND": "bogus"})
     assert env_run.returncode == 2 and "PYATTR_BACKEND: unknown backend 'bogus'" in env_run.stderr
     p = run("explain", "--html", "", check=False)
     assert p.returncode == 2 and "--html needs a file path" in p.stderr

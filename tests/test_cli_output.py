@@ -5,18 +5,16 @@ import io
 import json
 import os
 import re
-import shutil
-import subprocess
 import sys
 
 import pytest
 
+from conftest import run_cli
 from pyattr.bench import contention
 from pyattr.cli import main
 from pyattr.explain import Explanation, Segment
 from pyattr.render import num, print_terminal, to_html
 
-PYATTR = shutil.which("pyattr", path=os.path.dirname(sys.executable)) or "pyattr"
 NEG_ZERO = re.compile(r"-0\.0+(?:e[+-]?\d+)?(?!\d)|-0(?![.\d])")
 ATTNLRP = "the AttnLRP rule does not conserve relevance (it scales the q, k, v gradients by ¼, ¼, ½)"
 ALL_ON = {"normalization": True, "activation": True, "multiplicative_gate": True, "attention": "frozen"}
@@ -80,8 +78,7 @@ def test_conservation_note_names_the_cause(rules, has_bias, delta, note):
 
 
 def _run(*args):
-    p = subprocess.run([PYATTR, *args], capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, HF_HUB_OFFLINE="1", COLUMNS="200"))
+    p = run_cli(*args, env={"COLUMNS": "200"})
     assert p.returncode == 0, p.stderr
     return p.stdout
 
