@@ -170,3 +170,10 @@ def test_explain_quiet_machine_no_warning(monkeypatch, capsys):
     assert c["oversubscribed"] is False and c["warning"] is None and c["reasons"] == [] and c["threads"] == 1
     assert main(["explain"]) == 0
     assert "warning" not in capsys.readouterr().out
+
+
+def test_measured_window_overrides_a_trailing_load_average():
+    """Right after a build the 1-minute load average is still above the core count on an idle
+    machine; a measured window with no other process busy is not oversubscribed."""
+    assert contention.judge(2, 2, 2, 2.3, 0.1).reasons == []
+    assert contention.judge(2, 2, 2, 2.3, None).reasons == ["load average 2.30 above the 2 CPUs of the machine"]

@@ -9,8 +9,10 @@ threads, 30 ms with one). Such a number is not a property of the code.
 :func:`start` returns a :class:`Monitor`; :meth:`Monitor.stop` after the measurement
 returns a :class:`Contention` that says whether the CPU was oversubscribed, and why:
 
-* **load**: the 1-minute load average when the measurement started is above the
-  number of CPUs of the machine (runnable processes were waiting for a CPU);
+* **load** (only where the window below cannot be measured): the 1-minute load average
+  when the measurement started is above the number of CPUs of the machine. The load
+  average trails by about a minute (right after a build it is still high on an idle
+  machine), so a direct measurement of the window, when there is one, decides instead;
 * **threads > cores**: torch's intra-op threads outnumber the cores this process may
   use (its CPU affinity, and the cgroup CPU quota where one is set);
 * **threads > free cores** (Linux): other processes kept, on average, some of this
@@ -193,7 +195,7 @@ def judge(cores: int, cpu_count: int, threads: int, load: Optional[float], other
           window_s: float = 0.0) -> Contention:
     """Apply the three checks (module docstring) to measured conditions."""
     reasons = []
-    if load is not None and load > cpu_count:
+    if others is None and load is not None and load > cpu_count:
         reasons.append(f"load average {load:.2f} above the {cpu_count} CPUs of the machine")
     if threads > cores:
         reasons.append(f"{threads} torch threads on {cores} usable cores")
