@@ -135,6 +135,11 @@ def release(module: nn.Module, kind: str) -> None:
         del state.values[kind]
     if state.counts:
         return
+    _unpatch(module, state)
+
+
+def _unpatch(module: nn.Module, state: RuleState) -> None:
+    """Give ``module`` back its own forward and drop the output check and the state."""
     if state.hook is not None:
         state.hook.remove()
     if state.saved_forward is _MISSING:
@@ -203,13 +208,7 @@ def recomputing(modules: List[nn.Module], snap: list):
         if st is None:
             continue
         suspended.append((m, st, m.__dict__.get("forward", _MISSING)))
-        if st.hook is not None:
-            st.hook.remove()
-        if st.saved_forward is _MISSING:
-            m.__dict__.pop("forward", None)
-        else:
-            m.__dict__["forward"] = st.saved_forward
-        m.__dict__.pop(_STATE, None)
+        _unpatch(m, st)
     held = []
     _local.recomputing = getattr(_local, "recomputing", 0) + 1
     try:
