@@ -74,7 +74,7 @@ class Explanation:
             causes.append("the AttnLRP rule does not conserve relevance (it scales the q, k, v gradients by ¼, ¼, ½)")
         off = [name for key, name in _RULE_NAMES if key in rules and rules[key] is False]
         if off:
-            causes.append(f"relevance is lost where a rule is off ({', '.join(off)})")
+            causes.append(f"relevance is not conserved where a rule is off ({', '.join(off)})")
         if self.has_bias is not False:
             causes.append("biases absorb relevance")
         if not causes:
@@ -142,6 +142,10 @@ def _check_dir(path: Path) -> None:
         raise ExplainError(f"model directory {str(path)!r} is not readable")
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json",
+                    "spiece.model", "sentencepiece.bpe.model")
+
+
 def _load(path: Path, causal: bool):
     _offline()
     _check_dir(path)
@@ -156,6 +160,11 @@ def _load(path: Path, causal: bool):
         hf_logging.set_verbosity_error()
     except ImportError:  # pragma: no cover - older transformers
         pass
+    if not any((path / f).exists() for f in _TOKENIZER_FILES):
+        raise ExplainError(
+            f"model directory {str(path)!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES[:3])}, …); "
+            "save the tokenizer next to the model (tokenizer.save_pretrained(DIR))"
+        )
     try:
         tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         cls = AutoModelForCausalLM if causal else AutoModel

@@ -112,6 +112,7 @@ def test_explain_error_unknown_target_and_broken_dir(causal_dir, tmp_path):
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text("{not json")
+    (broken / "tokenizer_config.json").write_text("{}")
     p = run("explain", "--model", str(broken), check=False)
     assert p.returncode == 2 and p.stderr.startswith("pyattr explain: error: cannot load model from")
     assert len(p.stderr.strip().splitlines()) == 1
@@ -119,6 +120,15 @@ def test_explain_error_unknown_target_and_broken_dir(causal_dir, tmp_path):
     empty.mkdir()
     p = run("explain", "--model", str(empty), check=False)
     assert p.returncode == 2 and "has no config.json" in p.stderr
+    # weights and config without a tokenizer: say so, not a backend-library hint
+    bare = tmp_path / "bare"
+    shutil.copytree(causal_dir, bare, ignore=shutil.ignore_patterns("tok*", "vocab*", "special_tokens_map.json"))
+    p = run("explain", "--model", str(bare), "--text", "hi", check=False)
+    assert p.returncode == 2 and p.stderr == (
+        f"pyattr explain: error: model directory {str(bare)!r} has no tokenizer files (tokenizer.json, "
+        "tokenizer_config.json, tokenizer.model, …); save the tokenizer next to the model "
+        "(tokenizer.save_pretrained(DIR))\n"
+    )
 
 
 def test_explain_unsupported_architecture_and_generic(tmp_path):

@@ -64,9 +64,9 @@ def test_no_negative_zero_anywhere():
         (ALL_ON, True, 0.1, "biases absorb relevance"),
         (dict(ALL_ON, attention="attnlrp"), False, 0.1, ATTNLRP),
         (dict(ALL_ON, attention="attnlrp"), True, 0.1, ATTNLRP + "; biases absorb relevance"),
-        (dict(ALL_ON, attention=False), False, 0.1, "relevance is lost where a rule is off (AH-rule)"),
+        (dict(ALL_ON, attention=False), False, 0.1, "relevance is not conserved where a rule is off (AH-rule)"),
         (dict(ALL_ON, normalization=False, activation=False), None, 0.1,
-         "relevance is lost where a rule is off (LN-rule, Identity-rule); biases absorb relevance"),
+         "relevance is not conserved where a rule is off (LN-rule, Identity-rule); biases absorb relevance"),
         (ALL_ON, False, 0.1, "relevance is lost in modules that carry no rule"),
     ],
 )
@@ -97,7 +97,7 @@ def test_no_norm_rule_on_bert_prints_no_negative_zero():
     out = _run("explain", "--no-norm-rule")
     assert "top tokens by |relevance|" in out
     assert not NEG_ZERO.search(out), NEG_ZERO.search(out)
-    assert "relevance is lost where a rule is off (LN-rule); biases absorb relevance" in out
+    assert "relevance is not conserved where a rule is off (LN-rule); biases absorb relevance" in out
 
 
 # --- oversubscription ----------------------------------------------------------------------
