@@ -153,7 +153,7 @@ def _last_positions(ids: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Te
 
 def _is_integer(v) -> bool:
     """Python and NumPy integers (``numbers.Integral``), not bools."""
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool) and type(v).__name__ != "bool_"
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def _check_int64(v: int) -> None:
@@ -280,9 +280,8 @@ def _capture_leaf(module: nn.Module, where: str, store: list):
 def _inference_state(model: nn.Module):
     """eval() mode and parameters frozen for the pass, restored afterwards.
 
-    Only parameters that required grad are touched, and each flag is restored on its own,
-    so one that cannot be restored never leaves the others (or the modules' ``training``
-    flags) changed."""
+    Only parameters that required grad are touched, and the ``training`` flags are
+    restored first."""
     training = [(m, m.training) for m in model.modules()]
     frozen = []
     try:
@@ -295,12 +294,8 @@ def _inference_state(model: nn.Module):
     finally:
         for m, t in training:
             m.training = t
-        for p in frozen:
-            if p.is_inference():
-                with torch.inference_mode():
-                    p.requires_grad_(True)
-            else:
-                p.requires_grad_(True)
+        for p in frozen:  # never inference tensors: _check_parameters_usable refused those
+            p.requires_grad_(True)
 
 
 def _no_inference_tensors(kwargs: dict) -> dict:

@@ -11,7 +11,6 @@ import sys
 import pytest
 import torch
 
-import pyattr
 from conftest import run_cli
 from pyattr.bench import contention, e2e, micro, report
 

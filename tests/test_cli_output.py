@@ -5,7 +5,6 @@ import io
 import json
 import os
 import re
-import sys
 
 import pytest
 

@@ -147,8 +147,6 @@ def test_integer_like_target_forms_equal_int(llama, form):
     ],
 )
 def test_bad_target_forms(llama, target, exc, msg):
-    import numpy as np  # noqa: F401
-
     with pytest.raises(exc, match=msg):
         pyattr.relevance(llama, torch.randint(0, VOCAB, (2, 6)), target=target)
 
