@@ -6,6 +6,10 @@ See ``DESIGN.md`` for the rule math. Public API::
     pyattr.ops.layer_norm / rms_norm / activation / gated_activation
     pyattr.use_relevance_rules(model, pyattr.RelevanceRules(...))
     pyattr.relevance(model, inputs, target=...)
+    pyattr.layer_relevance(model, inputs, layers, target=...)
+    pyattr.integrated_gradients(model, inputs, target=..., baseline="zeros")
+    with pyattr.capture(model, paths) as cap: ...
+    pyattr.targets.Logit / LogitDiff / ModuleOutput
     pyattr.available_backends(), pyattr.backend("torch")
 
 The names below load on first use (PEP 562), so that ``import pyattr`` and the command
@@ -23,6 +27,13 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "relevance": "pyattr.attribution",
     "RelevanceResult": "pyattr.attribution",
+    "layer_relevance": "pyattr.layer_attribution",
+    "LayerRelevance": "pyattr.layer_attribution",
+    "LayerRelevanceResult": "pyattr.layer_attribution",
+    "integrated_gradients": "pyattr.integrated",
+    "AttributionResult": "pyattr.integrated",
+    "capture": "pyattr.gradient_capture",
+    "Captured": "pyattr.gradient_capture",
     "available_backends": "pyattr.backends",
     "backend": "pyattr.backends",
     "BackendUnavailableError": "pyattr.backends",
@@ -32,7 +43,7 @@ _EXPORTS = {
     "RelevanceRuleConflictError": "pyattr.integration",
     "RelevanceRuleUnsupportedError": "pyattr.integration",
 }
-_SUBMODULES = ("ops", "rules")
+_SUBMODULES = ("ops", "rules", "targets")
 
 __all__ = [*_SUBMODULES, *_EXPORTS]
 
@@ -52,8 +63,11 @@ def __dir__():
 
 
 if TYPE_CHECKING:  # what static tools see
-    from pyattr import ops, rules
+    from pyattr import ops, rules, targets
     from pyattr.attribution import RelevanceResult, relevance
+    from pyattr.gradient_capture import Captured, capture
+    from pyattr.integrated import AttributionResult, integrated_gradients
+    from pyattr.layer_attribution import LayerRelevance, LayerRelevanceResult, layer_relevance
     from pyattr.backends import BackendUnavailableError, available_backends, backend
     from pyattr.integration import (
         RelevanceRuleConflictError,

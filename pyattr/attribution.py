@@ -4,38 +4,40 @@ propagation, and ``input · grad`` at the embeddings is each input's relevance."
 
 from __future__ import annotations
 
-import contextlib
-import inspect
-import numbers
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Sequence, Union
+from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
+from pyattr import _forward as F
 from pyattr import backends
-from pyattr.integration import architectures as A
+from pyattr import targets as T
 from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
-from pyattr.integration.errors import RelevanceRuleConflictError
-from pyattr.integration.scope import model_type_of, use_relevance_rules
 
-Target = Union[None, int, Sequence[int], torch.Tensor, Callable]
+Target = Union[None, int, Sequence[int], torch.Tensor, Callable, T.Target, Sequence[T.Target]]
 
 
 @dataclass
 class RelevanceResult:
     """Output of :func:`relevance`.
 
+    With k targets per row (``target`` a ``LongTensor[batch, k]`` or a list of k target
+    objects) every tensor field gains a leading ``k`` dimension.
+
     Attributes:
         token_relevance (Tensor[batch, seq], float32): relevance per token (sum over hidden).
-        relevance (Tensor[batch, seq, hidden], float32): relevance per embedding dimension.
-        target (Tensor[batch] or Tensor[], float64): the explained value(s).
-        conservation_delta (Tensor, like ``target``, float64): ``target − Σ relevance``
-            (per row for per-row targets). Near 0 for bias-free models with all rules on;
-            otherwise the relevance absorbed by biases and rules left off.
+        relevance (Tensor[batch, seq, hidden], float32): relevance per embedding dimension,
+            ``x · g``, or ``(x − x₀) · g`` with a baseline.
+        target (Tensor[batch] or Tensor[], float64): the explained value(s) f(x).
+        conservation_delta (Tensor, like ``target``, float64): ``w·target − Σ relevance``
+            per row, ``w`` the ``grad_outputs`` (1 by default); with a baseline,
+            ``w·(f(x) − f(x₀)) − Σ relevance``. Near 0 for bias-free models with all rules
+            on; otherwise the relevance absorbed by biases and rules left off.
         target_ids (Tensor[batch] or None): the token ids explained, for logit targets.
         coverage (RelevanceRuleCoverage): what the rule scope installed and skipped.
         backend (str): the backend that ran the rule backwards.
+        baseline_target (Tensor like ``target``, float64, or None): f(x₀) with a baseline.
     """
 
     token_relevance: torch.Tensor
@@ -45,274 +47,159 @@ class RelevanceResult:
     target_ids: Optional[torch.Tensor]
     coverage: RelevanceRuleCoverage
     backend: str
+    baseline_target: Optional[torch.Tensor] = None
 
 
-def _normalise_inputs(inputs, attention_mask):
-    if isinstance(inputs, torch.Tensor):
-        kwargs = {"input_ids": inputs}
-    elif isinstance(inputs, Mapping):
-        if "input_ids" not in inputs:
-            raise ValueError("inputs: a mapping must contain 'input_ids'")
-        kwargs = dict(inputs)
-    else:
-        raise TypeError(f"inputs must be a LongTensor of token ids or a mapping, got {type(inputs).__name__}")
-    ids = kwargs["input_ids"]
-    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
-        raise TypeError("inputs: input_ids must be an integer tensor of shape (batch, seq)")
-    if ids.dim() == 1:
-        ids = ids.unsqueeze(0)
-    if ids.dim() != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
-        raise ValueError(
-            f"inputs: input_ids must have shape (batch, seq) with batch > 0 and seq > 0, got {tuple(ids.shape)}"
+# --------------------------------------------------------------------------- shared pieces
+
+
+def check_target_type(target) -> None:
+    if isinstance(target, (bool, str, bytes, float)):
+        raise TypeError(
+            f"target must be None, a token id, a list of ids, a target object or a callable, got {type(target).__name__}"
         )
-    kwargs["input_ids"] = ids
-    # a tokenizer or collator may hand over None for absent inputs
-    for key in [k for k, v in kwargs.items() if v is None]:
-        del kwargs[key]
-    if attention_mask is not None:
-        kwargs["attention_mask"] = attention_mask
-    mask = kwargs.get("attention_mask")
-    if mask is not None:
-        if not isinstance(mask, torch.Tensor):
-            raise TypeError(f"attention_mask must be a tensor of shape (batch, seq), got {type(mask).__name__}")
-        if mask.dim() == 1:
-            mask = mask.unsqueeze(0)
-        if mask.shape != ids.shape:
-            raise ValueError(f"attention_mask of shape {tuple(mask.shape)} must match input_ids {tuple(ids.shape)}")
-        if not bool(((mask == 0) | (mask == 1)).all()):
-            raise ValueError("attention_mask must hold only 0 (padding) and 1 (real token), or booleans")
-        if bool((mask.sum(1) == 0).any()):
-            raise ValueError("attention_mask has a row with no real token (all zeros)")
-        kwargs["attention_mask"] = mask
-    return kwargs
 
 
-def _accepts(model: nn.Module, name: str) -> bool:
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+def evaluate_targets(targets: List[T.Target], fwd: T._Forward, several: bool):
+    """``(values, ids)``: values ``Tensor[batch]`` / ``Tensor[]`` (``(k, batch)`` when
+    ``several``), ids like that or None."""
+    vals, ids = zip(*(t.value(fwd) for t in targets))
+    if not several:
+        return vals[0], ids[0]
+    batch = fwd.input_ids.shape[0]
+    for v in vals:
+        if v.dim() != 1 or v.shape[0] != batch:
+            raise ValueError(f"target: each of k targets must give one value per batch row ({batch},), got shape {tuple(v.shape)}")
+    tid = torch.stack(ids) if all(i is not None for i in ids) else None
+    return torch.stack(vals), tid
 
 
-def _has_sliding_window(model: nn.Module) -> bool:
+def fixed_targets(targets: List[T.Target], ids) -> List[T.Target]:
+    if ids is None:
+        return targets
+    if len(targets) == 1 and ids.dim() == 1:
+        return [targets[0].fixed(ids)]
+    return [t.fixed(i) for t, i in zip(targets, ids)]
+
+
+def check_grad_outputs(grad_outputs, value: torch.Tensor) -> torch.Tensor:
+    """The initial gradient (tdhook's ``init_attr_grads``), shaped like the target."""
+    if grad_outputs is None:
+        return torch.ones_like(value)
+    if not isinstance(grad_outputs, torch.Tensor):
+        grad_outputs = torch.as_tensor(grad_outputs)
+    if not (grad_outputs.is_floating_point()):
+        raise TypeError(f"grad_outputs must be a floating tensor, got dtype {grad_outputs.dtype}")
+    if grad_outputs.shape != value.shape:
+        raise ValueError(
+            f"grad_outputs of shape {tuple(grad_outputs.shape)} must match the target's shape {tuple(value.shape)}"
+        )
+    return grad_outputs.to(device=value.device, dtype=value.dtype)
+
+
+def backward(value: torch.Tensor, wrt: List[torch.Tensor], go: torch.Tensor, several: bool, retain: bool = False):
+    """Gradients of ``value`` (weighted by ``go``) with respect to ``wrt``; k targets run
+    as one batched backward (``is_grads_batched``)."""
+    if not value.requires_grad:
+        raise ValueError(
+            "target: the explained value does not depend on the inputs through differentiable "
+            "operations (detached, .item(), argmax, or a module computed before the input embeddings), "
+            "so every relevance would be 0"
+        )
+    if several:
+        k = value.shape[0]
+        eye = torch.eye(k, dtype=value.dtype, device=value.device)
+        g = eye.view(k, k, *([1] * (value.dim() - 1))) * go.unsqueeze(0)  # (k, k, batch)
+        grads = torch.autograd.grad(value, wrt, g, is_grads_batched=True, allow_unused=True, retain_graph=retain)
+    else:
+        grads = torch.autograd.grad(value, wrt, go, allow_unused=True, retain_graph=retain)
+    if grads[0] is None:
+        raise ValueError(
+            "target: the explained value does not depend on the inputs (its gradient at the input "
+            "embeddings is empty); choose a target computed after the embeddings"
+        )
+    return grads
+
+
+def pad_token_id(model: nn.Module) -> int:
     cfg = getattr(model, "config", None)
-    if cfg is None:
-        return False
-    if "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
-        return True
-    return bool(getattr(cfg, "sliding_window", None)) and getattr(cfg, "use_sliding_window", True) is not False
-
-
-def _padding_positions(model: nn.Module, kwargs: dict) -> dict:
-    """Position ids that make a padded row equal to the same row alone.
-
-    Hugging Face models build positions with ``arange(seq)`` whatever the mask, so a row
-    left-padded by ``p`` tokens would see its tokens at positions ``p, p+1, …``: a different
-    input for absolute position embeddings (GPT-2, BERT) and for sliding windows. As
-    ``generate`` does, the real tokens get ``0, 1, …`` counted along the mask; pad
-    positions get 0 (they are masked out and never attended to). Right-padded and
-    unpadded rows get the same ids as ``arange``. Ids the caller passes are kept.
-    """
-    mask = kwargs.get("attention_mask")
-    if mask is None:
-        return kwargs
-    m = mask.to(torch.long)
-    # padding between real tokens: a sliding window counts raw positions, so a gap would
-    # change which tokens a query sees
-    first = m.argmax(1)
-    last = m.shape[1] - 1 - m.flip(1).argmax(1)
-    gaps = (m.sum(1) != last - first + 1)
-    if bool(gaps.any()) and _has_sliding_window(model):
-        row = int(gaps.nonzero()[0, 0])
+    pad = getattr(cfg, "pad_token_id", None)
+    if isinstance(pad, (list, tuple)):
+        pad = pad[0] if pad else None
+    if pad is None:
         raise ValueError(
-            f"attention_mask row {row} has padding between real tokens; {type(model).__name__} uses "
-            "sliding-window attention over raw positions, so that row would not equal the row alone. "
-            "Pad on the left or on the right only."
+            f"baseline='pad' needs a pad token id, and {type(model).__name__}.config.pad_token_id is None; "
+            "set model.config.pad_token_id, or pass baseline='zeros' or a tensor"
         )
-    if "position_ids" in kwargs:
-        return kwargs
-    pos = (m.cumsum(-1) - 1).clamp_min(0) * m
-    if torch.equal(pos, torch.arange(m.shape[1], device=m.device).expand_as(m) * m):
-        return kwargs  # no row has padding before a real token: arange is already right
-    if not _accepts(model, "position_ids"):
+    return int(pad)
+
+
+def check_baseline(baseline, x: torch.Tensor) -> Union[None, str, torch.Tensor]:
+    """``None``, ``"zeros"``, ``"pad"``, or a float tensor broadcast to ``x``'s shape
+    (batch, seq, hidden); accepted shapes: ``x``'s, ``(1, seq, hidden)``, ``(seq, hidden)``."""
+    if baseline is None or (isinstance(baseline, str) and baseline in ("zeros", "pad")):
+        return baseline
+    if isinstance(baseline, str):
+        raise ValueError(f"baseline must be 'zeros', 'pad' or a tensor, got {baseline!r}")
+    if not isinstance(baseline, torch.Tensor):
+        raise TypeError(f"baseline must be 'zeros', 'pad' or a tensor, got {type(baseline).__name__}")
+    if not baseline.is_floating_point():
+        raise TypeError(f"baseline must be a floating tensor, got dtype {baseline.dtype}")
+    ok = (tuple(x.shape), (1, *x.shape[1:]), tuple(x.shape[1:]))
+    if tuple(baseline.shape) not in ok:
         raise ValueError(
-            f"attention_mask pads some rows on the left, but {type(model).__name__}.forward takes no "
-            "position_ids, so those rows would see shifted positions and a different result than "
-            "alone; pad on the right, or pass inputs the model can position itself"
+            f"baseline of shape {tuple(baseline.shape)} does not match the input embeddings: expected "
+            f"{tuple(x.shape)} (batch, seq, hidden), {(1, *x.shape[1:])} or {tuple(x.shape[1:])}"
         )
-    return {**kwargs, "position_ids": pos}
+    if not torch.isfinite(baseline).all():
+        raise ValueError("baseline holds NaN or inf")
+    return baseline.detach().to(device=x.device, dtype=x.dtype).expand(x.shape)
 
 
-def _last_positions(ids: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-    if mask is None:
-        return torch.full((ids.shape[0],), ids.shape[1] - 1, dtype=torch.long, device=ids.device)
-    flipped = torch.flip(mask.to(torch.long), dims=[1])
-    return ids.shape[1] - 1 - flipped.argmax(dim=1)
+def baseline_forward(model, prep: F.Prepared, baseline, x: torch.Tensor, targets, extra_pairs=()):
+    """One forward at the baseline input (no gradient): ``(x₀, f(x₀), extra activations)``.
 
-
-def _is_integer(v) -> bool:
-    """Python and NumPy integers (``numbers.Integral``), not bools."""
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
-def _check_int64(v: int) -> None:
-    if not -(2**63) <= v < 2**63:
-        raise ValueError(f"target: token id {v} is out of range for a token id")
-
-
-def _target_ids(target, batch: int) -> torch.Tensor:
-    """Token-id targets in any integer form → LongTensor[batch].
-
-    Accepted: an int or NumPy integer, a 0-d integer tensor or array (one id for every
-    row); a list / tuple, 1-d integer tensor or array with one id per row; a ``(batch, 1)``
-    tensor, array or nested list. A single id given as a length-1 sequence is used for
-    every row only when ``batch == 1``.
-    """
-    if _is_integer(target):
-        _check_int64(int(target))
-        return torch.full((batch,), int(target), dtype=torch.long)
-    if isinstance(target, torch.Tensor):
-        t = target.detach()
-        if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
-            raise TypeError(f"target: token ids must be an integer tensor, got dtype {t.dtype}")
-        t = t.to("cpu", torch.long)
-    elif type(target).__module__ == "numpy" and hasattr(target, "dtype") and hasattr(target, "shape"):
-        if target.dtype.kind not in "iu":
-            raise TypeError(f"target: token ids must be an integer array, got dtype {target.dtype}")
-        for v in (target.min(initial=0), target.max(initial=0)):
-            _check_int64(int(v))
-        t = torch.as_tensor(target.astype("int64"))
-    elif isinstance(target, (list, tuple)):
-        flat = [v[0] if isinstance(v, (list, tuple)) and len(v) == 1 else v for v in target]
-        bad = [v for v in flat if not _is_integer(v) and not (isinstance(v, torch.Tensor) and v.numel() == 1)]
-        if bad or any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.dtype == torch.bool) for v in flat):
-            raise TypeError(f"target: token ids must be integers, got {target!r}")
-        for v in flat:
-            _check_int64(int(v))
-        t = torch.tensor([int(v) for v in flat], dtype=torch.long)
+    ``"pad"`` runs the pad token at every real position (same mask and positions), so
+    every module, those before the entry included, sees the baseline input;
+    ``"zeros"`` and tensors replace the embeddings where they enter the first block."""
+    kwargs = dict(prep.kwargs)
+    seen = {}
+    if isinstance(baseline, str) and baseline == "pad":
+        kwargs["input_ids"] = torch.full_like(prep.input_ids, pad_token_id(model))
+        replace = None
     else:
-        raise TypeError(f"target: token ids must be integers, got {type(target).__name__}")
-    if t.dim() == 0:
-        return t.expand(batch).clone()
-    if t.dim() == 2 and t.shape[1] == 1:
-        t = t[:, 0]
-    if t.dim() != 1 or t.shape[0] != batch:
-        raise ValueError(
-            f"target: expected one token id per batch row, shape ({batch},) or ({batch}, 1), "
-            f"got shape {tuple(t.shape)}"
-        )
-    return t
+        replace = torch.zeros_like(x) if isinstance(baseline, str) else baseline
 
+    def entry_fn(t):
+        seen["x0"] = t.detach() if replace is None else replace
+        return None if replace is None else replace
 
-def _logit_target(output, ids, mask, target):
-    logits = getattr(output, "logits", None)
-    if logits is None and isinstance(output, torch.Tensor):
-        logits = output
-    if logits is None or logits.dim() != 3:
-        raise ValueError(
-            "target: a token id needs a model that returns next-token logits of shape (batch, seq, vocab); "
-            "for other outputs pass a callable target"
-        )
-    batch, vocab = ids.shape[0], logits.shape[-1]
-    pos = _last_positions(ids, mask)
-    rows = torch.arange(batch, device=logits.device)
-    last = logits[rows, pos]  # (batch, vocab)
-    if target is None:
-        tid = last.detach().argmax(-1)
-    else:
-        tid = _target_ids(target, batch).to(logits.device)
-        if bool(((tid < 0) | (tid >= vocab)).any()):
-            raise ValueError(f"target: token ids must be in [0, {vocab}), got {tid.tolist()}")
-    return last.gather(1, tid[:, None]).squeeze(1), tid
+    acts: List[Optional[torch.Tensor]] = [None] * len(extra_pairs)
 
-
-def _entry_module(model: nn.Module):
-    mt = model_type_of(model)
-    if mt in A.ARCHITECTURES:
-        path, _ = A.ARCHITECTURES[mt].entry
-        mod = A.get_submodule(model, A.join(A.base_prefix(model), path))
-        if mod is not None:
-            return mod, "input"
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if emb is None:
-        raise ValueError("cannot find where the input embeddings enter the model")
-    return emb, "output"
-
-
-@contextlib.contextmanager
-def _capture_leaf(module: nn.Module, where: str, store: list):
-    """Make the residual stream entering the model a leaf that requires grad."""
-
-    def leaf(x):
-        y = x.detach().requires_grad_(True)
-        store.append(y)
-        return y
-
-    if where == "input":
-
-        def pre(mod, args, kwargs):
-            if store:
-                return None
-            if args:
-                return (leaf(args[0]),) + tuple(args[1:]), kwargs
-            for key in ("hidden_states", "input", "x"):
-                if key in kwargs:
-                    kwargs = dict(kwargs)
-                    kwargs[key] = leaf(kwargs[key])
-                    return args, kwargs
+    def fn_for(i):
+        def fn(t):
+            acts[i] = t.detach().clone()
             return None
 
-        h = module.register_forward_pre_hook(pre, with_kwargs=True)
-    else:
+        return fn
 
-        def post(mod, args, out):
-            return None if store else leaf(out)
-
-        h = module.register_forward_hook(post)
-    try:
-        yield
-    finally:
-        h.remove()
-
-
-@contextlib.contextmanager
-def _inference_state(model: nn.Module):
-    """eval() mode and parameters frozen for the pass, restored afterwards.
-
-    Only parameters that required grad are touched, and the ``training`` flags are
-    restored first."""
-    training = [(m, m.training) for m in model.modules()]
-    frozen = []
-    try:
-        model.eval()
-        for p in model.parameters():
-            if p.requires_grad:
-                p.requires_grad_(False)
-                frozen.append(p)
-        yield
-    finally:
-        for m, t in training:
-            m.training = t
-        for p in frozen:  # never inference tensors: _check_parameters_usable refused those
-            p.requires_grad_(True)
+    store: dict = {}
+    with torch.no_grad(), F.tap(prep.entry, prep.where, entry_fn, once=True), F.taps(extra_pairs, fn_for), \
+            F.record_modules(model, T.module_paths(targets), store):
+        out = model(**kwargs)
+        fwd = T._Forward(out, prep.input_ids, prep.attention_mask, store)
+        several = len(targets) > 1
+        value, _ = evaluate_targets(targets, fwd, several)
+    if "x0" not in seen:
+        raise RuntimeError("the embedding entry point was not reached during the baseline forward pass")
+    return seen["x0"], value.detach().double(), acts
 
 
-def _no_inference_tensors(kwargs: dict) -> dict:
-    """Inputs created under ``torch.inference_mode()`` cannot enter an autograd graph;
-    copies of them can (integer ids and masks are small)."""
-    return {k: (v.clone() if isinstance(v, torch.Tensor) and v.is_inference() else v) for k, v in kwargs.items()}
+def leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().requires_grad_(True)
 
 
-def _check_parameters_usable(model: nn.Module) -> None:
-    for name, p in model.named_parameters():
-        if p.is_inference():
-            raise RuntimeError(
-                f"relevance(): parameter {name!r} is an inference tensor (the model was created or "
-                "loaded under torch.inference_mode()), and autograd cannot differentiate through it. "
-                "Load the model outside inference_mode, or replace its parameters with clones made "
-                "outside it."
-            )
+# --------------------------------------------------------------------------- relevance
 
 
 def relevance(
@@ -321,6 +208,8 @@ def relevance(
     target: Target = None,
     rules: Optional[RelevanceRules] = None,
     *,
+    baseline=None,
+    grad_outputs=None,
     attention_mask: Optional[torch.Tensor] = None,
     generic: bool = False,
 ) -> RelevanceResult:
@@ -334,12 +223,23 @@ def relevance(
         model (nn.Module): a supported Hugging Face model (see :func:`use_relevance_rules`).
         inputs (LongTensor[batch, seq] | Mapping): token ids, or a tokenizer output
             (``input_ids``, optional ``attention_mask`` and other model kwargs).
-        target: ``None`` (the top-1 next-token logit at each row's last real position),
-            a token id (``int``, NumPy integer, 0-d tensor), one token id per row (list,
-            1-d or ``(batch, 1)`` integer tensor or array), or a callable ``f(output) -> Tensor[]`` or
-            ``Tensor[batch]`` for any other differentiable target. Default: None.
+        target: what to explain (:mod:`pyattr.targets`): ``None`` (the top-1 next-token
+            logit at each row's last real position), a token id (``int``, NumPy integer,
+            0-d tensor), one token id per row (list, 1-d or ``(batch, 1)`` integer tensor
+            or array), ``Logit`` / ``LogitDiff`` / ``ModuleOutput``, or a callable
+            ``f(output) -> Tensor[]`` or ``Tensor[batch]``. k targets per row: a
+            ``LongTensor[batch, k]`` or a list of k target objects, explained with one
+            forward and one batched backward (``is_grads_batched``); every result field
+            gains a leading ``k`` dimension. Default: None.
         rules (RelevanceRules, optional): Default: ``RelevanceRules.all()``, the four rules
-            with AH-rule attention (``RelevanceRules()`` is every rule off).
+            with AH-rule attention (``RelevanceRules()`` is every rule off: plain gradients).
+        baseline: ``None``, ``"zeros"``, ``"pad"`` (the pad token's embedding at every
+            position; needs ``model.config.pad_token_id``) or a tensor shaped like the
+            embeddings (batch, seq, hidden) or (seq, hidden). Relevance becomes
+            ``(x − x₀) · g`` and the delta is taken against ``f(x) − f(x₀)`` (one more
+            forward, without gradient).
+        grad_outputs (Tensor, optional): the initial gradient, shaped like the target
+            ((batch,), or (k, batch)); default ones (tdhook's ``init_attr_grads``).
         attention_mask (Tensor[batch, seq], optional): 1 for real tokens.
         generic (bool): class-based rule installation for unknown architectures.
 
@@ -349,80 +249,52 @@ def relevance(
 
     The model runs in eval mode with its parameters' ``requires_grad`` off during the
     pass; both are restored afterwards, also when the call fails. The pass enables
-    autograd for itself, so a call under ``torch.no_grad()`` or ``torch.inference_mode()``
-    returns the same result. Padded rows (``attention_mask``) equal the same row alone:
-    position ids are counted along the mask (see :func:`_padding_positions`).
+    autograd for itself, so a call under ``torch.no_grad()`` returns the same result.
+    Padded rows (``attention_mask``) equal the same row alone: position ids are counted
+    along the mask (see :func:`pyattr._forward.padding_positions`).
 
     Raises:
-        TypeError / ValueError: malformed inputs or target (the message names which); a
+        TypeError / ValueError: malformed inputs, target, baseline or grad_outputs (the
+            message names which); a target that does not depend on the inputs; a
             left-padded batch on a model whose forward takes no ``position_ids``.
-        RuntimeError: the model's parameters are inference tensors.
+        RuntimeError: a call under ``torch.inference_mode()``; the model's parameters are
+            inference tensors.
         RelevanceRuleUnsupportedError, RelevanceRuleConflictError: see :func:`use_relevance_rules`.
     """
-    kwargs = _normalise_inputs(inputs, attention_mask)
-    ids, mask = kwargs["input_ids"], kwargs.get("attention_mask")
-    if isinstance(target, (bool, str, bytes, float)) or (
-        target is not None
-        and not callable(target)
-        and not _is_integer(target)
-        and not isinstance(target, (Sequence, torch.Tensor))
-        and type(target).__module__ != "numpy"
-    ):
-        raise TypeError(
-            f"target must be None, a token id, a list of ids or a callable, got {type(target).__name__}"
-        )
-    entry, where = _entry_module(model)
-    _check_parameters_usable(model)
-    kwargs = _padding_positions(model, _no_inference_tensors(kwargs))
-    store: list = []
-    rules = RelevanceRules.all() if rules is None else rules
-    # The pass needs autograd whatever the caller's grad mode: a call under torch.no_grad()
-    # or torch.inference_mode() gives the same result as outside (as Captum does).
-    with torch.inference_mode(False), torch.enable_grad(), _inference_state(model), use_relevance_rules(
-        model, rules, generic=generic
-    ) as cov:
-        if cov.inherited:
-            raise RelevanceRuleConflictError(
-                f"relevance(rules={rules}) runs inside a use_relevance_rules scope that keeps other "
-                f"rules on ({', '.join(sorted(cov.inherited))[:200]}); the result would not reflect "
-                "`rules`. Call relevance() outside that scope, or with the same rules."
-            )
-        with _capture_leaf(entry, where, store):
-            output = model(**kwargs)
-        if not store:
+    check_target_type(target)
+    prep = F.prepare(model, inputs, attention_mask, "relevance")
+    tgts, several = T.normalize(target, prep.input_ids.shape[0])
+    rules = F.rule_defaults(rules)
+    store: dict = {}
+    with F.attribution_pass(model, rules, generic, "relevance") as cov:
+        xs: List[torch.Tensor] = []
+
+        def entry_fn(t):
+            xs.append(leaf(t))
+            return xs[-1]
+
+        with F.tap(prep.entry, prep.where, entry_fn, once=True), F.record_modules(model, T.module_paths(tgts), store):
+            output = model(**prep.kwargs)
+        if not xs:
             raise RuntimeError("the embedding entry point was not reached during the forward pass")
-        x = store[0]
-        if callable(target):
-            t = target(output)
-            if not isinstance(t, torch.Tensor) or t.dim() > 1 or (t.dim() == 1 and t.shape[0] != ids.shape[0]):
-                raise ValueError("target: the callable must return a scalar tensor or one value per batch row")
-            if not t.is_floating_point():
-                raise TypeError(
-                    f"target: the callable returned a {t.dtype} tensor; it must return a floating value "
-                    "computed from the output (e.g. out.logits[:, -1, token_id]), not ids or a comparison"
-                )
-            if not t.requires_grad:
-                raise ValueError(
-                    "target: the callable's value does not depend on the model output through "
-                    "differentiable operations (detached, .item(), argmax, …), so every relevance would be 0"
-                )
-            tid = None
-        else:
-            t, tid = _logit_target(output, ids, mask, target)
-        if t.requires_grad:
-            (grad,) = torch.autograd.grad(t.sum(), x, allow_unused=True)
-        else:
-            grad = None
-        if grad is None:
-            grad = torch.zeros_like(x)
+        x = xs[0]
+        value, tid = evaluate_targets(tgts, T._Forward(output, prep.input_ids, prep.attention_mask, store), several)
+        go = check_grad_outputs(grad_outputs, value)
+        base = check_baseline(baseline, x)
+        (grad,) = backward(value, [x], go, several)
         backend_name = backends.select(x.device, "identity")
-    rel = x.detach().float() * grad.float()
+        del output, store
+        if base is not None:
+            x0, f0, _ = baseline_forward(model, prep, base, x, fixed_targets(tgts, tid))
+    xd = x.detach()
+    diff = xd if base is None else xd - x0
+    rel = diff.float() * grad.float()
     tok = rel.sum(-1)
-    t64 = t.detach().double()
-    if t64.dim() == 0:
-        delta = t64 - rel.double().sum()
-    else:
-        delta = t64 - rel.double().sum(dim=(1, 2))
+    t64 = value.detach().double()
+    w = go.detach().double()
+    explained = t64 if base is None else t64 - f0
+    sums = rel.double().sum(dim=(-2, -1)) if t64.dim() >= 1 else rel.double().sum()
+    delta = w * explained - sums
     return RelevanceResult(
         token_relevance=tok,
         relevance=rel,
@@ -431,4 +303,5 @@ def relevance(
         target_ids=tid,
         coverage=cov,
         backend=backend_name,
+        baseline_target=None if base is None else f0,
     )

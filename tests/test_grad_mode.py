@@ -42,14 +42,17 @@ def test_no_grad_callable_target(llama):
     _same(r, ref)
 
 
-def test_inference_mode_gives_the_same_result(llama):
+def test_inference_mode_is_refused_and_inference_inputs_are_not(llama):
+    # issue 9 §6: a call under torch.inference_mode() is one clear error; ids created
+    # there and used outside it still work (they are copied)
     ids = torch.randint(0, VOCAB, (2, 7))
     ref = pyattr.relevance(llama, ids)
     with torch.inference_mode():
         inf_ids = ids.clone()  # an inference tensor
-        r = pyattr.relevance(llama, inf_ids)
+        with pytest.raises(RuntimeError, match=r"relevance\(\) cannot run under torch.inference_mode\(\)"):
+            pyattr.relevance(llama, inf_ids)
         assert torch.is_inference_mode_enabled()
-    _same(r, ref)
+    _same(pyattr.relevance(llama, inf_ids), ref)
 
 
 def test_state_restored_when_the_call_fails_on_inference_weights():

@@ -138,7 +138,7 @@ def test_integer_like_target_forms_equal_int(llama, form):
     [
         (torch.tensor(5.0), TypeError, r"token ids must be an integer tensor, got dtype torch.float32"),
         (torch.tensor([True, False]), TypeError, r"token ids must be an integer tensor, got dtype torch.bool"),
-        (torch.tensor([[5, 6], [7, 8]]), ValueError, r"one token id per batch row, shape \(2,\) or \(2, 1\), got shape \(2, 2\)"),
+        (torch.tensor([[5, 6], [7, 8], [1, 2]]), ValueError, r"one token id per batch row, shape \(2,\) or \(2, 1\), got shape \(3,\)"),
         (torch.tensor([5, 6, 7]), ValueError, r"got shape \(3,\)"),
         ([5.0, 6.0], TypeError, r"token ids must be integers"),
         ([True, False], TypeError, r"token ids must be integers"),

@@ -1,0 +1,349 @@
+"""The attribution pass every method shares: input checks, padding positions, the model
+state for the pass, where the input embeddings enter, and hooks that read or replace a
+module's tensors during the forward."""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import inspect
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence
+
+import torch
+from torch import nn
+
+from pyattr.integration import architectures as A
+from pyattr.integration.config import RelevanceRules
+from pyattr.integration.errors import RelevanceRuleConflictError
+from pyattr.integration.scope import model_type_of, use_relevance_rules
+
+
+def normalise_inputs(inputs, attention_mask) -> dict:
+    """Token ids or a tokenizer output (+ ``attention_mask``) → the model's kwargs."""
+    if isinstance(inputs, torch.Tensor):
+        kwargs = {"input_ids": inputs}
+    elif isinstance(inputs, Mapping):
+        if "input_ids" not in inputs:
+            raise ValueError("inputs: a mapping must contain 'input_ids'")
+        kwargs = dict(inputs)
+    else:
+        raise TypeError(f"inputs must be a LongTensor of token ids or a mapping, got {type(inputs).__name__}")
+    ids = kwargs["input_ids"]
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError("inputs: input_ids must be an integer tensor of shape (batch, seq)")
+    if ids.dim() == 1:
+        ids = ids.unsqueeze(0)
+    if ids.dim() != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
+        raise ValueError(
+            f"inputs: input_ids must have shape (batch, seq) with batch > 0 and seq > 0, got {tuple(ids.shape)}"
+        )
+    kwargs["input_ids"] = ids
+    # a tokenizer or collator may hand over None for absent inputs
+    for key in [k for k, v in kwargs.items() if v is None]:
+        del kwargs[key]
+    if attention_mask is not None:
+        kwargs["attention_mask"] = attention_mask
+    mask = kwargs.get("attention_mask")
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"attention_mask must be a tensor of shape (batch, seq), got {type(mask).__name__}")
+        if mask.dim() == 1:
+            mask = mask.unsqueeze(0)
+        if mask.shape != ids.shape:
+            raise ValueError(f"attention_mask of shape {tuple(mask.shape)} must match input_ids {tuple(ids.shape)}")
+        if not bool(((mask == 0) | (mask == 1)).all()):
+            raise ValueError("attention_mask must hold only 0 (padding) and 1 (real token), or booleans")
+        if bool((mask.sum(1) == 0).any()):
+            raise ValueError("attention_mask has a row with no real token (all zeros)")
+        kwargs["attention_mask"] = mask
+    return kwargs
+
+
+def accepts(model: nn.Module, name: str) -> bool:
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _has_sliding_window(model: nn.Module) -> bool:
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return False
+    if "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
+        return True
+    return bool(getattr(cfg, "sliding_window", None)) and getattr(cfg, "use_sliding_window", True) is not False
+
+
+def padding_positions(model: nn.Module, kwargs: dict) -> dict:
+    """Position ids that make a padded row equal to the same row alone.
+
+    Hugging Face models build positions with ``arange(seq)`` whatever the mask, so a row
+    left-padded by ``p`` tokens would see its tokens at positions ``p, p+1, …``: a different
+    input for absolute position embeddings (GPT-2, BERT) and for sliding windows. As
+    ``generate`` does, the real tokens get ``0, 1, …`` counted along the mask; pad
+    positions get 0 (they are masked out and never attended to). Right-padded and
+    unpadded rows get the same ids as ``arange``. Ids the caller passes are kept.
+    """
+    mask = kwargs.get("attention_mask")
+    if mask is None:
+        return kwargs
+    m = mask.to(torch.long)
+    # padding between real tokens: a sliding window counts raw positions, so a gap would
+    # change which tokens a query sees
+    first = m.argmax(1)
+    last = m.shape[1] - 1 - m.flip(1).argmax(1)
+    gaps = (m.sum(1) != last - first + 1)
+    if bool(gaps.any()) and _has_sliding_window(model):
+        row = int(gaps.nonzero()[0, 0])
+        raise ValueError(
+            f"attention_mask row {row} has padding between real tokens; {type(model).__name__} uses "
+            "sliding-window attention over raw positions, so that row would not equal the row alone. "
+            "Pad on the left or on the right only."
+        )
+    if "position_ids" in kwargs:
+        return kwargs
+    pos = (m.cumsum(-1) - 1).clamp_min(0) * m
+    if torch.equal(pos, torch.arange(m.shape[1], device=m.device).expand_as(m) * m):
+        return kwargs  # no row has padding before a real token: arange is already right
+    if not accepts(model, "position_ids"):
+        raise ValueError(
+            f"attention_mask pads some rows on the left, but {type(model).__name__}.forward takes no "
+            "position_ids, so those rows would see shifted positions and a different result than "
+            "alone; pad on the right, or pass inputs the model can position itself"
+        )
+    return {**kwargs, "position_ids": pos}
+
+
+def check_parameters_usable(model: nn.Module, caller: str) -> None:
+    for name, p in model.named_parameters():
+        if p.is_inference():
+            raise RuntimeError(
+                f"{caller}(): parameter {name!r} is an inference tensor (the model was created or "
+                "loaded under torch.inference_mode()), and autograd cannot differentiate through it. "
+                "Load the model outside inference_mode, or replace its parameters with clones made "
+                "outside it."
+            )
+
+
+def check_grad_mode(caller: str) -> None:
+    """Every method needs autograd. ``torch.no_grad()`` is overridden for the pass (as
+    Captum does); ``torch.inference_mode()`` is refused, because tensors made under it
+    (the caller's inputs, cached weights) can never enter a graph."""
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            f"{caller}() cannot run under torch.inference_mode(): attribution needs autograd, and "
+            "tensors created in inference mode cannot be recorded for backward. Call it outside "
+            "the inference_mode block (torch.no_grad() is fine: the pass enables autograd for itself)."
+        )
+
+
+@dataclass
+class Prepared:
+    """A checked call: the model's kwargs and where the input embeddings enter."""
+
+    kwargs: dict
+    input_ids: torch.Tensor
+    attention_mask: Optional[torch.Tensor]
+    entry: nn.Module
+    where: str  # "input": the module's first tensor argument; "output": its output
+
+
+def prepare(model: nn.Module, inputs, attention_mask, caller: str) -> Prepared:
+    check_grad_mode(caller)
+    kwargs = normalise_inputs(inputs, attention_mask)
+    entry, where = entry_module(model)
+    check_parameters_usable(model, caller)
+    # inputs made under inference_mode elsewhere cannot enter a graph; small copies can
+    kwargs = {k: (v.clone() if isinstance(v, torch.Tensor) and v.is_inference() else v) for k, v in kwargs.items()}
+    kwargs = padding_positions(model, kwargs)
+    return Prepared(kwargs, kwargs["input_ids"], kwargs.get("attention_mask"), entry, where)
+
+
+def entry_module(model: nn.Module):
+    """``(module, "input" | "output")``: where the residual stream enters the first block."""
+    mt = model_type_of(model)
+    if mt in A.ARCHITECTURES:
+        path, _ = A.ARCHITECTURES[mt].entry
+        mod = A.get_submodule(model, A.join(A.base_prefix(model), path))
+        if mod is not None:
+            return mod, "input"
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if emb is None:
+        raise ValueError("cannot find where the input embeddings enter the model")
+    return emb, "output"
+
+
+@contextlib.contextmanager
+def _inference_state(model: nn.Module):
+    """eval() mode and parameters frozen for the pass, restored afterwards.
+
+    Only parameters that required grad are touched, and the ``training`` flags are
+    restored first."""
+    training = [(m, m.training) for m in model.modules()]
+    frozen = []
+    try:
+        model.eval()
+        for p in model.parameters():
+            if p.requires_grad:
+                p.requires_grad_(False)
+                frozen.append(p)
+        yield
+    finally:
+        for m, t in training:
+            m.training = t
+        for p in frozen:  # never inference tensors: check_parameters_usable refused those
+            p.requires_grad_(True)
+
+
+@contextlib.contextmanager
+def attribution_pass(model: nn.Module, rules: RelevanceRules, generic: bool, caller: str):
+    """Autograd on, eval mode, parameters frozen, the rules installed; yields the coverage."""
+    with torch.enable_grad(), _inference_state(model), use_relevance_rules(model, rules, generic=generic) as cov:
+        if cov.inherited:
+            raise RelevanceRuleConflictError(
+                f"{caller}(rules={rules}) runs inside a use_relevance_rules scope that keeps other "
+                f"rules on ({', '.join(sorted(cov.inherited))[:200]}); the result would not reflect "
+                f"`rules`. Call {caller}() outside that scope, or with the same rules."
+            )
+        yield cov
+
+
+def first_tensor(value):
+    """The first tensor of a module's output or argument (tuples, lists, ModelOutput)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            if isinstance(v, torch.Tensor):
+                return v
+    return None
+
+
+def _replace_first(value, new):
+    if isinstance(value, torch.Tensor):
+        return new
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        done, out = False, []
+        for v in value:
+            if not done and isinstance(v, torch.Tensor):
+                out.append(new)
+                done = True
+            else:
+                out.append(v)
+        return tuple(out)
+    if isinstance(value, Mapping) and hasattr(value, "__setitem__"):
+        key = next(k for k, v in value.items() if isinstance(v, torch.Tensor))
+        value[key] = new
+        return value
+    raise TypeError(f"cannot replace the first tensor of a {type(value).__name__}")
+
+
+_ARG_KEYS = ("hidden_states", "input", "x", "inputs_embeds")
+
+
+@contextlib.contextmanager
+def tap(module: nn.Module, where: str, fn: Callable[[torch.Tensor], Optional[torch.Tensor]], once: bool = False):
+    """Call ``fn(t)`` on the first tensor of ``module``'s input (``where="input"``) or
+    output (``"output"``) at each call; a tensor it returns replaces ``t`` downstream.
+    ``once``: only the first call."""
+    state = {"calls": 0}
+
+    def apply(t):
+        if t is None or (once and state["calls"]):
+            return None
+        state["calls"] += 1
+        return fn(t)
+
+    if where == "input":
+
+        def pre(mod, args, kwargs):
+            for i, a in enumerate(args):
+                if isinstance(a, torch.Tensor):
+                    new = apply(a)
+                    return None if new is None else ((*args[:i], new, *args[i + 1:]), kwargs)
+            for key in _ARG_KEYS:
+                if isinstance(kwargs.get(key), torch.Tensor):
+                    new = apply(kwargs[key])
+                    return None if new is None else (args, {**kwargs, key: new})
+            return None
+
+        h = module.register_forward_pre_hook(pre, with_kwargs=True)
+    else:
+
+        def post(mod, args, out):
+            new = apply(first_tensor(out))
+            return None if new is None else _replace_first(out, new)
+
+        h = module.register_forward_hook(post)
+    try:
+        yield state
+    finally:
+        h.remove()
+
+
+@contextlib.contextmanager
+def taps(pairs: Sequence, fn_for) -> Iterator[None]:
+    """Several :func:`tap` hooks at once: ``pairs`` of (module, where), ``fn_for(i)`` the hook body."""
+    with contextlib.ExitStack() as stack:
+        for i, (mod, where) in enumerate(pairs):
+            stack.enter_context(tap(mod, where, fn_for(i)))
+        yield
+
+
+def resolve_module(model: nn.Module, path: str, arg: str) -> nn.Module:
+    """``model.get_submodule(path)``, or a ValueError naming ``arg`` and the nearest paths."""
+    if not isinstance(path, str):
+        raise TypeError(f"{arg}: module paths must be strings, got {type(path).__name__}")
+    names = [n for n, _ in model.named_modules() if n]
+    mod = A.get_submodule(model, path) if path else None
+    if mod is None:
+        near = difflib.get_close_matches(path, names, n=3, cutoff=0.5)
+        hint = f"; nearest: {', '.join(near)}" if near else ""
+        raise ValueError(f"{arg}: {type(model).__name__} has no module {path!r}{hint}")
+    return mod
+
+
+def record_modules(model: nn.Module, paths: Sequence[str], store: Dict[str, torch.Tensor]):
+    """Forward hooks keeping each path's latest output (first tensor, in the graph)."""
+    pairs = [(resolve_module(model, p, "target"), "output") for p in paths]
+
+    def fn_for(i):
+        def fn(t):
+            store[paths[i]] = t
+            return None
+
+        return fn
+
+    return taps(pairs, fn_for)
+
+
+def rule_defaults(rules: Optional[RelevanceRules]) -> RelevanceRules:
+    return RelevanceRules.all() if rules is None else rules
+
+
+def check_count(name: str, value, allow_none: bool = True) -> Optional[int]:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int ≥ 1, got {value!r}")
+    return value
+
+
+def expand_rows(kwargs: dict, batch: int, times: int) -> dict:
+    """Repeat every per-row tensor of the model's kwargs ``times`` times (step-major)."""
+    out = {}
+    for k, v in kwargs.items():
+        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch:
+            out[k] = v.repeat(times, *([1] * (v.dim() - 1)))
+        else:
+            out[k] = v
+    return out
+
+
+def model_paths(model: nn.Module) -> List[str]:
+    return [n for n, _ in model.named_modules() if n]

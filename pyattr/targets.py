@@ -1,0 +1,317 @@
+"""What an attribution explains: one target vocabulary for every method (DESIGN §7).
+
+A target turns a forward pass into the explained value, one per batch row
+(``Tensor[batch]``): tdhook's ``init_attr_targets``, Captum's ``target`` and neuron
+selector. Every method (:func:`pyattr.relevance`, :func:`pyattr.layer_relevance`,
+:func:`pyattr.integrated_gradients`) accepts:
+
+- ``Logit(token_id, position=-1)``: a next-token logit; ``LogitDiff(a, b)``: ``logit[a] − logit[b]``;
+- ``ModuleOutput(path, select=None)``: a module's output (a neuron with ``select``);
+- ``None`` (the top-1 next token at each row's last real position), a token id, one id
+  per row (list / 1-d tensor / ``(batch, 1)``), or any callable ``f(output) → Tensor[batch]``
+  or ``Tensor[]``;
+- k targets per row: a ``LongTensor[batch, k]`` or a list of k target objects.
+
+Positions: ``-1`` is each row's last real token under the attention mask (so padded
+rows explain the same token as the row alone); ``p ≥ 0`` is absolute, in every row.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+__all__ = ["Logit", "LogitDiff", "ModuleOutput", "Target"]
+
+
+@dataclass
+class _Forward:
+    """What a target can read from one forward pass."""
+
+    output: Any                        # the model's return value
+    input_ids: torch.Tensor            # (batch, seq)
+    attention_mask: Optional[torch.Tensor]
+    modules: dict                      # path -> first tensor of the module's (last) output
+
+
+class Target:
+    """Base class of the target objects. Subclasses define :meth:`value`."""
+
+    #: module paths whose outputs the target reads (recorded during the forward)
+    paths: Tuple[str, ...] = ()
+
+    def value(self, fwd: _Forward) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``(Tensor[batch] or Tensor[], token ids Tensor[batch] or None)``."""
+        raise NotImplementedError
+
+    def fixed(self, token_ids: Optional[torch.Tensor]) -> "Target":
+        """The same target with its token ids fixed (for ``None`` = top-1): baselines and
+        integration steps must explain the token chosen at the real input."""
+        return self
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _logits(output) -> torch.Tensor:
+    logits = getattr(output, "logits", None)
+    if logits is None and isinstance(output, torch.Tensor):
+        logits = output
+    if logits is None or logits.dim() != 3:
+        raise ValueError(
+            "target: a token id needs a model that returns next-token logits of shape (batch, seq, vocab); "
+            "for other outputs pass ModuleOutput(...) or a callable target"
+        )
+    return logits
+
+
+def _positions(position: int, fwd: _Forward) -> torch.Tensor:
+    ids, mask = fwd.input_ids, fwd.attention_mask
+    batch, seq = ids.shape
+    if position == -1:
+        if mask is None:
+            return torch.full((batch,), seq - 1, dtype=torch.long, device=ids.device)
+        flipped = torch.flip(mask.to(torch.long), dims=[1])
+        return seq - 1 - flipped.argmax(dim=1)
+    if not 0 <= position < seq:
+        raise ValueError(f"target: position {position} is outside the sequence of length {seq} (use -1 for the last real token)")
+    return torch.full((batch,), position, dtype=torch.long, device=ids.device)
+
+
+def _check_position(position) -> int:
+    if not _is_int(position) or int(position) < -1:
+        raise ValueError(f"target: position must be an int ≥ 0, or -1 for each row's last real token; got {position!r}")
+    return int(position)
+
+
+def token_ids(target, batch: int, name: str = "target") -> torch.Tensor:
+    """Token ids in any integer form → ``LongTensor[batch]`` (on the CPU).
+
+    Accepted: an int or NumPy integer, a 0-d integer tensor or array (one id for every
+    row); a list / tuple, 1-d integer tensor or array with one id per row; a ``(batch, 1)``
+    tensor, array or nested list.
+    """
+    if _is_int(target):
+        if not -(2**63) <= int(target) < 2**63:
+            raise ValueError(f"{name}: token id {int(target)} is out of range for a token id")
+        return torch.full((batch,), int(target), dtype=torch.long)
+    if isinstance(target, torch.Tensor):
+        t = target.detach()
+        if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+            raise TypeError(f"{name}: token ids must be an integer tensor, got dtype {t.dtype}")
+        t = t.to("cpu", torch.long)
+    elif type(target).__module__ == "numpy" and hasattr(target, "dtype") and hasattr(target, "shape"):
+        if target.dtype.kind not in "iu":
+            raise TypeError(f"{name}: token ids must be an integer array, got dtype {target.dtype}")
+        for v in (target.min(initial=0), target.max(initial=0)):
+            if not -(2**63) <= int(v) < 2**63:
+                raise ValueError(f"{name}: token id {int(v)} is out of range for a token id")
+        t = torch.as_tensor(target.astype("int64"))
+    elif isinstance(target, (list, tuple)):
+        flat = [v[0] if isinstance(v, (list, tuple)) and len(v) == 1 else v for v in target]
+        bad = [v for v in flat if not _is_int(v) and not (isinstance(v, torch.Tensor) and v.numel() == 1)]
+        if bad or any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.dtype == torch.bool) for v in flat):
+            raise TypeError(f"{name}: token ids must be integers, got {target!r}")
+        for v in flat:
+            if not -(2**63) <= int(v) < 2**63:
+                raise ValueError(f"{name}: token id {int(v)} is out of range for a token id")
+        t = torch.tensor([int(v) for v in flat], dtype=torch.long)
+    else:
+        raise TypeError(f"{name}: token ids must be integers, got {type(target).__name__}")
+    if t.dim() == 0:
+        return t.expand(batch).clone()
+    if t.dim() == 2 and t.shape[1] == 1:
+        t = t[:, 0]
+    if t.dim() != 1 or t.shape[0] != batch:
+        raise ValueError(
+            f"{name}: expected one token id per batch row, shape ({batch},) or ({batch}, 1), got shape {tuple(t.shape)}"
+        )
+    return t
+
+
+def _gather_logit(logits, pos, tid, name="target"):
+    vocab = logits.shape[-1]
+    tid = tid.to(logits.device)
+    if bool(((tid < 0) | (tid >= vocab)).any()):
+        raise ValueError(f"{name}: token ids must be in [0, {vocab}), got {tid.tolist()}")
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    return logits[rows, pos.to(logits.device), tid]
+
+
+class Logit(Target):
+    """The logit of ``token_id`` at ``position``: ``output.logits[row, position, token_id]``.
+
+    Args:
+        token_id: an int (every row), one id per row (list / 1-d tensor), or ``None`` for
+            the top-1 token at that position (chosen at the real input and kept fixed for
+            baselines and integration steps).
+        position (int): ``-1`` (default) each row's last real token under the attention
+            mask; ``p ≥ 0`` that absolute position in every row.
+    """
+
+    def __init__(self, token_id=None, position: int = -1):
+        self.token_id = token_id
+        self.position = _check_position(position)
+
+    def __repr__(self):
+        return f"Logit({self.token_id!r}, position={self.position})"
+
+    def value(self, fwd):
+        logits = _logits(fwd.output)
+        pos = _positions(self.position, fwd)
+        rows = torch.arange(logits.shape[0], device=logits.device)
+        if self.token_id is None:
+            tid = logits[rows, pos.to(logits.device)].detach().argmax(-1)
+        else:
+            tid = token_ids(self.token_id, logits.shape[0])
+        return _gather_logit(logits, pos, tid), tid.to(logits.device)
+
+    def fixed(self, token_ids):
+        return self if self.token_id is not None or token_ids is None else Logit(token_ids, self.position)
+
+
+class LogitDiff(Target):
+    """``logit[a] − logit[b]`` at ``position`` (the IOI-style logit difference).
+
+    ``a`` and ``b`` are token ids (an int, or one per row); ``position`` as in :class:`Logit`.
+    ``target_ids`` of the result are ``a``.
+    """
+
+    def __init__(self, a, b, position: int = -1):
+        if a is None or b is None:
+            raise ValueError("target: LogitDiff needs two token ids a and b")
+        self.a, self.b = a, b
+        self.position = _check_position(position)
+
+    def __repr__(self):
+        return f"LogitDiff({self.a!r}, {self.b!r}, position={self.position})"
+
+    def value(self, fwd):
+        logits = _logits(fwd.output)
+        pos = _positions(self.position, fwd)
+        ta = token_ids(self.a, logits.shape[0], "target (LogitDiff a)")
+        tb = token_ids(self.b, logits.shape[0], "target (LogitDiff b)")
+        return _gather_logit(logits, pos, ta) - _gather_logit(logits, pos, tb), ta.to(logits.device)
+
+
+Selector = Union[None, int, Tuple[Union[int, slice], ...], Callable]
+
+
+class ModuleOutput(Target):
+    """A module's output, or a neuron of it: tdhook's target modules, Captum's neuron selector.
+
+    Args:
+        path (str): dotted module path (``model.named_modules()``); the first tensor of
+            its output is read (Hugging Face decoder layers return tuples). If the module
+            runs several times in one forward, the last call is explained.
+        select: ``None`` (the whole output), an int ``i`` (``out[:, i]``, Captum's
+            convention: the index after the batch dimension), a tuple of ints and slices
+            (``out[:, *select]``), or a callable ``f(out) → Tensor``. What it selects is
+            summed per row, so the target is ``Tensor[batch]``. A neuron ``j`` of the hidden
+            size at position ``p``: ``select=(p, j)``; at every position: ``(slice(None), j)``.
+    """
+
+    def __init__(self, path: str, select: Selector = None):
+        if not isinstance(path, str) or not path:
+            raise TypeError(f"target: ModuleOutput needs a dotted module path, got {path!r}")
+        if not (select is None or callable(select) or _is_int(select) or (
+            isinstance(select, tuple) and all(_is_int(s) or isinstance(s, slice) for s in select)
+        )):
+            raise TypeError(f"target: ModuleOutput select must be None, an int, a tuple of ints/slices or a callable, got {select!r}")
+        self.path, self.select = path, select
+        self.paths = (path,)
+
+    def __repr__(self):
+        return f"ModuleOutput({self.path!r}, select={self.select!r})"
+
+    def value(self, fwd):
+        out = fwd.modules.get(self.path)
+        if out is None:
+            raise ValueError(f"target: module {self.path!r} did not run during the forward pass")
+        if callable(self.select):
+            sel = self.select(out)
+            if not isinstance(sel, torch.Tensor):
+                raise TypeError(f"target: ModuleOutput select callable must return a tensor, got {type(sel).__name__}")
+        elif self.select is None:
+            sel = out
+        else:
+            idx = (self.select,) if _is_int(self.select) else self.select
+            if len(idx) > out.dim() - 1:
+                raise ValueError(
+                    f"target: select {self.select!r} indexes {len(idx)} dimensions after the batch, but "
+                    f"{self.path!r} outputs shape {tuple(out.shape)}"
+                )
+            try:
+                sel = out[(slice(None), *idx)]
+            except IndexError as e:
+                raise ValueError(f"target: select {self.select!r} is out of range for {self.path!r} output {tuple(out.shape)}: {e}") from None
+        if sel.dim() == 0:
+            return sel, None
+        if sel.shape[0] != fwd.input_ids.shape[0]:
+            raise ValueError(f"target: ModuleOutput({self.path!r}) selection must keep the batch dimension first, got shape {tuple(sel.shape)}")
+        return sel.reshape(sel.shape[0], -1).sum(1), None
+
+
+class _Callable(Target):
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __repr__(self):
+        return f"{getattr(self.fn, '__name__', 'callable')}(output)"
+
+    def value(self, fwd):
+        t = self.fn(fwd.output)
+        batch = fwd.input_ids.shape[0]
+        if not isinstance(t, torch.Tensor) or t.dim() > 1 or (t.dim() == 1 and t.shape[0] != batch):
+            raise ValueError("target: the callable must return a scalar tensor or one value per batch row")
+        if not t.is_floating_point():
+            raise TypeError(
+                f"target: the callable returned a {t.dtype} tensor; it must return a floating value "
+                "computed from the output (e.g. out.logits[:, -1, token_id]), not ids or a comparison"
+            )
+        if torch.is_grad_enabled() and not t.requires_grad:
+            raise ValueError(
+                "target: the callable's value does not depend on the model output through "
+                "differentiable operations (detached, .item(), argmax, …), so every relevance would be 0"
+            )
+        return t, None
+
+
+def normalize(target, batch: int) -> Tuple[List[Target], bool]:
+    """``(targets, several)``: the target objects and whether the call explains k of them
+    (results gain a leading k dimension)."""
+    if isinstance(target, Target):
+        return [target], False
+    if target is None:
+        return [Logit(None)], False
+    if isinstance(target, (bool, str, bytes, float)):
+        raise TypeError(f"target must be None, a token id, a list of ids, a target object or a callable, got {type(target).__name__}")
+    if isinstance(target, (list, tuple)) and target and all(isinstance(t, Target) or (callable(t) and not isinstance(t, torch.Tensor)) for t in target):
+        return [t if isinstance(t, Target) else _Callable(t) for t in target], True
+    if isinstance(target, (list, tuple)) and any(isinstance(t, Target) for t in target):
+        raise TypeError("target: a list of targets must hold only target objects or callables")
+    if callable(target) and not isinstance(target, torch.Tensor):
+        return [_Callable(target)], False
+    if isinstance(target, torch.Tensor) and target.dim() == 2 and target.shape[1] > 1:
+        token_ids(target[:, 0], batch)  # dtype and batch size
+        t = target.detach().to("cpu", torch.long)
+        return [Logit(t[:, j].clone()) for j in range(t.shape[1])], True
+    if isinstance(target, (list, tuple)) and target and all(isinstance(r, (list, tuple)) and len(r) > 1 for r in target):
+        return normalize(torch.tensor(target), batch)
+    if type(target).__module__ == "numpy" and getattr(target, "ndim", 0) == 2 and target.shape[1] > 1:
+        return normalize(torch.as_tensor(target), batch)
+    if not (_is_int(target) or isinstance(target, (Sequence, torch.Tensor)) or type(target).__module__ == "numpy"):
+        raise TypeError(f"target must be None, a token id, a list of ids, a target object or a callable, got {type(target).__name__}")
+    token_ids(target, batch)  # raise now, before any forward pass
+    return [Logit(target)], False
+
+
+def module_paths(targets: Sequence[Target]) -> List[str]:
+    out: List[str] = []
+    for t in targets:
+        out.extend(p for p in t.paths if p not in out)
+    return out
