@@ -334,16 +334,9 @@ def check_count(name: str, value, allow_none: bool = True) -> Optional[int]:
     return value
 
 
-def expand_rows(kwargs: dict, batch: int, times: int) -> dict:
-    """Repeat every per-row tensor of the model's kwargs ``times`` times (step-major)."""
-    out = {}
-    for k, v in kwargs.items():
-        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch:
-            out[k] = v.repeat(times, *([1] * (v.dim() - 1)))
-        else:
-            out[k] = v
-    return out
-
-
-def model_paths(model: nn.Module) -> List[str]:
-    return [n for n, _ in model.named_modules() if n]
+def select_rows(prep: "Prepared", idx: torch.Tensor) -> "Prepared":
+    """The call restricted (or repeated) to rows ``idx``: every per-row kwarg is indexed."""
+    batch = prep.input_ids.shape[0]
+    kw = {k: (v[idx.to(v.device)] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch else v)
+          for k, v in prep.kwargs.items()}
+    return Prepared(kw, kw["input_ids"], kw.get("attention_mask"), prep.entry, prep.where)

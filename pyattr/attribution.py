@@ -156,14 +156,16 @@ def check_baseline(baseline, x: torch.Tensor) -> Union[None, str, torch.Tensor]:
     return baseline.detach().to(device=x.device, dtype=x.dtype).expand(x.shape)
 
 
-def baseline_forward(model, prep: F.Prepared, baseline, x: torch.Tensor, targets, extra_pairs=()):
+def baseline_forward(model, prep: F.Prepared, baseline, x: torch.Tensor, targets, extra_pairs=(), extra_names=()):
     """One forward at the baseline input (no gradient): ``(x₀, f(x₀), extra activations)``.
 
     ``"pad"`` runs the pad token at every real position (same mask and positions), so
     every module, those before the entry included, sees the baseline input;
-    ``"zeros"`` and tensors replace the embeddings where they enter the first block."""
+    ``"zeros"`` and tensors replace the embeddings where they enter the first block, so
+    a module in ``extra_pairs`` that runs before that point cannot see them: ValueError.
+    """
     kwargs = dict(prep.kwargs)
-    seen = {}
+    seen: dict = {}
     if isinstance(baseline, str) and baseline == "pad":
         kwargs["input_ids"] = torch.full_like(prep.input_ids, pad_token_id(model))
         replace = None
@@ -175,9 +177,12 @@ def baseline_forward(model, prep: F.Prepared, baseline, x: torch.Tensor, targets
         return None if replace is None else replace
 
     acts: List[Optional[torch.Tensor]] = [None] * len(extra_pairs)
+    early: List[str] = []
 
     def fn_for(i):
         def fn(t):
+            if "x0" not in seen and replace is not None and extra_pairs[i][0] is not prep.entry:
+                early.append(extra_names[i] if extra_names else str(i))
             acts[i] = t.detach().clone()
             return None
 
@@ -188,10 +193,15 @@ def baseline_forward(model, prep: F.Prepared, baseline, x: torch.Tensor, targets
             F.record_modules(model, T.module_paths(targets), store):
         out = model(**kwargs)
         fwd = T._Forward(out, prep.input_ids, prep.attention_mask, store)
-        several = len(targets) > 1
-        value, _ = evaluate_targets(targets, fwd, several)
+        value, _ = evaluate_targets(targets, fwd, len(targets) > 1)
     if "x0" not in seen:
         raise RuntimeError("the embedding entry point was not reached during the baseline forward pass")
+    if early:
+        raise ValueError(
+            f"baseline: layer {early[0]!r} runs before the input embeddings enter the first block, where "
+            "a 'zeros' or tensor baseline is placed, so it would never see the baseline; use "
+            "baseline='pad' (the pad token runs through every module) or a later layer"
+        )
     return seen["x0"], value.detach().double(), acts
 
 

@@ -52,6 +52,11 @@ class Target:
         integration steps must explain the token chosen at the real input."""
         return self
 
+    def rows(self, index: torch.Tensor, batch: int) -> "Target":
+        """The target for the rows ``index`` (LongTensor) of a batch of ``batch`` rows, for
+        passes that run a subset or a repetition of the rows (chunks, integration steps)."""
+        return self
+
 
 def _is_int(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
@@ -173,6 +178,11 @@ class Logit(Target):
     def fixed(self, token_ids):
         return self if self.token_id is not None or token_ids is None else Logit(token_ids, self.position)
 
+    def rows(self, index, batch):
+        if self.token_id is None or _is_int(self.token_id):
+            return self
+        return Logit(token_ids(self.token_id, batch)[index.cpu()], self.position)
+
 
 class LogitDiff(Target):
     """``logit[a] − logit[b]`` at ``position`` (the IOI-style logit difference).
@@ -196,6 +206,11 @@ class LogitDiff(Target):
         ta = token_ids(self.a, logits.shape[0], "target (LogitDiff a)")
         tb = token_ids(self.b, logits.shape[0], "target (LogitDiff b)")
         return _gather_logit(logits, pos, ta) - _gather_logit(logits, pos, tb), ta.to(logits.device)
+
+    def rows(self, index, batch):
+        ia = token_ids(self.a, batch, "target (LogitDiff a)")[index.cpu()]
+        ib = token_ids(self.b, batch, "target (LogitDiff b)")[index.cpu()]
+        return LogitDiff(ia, ib, self.position)
 
 
 Selector = Union[None, int, Tuple[Union[int, slice], ...], Callable]

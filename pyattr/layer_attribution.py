@@ -1,0 +1,340 @@
+"""Layer and neuron relevance: a layer's activation, the (rule-modified) gradient of the
+target with respect to it, and their product, at any module of the model.
+
+Semantics follow Captum's ``compute_layer_gradients_and_eval`` / ``LayerGradientXActivation``
+(``attribute_to_layer_input``, neuron selectors through :class:`pyattr.targets.ModuleOutput`)
+and tdhook's input / target modules; the rules are those of RelP (arXiv 2508.21258) and
+AttnLRP (ICML 2024). With all four rules on a bias-free decoder, the relevance summed at
+the input of every block and of the final norm equals the target (layer-wise conservation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from pyattr import _forward as F
+from pyattr import targets as T
+from pyattr.attribution import (
+    backward,
+    baseline_forward,
+    check_baseline,
+    check_grad_outputs,
+    check_target_type,
+    evaluate_targets,
+    fixed_targets,
+    leaf,
+)
+from pyattr.integration import architectures as A
+from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
+from pyattr.integration.scope import model_type_of
+
+SHORTHANDS = ("residual", "attention", "mlp", "neurons")
+
+# block-relative paths: attention block, MLP block, and the module whose input is the
+# MLP's hidden activation (act(g)·u for gated MLPs, act(x) otherwise)
+_PARTS = {
+    "llama": ("self_attn", "mlp", "mlp.down_proj"),
+    "gpt2": ("attn", "mlp", "mlp.c_proj"),
+    "gpt_neox": ("attention", "mlp", "mlp.dense_4h_to_h"),
+    "bert": ("attention", "output", "output.dense"),
+}
+for _name in ("mistral", "qwen2", "qwen3", "gemma", "gemma2"):
+    _PARTS[_name] = _PARTS["llama"]
+
+
+@dataclass
+class LayerRelevance:
+    """One layer's result. Shapes are the layer's (its output's first tensor, or its input
+    with ``attribute_to_layer_input``), e.g. (batch, seq, hidden); with k targets,
+    ``gradient`` and ``relevance`` gain a leading k dimension.
+
+    Attributes:
+        activation (Tensor, float32): the layer's value at the input.
+        gradient (Tensor, float32): d target / d activation under the rules.
+        relevance (Tensor, float32): ``activation · gradient``, or ``(activation −
+            baseline activation) · gradient`` with a baseline.
+        conservation_delta (Tensor[batch] float64, or None): for residual-stream layers
+            (block inputs, final norm input), ``w·target − Σ relevance`` per row (with a
+            baseline, against ``f(x) − f(x₀)``); None elsewhere.
+        where (str): ``"output"`` or ``"input"``.
+    """
+
+    activation: torch.Tensor
+    gradient: torch.Tensor
+    relevance: torch.Tensor
+    conservation_delta: Optional[torch.Tensor] = None
+    where: str = "output"
+
+
+@dataclass
+class LayerRelevanceResult:
+    """Output of :func:`layer_relevance`: ``result[path]`` is a :class:`LayerRelevance`.
+
+    Attributes:
+        paths (list of str): the layers, shorthands expanded, in model order.
+        target (Tensor[batch] float64, (k, batch) with k targets): the explained value f(x).
+        target_ids (Tensor or None): token ids of logit targets.
+        coverage (RelevanceRuleCoverage): what the rule scope installed and skipped.
+    """
+
+    layers: Dict[str, LayerRelevance]
+    paths: List[str]
+    target: torch.Tensor
+    target_ids: Optional[torch.Tensor]
+    coverage: RelevanceRuleCoverage
+    baseline_target: Optional[torch.Tensor] = None
+
+    def __getitem__(self, path: str) -> LayerRelevance:
+        if path not in self.layers:
+            raise KeyError(f"{path!r} is not among the layers of this result: {self.paths}")
+        return self.layers[path]
+
+    def __contains__(self, path) -> bool:
+        return path in self.layers
+
+    def __iter__(self):
+        return iter(self.paths)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+
+@dataclass(frozen=True)
+class _Layer:
+    path: str
+    module: nn.Module
+    where: str
+    residual: bool = False
+
+
+def _blocks(model: nn.Module, shorthand: str):
+    mt = model_type_of(model)
+    if mt not in A.ARCHITECTURES or mt not in _PARTS:
+        raise ValueError(
+            f"layers: the shorthand {shorthand!r} needs a mapped architecture, and {type(model).__name__} "
+            f"(model_type {mt!r}) has none; pass dotted module paths instead"
+        )
+    arch = A.ARCHITECTURES[mt]
+    return arch, A.layer_paths(model, arch), _PARTS[mt]
+
+
+def expand_layers(model: nn.Module, layers, attribute_to_layer_input: bool = False) -> List[_Layer]:
+    """Dotted paths and shorthands → the layers, in model order, each once.
+
+    ``"residual"``: every block's input and the final norm's input (the residual stream);
+    ``"attention"`` / ``"mlp"``: every block's attention / MLP output; ``"neurons"``: the
+    MLP's hidden activation (the input of its down projection). Dotted paths follow
+    ``attribute_to_layer_input``.
+    """
+    if isinstance(layers, str):
+        layers = [layers]
+    if not isinstance(layers, (list, tuple)) or not layers:
+        raise ValueError(f"layers must be a module path, a shorthand {SHORTHANDS} or a non-empty list of them, got {layers!r}")
+    out: List[_Layer] = []
+    for item in layers:
+        if item in SHORTHANDS:
+            arch, blocks, (attn, mlp, down) = _blocks(model, item)
+            if item == "residual":
+                out += [_Layer(b, model.get_submodule(b), "input", True) for b in blocks]
+                final = [n for n in arch.outer_norms if n != "embeddings.LayerNorm"]
+                for n in final:
+                    p = A.join(A.base_prefix(model), n)
+                    out.append(_Layer(p, model.get_submodule(p), "input", True))
+            else:
+                rel = {"attention": attn, "mlp": mlp, "neurons": down}[item]
+                where = "input" if item == "neurons" else "output"
+                for b in blocks:
+                    p = f"{b}.{rel}"
+                    out.append(_Layer(p, F.resolve_module(model, p, "layers"), where))
+        else:
+            mod = F.resolve_module(model, item, "layers")
+            out.append(_Layer(item, mod, "input" if attribute_to_layer_input else "output"))
+    order = {n: i for i, n in enumerate(n for n, _ in model.named_modules())}
+    seen: Dict[str, _Layer] = {}
+    for lay in out:
+        prev = seen.get(lay.path)
+        if prev is not None and prev.where != lay.where:
+            raise ValueError(
+                f"layers: {lay.path!r} is asked for both at its input and at its output; request it once"
+            )
+        if prev is None or lay.residual:
+            seen[lay.path] = lay
+    return sorted(seen.values(), key=lambda lay: (order.get(lay.path, 0), lay.where == "output"))
+
+
+def layer_relevance(
+    model: nn.Module,
+    inputs,
+    layers: Union[str, Sequence[str]],
+    target=None,
+    rules: Optional[RelevanceRules] = None,
+    *,
+    attribute_to_layer_input: bool = False,
+    baseline=None,
+    grad_outputs=None,
+    internal_batch_size: Optional[int] = None,
+    attention_mask: Optional[torch.Tensor] = None,
+    generic: bool = False,
+) -> LayerRelevanceResult:
+    """Activation, gradient and relevance of ``target`` at each of ``layers``.
+
+    One forward and one backward (one batched backward for k targets) give every layer.
+
+    Args:
+        model (nn.Module): a Hugging Face model (rules need a mapped architecture or
+            ``generic=True``; with every rule off any model works).
+        inputs (LongTensor[batch, seq] | Mapping): token ids or a tokenizer output.
+        layers (str | list of str): dotted module paths and/or the shorthands
+            ``"residual"`` (every block's input plus the final norm's input),
+            ``"attention"``, ``"mlp"`` (block outputs) and ``"neurons"`` (the MLP hidden
+            activation ``act(g)·u`` / ``act(x)``: the input of the down projection).
+        target: as in :func:`pyattr.relevance` (:mod:`pyattr.targets`), including
+            ``ModuleOutput(path, select)`` for a neuron and k targets per row.
+        rules (RelevanceRules, optional): Default ``RelevanceRules.all()``;
+            ``RelevanceRules()`` gives plain gradients (Captum's ``LayerGradientXActivation``).
+        attribute_to_layer_input (bool): dotted paths take the module's first tensor
+            argument (positional or ``hidden_states``) instead of its output. Default False.
+        baseline: ``None``, ``"zeros"``, ``"pad"`` or a tensor shaped like the input
+            embeddings (batch, seq, hidden); the baseline activations come from one more
+            forward at the baseline input, and ``relevance = (a − a₀) · g``.
+        grad_outputs (Tensor, optional): initial gradient shaped like the target.
+        internal_batch_size (int, optional): rows per forward/backward; results equal the
+            unchunked run (per-row targets only).
+        attention_mask (Tensor[batch, seq], optional): 1 for real tokens.
+        generic (bool): class-based rule installation for unknown architectures.
+
+    Returns:
+        LayerRelevanceResult: ``result[path].activation / .gradient / .relevance``
+        (float32, the layer's shape), ``.conservation_delta`` for residual layers,
+        ``result.paths``, ``result.target`` (float64).
+
+    Raises:
+        ValueError: unknown module path (naming the nearest ones), a shorthand on an
+            unmapped architecture, a layer that runs more than once per forward, a target
+            that does not depend on the inputs, bad baseline / grad_outputs /
+            internal_batch_size (each names the argument).
+        RuntimeError: a call under ``torch.inference_mode()``.
+    """
+    check_target_type(target)
+    F.check_count("internal_batch_size", internal_batch_size)
+    prep = F.prepare(model, inputs, attention_mask, "layer_relevance")
+    batch = prep.input_ids.shape[0]
+    tgts, several = T.normalize(target, batch)
+    lays = expand_layers(model, layers, attribute_to_layer_input)
+    rules = F.rule_defaults(rules)
+    chunk = internal_batch_size or batch
+    if chunk >= batch:
+        return _layer_pass(model, prep, lays, tgts, several, rules, generic, baseline, grad_outputs)
+    parts = []
+    for start in range(0, batch, chunk):
+        idx = torch.arange(start, min(start + chunk, batch))
+        sub = F.select_rows(prep, idx)
+        sub_t = [t.rows(idx, batch) for t in tgts]
+        go = None if grad_outputs is None else torch.as_tensor(grad_outputs)[..., idx]
+        base = baseline[idx] if isinstance(baseline, torch.Tensor) and baseline.dim() == 3 and baseline.shape[0] == batch else baseline
+        parts.append(_layer_pass(model, sub, lays, sub_t, several, rules, generic, base, go))
+    return _concat(parts, several)
+
+
+def _cat(xs, dim):
+    return None if xs[0] is None else torch.cat(xs, dim)
+
+
+def _concat(parts: List[LayerRelevanceResult], several: bool) -> LayerRelevanceResult:
+    d = 1 if several else 0
+    first = parts[0]
+    if first.target.dim() == 0:
+        raise ValueError("internal_batch_size: a scalar target (one value for the whole batch) cannot be split into row chunks")
+    layers = {}
+    for p in first.paths:
+        ls = [r[p] for r in parts]
+        layers[p] = LayerRelevance(
+            activation=torch.cat([x.activation for x in ls], 0),
+            gradient=torch.cat([x.gradient for x in ls], d),
+            relevance=torch.cat([x.relevance for x in ls], d),
+            conservation_delta=_cat([x.conservation_delta for x in ls], d),
+            where=ls[0].where,
+        )
+    return LayerRelevanceResult(
+        layers=layers,
+        paths=first.paths,
+        target=torch.cat([r.target for r in parts], d),
+        target_ids=_cat([r.target_ids for r in parts], d),
+        coverage=first.coverage,
+        baseline_target=_cat([r.baseline_target for r in parts], d),
+    )
+
+
+def _layer_pass(model, prep, lays, tgts, several, rules, generic, baseline, grad_outputs) -> LayerRelevanceResult:
+    store: dict = {}
+    calls: List[List[torch.Tensor]] = [[] for _ in lays]
+
+    def as_input(t):
+        # parameters are frozen: a tensor before the entry needs a leaf to get a gradient;
+        # one downstream of such a leaf stays in the graph
+        return t if t.requires_grad else leaf(t)
+
+    def fn_for(i):
+        def fn(t):
+            t = as_input(t)
+            calls[i].append(t)
+            return t
+
+        return fn
+
+    with F.attribution_pass(model, rules, generic, "layer_relevance") as cov:
+        xs: List[torch.Tensor] = []
+
+        def entry_fn(t):
+            xs.append(as_input(t))
+            return xs[-1]
+
+        pairs = [(lay.module, lay.where) for lay in lays]
+        with F.tap(prep.entry, prep.where, entry_fn, once=True), F.taps(pairs, fn_for), \
+                F.record_modules(model, T.module_paths(tgts), store):
+            output = model(**prep.kwargs)
+        if not xs:
+            raise RuntimeError("the embedding entry point was not reached during the forward pass")
+        for lay, c in zip(lays, calls):
+            if len(c) != 1:
+                raise ValueError(
+                    f"layers: {lay.path!r} ran {len(c)} times in one forward pass; layer_relevance needs a "
+                    "module that runs once (use pyattr.capture for every call)"
+                )
+        value, tid = evaluate_targets(tgts, T._Forward(output, prep.input_ids, prep.attention_mask, store), several)
+        go = check_grad_outputs(grad_outputs, value)
+        x = xs[0]
+        base = check_baseline(baseline, x)
+        acts = [c[0] for c in calls]
+        grads = backward(value, [x, *acts], go, several)[1:]
+        del output, store
+        f0 = None
+        if base is not None:
+            _, f0, acts0 = baseline_forward(
+                model, prep, base, x, fixed_targets(tgts, tid), pairs, [lay.path for lay in lays]
+            )
+    t64 = value.detach().double()
+    w = go.detach().double()
+    explained = t64 if f0 is None else t64 - f0
+    out: Dict[str, LayerRelevance] = {}
+    for i, (lay, a, g) in enumerate(zip(lays, acts, grads)):
+        a = a.detach()
+        g = torch.zeros((*value.shape[:1], *a.shape) if several else a.shape, dtype=a.dtype, device=a.device) if g is None else g
+        diff = a if f0 is None else a - acts0[i]
+        rel = diff.float() * g.float()
+        delta = None
+        if lay.residual and t64.dim() >= 1:
+            delta = w * explained - rel.double().flatten(start_dim=t64.dim()).sum(-1)
+        out[lay.path] = LayerRelevance(a.float(), g.float(), rel, delta, lay.where)
+    return LayerRelevanceResult(
+        layers=out,
+        paths=[lay.path for lay in lays],
+        target=t64,
+        target_ids=tid,
+        coverage=cov,
+        baseline_target=f0,
+    )
