@@ -148,9 +148,10 @@ def integrated_gradients(
         inputs (LongTensor[batch, seq] | Mapping): token ids or a tokenizer output.
         target: one value per row, as in :func:`pyattr.relevance` (no k targets); token
             ids chosen by ``None`` (top-1) are fixed at the input.
-        baseline: ``"zeros"`` (default), ``"pad"`` (the pad token's embedding at every
-            position, run through the model: needs ``model.config.pad_token_id``) or a
-            tensor shaped like the embeddings, (batch, seq, hidden) or (seq, hidden). A
+        baseline: ``"zeros"`` (default; ``None`` is the same, as in Captum), ``"pad"``
+            (the pad token's embedding at every position, run through the model: needs
+            ``model.config.pad_token_id``) or a tensor shaped like the embeddings,
+            (batch, seq, hidden) or (seq, hidden). A
             zero embedding is ill-conditioned on RMSNorm models (the gradient near 0
             explodes, so the delta converges slowly): prefer ``"pad"`` there.
         n_steps (int): quadrature points, ≥ 1 (≥ 2 for the trapezoid). Default 50.
@@ -169,7 +170,7 @@ def integrated_gradients(
             ``LayerIntegratedGradients``): the baseline is given in input space, mapped
             to the layer by a forward at the baseline input, and the path runs between the
             layer's two activations (its output's first tensor, or its first input with
-            ``attribute_to_layer_input``).
+            ``attribute_to_layer_input``, which needs ``layer``).
         attention_mask (Tensor[batch, seq], optional): 1 for real tokens.
         generic (bool): class-based rule installation for unknown architectures.
 
@@ -179,13 +180,16 @@ def integrated_gradients(
 
     Raises:
         ValueError: ``n_steps < 1``, ``internal_batch_size < 1``, unknown ``method``,
-            baseline of the wrong shape, unknown ``layer`` (nearest paths named), a
+            baseline of the wrong shape, unknown ``layer`` (nearest paths named),
+            ``attribute_to_layer_input`` without ``layer``, a
             target that does not depend on the inputs or gives no value per row.
         RuntimeError: a call under ``torch.inference_mode()``.
     """
     check_target_type(target)
     F.check_count("n_steps", n_steps, allow_none=False)
     F.check_count("internal_batch_size", internal_batch_size)
+    if attribute_to_layer_input and layer is None:
+        raise ValueError("attribute_to_layer_input=True needs layer: without it the attribution is at the input embeddings")
     alphas, weights = path_points(method, n_steps)
     prep = F.prepare(model, inputs, attention_mask, "integrated_gradients")
     batch = prep.input_ids.shape[0]
@@ -228,7 +232,8 @@ def integrated_gradients(
         x = seen["x"]
         if layer is not None and len(seen.get("acts", [])) != 1:
             raise ValueError(f"layer: {layer!r} ran {len(seen.get('acts', []))} times in one forward pass; layer IG needs one call")
-        base = check_baseline(baseline, x)
+        # None is Captum's default, zeros (check_baseline's None means "no baseline": x₀ = x)
+        base = check_baseline("zeros" if baseline is None else baseline, x)
         fixed = fixed_targets(tgts, tid)
         x0, f0, acts0 = baseline_forward(model, prep, base, x, fixed, pairs, [layer] if layer else [])
         end = seen["acts"][0] if layer is not None else x
