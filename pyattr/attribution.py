@@ -191,8 +191,7 @@ def baseline_forward(model, prep: F.Prepared, baseline, x: torch.Tensor, targets
     store: dict = {}
     with torch.no_grad(), F.tap(prep.entry, prep.where, entry_fn, once=True), F.taps(extra_pairs, fn_for), \
             F.record_modules(model, T.module_paths(targets), store):
-        out = model(**kwargs)
-        fwd = T._Forward(out, prep.input_ids, prep.attention_mask, store)
+        fwd = run_model(model, prep, targets, store, kwargs)
         value, _ = evaluate_targets(targets, fwd, len(targets) > 1)
     if "x0" not in seen:
         raise RuntimeError("the embedding entry point was not reached during the baseline forward pass")
@@ -203,6 +202,29 @@ def baseline_forward(model, prep: F.Prepared, baseline, x: torch.Tensor, targets
             "baseline='pad' (the pad token runs through every module) or a later layer"
         )
     return seen["x0"], value.detach().double(), acts
+
+
+def run_model(model: nn.Module, prep: F.Prepared, targets, store: dict, kwargs: Optional[dict] = None) -> T._Forward:
+    """``model(**kwargs)`` → what the targets read. When every target is a logit, the
+    language-model head runs only at the positions they read (``logits_to_keep``, for
+    models whose forward takes it and a caller who did not pass it)."""
+    kwargs = prep.kwargs if kwargs is None else kwargs
+    kept = T.logit_positions(targets, prep.input_ids, prep.attention_mask)
+    if kept is not None and "logits_to_keep" not in kwargs and _takes_logits_to_keep(model):
+        kwargs = {**kwargs, "logits_to_keep": kept.to(prep.input_ids.device)}
+    else:
+        kept = None
+    out = model(**kwargs)
+    return T._Forward(out, prep.input_ids, prep.attention_mask, store, kept)
+
+
+def _takes_logits_to_keep(model: nn.Module) -> bool:
+    import inspect
+
+    try:
+        return "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def leaf(t: torch.Tensor) -> torch.Tensor:
@@ -284,16 +306,16 @@ def relevance(
             return xs[-1]
 
         with F.tap(prep.entry, prep.where, entry_fn, once=True), F.record_modules(model, T.module_paths(tgts), store):
-            output = model(**prep.kwargs)
+            fwd = run_model(model, prep, tgts, store)
         if not xs:
             raise RuntimeError("the embedding entry point was not reached during the forward pass")
         x = xs[0]
-        value, tid = evaluate_targets(tgts, T._Forward(output, prep.input_ids, prep.attention_mask, store), several)
+        value, tid = evaluate_targets(tgts, fwd, several)
         go = check_grad_outputs(grad_outputs, value)
         base = check_baseline(baseline, x)
         (grad,) = backward(value, [x], go, several)
         backend_name = backends.select(x.device, "identity")
-        del output, store
+        del fwd, store
         if base is not None:
             x0, f0, _ = baseline_forward(model, prep, base, x, fixed_targets(tgts, tid))
     xd = x.detach()

@@ -27,6 +27,7 @@ from pyattr.attribution import (
     evaluate_targets,
     fixed_targets,
     leaf,
+    run_model,
 )
 from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
 
@@ -222,9 +223,9 @@ def integrated_gradients(
 
         with torch.no_grad(), F.tap(prep.entry, prep.where, entry_fn, once=True), F.taps(pairs, act_fn), \
                 F.record_modules(model, T.module_paths(tgts), store):
-            out = model(**prep.kwargs)
-            value, tid = evaluate_targets(tgts, T._Forward(out, prep.input_ids, prep.attention_mask, store), False)
-        del out, store
+            fwd = run_model(model, prep, tgts, store)
+            value, tid = evaluate_targets(tgts, fwd, False)
+        del fwd, store
         if "x" not in seen:
             raise RuntimeError("the embedding entry point was not reached during the forward pass")
         if value.dim() != 1:
@@ -293,8 +294,7 @@ def _chunk_grads(model, prep, pairs, fixed, rows, batch, start, end, alphas) -> 
 
     where_mod, where = pairs[0] if pairs else (prep.entry, prep.where)
     with F.tap(where_mod, where, replace, once=True), F.record_modules(model, T.module_paths(tg), store):
-        out = model(**sub.kwargs)
-        value, _ = evaluate_targets(tg, T._Forward(out, sub.input_ids, sub.attention_mask, store), False)
+        value, _ = evaluate_targets(tg, run_model(model, sub, tg, store), False)
     if not value.requires_grad:
         raise ValueError("target: the explained value does not depend on the inputs, so every attribution would be 0")
     (g,) = torch.autograd.grad(value.sum(), points, allow_unused=True)

@@ -27,6 +27,7 @@ from pyattr.attribution import (
     evaluate_targets,
     fixed_targets,
     leaf,
+    run_model,
 )
 from pyattr.integration import architectures as A
 from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
@@ -221,10 +222,13 @@ def layer_relevance(
     """
     check_target_type(target)
     F.check_count("internal_batch_size", internal_batch_size)
+    F.check_grad_mode("layer_relevance")
+    # the layers first: a shorthand on an unmapped model names itself, before the search
+    # for the embedding entry (which such a model may not have) can fail less clearly
+    lays = expand_layers(model, layers, attribute_to_layer_input)
     prep = F.prepare(model, inputs, attention_mask, "layer_relevance")
     batch = prep.input_ids.shape[0]
     tgts, several = T.normalize(target, batch)
-    lays = expand_layers(model, layers, attribute_to_layer_input)
     rules = F.rule_defaults(rules)
     chunk = internal_batch_size or batch
     if chunk >= batch:
@@ -296,7 +300,7 @@ def _layer_pass(model, prep, lays, tgts, several, rules, generic, baseline, grad
         pairs = [(lay.module, lay.where) for lay in lays]
         with F.tap(prep.entry, prep.where, entry_fn, once=True), F.taps(pairs, fn_for), \
                 F.record_modules(model, T.module_paths(tgts), store):
-            output = model(**prep.kwargs)
+            fwd = run_model(model, prep, tgts, store)
         if not xs:
             raise RuntimeError("the embedding entry point was not reached during the forward pass")
         for lay, c in zip(lays, calls):
@@ -305,13 +309,13 @@ def _layer_pass(model, prep, lays, tgts, several, rules, generic, baseline, grad
                     f"layers: {lay.path!r} ran {len(c)} times in one forward pass; layer_relevance needs a "
                     "module that runs once (use pyattr.capture for every call)"
                 )
-        value, tid = evaluate_targets(tgts, T._Forward(output, prep.input_ids, prep.attention_mask, store), several)
+        value, tid = evaluate_targets(tgts, fwd, several)
         go = check_grad_outputs(grad_outputs, value)
         x = xs[0]
         base = check_baseline(baseline, x)
         acts = [c[0] for c in calls]
         grads = backward(value, [x, *acts], go, several)[1:]
-        del output, store
+        del fwd, store
         f0 = None
         if base is not None:
             _, f0, acts0 = baseline_forward(

@@ -35,6 +35,7 @@ class _Forward:
     input_ids: torch.Tensor            # (batch, seq)
     attention_mask: Optional[torch.Tensor]
     modules: dict                      # path -> first tensor of the module's (last) output
+    kept: Optional[torch.Tensor] = None  # positions the logits were computed at (logits_to_keep)
 
 
 class Target:
@@ -138,6 +139,27 @@ def token_ids(target, batch: int, name: str = "target") -> torch.Tensor:
     return t
 
 
+def _kept_index(logits, pos, fwd: _Forward):
+    """Index along the logits' sequence dimension of absolute positions ``pos``."""
+    kept = fwd.kept
+    if kept is not None and logits.shape[1] == kept.numel():
+        return torch.searchsorted(kept.to(pos.device), pos)
+    return pos
+
+
+def logit_positions(targets: Sequence["Target"], input_ids: torch.Tensor, attention_mask) -> Optional[torch.Tensor]:
+    """The positions whose logits the targets read (sorted, unique), when every target is
+    a :class:`Logit` / :class:`LogitDiff`; None otherwise. Passed to the model as
+    ``logits_to_keep``, the language-model head then runs at these positions only instead
+    of at every position (the head's matmul over a large vocabulary dominates a relevance
+    pass on long inputs, and its backward for k targets even more)."""
+    if not targets or not all(isinstance(t, (Logit, LogitDiff)) for t in targets):
+        return None
+    fwd = _Forward(None, input_ids, attention_mask, {})
+    pos = torch.cat([_positions(t.position, fwd) for t in targets])
+    return torch.unique(pos)
+
+
 def _gather_logit(logits, pos, tid, name="target"):
     vocab = logits.shape[-1]
     tid = tid.to(logits.device)
@@ -167,7 +189,7 @@ class Logit(Target):
 
     def value(self, fwd):
         logits = _logits(fwd.output)
-        pos = _positions(self.position, fwd)
+        pos = _kept_index(logits, _positions(self.position, fwd), fwd)
         rows = torch.arange(logits.shape[0], device=logits.device)
         if self.token_id is None:
             tid = logits[rows, pos.to(logits.device)].detach().argmax(-1)
@@ -202,7 +224,7 @@ class LogitDiff(Target):
 
     def value(self, fwd):
         logits = _logits(fwd.output)
-        pos = _positions(self.position, fwd)
+        pos = _kept_index(logits, _positions(self.position, fwd), fwd)
         ta = token_ids(self.a, logits.shape[0], "target (LogitDiff a)")
         tb = token_ids(self.b, logits.shape[0], "target (LogitDiff b)")
         return _gather_logit(logits, pos, ta) - _gather_logit(logits, pos, tb), ta.to(logits.device)
