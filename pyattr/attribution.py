@@ -204,12 +204,18 @@ def baseline_forward(model, prep: F.Prepared, baseline, x: torch.Tensor, targets
     return seen["x0"], value.detach().double(), acts
 
 
-def run_model(model: nn.Module, prep: F.Prepared, targets, store: dict, kwargs: Optional[dict] = None) -> T._Forward:
-    """``model(**kwargs)`` → what the targets read. When every target is a logit, the
-    language-model head runs only at the positions they read (``logits_to_keep``, for
-    models whose forward takes it and a caller who did not pass it)."""
+def run_model(model: nn.Module, prep: F.Prepared, targets, store: dict, kwargs: Optional[dict] = None,
+              keep_logits: bool = False) -> T._Forward:
+    """``model(**kwargs)`` → what the targets read.
+
+    ``keep_logits``: when every target is a logit, the language-model head runs only at
+    the positions they read (``logits_to_keep``, for models whose forward takes it and a
+    caller who did not pass it). The head's full-vocabulary matmul over every position,
+    and its backward, dominate a pass with k targets; the logits it gives can differ from
+    the full head's in the last bit (another matmul shape), so the passes that report a
+    target value of a single target use the full head."""
     kwargs = prep.kwargs if kwargs is None else kwargs
-    kept = T.logit_positions(targets, prep.input_ids, prep.attention_mask)
+    kept = T.logit_positions(targets, prep.input_ids, prep.attention_mask) if keep_logits else None
     if kept is not None and "logits_to_keep" not in kwargs and _takes_logits_to_keep(model):
         kwargs = {**kwargs, "logits_to_keep": kept.to(prep.input_ids.device)}
     else:
@@ -306,7 +312,7 @@ def relevance(
             return xs[-1]
 
         with F.tap(prep.entry, prep.where, entry_fn, once=True), F.record_modules(model, T.module_paths(tgts), store):
-            fwd = run_model(model, prep, tgts, store)
+            fwd = run_model(model, prep, tgts, store, keep_logits=several)
         if not xs:
             raise RuntimeError("the embedding entry point was not reached during the forward pass")
         x = xs[0]

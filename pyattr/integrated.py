@@ -294,7 +294,7 @@ def _chunk_grads(model, prep, pairs, fixed, rows, batch, start, end, alphas) -> 
 
     where_mod, where = pairs[0] if pairs else (prep.entry, prep.where)
     with F.tap(where_mod, where, replace, once=True), F.record_modules(model, T.module_paths(tg), store):
-        value, _ = evaluate_targets(tg, run_model(model, sub, tg, store), False)
+        value, _ = evaluate_targets(tg, run_model(model, sub, tg, store, keep_logits=True), False)
     if not value.requires_grad:
         raise ValueError("target: the explained value does not depend on the inputs, so every attribution would be 0")
     (g,) = torch.autograd.grad(value.sum(), points, allow_unused=True)
