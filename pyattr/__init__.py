@@ -34,6 +34,7 @@ _EXPORTS = {
     "AttributionResult": "pyattr.integrated",
     "capture": "pyattr.gradient_capture",
     "Captured": "pyattr.gradient_capture",
+    "GradientCapture": "pyattr.gradient_capture",
     "available_backends": "pyattr.backends",
     "backend": "pyattr.backends",
     "BackendUnavailableError": "pyattr.backends",
@@ -65,7 +66,7 @@ def __dir__():
 if TYPE_CHECKING:  # what static tools see
     from pyattr import ops, rules, targets
     from pyattr.attribution import RelevanceResult, relevance
-    from pyattr.gradient_capture import Captured, capture
+    from pyattr.gradient_capture import Captured, GradientCapture, capture
     from pyattr.integrated import AttributionResult, integrated_gradients
     from pyattr.layer_attribution import LayerRelevance, LayerRelevanceResult, layer_relevance
     from pyattr.backends import BackendUnavailableError, available_backends, backend
