@@ -233,12 +233,23 @@ def layer_relevance(
     chunk = internal_batch_size or batch
     if chunk >= batch:
         return _layer_pass(model, prep, lays, tgts, several, rules, generic, baseline, grad_outputs)
+    go_all = None if grad_outputs is None else torch.as_tensor(grad_outputs)
+    # each chunk checks its own slice, so a batch dimension that is too long (or too
+    # short) must be caught here, before the rows are split
+    if go_all is not None and go_all.dim() >= 1 and go_all.shape[-1] != batch:
+        want = f"({len(tgts)}, {batch})" if several else f"({batch},)"
+        raise ValueError(f"grad_outputs of shape {tuple(go_all.shape)} must match the target's shape {want}")
+    if isinstance(baseline, torch.Tensor) and baseline.dim() == 3 and baseline.shape[0] not in (1, batch):
+        raise ValueError(
+            f"baseline of shape {tuple(baseline.shape)} does not match the input embeddings: its first "
+            f"dimension must be the batch ({batch}) or 1"
+        )
     parts = []
     for start in range(0, batch, chunk):
         idx = torch.arange(start, min(start + chunk, batch))
         sub = F.select_rows(prep, idx)
         sub_t = [t.rows(idx, batch) for t in tgts]
-        go = None if grad_outputs is None else torch.as_tensor(grad_outputs)[..., idx]
+        go = None if go_all is None else go_all[..., idx]
         base = baseline[idx] if isinstance(baseline, torch.Tensor) and baseline.dim() == 3 and baseline.shape[0] == batch else baseline
         parts.append(_layer_pass(model, sub, lays, sub_t, several, rules, generic, base, go))
     return _concat(parts, several)
