@@ -53,9 +53,10 @@ def _probe_extension() -> tuple[object | None, str]:
         return None, f"extension pyattr._C is not built or failed to load ({e})"
     except OSError as e:  # a shared library it links against is missing
         return None, f"extension pyattr._C failed to load ({e})"
-    from pyattr.backends import _fake
+    from pyattr.backends import _fake, _vmap
 
     _fake.register()
+    _vmap.register("pyattr")  # torch.vmap and is_grads_batched run the kernels batched
     return _C, ""
 
 

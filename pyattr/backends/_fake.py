@@ -1,11 +1,12 @@
-"""Fake (meta) implementations of the ``pyattr::`` ops, so that ``torch.compile`` and
+"""Fake (meta) implementations of the ``pyattr::`` ops (and of the Triton backend's
+``pyattr_triton::`` ops), so that ``torch.compile`` and
 ``torch.library.opcheck`` can trace them without running a kernel."""
 
 from __future__ import annotations
 
 import torch
 
-_DONE = False
+_DONE: set = set()
 
 
 def _like(t: torch.Tensor) -> torch.Tensor:
@@ -31,30 +32,37 @@ def _param(x, weight, need):
 
 
 def register() -> None:
-    global _DONE
-    if _DONE:
+    """Fake implementations of the extension's ``pyattr::`` ops (once)."""
+    register_ops("pyattr")
+
+
+def register_ops(namespace: str) -> None:
+    """Fake implementations of ``namespace::<op>`` for the five backward ops, once per
+    namespace (``pyattr`` for the extension, ``pyattr_triton`` for the Triton backend's
+    custom ops, which share the schemas)."""
+    if namespace in _DONE:
         return
-    _DONE = True
+    _DONE.add(namespace)
     lib = torch.library
 
-    @lib.register_fake("pyattr::identity_backward")
+    @lib.register_fake(f"{namespace}::identity_backward")
     def _identity(x, dy, act):
         return _like(x)
 
-    @lib.register_fake("pyattr::half_backward")
+    @lib.register_fake(f"{namespace}::half_backward")
     def _half(u, v, dy):
         return _like(u), _like(v)
 
-    @lib.register_fake("pyattr::gated_backward")
+    @lib.register_fake(f"{namespace}::gated_backward")
     def _gated(gate, up, dh, act, identity, half):
         return _like(gate), _like(up)
 
-    @lib.register_fake("pyattr::layer_norm_backward")
+    @lib.register_fake(f"{namespace}::layer_norm_backward")
     def _layer_norm(x, weight, eps, dy, need_dweight, need_dbias):
         _check_norm(x, weight, dy)
         return _like(x), _param(x, weight, need_dweight), _param(x, weight, need_dbias)
 
-    @lib.register_fake("pyattr::rms_norm_backward")
+    @lib.register_fake(f"{namespace}::rms_norm_backward")
     def _rms_norm(x, weight, eps, offset, dy, need_dweight):
         _check_norm(x, weight, dy)
         return _like(x), _param(x, weight, need_dweight)

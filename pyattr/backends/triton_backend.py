@@ -1,11 +1,24 @@
 """``triton`` backend: the kernels of ``pyattr.kernels`` (CUDA tensors, or CPU tensors
 under ``TRITON_INTERPRET=1``). Custom activation callables and broadcasting Half-rule
-inputs run in the reference backend, as in the compiled backends."""
+inputs run in the reference backend, as in the compiled backends.
+
+Each kernel launcher is wrapped in a custom op ``pyattr_triton::<op>`` with the schema of
+the matching ``pyattr::<op>`` of the extension (activations as their kind string, empty
+tensors for parameter gradients not asked for). The dispatcher then unwraps batched
+tensors (``torch.vmap``, ``is_grads_batched``) through the batching rules of
+:mod:`pyattr.backends._vmap` before a kernel sees them, and ``torch.compile`` traces the
+calls through their fake implementations.
+"""
 
 from __future__ import annotations
 
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
 from pyattr.activations import Activation
-from pyattr.backends import reference
+from pyattr.backends import _fake, _vmap, reference
 from pyattr.backends.reference import promoted_dtype as _promoted
 
 rms_norm_forward = reference.rms_norm_forward
@@ -13,46 +26,89 @@ rms_norm_forward = reference.rms_norm_forward
 gated_forward = reference.gated_forward
 
 
+# --- the custom ops ---------------------------------------------------------------------
+
+@torch.library.custom_op("pyattr_triton::identity_backward", mutates_args=())
+def _identity_op(x: Tensor, dy: Tensor, act: str) -> Tensor:
+    from pyattr.kernels import identity
+
+    return identity.identity_backward(x, dy, act)
+
+
+@torch.library.custom_op("pyattr_triton::half_backward", mutates_args=())
+def _half_op(u: Tensor, v: Tensor, dy: Tensor) -> Tuple[Tensor, Tensor]:
+    from pyattr.kernels import half
+
+    return half.half_backward(u, v, dy)
+
+
+@torch.library.custom_op("pyattr_triton::gated_backward", mutates_args=())
+def _gated_op(gate: Tensor, up: Tensor, dh: Tensor, act: str, identity: bool, half: bool) -> Tuple[Tensor, Tensor]:
+    from pyattr.kernels import gated
+
+    return gated.gated_backward(gate, up, dh, act, identity, half)
+
+
+def _or_empty(t: Optional[Tensor], like: Tensor) -> Tensor:
+    return like.new_empty((0,)) if t is None else t
+
+
+@torch.library.custom_op("pyattr_triton::layer_norm_backward", mutates_args=())
+def _layer_norm_op(
+    x: Tensor, weight: Optional[Tensor], eps: float, dy: Tensor, need_dweight: bool, need_dbias: bool
+) -> Tuple[Tensor, Tensor, Tensor]:
+    from pyattr.kernels import layer_norm
+
+    dx, dw, db = layer_norm.layer_norm_backward(x, weight, eps, dy, need_dweight, need_dbias)
+    return dx, _or_empty(dw, x), _or_empty(db, x)
+
+
+@torch.library.custom_op("pyattr_triton::rms_norm_backward", mutates_args=())
+def _rms_norm_op(
+    x: Tensor, weight: Optional[Tensor], eps: float, offset: float, dy: Tensor, need_dweight: bool
+) -> Tuple[Tensor, Tensor]:
+    from pyattr.kernels import rms_norm
+
+    dx, dw = rms_norm.rms_norm_backward(x, weight, eps, offset, dy, need_dweight)
+    return dx, _or_empty(dw, x)
+
+
+_fake.register_ops("pyattr_triton")
+_vmap.register("pyattr_triton")
+
+
+# --- the backend functions --------------------------------------------------------------
+
 def identity_backward(x, dy, act: Activation):
     if act.kind == "custom":
         return reference.identity_backward(x, dy, act)
-    from pyattr.kernels import identity
-
     dt = _promoted(x, dy)
-    return identity.identity_backward(x.to(dt), dy.to(dt), act.kind).to(x.dtype)
+    return _identity_op(x.to(dt), dy.to(dt), act.kind).to(x.dtype)
 
 
 def half_backward(u, v, dy):
     if u.shape != dy.shape or v.shape != dy.shape or u.dtype != v.dtype:
         return reference.half_backward(u, v, dy)
-    from pyattr.kernels import half
-
     dt = _promoted(u, dy)
-    du, dv = half.half_backward(u.to(dt), v.to(dt), dy.to(dt))
+    du, dv = _half_op(u.to(dt), v.to(dt), dy.to(dt))
     return du.to(u.dtype), dv.to(v.dtype)
 
 
 def gated_backward(g, u, dh, act: Activation, identity: bool, half: bool):
     if act.kind == "custom":
         return reference.gated_backward(g, u, dh, act, identity, half)
-    from pyattr.kernels import gated
-
     dt = _promoted(g, u, dh)
-    dg, du = gated.gated_backward(g.to(dt), u.to(dt), dh.to(dt), act.kind, identity, half)
+    dg, du = _gated_op(g.to(dt), u.to(dt), dh.to(dt), act.kind, bool(identity), bool(half))
     return dg.to(g.dtype), du.to(u.dtype)
 
 
 def layer_norm_backward(x, weight, eps, dy, need_dweight, need_dbias):
-    from pyattr.kernels import layer_norm
-
     dt = _promoted(x, dy)
-    dx, dw, db = layer_norm.layer_norm_backward(x.to(dt), weight, eps, dy.to(dt), need_dweight, need_dbias)
-    return dx.to(x.dtype), dw, db
+    dx, dw, db = _layer_norm_op(x.to(dt), weight, float(eps), dy.to(dt), bool(need_dweight), bool(need_dbias))
+    return dx.to(x.dtype), (dw if need_dweight else None), (db if need_dbias else None)
 
 
 def rms_norm_backward(x, weight, eps, offset, dy, need_dweight):
-    from pyattr.kernels import rms_norm
-
     dt = _promoted(x, dy)
-    dx, dw = rms_norm.rms_norm_backward(x.to(dt), weight, eps, offset, dy.to(dt), need_dweight)
-    return dx.to(x.dtype), dw
+    dx, dw = _rms_norm_op(x.to(dt), weight, float(eps), float(offset), dy.to(dt), bool(need_dweight))
+    return dx.to(x.dtype), (dw if need_dweight else None)

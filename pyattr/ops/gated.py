@@ -10,14 +10,20 @@ from pyattr.activations import Activation, resolve_activation
 
 
 class GatedActivationFunction(torch.autograd.Function):
-    """Saves ``gate`` and ``up`` only; ``act(gate)`` and φ are recomputed in the backward."""
+    """Saves ``gate`` and ``up`` only; ``act(gate)`` and φ are recomputed in the backward.
+    Vmappable."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, gate, up, act: Activation, identity: bool, half: bool):
-        ctx.act, ctx.identity, ctx.half = act, identity, half
-        ctx.save_for_backward(gate, up)
+    def forward(gate, up, act: Activation, identity: bool, half: bool):
         a = act.fn(gate.clone()) if act.kind == "custom" else act.fn(gate)
         return a * up
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        gate, up, ctx.act, ctx.identity, ctx.half = inputs
+        ctx.save_for_backward(gate, up)
 
     @staticmethod
     def backward(ctx, dh):

@@ -12,16 +12,22 @@ from pyattr._validation import check_eps, check_float, check_has_hidden, check_n
 
 
 class LayerNormRuleFunction(torch.autograd.Function):
-    """Saves ``x`` and ``weight``; μ and σ are recomputed in the backward."""
+    """Saves ``x`` and ``weight``; μ and σ are recomputed in the backward. Vmappable (the
+    batching rule of the backward op gives ``dweight``/``dbias`` per example)."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps: float, native: Optional[Callable]):
-        ctx.eps = eps
-        ctx.has_bias = bias is not None
-        ctx.save_for_backward(x, weight)
+    def forward(x, weight, bias, eps: float, native: Optional[Callable]):
         if native is not None:
             return native(x)
         return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, ctx.eps, _ = inputs
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x, weight)
 
     @staticmethod
     def backward(ctx, dy):

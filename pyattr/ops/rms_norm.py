@@ -12,16 +12,22 @@ from pyattr._validation import check_eps, check_float, check_has_hidden, check_n
 
 
 class RMSNormRuleFunction(torch.autograd.Function):
-    """Saves ``x`` and ``weight``; r is recomputed in the backward."""
+    """Saves ``x`` and ``weight``; r is recomputed in the backward. Vmappable (the
+    batching rule of the backward op gives ``dweight`` per example)."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, x, weight, eps: float, offset: float, native: Optional[Callable]):
-        ctx.eps, ctx.offset = eps, offset
-        ctx.save_for_backward(x, weight)
+    def forward(x, weight, eps: float, offset: float, native: Optional[Callable]):
         if native is not None:
             return native(x)
         impl = backends.implementation(x.device, "rms_norm")
         return impl.rms_norm_forward(x, weight, eps, offset)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, ctx.eps, ctx.offset, _ = inputs
+        ctx.save_for_backward(x, weight)
 
     @staticmethod
     def backward(ctx, dy):

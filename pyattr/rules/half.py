@@ -10,15 +10,21 @@ import torch
 
 from pyattr import backends
 from pyattr._validation import check_broadcast, check_float, check_same_device
+from pyattr.backends._vmap import sum_to
 
 
 class HalfRuleFunction(torch.autograd.Function):
-    """Saves ``u`` and ``v`` (each is the other's gradient factor)."""
+    """Saves ``u`` and ``v`` (each is the other's gradient factor). Vmappable."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(u, v)
+    def forward(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return u * v
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -26,8 +32,8 @@ class HalfRuleFunction(torch.autograd.Function):
         impl = backends.backward_implementation(dy.device, "half")
         du, dv = impl.half_backward(u, v, dy)
         # Broadcasting in the forward is undone by summing over the expanded dimensions.
-        du = du.sum_to_size(u.shape) if ctx.needs_input_grad[0] else None
-        dv = dv.sum_to_size(v.shape) if ctx.needs_input_grad[1] else None
+        du = sum_to(du, u.shape) if ctx.needs_input_grad[0] else None
+        dv = sum_to(dv, v.shape) if ctx.needs_input_grad[1] else None
         return du, dv
 
 

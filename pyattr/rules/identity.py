@@ -14,14 +14,20 @@ from pyattr.activations import Activation, resolve_activation
 
 
 class IdentityRuleFunction(torch.autograd.Function):
-    """Saves ``x`` only; φ is recomputed from it in the backward."""
+    """Saves ``x`` only; φ is recomputed from it in the backward. Vmappable: the forward
+    and backward are batched as they stand (the backward's kernels have batching rules)."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, act: Activation) -> torch.Tensor:
-        ctx.act = act
-        ctx.save_for_backward(x)
+    def forward(x: torch.Tensor, act: Activation) -> torch.Tensor:
         # a custom callable may work in place; the saved x must stay the input
         return act.fn(x.clone()) if act.kind == "custom" else act.fn(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, ctx.act = inputs
+        ctx.save_for_backward(x)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):

@@ -13,25 +13,32 @@ import torch
 
 from pyattr import backends
 from pyattr._validation import check_broadcast, check_eps, check_float, check_has_hidden, check_norm_param, check_same_device
+from pyattr.backends._vmap import sum_to
 
 
 class LNRuleFunction(torch.autograd.Function):
-    """``num / denom`` with no gradient to ``denom``. Saves ``denom`` only."""
+    """``num / denom`` with no gradient to ``denom``. Saves ``denom`` only. Vmappable."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, num: torch.Tensor, denom: Union[torch.Tensor, float]) -> torch.Tensor:
+    def forward(num: torch.Tensor, denom: Union[torch.Tensor, float]) -> torch.Tensor:
+        return num / denom
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        num, denom = inputs
         if isinstance(denom, torch.Tensor):
             ctx.save_for_backward(denom)
             ctx.denom = None
         else:
             ctx.denom = denom
         ctx.num_shape = num.shape
-        return num / denom
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         denom = ctx.saved_tensors[0] if ctx.denom is None else ctx.denom
-        dnum = (dy / denom).sum_to_size(ctx.num_shape) if ctx.needs_input_grad[0] else None
+        dnum = sum_to(dy / denom, ctx.num_shape) if ctx.needs_input_grad[0] else None
         return dnum, None
 
 

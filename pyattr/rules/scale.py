@@ -12,21 +12,27 @@ from typing import Union
 import torch
 
 from pyattr._validation import check_float, check_same_device
+from pyattr.backends._vmap import sum_to
 
 
 class ScaleGradientFunction(torch.autograd.Function):
-    """Saves nothing but the (small) scale."""
+    """Saves nothing but the (small) scale. Vmappable."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: Union[float, torch.Tensor]) -> torch.Tensor:
-        ctx.scale = scale
+    def forward(x: torch.Tensor, scale: Union[float, torch.Tensor]) -> torch.Tensor:
         return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.scale = inputs[1]
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         c = ctx.scale
         if isinstance(c, torch.Tensor):
-            return (dy * c.to(dy.dtype)).sum_to_size(dy.shape), None
+            return sum_to(dy * c.to(dy.dtype), dy.shape), None
         return dy * c, None
 
 
