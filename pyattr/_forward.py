@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import inspect
+import operator
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 
@@ -327,11 +328,16 @@ def rule_defaults(rules: Optional[RelevanceRules]) -> RelevanceRules:
 
 
 def check_count(name: str, value, allow_none: bool = True) -> Optional[int]:
+    """A count ≥ 1: Python, NumPy or 0-d tensor integers (``operator.index``), not bools."""
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    try:
+        n = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        n = None
+    if n is None or n < 1:
         raise ValueError(f"{name} must be an int ≥ 1, got {value!r}")
-    return value
+    return n
 
 
 def select_rows(prep: "Prepared", idx: torch.Tensor) -> "Prepared":

@@ -187,8 +187,8 @@ def integrated_gradients(
         RuntimeError: a call under ``torch.inference_mode()``.
     """
     check_target_type(target)
-    F.check_count("n_steps", n_steps, allow_none=False)
-    F.check_count("internal_batch_size", internal_batch_size)
+    n_steps = F.check_count("n_steps", n_steps, allow_none=False)
+    internal_batch_size = F.check_count("internal_batch_size", internal_batch_size)
     if attribute_to_layer_input and layer is None:
         raise ValueError("attribute_to_layer_input=True needs layer: without it the attribution is at the input embeddings")
     alphas, weights = path_points(method, n_steps)

@@ -221,7 +221,7 @@ def layer_relevance(
         RuntimeError: a call under ``torch.inference_mode()``.
     """
     check_target_type(target)
-    F.check_count("internal_batch_size", internal_batch_size)
+    internal_batch_size = F.check_count("internal_batch_size", internal_batch_size)
     F.check_grad_mode("layer_relevance")
     # the layers first: a shorthand on an unmapped model names itself, before the search
     # for the embedding entry (which such a model may not have) can fail less clearly

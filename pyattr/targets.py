@@ -238,6 +238,18 @@ class LogitDiff(Target):
 Selector = Union[None, int, Tuple[Union[int, slice], ...], Callable]
 
 
+def _mask_padding(out: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """``out`` with 0 at padded positions, when it is laid out ``(batch, seq, …)`` like the
+    mask: the hidden states a pad token produces are not part of the row alone."""
+    if mask is None or out.dim() < 2 or tuple(out.shape[:2]) != tuple(mask.shape):
+        return out
+    keep = mask.to(device=out.device, dtype=torch.bool)
+    if bool(keep.all()):
+        return out
+    keep = keep.view(*keep.shape, *([1] * (out.dim() - 2)))
+    return torch.where(keep, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
 class ModuleOutput(Target):
     """A module's output, or a neuron of it: tdhook's target modules, Captum's neuron selector.
 
@@ -250,6 +262,11 @@ class ModuleOutput(Target):
             (``out[:, *select]``), or a callable ``f(out) → Tensor``. What it selects is
             summed per row, so the target is ``Tensor[batch]``. A neuron ``j`` of the hidden
             size at position ``p``: ``select=(p, j)``; at every position: ``(slice(None), j)``.
+
+    Padding: where the output is laid out ``(batch, seq, …)`` like the attention mask, the
+    selector sees 0 at the positions the mask marks as padding (as positions, ``p ≥ 0``
+    counts every column), so a padded row explains the same value as the row alone and
+    its pad tokens get no relevance.
     """
 
     def __init__(self, path: str, select: Selector = None):
@@ -269,6 +286,7 @@ class ModuleOutput(Target):
         out = fwd.modules.get(self.path)
         if out is None:
             raise ValueError(f"target: module {self.path!r} did not run during the forward pass")
+        out = _mask_padding(out, fwd.attention_mask)
         if callable(self.select):
             sel = self.select(out)
             if not isinstance(sel, torch.Tensor):
@@ -313,7 +331,7 @@ class _Callable(Target):
         if torch.is_grad_enabled() and not t.requires_grad:
             raise ValueError(
                 "target: the callable's value does not depend on the model output through "
-                "differentiable operations (detached, .item(), argmax, …), so every relevance would be 0"
+                "differentiable operations (detached, .item(), argmax, …), so every attribution would be 0"
             )
         return t, None
 
