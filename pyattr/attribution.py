@@ -61,25 +61,20 @@ def check_target_type(target) -> None:
 
 
 def evaluate_targets(targets: List[T.Target], fwd: T._Forward, several: bool):
-    """``(values, ids)``: values ``Tensor[batch]`` / ``Tensor[]`` (``(k, batch)`` when
-    ``several``), ids like that or None."""
+    """``(values, ids, fixed)``: values ``Tensor[batch]`` / ``Tensor[]`` (``(k, batch)``
+    when ``several``); ids like that when every target is a logit, else None; ``fixed``
+    the targets with the token ids chosen here (top-1) kept, for the baseline and path
+    passes, which must explain the token chosen at the real input."""
     vals, ids = zip(*(t.value(fwd) for t in targets))
+    fixed = [t.fixed(i) for t, i in zip(targets, ids)]
     if not several:
-        return vals[0], ids[0]
+        return vals[0], ids[0], fixed
     batch = fwd.input_ids.shape[0]
     for v in vals:
         if v.dim() != 1 or v.shape[0] != batch:
             raise ValueError(f"target: each of k targets must give one value per batch row ({batch},), got shape {tuple(v.shape)}")
     tid = torch.stack(ids) if all(i is not None for i in ids) else None
-    return torch.stack(vals), tid
-
-
-def fixed_targets(targets: List[T.Target], ids) -> List[T.Target]:
-    if ids is None:
-        return targets
-    if len(targets) == 1 and ids.dim() == 1:
-        return [targets[0].fixed(ids)]
-    return [t.fixed(i) for t, i in zip(targets, ids)]
+    return torch.stack(vals), tid, fixed
 
 
 def check_grad_outputs(grad_outputs, value: torch.Tensor) -> torch.Tensor:
@@ -192,7 +187,7 @@ def baseline_forward(model, prep: F.Prepared, baseline, x: torch.Tensor, targets
     with torch.no_grad(), F.tap(prep.entry, prep.where, entry_fn, once=True), F.taps(extra_pairs, fn_for), \
             F.record_modules(model, T.module_paths(targets), store):
         fwd = run_model(model, prep, targets, store, kwargs)
-        value, _ = evaluate_targets(targets, fwd, len(targets) > 1)
+        value, _, _ = evaluate_targets(targets, fwd, len(targets) > 1)
     if "x0" not in seen:
         raise RuntimeError("the embedding entry point was not reached during the baseline forward pass")
     if early:
@@ -316,14 +311,14 @@ def relevance(
         if not xs:
             raise RuntimeError("the embedding entry point was not reached during the forward pass")
         x = xs[0]
-        value, tid = evaluate_targets(tgts, fwd, several)
+        value, tid, fixed = evaluate_targets(tgts, fwd, several)
         go = check_grad_outputs(grad_outputs, value)
         base = check_baseline(baseline, x)
         (grad,) = backward(value, [x], go, several)
         backend_name = backends.select(x.device, "identity")
         del fwd, store
         if base is not None:
-            x0, f0, _ = baseline_forward(model, prep, base, x, fixed_targets(tgts, tid))
+            x0, f0, _ = baseline_forward(model, prep, base, x, fixed)
     xd = x.detach()
     diff = xd if base is None else xd - x0
     rel = diff.float() * grad.float()

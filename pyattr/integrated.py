@@ -23,9 +23,9 @@ from pyattr import targets as T
 from pyattr.attribution import (
     baseline_forward,
     check_baseline,
+    check_grad_outputs,
     check_target_type,
     evaluate_targets,
-    fixed_targets,
     leaf,
     run_model,
 )
@@ -131,6 +131,7 @@ def integrated_gradients(
     method: str = "gausslegendre",
     internal_batch_size: Optional[int] = None,
     multiply_by_inputs: bool = True,
+    grad_outputs=None,
     rules: Optional[RelevanceRules] = None,
     layer: Optional[str] = None,
     attribute_to_layer_input: bool = False,
@@ -163,6 +164,9 @@ def integrated_gradients(
         internal_batch_size (int, optional): rows per forward/backward among the
             ``n_steps × batch`` path points (Captum's meaning); peak memory follows it,
             not ``n_steps``. Results equal the unchunked run. Default: all at once.
+        grad_outputs (Tensor[batch], optional): per-row weights of the target, the
+            initial gradient of every path point (tdhook's ``init_attr_grads``); the
+            delta is then taken against ``w · (f(x) − f(x₀))``. Default ones.
         multiply_by_inputs (bool): multiply the integrated gradient by ``x − x₀``
             (global attribution); False gives the integrated gradient alone. Default True.
         rules (RelevanceRules, optional): Default: every rule off (plain gradients, as
@@ -224,18 +228,18 @@ def integrated_gradients(
         with torch.no_grad(), F.tap(prep.entry, prep.where, entry_fn, once=True), F.taps(pairs, act_fn), \
                 F.record_modules(model, T.module_paths(tgts), store):
             fwd = run_model(model, prep, tgts, store)
-            value, tid = evaluate_targets(tgts, fwd, False)
+            value, tid, fixed = evaluate_targets(tgts, fwd, False)
         del fwd, store
         if "x" not in seen:
             raise RuntimeError("the embedding entry point was not reached during the forward pass")
         if value.dim() != 1:
             raise ValueError("target: integrated_gradients needs one target value per row, got a scalar")
+        go = check_grad_outputs(grad_outputs, value)
         x = seen["x"]
         if layer is not None and len(seen.get("acts", [])) != 1:
             raise ValueError(f"layer: {layer!r} ran {len(seen.get('acts', []))} times in one forward pass; layer IG needs one call")
         # None is Captum's default, zeros (check_baseline's None means "no baseline": x₀ = x)
         base = check_baseline("zeros" if baseline is None else baseline, x)
-        fixed = fixed_targets(tgts, tid)
         x0, f0, acts0 = baseline_forward(model, prep, base, x, fixed, pairs, [layer] if layer else [])
         end = seen["acts"][0] if layer is not None else x
         start = acts0[0] if layer is not None else x0
@@ -252,7 +256,7 @@ def integrated_gradients(
                 p = torch.arange(lo, min(lo + chunk, n_points))
                 rows, steps = p % batch, p // batch
                 total.index_add_(0, rows.to(end.device), _chunk_grads(
-                    model, prep, pairs, fixed, rows, batch, start, end, alpha_t[steps.to(end.device)],
+                    model, prep, pairs, fixed, rows, batch, start, end, alpha_t[steps.to(end.device)], go[rows.to(go.device)],
                 ) * w_t[steps.to(end.device)].view(-1, *([1] * (end.dim() - 1))))
                 progress.advance(int(p[-1]) + 1)
         finally:
@@ -260,7 +264,7 @@ def integrated_gradients(
     diff = (end - start).double()
     attr64 = total * diff if multiply_by_inputs else total
     t64 = value.detach().double()
-    delta = attr64.flatten(1).sum(1) - (t64 - f0)
+    delta = attr64.flatten(1).sum(1) - go.detach().double() * (t64 - f0)
     attr = attr64.float()
     tok = attr.sum(-1) if attr.dim() == 3 else None
     return AttributionResult(
@@ -276,7 +280,7 @@ def integrated_gradients(
     )
 
 
-def _chunk_grads(model, prep, pairs, fixed, rows, batch, start, end, alphas) -> torch.Tensor:
+def _chunk_grads(model, prep, pairs, fixed, rows, batch, start, end, alphas, go) -> torch.Tensor:
     """Gradients (float64) at the path points of one chunk: row ``rows[j]`` at ``alphas[j]``."""
     dev = end.device
     r = rows.to(dev)
@@ -294,10 +298,10 @@ def _chunk_grads(model, prep, pairs, fixed, rows, batch, start, end, alphas) -> 
 
     where_mod, where = pairs[0] if pairs else (prep.entry, prep.where)
     with F.tap(where_mod, where, replace, once=True), F.record_modules(model, T.module_paths(tg), store):
-        value, _ = evaluate_targets(tg, run_model(model, sub, tg, store, keep_logits=True), False)
+        value, _, _ = evaluate_targets(tg, run_model(model, sub, tg, store, keep_logits=True), False)
     if not value.requires_grad:
         raise ValueError("target: the explained value does not depend on the inputs, so every attribution would be 0")
-    (g,) = torch.autograd.grad(value.sum(), points, allow_unused=True)
+    (g,) = torch.autograd.grad(value, points, go.to(value.dtype), allow_unused=True)
     if g is None:
         raise ValueError("target: the explained value does not depend on the inputs, so every attribution would be 0")
     return g.double()

@@ -25,7 +25,6 @@ from pyattr.attribution import (
     check_grad_outputs,
     check_target_type,
     evaluate_targets,
-    fixed_targets,
     leaf,
     run_model,
 )
@@ -35,13 +34,16 @@ from pyattr.integration.scope import model_type_of
 
 SHORTHANDS = ("residual", "attention", "mlp", "neurons")
 
-# block-relative paths: attention block, MLP block, and the module whose input is the
-# MLP's hidden activation (act(g)·u for gated MLPs, act(x) otherwise)
+# block-relative paths: the attention block's and the MLP block's contribution to the
+# residual stream, and (module, "input" | "output") holding the MLP hidden activation
+# (act(g)·u for gated MLPs, act(x) otherwise). BERT is post-norm: its BertAttention /
+# BertOutput return LayerNorm(sublayer + residual), so the contributions are the dense
+# projections before the residual add.
 _PARTS = {
-    "llama": ("self_attn", "mlp", "mlp.down_proj"),
-    "gpt2": ("attn", "mlp", "mlp.c_proj"),
-    "gpt_neox": ("attention", "mlp", "mlp.dense_4h_to_h"),
-    "bert": ("attention", "output", "output.dense"),
+    "llama": ("self_attn", "mlp", ("mlp.down_proj", "input")),
+    "gpt2": ("attn", "mlp", ("mlp.c_proj", "input")),
+    "gpt_neox": ("attention", "mlp", ("mlp.dense_4h_to_h", "input")),
+    "bert": ("attention.output.dense", "output.dense", ("intermediate", "output")),
 }
 for _name in ("mistral", "qwen2", "qwen3", "gemma", "gemma2"):
     _PARTS[_name] = _PARTS["llama"]
@@ -127,9 +129,10 @@ def expand_layers(model: nn.Module, layers, attribute_to_layer_input: bool = Fal
     """Dotted paths and shorthands → the layers, in model order, each once.
 
     ``"residual"``: every block's input and the final norm's input (the residual stream);
-    ``"attention"`` / ``"mlp"``: every block's attention / MLP output; ``"neurons"``: the
-    MLP's hidden activation (the input of its down projection). Dotted paths follow
-    ``attribute_to_layer_input``.
+    ``"attention"`` / ``"mlp"``: every block's attention / MLP output (BERT: their dense
+    output projections, before the residual add and the LayerNorm); ``"neurons"``: the
+    MLP's hidden activation (the input of its down projection; BERT: the
+    ``intermediate`` output). Dotted paths follow ``attribute_to_layer_input``.
     """
     if isinstance(layers, str):
         layers = [layers]
@@ -138,7 +141,7 @@ def expand_layers(model: nn.Module, layers, attribute_to_layer_input: bool = Fal
     out: List[_Layer] = []
     for item in layers:
         if item in SHORTHANDS:
-            arch, blocks, (attn, mlp, down) = _blocks(model, item)
+            arch, blocks, (attn, mlp, (neurons, neurons_where)) = _blocks(model, item)
             if item == "residual":
                 out += [_Layer(b, model.get_submodule(b), "input", True) for b in blocks]
                 final = [n for n in arch.outer_norms if n != "embeddings.LayerNorm"]
@@ -146,8 +149,8 @@ def expand_layers(model: nn.Module, layers, attribute_to_layer_input: bool = Fal
                     p = A.join(A.base_prefix(model), n)
                     out.append(_Layer(p, model.get_submodule(p), "input", True))
             else:
-                rel = {"attention": attn, "mlp": mlp, "neurons": down}[item]
-                where = "input" if item == "neurons" else "output"
+                rel = {"attention": attn, "mlp": mlp, "neurons": neurons}[item]
+                where = neurons_where if item == "neurons" else "output"
                 for b in blocks:
                     p = f"{b}.{rel}"
                     out.append(_Layer(p, F.resolve_module(model, p, "layers"), where))
@@ -320,7 +323,7 @@ def _layer_pass(model, prep, lays, tgts, several, rules, generic, baseline, grad
                     f"layers: {lay.path!r} ran {len(c)} times in one forward pass; layer_relevance needs a "
                     "module that runs once (use pyattr.capture for every call)"
                 )
-        value, tid = evaluate_targets(tgts, fwd, several)
+        value, tid, fixed = evaluate_targets(tgts, fwd, several)
         go = check_grad_outputs(grad_outputs, value)
         x = xs[0]
         base = check_baseline(baseline, x)
@@ -330,7 +333,7 @@ def _layer_pass(model, prep, lays, tgts, several, rules, generic, baseline, grad
         f0 = None
         if base is not None:
             _, f0, acts0 = baseline_forward(
-                model, prep, base, x, fixed_targets(tgts, tid), pairs, [lay.path for lay in lays]
+                model, prep, base, x, fixed, pairs, [lay.path for lay in lays]
             )
     t64 = value.detach().double()
     w = go.detach().double()

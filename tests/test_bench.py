@@ -247,6 +247,9 @@ def test_check_tool_one_line_errors(tmp_path):
         (["--json", ""], "--json needs a file path"),
         (["--json", "/nonexistent/dir/x.json"], "--json: cannot write"),
         (["--e2e", "--layers", "-1"], "--layers must be >= 1"),
+        (["--e2e", "--targets", "-1"], "--targets must be >= 0"),
+        (["--ig-memory", "--chunk", "0"], "--chunk must be >= 1"),
+        (["--e2e", "--conservation"], "--e2e, --conservation and --ig-memory are separate runs"),
     ],
 )
 def test_cli_bench_bad_arguments(args, msg):

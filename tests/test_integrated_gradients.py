@@ -453,3 +453,16 @@ def test_pad_baseline_needs_pad_token_id(llama, monkeypatch):
         pyattr.integrated_gradients(llama, IDS, TOKEN, baseline="pad", n_steps=2)
     with pytest.raises(ValueError, match=r"baseline='pad'"):
         pyattr.integrated_gradients(llama, IDS, TOKEN, baseline="pad", n_steps=2, layer="model.layers.1")
+
+
+def test_grad_outputs_weight_each_row(llama):
+    """``grad_outputs`` w weights each row's target: the attribution scales by w per row
+    and the delta is taken against w·(f(x) − f(x₀))."""
+    ids = torch.randint(1, 96, (2, 5), generator=torch.Generator().manual_seed(4))
+    w = torch.tensor([2.0, -0.5])
+    ref = pyattr.integrated_gradients(llama, ids, target=7, baseline="pad", n_steps=8)
+    r = pyattr.integrated_gradients(llama, ids, target=7, baseline="pad", n_steps=8, grad_outputs=w)
+    torch.testing.assert_close(r.attribution, ref.attribution * w[:, None, None], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(r.convergence_delta, ref.convergence_delta * w.double(), rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match=r"grad_outputs of shape \(3,\) must match the target's shape \(2,\)"):
+        pyattr.integrated_gradients(llama, ids, target=7, n_steps=2, grad_outputs=torch.ones(3))

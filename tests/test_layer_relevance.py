@@ -94,9 +94,12 @@ def test_result_fields_and_model_order(llama):
         ("gpt2", ["transformer.h.0", "transformer.h.0.attn", "transformer.h.0.mlp", "transformer.h.0.mlp.c_proj",
                   "transformer.h.1", "transformer.h.1.attn", "transformer.h.1.mlp", "transformer.h.1.mlp.c_proj",
                   "transformer.ln_f"]),
-        ("bert", ["bert.encoder.layer.0", "bert.encoder.layer.0.attention", "bert.encoder.layer.0.output",
-                  "bert.encoder.layer.0.output.dense", "bert.encoder.layer.1", "bert.encoder.layer.1.attention",
-                  "bert.encoder.layer.1.output", "bert.encoder.layer.1.output.dense"]),
+        # post-norm: the sublayers' dense projections (before residual + LayerNorm); neurons
+        # are the intermediate activation
+        ("bert", ["bert.encoder.layer.0", "bert.encoder.layer.0.attention.output.dense",
+                  "bert.encoder.layer.0.intermediate", "bert.encoder.layer.0.output.dense", "bert.encoder.layer.1",
+                  "bert.encoder.layer.1.attention.output.dense", "bert.encoder.layer.1.intermediate",
+                  "bert.encoder.layer.1.output.dense"]),
     ],
 )
 def test_shorthands_on_other_architectures(arch, expected):
@@ -105,7 +108,7 @@ def test_shorthands_on_other_architectures(arch, expected):
     assert r.paths == expected
     hidden = 64 if arch == "bert" else 128  # intermediate size (GPT-2: 4 × n_embd)
     for p in expected:
-        assert r[p].activation.shape[-1] == (hidden if p.endswith(("c_proj", "output.dense")) else 32)
+        assert r[p].activation.shape[-1] == (hidden if p.endswith(("c_proj", "intermediate")) else 32)
 
 
 def test_neurons_are_the_gated_mlp_activation(llama):
@@ -470,14 +473,38 @@ def test_shorthand_on_unmapped_model_type(llama, monkeypatch):
         pyattr.layer_relevance(llama, _ids(), "residual", target=3)
 
 
-@pytest.mark.xfail(strict=True, reason="rules all off on an unmapped model_type raises "
-                   "RelevanceRuleUnsupportedError in attribution_pass (DESIGN §7: rules off work on any architecture)")
 def test_rules_off_on_unmapped_model_type(llama, monkeypatch):
+    # DESIGN §7: with every rule off there is nothing to install, so any architecture works
     ids = _ids()
     ref = pyattr.layer_relevance(llama, ids, "model.layers.1", target=3, rules=OFF)
     monkeypatch.setattr(llama.config, "model_type", "llama_unmapped")
     r = pyattr.layer_relevance(llama, ids, "model.layers.1", target=3, rules=OFF)
     assert torch.equal(r["model.layers.1"].relevance, ref["model.layers.1"].relevance)
+    with pytest.raises(pyattr.RelevanceRuleUnsupportedError, match="has no rule map"):
+        pyattr.layer_relevance(llama, ids, "model.layers.1", target=3)
+
+
+def test_rules_off_on_an_architecture_without_a_rule_map():
+    import transformers as T
+
+    torch.manual_seed(0)
+    cfg = T.OPTConfig(vocab_size=96, hidden_size=32, ffn_dim=48, num_hidden_layers=2, num_attention_heads=4,
+                      max_position_embeddings=64, word_embed_proj_dim=32)
+    opt = T.OPTForCausalLM(cfg).eval()
+    ids = torch.randint(0, 96, (2, 6))
+    r = pyattr.layer_relevance(opt, ids, "model.decoder.layers.1", target=3, rules=OFF)
+    emb = opt.get_input_embeddings()(ids).detach().requires_grad_()
+    acts = {}
+    h = opt.model.decoder.layers[1].register_forward_hook(lambda m, a, o: acts.setdefault("o", o[0] if isinstance(o, tuple) else o))
+    try:
+        out = opt(inputs_embeds=emb).logits[:, -1, 3].sum()
+        (g,) = torch.autograd.grad(out, acts["o"])
+    finally:
+        h.remove()
+    torch.testing.assert_close(r["model.decoder.layers.1"].gradient, g, rtol=1e-5, atol=1e-7)
+    rel = pyattr.relevance(opt, ids, target=3, rules=OFF)
+    (ge,) = torch.autograd.grad(opt(inputs_embeds=emb).logits[:, -1, 3].sum(), emb)
+    torch.testing.assert_close(rel.relevance, (emb * ge).detach(), rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize(

@@ -445,3 +445,17 @@ def test_top1_target_is_fixed_for_the_baseline(llama):
 def test_baseline_errors(llama, baseline, exc, msg):
     with pytest.raises(exc, match=msg):
         pyattr.relevance(llama, _ids(), target=3, baseline=baseline)
+
+
+def test_top1_token_is_fixed_per_target_at_the_baseline(llama):
+    """In a list mixing a top-1 logit with a module target, the baseline pass explains the
+    token chosen at the real input for the logit target (not the baseline's own top-1)."""
+    ids = _ids()
+    x0 = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(3))
+    r = pyattr.relevance(llama, ids, target=[Logit(None), ModuleOutput("model.norm")], baseline=x0)
+    top1 = llama(ids).logits[:, -1].argmax(-1)
+    assert r.target_ids is None  # not every target is a logit
+    base_logits = llama(inputs_embeds=x0).logits[:, -1]
+    torch.testing.assert_close(r.baseline_target[0], base_logits.gather(1, top1[:, None])[:, 0].double(),
+                               rtol=1e-6, atol=1e-6)
+    assert not torch.equal(top1, base_logits.argmax(-1))  # the case where the bug showed

@@ -5,7 +5,9 @@ Variants, each measured for wall time and peak memory:
 * ``plain``   forward + backward of the target to the input embeddings, no rules;
 * ``pyattr``  :func:`pyattr.relevance` with all four rules and the best backend;
 * ``unfused`` the same four rules written as separate PyTorch ops (TransformerLens /
-  LXT style, :mod:`pyattr.bench.unfused`), same target, same input.
+  LXT style, :mod:`pyattr.bench.unfused`), same target, same input;
+* ``k_targets`` :func:`pyattr.relevance` of k next-token logits in one call (one
+  forward, one batched backward), and ``k_calls`` the same k targets as k calls.
 
 On CPU each variant runs in its own process and its peak memory is that process's
 peak resident set size (model weights included, the same for every variant); on CUDA it
@@ -35,6 +37,7 @@ SIZES = {
                  num_key_value_heads=4, seq=4096),
 }
 VARIANTS = ("plain", "pyattr", "unfused")
+K_VARIANTS = ("k_targets", "k_calls")
 
 
 def build_model(device: str, dtype: torch.dtype, layers: int = None):
@@ -88,11 +91,16 @@ def unfused_rules(model):
             del mod.__dict__["forward"]
 
 
-def one_pass(model, variant: str, ids: torch.Tensor, target: int):
+def one_pass(model, variant: str, ids: torch.Tensor, target: int, k: int = 8):
     import pyattr
 
     if variant == "pyattr":
         return pyattr.relevance(model, ids, target=target).token_relevance
+    if variant == "k_targets":
+        tk = torch.arange(target, target + k, device=ids.device).expand(ids.shape[0], k)
+        return pyattr.relevance(model, ids, target=tk).token_relevance
+    if variant == "k_calls":
+        return torch.stack([pyattr.relevance(model, ids, target=target + j).token_relevance for j in range(k)])
     emb = model.get_input_embeddings()(ids).detach().requires_grad_(True)
     ctx = unfused_rules(model) if variant == "unfused" else contextlib.nullcontext()
     with ctx:
@@ -101,7 +109,7 @@ def one_pass(model, variant: str, ids: torch.Tensor, target: int):
     return (emb * g).sum(-1)
 
 
-def saved_activation_bytes(model, variant: str, ids, target: int) -> int:
+def saved_activation_bytes(model, variant: str, ids, target: int, k: int = 8) -> int:
     """Bytes autograd keeps for the backward in one pass: distinct saved storages that are
     not model parameters (those exist anyway)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -114,15 +122,15 @@ def saved_activation_bytes(model, variant: str, ids, target: int) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        one_pass(model, variant, ids, target)
+        one_pass(model, variant, ids, target, k)
     return sum(seen.values())
 
 
-def measure(device: str, dtype: torch.dtype, variant: str, repeats: int, layers: int = None) -> Dict:
+def measure(device: str, dtype: torch.dtype, variant: str, repeats: int, layers: int = None, k: int = 8) -> Dict:
     model, seq = build_model(device, dtype, layers)
     ids = torch.randint(0, 32000, (1, seq), generator=torch.Generator().manual_seed(1)).to(device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    saved = saved_activation_bytes(model, variant, ids, 5)  # also the warm-up
+    saved = saved_activation_bytes(model, variant, ids, 5, k)  # also the warm-up
     sync()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -130,12 +138,13 @@ def measure(device: str, dtype: torch.dtype, variant: str, repeats: int, layers:
     ts = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        one_pass(model, variant, ids, 5)
+        one_pass(model, variant, ids, 5, k)
         sync()
         ts.append(time.perf_counter() - t0)
     peak = (torch.cuda.max_memory_allocated() - base) if device == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {
         "variant": variant,
+        "k": k if variant in K_VARIANTS else 1,
         "dtype": str(dtype).replace("torch.", ""),
         "device": device,
         "seq": seq,
@@ -154,20 +163,23 @@ class E2EError(RuntimeError):
     """A measurement process failed; the message carries the end of its stderr."""
 
 
-def run_all(device: str, dtypes: List[torch.dtype], repeats: int, layers: int = None, progress=None) -> List[Dict]:
+def run_all(device: str, dtypes: List[torch.dtype], repeats: int, layers: int = None, progress=None,
+            k: int = 8) -> List[Dict]:
+    """Every variant per dtype; ``k`` targets for the k-target pair (0: skip the pair)."""
     rows = []
+    variants = VARIANTS + (K_VARIANTS if k else ())
     for dt in dtypes:
-        for v in VARIANTS:
+        for v in variants:
             if device == "cpu":  # one process per variant: peak RSS cannot be reset in-process
                 cmd = [sys.executable, "-m", "pyattr.bench.e2e", "--child", v, "--dtype", str(dt).replace("torch.", ""),
-                       "--repeats", str(repeats)] + (["--layers", str(layers)] if layers else [])
+                       "--repeats", str(repeats), "--k", str(k)] + (["--layers", str(layers)] if layers else [])
                 out = subprocess.run(cmd, capture_output=True, text=True)
                 if out.returncode != 0:
                     tail = " ".join(out.stderr.strip().splitlines()[-1:]) or f"exit status {out.returncode}"
                     raise E2EError(f"e2e variant {v!r} ({dt}) failed: {tail}")
                 rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
             else:
-                rows.append(measure(device, dt, v, repeats, layers))
+                rows.append(measure(device, dt, v, repeats, layers, k))
             if progress:
                 progress()
     return rows
@@ -178,6 +190,14 @@ def ratios(rows: List[Dict]) -> List[Dict]:
     for dt in sorted({r["dtype"] for r in rows}):
         by = {r["variant"]: r for r in rows if r["dtype"] == dt}
         a, b, c = by["plain"], by["pyattr"], by["unfused"]
+        extra = {}
+        if "k_targets" in by and "k_calls" in by:
+            kt, kc = by["k_targets"], by["k_calls"]
+            extra = {
+                "k": kt["k"],
+                "time_k_targets_over_k_calls": kt["median_s"] / kc["median_s"],
+                "peak_k_targets_over_k_calls": kt["peak_bytes"] / kc["peak_bytes"],
+            }
         out.append({
             "dtype": dt,
             "time_pyattr_over_plain": b["median_s"] / a["median_s"],
@@ -186,6 +206,7 @@ def ratios(rows: List[Dict]) -> List[Dict]:
             "peak_pyattr_over_unfused": b["peak_bytes"] / c["peak_bytes"],
             "saved_pyattr_over_plain": b["saved_bytes"] / a["saved_bytes"],
             "saved_pyattr_over_unfused": b["saved_bytes"] / c["saved_bytes"],
+            **extra,
         })
     return out
 
@@ -197,7 +218,8 @@ def markdown(rows: List[Dict], rat: List[Dict], contention=None) -> str:
     lines = [conditions(contention).rstrip("\n"), ""] if contention is not None else []
     lines += ["| dtype | variant | median s | min–max s | peak MiB | saved for backward MiB |", "|---|---|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['dtype']} | {r['variant']} | {r['median_s']:.3f} | {r['min_s']:.3f}–{r['max_s']:.3f} | "
+        name = f"{r['variant']} (k={r['k']})" if r.get("k", 1) > 1 else r["variant"]
+        lines.append(f"| {r['dtype']} | {name} | {r['median_s']:.3f} | {r['min_s']:.3f}–{r['max_s']:.3f} | "
                      f"{r['peak_bytes'] / 2**20:.0f} | {r['saved_bytes'] / 2**20:.1f} |")
     lines += ["", "| dtype | time (b)/(a) | time (b)/(c) | peak (b)/(a) | peak (b)/(c) | saved (b)/(a) | saved (b)/(c) |",
               "|---|---:|---:|---:|---:|---:|---:|"]
@@ -205,17 +227,23 @@ def markdown(rows: List[Dict], rat: List[Dict], contention=None) -> str:
         lines.append(f"| {q['dtype']} | {q['time_pyattr_over_plain']:.2f} | {q['time_pyattr_over_unfused']:.2f} | "
                      f"{q['peak_pyattr_over_plain']:.2f} | {q['peak_pyattr_over_unfused']:.2f} | "
                      f"{q['saved_pyattr_over_plain']:.2f} | {q['saved_pyattr_over_unfused']:.2f} |")
+    kr = [q for q in rat if "k" in q]
+    if kr:
+        lines += ["", "| dtype | k | time k_targets / k_calls | peak k_targets / k_calls |", "|---|---:|---:|---:|"]
+        for q in kr:
+            lines.append(f"| {q['dtype']} | {q['k']} | {q['time_k_targets_over_k_calls']:.2f} | {q['peak_k_targets_over_k_calls']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
 def _child_main(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("--child", choices=VARIANTS, required=True)
+    p.add_argument("--child", choices=VARIANTS + K_VARIANTS, required=True)
+    p.add_argument("--k", type=int, default=8)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--layers", type=int, default=None)
     a = p.parse_args(argv)
-    row = measure("cpu", getattr(torch, a.dtype), a.child, a.repeats, a.layers)
+    row = measure("cpu", getattr(torch, a.dtype), a.child, a.repeats, a.layers, a.k)
     print(json.dumps(row))
 
 

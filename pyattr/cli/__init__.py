@@ -86,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--markdown", metavar="PATH", help="write the results as a markdown table")
     b.add_argument("--e2e", action="store_true", help="end-to-end relevance run on a random Llama instead")
     b.add_argument("--layers", type=int, default=None, help="e2e: override the number of layers")
+    b.add_argument("--targets", type=int, default=8, metavar="K",
+                   help="e2e: also time K targets in one relevance call against K calls (0: skip; default 8)")
+    b.add_argument("--conservation", action="store_true",
+                   help="layer-wise conservation error of pyattr vs the unfused rules, per dtype, instead")
+    b.add_argument("--ig-memory", action="store_true",
+                   help="peak memory of integrated_gradients at n_steps 16, 64, 256, instead")
+    b.add_argument("--chunk", type=int, default=16, help="--ig-memory: internal_batch_size (default 16)")
     b.set_defaults(func=_bench)
     p.commands = {"explain": e, "bench": b}
     return p

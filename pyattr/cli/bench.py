@@ -30,6 +30,12 @@ def _check_args(args):
         raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
     if args.layers is not None and args.layers < 1:
         raise UsageError(f"--layers must be >= 1, got {args.layers}")
+    if args.targets < 0:
+        raise UsageError(f"--targets must be >= 0, got {args.targets}")
+    if args.chunk < 1:
+        raise UsageError(f"--chunk must be >= 1, got {args.chunk}")
+    if sum(map(bool, (args.e2e, args.conservation, args.ig_memory))) > 1:
+        raise UsageError("--e2e, --conservation and --ig-memory are separate runs; pass one")
     for flag, path in (("--json", args.json), ("--markdown", args.markdown)):
         if path is not None:
             check_output_path(flag, path)
@@ -74,10 +80,27 @@ def run(args) -> int:
     from pyattr.bench import contention, e2e, micro, report
 
     dtypes = [getattr(torch, n) for n in names]
-    if args.e2e:
+    if args.conservation:
+        from pyattr.bench import conservation
+
+        monitor = contention.start()
+        rows = conservation.measure(device.type, dtypes, args.layers or 8)
+        cond = monitor.stop()
+        summ = conservation.summary(rows)
+        doc = report.document("conservation", device, rows, contention=cond, summary=summ)
+        table = conservation.markdown(rows, summ, cond)
+    elif args.ig_memory:
+        from pyattr.bench import ig_memory
+
+        monitor = contention.start()
+        rows = ig_memory.run_all(device.type, dtypes[0], args.chunk)
+        cond = monitor.stop()
+        doc = report.document("ig-memory", device, rows, contention=cond)
+        table = ig_memory.markdown(rows, cond)
+    elif args.e2e:
         monitor = contention.start()
         try:
-            rows = e2e.run_all(device.type, dtypes, args.repeats or 3, args.layers)
+            rows = e2e.run_all(device.type, dtypes, args.repeats or 3, args.layers, k=args.targets)
         except e2e.E2EError as e:
             return fail("bench", str(e), status=1)
         cond = monitor.stop()

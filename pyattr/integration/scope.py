@@ -428,6 +428,9 @@ def plan(model: nn.Module, rules: RelevanceRules, generic: bool = False) -> _Pla
         return _plan_known(model, rules, mt)
     if generic:
         return _plan_generic(model, rules)
+    if not rules.any():
+        # every rule off: nothing to install, so any architecture works (plain gradients)
+        return _Planner(model, rules, mt)
     raise RelevanceRuleUnsupportedError(
         f"model type {mt!r} ({type(model).__name__}) has no rule map; supported: "
         f"{sorted(A.ARCHITECTURES)}. Pass generic=True for class-based installation."

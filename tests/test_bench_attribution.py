@@ -1,0 +1,71 @@
+"""The attribution benchmarks: the k-target pair of the e2e run, layer-wise conservation
+in reduced precision, and integrated-gradients peak memory (tables and ratios from given
+rows; the conservation measurement itself on a small model, by value)."""
+
+import json
+
+import pytest
+import torch
+
+from pyattr.bench import conservation, e2e, ig_memory
+
+
+def _e2e_rows():
+    rows = []
+    for v, t in (("plain", 2.0), ("pyattr", 1.8), ("unfused", 2.2), ("k_targets", 4.0), ("k_calls", 16.0)):
+        rows.append(dict(variant=v, k=8 if v.startswith("k_") else 1, dtype="float32", median_s=t, min_s=t, max_s=t,
+                         peak_bytes=2**20 * (3 if v == "k_targets" else 2), saved_bytes=2**20))
+    return rows
+
+
+def test_e2e_k_target_ratio_and_table():
+    rows = _e2e_rows()
+    (q,) = e2e.ratios(rows)
+    assert q["k"] == 8 and q["time_k_targets_over_k_calls"] == 0.25 and q["peak_k_targets_over_k_calls"] == 1.5
+    md = e2e.markdown(rows, [q])
+    assert "| float32 | k_targets (k=8) | 4.000 |" in md
+    assert "| float32 | 8 | 0.25 | 1.50 |" in md
+
+
+def test_e2e_without_the_k_pair_has_no_k_ratio():
+    rows = [r for r in _e2e_rows() if r["k"] == 1]
+    (q,) = e2e.ratios(rows)
+    assert "k" not in q and "k_targets" not in e2e.markdown(rows, [q])
+
+
+def test_e2e_k_targets_pass_equals_k_calls(monkeypatch):
+    monkeypatch.setitem(e2e.SIZES, "cpu", dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96,
+                                               num_attention_heads=4, num_key_value_heads=4, seq=16))
+    model, seq = e2e.build_model("cpu", torch.float32)
+    ids = torch.randint(0, 32000, (1, seq), generator=torch.Generator().manual_seed(0))
+    one = e2e.one_pass(model, "k_targets", ids, 5, k=3)
+    loop = e2e.one_pass(model, "k_calls", ids, 5, k=3)
+    assert one.shape == loop.shape == (3, 1, seq)
+    torch.testing.assert_close(one, loop, rtol=1e-5, atol=1e-6)
+
+
+def test_conservation_float32_is_tight_and_summary_is_the_worst_layer():
+    rows = conservation.measure("cpu", [torch.float32], layers=2, seq=8, batch=2)
+    impls = {(r["impl"], r["layer"]) for r in rows}
+    assert impls == {(i, p) for i in ("pyattr", "unfused") for p in ("model.layers.0", "model.layers.1", "model.norm")}
+    assert max(r["max_rel_error"] for r in rows) < 1e-5
+    (s,) = conservation.summary(rows)
+    assert s["pyattr_max_rel_error"] == max(r["max_rel_error"] for r in rows if r["impl"] == "pyattr")
+    assert s["pyattr_over_unfused"] == pytest.approx(s["pyattr_max_rel_error"] / s["unfused_max_rel_error"])
+    md = conservation.markdown(rows, [s])
+    assert md.count("| float32 | model.") == 3
+
+
+def test_ig_memory_table():
+    rows = [dict(n_steps=n, internal_batch_size=c, peak_bytes=2**30, seconds=1.5, abs_convergence_delta=1e-3)
+            for n, c in ((16, 16), (64, None))]
+    md = ig_memory.markdown(rows)
+    assert "| 16 | 16 | 1024 | 1.50 | 1.00e-03 |" in md and "| 64 | all | 1024 |" in md
+
+
+def test_ig_memory_child_reports_a_row(monkeypatch, capsys):
+    monkeypatch.setitem(e2e.SIZES, "cpu", dict(num_hidden_layers=1, hidden_size=32, intermediate_size=48,
+                                               num_attention_heads=4, num_key_value_heads=4, seq=16))
+    row = ig_memory.measure("cpu", torch.float32, n_steps=4, chunk=2, layers=1, seq=6)
+    assert row["n_steps"] == 4 and row["internal_batch_size"] == 2 and row["peak_bytes"] > 0
+    assert row["abs_convergence_delta"] >= 0 and json.dumps(row)
