@@ -97,7 +97,8 @@ def path_points(method: str, n_steps: int) -> Tuple[List[float], List[float]]:
 
 
 class _Progress:
-    """A transient rich progress bar, shown on a terminal once a run passes ~1 s."""
+    """A transient rich progress bar on stderr, shown when stderr is a terminal and the
+    run has taken more than ~1 s (shorter runs print nothing)."""
 
     def __init__(self, total: int, label: str):
         self.total, self.label, self.start, self.bar, self.task = total, label, time.perf_counter(), None, None
@@ -107,11 +108,12 @@ class _Progress:
             if time.perf_counter() - self.start < 1.0 or not sys.stderr.isatty() or done >= self.total:
                 return
             try:
+                from rich.console import Console
                 from rich.progress import Progress
             except ImportError:  # rich is optional (the demo / dev extras)
                 self.total = 0
                 return
-            self.bar = Progress(transient=True)
+            self.bar = Progress(console=Console(file=sys.stderr), transient=True)
             self.bar.start()
             self.task = self.bar.add_task(self.label, total=self.total)
         self.bar.update(self.task, completed=done)

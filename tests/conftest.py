@@ -52,6 +52,17 @@ def _no_env_backend(monkeypatch):
     torch.manual_seed(0)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny-model tests: a second thread gains nothing
+    there, and on a busy machine OpenMP's spinning threads make each pass many times
+    slower. Restored afterwards. Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def save_tiny_llama(path, vocab_size: int, tokenizer=None, **overrides):
     """A tiny random Llama saved with ``save_pretrained`` (and ``tokenizer`` beside it)."""
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -2,6 +2,8 @@
 LayerIntegratedGradients (same model, inputs, baseline, steps and method), on a tiny
 random Llama and the bundled MiniLM; chunking, padding, errors, rules, quadrature."""
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -18,14 +20,7 @@ TOKEN = 11
 PARITY = 1e-5  # relative, float32 (the issue's bound)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """These models are tiny: a second intra-op thread costs more than it saves, and on a
-    busy machine much more (the file runs ~5× slower with 2 threads at a load of 4)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -466,3 +461,21 @@ def test_grad_outputs_weight_each_row(llama):
     torch.testing.assert_close(r.convergence_delta, ref.convergence_delta * w.double(), rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match=r"grad_outputs of shape \(3,\) must match the target's shape \(2,\)"):
         pyattr.integrated_gradients(llama, ids, target=7, n_steps=2, grad_outputs=torch.ones(3))
+
+
+def test_progress_bar_only_on_a_terminal_after_a_second(monkeypatch):
+    from pyattr.integrated import _Progress
+
+    quick = _Progress(10, "ig")
+    quick.advance(3)  # under a second: nothing
+    assert quick.bar is None
+    slow = _Progress(10, "ig")
+    slow.start -= 2.0
+    slow.advance(3)  # stderr is not a terminal under pytest: nothing
+    assert slow.bar is None
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    slow.advance(4)
+    try:
+        assert slow.bar is not None and slow.bar.tasks[0].completed == 4 and slow.bar.tasks[0].total == 10
+    finally:
+        slow.close()

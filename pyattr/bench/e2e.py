@@ -163,6 +163,16 @@ class E2EError(RuntimeError):
     """A measurement process failed; the message carries the end of its stderr."""
 
 
+def child_row(cmd: List[str], what: str) -> Dict:
+    """Run a measurement in its own process (its peak RSS is its own) and return the JSON
+    row it prints last; E2EError with the end of its stderr if it fails."""
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        tail = " ".join(out.stderr.strip().splitlines()[-1:]) or f"exit status {out.returncode}"
+        raise E2EError(f"{what} failed: {tail}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def run_all(device: str, dtypes: List[torch.dtype], repeats: int, layers: int = None, progress=None,
             k: int = 8) -> List[Dict]:
     """Every variant per dtype; ``k`` targets for the k-target pair (0: skip the pair)."""
@@ -173,11 +183,7 @@ def run_all(device: str, dtypes: List[torch.dtype], repeats: int, layers: int = 
             if device == "cpu":  # one process per variant: peak RSS cannot be reset in-process
                 cmd = [sys.executable, "-m", "pyattr.bench.e2e", "--child", v, "--dtype", str(dt).replace("torch.", ""),
                        "--repeats", str(repeats), "--k", str(k)] + (["--layers", str(layers)] if layers else [])
-                out = subprocess.run(cmd, capture_output=True, text=True)
-                if out.returncode != 0:
-                    tail = " ".join(out.stderr.strip().splitlines()[-1:]) or f"exit status {out.returncode}"
-                    raise E2EError(f"e2e variant {v!r} ({dt}) failed: {tail}")
-                rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+                rows.append(child_row(cmd, f"e2e variant {v!r} ({dt})"))
             else:
                 rows.append(measure(device, dt, v, repeats, layers, k))
             if progress:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import subprocess
 import sys
 import time
 from typing import Dict, List, Optional
@@ -54,17 +53,15 @@ def measure(device: str, dtype: torch.dtype, n_steps: int, chunk: Optional[int],
 
 
 def run_all(device: str, dtype: torch.dtype, chunk: int = 16, steps=STEPS, unchunked=(16, 64)) -> List[Dict]:
+    from pyattr.bench import e2e
+
     configs = [(n, chunk) for n in steps] + [(n, None) for n in unchunked]
     rows = []
     for n, c in configs:
         if device == "cpu":  # one process each: peak RSS cannot be reset in-process
             cmd = [sys.executable, "-m", "pyattr.bench.ig_memory", "--child", str(n), "--dtype",
                    str(dtype).replace("torch.", "")] + (["--chunk", str(c)] if c else [])
-            out = subprocess.run(cmd, capture_output=True, text=True)
-            if out.returncode != 0:
-                tail = " ".join(out.stderr.strip().splitlines()[-1:]) or f"exit status {out.returncode}"
-                raise RuntimeError(f"IG memory run n_steps={n} chunk={c} failed: {tail}")
-            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            rows.append(e2e.child_row(cmd, f"IG memory run n_steps={n} chunk={c}"))
         else:
             rows.append(measure(device, dtype, n, c))
     return rows

@@ -93,7 +93,10 @@ def run(args) -> int:
         from pyattr.bench import ig_memory
 
         monitor = contention.start()
-        rows = ig_memory.run_all(device.type, dtypes[0], args.chunk)
+        try:
+            rows = ig_memory.run_all(device.type, dtypes[0], args.chunk)
+        except e2e.E2EError as e:
+            return fail("bench", str(e), status=1)
         cond = monitor.stop()
         doc = report.document("ig-memory", device, rows, contention=cond)
         table = ig_memory.markdown(rows, cond)
