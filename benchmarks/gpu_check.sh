@@ -23,7 +23,7 @@ timeout 300 "$PY" -m pip install -q --no-build-isolation -e ".[dev]" > "$OUT/bui
   | tee -a "$OUT/gpu_check.log"
 
 log "CUDA tests"
-timeout 150 "$PY" -m pytest -q tests/test_cuda.py tests/test_backend_parity.py > "$OUT/tests.log" 2>&1
+timeout 180 "$PY" -m pytest -q tests/test_cuda.py tests/test_backend_parity.py tests/test_vmap.py > "$OUT/tests.log" 2>&1
 log "tests exit $? — $(tail -1 "$OUT/tests.log")"
 
 log "microbenchmarks, bf16, (16384, 14336) elementwise and (16384, 4096) norms"
@@ -33,8 +33,8 @@ timeout 150 "$PY" -m pyattr bench --device cuda --dtypes bfloat16 --shapes 16384
 log "micro exit $?"
 grep -E "fwd\+bwd|bwd \|" "$OUT/micro_cuda.md" | head -60 | tee -a "$OUT/gpu_check.log"
 
-log "end-to-end relevance run (~1.1B Llama, bf16, seq 4096)"
-timeout 120 "$PY" -m pyattr bench --e2e --device cuda --dtypes bfloat16 --repeats 3 \
+log "end-to-end relevance run (~1.1B Llama, bf16, seq 4096; with 8 targets in one call vs 8 calls)"
+timeout 150 "$PY" -m pyattr bench --e2e --device cuda --dtypes bfloat16 --repeats 3 --targets 8 \
   --json "$OUT/e2e_cuda.json" --markdown "$OUT/e2e_cuda.md" > "$OUT/e2e.log" 2>&1
 log "e2e exit $?"
 cat "$OUT/e2e_cuda.md" 2>/dev/null | tee -a "$OUT/gpu_check.log"

@@ -95,3 +95,21 @@ def test_relevance_on_cuda_matches_torch_backend():
     with pyattr.backend("cuda"):
         got = pyattr.relevance(m, ids)
     torch.testing.assert_close(got.relevance, ref.relevance, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_k_targets_on_cuda_backends_equal_separate_calls(arch):
+    """is_grads_batched through the GPU kernels (their vmap rules): k targets in one call
+    equal k single-target calls."""
+    from models import VOCAB, tiny_causal_lm
+
+    m = tiny_causal_lm(arch).cuda()
+    ids = torch.randint(0, VOCAB, (2, 9), device="cuda")
+    tk = torch.randint(0, VOCAB, (2, 3), device="cuda")
+    for name in GPU_BACKENDS:
+        with pyattr.backend(name):
+            one = pyattr.relevance(m, ids, target=tk)
+            for j in range(3):
+                sep = pyattr.relevance(m, ids, target=tk[:, j])
+                torch.testing.assert_close(one.relevance[j], sep.relevance, rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(one.target[j], sep.target, rtol=1e-6, atol=1e-6)
