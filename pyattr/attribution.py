@@ -129,6 +129,18 @@ def pad_token_id(model: nn.Module) -> int:
     return int(pad)
 
 
+def precheck_baseline(model: nn.Module, baseline) -> None:
+    """What can be checked about a baseline before any pass: its kind, and a pad token for
+    ``"pad"`` (its shape is checked against the embeddings once they are known)."""
+    if isinstance(baseline, str):
+        if baseline not in ("zeros", "pad"):
+            raise ValueError(f"baseline must be 'zeros', 'pad' or a tensor, got {baseline!r}")
+        if baseline == "pad":
+            pad_token_id(model)
+    elif baseline is not None and not isinstance(baseline, torch.Tensor):
+        raise TypeError(f"baseline must be 'zeros', 'pad' or a tensor, got {type(baseline).__name__}")
+
+
 def check_baseline(baseline, x: torch.Tensor) -> Union[None, str, torch.Tensor]:
     """``None``, ``"zeros"``, ``"pad"``, or a float tensor broadcast to ``x``'s shape
     (batch, seq, hidden); accepted shapes: ``x``'s, ``(1, seq, hidden)``, ``(seq, hidden)``."""
@@ -295,6 +307,7 @@ def relevance(
         RelevanceRuleUnsupportedError, RelevanceRuleConflictError: see :func:`use_relevance_rules`.
     """
     check_target_type(target)
+    precheck_baseline(model, baseline)
     prep = F.prepare(model, inputs, attention_mask, "relevance")
     tgts, several = T.normalize(target, prep.input_ids.shape[0])
     rules = F.rule_defaults(rules)

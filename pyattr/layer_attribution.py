@@ -24,6 +24,7 @@ from pyattr.attribution import (
     check_baseline,
     check_grad_outputs,
     check_target_type,
+    precheck_baseline,
     evaluate_targets,
     leaf,
     run_model,
@@ -229,6 +230,7 @@ def layer_relevance(
     # the layers first: a shorthand on an unmapped model names itself, before the search
     # for the embedding entry (which such a model may not have) can fail less clearly
     lays = expand_layers(model, layers, attribute_to_layer_input)
+    precheck_baseline(model, baseline)
     prep = F.prepare(model, inputs, attention_mask, "layer_relevance")
     batch = prep.input_ids.shape[0]
     tgts, several = T.normalize(target, batch)
