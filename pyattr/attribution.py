@@ -231,6 +231,17 @@ def run_model(model: nn.Module, prep: F.Prepared, targets, store: dict, kwargs: 
     return T._Forward(out, prep.input_ids, prep.attention_mask, store, kept)
 
 
+def head_free(model: nn.Module, modules) -> bool:
+    """No module in ``modules`` is the language-model head or inside it: then the head may
+    run at the target positions only (the layers read keep their full shape)."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if head is None:
+        return True
+    inside = {id(m) for m in head.modules()}
+    return not any(id(m) in inside for m in modules)
+
+
 def _takes_logits_to_keep(model: nn.Module) -> bool:
     import inspect
 

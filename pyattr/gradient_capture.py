@@ -20,6 +20,8 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 import torch
 from torch import nn
 
+from pyattr.backends import _vmap
+
 GradEdit = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -126,7 +128,9 @@ class Captured:
         input (Tensor or None): the latest call's entry of ``inputs``.
         grads (list[Tensor]): one entry per backward pass that reached the output of any
             call, in pass order: the gradient of the output's first tensor, shaped like
-            it, as it arrived (before ``grad_edits``), a detached clone. When a pass
+            it, as it arrived (before ``grad_edits``), a detached clone; a batched backward
+            (``is_grads_batched``, as for k targets in :func:`pyattr.relevance`) records
+            one entry with the k gradients stacked in a leading dimension. When a pass
             reached several calls, the entry is the one of the latest call it reached (the
             call ``output`` shows when the pass followed the latest forward); every call's
             is in ``call_grads``. A pass that did not reach the module adds nothing.
@@ -288,7 +292,7 @@ class GradientCapture(Mapping):
     @staticmethod
     def _grad_hook(rec: Captured, call: int, edit: Optional[GradEdit]):
         def hook(grad: torch.Tensor):
-            rec._entries.append((_task_id(), call, grad.detach().clone()))
+            rec._entries.append((_task_id(), call, _vmap.physical_copy(grad)))
             if edit is None:
                 return None
             new = edit(grad)

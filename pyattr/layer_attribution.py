@@ -26,6 +26,7 @@ from pyattr.attribution import (
     check_target_type,
     precheck_baseline,
     evaluate_targets,
+    head_free,
     leaf,
     run_model,
 )
@@ -63,7 +64,8 @@ class LayerRelevance:
             baseline activation) · gradient`` with a baseline.
         conservation_delta (Tensor[batch] float64, or None): for residual-stream layers
             (block inputs, final norm input), ``w·target − Σ relevance`` per row (with a
-            baseline, against ``f(x) − f(x₀)``); None elsewhere.
+            baseline, against ``f(x) − f(x₀)``); None elsewhere, and at residual layers
+            the target does not depend on (after the module of a ``ModuleOutput`` target).
         where (str): ``"output"`` or ``"input"``.
     """
 
@@ -316,7 +318,7 @@ def _layer_pass(model, prep, lays, tgts, several, rules, generic, baseline, grad
         pairs = [(lay.module, lay.where) for lay in lays]
         with F.tap(prep.entry, prep.where, entry_fn, once=True), F.taps(pairs, fn_for), \
                 F.record_modules(model, T.module_paths(tgts), store):
-            fwd = run_model(model, prep, tgts, store, keep_logits=several)
+            fwd = run_model(model, prep, tgts, store, keep_logits=several and head_free(model, [lay.module for lay in lays]))
         if not xs:
             raise RuntimeError("the embedding entry point was not reached during the forward pass")
         for lay, c in zip(lays, calls):
@@ -343,11 +345,13 @@ def _layer_pass(model, prep, lays, tgts, several, rules, generic, baseline, grad
     out: Dict[str, LayerRelevance] = {}
     for i, (lay, a, g) in enumerate(zip(lays, acts, grads)):
         a = a.detach()
+        reached = g is not None
         g = torch.zeros((*value.shape[:1], *a.shape) if several else a.shape, dtype=a.dtype, device=a.device) if g is None else g
         diff = a if f0 is None else a - acts0[i]
         rel = diff.float() * g.float()
         delta = None
-        if lay.residual and t64.dim() >= 1:
+        # a layer the target does not depend on (after a module target) conserves nothing
+        if lay.residual and reached and t64.dim() >= 1:
             delta = w * explained - rel.double().flatten(start_dim=t64.dim()).sum(-1)
         out[lay.path] = LayerRelevance(a.float(), g.float(), rel, delta, lay.where)
     return LayerRelevanceResult(

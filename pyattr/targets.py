@@ -85,7 +85,23 @@ def _positions(position: int, fwd: _Forward) -> torch.Tensor:
         return seq - 1 - flipped.argmax(dim=1)
     if not 0 <= position < seq:
         raise ValueError(f"target: position {position} is outside the sequence of length {seq} (use -1 for the last real token)")
+    _check_not_padding(position, mask)
     return torch.full((batch,), position, dtype=torch.long, device=ids.device)
+
+
+def _check_not_padding(position: int, mask: Optional[torch.Tensor]) -> None:
+    """A position p ≥ 0 is one column in every row; where the mask pads that column, the
+    row would explain a pad token (and differ from the row alone): refused."""
+    if mask is None:
+        return
+    col = mask[:, position]
+    if not bool(col.all()):
+        row = int((col == 0).nonzero()[0, 0])
+        raise ValueError(
+            f"target: position {position} is padding in row {row} (attention_mask); a position p ≥ 0 is "
+            "the same column in every row, so that row would explain a pad token. Use -1 for each "
+            "row's last real token, or pad so that the column holds a real token in every row"
+        )
 
 
 def _check_position(position) -> int:
@@ -177,7 +193,8 @@ class Logit(Target):
             the top-1 token at that position (chosen at the real input and kept fixed for
             baselines and integration steps).
         position (int): ``-1`` (default) each row's last real token under the attention
-            mask; ``p ≥ 0`` that absolute position in every row.
+            mask; ``p ≥ 0`` that absolute position in every row, which must hold a real
+            token in every row (a padded column raises ValueError).
     """
 
     def __init__(self, token_id=None, position: int = -1):
@@ -264,9 +281,10 @@ class ModuleOutput(Target):
             size at position ``p``: ``select=(p, j)``; at every position: ``(slice(None), j)``.
 
     Padding: where the output is laid out ``(batch, seq, …)`` like the attention mask, the
-    selector sees 0 at the positions the mask marks as padding (as positions, ``p ≥ 0``
-    counts every column), so a padded row explains the same value as the row alone and
-    its pad tokens get no relevance.
+    selector sees 0 at the positions the mask marks as padding, so a padded row explains
+    the same value as the row alone and its pad tokens get no relevance; an int position
+    ``p`` selected directly (``select=p`` or ``(p, …)``) counts every column and must hold
+    a real token in every row (a padded column raises ValueError).
     """
 
     def __init__(self, path: str, select: Selector = None):
@@ -300,6 +318,9 @@ class ModuleOutput(Target):
                     f"target: select {self.select!r} indexes {len(idx)} dimensions after the batch, but "
                     f"{self.path!r} outputs shape {tuple(out.shape)}"
                 )
+            if _is_int(idx[0]) and fwd.attention_mask is not None and out.dim() >= 2 and \
+                    tuple(out.shape[:2]) == tuple(fwd.attention_mask.shape) and -out.shape[1] <= idx[0] < out.shape[1]:
+                _check_not_padding(int(idx[0]) % out.shape[1], fwd.attention_mask)
             try:
                 sel = out[(slice(None), *idx)]
             except IndexError as e:

@@ -188,6 +188,18 @@ def _legacy_level() -> int:
     return level - 1
 
 
+def physical_copy(t: torch.Tensor) -> torch.Tensor:
+    """A plain detached copy of ``t``; a gradient batched by ``is_grads_batched`` (the
+    older vmap) comes out with its batch as a leading dimension, so that it can be kept
+    after the batched backward (a batched tensor is only valid inside it)."""
+    if _LEGACY_KEY is not None and _legacy_batched(t):
+        p = torch._remove_batch_dim(t, _legacy_level(), 1, 0)
+        if _legacy_batched(p):
+            raise RuntimeError("cannot record a gradient batched at several levels (nested is_grads_batched)")
+        return p.detach().clone()
+    return t.detach().clone()
+
+
 def _legacy_kernel(rule: Callable, ref: Callable) -> Callable:
     def kernel(*args):
         level = _legacy_level()

@@ -1,0 +1,129 @@
+"""Edge cases of the attribution API found by an adversarial pass (relevance /
+layer_relevance / integrated_gradients / capture / targets): fixed positions on padded
+columns are refused, k targets run inside capture and grad_edits, and the head's
+logits_to_keep shortcut never changes a layer's shape."""
+
+import pytest
+import torch
+
+import pyattr
+from models import tiny_causal_lm
+from pyattr.targets import Logit, ModuleOutput
+
+IDS = torch.tensor([[5, 7, 9, 11, 13, 15], [6, 8, 10, 12, 14, 16]])
+LEFT = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])
+RIGHT = torch.tensor([[1] * 6, [1, 1, 1, 1, 0, 0]])
+
+
+@pytest.fixture(scope="module")
+def llama():
+    m = tiny_causal_lm("llama")
+    m.config.pad_token_id = 0
+    return m
+
+
+def _hooks(model):
+    return sum(len(x._forward_hooks) + len(x._forward_pre_hooks) + len(x._backward_hooks) for x in model.modules())
+
+
+# --------------------------------------------------------------------------------------
+# 1. A fixed position (p >= 0) that is padding in some row is refused.
+# --------------------------------------------------------------------------------------
+
+
+def test_logit_position_in_right_padding_is_refused(llama):
+    """Row 1 alone has 4 tokens, so Logit(position=5) is refused for it ("position 5 is
+    outside the sequence of length 4"); in a right-padded batch the same row
+    explains the logit of a pad position (garbage), with no error."""
+    alone = IDS[1:, :4]
+    with pytest.raises(ValueError):
+        pyattr.relevance(llama, alone, target=Logit(3, position=5))
+    with pytest.raises(ValueError, match="position"):
+        pyattr.relevance(llama, IDS, target=Logit(3, position=5), attention_mask=RIGHT)
+
+
+def test_logit_position_in_left_padding_is_refused_or_equals_row_alone(llama):
+    """Left padding: Logit(position=0) in the padded row reads the logit at a pad token;
+    the row alone reads its first real token. Either raise (the position is padding in
+    row 1) or give the row-alone numbers, never a third value."""
+    alone = pyattr.relevance(llama, IDS[1:, 2:], target=Logit(3, position=0))
+    try:
+        padded = pyattr.relevance(llama, IDS, target=Logit(3, position=0), attention_mask=LEFT)
+    except ValueError:
+        return
+    torch.testing.assert_close(padded.target[1], alone.target[0])
+    torch.testing.assert_close(padded.token_relevance[1, 2:], alone.token_relevance[0], rtol=1e-5, atol=1e-6)
+
+
+def test_module_output_select_on_padding_is_refused(llama):
+    """ModuleOutput(select=(p, j)) with p a pad column in some row: that row's target is
+    would be 0 with all-zero relevance (the row alone gives a real value at its p): refused."""
+    with pytest.raises(ValueError):
+        pyattr.relevance(llama, IDS, target=ModuleOutput("model.layers.1.mlp", select=(0, 3)), attention_mask=LEFT)
+
+
+# --------------------------------------------------------------------------------------
+# 2. k targets (one batched backward, is_grads_batched) inside pyattr.capture.
+# --------------------------------------------------------------------------------------
+
+
+def test_k_targets_inside_capture(llama):
+    """README: methods can run inside capture (captured grads are the rule-modified ones).
+    With k targets the capture's gradient hook runs inside the batched backward and
+    records the k gradients stacked."""
+    k = torch.tensor([[3, 4], [3, 4]])
+    ref = pyattr.relevance(llama, IDS, target=k)
+    with pyattr.capture(llama, ["model.norm"]) as cap:
+        res = pyattr.relevance(llama, IDS, target=k)
+    torch.testing.assert_close(res.token_relevance, ref.token_relevance)
+    (g,) = cap["model.norm"].grads  # one batched pass: the k gradients stacked
+    assert g.shape == (2, 2, 6, 32)
+    for j, tid in enumerate((3, 4)):
+        with pyattr.use_relevance_rules(llama), pyattr.capture(llama, ["model.norm"]) as one:
+            llama(IDS).logits[:, -1, tid].sum().backward()
+        torch.testing.assert_close(g[j], one["model.norm"].grad, rtol=1e-5, atol=1e-7)
+    assert _hooks(llama) == 0
+
+
+def test_k_targets_layer_relevance_inside_capture(llama):
+    ref = pyattr.layer_relevance(llama, IDS, "residual", target=[Logit(3), Logit(4)])
+    with pyattr.capture(llama, ["model.layers.1.mlp"]):
+        res = pyattr.layer_relevance(llama, IDS, "residual", target=[Logit(3), Logit(4)])
+    torch.testing.assert_close(res["model.norm"].relevance, ref["model.norm"].relevance)
+
+
+def test_k_targets_with_grad_edits(llama):
+    """grad_edits zeroing an MLP: k targets must equal each target explained alone under
+    the same edit."""
+    edits = {"model.layers.1.mlp": torch.zeros_like}
+    with pyattr.capture(llama, [], grad_edits=edits):
+        k = pyattr.relevance(llama, IDS, target=[Logit(3), Logit(4)])
+    for i, tid in enumerate((3, 4)):
+        with pyattr.capture(llama, [], grad_edits=edits):
+            one = pyattr.relevance(llama, IDS, target=Logit(tid))
+        torch.testing.assert_close(k.token_relevance[i], one.token_relevance, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------
+# 3. The logits_to_keep shortcut never changes the shape of a layer that is read.
+# --------------------------------------------------------------------------------------
+
+
+def test_layer_relevance_lm_head_shape_with_k_targets(llama):
+    """layer_relevance(..., "lm_head") is documented "shaped like the layer's output",
+    (batch, seq, vocab) = (2, 6, 96) with one target; with k logit targets the head must
+    still run at every position when it is one of the layers (no logits_to_keep)."""
+    one = pyattr.layer_relevance(llama, IDS, "lm_head", target=3)["lm_head"]
+    k = pyattr.layer_relevance(llama, IDS, "lm_head", target=[Logit(3), Logit(4)])["lm_head"]
+    assert k.activation.shape == one.activation.shape
+    assert k.relevance.shape == (2, *one.relevance.shape)
+    torch.testing.assert_close(k.relevance[0], one.relevance, rtol=1e-5, atol=1e-6)
+
+
+def test_layer_ig_at_lm_head(llama):
+    """Layer IG at the LM head (Captum's LayerIntegratedGradients allows any layer) fails
+    like with a callable target: the path passes must not use logits_to_keep there."""
+    ok = pyattr.integrated_gradients(llama, IDS, target=lambda o: o.logits[:, -1, 3], layer="lm_head",
+                                     baseline="pad", n_steps=4)
+    res = pyattr.integrated_gradients(llama, IDS, target=3, layer="lm_head", baseline="pad", n_steps=4)
+    torch.testing.assert_close(res.attribution, ok.attribution)
