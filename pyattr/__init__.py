@@ -1,6 +1,6 @@
 """pyattr: fused relevance-rule kernels for attribution on transformer models.
 
-See ``DESIGN.md`` for the rule math. Public API::
+See the README for the rule math and the methods. Public API::
 
     from pyattr.rules import ln_rule, ln_rule_grad, identity_rule, half_rule, scale_gradient
     pyattr.ops.layer_norm / rms_norm / activation / gated_activation

@@ -296,11 +296,12 @@ def taps(pairs: Sequence, fn_for) -> Iterator[None]:
         yield
 
 
-def resolve_module(model: nn.Module, path: str, arg: str) -> nn.Module:
-    """``model.get_submodule(path)``, or a ValueError naming ``arg`` and the nearest paths."""
+def resolve_module(model: nn.Module, path: str, arg: str, extra: Sequence[str] = ()) -> nn.Module:
+    """``model.get_submodule(path)``, or a ValueError naming ``arg`` and the nearest paths
+    (``extra``: other accepted names, such as shorthands, among the candidates)."""
     if not isinstance(path, str):
         raise TypeError(f"{arg}: module paths must be strings, got {type(path).__name__}")
-    names = [n for n, _ in model.named_modules() if n]
+    names = [n for n, _ in model.named_modules() if n] + list(extra)
     mod = A.get_submodule(model, path) if path else None
     if mod is None:
         near = difflib.get_close_matches(path, names, n=3, cutoff=0.5)

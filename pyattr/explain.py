@@ -168,12 +168,22 @@ def _load(path: Path, causal: bool):
     try:
         tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         cls = AutoModelForCausalLM if causal else AutoModel
-        model = cls.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
+        model, info = cls.from_pretrained(str(path), local_files_only=True, dtype=torch.float32, output_loading_info=True)
     except Exception as e:  # transformers raises OSError/ValueError/KeyError for broken dirs
         text = " ".join(str(e).split()) or type(e).__name__
         if len(text) > 400:
             text = text[:400] + "…"
         raise ExplainError(f"cannot load model from {str(path)!r}: {text}") from None
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        # a newly initialised head (e.g. an encoder loaded as a causal LM) would be
+        # explained as if it were the model's own: random targets, no error
+        raise ExplainError(
+            f"model directory {str(path)!r} has no weights for {', '.join(missing[:3])}"
+            f"{' …' if len(missing) > 3 else ''}: it is not a complete "
+            f"{'causal language model (with its LM head)' if causal else 'model'}, and those "
+            "weights would be random"
+        )
     model.eval()
     return tok, model
 

@@ -222,6 +222,11 @@ def integrated_gradients(
     if several:
         raise ValueError("target: integrated_gradients explains one target per row; call it once per target")
     if layer is not None:
+        if layer in ("residual", "attention", "mlp", "neurons"):
+            raise ValueError(
+                f"layer: layer IG takes one dotted module path, not the shorthand {layer!r} "
+                "(layer_relevance expands shorthands)"
+            )
         lay_mod = F.resolve_module(model, layer, "layer")
         lay_where = "input" if attribute_to_layer_input else "output"
         pairs = [(lay_mod, lay_where)]

@@ -158,7 +158,7 @@ def expand_layers(model: nn.Module, layers, attribute_to_layer_input: bool = Fal
                     p = f"{b}.{rel}"
                     out.append(_Layer(p, F.resolve_module(model, p, "layers"), where))
         else:
-            mod = F.resolve_module(model, item, "layers")
+            mod = F.resolve_module(model, item, "layers", extra=SHORTHANDS)
             out.append(_Layer(item, mod, "input" if attribute_to_layer_input else "output"))
     order = {n: i for i, n in enumerate(n for n, _ in model.named_modules())}
     seen: Dict[str, _Layer] = {}
@@ -259,6 +259,10 @@ def layer_relevance(
         go = None if go_all is None else go_all[..., idx]
         base = baseline[idx] if isinstance(baseline, torch.Tensor) and baseline.dim() == 3 and baseline.shape[0] == batch else baseline
         parts.append(_layer_pass(model, sub, lays, sub_t, several, rules, generic, base, go))
+        if parts[0].target.dim() == 0:  # known after the first chunk: stop before the others
+            raise ValueError(
+                "internal_batch_size: a scalar target (one value for the whole batch) cannot be split into row chunks"
+            )
     return _concat(parts, several)
 
 
@@ -351,7 +355,7 @@ def _layer_pass(model, prep, lays, tgts, several, rules, generic, baseline, grad
         rel = diff.float() * g.float()
         delta = None
         # a layer the target does not depend on (after a module target) conserves nothing
-        if lay.residual and reached and t64.dim() >= 1:
+        if lay.residual and reached:  # per row, or one value for a scalar target
             delta = w * explained - rel.double().flatten(start_dim=t64.dim()).sum(-1)
         out[lay.path] = LayerRelevance(a.float(), g.float(), rel, delta, lay.where)
     return LayerRelevanceResult(

@@ -1,4 +1,4 @@
-"""What an attribution explains: one target vocabulary for every method (DESIGN §7).
+"""What an attribution explains: one target vocabulary for every method.
 
 A target turns a forward pass into the explained value, one per batch row
 (``Tensor[batch]``): tdhook's ``init_attr_targets``, Captum's ``target`` and neuron

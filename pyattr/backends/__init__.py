@@ -1,4 +1,4 @@
-"""Backend dispatch (DESIGN §4).
+"""Backend dispatch (README, Backends).
 
 ``torch`` (reference, any device) is always available. ``cpp`` and ``cuda`` come from the
 compiled extension ``pyattr._C``; ``triton`` from ``pyattr.kernels``. A missing backend is

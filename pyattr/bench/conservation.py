@@ -3,7 +3,7 @@ rule composition (:mod:`pyattr.bench.unfused`), on a Llama with random weights
 (8 layers, hidden size 256, 8 rows of 64 tokens).
 
 With all four rules on a bias-free decoder, the relevance summed at the input of every
-block and of the final norm equals the target (DESIGN §2). In bfloat16 / float16 the
+block and of the final norm equals the target (README, Rules). In bfloat16 / float16 the
 model computes in that dtype and each layer's relevance ``a · g`` is summed in float32;
 the conservation error of a layer is ``|target − Σ relevance| / |target|`` per row. LXT
 issue 27 reported this error growing layer by layer in bfloat16; the question measured

@@ -161,8 +161,25 @@ def validate(doc: dict) -> None:
                 raise ValueError(f"benchmark JSON: row {i} percentiles out of order")
             if row["mode"] not in ("fwd", "bwd", "fwd+bwd"):
                 raise ValueError(f"benchmark JSON: row {i} mode {row['mode']!r}")
+    elif doc["kind"] in _ROW_NUMBERS:
+        strings, numbers = _ROW_NUMBERS[doc["kind"]]
+        for i, row in enumerate(doc["rows"]):
+            if not isinstance(row, dict):
+                raise ValueError(f"benchmark JSON: row {i} is not an object")
+            for k in strings:
+                if not isinstance(row.get(k), str):
+                    raise ValueError(f"benchmark JSON: row {i} field {k!r} missing or not a string")
+            for k in numbers:
+                _finite_nonneg(row.get(k), f"row {i} field {k!r}")
     else:
-        raise ValueError(f"benchmark JSON: kind {doc['kind']!r}, expected 'micro' or 'e2e'")
+        raise ValueError(f"benchmark JSON: kind {doc['kind']!r}, expected one of {['micro', 'e2e', *_ROW_NUMBERS]}")
+
+
+# the attribution benchmarks' rows: (string fields, finite non-negative number fields)
+_ROW_NUMBERS = {
+    "conservation": (("dtype", "impl", "layer"), ("median_rel_error", "max_rel_error")),
+    "ig-memory": (("dtype", "device"), ("n_steps", "peak_bytes", "seconds", "abs_convergence_delta")),
+}
 
 
 def _validate_contention(c) -> None:

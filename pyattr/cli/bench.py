@@ -88,7 +88,8 @@ def run(args) -> int:
         cond = monitor.stop()
         summ = conservation.summary(rows)
         doc = report.document("conservation", device, rows, contention=cond, summary=summ)
-        table = conservation.markdown(rows, summ, cond)
+        report.validate(doc)
+        table = conservation.markdown(rows, summ)  # errors, not timings: no CPU conditions
     elif args.ig_memory:
         from pyattr.bench import ig_memory
 
@@ -99,6 +100,7 @@ def run(args) -> int:
             return fail("bench", str(e), status=1)
         cond = monitor.stop()
         doc = report.document("ig-memory", device, rows, contention=cond)
+        report.validate(doc)
         table = ig_memory.markdown(rows, cond)
     elif args.e2e:
         monitor = contention.start()
