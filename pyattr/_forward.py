@@ -9,7 +9,7 @@ import difflib
 import inspect
 import operator
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence
+from typing import Callable, Dict, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import nn

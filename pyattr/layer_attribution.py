@@ -10,8 +10,8 @@ the input of every block and of the final norm equals the target (layer-wise con
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import nn

@@ -63,6 +63,24 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture(scope="module")
+def llama():
+    """A tiny random Llama (tests/models.py), float32, eval mode (a test file may define
+    its own ``llama`` fixture, which takes precedence)."""
+    from models import tiny_causal_lm
+
+    return tiny_causal_lm("llama")
+
+
+@pytest.fixture(scope="module")
+def llama64():
+    """The same in float64 (bias-free: with the four rules, Σ relevance equals the target
+    up to the float32 rounding of the relevance fields)."""
+    from models import tiny_causal_lm
+
+    return tiny_causal_lm("llama", dtype=torch.float64)
+
+
 def save_tiny_llama(path, vocab_size: int, tokenizer=None, **overrides):
     """A tiny random Llama saved with ``save_pretrained`` (and ``tokenizer`` beside it)."""
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -3,11 +3,14 @@ in reduced precision, and integrated-gradients peak memory (tables and ratios fr
 rows; the conservation measurement itself on a small model, by value)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from pyattr.bench import conservation, e2e, ig_memory
+
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 
 
 def _e2e_rows():
@@ -69,3 +72,23 @@ def test_ig_memory_child_reports_a_row(monkeypatch, capsys):
     row = ig_memory.measure("cpu", torch.float32, n_steps=4, chunk=2, layers=1, seq=6)
     assert row["n_steps"] == 4 and row["internal_batch_size"] == 2 and row["peak_bytes"] > 0
     assert row["abs_convergence_delta"] >= 0 and json.dumps(row)
+
+
+def test_saved_attribution_documents_validate_and_bad_rows_are_named():
+    import copy
+
+    from pyattr.bench import report
+
+    for name in ("cpu_conservation", "cpu_ig_memory", "cpu_e2e_k_targets"):
+        with open(RESULTS / f"{name}.json", encoding="utf-8") as f:
+            doc = json.load(f)
+        report.validate(doc)
+    bad = copy.deepcopy(doc)
+    bad["kind"] = "ig-memory"
+    bad["rows"] = [{"dtype": "float32", "device": "cpu", "n_steps": 16, "peak_bytes": -1, "seconds": 1.0,
+                    "abs_convergence_delta": 0.0}]
+    with pytest.raises(ValueError, match=r"row 0 field 'peak_bytes'"):
+        report.validate(bad)
+    bad["kind"] = "speed"
+    with pytest.raises(ValueError, match=r"kind 'speed', expected one of \['micro', 'e2e', 'conservation', 'ig-memory'\]"):
+        report.validate(bad)

@@ -21,16 +21,6 @@ LLAMA_ALL = [
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_causal_lm("llama")
-
-
-@pytest.fixture(scope="module")
-def llama64():
-    return tiny_causal_lm("llama", dtype=torch.float64)
-
-
 def _ids(batch=2, seq=6, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(1, VOCAB, (batch, seq), generator=g)

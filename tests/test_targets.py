@@ -14,18 +14,6 @@ MLP = {"llama": "model.layers.0.mlp", "gpt2": "transformer.h.0.mlp", "bert": "be
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_causal_lm("llama")
-
-
-@pytest.fixture(scope="module")
-def llama64():
-    """Bias-free float64 Llama: with the four rules, Σ relevance equals the target up to
-    the float32 rounding of the relevance fields."""
-    return tiny_causal_lm("llama", dtype=torch.float64)
-
-
 def _ids(batch=2, seq=6, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(1, VOCAB, (batch, seq), generator=g)
