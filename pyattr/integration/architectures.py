@@ -27,6 +27,10 @@ class Arch:
     # gradient reaches q and k; under the AH-rule none does, and they stay native
     qk_norms: Tuple[str, ...] = field(default=())
     gated_extra: Tuple[str, ...] = field(default=())
+    # a task head's own norm and activation (BERT's masked-LM transform: dense → act →
+    # LayerNorm), relative to the whole model; mounted where the model has the head
+    head_norms: Tuple[str, ...] = field(default=())
+    head_acts: Tuple[str, ...] = field(default=())
 
 
 _LLAMA = Arch(
@@ -89,6 +93,8 @@ ARCHITECTURES = {
         ),
         # the sum of word, position and token-type embeddings, before the first LayerNorm
         entry=("embeddings.LayerNorm", "input"),
+        head_norms=("cls.predictions.transform.LayerNorm",),
+        head_acts=("cls.predictions.transform.transform_act_fn",),
     ),
 }
 

@@ -374,6 +374,14 @@ def _plan_known(model: nn.Module, rules: RelevanceRules, model_type: str) -> _Pl
     for p in arch.outer_norms:
         if not p.startswith("embeddings"):
             pl.norm(A.join(prefix, p), arch.norm, arch.offset)
+    # a head's transform sits between the last block and the logits: without its rules
+    # the relevance reaching the target would be lost there (BERT's masked-LM head)
+    for p in arch.head_acts:
+        if isinstance(A.get_submodule(model, p), nn.Module):
+            pl.activation(p, p.rsplit(".", 1)[0])
+    for p in arch.head_norms:
+        if isinstance(A.get_submodule(model, p), nn.Module):
+            pl.norm(p, arch.norm, arch.offset)
     pl.skip_lookalikes()
     return pl
 
