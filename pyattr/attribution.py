@@ -53,13 +53,6 @@ class RelevanceResult:
 # --------------------------------------------------------------------------- shared pieces
 
 
-def check_target_type(target) -> None:
-    if isinstance(target, (bool, str, bytes, float)):
-        raise TypeError(
-            f"target must be None, a token id, a list of ids, a target object or a callable, got {type(target).__name__}"
-        )
-
-
 def evaluate_targets(targets: List[T.Target], fwd: T._Forward, several: bool):
     """``(values, ids, fixed)``: values ``Tensor[batch]`` / ``Tensor[]`` (``(k, batch)``
     when ``several``); ids like that when every target is a logit, else None; ``fixed``
@@ -137,29 +130,27 @@ def precheck_baseline(model: nn.Module, baseline) -> None:
             raise ValueError(f"baseline must be 'zeros', 'pad' or a tensor, got {baseline!r}")
         if baseline == "pad":
             pad_token_id(model)
-    elif baseline is not None and not isinstance(baseline, torch.Tensor):
-        raise TypeError(f"baseline must be 'zeros', 'pad' or a tensor, got {type(baseline).__name__}")
+    elif baseline is not None:
+        if not isinstance(baseline, torch.Tensor):
+            raise TypeError(f"baseline must be 'zeros', 'pad' or a tensor, got {type(baseline).__name__}")
+        if not baseline.is_floating_point():
+            raise TypeError(f"baseline must be a floating tensor, got dtype {baseline.dtype}")
+        if not torch.isfinite(baseline).all():
+            raise ValueError("baseline holds NaN or inf")
 
 
 def check_baseline(baseline, x: torch.Tensor) -> Union[None, str, torch.Tensor]:
-    """``None``, ``"zeros"``, ``"pad"``, or a float tensor broadcast to ``x``'s shape
-    (batch, seq, hidden); accepted shapes: ``x``'s, ``(1, seq, hidden)``, ``(seq, hidden)``."""
-    if baseline is None or (isinstance(baseline, str) and baseline in ("zeros", "pad")):
-        return baseline
-    if isinstance(baseline, str):
-        raise ValueError(f"baseline must be 'zeros', 'pad' or a tensor, got {baseline!r}")
+    """A baseline :func:`precheck_baseline` accepted, against the embeddings ``x``: a tensor
+    is broadcast to ``x``'s shape (batch, seq, hidden) from ``x``'s, ``(1, seq, hidden)``
+    or ``(seq, hidden)``; ``None``, ``"zeros"`` and ``"pad"`` pass through."""
     if not isinstance(baseline, torch.Tensor):
-        raise TypeError(f"baseline must be 'zeros', 'pad' or a tensor, got {type(baseline).__name__}")
-    if not baseline.is_floating_point():
-        raise TypeError(f"baseline must be a floating tensor, got dtype {baseline.dtype}")
+        return baseline
     ok = (tuple(x.shape), (1, *x.shape[1:]), tuple(x.shape[1:]))
     if tuple(baseline.shape) not in ok:
         raise ValueError(
             f"baseline of shape {tuple(baseline.shape)} does not match the input embeddings: expected "
             f"{tuple(x.shape)} (batch, seq, hidden), {(1, *x.shape[1:])} or {tuple(x.shape[1:])}"
         )
-    if not torch.isfinite(baseline).all():
-        raise ValueError("baseline holds NaN or inf")
     return baseline.detach().to(device=x.device, dtype=x.dtype).expand(x.shape)
 
 
@@ -317,7 +308,6 @@ def relevance(
             inference tensors.
         RelevanceRuleUnsupportedError, RelevanceRuleConflictError: see :func:`use_relevance_rules`.
     """
-    check_target_type(target)
     precheck_baseline(model, baseline)
     prep = F.prepare(model, inputs, attention_mask, "relevance")
     tgts, several = T.normalize(target, prep.input_ids.shape[0])

@@ -24,7 +24,6 @@ from pyattr.attribution import (
     baseline_forward,
     check_baseline,
     check_grad_outputs,
-    check_target_type,
     precheck_baseline,
     evaluate_targets,
     head_free,
@@ -119,16 +118,17 @@ class _Progress:
 
     def __init__(self, total: int, label: str):
         self.total, self.label, self.start, self.bar, self.task = total, label, time.perf_counter(), None, None
+        self.off = False  # rich is not installed
 
     def advance(self, done: int) -> None:
         if self.bar is None:
-            if time.perf_counter() - self.start < 1.0 or not sys.stderr.isatty() or done >= self.total:
+            if self.off or time.perf_counter() - self.start < 1.0 or not sys.stderr.isatty() or done >= self.total:
                 return
             try:
                 from rich.console import Console
                 from rich.progress import Progress
             except ImportError:  # rich is optional (the demo / dev extras)
-                self.total = 0
+                self.off = True
                 return
             self.bar = Progress(console=Console(file=sys.stderr), transient=True)
             self.bar.start()
@@ -209,7 +209,6 @@ def integrated_gradients(
             target that does not depend on the inputs or gives no value per row.
         RuntimeError: a call under ``torch.inference_mode()``.
     """
-    check_target_type(target)
     n_steps = F.check_count("n_steps", n_steps, allow_none=False)
     internal_batch_size = F.check_count("internal_batch_size", internal_batch_size)
     if attribute_to_layer_input and layer is None:

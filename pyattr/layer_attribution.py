@@ -23,7 +23,6 @@ from pyattr.attribution import (
     baseline_forward,
     check_baseline,
     check_grad_outputs,
-    check_target_type,
     precheck_baseline,
     evaluate_targets,
     head_free,
@@ -226,7 +225,6 @@ def layer_relevance(
             internal_batch_size (each names the argument).
         RuntimeError: a call under ``torch.inference_mode()``.
     """
-    check_target_type(target)
     internal_batch_size = F.check_count("internal_batch_size", internal_batch_size)
     F.check_grad_mode("layer_relevance")
     # the layers first: a shorthand on an unmapped model names itself, before the search
