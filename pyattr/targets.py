@@ -24,7 +24,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-__all__ = ["Logit", "LogitDiff", "ModuleOutput", "Target"]
+__all__ = ["Cosine", "Logit", "LogitDiff", "ModuleOutput", "Target"]
 
 
 @dataclass
@@ -330,6 +330,73 @@ class ModuleOutput(Target):
         if sel.shape[0] != fwd.input_ids.shape[0]:
             raise ValueError(f"target: ModuleOutput({self.path!r}) selection must keep the batch dimension first, got shape {tuple(sel.shape)}")
         return sel.reshape(sel.shape[0], -1).sum(1), None
+
+
+class Cosine(Target):
+    """Cosine similarity of each row's pooled sentence embedding with a fixed reference
+    embedding: the sentence-transformers metric (all-MiniLM-L6-v2 mean-pools its last
+    hidden state over the real tokens).
+
+    Args:
+        reference (Tensor[hidden] or Tensor[batch, hidden]): the embedding to compare with
+            (one for every row, or one per row); a constant (detached).
+        pooling (str): ``"mean"`` over the real tokens (attention mask; default) or
+            ``"cls"`` (position 0).
+        constant_norm (bool): the pooled embedding's norm is a constant in the backward
+            (the LN-rule of AttnLRP, ICML 2024, Prop. 3.3, applied to the metric's own
+            normalisation, as ``pyattr explain`` does); the forward is unchanged. With
+            it the metric is linear in the pooled embedding along the backward. Default False.
+
+    Reads the first tensor of the model output (``last_hidden_state``).
+    """
+
+    def __init__(self, reference: torch.Tensor, pooling: str = "mean", constant_norm: bool = False):
+        if not isinstance(reference, torch.Tensor) or not reference.is_floating_point() or reference.dim() not in (1, 2):
+            raise TypeError("target: Cosine reference must be a floating tensor of shape (hidden,) or (batch, hidden)")
+        if not bool(torch.isfinite(reference).all()) or not bool((reference.norm(dim=-1) > 0).all()):
+            raise ValueError("target: Cosine reference must be finite and nonzero")
+        if pooling not in ("mean", "cls"):
+            raise ValueError(f"target: Cosine pooling must be 'mean' or 'cls', got {pooling!r}")
+        if not isinstance(constant_norm, bool):
+            raise TypeError(f"target: Cosine constant_norm must be a bool, got {constant_norm!r}")
+        self.reference = reference.detach()
+        self.pooling, self.constant_norm = pooling, constant_norm
+
+    def __repr__(self):
+        return f"Cosine(reference {tuple(self.reference.shape)}, pooling={self.pooling!r}, constant_norm={self.constant_norm})"
+
+    def value(self, fwd):
+        h = getattr(fwd.output, "last_hidden_state", None)
+        if h is None:
+            h = fwd.output if isinstance(fwd.output, torch.Tensor) else fwd.output[0]
+        if h.dim() != 3:
+            raise ValueError(f"target: Cosine needs hidden states of shape (batch, seq, hidden), got {tuple(h.shape)}")
+        ref = self.reference.to(device=h.device, dtype=h.dtype)
+        if ref.shape[-1] != h.shape[-1] or (ref.dim() == 2 and ref.shape[0] != h.shape[0]):
+            raise ValueError(
+                f"target: Cosine reference of shape {tuple(ref.shape)} does not match hidden states {tuple(h.shape)}"
+            )
+        if self.pooling == "cls":
+            pooled = h[:, 0]
+        else:
+            m = fwd.attention_mask
+            m = torch.ones(h.shape[:2], dtype=h.dtype, device=h.device) if m is None else m.to(h.device, h.dtype)
+            pooled = (h * m.unsqueeze(-1)).sum(1) / m.sum(1, keepdim=True)
+        norm = pooled.norm(dim=-1, keepdim=True)
+        if self.constant_norm:
+            from pyattr.rules import ln_rule
+
+            unit = ln_rule(pooled, norm)
+        else:
+            unit = pooled / norm
+        return (unit * ref).sum(-1) / ref.norm(dim=-1), None
+
+    def rows(self, index, batch):
+        if self.reference.dim() == 1:
+            return self
+        if self.reference.shape[0] != batch:
+            raise ValueError(f"target: Cosine reference has {self.reference.shape[0]} rows for a batch of {batch}")
+        return Cosine(self.reference[index.to(self.reference.device)], self.pooling, self.constant_norm)
 
 
 class _Callable(Target):

@@ -171,6 +171,10 @@ def validate(doc: dict) -> None:
                     raise ValueError(f"benchmark JSON: row {i} field {k!r} missing or not a string")
             for k in numbers:
                 _finite_nonneg(row.get(k), f"row {i} field {k!r}")
+            for k in _SIGNED.get(doc["kind"], ()):
+                v = row.get(k)
+                if v is not None and not (isinstance(v, (int, float)) and -1.0 <= v <= 1.0):
+                    raise ValueError(f"benchmark JSON: row {i} field {k!r} must be a correlation in [-1, 1] or null, got {v!r}")
     else:
         raise ValueError(f"benchmark JSON: kind {doc['kind']!r}, expected one of {['micro', 'e2e', *_ROW_NUMBERS]}")
 
@@ -179,7 +183,10 @@ def validate(doc: dict) -> None:
 _ROW_NUMBERS = {
     "conservation": (("dtype", "impl", "layer"), ("median_rel_error", "max_rel_error")),
     "ig-memory": (("dtype", "device"), ("n_steps", "peak_bytes", "seconds", "abs_convergence_delta")),
+    "patching": (("model", "method", "variant", "node"), ("nodes", "pairs", "seconds")),
 }
+# correlations: finite, in [-1, 1], or null where undefined (a constant estimate)
+_SIGNED = {"patching": ("pearson", "spearman")}
 
 
 def _validate_contention(c) -> None:

@@ -34,8 +34,8 @@ def _check_args(args):
         raise UsageError(f"--targets must be >= 0, got {args.targets}")
     if args.chunk < 1:
         raise UsageError(f"--chunk must be >= 1, got {args.chunk}")
-    if sum(map(bool, (args.e2e, args.conservation, args.ig_memory))) > 1:
-        raise UsageError("--e2e, --conservation and --ig-memory are separate runs; pass one")
+    if sum(map(bool, (args.e2e, args.conservation, args.ig_memory, args.patching))) > 1:
+        raise UsageError("--e2e, --conservation, --ig-memory and --patching are separate runs; pass one")
     for flag, path in (("--json", args.json), ("--markdown", args.markdown)):
         if path is not None:
             check_output_path(flag, path)
@@ -80,7 +80,18 @@ def run(args) -> int:
     from pyattr.bench import contention, e2e, micro, report
 
     dtypes = [getattr(torch, n) for n in names]
-    if args.conservation:
+    if args.patching:
+        from pyattr.bench import patching
+
+        if device.type != "cpu":
+            return fail("bench", "--patching runs on the CPU only (--device cpu)")
+        monitor = contention.start()
+        rows = patching.run_all(quick=args.quick)
+        cond = monitor.stop()
+        doc = report.document("patching", device, rows, contention=cond)
+        report.validate(doc)
+        table = patching.markdown(rows, cond)
+    elif args.conservation:
         from pyattr.bench import conservation
 
         monitor = contention.start()
