@@ -32,10 +32,16 @@ def _bench(args) -> int:
     return run(args)
 
 
+def _patch(args) -> int:
+    from pyattr.cli.patch import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="pyattr", description="Relevance attribution with fused LRP-rule kernels.")
     p.add_argument("--version", action="version", version=f"pyattr {__version__}")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{explain,bench}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{explain,patch,bench}")
     e = sub.add_parser(
         "explain",
         help="token relevance heatmap",
@@ -67,6 +73,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.set_defaults(func=_explain)
 
+    pa = sub.add_parser(
+        "patch",
+        help="which layers, heads and neurons matter: RelP, AtP and activation patching",
+        description=(
+            "Effect of patching each node (residual stream, attention output, heads, MLP output, "
+            "neurons) from the corrupt text into the clean one: estimated by RelP (rule-modified "
+            "gradient) or AtP (plain gradient), or measured by activation patching. With no "
+            "arguments: the bundled all-MiniLM-L6-v2 and a built-in sentence pair, metric the cosine "
+            "similarity with a partner sentence."
+        ),
+    )
+    pa.add_argument("--clean", help="the clean text")
+    pa.add_argument("--corrupt", help="the corrupt text (same number of tokens)")
+    pa.add_argument("--pair", help="partner sentence of the cosine metric (sentence-embedding model)")
+    pa.add_argument("--model", help="local Hugging Face causal-LM directory; metric: the next-token logit")
+    pa.add_argument("--target", help="target token for --model (default: the clean run's top-1 prediction)")
+    pa.add_argument("--nodes", default="residual,attention,heads,mlp",
+                    help="comma-separated: residual,attention,heads,mlp,neurons (default: all but neurons)")
+    pa.add_argument("--method", choices=["relp", "atp", "exact", "all"], default="relp",
+                    help="relp, atp, exact (activation patching) or all three with correlations (default relp)")
+    pa.add_argument("--sample", type=int, default=200, help="exact: neurons patched, a random sample (default 200)")
+    pa.add_argument("--top", type=int, default=10, help="nodes listed in the terminal (default 10)")
+    pa.add_argument("--png", metavar="PATH", help="write layer x position heatmaps (and scatter plots) as PNG")
+    pa.add_argument("--html", metavar="PATH", help="write a self-contained HTML page of the heatmaps")
+    pa.add_argument("--json", metavar="PATH", help="write the effects as JSON")
+    pa.set_defaults(func=_patch)
+
     b = sub.add_parser(
         "bench",
         help="kernel microbenchmarks and the end-to-end relevance benchmark",
@@ -96,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--patching", action="store_true",
                    help="correlation of RelP / AtP with activation patching on MiniLM and a random Llama, instead")
     b.set_defaults(func=_bench)
-    p.commands = {"explain": e, "bench": b}
+    p.commands = {"explain": e, "patch": pa, "bench": b}
     return p
 
 

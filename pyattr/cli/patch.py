@@ -1,0 +1,62 @@
+"""``pyattr patch``: RelP / AtP / activation patching of one clean and corrupt pair."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pyattr.cli._common import UsageError, check_output_path, fail
+
+NODE_TYPES = ("residual", "attention", "heads", "mlp", "neurons")
+
+
+def _nodes(text: str):
+    nodes = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in nodes if n not in NODE_TYPES]
+    if bad or not nodes:
+        raise UsageError(f"--nodes: unknown node type(s) {bad or [text]}; expected some of {list(NODE_TYPES)}")
+    return list(dict.fromkeys(nodes))
+
+
+def run(args) -> int:
+    try:
+        for flag, path in (("--html", args.html), ("--png", args.png), ("--json", args.json)):
+            if path is not None:
+                check_output_path(flag, path)
+        if args.model is not None and args.pair is not None:
+            raise UsageError("--pair works with the sentence-embedding model only (drop --model)")
+        if args.model is None and args.target is not None:
+            raise UsageError("--target needs --model (a causal LM directory)")
+        if args.top < 1:
+            raise UsageError(f"--top must be >= 1, got {args.top}")
+        if args.sample < 1:
+            raise UsageError(f"--sample must be >= 1, got {args.sample}")
+        nodes = _nodes(args.nodes)
+    except UsageError as e:
+        return fail("patch", str(e))
+
+    from pyattr.explain import ExplainError
+    from pyattr.patch_report import METHODS, print_terminal, run_patch, to_html, to_png
+
+    methods = METHODS if args.method == "all" else (args.method,)
+    try:
+        rep = run_patch(args.clean, args.corrupt, args.pair, Path(args.model) if args.model else None,
+                        args.target, nodes, methods, args.sample)
+    except ExplainError as e:
+        return fail("patch", str(e))
+    try:
+        if args.png:
+            Path(args.png).write_bytes(to_png(rep))
+        if args.html:
+            Path(args.html).write_text(to_html(rep), encoding="utf-8")
+        if args.json:
+            Path(args.json).write_text(json.dumps(rep.to_json(), indent=1))
+    except OSError as e:
+        return fail("patch", f"cannot write the output: {e.strerror or e}")
+    except ImportError:
+        return fail("patch", "--png needs matplotlib (pip install -e '.[demo]')")
+    print_terminal(rep, top=args.top)
+    for flag, path in (("heatmaps", args.png), ("page", args.html), ("JSON", args.json)):
+        if path:
+            print(f"{flag} written to {path}")
+    return 0

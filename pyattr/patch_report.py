@@ -1,0 +1,295 @@
+"""``pyattr patch``: run the patching methods on one clean / corrupt pair and present the
+result (terminal table, JSON, layer × position heatmaps as PNG or HTML, scatter plots of
+each estimate against activation patching)."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from pyattr.explain import ExplainError, _check_text, _load, bundled_model_dir, _tokens
+
+DEFAULT_CLEAN = "A man is playing a guitar on stage."
+DEFAULT_CORRUPT = "A man is playing a ladder on stage."
+DEFAULT_PARTNER = "Someone performs music with a guitar in front of an audience."
+METHODS = ("relp", "atp", "exact")
+
+
+@dataclass
+class PatchReport:
+    """Everything ``pyattr patch`` shows: per method a :class:`pyattr.patching.PatchingResult`
+    (batch of one pair) and its wall time (s), the tokens, and the correlations of each
+    estimate with activation patching (when it ran)."""
+
+    model: str
+    metric: str
+    clean_tokens: List[str]
+    corrupt_tokens: List[str]
+    nodes: List[str]
+    results: Dict[str, object]
+    seconds: Dict[str, float]
+    correlations: Dict[str, Dict[str, Dict[str, Optional[float]]]] = field(default_factory=dict)
+
+    @property
+    def first(self):
+        return next(iter(self.results.values()))
+
+    def to_json(self) -> dict:
+        out = {
+            "model": self.model,
+            "metric": self.metric,
+            "clean_tokens": self.clean_tokens,
+            "corrupt_tokens": self.corrupt_tokens,
+            "clean_metric": float(self.first.clean_metric[0]),
+            "corrupt_metric": float(self.first.corrupt_metric[0]),
+            "methods": {},
+            "correlations": self.correlations,
+        }
+        for m, r in self.results.items():
+            eff = {n: [[_finite(v) for v in row] for row in _panel(r, n)] for n in self.nodes}
+            out["methods"][m] = {"seconds": self.seconds[m], "dims": {n: ["layer", "position"] for n in self.nodes},
+                                 "effects": eff}
+            if m == "exact" and "neurons" in r.sampled:
+                out["methods"][m]["note"] = "neurons: sum over the sampled neurons"
+        return out
+
+
+def _finite(v: float) -> Optional[float]:
+    v = float(v)
+    return None if v != v else v + 0.0
+
+
+def _panel(result, node: str) -> torch.Tensor:
+    """(layer, position) for the heatmaps: heads and neurons summed over their last dim
+    (NaN — neurons not sampled — counted as 0)."""
+    e = result[node][0]
+    if e.dim() == 3:
+        e = torch.nan_to_num(e).sum(-1)
+    return e
+
+
+def _heads_panel(result) -> torch.Tensor:
+    """(layer·head, position) for the heads heatmap."""
+    e = result["heads"][0]  # (layer, position, head)
+    return e.permute(0, 2, 1).reshape(-1, e.shape[1])
+
+
+def run_patch(clean: Optional[str], corrupt: Optional[str], partner: Optional[str], model_dir: Optional[Path],
+              target: Optional[str], nodes: Sequence[str], methods: Sequence[str], sample: int) -> PatchReport:
+    from pyattr import patching as P
+    from pyattr import targets as T
+
+    clean = _check_text("--clean", clean if clean is not None else DEFAULT_CLEAN)
+    corrupt = _check_text("--corrupt", corrupt if corrupt is not None else DEFAULT_CORRUPT)
+    causal = model_dir is not None
+    path = Path(model_dir) if causal else bundled_model_dir()
+    tok, model = _load(path, causal=causal)
+    enc_c = tok(clean, return_tensors="pt")
+    enc_x = tok(corrupt, return_tensors="pt")
+    nc, nx = enc_c["input_ids"].shape[1], enc_x["input_ids"].shape[1]
+    if nc != nx:
+        raise ExplainError(
+            f"--clean is {nc} tokens and --corrupt {nx}; patching pairs position p with position p, so the "
+            "two texts must have the same number of tokens (replace a word by one of the same token length)"
+        )
+    if causal:
+        if target is not None:
+            from pyattr.explain import _target_id
+
+            metric = T.Logit(_target_id(tok, target, model.config.vocab_size))
+            desc = f"logit of {target!r} at the last position"
+        else:
+            metric = T.Logit()
+            desc = "logit of the clean run's top-1 next token at the last position"
+    else:
+        partner = _check_text("--pair", partner if partner is not None else DEFAULT_PARTNER)
+        enc_p = tok(partner, return_tensors="pt")
+        with torch.no_grad():
+            ref = model(**enc_p).last_hidden_state.mean(1)[0]
+        metric = T.Cosine(ref)
+        desc = f"cosine similarity of the mean-pooled embedding with {partner!r}"
+    results, seconds = {}, {}
+    for m in methods:
+        t0 = time.perf_counter()
+        if m == "exact":
+            results[m] = P.activation_patching(model, dict(enc_c), dict(enc_x), metric, nodes=nodes, sample=sample)
+        else:
+            results[m] = P.attribution_patching(model, dict(enc_c), dict(enc_x), metric, nodes=nodes, method=m)
+        seconds[m] = time.perf_counter() - t0
+    rep = PatchReport(
+        model="all-MiniLM-L6-v2 (bundled)" if not causal else str(path),
+        metric=desc,
+        clean_tokens=_tokens(tok, enc_c["input_ids"][0]),
+        corrupt_tokens=_tokens(tok, enc_x["input_ids"][0]),
+        nodes=list(nodes),
+        results=results,
+        seconds=seconds,
+    )
+    if "exact" in results:
+        from pyattr.bench.patching import correlations
+
+        ex = results["exact"]
+        for m in results:
+            if m == "exact":
+                continue
+            rep.correlations[m] = {}
+            for n in nodes:
+                keep = ~torch.isnan(ex[n])
+                pr, sr = correlations(results[m][n][keep], ex[n][keep])
+                rep.correlations[m][n] = {"pearson": pr, "spearman": sr}
+    return rep
+
+
+def _label(node: str, idx) -> str:
+    layer, pos = idx[0], idx[1]
+    extra = f" head {idx[2]}" if node == "heads" else f" neuron {idx[2]}" if node == "neurons" else ""
+    return f"{node:<9} layer {layer} pos {pos}{extra}"
+
+
+def print_terminal(rep: PatchReport, top: int = 10, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(highlight=False)
+    first = rep.first
+    console.print(f"model    {rep.model}")
+    console.print(f"metric   {rep.metric}")
+    console.print(f"clean    {' '.join(rep.clean_tokens)}   metric {float(first.clean_metric[0]):+.6f}")
+    console.print(f"corrupt  {' '.join(rep.corrupt_tokens)}   metric {float(first.corrupt_metric[0]):+.6f}")
+    lead = "exact" if "exact" in rep.results else next(iter(rep.results))
+    table = Table(title=f"top {top} nodes by |effect| ({lead})", title_justify="left")
+    table.add_column("node")
+    table.add_column("token")
+    for m in rep.results:
+        table.add_column(m, justify="right")
+    for node, idx, _ in rep.results[lead].top(top):
+        tokname = rep.clean_tokens[idx[1]] if idx[1] < len(rep.clean_tokens) else ""
+        vals = [f"{float(r[node][(0, *idx)]):+.5f}" for r in rep.results.values()]
+        table.add_row(_label(node, idx), tokname, *vals)
+    console.print(table)
+    if rep.correlations:
+        ct = Table(title="Pearson / Spearman with activation patching", title_justify="left")
+        ct.add_column("method")
+        for n in rep.nodes:
+            ct.add_column(n, justify="right")
+        for m, by in rep.correlations.items():
+            ct.add_row(m, *[_corr(by[n]) for n in rep.nodes])
+        console.print(ct)
+    console.print("time     " + "   ".join(f"{m} {s * 1000:.0f} ms" for m, s in rep.seconds.items()))
+
+
+def _corr(c) -> str:
+    return "n/a" if c["pearson"] is None else f"{c['pearson']:+.3f} / {c['spearman']:+.3f}"
+
+
+def figure(rep: PatchReport):
+    """A matplotlib figure: one row of heatmaps per method (one panel per node type;
+    heads as layer·head × position), and with activation patching a row of scatter plots
+    of each estimate against it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(rep.results)
+    scatter = "exact" in rep.results and len(methods) > 1
+    rows = len(methods) + (1 if scatter else 0)
+    cols = len(rep.nodes)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols + 1, 2.8 * rows + 0.6), squeeze=False)
+    for i, m in enumerate(methods):
+        for j, n in enumerate(rep.nodes):
+            ax = axes[i][j]
+            data = _heads_panel(rep.results[m]) if n == "heads" else _panel(rep.results[m], n)
+            lim = float(torch.nan_to_num(data).abs().max()) or 1.0
+            im = ax.imshow(data.numpy(), cmap="RdBu_r", vmin=-lim, vmax=lim, aspect="auto", interpolation="nearest")
+            ax.set_title(f"{m}: {n}", fontsize=9)
+            ax.set_xticks(range(len(rep.clean_tokens)))
+            ax.set_xticklabels(rep.clean_tokens, rotation=90, fontsize=6)
+            ax.set_ylabel("layer·head" if n == "heads" else "layer", fontsize=7)
+            ax.tick_params(axis="y", labelsize=6)
+            fig.colorbar(im, ax=ax, fraction=0.046, pad=0.02)
+    if scatter:
+        ex = rep.results["exact"]
+        for j, n in enumerate(rep.nodes):
+            ax = axes[rows - 1][j]
+            keep = ~torch.isnan(ex[n])
+            for m in methods:
+                if m == "exact":
+                    continue
+                c = rep.correlations[m][n]
+                r = "n/a" if c["pearson"] is None else f"{c['pearson']:+.2f}"
+                ax.scatter(ex[n][keep].numpy(), rep.results[m][n][keep].numpy(), s=6, alpha=0.6, label=f"{m} r={r}")
+            ax.axline((0, 0), slope=1, color="grey", lw=0.6)
+            ax.set_xlabel("activation patching", fontsize=7)
+            ax.set_ylabel("estimate", fontsize=7)
+            ax.set_title(f"{n}: estimate vs exact", fontsize=9)
+            ax.legend(fontsize=6)
+    fig.suptitle(f"{rep.model}: {rep.metric}", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def to_png(rep: PatchReport) -> bytes:
+    import matplotlib.pyplot as plt
+
+    fig = figure(rep)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _cell(v: float, lim: float) -> str:
+    if v != v:
+        return '<td class="na">·</td>'
+    a = min(abs(v) / lim, 1.0) if lim else 0.0
+    rgb = (255, int(255 * (1 - a)), int(255 * (1 - a))) if v > 0 else (int(255 * (1 - a)), int(255 * (1 - a)), 255)
+    return f'<td style="background:rgb{rgb}" title="{v:+.6f}">{v:+.3f}</td>'
+
+
+def to_html(rep: PatchReport) -> str:
+    """A self-contained page: a table per method and node type (rows layers, or layer·head
+    for heads; columns the clean tokens; cells coloured by effect), the correlations, and
+    the matplotlib figure embedded as a PNG."""
+    esc = html.escape
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>pyattr patch</title><style>"
+        "body{font-family:sans-serif;margin:1.5em}table{border-collapse:collapse;margin:0.5em 0 1.5em}"
+        "td,th{border:1px solid #ddd;padding:2px 5px;font-size:11px;text-align:right}"
+        "th{background:#f4f4f4}.na{color:#aaa}</style></head><body>",
+        f"<h2>pyattr patch</h2><p>model: {esc(rep.model)}<br>metric: {esc(rep.metric)}<br>"
+        f"clean: {esc(' '.join(rep.clean_tokens))} (metric {float(rep.first.clean_metric[0]):+.6f})<br>"
+        f"corrupt: {esc(' '.join(rep.corrupt_tokens))} (metric {float(rep.first.corrupt_metric[0]):+.6f})</p>",
+    ]
+    if rep.correlations:
+        parts.append("<h3>Pearson / Spearman with activation patching</h3><table><tr><th>method</th>"
+                     + "".join(f"<th>{esc(n)}</th>" for n in rep.nodes) + "</tr>")
+        for m, by in rep.correlations.items():
+            parts.append(f"<tr><th>{esc(m)}</th>" + "".join(f"<td>{_corr(by[n])}</td>" for n in rep.nodes) + "</tr>")
+        parts.append("</table>")
+    for m, r in rep.results.items():
+        for n in rep.nodes:
+            data = _heads_panel(r) if n == "heads" else _panel(r, n)
+            lim = float(torch.nan_to_num(data).abs().max())
+            heads = r["heads"].shape[-1] if n == "heads" else 0
+            parts.append(f"<h3>{esc(m)}: {esc(n)} ({rep.seconds[m] * 1000:.0f} ms)</h3><table><tr><th></th>"
+                         + "".join(f"<th>{esc(t)}</th>" for t in rep.clean_tokens) + "</tr>")
+            for i, row in enumerate(data.tolist()):
+                label = f"L{i // heads} H{i % heads}" if heads else f"layer {i}"
+                parts.append(f"<tr><th>{label}</th>" + "".join(_cell(v, lim) for v in row) + "</tr>")
+            parts.append("</table>")
+    try:
+        png = to_png(rep)
+    except ImportError:
+        parts.append("<p>(matplotlib is not installed: no figure)</p>")
+    else:
+        parts.append(f"<img alt='heatmaps' src='data:image/png;base64,{base64.b64encode(png).decode()}'>")
+    parts.append("</body></html>")
+    return "\n".join(parts)

@@ -1,0 +1,77 @@
+"""``pyattr patch``: outputs on the bundled MiniLM and a local causal LM, one-line errors."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import run_cli
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_default_pair_json_matches_the_api(tmp_path):
+    out = tmp_path / "p.json"
+    r = run_cli("patch", "--method", "atp", "--nodes", "residual,mlp", "--json", out)
+    assert r.returncode == 0, r.stderr
+    assert "top 10 nodes by |effect| (atp)" in r.stdout and f"JSON written to {out}" in r.stdout
+    doc = json.loads(out.read_text())
+    assert doc["clean_tokens"][6] == "guitar" and doc["corrupt_tokens"][6] == "ladder"
+    res = doc["methods"]["atp"]["effects"]
+    assert len(res["residual"]) == 6 and len(res["residual"][0]) == len(doc["clean_tokens"])
+
+    # the same numbers from the Python API
+    from models import minilm
+
+    from pyattr import patching as P
+    from pyattr import targets as T
+    from pyattr.patch_report import DEFAULT_CLEAN, DEFAULT_CORRUPT, DEFAULT_PARTNER
+
+    tok, model = minilm()
+    with torch.no_grad():
+        ref = model(**tok(DEFAULT_PARTNER, return_tensors="pt")).last_hidden_state.mean(1)[0]
+    api = P.attribution_patching(model, dict(tok(DEFAULT_CLEAN, return_tensors="pt")),
+                                 dict(tok(DEFAULT_CORRUPT, return_tensors="pt")), T.Cosine(ref),
+                                 nodes=("residual", "mlp"), method="atp")
+    torch.testing.assert_close(torch.tensor(res["mlp"]), api["mlp"][0], atol=1e-6, rtol=1e-5)
+    assert doc["clean_metric"] == pytest.approx(float(api.clean_metric[0]), abs=1e-6)
+    assert doc["corrupt_metric"] == pytest.approx(float(api.corrupt_metric[0]), abs=1e-6)
+
+
+def test_method_all_draws_heatmaps_and_scatter(tmp_path):
+    png, page = tmp_path / "p.png", tmp_path / "p.html"
+    r = run_cli("patch", "--method", "all", "--nodes", "residual,heads", "--png", png, "--html", page, "--top", "3")
+    assert r.returncode == 0, r.stderr
+    assert "Pearson / Spearman with activation patching" in r.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = page.read_text()
+    assert text.count("<table>") == 1 + 3 * 2  # correlations + 3 methods x 2 node types
+    assert "exact: heads" in text and "L5 H11" in text and "data:image/png;base64," in text
+
+
+def test_causal_model_exact(causal_dir, tmp_path):
+    out = tmp_path / "c.json"
+    r = run_cli("patch", "--model", causal_dir, "--clean", "the cat sat on the mat",
+                "--corrupt", "the dog sat on the mat", "--method", "exact", "--nodes", "residual,neurons",
+                "--sample", "5", "--json", out)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    assert doc["metric"].startswith("logit of the clean run's top-1")
+    assert len(doc["methods"]["exact"]["effects"]["residual"]) == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--nodes", "residual,head"), "--nodes: unknown node type(s) ['head']"),
+    (("--clean", "  "), "--clean is empty"),
+    (("--corrupt", "A man is playing a loud guitar on stage."), "the two texts must have the same number of tokens"),
+    (("--target", "x"), "--target needs --model"),
+    (("--model", ".", "--pair", "x"), "--pair works with the sentence-embedding model only"),
+    (("--png", "/nonexistent-dir/p.png"), "--png: cannot write '/nonexistent-dir/p.png': directory"),
+    (("--top", "0"), "--top must be >= 1"),
+    (("--method", "ig"), "argument --method: invalid choice: 'ig'"),
+])
+def test_errors_are_one_line_with_status_2(args, message):
+    r = run_cli("patch", *args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("pyattr patch: error: ")
+    assert message in r.stderr
