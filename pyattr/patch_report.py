@@ -91,6 +91,10 @@ def run_patch(clean: Optional[str], corrupt: Optional[str], partner: Optional[st
     causal = model_dir is not None
     path = Path(model_dir) if causal else bundled_model_dir()
     tok, model = _load(path, causal=causal)
+    if "atp*" in methods:
+        from pyattr.bench.patching import use_eager
+
+        use_eager(model)
     enc_c = tok(clean, return_tensors="pt")
     enc_x = tok(corrupt, return_tensors="pt")
     nc, nx = enc_c["input_ids"].shape[1], enc_x["input_ids"].shape[1]

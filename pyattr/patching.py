@@ -8,7 +8,9 @@ metric, when it is taken from a corrupted input instead of the clean one?
   one backward: ``(a_corrupt − a_clean) · ∂metric/∂a`` at the clean run. With
   ``method="atp"`` the gradient is the plain one (attribution patching, Nanda 2022;
   Kramár et al., arXiv 2403.00745); with ``method="relp"`` it is the LRP-modified one
-  under the relevance rules (RelP, Jafari et al., arXiv 2508.21258).
+  under the relevance rules (RelP, Jafari et al., arXiv 2508.21258); ``method="atp*"``
+  adds AtP*'s exact recomputation of the attention pattern for residual-stream nodes
+  (see :mod:`pyattr._qk_fix`).
 
 Nodes, per layer and token position (``"heads"`` and ``"neurons"`` add a last dimension):
 
@@ -49,7 +51,7 @@ from pyattr.layer_attribution import _PARTS
 __all__ = ["NODES", "PATCHING_RULES", "PatchingResult", "activation_patching", "attribution_patching"]
 
 NODES = ("residual", "attention", "heads", "mlp", "neurons")
-METHODS = ("relp", "atp")
+METHODS = ("relp", "atp", "atp*")
 
 #: The rules ``method="relp"`` uses by default: the LN-rule alone. Chosen by the
 #: correlation with activation patching on all-MiniLM-L6-v2 (README, "Circuit discovery",
@@ -91,7 +93,7 @@ class PatchingResult:
         effects (dict): node type → effect tensor.
         dims (dict): node type → dimension names, e.g. ``("batch", "layer", "position", "head")``.
         clean_metric, corrupt_metric (Tensor[batch], float64): the metric on each input.
-        method (str): ``"relp"``, ``"atp"`` or ``"exact"`` (activation patching).
+        method (str): ``"relp"``, ``"atp"``, ``"atp*"`` or ``"exact"`` (activation patching).
         rules (RelevanceRules or None): the rules of the backward (``"relp"``).
         sampled (dict): node type → bool mask of the nodes patched, where a sample was taken.
         coverage (RelevanceRuleCoverage or None): what the rule scope installed (``"relp"``).
@@ -339,10 +341,16 @@ def attribution_patching(
         nodes (str | list of str): among ``"residual"``, ``"attention"``, ``"heads"``,
             ``"mlp"``, ``"neurons"`` (see :mod:`pyattr.patching`). Default residual,
             attention, mlp.
-        method (str): ``"relp"`` (rule-modified gradient, RelP arXiv 2508.21258) or
-            ``"atp"`` (plain gradient, attribution patching).
+        method (str): ``"relp"`` (rule-modified gradient, RelP arXiv 2508.21258),
+            ``"atp"`` (plain gradient, attribution patching) or ``"atp*"``: AtP with AtP*'s
+            fix for saturated attention (Kramár et al., arXiv 2403.00745, §3.1.1) on
+            ``"residual"`` nodes: the block's attention pattern is recomputed exactly with
+            the patched position's query and key (one call of the block's attention module
+            per position, batched) instead of being linearised; the other node types get
+            AtP's estimate (no softmax lies between their patch and a query or key that
+            the patch alone determines). Needs eager attention; GradDrop is not applied.
         rules (RelevanceRules, optional): the rules of ``"relp"`` (default
-            :data:`PATCHING_RULES`); not accepted with ``"atp"``.
+            :data:`PATCHING_RULES`); not accepted with ``"atp"`` / ``"atp*"``.
         sum_positions (bool): sum each node's estimate over positions (the estimate of
             patching it at every position at once). Default False.
         alignment (LongTensor[batch, clean_seq], optional): the corrupt position whose
@@ -356,7 +364,9 @@ def attribution_patching(
         ``clean_metric`` and ``corrupt_metric`` (float64, (batch,)).
 
     Raises:
-        ValueError: an unknown node type or method, a model without a node map, clean
+        ValueError: an unknown node type or method, a model without a node map,
+            ``"atp*"`` on a model whose attention does not return its probabilities
+            (not eager), clean
             and corrupt that do not line up (different lengths or masks without
             ``alignment``, different batch sizes), a metric that does not give one value
             per row or does not depend on the inputs, ``rules`` with ``"atp"``.
@@ -365,9 +375,9 @@ def attribution_patching(
     node_list = _check_nodes(nodes)
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if method == "atp":
+    if method in ("atp", "atp*"):
         if rules is not None:
-            raise ValueError("rules: method='atp' uses the plain gradient; pass method='relp' to use rules")
+            raise ValueError(f"rules: method={method!r} uses the plain gradient; pass method='relp' to use rules")
         rules = RelevanceRules()
     else:
         rules = PATCHING_RULES if rules is None else rules
@@ -379,14 +389,38 @@ def attribution_patching(
     pair = _prepare_pair(model, clean, corrupt, alignment, attention_mask, corrupt_attention_mask, caller)
     batch = pair.clean.input_ids.shape[0]
     tgts = _metric(metric, batch)
+    star = method == "atp*" and "residual" in node_list
+    if star:
+        from pyattr._qk_fix import AttentionCalls
+
+        attn_c = AttentionCalls(model, [s.path for s in sites["residual"]])
+        attn_x = AttentionCalls(model, [s.path for s in sites["residual"]])
     with F.attribution_pass(model, rules, False, caller) as cov:
-        value, acts_c, fixed = _forward(model, pair.clean, tgts, flat, grad=True)
+        with attn_c.recording() if star else contextlib.nullcontext():
+            value, acts_c, fixed = _forward(model, pair.clean, tgts, flat, grad=True)
         if not value.requires_grad:
             raise ValueError("metric: the value does not depend on the inputs through differentiable operations")
-        grads = torch.autograd.grad(value, acts_c, torch.ones_like(value), allow_unused=True)
+        extra = []
+        if star:
+            attn_c.check()
+            extra = attn_c.weights
+        grads = torch.autograd.grad(value, acts_c + extra, torch.ones_like(value), allow_unused=True, retain_graph=star)
+        grads, d_weights = grads[:len(acts_c)], grads[len(acts_c):]
+        pattern_grads = {}
+        if star:
+            # the part of each residual node's gradient that flows through its own block's
+            # attention pattern: replaced by the exact pattern change below
+            for s, w, dA in zip(sites["residual"], attn_c.weights, d_weights):
+                if dA is not None:
+                    i = flat.index(s)
+                    (pattern_grads[i],) = torch.autograd.grad(w, acts_c[i], dA, retain_graph=True, allow_unused=True)
         acts_c = [a.detach() for a in acts_c]
         value = value.detach()
-        value_x, acts_x, _ = _forward(model, pair.corrupt, fixed, flat, grad=False)
+        with attn_x.recording() if star else contextlib.nullcontext():
+            value_x, acts_x, _ = _forward(model, pair.corrupt, fixed, flat, grad=False)
+    if star:
+        inputs_x = [_align(t.detach(), pair.index) for t in attn_x.inputs]
+        pattern_terms = attn_c.pattern_terms(inputs_x, list(d_weights), pair.valid)
     effects: Dict[str, torch.Tensor] = {}
     valid = pair.valid
     for node in node_list:
@@ -399,8 +433,12 @@ def attribution_patching(
             if g is None:
                 est = torch.zeros_like(diff)
             else:
+                if i in pattern_grads and pattern_grads[i] is not None:
+                    g = g - pattern_grads[i]
                 est = diff * g.float()
             est = _reduce(est, s)
+            if star and node == "residual":
+                est = est + pattern_terms[:, s.layer].to(est.device)
             keep = valid.to(est.device).view(*valid.shape, *([1] * (est.dim() - 2)))
             est = torch.where(keep, est, torch.zeros((), dtype=est.dtype, device=est.device))
             per_layer.append(est)

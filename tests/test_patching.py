@@ -427,3 +427,87 @@ def test_unmapped_architecture_is_refused():
     clean, corrupt = _pair()
     with pytest.raises(ValueError, match=r"patching needs a mapped architecture.*OPTForCausalLM.*'opt'"):
         P.attribution_patching(model, clean, corrupt, METRIC, method="atp")
+
+
+# --------------------------------------------------------------------------- AtP*
+
+
+@pytest.mark.parametrize("arch", ["llama", "bert", "gpt2"])
+def test_atp_star_equals_the_qk_fix_written_by_hand(arch):
+    """Δr·(g − g_pattern) + Σ (A′ − A)·∂metric/∂A per residual node, with A′ taken from a
+    full forward with the node patched by hand (not from the attention module re-run)."""
+    from models import tiny_causal_lm
+
+    model = tiny_causal_lm(arch)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    core = {"llama": "self_attn", "bert": "attention.self", "gpt2": "attn"}[arch]
+    blocks = {"llama": "model.layers", "bert": "bert.encoder.layer", "gpt2": "transformer.h"}[arch]
+    n_layers = model.config.num_hidden_layers
+    clean, corrupt = _pair(seed=12, batch=1, seq=6)
+
+    def run(ids, patch=None):
+        store, hs = {}, []
+        for layer in range(n_layers):
+            blk = model.get_submodule(f"{blocks}.{layer}")
+
+            def pre(mod, a, k, layer=layer):
+                h = a[0] if a else k["hidden_states"]
+                if patch is not None and patch[0] == layer:
+                    h = h.clone()
+                    h[:, patch[1]] = patch[2]
+                store[("r", layer)] = h
+                return ((h, *a[1:]), k) if a else (a, {**k, "hidden_states": h})
+            hs.append(blk.register_forward_pre_hook(pre, with_kwargs=True))
+            hs.append(blk.get_submodule(core).register_forward_hook(
+                lambda mod, a, o, layer=layer: store.__setitem__(("w", layer), o[1])))
+        hs.append(model.get_input_embeddings().register_forward_hook(lambda mod, a, o: o.detach().requires_grad_(True)))
+        try:
+            out = model(input_ids=ids)
+        finally:
+            for h in hs:
+                h.remove()
+        return out.logits[:, -1, 3] - out.logits[:, -1, 5], store
+
+    try:
+        v, st = run(clean)
+        rs = [st[("r", i)] for i in range(n_layers)]
+        ws = [st[("w", i)] for i in range(n_layers)]
+        g = torch.autograd.grad(v.sum(), rs + ws, retain_graph=True)
+        gr, dA = g[:n_layers], g[n_layers:]
+        gp = [torch.autograd.grad(ws[i], rs[i], dA[i], retain_graph=True)[0] for i in range(n_layers)]
+        with torch.no_grad():
+            _, stx = run(corrupt)
+            want = torch.zeros(n_layers, 6)
+            for layer in range(n_layers):
+                for p in range(6):
+                    src = stx[("r", layer)][0, p]
+                    dr = src - rs[layer][0, p]
+                    _, sp = run(clean, (layer, p, src))
+                    want[layer, p] = dr @ (gr[layer][0, p] - gp[layer][0, p]) + ((sp[("w", layer)] - ws[layer]) * dA[layer]).sum()
+        got = P.attribution_patching(model, clean, corrupt, METRIC, nodes=("residual", "mlp"), method="atp*")
+        atp = P.attribution_patching(model, clean, corrupt, METRIC, nodes=("residual", "mlp"), method="atp")
+    finally:
+        for p in model.parameters():
+            p.requires_grad_(True)
+    torch.testing.assert_close(got["residual"][0], want, atol=2e-6, rtol=1e-5)
+    assert not torch.allclose(got["residual"], atp["residual"])  # the fix changed something
+    torch.testing.assert_close(got["mlp"], atp["mlp"], atol=0, rtol=0)  # other node types: AtP
+
+
+def test_atp_star_zero_for_identical_inputs_and_needs_eager():
+    from models import tiny_causal_lm
+
+    model = tiny_causal_lm("llama")
+    clean, _ = _pair(seed=13, batch=2)
+    mask = torch.ones_like(clean)
+    mask[0, :2] = 0
+    inputs = {"input_ids": clean, "attention_mask": mask}
+    res = P.attribution_patching(model, inputs, dict(inputs), METRIC, nodes=NODES, method="atp*")
+    for node in NODES:
+        assert torch.equal(res[node], torch.zeros_like(res[node])), node
+    sdpa = tiny_causal_lm("llama", attn="sdpa")
+    with pytest.raises(ValueError, match="method='atp\\*' recomputes the attention pattern.*attn_implementation='eager'"):
+        P.attribution_patching(sdpa, clean, clean, METRIC, method="atp*")
+    with pytest.raises(ValueError, match="rules: method='atp\\*' uses the plain gradient"):
+        P.attribution_patching(model, clean, clean, METRIC, method="atp*", rules=RelevanceRules.all())

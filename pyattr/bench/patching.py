@@ -35,6 +35,7 @@ def variants():
 
     return [
         ("atp", "atp", None, False),
+        ("atp* (QK fix on residual nodes)", "atp*", None, False),
         ("relp (default: LN-rule)", "relp", PATCHING_RULES, False),
         ("relp all rules (AH)", "relp", R.all(), False),
         ("relp all rules, AttnLRP attention", "relp", R.all("attnlrp"), False),
@@ -63,6 +64,15 @@ def _flat(result, node: str, valid: torch.Tensor, sampled=None) -> torch.Tensor:
     return e[v].double()
 
 
+def use_eager(model) -> None:
+    """Switch a loaded Hugging Face model to eager attention (which returns the attention
+    probabilities that ``method="atp*"`` needs)."""
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation("eager")
+    else:  # older transformers
+        model.config._attn_implementation = "eager"
+
+
 def load_pairs(path: Path = DATA, limit: int = 0) -> List[dict]:
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     return rows[:limit] if limit else rows
@@ -89,7 +99,7 @@ def compare(model, clean, corrupt, metric_for, nodes, sample: int, batch_size: i
                      "nodes": int(_flat(exact, node, valid, exact.sampled).numel()), "pairs": n_pairs,
                      "seconds": t_exact, "pearson": 1.0, "spearman": 1.0})
     for name, method, rules, constant_norm in variant_list:
-        kw = {"method": method} if method == "atp" else {"method": "relp", "rules": rules}
+        kw = {"method": method} if method != "relp" else {"method": "relp", "rules": rules}
         est, secs = _timed(lambda: P.attribution_patching(model, clean, corrupt, metric_for(constant_norm), nodes=nodes, **kw))
         for node in nodes:
             e = _flat(est, node, valid, exact.sampled)
@@ -106,6 +116,7 @@ def minilm_rows(limit: int = 0, sample: int = 100, batch_size: int = 64) -> List
     from pyattr.explain import _load, bundled_model_dir
 
     tok, model = _load(bundled_model_dir(), causal=False)
+    use_eager(model)  # atp* reads the attention probabilities; every method runs the same model
     pairs = load_pairs(limit=limit)
     clean = dict(tok([p["clean"] for p in pairs], padding=True, return_tensors="pt"))
     corrupt = dict(tok([p["corrupt"] for p in pairs], padding=True, return_tensors="pt"))

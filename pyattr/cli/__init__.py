@@ -91,8 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--target", help="target token for --model (default: the clean run's top-1 prediction)")
     pa.add_argument("--nodes", default="residual,attention,heads,mlp",
                     help="comma-separated: residual,attention,heads,mlp,neurons (default: all but neurons)")
-    pa.add_argument("--method", choices=["relp", "atp", "exact", "all"], default="relp",
-                    help="relp, atp, exact (activation patching) or all three with correlations (default relp)")
+    pa.add_argument("--method", choices=["relp", "atp", "atp*", "exact", "all"], default="relp",
+                    help="relp, atp, atp* (AtP with the QK fix), exact (activation patching), or all: relp, atp "
+                         "and exact with correlations (default relp)")
     pa.add_argument("--sample", type=int, default=200, help="exact: neurons patched, a random sample (default 200)")
     pa.add_argument("--top", type=int, default=10, help="nodes listed in the terminal (default 10)")
     pa.add_argument("--png", metavar="PATH", help="write layer x position heatmaps (and scatter plots) as PNG")

@@ -1,0 +1,164 @@
+"""AtP*'s fix for saturated attention (Kramár et al., "AtP*: An efficient and scalable
+method for localizing LLM behaviour to components", arXiv 2403.00745, §3.1.1), for
+residual-stream nodes.
+
+Attribution patching linearises the metric through every attention softmax. Where the
+clean pattern is saturated (one key takes nearly all the probability) the softmax's
+gradient is near 0 and a patch that moves the pattern a long way gets an estimate near 0.
+AtP* recomputes the pattern exactly instead. Patching the residual stream at the input of
+block ``l`` at position ``p`` changes that block's attention input only at ``p`` (the
+norm and the q/k projections act per position), so the patched pattern of block ``l``
+is the clean one with query row ``p`` and key column ``p`` computed from the corrupt
+run. The estimate of that node becomes
+
+    Δr·g − Δr·g_pattern + Σ_{heads, s, t} (A′ − A)_{st} · ∂metric/∂A_{st}
+
+with ``g`` the plain gradient at the node, ``g_pattern`` its part that flows through
+block ``l``'s attention pattern (one vector-Jacobian product from ``∂metric/∂A``),
+and ``A′`` block ``l``'s pattern recomputed by calling its attention module on the clean
+input with position ``p`` replaced (all positions of a row batched). The later blocks'
+softmaxes stay linearised, as in the paper's fix for a node's own queries and keys.
+GradDrop (the paper's second fix) is not applied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from pyattr import _forward as F
+from pyattr.integration.scope import model_type_of
+
+# block-relative path of the module that computes the attention pattern and returns it
+# as the second element of its output (Hugging Face eager attention)
+_CORE = {"llama": "self_attn", "gpt2": "attn", "gpt_neox": "attention", "bert": "attention.self"}
+for _name in ("mistral", "qwen2", "qwen3", "gemma", "gemma2"):
+    _CORE[_name] = _CORE["llama"]
+
+_CACHE_KWARGS = ("past_key_value", "past_key_values", "layer_past", "cache")
+
+
+def _is_cache(name: str, value) -> bool:
+    """A key/value cache argument: re-running the module must not append to it."""
+    return name in _CACHE_KWARGS or any(c.__name__.endswith("Cache") for c in type(value).__mro__)
+
+
+class AttentionCalls:
+    """Records, per block, the attention module's call (args, kwargs), its first tensor
+    input and the attention probabilities it returns."""
+
+    def __init__(self, model: nn.Module, blocks: List[str]):
+        rel = _CORE[model_type_of(model)]
+        self.model = model
+        self.modules = [model.get_submodule(f"{b}.{rel}") for b in blocks]
+        n = len(blocks)
+        self.calls: List[Optional[Tuple[tuple, dict]]] = [None] * n
+        self.inputs: List[Optional[torch.Tensor]] = [None] * n
+        self.weights: List[Optional[torch.Tensor]] = [None] * n
+
+    @contextlib.contextmanager
+    def recording(self):
+        handles = []
+        for i, mod in enumerate(self.modules):
+            def pre(m, args, kwargs, i=i):
+                self.calls[i] = (args, kwargs)
+                self.inputs[i] = _first_input(args, kwargs)
+
+            def post(m, args, kwargs, out, i=i):
+                w = out[1] if isinstance(out, tuple) and len(out) > 1 else None
+                self.weights[i] = w if isinstance(w, torch.Tensor) else None
+
+            handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(mod.register_forward_hook(post, with_kwargs=True))
+        try:
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+
+    def check(self) -> None:
+        if any(w is None for w in self.weights):
+            raise ValueError(
+                f"method='atp*' recomputes the attention pattern and needs the attention probabilities, "
+                f"which {type(self.model).__name__} returns only with eager attention (attn_implementation="
+                f"{getattr(self.model.config, '_attn_implementation', None)!r}); load the model with "
+                "attn_implementation='eager'"
+            )
+
+    def pattern_terms(self, inputs_x: List[torch.Tensor], d_weights: List[Optional[torch.Tensor]],
+                      valid: torch.Tensor, budget: int = 1 << 24) -> torch.Tensor:
+        """``Σ (A′ − A) · ∂metric/∂A`` per (batch, block, position): float32 (batch, layer, seq).
+
+        ``A`` is recomputed from unpatched copies in the same batch shape as the patched
+        ones, so identical clean and corrupt inputs give exactly 0. ``budget`` caps the
+        elements of the patterns of one call (copies × heads × seq²)."""
+        batch, seq = valid.shape
+        out = torch.zeros(batch, len(self.modules), seq, dtype=torch.float64)
+        with torch.no_grad():
+            for layer, (mod, dA) in enumerate(zip(self.modules, d_weights)):
+                if dA is None:
+                    continue
+                x_c = self.inputs[layer].detach()
+                heads, q, k = dA.shape[1:]
+                n_max = max(1, budget // max(1, heads * q * k))
+                for b in range(batch):
+                    positions = valid[b].nonzero().flatten().tolist()
+                    ref: Dict[int, torch.Tensor] = {}
+                    for start in range(0, len(positions), n_max):
+                        ps = positions[start:start + n_max]
+                        n = len(ps)
+                        x = x_c[b:b + 1].expand(n, *x_c.shape[1:]).clone()
+                        if n not in ref:
+                            ref[n] = self._call(layer, b, x, batch)
+                        idx = torch.tensor(ps, device=x.device)
+                        x[torch.arange(n, device=x.device), idx] = inputs_x[layer][b, idx].to(x.dtype)
+                        w = self._call(layer, b, x, batch)
+                        term = ((w - ref[n]).double() * dA[b].double()).flatten(1).sum(1)
+                        out[b, layer, ps] = term.cpu()
+        return out.float()
+
+    def _call(self, layer: int, row: int, x: torch.Tensor, batch: int) -> torch.Tensor:
+        args, kwargs = self.calls[layer]
+        n = x.shape[0]
+        args = _rows(args, row, n, batch)
+        kwargs = {k: (None if _is_cache(k, v) else _rows(v, row, n, batch)) for k, v in kwargs.items()}
+        args, kwargs = _replace_input(args, kwargs, x)
+        out = self.modules[layer](*args, **kwargs)
+        return out[1]
+
+
+def _first_input(args, kwargs) -> Optional[torch.Tensor]:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a
+    for key in F._ARG_KEYS:
+        if isinstance(kwargs.get(key), torch.Tensor):
+            return kwargs[key]
+    return None
+
+
+def _replace_input(args, kwargs, x):
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            return (*args[:i], x, *args[i + 1:]), kwargs
+    for key in F._ARG_KEYS:
+        if isinstance(kwargs.get(key), torch.Tensor):
+            return args, {**kwargs, key: x}
+    raise RuntimeError("method='atp*': the attention module's input tensor was not found")
+
+
+def _rows(obj, row: int, n: int, batch: int):
+    """Per-row tensors (dim ≥ 2, leading dim ``batch``) of a call: row ``row`` repeated ``n``
+    times; other values (1-d positions, broadcast masks, flags) unchanged."""
+    if isinstance(obj, torch.Tensor):
+        if obj.dim() >= 2 and obj.shape[0] == batch:
+            return obj[row:row + 1].expand(n, *obj.shape[1:])
+        return obj
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_rows(o, row, n, batch) for o in obj)
+    if isinstance(obj, list):
+        return [_rows(o, row, n, batch) for o in obj]
+    return obj
