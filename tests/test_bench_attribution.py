@@ -79,7 +79,7 @@ def test_saved_attribution_documents_validate_and_bad_rows_are_named():
 
     from pyattr.bench import report
 
-    for name in ("cpu_conservation", "cpu_ig_memory", "cpu_e2e_k_targets"):
+    for name in ("cpu_conservation", "cpu_ig_memory", "cpu_e2e_k_targets", "cpu_patching"):
         with open(RESULTS / f"{name}.json", encoding="utf-8") as f:
             doc = json.load(f)
         report.validate(doc)
@@ -90,5 +90,39 @@ def test_saved_attribution_documents_validate_and_bad_rows_are_named():
     with pytest.raises(ValueError, match=r"row 0 field 'peak_bytes'"):
         report.validate(bad)
     bad["kind"] = "speed"
-    with pytest.raises(ValueError, match=r"kind 'speed', expected one of \['micro', 'e2e', 'conservation', 'ig-memory'\]"):
+    with pytest.raises(ValueError, match=r"kind 'speed', expected one of \['micro', 'e2e', 'conservation', 'ig-memory', 'patching'\]"):
         report.validate(bad)
+    bad["kind"] = "patching"
+    bad["rows"] = [{"model": "m", "method": "atp", "variant": "atp", "node": "mlp", "nodes": 3, "pairs": 1,
+                    "seconds": 0.1, "pearson": 1.5, "spearman": 0.2}]
+    with pytest.raises(ValueError, match=r"row 0 field 'pearson' must be a correlation in \[-1, 1\] or null"):
+        report.validate(bad)
+
+
+def test_patching_bench_rows_and_table():
+    """The comparison on a tiny model: one exact row and one row per variant for each node
+    type, correlations that match scipy's on the same numbers, a table that shows them."""
+    from models import tiny_causal_lm
+    from scipy import stats
+
+    from pyattr import patching as P
+    from pyattr import targets as T
+    from pyattr.bench import patching as PB
+    from pyattr.integration.config import RelevanceRules as R
+
+    model = tiny_causal_lm("llama")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 96, (2, 6), generator=g)
+    cor = ids.clone()
+    cor[:, 1] = (cor[:, 1] + 9) % 96
+    clean, corrupt = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, {"input_ids": cor, "attention_mask": torch.ones_like(ids)}
+    variants = [("atp", "atp", None, False), ("relp all", "relp", R.all(), False)]
+    rows = PB.compare(model, clean, corrupt, lambda cn: T.Logit(3), ("residual", "mlp"), 10, 64, "tiny", variants)
+    assert [(r["method"], r["node"]) for r in rows] == [
+        ("exact", "residual"), ("exact", "mlp"), ("atp", "residual"), ("atp", "mlp"), ("relp", "residual"), ("relp", "mlp")]
+    ex = P.activation_patching(model, clean, corrupt, T.Logit(3), nodes="mlp")
+    est = P.attribution_patching(model, clean, corrupt, T.Logit(3), nodes="mlp", rules=R.all())
+    assert rows[5]["pearson"] == pytest.approx(stats.pearsonr(est["mlp"].flatten().double(), ex["mlp"].flatten().double())[0], abs=1e-6)
+    assert rows[5]["nodes"] == 2 * 2 * 6
+    md = PB.markdown(rows)
+    assert "**tiny**: 2 pairs" in md and f"| relp all | {rows[4]['pearson']:+.3f} / {rows[4]['spearman']:+.3f} |" in md

@@ -111,8 +111,8 @@ def compare(model, clean, corrupt, metric_for, nodes, sample: int, batch_size: i
     return rows
 
 
-def minilm_rows(limit: int = 0, sample: int = 100, batch_size: int = 64) -> List[Dict]:
-    from pyattr import targets as T
+def _minilm_task(limit: int = 0):
+    """(model, clean, corrupt, partner embeddings) of the MiniLM task."""
     from pyattr.explain import _load, bundled_model_dir
 
     tok, model = _load(bundled_model_dir(), causal=False)
@@ -128,8 +128,83 @@ def minilm_rows(limit: int = 0, sample: int = 100, batch_size: int = 64) -> List
         h = model(**partner).last_hidden_state
         m = partner["attention_mask"].unsqueeze(-1).to(h.dtype)
         reference = (h * m).sum(1) / m.sum(1)
+    return model, clean, corrupt, reference
+
+
+def minilm_rows(limit: int = 0, sample: int = 100, batch_size: int = 64) -> List[Dict]:
+    from pyattr import targets as T
+
+    model, clean, corrupt, reference = _minilm_task(limit)
     return compare(model, clean, corrupt, lambda cn: T.Cosine(reference, constant_norm=cn), NODES, sample,
                    batch_size, "all-MiniLM-L6-v2", variants())
+
+
+def breakdown(limit: int = 0) -> Dict:
+    """Where the estimates fail on MiniLM: residual and MLP nodes split into those at the
+    replaced token and the others. Per layer, the residual stream's relative move
+    ``|Δr| / |r|`` at the replaced token and elsewhere (mean); per variant and node type,
+    Pearson and the median ratio estimate / exact at the replaced token, Pearson and
+    Spearman elsewhere, and the share of the exact effects' variance at the replaced token."""
+    from pyattr import patching as P
+    from pyattr import targets as T
+    from pyattr.integration.config import RelevanceRules as R
+
+    model, clean, corrupt, reference = _minilm_task(limit)
+    nodes = ("residual", "mlp")
+    exact = P.activation_patching(model, clean, corrupt, T.Cosine(reference), nodes=nodes, progress=False)
+    valid = clean["attention_mask"].bool()
+    replaced = clean["input_ids"] != corrupt["input_ids"]
+    moves = []
+    for layer, (rc, rx) in enumerate(zip(_block_inputs(model, clean), _block_inputs(model, corrupt))):
+        d = (rx - rc).norm(dim=-1) / rc.norm(dim=-1)
+        moves.append({"layer": layer, "replaced": float(d[replaced].mean()), "elsewhere": float(d[valid & ~replaced].mean())})
+    out = {"relative_move": moves, "variants": []}
+    for name, kw, cn in (("atp", {"method": "atp"}, False), ("relp LN-rule", {"rules": R(normalization=True)}, False),
+                         ("relp LN-rule, metric norm constant", {"rules": R(normalization=True)}, True),
+                         ("relp all rules", {"rules": R.all()}, False)):
+        est = P.attribution_patching(model, clean, corrupt, T.Cosine(reference, constant_norm=cn), nodes=nodes, **kw)
+        for node in nodes:
+            e, x = est[node].double(), exact[node].double()
+            at = replaced[:, None, :].expand_as(x)
+            other = (valid & ~replaced)[:, None, :].expand_as(x)
+            pr_at, _ = correlations(e[at], x[at])
+            pr_o, sr_o = correlations(e[other], x[other])
+            share = x[at].pow(2).sum() / x[valid[:, None, :].expand_as(x)].pow(2).sum()
+            out["variants"].append({
+                "variant": name, "node": node, "pearson_replaced": pr_at,
+                "median_ratio_replaced": float((e[at] / x[at]).median()),
+                "pearson_elsewhere": pr_o, "spearman_elsewhere": sr_o, "exact_variance_share_replaced": float(share),
+            })
+    return out
+
+
+def _block_inputs(model, inputs) -> List[torch.Tensor]:
+    from pyattr.integration import architectures as A
+
+    blocks = [model.get_submodule(p) for p in A.layer_paths(model, A.ARCHITECTURES["bert"])]
+    got: List[torch.Tensor] = []
+    hooks = [b.register_forward_pre_hook(lambda m, a, k: got.append((a[0] if a else k["hidden_states"]).detach()),
+                                         with_kwargs=True) for b in blocks]
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return got
+
+
+def breakdown_markdown(b: Dict) -> str:
+    lines = ["**Where the estimates fail (MiniLM)**: the residual stream's relative move |Δr| / |r|, "
+             "mean at the replaced token / elsewhere, per layer: "
+             + ", ".join(f"{m['layer']}: {m['replaced']:.2f} / {m['elsewhere']:.3f}" for m in b["relative_move"]), "",
+             "| variant | node | variance share at replaced token | Pearson there | median est/exact there "
+             "| Pearson / Spearman elsewhere |", "|---|---|---:|---:|---:|---:|"]
+    for v in b["variants"]:
+        lines.append(f"| {v['variant']} | {v['node']} | {v['exact_variance_share_replaced']:.2f} | "
+                     f"{v['pearson_replaced']:+.3f} | {v['median_ratio_replaced']:+.2f} | "
+                     f"{v['pearson_elsewhere']:+.3f} / {v['spearman_elsewhere']:+.3f} |")
+    return "\n".join(lines) + "\n"
 
 
 def llama_rows(pairs: int = 16, seq: int = 12, sample: int = 100, batch_size: int = 64) -> List[Dict]:

@@ -88,9 +88,10 @@ def run(args) -> int:
         monitor = contention.start()
         rows = patching.run_all(quick=args.quick)
         cond = monitor.stop()
-        doc = report.document("patching", device, rows, contention=cond)
+        why = patching.breakdown(limit=6 if args.quick else 0)
+        doc = report.document("patching", device, rows, contention=cond, breakdown=why)
         report.validate(doc)
-        table = patching.markdown(rows, cond)
+        table = patching.markdown(rows, cond) + "\n" + patching.breakdown_markdown(why)
     elif args.conservation:
         from pyattr.bench import conservation
 
