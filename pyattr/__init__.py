@@ -9,7 +9,9 @@ See the README for the rule math and the methods. Public API::
     pyattr.layer_relevance(model, inputs, layers, target=...)
     pyattr.integrated_gradients(model, inputs, target=..., baseline="zeros")
     with pyattr.capture(model, paths) as cap: ...
-    pyattr.targets.Logit / LogitDiff / ModuleOutput
+    pyattr.targets.Logit / LogitDiff / ModuleOutput / Cosine
+    pyattr.patching.attribution_patching(model, clean, corrupt, metric, method="relp")   # or "atp", "atp*"
+    pyattr.patching.activation_patching(model, clean, corrupt, metric, batch_size=...)
     pyattr.available_backends(), pyattr.backend("torch")
 
 The names below load on first use (PEP 562), so that ``import pyattr`` and the command
@@ -44,7 +46,7 @@ _EXPORTS = {
     "RelevanceRuleConflictError": "pyattr.integration",
     "RelevanceRuleUnsupportedError": "pyattr.integration",
 }
-_SUBMODULES = ("ops", "rules", "targets")
+_SUBMODULES = ("ops", "patching", "rules", "targets")
 
 __all__ = [*_SUBMODULES, *_EXPORTS]
 
@@ -64,7 +66,7 @@ def __dir__():
 
 
 if TYPE_CHECKING:  # what static tools see
-    from pyattr import ops, rules, targets
+    from pyattr import ops, patching, rules, targets
     from pyattr.attribution import RelevanceResult, relevance
     from pyattr.gradient_capture import Captured, GradientCapture, capture
     from pyattr.integrated import AttributionResult, integrated_gradients

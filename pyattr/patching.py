@@ -536,6 +536,10 @@ def activation_patching(
     node_list = _check_nodes(nodes)
     batch_size = F.check_count("batch_size", batch_size) or 32
     sample = F.check_count("sample", sample)
+    if sample is not None and "neurons" not in node_list:
+        raise ValueError(f"sample: a sample is taken of 'neurons' nodes only, and nodes={tuple(node_list)} has none")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {seed!r}")
     sites = node_sites(model, node_list)
     flat = [s for n in node_list for s in sites[n]]
     caller = "activation_patching"

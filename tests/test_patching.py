@@ -350,6 +350,16 @@ def test_neuron_sample(models):
     assert torch.equal(again.sampled["neurons"], mask)
 
 
+def test_no_grad_and_package_attribute(models):
+    model = models["llama"]
+    clean, corrupt = _pair(seed=14)
+    want = P.attribution_patching(model, clean, corrupt, METRIC, nodes="heads")
+    with torch.no_grad():
+        got = pyattr.patching.attribution_patching(model, clean, corrupt, METRIC, nodes="heads")
+    assert torch.equal(got["heads"], want["heads"])
+    assert all(p.requires_grad for p in model.parameters()) and not model.training
+
+
 def test_top_and_metrics(models):
     model = models["llama"]
     clean, corrupt = _pair(seed=11, batch=1)
@@ -411,6 +421,8 @@ def test_errors(models):
         P.activation_patching(model, clean, corrupt, METRIC, batch_size=0)
     with pytest.raises(ValueError, match="sample must be an int ≥ 1"):
         P.activation_patching(model, clean, corrupt, METRIC, nodes="neurons", sample=-2)
+    with pytest.raises(ValueError, match="sample: a sample is taken of 'neurons' nodes only"):
+        P.activation_patching(model, clean, corrupt, METRIC, nodes="heads", sample=5)
     with pytest.raises(RuntimeError, match="inference_mode"):
         with torch.inference_mode():
             P.attribution_patching(model, clean, corrupt, METRIC)
