@@ -123,7 +123,8 @@ def run_patch(clean: Optional[str], corrupt: Optional[str], partner: Optional[st
     for m in methods:
         t0 = time.perf_counter()
         if m == "exact":
-            results[m] = P.activation_patching(model, dict(enc_c), dict(enc_x), metric, nodes=nodes, sample=sample)
+            results[m] = P.activation_patching(model, dict(enc_c), dict(enc_x), metric, nodes=nodes,
+                                               sample=sample if "neurons" in nodes else None)
         else:
             results[m] = P.attribution_patching(model, dict(enc_c), dict(enc_x), metric, nodes=nodes, method=m)
         seconds[m] = time.perf_counter() - t0
