@@ -69,12 +69,13 @@ def test_import_pyattr_is_lazy_but_complete():
 @pytest.mark.parametrize(
     "args,line",
     [
-        ([], "pyattr: error: the following arguments are required: {explain,bench}"),
-        (["frobnicate"], "pyattr: error: argument {explain,bench}: invalid choice: 'frobnicate'"),
+        ([], "pyattr: error: the following arguments are required: {explain,patch,bench}"),
+        (["frobnicate"], "pyattr: error: argument {explain,patch,bench}: invalid choice: 'frobnicate'"),
         (["explain", "--attention", "bogus"], "pyattr explain: error: argument --attention: invalid choice: 'bogus'"),
         (["explain", "--backend"], "pyattr explain: error: argument --backend: expected one argument"),
         (["bench", "--repeats", "x"], "pyattr bench: error: argument --repeats: invalid int value: 'x'"),
         (["explain", "--bogus", "x"], "pyattr explain: error: unrecognized arguments: --bogus x"),
+        (["patch", "--method", "ig"], "pyattr patch: error: argument --method: invalid choice: 'ig'"),
     ],
 )
 def test_argparse_errors_are_one_line_with_status_2(args, line):
@@ -97,7 +98,8 @@ def _sys_refuses():
 
 
 @pytest.mark.parametrize("case", ["directory", "missing parent", "parent is a file", "unwritable"])
-@pytest.mark.parametrize("command,flag", [("explain", "--html"), ("bench", "--json"), ("bench", "--markdown")])
+@pytest.mark.parametrize("command,flag", [("explain", "--html"), ("bench", "--json"), ("bench", "--markdown"),
+                                          ("patch", "--png"), ("patch", "--html"), ("patch", "--json")])
 def test_output_paths_are_checked_before_any_model_or_benchmark(tmp_path, case, command, flag):
     (tmp_path / "file").write_text("x")
     path, why = {
@@ -109,7 +111,7 @@ def test_output_paths_are_checked_before_any_model_or_benchmark(tmp_path, case, 
     if case == "unwritable" and not _sys_refuses():
         pytest.skip("/sys accepts new files here")
     # --model of a missing directory: the path error must come first, before any model load
-    extra = ["--model", "/nonexistent/model"] if command == "explain" else ["--ops", "identity"]
+    extra = ["--model", "/nonexistent/model"] if command in ("explain", "patch") else ["--ops", "identity"]
     r = probe(command, *extra, flag, path)
     assert r["code"] == 2 and r["stdout"] == ""
     assert r["stderr"] == f"pyattr {command}: error: {flag}: cannot write {path!r}: {why}\n"
