@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from pyattr.explain import ExplainError, _check_text, _load, bundled_model_dir, _tokens
+from pyattr.explain import ExplainError, _check_text, _check_tokens, _load, bundled_model_dir, _tokens
 
 DEFAULT_CLEAN = "A man is playing a guitar on stage."
 DEFAULT_CORRUPT = "A man is playing a ladder on stage."
@@ -98,6 +98,8 @@ def run_patch(clean: Optional[str], corrupt: Optional[str], partner: Optional[st
     enc_c = tok(clean, return_tensors="pt")
     enc_x = tok(corrupt, return_tensors="pt")
     nc, nx = enc_c["input_ids"].shape[1], enc_x["input_ids"].shape[1]
+    _check_tokens("--clean", nc, model, tok)
+    _check_tokens("--corrupt", nx, model, tok)
     if nc != nx:
         raise ExplainError(
             f"--clean is {nc} tokens and --corrupt {nx}; patching pairs position p with position p, so the "
@@ -115,6 +117,7 @@ def run_patch(clean: Optional[str], corrupt: Optional[str], partner: Optional[st
     else:
         partner = _check_text("--pair", partner if partner is not None else DEFAULT_PARTNER)
         enc_p = tok(partner, return_tensors="pt")
+        _check_tokens("--pair", enc_p["input_ids"].shape[1], model, tok)
         with torch.no_grad():
             ref = model(**enc_p).last_hidden_state.mean(1)[0]
         metric = T.Cosine(ref)

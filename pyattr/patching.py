@@ -92,7 +92,9 @@ class PatchingResult:
     Attributes:
         effects (dict): node type → effect tensor.
         dims (dict): node type → dimension names, e.g. ``("batch", "layer", "position", "head")``.
-        clean_metric, corrupt_metric (Tensor[batch], float64): the metric on each input.
+        clean_metric, corrupt_metric (Tensor[batch], float64): the metric on each input
+            (``corrupt_metric`` is NaN where an ``alignment`` is given and the metric cannot
+            be read on the corrupt input, e.g. an absolute position beyond its length).
         method (str): ``"relp"``, ``"atp"``, ``"atp*"`` or ``"exact"`` (activation patching).
         rules (RelevanceRules or None): the rules of the backward (``"relp"``).
         sampled (dict): node type → bool mask of the nodes patched, where a sample was taken.
@@ -129,12 +131,13 @@ class PatchingResult:
         items = []
         for node, eff in self.effects.items():
             e = eff[row]
-            flat = torch.nan_to_num(e.abs(), nan=-1.0).flatten()
-            n = min(k, flat.numel())
-            for i in flat.topk(n).indices.tolist():
+            flat = e.abs().flatten()
+            measured = (~torch.isnan(flat)).nonzero().flatten()  # sampled-out neurons are NaN
+            n = min(k, measured.numel())
+            for i in measured[flat[measured].topk(n).indices].tolist():
                 idx = tuple(int(v) for v in torch.unravel_index(torch.tensor(i), e.shape))
                 items.append((node, idx, float(e[idx])))
-        items.sort(key=lambda t: -abs(t[2]) if not math.isnan(t[2]) else 0.0)
+        items.sort(key=lambda t: -abs(t[2]))
         return items[:k]
 
 
@@ -285,12 +288,15 @@ def _check_once(sites: List[_Site], calls: List[int]) -> None:
             raise ValueError(f"nodes: {s.path!r} ran {c} times in one forward pass; patching needs modules that run once")
 
 
-def _forward(model, prep: F.Prepared, tgts, sites: List[_Site], grad: bool):
-    """One forward recording every site's activation: ``(metric value, activations)``.
+def _forward(model, prep: F.Prepared, tgts, sites: List[_Site], grad: bool, metric: str = "required"):
+    """One forward recording every site's activation: ``(metric value, activations, fixed
+    targets)``.
 
     The entry embeddings are a leaf that requires grad in both the clean and the corrupt
     run, so both run the same kernels (a clean and a corrupt copy of one input give
-    bit-identical activations)."""
+    bit-identical activations). ``metric``: ``"required"``; ``"optional"`` (a metric that
+    cannot be read on this input, e.g. an absolute position beyond a shorter corrupt
+    input under an alignment, gives NaN); ``"skip"``."""
     store: List[Optional[torch.Tensor]] = [None] * len(sites)
     calls = [0] * len(sites)
     mods: dict = {}
@@ -298,11 +304,22 @@ def _forward(model, prep: F.Prepared, tgts, sites: List[_Site], grad: bool):
             F.record_modules(model, T.module_paths(tgts), mods):
         fwd = run_model(model, prep, tgts, mods)
     _check_once(sites, calls)
-    value, _, fixed = evaluate_targets(tgts, fwd, False)
-    value = _check_value(value, prep.input_ids.shape[0])
+    batch = prep.input_ids.shape[0]
+    value, fixed = None, tgts
+    if metric == "skip":
+        pass
+    elif metric == "optional":
+        try:
+            value, _, fixed = evaluate_targets(tgts, fwd, False)
+            value = _check_value(value, batch)
+        except (ValueError, IndexError):
+            value = torch.full((batch,), float("nan"), dtype=torch.float64)
+    else:
+        value, _, fixed = evaluate_targets(tgts, fwd, False)
+        value = _check_value(value, batch)
     if not grad:
         store = [s.detach() for s in store]
-        value = value.detach()
+        value = None if value is None else value.detach()
     return value, store, fixed
 
 
@@ -336,8 +353,11 @@ def attribution_patching(
             row i of ``corrupt`` is the counterfactual of row i of ``clean``.
         metric: what the effects are measured on: a :mod:`pyattr.targets` target
             (``LogitDiff(a, b)``, ``Logit(id)``, ``Cosine(reference)``, ``ModuleOutput``) or
-            a callable ``f(output) → Tensor[batch]``. A top-1 ``Logit()`` is fixed to the
-            clean run's token for the corrupt run.
+            a callable ``f(output) → Tensor[batch]`` that computes each row from that row
+            alone (activation patching runs copies of one row; per-row ids or references
+            belong in a target, which follows the rows: a callable that reads per-row data
+            is refused there). A top-1 ``Logit()`` is fixed to the clean run's token for the
+            corrupt run.
         nodes (str | list of str): among ``"residual"``, ``"attention"``, ``"heads"``,
             ``"mlp"``, ``"neurons"`` (see :mod:`pyattr.patching`). Default residual,
             attention, mlp.
@@ -417,10 +437,11 @@ def attribution_patching(
         acts_c = [a.detach() for a in acts_c]
         value = value.detach()
         with attn_x.recording() if star else contextlib.nullcontext():
-            value_x, acts_x, _ = _forward(model, pair.corrupt, fixed, flat, grad=False)
-    if star:
-        inputs_x = [_align(t.detach(), pair.index) for t in attn_x.inputs]
-        pattern_terms = attn_c.pattern_terms(inputs_x, list(d_weights), pair.valid)
+            value_x, acts_x, _ = _forward(model, pair.corrupt, fixed, flat, grad=False,
+                                          metric="optional" if alignment is not None else "required")
+        if star:  # inside the pass: eval mode (no attention dropout in the re-run modules)
+            inputs_x = [_align(t.detach(), pair.index) for t in attn_x.inputs]
+            pattern_terms = attn_c.pattern_terms(inputs_x, list(d_weights), pair.valid)
     effects: Dict[str, torch.Tensor] = {}
     valid = pair.valid
     for node in node_list:
@@ -547,26 +568,31 @@ def activation_patching(
     batch, seq = pair.clean.input_ids.shape
     tgts = _metric(metric, batch)
     with torch.no_grad(), F._inference_state(model):
-        value, _, fixed = _forward(model, pair.clean, tgts, flat, grad=False)
-        value_x, acts_x, _ = _forward(model, pair.corrupt, fixed, flat, grad=False)
-        acts_x = [_align(a, pair.index) for a in acts_x]
-        widths = [a.shape[-1] for a in acts_x]
+        value, acts_c, fixed = _forward(model, pair.clean, tgts, flat, grad=False)
+        value_x, _, _ = _forward(model, pair.corrupt, fixed, flat, grad=False,
+                                 metric="optional" if alignment is not None else "required")
+        widths = [a.shape[-1] for a in acts_c]
+        del acts_c
         shapes, jobs_per_row, sampled = _plan(flat, node_list, widths, pair.valid, batch, seq, sum_positions, sample, seed)
         out = {n: torch.full((batch, *shapes[n]), float("nan") if n in sampled else 0.0, dtype=torch.float64)
                for n in node_list}
         n_forwards = sum(math.ceil(len(j) / batch_size) for j in jobs_per_row)
         bar = _Progress(n_forwards, "activation patching") if progress else None
         done = 0
-        reference: Dict[Tuple[int, int], torch.Tensor] = {}
         try:
             for row, jobs in enumerate(jobs_per_row):
+                # per chunk size: the unpatched metric and the corrupt activations of forwards
+                # of that many copies of this row, so that a patched run differs from its
+                # reference only by the patch (identical inputs give exactly 0 in any dtype)
+                copies: Dict[int, Tuple[torch.Tensor, List[torch.Tensor]]] = {}
                 for start in range(0, len(jobs), batch_size):
                     chunk = jobs[start:start + batch_size]
-                    vals = _patched_forward(model, pair, fixed, flat, acts_x, row, chunk)
-                    key = (row, len(chunk))
-                    if key not in reference:
-                        reference[key] = _patched_forward(model, pair, fixed, flat, acts_x, row, [None] * len(chunk))
-                    eff = (vals - reference[key]).cpu()
+                    n = len(chunk)
+                    if n not in copies:
+                        copies[n] = _copies(model, pair, fixed, flat, row, n, float(value[row]))
+                    reference, sources = copies[n]
+                    vals = _patched_forward(model, pair, fixed, flat, sources, row, chunk)
+                    eff = (vals - reference).cpu()
                     for j, job in enumerate(chunk):
                         out[flat[job.site].node][_index(row, flat[job.site], job, sum_positions)] = eff[j]
                     done += 1
@@ -632,9 +658,30 @@ def _plan(flat, node_list, widths, valid, batch, seq, sum_positions, sample, see
     return shapes, jobs_per_row, sampled
 
 
-def _patched_forward(model, pair: _Pair, fixed, flat, acts_x, row: int, chunk) -> torch.Tensor:
+def _copies(model, pair: _Pair, fixed, flat, row: int, n: int, clean_value: float):
+    """``(unpatched metric, corrupt activations in the clean layout)`` of forwards of ``n``
+    copies of clean / corrupt row ``row``."""
+    reference = _patched_forward(model, pair, fixed, flat, None, row, [None] * n)
+    # a metric that reads per-row data of the original batch (a callable closing over a
+    # tensor of ids, say) gives other values on copies of one row: refuse, never mix rows
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    tol = max(1e-4, 16 * torch.finfo(dtype).eps) * max(1.0, abs(clean_value))
+    if not bool(torch.isfinite(reference).all()) or float((reference - clean_value).abs().max()) > tol:
+        raise ValueError(
+            f"metric: on {n} copies of clean row {row} it gives {reference[:3].tolist()}…, but {clean_value} on the "
+            "batch; activation patching runs each row as copies of itself, so a callable metric must compute each "
+            "row from that row alone. For per-row ids or references use a pyattr.targets target (Logit(ids), "
+            "LogitDiff(a, b), Cosine(reference)), which follows the rows"
+        )
+    idx = torch.full((n,), row, dtype=torch.long)
+    _, acts, _ = _forward(model, F.select_rows(pair.corrupt, idx), fixed, flat, grad=False, metric="skip")
+    index = pair.index[row:row + 1].expand(n, -1)
+    return reference, [_align(a, index) for a in acts]
+
+
+def _patched_forward(model, pair: _Pair, fixed, flat, sources, row: int, chunk) -> torch.Tensor:
     """Metric of ``len(chunk)`` copies of clean row ``row``, copy j patched by ``chunk[j]``
-    (``None``: unpatched)."""
+    (``None``: unpatched) with the activations of copy j in ``sources``."""
     k = len(chunk)
     batch = pair.clean.input_ids.shape[0]
     idx = torch.full((k,), row, dtype=torch.long)
@@ -652,15 +699,15 @@ def _patched_forward(model, pair: _Pair, fixed, flat, acts_x, row: int, chunk) -
         site = flat[site_i]
 
         def fn(t):
-            src = acts_x[site_i][row].to(t.dtype)
+            src = sources[site_i].to(t.dtype)
             new = t.clone()
             for j, job in by_site[site_i]:
                 w = _width_slice(site, t.shape[-1], job.unit)
                 if job.position >= 0:
-                    new[j, job.position, w] = src[job.position, w]
+                    new[j, job.position, w] = src[j, job.position, w]
                 else:
                     pos = valid.nonzero().flatten().to(t.device)
-                    new[j, pos, w] = src[pos, w]
+                    new[j, pos, w] = src[j, pos, w]
             return new
 
         return fn
@@ -669,5 +716,13 @@ def _patched_forward(model, pair: _Pair, fixed, flat, acts_x, row: int, chunk) -
     with F.taps([(flat[i].module, flat[i].where) for i in used], fn_for), \
             F.record_modules(model, T.module_paths(tg), mods):
         fwd = run_model(model, sub, tg, mods)
-    value, _, _ = evaluate_targets(tg, fwd, False)
-    return _check_value(value, k).double()
+    try:
+        value, _, _ = evaluate_targets(tg, fwd, False)
+        value = _check_value(value, k)
+    except (IndexError, RuntimeError, ValueError) as e:
+        raise ValueError(
+            f"metric: failed on {k} copies of clean row {row} ({type(e).__name__}: {e}); activation patching runs "
+            "each row as copies of itself, so a callable metric must compute each row from that row alone; for "
+            "per-row ids or references use a pyattr.targets target (Logit(ids), LogitDiff(a, b), Cosine(reference))"
+        ) from e
+    return value.double()

@@ -68,6 +68,8 @@ def test_causal_model_exact(causal_dir, tmp_path):
     (("--model", ".", "--pair", "x"), "--pair works with the sentence-embedding model only"),
     (("--png", "/nonexistent-dir/p.png"), "--png: cannot write '/nonexistent-dir/p.png': directory"),
     (("--top", "0"), "--top must be >= 1"),
+    (("--clean", "word " * 600, "--corrupt", "word " * 599 + "cat"), "--clean is 602 tokens long; the model reads at most 512"),
+    (("--pair", "word " * 600), "--pair is 602 tokens long; the model reads at most 512"),
     (("--method", "ig"), "argument --method: invalid choice: 'ig'"),
 ])
 def test_errors_are_one_line_with_status_2(args, message):

@@ -523,3 +523,77 @@ def test_atp_star_zero_for_identical_inputs_and_needs_eager():
         P.attribution_patching(sdpa, clean, clean, METRIC, method="atp*")
     with pytest.raises(ValueError, match="rules: method='atp\\*' uses the plain gradient"):
         P.attribution_patching(model, clean, clean, METRIC, method="atp*", rules=RelevanceRules.all())
+
+
+# --------------------------------------------------------------------------- found by an adversarial pass
+
+
+def test_atp_star_runs_its_attention_recomputation_in_eval_mode():
+    """The re-run attention modules must not apply attention dropout of a model left in
+    train mode: identical inputs give exactly 0 and two calls agree."""
+    from models import tiny_causal_lm
+
+    model = tiny_causal_lm("gpt2")
+    model.config.attn_pdrop = 0.5
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.5
+    model.train()
+    ids, other = _pair(seed=15, batch=1, seq=6)
+    same = P.attribution_patching(model, ids, ids.clone(), T.Logit(3), nodes="residual", method="atp*")
+    assert torch.equal(same["residual"], torch.zeros_like(same["residual"]))
+    a = P.attribution_patching(model, ids, other, T.Logit(3), nodes="residual", method="atp*")
+    b = P.attribution_patching(model, ids, other, T.Logit(3), nodes="residual", method="atp*")
+    assert torch.equal(a["residual"], b["residual"]) and model.training
+    model.eval()
+    c = P.attribution_patching(model, ids, other, T.Logit(3), nodes="residual", method="atp*")
+    assert torch.equal(a["residual"], c["residual"])
+
+
+def test_a_callable_metric_that_reads_per_row_data_is_refused(models):
+    model = models["llama"]
+    clean, corrupt = _pair(seed=16, batch=2, seq=5)
+    tok = torch.tensor([3, 7])
+
+    def per_row(out):
+        return out.logits[torch.arange(out.logits.shape[0]), -1, tok]
+
+    for bs in (2, 3, 32):  # chunks the size of the batch (silent before) and others
+        with pytest.raises(ValueError, match="metric: .*copies of clean row 0.*a callable metric must compute each row"):
+            P.activation_patching(model, clean, corrupt, per_row, nodes="residual", batch_size=bs)
+    ok = P.activation_patching(model, clean, corrupt, T.Logit(tok), nodes="residual", batch_size=2)
+    assert torch.isfinite(ok["residual"]).all()
+
+
+def test_corrupt_metric_is_nan_where_an_alignment_leaves_its_position_out(models):
+    model = models["llama"]
+    clean, _ = _pair(seed=17, batch=1, seq=7)
+    corrupt = clean[:, :5].clone()
+    corrupt[0, 1] = (corrupt[0, 1] + 3) % 96
+    align = torch.tensor([[0, 1, 2, 3, 4, -1, -1]])
+    metric = T.LogitDiff(3, 4, position=6)
+    est = P.attribution_patching(model, clean, corrupt, metric, nodes="residual", method="atp", alignment=align)
+    ex = P.activation_patching(model, clean, corrupt, metric, nodes="residual", alignment=align)
+    for res in (est, ex):
+        assert torch.isnan(res.corrupt_metric).all() and torch.isfinite(res.clean_metric).all()
+        assert torch.equal(res["residual"][0, :, 5:], torch.zeros(2, 2))
+    assert float(ex["residual"][0, 0, 1].abs()) > 0
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "bert", "llama"])
+def test_exact_zero_for_identical_inputs_in_float64(arch):
+    from models import tiny_causal_lm
+
+    model = tiny_causal_lm(arch, dtype=torch.float64)
+    ids, _ = _pair(seed=18, batch=3, seq=6)
+    for bs in (1, 4, 7):
+        res = P.activation_patching(model, ids, ids.clone(), T.Logit(3), nodes=("residual", "heads"), batch_size=bs)
+        for node in ("residual", "heads"):
+            assert torch.equal(res[node], torch.zeros_like(res[node])), (bs, node)
+
+
+def test_top_skips_neurons_that_were_not_patched(models):
+    clean, corrupt = _pair(seed=19, batch=1, seq=4)
+    res = P.activation_patching(models["llama"], clean, corrupt, METRIC, nodes="neurons", sample=3)
+    top = res.top(10)
+    assert len(top) == 3 and all(v == v for _, _, v in top)
