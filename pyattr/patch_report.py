@@ -41,6 +41,15 @@ class PatchReport:
     def first(self):
         return next(iter(self.results.values()))
 
+    def sample(self, node: str):
+        """The neuron sample of activation patching, if it took one for ``node``."""
+        ex = self.results.get("exact")
+        return None if ex is None else ex.sampled.get(node)
+
+    def panel(self, method: str, node: str) -> torch.Tensor:
+        r = self.results[method]
+        return _heads_panel(r) if node == "heads" else _panel(r, node, self.sample(node))
+
     def to_json(self) -> dict:
         out = {
             "model": self.model,
@@ -53,11 +62,11 @@ class PatchReport:
             "correlations": self.correlations,
         }
         for m, r in self.results.items():
-            eff = {n: [[_finite(v) for v in row] for row in _panel(r, n)] for n in self.nodes}
-            out["methods"][m] = {"seconds": self.seconds[m], "dims": {n: ["layer", "position"] for n in self.nodes},
+            eff = {n: _nested(r[n][0]) for n in self.nodes}
+            out["methods"][m] = {"seconds": self.seconds[m], "dims": {n: list(r.dims[n][1:]) for n in self.nodes},
                                  "effects": eff}
-            if m == "exact" and "neurons" in r.sampled:
-                out["methods"][m]["note"] = "neurons: sum over the sampled neurons"
+            if r.sampled:
+                out["methods"][m]["sampled"] = {n: _nested(mask[0]) for n, mask in r.sampled.items()}
         return out
 
 
@@ -66,12 +75,28 @@ def _finite(v: float) -> Optional[float]:
     return None if v != v else v + 0.0
 
 
-def _panel(result, node: str) -> torch.Tensor:
-    """(layer, position) for the heatmaps: heads and neurons summed over their last dim
-    (NaN — neurons not sampled — counted as 0)."""
+def _nested(t: torch.Tensor):
+    """A tensor as nested lists; NaN (a neuron not patched) as null."""
+    if t.dtype == torch.bool:
+        return t.tolist()
+    if t.dim() == 0:
+        return _finite(t)
+    return [_nested(x) for x in t]
+
+
+def _panel(result, node: str, sample=None) -> torch.Tensor:
+    """(layer, position) for the heatmaps: heads and neurons summed over their last dim.
+    ``sample`` (bool, like the effects): sum only those neurons (the ones activation
+    patching measured), so every method's panel adds up the same nodes; a cell with none
+    of them is NaN."""
     e = result[node][0]
     if e.dim() == 3:
-        e = torch.nan_to_num(e).sum(-1)
+        if sample is not None:
+            m = sample[0]
+            e = torch.where(m, torch.nan_to_num(e), torch.zeros((), dtype=e.dtype)).sum(-1)
+            e = torch.where(m.any(-1), e, torch.full((), float("nan")))
+        else:
+            e = e.sum(-1)
     return e
 
 
@@ -214,10 +239,10 @@ def figure(rep: PatchReport):
     for i, m in enumerate(methods):
         for j, n in enumerate(rep.nodes):
             ax = axes[i][j]
-            data = _heads_panel(rep.results[m]) if n == "heads" else _panel(rep.results[m], n)
+            data = rep.panel(m, n)
             lim = float(torch.nan_to_num(data).abs().max()) or 1.0
             im = ax.imshow(data.numpy(), cmap="RdBu_r", vmin=-lim, vmax=lim, aspect="auto", interpolation="nearest")
-            ax.set_title(f"{m}: {n}", fontsize=9)
+            ax.set_title(f"{m}: {n}" + (" (sampled)" if n == "neurons" and rep.sample(n) is not None else ""), fontsize=9)
             ax.set_xticks(range(len(rep.clean_tokens)))
             ax.set_xticklabels(rep.clean_tokens, rotation=90, fontsize=6)
             ax.set_ylabel("layer·head" if n == "heads" else "layer", fontsize=7)
@@ -239,7 +264,9 @@ def figure(rep: PatchReport):
             ax.set_ylabel("estimate", fontsize=7)
             ax.set_title(f"{n}: estimate vs exact", fontsize=9)
             ax.legend(fontsize=6)
-    fig.suptitle(f"{rep.model}: {rep.metric}", fontsize=9)
+    import textwrap
+
+    fig.suptitle("\n".join(textwrap.wrap(f"{rep.model}: {rep.metric}", width=int(40 * cols))), fontsize=9)
     fig.tight_layout()
     return fig
 
@@ -264,8 +291,9 @@ def _cell(v: float, lim: float) -> str:
 
 def to_html(rep: PatchReport) -> str:
     """A self-contained page: a table per method and node type (rows layers, or layer·head
-    for heads; columns the clean tokens; cells coloured by effect), the correlations, and
-    the matplotlib figure embedded as a PNG."""
+    for heads; columns the clean tokens; cells coloured by effect; neurons summed per
+    layer and position, over activation patching's sample when it took one), the
+    correlations, and the matplotlib figure embedded as a PNG."""
     esc = html.escape
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>pyattr patch</title><style>"
@@ -284,7 +312,7 @@ def to_html(rep: PatchReport) -> str:
         parts.append("</table>")
     for m, r in rep.results.items():
         for n in rep.nodes:
-            data = _heads_panel(r) if n == "heads" else _panel(r, n)
+            data = rep.panel(m, n)
             lim = float(torch.nan_to_num(data).abs().max())
             heads = r["heads"].shape[-1] if n == "heads" else 0
             parts.append(f"<h3>{esc(m)}: {esc(n)} ({rep.seconds[m] * 1000:.0f} ms)</h3><table><tr><th></th>"

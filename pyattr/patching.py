@@ -10,7 +10,7 @@ metric, when it is taken from a corrupted input instead of the clean one?
   Kramár et al., arXiv 2403.00745); with ``method="relp"`` it is the LRP-modified one
   under the relevance rules (RelP, Jafari et al., arXiv 2508.21258); ``method="atp*"``
   adds AtP*'s exact recomputation of the attention pattern for residual-stream nodes
-  (see :mod:`pyattr._qk_fix`).
+  (Kramár et al., arXiv 2403.00745, §3.1.1; the formula is in ``pyattr/_qk_fix.py``).
 
 Nodes, per layer and token position (``"heads"`` and ``"neurons"`` add a last dimension):
 
@@ -112,7 +112,12 @@ class PatchingResult:
 
     @property
     def nodes(self) -> List[str]:
+        """The node types, in the order asked for (iterating the result yields them too)."""
         return list(self.effects)
+
+    def items(self):
+        """``(node type, effects)`` pairs, as a dict's."""
+        return self.effects.items()
 
     def __getitem__(self, node: str) -> torch.Tensor:
         if node not in self.effects:

@@ -49,6 +49,26 @@ def test_method_all_draws_heatmaps_and_scatter(tmp_path):
     assert "exact: heads" in text and "L5 H11" in text and "data:image/png;base64," in text
 
 
+def test_neurons_json_and_panels_compare_the_same_nodes(tmp_path):
+    from pyattr.patch_report import run_patch
+
+    rep = run_patch(None, None, None, None, None, ["neurons"], ("atp", "exact"), 12)
+    mask = rep.results["exact"].sampled["neurons"]
+    assert int(mask.sum()) == 12
+    for m in ("atp", "exact"):  # both panels add up the sampled neurons only
+        want = torch.where(mask[0], torch.nan_to_num(rep.results[m]["neurons"][0]), torch.zeros(())).sum(-1)
+        want = torch.where(mask[0].any(-1), want, torch.full((), float("nan")))
+        torch.testing.assert_close(rep.panel(m, "neurons"), want, equal_nan=True)
+    doc = rep.to_json()
+    ex = doc["methods"]["exact"]
+    assert ex["dims"]["neurons"] == ["layer", "position", "neuron"]
+    assert len(ex["effects"]["neurons"]) == 6 and len(ex["effects"]["neurons"][0][0]) == 1536
+    flat = [v for layer in ex["effects"]["neurons"] for pos in layer for v in pos]
+    assert sum(v is not None for v in flat) == 12  # the rest were not patched: null
+    assert sum(v for layer in ex["sampled"]["neurons"] for pos in layer for v in pos) == 12
+    json.dumps(doc)
+
+
 def test_causal_model_exact(causal_dir, tmp_path):
     out = tmp_path / "c.json"
     r = run_cli("patch", "--model", causal_dir, "--clean", "the cat sat on the mat",
@@ -62,12 +82,14 @@ def test_causal_model_exact(causal_dir, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (("--nodes", "residual,head"), "--nodes: unknown node type(s) ['head']"),
-    (("--clean", "  "), "--clean is empty"),
-    (("--corrupt", "A man is playing a loud guitar on stage."), "the two texts must have the same number of tokens"),
+    (("--clean", "  ", "--corrupt", "x"), "--clean is empty"),
+    (("--clean", "A man is playing a guitar on stage.", "--corrupt", "A man is playing a loud guitar on stage."),
+     "the two texts must have the same number of tokens"),
     (("--target", "x"), "--target needs --model"),
     (("--model", ".", "--pair", "x"), "--pair works with the sentence-embedding model only"),
     (("--png", "/nonexistent-dir/p.png"), "--png: cannot write '/nonexistent-dir/p.png': directory"),
     (("--top", "0"), "--top must be >= 1"),
+    (("--clean", "The dog chased the ball."), "--clean and --corrupt go together"),
     (("--clean", "word " * 600, "--corrupt", "word " * 599 + "cat"), "--clean is 602 tokens long; the model reads at most 512"),
     (("--pair", "word " * 600), "--pair is 602 tokens long; the model reads at most 512"),
     (("--method", "ig"), "argument --method: invalid choice: 'ig'"),

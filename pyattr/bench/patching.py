@@ -92,7 +92,7 @@ def compare(model, clean, corrupt, metric_for, nodes, sample: int, batch_size: i
     valid = clean["attention_mask"].bool() if "attention_mask" in clean else torch.ones_like(clean["input_ids"], dtype=torch.bool)
     exact, t_exact = _timed(lambda: P.activation_patching(
         model, clean, corrupt, metric_for(False), nodes=nodes, batch_size=batch_size,
-        sample=sample if "neurons" in nodes else None, progress=False))
+        sample=sample if "neurons" in nodes else None))
     rows = []
     n_pairs = valid.shape[0]
     for node in nodes:

@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pa.add_argument("--clean", help="the clean text")
     pa.add_argument("--corrupt", help="the corrupt text (same number of tokens)")
-    pa.add_argument("--pair", help="partner sentence of the cosine metric (sentence-embedding model)")
+    pa.add_argument("--pair", help="partner sentence of the cosine metric (sentence-embedding model; default: "
+                                   "the built-in partner sentence)")
     pa.add_argument("--model", help="local Hugging Face causal-LM directory; metric: the next-token logit")
     pa.add_argument("--target", help="target token for --model (default: the clean run's top-1 prediction)")
     pa.add_argument("--nodes", default="residual,attention,heads,mlp",
@@ -98,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--top", type=int, default=10, help="nodes listed in the terminal (default 10)")
     pa.add_argument("--png", metavar="PATH", help="write layer x position heatmaps (and scatter plots) as PNG")
     pa.add_argument("--html", metavar="PATH", help="write a self-contained HTML page of the heatmaps")
-    pa.add_argument("--json", metavar="PATH", help="write the effects as JSON")
+    pa.add_argument("--json", metavar="PATH", help="write every effect as JSON (NaN: a neuron not patched, as null)")
     pa.set_defaults(func=_patch)
 
     b = sub.add_parser(

@@ -27,6 +27,8 @@ def run(args) -> int:
             raise UsageError("--pair works with the sentence-embedding model only (drop --model)")
         if args.model is None and args.target is not None:
             raise UsageError("--target needs --model (a causal LM directory)")
+        if (args.clean is None) != (args.corrupt is None):
+            raise UsageError("--clean and --corrupt go together (without both, the built-in pair is used)")
         if args.top < 1:
             raise UsageError(f"--top must be >= 1, got {args.top}")
         if args.sample < 1:
