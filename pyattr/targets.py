@@ -7,6 +7,8 @@ selector. Every method (:func:`pyattr.relevance`, :func:`pyattr.layer_relevance`
 
 - ``Logit(token_id, position=-1)``: a next-token logit; ``LogitDiff(a, b)``: ``logit[a] − logit[b]``;
 - ``ModuleOutput(path, select=None)``: a module's output (a neuron with ``select``);
+- ``Cosine(reference)``: the cosine similarity of the mean-pooled sentence embedding with a
+  fixed reference embedding (sentence-transformers models);
 - ``None`` (the top-1 next token at each row's last real position), a token id, one id
   per row (list / 1-d tensor / ``(batch, 1)``), or any callable ``f(output) → Tensor[batch]``
   or ``Tensor[]``;

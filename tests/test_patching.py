@@ -597,3 +597,30 @@ def test_top_skips_neurons_that_were_not_patched(models):
     res = P.activation_patching(models["llama"], clean, corrupt, METRIC, nodes="neurons", sample=3)
     top = res.top(10)
     assert len(top) == 3 and all(v == v for _, _, v in top)
+
+
+def test_cosine_target_checks_and_constant_norm():
+    from models import minilm
+
+    tok, model = minilm()
+    with pytest.raises(ValueError, match="Cosine reference must be finite and nonzero"):
+        T.Cosine(torch.zeros(384))
+    with pytest.raises(TypeError, match="Cosine reference must be a floating tensor"):
+        T.Cosine(torch.ones(384, dtype=torch.long))
+    with pytest.raises(ValueError, match="Cosine pooling must be 'mean' or 'cls'"):
+        T.Cosine(torch.ones(384), pooling="max")
+    enc = dict(tok(["a cat sat .", "dogs run"], padding=True, return_tensors="pt"))
+    with pytest.raises(ValueError, match=r"Cosine reference of shape \(8,\) does not match hidden states"):
+        pyattr.relevance(model, enc, target=T.Cosine(torch.ones(8)))
+    ref = torch.randn(2, 384, generator=torch.Generator().manual_seed(1))
+    # at the last hidden state h (mean-pooled into e), Σ h·g = e·∂cos/∂e: 0 for the plain
+    # cosine (scale-invariant), the cosine itself when the norm is a constant
+    last = "encoder.layer.5"
+    plain = pyattr.layer_relevance(model, enc, last, target=T.Cosine(ref), rules=RelevanceRules())
+    const = pyattr.layer_relevance(model, enc, last, target=T.Cosine(ref, constant_norm=True), rules=RelevanceRules())
+    assert torch.equal(plain.target, const.target)        # the forward is the same
+    torch.testing.assert_close(plain[last].relevance.double().sum(dim=(1, 2)), torch.zeros(2, dtype=torch.float64),
+                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(const[last].relevance.double().sum(dim=(1, 2)), const.target, atol=1e-5, rtol=1e-5)
+    sub = T.Cosine(ref).rows(torch.tensor([1, 1]), 2)
+    assert torch.equal(sub.reference, ref[[1, 1]])
