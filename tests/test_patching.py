@@ -192,6 +192,19 @@ def test_attribution_patching_equals_independent_gradient_product(models, arch, 
             p.requires_grad_(True)
 
 
+@pytest.mark.parametrize("method", ["relp", "atp"])
+def test_two_forwards_whatever_the_number_of_nodes(models, method):
+    model = models["llama"]
+    calls = []
+    h = model.register_forward_pre_hook(lambda m, a: calls.append(1))
+    try:
+        clean, corrupt = _pair(seed=20, batch=3)
+        P.attribution_patching(model, clean, corrupt, METRIC, nodes=NODES, method=method)
+    finally:
+        h.remove()
+    assert len(calls) == 2
+
+
 def test_relp_differs_from_atp_and_uses_the_rules(models):
     clean, corrupt = _pair(seed=3)
     atp = P.attribution_patching(models["llama"], clean, corrupt, METRIC, nodes="residual", method="atp")

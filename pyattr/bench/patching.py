@@ -74,6 +74,11 @@ def use_eager(model) -> None:
 
 
 def load_pairs(path: Path = DATA, limit: int = 0) -> List[dict]:
+    if not Path(path).is_file():
+        raise FileNotFoundError(
+            f"the patching task file {str(path)!r} is not there: `pyattr bench --patching` runs from a source "
+            "checkout (benchmarks/data/ is not part of the installed package)"
+        )
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     return rows[:limit] if limit else rows
 
