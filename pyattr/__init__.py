@@ -12,6 +12,7 @@ See the README for the rule math and the methods. Public API::
     pyattr.targets.Logit / LogitDiff / ModuleOutput / Cosine
     pyattr.patching.attribution_patching(model, clean, corrupt, metric, method="relp")   # or "atp", "atp*"
     pyattr.patching.activation_patching(model, clean, corrupt, metric, batch_size=...)
+    pyattr.run(model, "prompts.jsonl", "results/", tokenizer=tok)   # Parquet shards + manifest
     pyattr.available_backends(), pyattr.backend("torch")
 
 The names below load on first use (PEP 562), so that ``import pyattr`` and the command
@@ -34,6 +35,8 @@ _EXPORTS = {
     "LayerRelevanceResult": "pyattr.layer_attribution",
     "integrated_gradients": "pyattr.integrated",
     "AttributionResult": "pyattr.integrated",
+    "run": "pyattr.dataset_run",
+    "RunSummary": "pyattr.dataset_run",
     "capture": "pyattr.gradient_capture",
     "Captured": "pyattr.gradient_capture",
     "GradientCapture": "pyattr.gradient_capture",
@@ -68,6 +71,7 @@ def __dir__():
 if TYPE_CHECKING:  # what static tools see
     from pyattr import ops, patching, rules, targets
     from pyattr.attribution import RelevanceResult, relevance
+    from pyattr.dataset_run import RunSummary, run
     from pyattr.gradient_capture import Captured, GradientCapture, capture
     from pyattr.integrated import AttributionResult, integrated_gradients
     from pyattr.layer_attribution import LayerRelevance, LayerRelevanceResult, layer_relevance

@@ -1,3 +1,5 @@
+"""``python -m pyattr ...`` (what ``torchrun -m pyattr run ...`` calls): the command line."""
+
 import sys
 
 from pyattr.cli import main

@@ -38,10 +38,16 @@ def _patch(args) -> int:
     return run(args)
 
 
+def _run(args) -> int:
+    from pyattr.cli.run import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="pyattr", description="Relevance attribution with fused LRP-rule kernels.")
     p.add_argument("--version", action="version", version=f"pyattr {__version__}")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{explain,patch,bench}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{explain,patch,run,bench}")
     e = sub.add_parser(
         "explain",
         help="token relevance heatmap",
@@ -102,6 +108,30 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--json", metavar="PATH", help="write every effect as JSON (NaN: a neuron not patched, as null)")
     pa.set_defaults(func=_patch)
 
+    r = sub.add_parser(
+        "run",
+        help="relevance over a dataset of prompts into Parquet shards (resumable, torchrun-aware)",
+        description=(
+            "Token relevance of every prompt of a .jsonl / .csv / .parquet file for a causal LM's "
+            "next-token logit, stored as Parquet shards plus _manifest.json in --out (read it with "
+            "pandas.read_parquet(OUT)). Rerunning the same command resumes. Under torchrun each rank "
+            "takes every N-th prompt."
+        ),
+    )
+    r.add_argument("--model", required=True, help="local Hugging Face causal-LM directory (with its tokenizer)")
+    r.add_argument("--data", required=True, help="prompts: .jsonl (one object per line), .csv or .parquet")
+    r.add_argument("--out", required=True, help="results directory (created; an existing run is resumed)")
+    r.add_argument("--text-field", default="text", help="the field holding each prompt (default: text)")
+    r.add_argument("--target", default="top1", help="a field holding each prompt's target token, or top1 (default)")
+    r.add_argument("--rules", default="all",
+                   help="all (default), attnlrp, none, or a comma list of normalization,activation,"
+                        "multiplicative_gate,attention")
+    r.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="model dtype")
+    r.add_argument("--max-tokens-per-batch", type=int, default=4096, help="rows x padded length per pass (default 4096)")
+    r.add_argument("--shard-size", type=int, default=256, help="rows per Parquet shard (default 256)")
+    r.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu (default) or cuda")
+    r.set_defaults(func=_run)
+
     b = sub.add_parser(
         "bench",
         help="kernel microbenchmarks and the end-to-end relevance benchmark",
@@ -131,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--patching", action="store_true",
                    help="correlation of RelP / AtP with activation patching on MiniLM and a random Llama, instead")
     b.set_defaults(func=_bench)
-    p.commands = {"explain": e, "patch": pa, "bench": b}
+    p.commands = {"explain": e, "patch": pa, "run": r, "bench": b}
     return p
 
 

@@ -1,0 +1,527 @@
+"""Relevance over a dataset of prompts, stored as Parquet shards with a JSON manifest
+(``pyattr run``, :func:`pyattr.run`).
+
+The store is a directory readable with ``pandas.read_parquet(OUT)`` or
+``datasets.load_dataset("parquet", data_dir=OUT)``: ``part-RRRRR-SSSSSS.parquet`` shards
+(R the torchrun rank, S a per-rank sequence number) and ``_manifest.json`` (a leading
+underscore, as the temporary ``.part-….tmp`` files' leading dot, keeps Parquet readers
+from taking it for data). One row per prompt:
+
+=====================  =============================================================
+``id``                 the prompt's ``id`` field, else its 0-based row in the data
+``index``              its 0-based row in the data (shards of one process are in this
+                       order; with several ranks, sort by it)
+``text``               the prompt
+``tokens``             list of token strings (the real tokens, no padding)
+``token_relevance``    list of float32, one per token (gradient × input, summed over hidden)
+``target_id``          the explained token id
+``target``             the explained logit f(x), float64
+``conservation_delta`` target − Σ relevance, float64
+``error``              null, or why this prompt has no relevance (then the numbers are null)
+``seconds``            wall time of the prompt's batch divided by its rows
+=====================  =============================================================
+
+Safe to kill and rerun: a shard is written under a temporary name and renamed when
+complete; a rerun of the same command skips the ids already stored, so a run killed at
+any moment and restarted stores every prompt exactly once. Under ``torchrun`` each rank
+takes every ``world_size``-th prompt (no sampler padding) and writes its own shards; rank
+0 writes the manifest.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from pyattr.integration.config import RelevanceRules
+
+MANIFEST = "_manifest.json"
+COLUMNS = ("id", "index", "text", "tokens", "token_relevance", "target_id", "target", "conservation_delta", "error", "seconds")
+
+
+class RunError(ValueError):
+    """A data file or output directory that cannot be used (one clear message)."""
+
+
+@dataclass
+class Prompt:
+    id: str
+    text: Optional[str]
+    target: Optional[str] = None   # the target field's value, as given
+    error: Optional[str] = None    # a problem found while reading (recorded, not skipped)
+
+
+@dataclass
+class RunSummary:
+    """What :func:`run` did on this rank: prompts stored now, skipped as already stored,
+    failed (stored with an error), the shards written and the wall time (s)."""
+
+    stored: int
+    skipped: int
+    failed: int
+    shards: List[str]
+    seconds: float
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def read_prompts(data: Union[str, Path, Sequence], text_field: str = "text", target_field: Optional[str] = None) -> List[Prompt]:
+    """Prompts from a ``.jsonl`` / ``.json`` (one object per line), ``.csv`` or ``.parquet``
+    file, or a list of strings / dicts.
+
+    A JSON line that is not UTF-8, not valid JSON, not an object, or lacks ``text_field``
+    becomes a prompt with an ``error`` (stored as such, never skipped silently). A CSV or
+    Parquet file without the column, an empty file, or an unknown extension raise
+    :class:`RunError`.
+    """
+    if isinstance(data, (list, tuple)):
+        rows = [{text_field: d} if isinstance(d, str) else d for d in data]
+        return _from_rows(rows, text_field, target_field, "data")
+    path = Path(data)
+    if not path.is_file():
+        raise RunError(f"--data: {str(path)!r} is not a file")
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json", ".ndjson"):
+        prompts = _read_jsonl(path, text_field, target_field)
+    elif suffix == ".csv":
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            text = raw.decode("utf-8-sig")
+        except UnicodeDecodeError as e:
+            raise RunError(f"--data: {path.name} is not UTF-8 (byte {e.start})") from None
+        rows = list(csv.DictReader(io.StringIO(text)))
+        if rows and text_field not in rows[0]:
+            raise RunError(f"--data: {path.name} has no column {text_field!r} (columns: {list(rows[0])}); pass --text-field")
+        prompts = _from_rows(rows, text_field, target_field, path.name)
+    elif suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path)
+        if text_field not in table.column_names:
+            raise RunError(f"--data: {path.name} has no column {text_field!r} (columns: {table.column_names}); pass --text-field")
+        prompts = _from_rows(table.to_pylist(), text_field, target_field, path.name)
+    else:
+        raise RunError(f"--data: {path.name}: expected a .jsonl, .csv or .parquet file")
+    if not prompts:
+        raise RunError(f"--data: {path.name} holds no prompts")
+    ids = [p.id for p in prompts]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise RunError(f"--data: the id {dup!r} appears more than once; ids must be unique (they key the store)")
+    return prompts
+
+
+def _read_jsonl(path: Path, text_field, target_field) -> List[Prompt]:
+    prompts = []
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f):
+            if not raw.strip():
+                continue
+            fallback = str(n)
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                prompts.append(Prompt(fallback, None, error=f"line {n + 1}: not UTF-8 (byte {e.start})"))
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                prompts.append(Prompt(fallback, None, error=f"line {n + 1}: not JSON ({e.msg})"))
+                continue
+            if not isinstance(obj, dict):
+                prompts.append(Prompt(fallback, None, error=f"line {n + 1}: not a JSON object"))
+                continue
+            prompts.append(_prompt(obj, fallback, text_field, target_field, f"line {n + 1}"))
+    return prompts
+
+
+def _from_rows(rows, text_field, target_field, where) -> List[Prompt]:
+    return [_prompt(r, str(i), text_field, target_field, f"row {i}") for i, r in enumerate(rows)]
+
+
+def _prompt(obj: dict, fallback: str, text_field, target_field, where) -> Prompt:
+    pid = obj.get("id")
+    pid = fallback if pid is None or pid == "" else str(pid)
+    text = obj.get(text_field)
+    if not isinstance(text, str):
+        why = "missing" if text is None else f"not a string ({type(text).__name__})"
+        return Prompt(pid, None, error=f"{where}: field {text_field!r} {why}")
+    target = None
+    if target_field is not None:
+        target = obj.get(target_field)
+        if target is None or target == "":
+            return Prompt(pid, text, error=f"{where}: target field {target_field!r} missing")
+        target = str(target)
+    return Prompt(pid, text, target)
+
+
+# --------------------------------------------------------------------------- the store
+
+
+def _rank_world():
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def stored_ids(out: Path) -> set:
+    """Ids already in complete shards of ``out`` (all ranks)."""
+    import pyarrow.parquet as pq
+
+    ids = set()
+    for f in sorted(out.glob("part-*.parquet")):
+        ids.update(pq.read_table(f, columns=["id"]).column("id").to_pylist())
+    return ids
+
+
+def _next_seq(out: Path, rank: int) -> int:
+    seqs = [int(f.stem.split("-")[2]) for f in out.glob(f"part-{rank:05d}-*.parquet")]
+    return max(seqs) + 1 if seqs else 0
+
+
+def _write_shard(out: Path, rank: int, seq: int, rows: List[dict]) -> str:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = pa.schema([
+        ("id", pa.string()), ("index", pa.int64()), ("text", pa.string()), ("tokens", pa.list_(pa.string())),
+        ("token_relevance", pa.list_(pa.float32())), ("target_id", pa.int64()), ("target", pa.float64()),
+        ("conservation_delta", pa.float64()), ("error", pa.string()), ("seconds", pa.float64()),
+    ])
+    table = pa.Table.from_pylist(rows, schema=schema)
+    name = f"part-{rank:05d}-{seq:06d}.parquet"
+    tmp = out / f".{name}.tmp"
+    pq.write_table(table, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, out / name)  # atomic: a reader or a rerun sees the whole shard or none
+    return name
+
+
+def _manifest(model, tokenizer, rules, text_field, target_field, data, command, world) -> dict:
+    import pyattr
+    from pyattr import backends
+
+    cfg = getattr(model, "config", None)
+    dtype = next((str(p.dtype).replace("torch.", "") for p in model.parameters()), "float32")
+    device = next((str(p.device) for p in model.parameters()), "cpu")
+    return {
+        "model": getattr(cfg, "_name_or_path", None) or type(model).__name__,
+        "model_type": getattr(cfg, "model_type", None),
+        "rules": {"normalization": rules.normalization, "activation": rules.activation,
+                  "multiplicative_gate": rules.multiplicative_gate, "attention": rules.attention},
+        "backend": backends.select(torch.device(device), "identity"),
+        "dtype": dtype,
+        "device": device,
+        "text_field": text_field,
+        "target": target_field or "top1",
+        "data": str(data) if isinstance(data, (str, Path)) else "in-memory list",
+        "world_size": world,
+        "pyattr_version": pyattr.__version__,
+        "torch_version": torch.__version__,
+        "command": command,
+        "columns": list(COLUMNS),
+    }
+
+
+_SAME = ("model", "model_type", "rules", "dtype", "text_field", "target", "data")
+
+
+def _check_manifest(out: Path, manifest: dict) -> None:
+    path = out / MANIFEST
+    if not path.exists():
+        return
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        raise RunError(f"--out: {str(path)!r} is unreadable; remove it (and the shards) to start over") from None
+    diff = [k for k in _SAME if old.get(k) != manifest.get(k)]
+    if diff:
+        k = diff[0]
+        raise RunError(
+            f"--out: {str(out)!r} holds a run with another {k} ({old.get(k)!r}, now {manifest.get(k)!r}); "
+            "resuming would mix results: use another --out directory"
+        )
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def run(
+    model: nn.Module,
+    data: Union[str, Path, Sequence],
+    out: Union[str, Path],
+    *,
+    tokenizer,
+    text_field: str = "text",
+    target: Optional[str] = None,
+    rules: Optional[RelevanceRules] = None,
+    max_tokens_per_batch: int = 4096,
+    shard_size: int = 256,
+    progress: bool = True,
+    command: Optional[str] = None,
+) -> RunSummary:
+    """Token relevance of every prompt of ``data`` for a causal LM's next-token logit,
+    stored in ``out`` (see :mod:`pyattr.dataset_run` for the layout and columns).
+
+    Args:
+        model (nn.Module): a Hugging Face causal LM (any device and dtype; the rule
+            backwards accumulate in float32).
+        data: a ``.jsonl`` / ``.csv`` / ``.parquet`` path, or a list of strings / dicts.
+        out (str | Path): the results directory (created; an existing run of the same
+            configuration is resumed, one of another configuration refused).
+        tokenizer: the model's tokenizer.
+        text_field (str): the field holding each prompt. Default ``"text"``.
+        target (str, optional): a field holding each prompt's target token (a token
+            string of one token, or an integer id); default: the top-1 next token.
+        rules (RelevanceRules, optional): default ``RelevanceRules.all()``.
+        max_tokens_per_batch (int): rows × padded length per forward; prompts are sorted
+            by length first, so little is padding. Default 4096.
+        shard_size (int): rows per Parquet shard. Default 256.
+        progress (bool): a rich progress bar on stderr with prompts/s, tokens/s and ETA.
+        command (str, optional): recorded in the manifest.
+
+    Returns:
+        RunSummary for this rank.
+
+    Raises:
+        RunError: unusable data (see :func:`read_prompts`), an ``out`` that holds another
+            run, bad ``max_tokens_per_batch`` / ``shard_size``.
+
+    Per prompt, an empty text, a text longer than the model reads, or an unknown target
+    token is stored with its ``error``; the run goes on.
+    """
+    from pyattr import _forward as F
+    from pyattr.attribution import relevance
+    from pyattr.targets import Logit
+
+    max_tokens_per_batch = F.check_count("max_tokens_per_batch", max_tokens_per_batch, allow_none=False)
+    shard_size = F.check_count("shard_size", shard_size, allow_none=False)
+    rules = RelevanceRules.all() if rules is None else rules
+    rank, world = _rank_world()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = read_prompts(data, text_field, target)
+    manifest = _manifest(model, tokenizer, rules, text_field, target, data, command, world)
+    _check_manifest(out, manifest)
+    if rank == 0:
+        for tmp in out.glob(".part-*.tmp"):  # a shard a killed run left half-written
+            tmp.unlink()
+        if not (out / MANIFEST).exists():
+            _write_json(out / MANIFEST, {**manifest, "complete": False})
+    _barrier(world)
+    done = stored_ids(out)
+    index = {p.id: i for i, p in enumerate(prompts)}
+    mine = [p for i, p in enumerate(prompts) if i % world == rank]
+    todo = [p for p in mine if p.id not in done]
+    skipped = len(mine) - len(todo)
+    t_start = time.perf_counter()
+    shards: List[str] = []
+    seq = _next_seq(out, rank)
+    failed = 0
+    limit = _max_positions(model)
+    if tokenizer.pad_token_id is None:  # GPT-2 style tokenizers: the mask hides the pad id
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"
+    encoded: Dict[str, List[int]] = {}
+    problems: Dict[str, str] = {}
+    for p in todo:
+        err = _encode(p, tokenizer, model, limit, encoded)
+        if err is not None:
+            problems[p.id] = err
+    bar = _RunProgress(len(todo), sum(len(v) for k, v in encoded.items() if "\0" not in k), progress)
+    # shards hold consecutive prompts in input order (a single process's store reads back in
+    # input order); within a shard, prompts are batched by length (little padding)
+    for start in range(0, len(todo), shard_size):
+        chunk = todo[start:start + shard_size]
+        by_id: Dict[str, dict] = {}
+        for p in chunk:
+            if p.id in problems:
+                by_id[p.id] = _error_row(p, problems[p.id])
+        ready = [p for p in chunk if p.id not in problems]
+        bar.advance(len(chunk) - len(ready), 0)
+        for batch in _batches(ready, encoded, max_tokens_per_batch):
+            t0 = time.perf_counter()
+            results = _relevance_batch(relevance, Logit, model, tokenizer, batch, encoded, rules)
+            per = (time.perf_counter() - t0) / len(batch)
+            for p, res in zip(batch, results):
+                by_id[p.id] = _error_row(p, res, per) if isinstance(res, str) else \
+                    {**res, "id": p.id, "text": p.text, "error": None, "seconds": per}
+            bar.advance(len(batch), sum(len(encoded[p.id]) for p in batch))
+        rows = [{**by_id[p.id], "index": index[p.id]} for p in chunk]
+        failed += sum(r["error"] is not None for r in rows)
+        shards.append(_write_shard(out, rank, seq, rows))
+        seq += 1
+    bar.close()
+    _barrier(world)
+    if rank == 0:
+        total = len(stored_ids(out))
+        _write_json(out / MANIFEST, {**manifest, "complete": total == len(prompts), "rows": total})
+    return RunSummary(stored=len(todo), skipped=skipped, failed=failed, shards=shards,
+                      seconds=time.perf_counter() - t_start)
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        torch.distributed.barrier()
+
+
+def _encode(p: Prompt, tokenizer, model, limit, encoded) -> Optional[str]:
+    """Tokenise a prompt (and its target) into ``encoded``, or say why it cannot run."""
+    if p.error is not None:
+        return p.error
+    if not p.text.strip():
+        return "empty text"
+    ids = tokenizer(p.text)["input_ids"]
+    if not ids:
+        return "no tokens after tokenisation"
+    if limit is not None and len(ids) > limit:
+        return f"{len(ids)} tokens; the model reads at most {limit}"
+    if p.target is not None:
+        tid = _target_id(tokenizer, p.target, model)
+        if isinstance(tid, str):
+            return tid
+        encoded[p.id + "\0target"] = [tid]
+    encoded[p.id] = ids
+    return None
+
+
+def _max_positions(model) -> Optional[int]:
+    cfg = getattr(model, "config", None)
+    for key in ("max_position_embeddings", "n_positions"):
+        v = getattr(cfg, key, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def _target_id(tokenizer, target: str, model):
+    vocab = model.config.vocab_size
+    if target.lstrip("-").isdigit():
+        tid = int(target)
+    else:
+        v = tokenizer.get_vocab()
+        if target in v:
+            tid = int(v[target])
+        else:
+            ids = tokenizer.encode(target, add_special_tokens=False)
+            if len(ids) != 1:
+                return f"target {target!r} is {len(ids)} tokens, not one"
+            tid = int(ids[0])
+    if not 0 <= tid < vocab:
+        return f"target id {tid} is outside the model's {vocab} logits"
+    return tid
+
+
+def _error_row(p: Prompt, error: str, seconds: float = 0.0) -> dict:
+    return {"id": p.id, "text": p.text, "tokens": None, "token_relevance": None, "target_id": None,
+            "target": None, "conservation_delta": None, "error": error, "seconds": seconds}
+
+
+def _batches(prompts: List[Prompt], encoded, budget: int):
+    """Prompts sorted by length, grouped so that rows × longest ≤ budget (a longer prompt
+    alone when it exceeds the budget by itself)."""
+    order = sorted(prompts, key=lambda p: len(encoded[p.id]))
+    batch: List[Prompt] = []
+    for p in order:
+        n = len(encoded[p.id])
+        if batch and (len(batch) + 1) * n > budget:
+            yield batch
+            batch = []
+        batch.append(p)
+    if batch:
+        yield batch
+
+
+def _relevance_batch(relevance, Logit, model, tokenizer, batch, encoded, rules):
+    """One relevance call for the batch; if it fails, each prompt alone (so one bad prompt
+    is recorded with its error and the others still get their relevance)."""
+    try:
+        return _call(relevance, Logit, model, tokenizer, batch, encoded, rules)
+    except Exception as e:  # noqa: BLE001 - recorded per prompt below
+        if len(batch) == 1:
+            return [f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"]
+    out = []
+    for p in batch:
+        out += _relevance_batch(relevance, Logit, model, tokenizer, [p], encoded, rules)
+    return out
+
+
+def _call(relevance, Logit, model, tokenizer, batch, encoded, rules):
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    seqs = [encoded[p.id] for p in batch]
+    width = max(len(s) for s in seqs)
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs], device=device)
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], device=device)
+    has_target = [p.id + "\0target" in encoded for p in batch]
+    target = None
+    if any(has_target):
+        if not all(has_target):  # a batch mixes only rows of one kind: read_prompts is per run
+            raise RuntimeError("internal: mixed targets in one batch")
+        target = Logit([encoded[p.id + "\0target"][0] for p in batch])
+    res = relevance(model, {"input_ids": ids, "attention_mask": mask}, target=target, rules=rules)
+    out = []
+    for i, s in enumerate(seqs):
+        out.append({
+            "tokens": tokenizer.convert_ids_to_tokens(s),
+            "token_relevance": [float(v) for v in res.token_relevance[i, :len(s)].float().cpu()],
+            "target_id": int(res.target_ids[i]),
+            "target": float(res.target[i]),
+            "conservation_delta": float(res.conservation_delta[i]),
+        })
+    return out
+
+
+class _RunProgress:
+    """rich progress on stderr (a terminal only): prompts, prompts/s, tokens/s, ETA."""
+
+    def __init__(self, total: int, tokens: int, enabled: bool):
+        import sys
+
+        self.bar = None
+        self.tokens = 0
+        self.t0 = time.perf_counter()
+        if not enabled or not sys.stderr.isatty() or total == 0:
+            return
+        try:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        except ImportError:
+            return
+        self.bar = Progress(TextColumn("relevance"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("{task.fields[rate]}"), TimeRemainingColumn(),
+                            console=Console(file=sys.stderr), transient=True)
+        self.bar.start()
+        self.task = self.bar.add_task("run", total=total, rate="")
+        self.done = 0
+
+    def advance(self, prompts: int, tokens: int) -> None:
+        self.tokens += tokens
+        if self.bar is None:
+            return
+        self.done += prompts
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        self.bar.update(self.task, completed=self.done,
+                        rate=f"{self.done / dt:.1f} prompts/s, {self.tokens / dt:.0f} tokens/s")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()

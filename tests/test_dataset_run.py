@@ -1,0 +1,196 @@
+"""pyattr.run / ``pyattr run``: the Parquet store read back against pyattr.relevance,
+per-prompt errors, bad data files, resume after SIGKILL, torchrun with 2 gloo processes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import pyattr
+from conftest import run_cli, save_tiny_llama
+from pyattr.dataset_run import RunError, read_prompts
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TEXTS = ["the cat sat on the mat", "a dog", "paris is the capital of france and a city of light",
+         "one two three four five six seven", "hello", "the quick brown fox jumps over the lazy dog"]
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory):
+    from models import minilm
+
+    tok, _ = minilm()
+    d = save_tiny_llama(tmp_path_factory.mktemp("run-llama"), len(tok), tok, max_position_embeddings=24)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return d, AutoTokenizer.from_pretrained(d), AutoModelForCausalLM.from_pretrained(d).eval()
+
+
+def _jsonl(path, rows):
+    with open(path, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return path
+
+
+def _read(out):
+    import pandas as pd
+
+    return pd.read_parquet(out)
+
+
+def test_store_reads_back_as_relevance_per_prompt_in_input_order(lm, tmp_path):
+    d, tok, model = lm
+    data = _jsonl(tmp_path / "p.jsonl", [{"text": t} for t in TEXTS])
+    summary = pyattr.run(model, data, tmp_path / "out", tokenizer=tok, shard_size=4, max_tokens_per_batch=40)
+    assert summary.stored == 6 and summary.failed == 0 and summary.shards == ["part-00000-000000.parquet",
+                                                                            "part-00000-000001.parquet"]
+    df = _read(tmp_path / "out")
+    assert list(df["id"]) == [str(i) for i in range(6)] and list(df["index"]) == list(range(6))
+    assert list(df["text"]) == TEXTS and df["error"].isna().all()
+    for i, text in enumerate(TEXTS):
+        ids = tok(text, return_tensors="pt")["input_ids"]
+        want = pyattr.relevance(model, ids)
+        got = torch.tensor(list(df["token_relevance"][i]))
+        torch.testing.assert_close(got, want.token_relevance[0], atol=1e-5, rtol=1e-4)
+        assert list(df["tokens"][i]) == tok.convert_ids_to_tokens(ids[0])
+        assert int(df["target_id"][i]) == int(want.target_ids[0])
+        assert df["target"][i] == pytest.approx(float(want.target), abs=1e-5)
+        assert df["conservation_delta"][i] == pytest.approx(float(want.conservation_delta), abs=1e-4)
+    manifest = json.loads((tmp_path / "out" / "_manifest.json").read_text())
+    assert manifest["complete"] is True and manifest["rows"] == 6 and manifest["model_type"] == "llama"
+    assert manifest["rules"]["attention"] == "frozen" and manifest["pyattr_version"] == pyattr.__version__
+
+
+def test_csv_parquet_and_target_field(lm, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    d, tok, model = lm
+    rows = [{"id": f"p{i}", "text": t, "answer": "the"} for i, t in enumerate(TEXTS[:3])]
+    with open(tmp_path / "p.csv", "w", encoding="utf-8") as f:
+        f.write("id,text,answer\n" + "".join(f"{r['id']},{r['text']},{r['answer']}\n" for r in rows))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "p.parquet")
+    a = pyattr.run(model, tmp_path / "p.csv", tmp_path / "a", tokenizer=tok, target="answer")
+    b = pyattr.run(model, tmp_path / "p.parquet", tmp_path / "b", tokenizer=tok, target="answer")
+    assert a.stored == b.stored == 3
+    da, db = _read(tmp_path / "a"), _read(tmp_path / "b")
+    the = tok.convert_tokens_to_ids("the")
+    assert list(da["id"]) == ["p0", "p1", "p2"] and (da["target_id"] == the).all()
+    assert list(da["target"]) == list(db["target"])
+    ids = tok(TEXTS[0], return_tensors="pt")["input_ids"]
+    assert da["target"][0] == pytest.approx(float(pyattr.relevance(model, ids, target=the).target), abs=1e-5)
+
+
+def test_bad_prompts_are_recorded_not_skipped(lm, tmp_path):
+    d, tok, model = lm
+    path = tmp_path / "bad.jsonl"
+    with open(path, "wb") as f:
+        f.write(b'{"text": "a fine prompt"}\n')
+        f.write(b'{"text": ""}\n')                                        # empty
+        f.write(b'{"txt": "wrong field"}\n')                              # missing field
+        f.write(b'{"text": "bad \xff byte"}\n')                           # not UTF-8
+        f.write(b'not json\n')
+        f.write(json.dumps({"text": "word " * 40}).encode() + b"\n")     # longer than 24 positions
+        f.write(b'{"text": 7}\n')
+    s = pyattr.run(model, path, tmp_path / "out", tokenizer=tok)
+    df = _read(tmp_path / "out")
+    assert len(df) == 7 and s.failed == 6
+    errors = list(df["error"])
+    assert df["error"].isna()[0]
+    assert errors[1] == "empty text"
+    assert errors[2] == "line 3: field 'text' missing"
+    assert errors[3] == "line 4: not UTF-8 (byte 14)"
+    assert errors[4].startswith("line 5: not JSON")
+    assert errors[5] == "42 tokens; the model reads at most 24"
+    assert errors[6] == "line 7: field 'text' not a string (int)"
+    assert df["token_relevance"][1] is None and df["target"].isna()[1:].all()
+
+
+@pytest.mark.parametrize("content, name, message", [
+    ("", "empty.jsonl", "holds no prompts"),
+    ("id,prompt\n1,hello\n", "p.csv", "has no column 'text' (columns: ['id', 'prompt']); pass --text-field"),
+    ('{"id": 1, "text": "a"}\n{"id": 1, "text": "b"}\n', "dup.jsonl", "the id '1' appears more than once"),
+    ("hello", "p.txt", "expected a .jsonl, .csv or .parquet file"),
+])
+def test_bad_data_files_raise_one_clear_error(tmp_path, content, name, message):
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(RunError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
+        read_prompts(path)
+
+
+def test_cli_errors_and_another_configuration(lm, tmp_path):
+    d, tok, model = lm
+    data = _jsonl(tmp_path / "p.jsonl", [{"text": t} for t in TEXTS[:2]])
+    r = run_cli("run", "--model", d, "--data", data, "--out", tmp_path / "o", "--rules", "bogus")
+    assert r.returncode == 2 and "pyattr run: error: --rules: expected all, attnlrp, none" in r.stderr
+    r = run_cli("run", "--model", d, "--data", tmp_path / "nope.jsonl", "--out", tmp_path / "o")
+    assert r.returncode == 2 and "--data: " in r.stderr and "is not a file" in r.stderr
+    r = run_cli("run", "--model", d, "--data", data, "--out", tmp_path / "o")
+    assert r.returncode == 0 and "rank 0: 2 prompts stored (0 with an error), 0 already stored, 1 shards" in r.stdout
+    r = run_cli("run", "--model", d, "--data", data, "--out", tmp_path / "o", "--rules", "none")
+    assert r.returncode == 2 and "holds a run with another rules" in r.stderr
+    r = run_cli("run", "--model", d, "--data", data, "--out", tmp_path / "o")
+    assert r.returncode == 0 and "0 prompts stored (0 with an error), 2 already stored" in r.stdout
+
+
+def _pyattr_cmd():
+    return [sys.executable, "-m", "pyattr"]
+
+
+def test_resume_after_sigkill_stores_every_prompt_once(lm, tmp_path):
+    d, tok, model = lm
+    n = 300
+    data = _jsonl(tmp_path / "p.jsonl", [{"text": f"{TEXTS[i % 6]} {i}"} for i in range(n)])
+    out = tmp_path / "out"
+    cmd = [*_pyattr_cmd(), "run", "--model", str(d), "--data", str(data), "--out", str(out), "--shard-size", "2",
+           "--max-tokens-per-batch", "16"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and p.poll() is None and len(list(out.glob("part-*.parquet"))) < 3:
+        time.sleep(0.02)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    done_before = len(list(out.glob("part-*.parquet")))
+    assert 3 <= done_before < n // 2, "the run was not killed part-way"
+    (out / ".part-00000-000999.parquet.tmp").write_bytes(b"half a shard")  # what a kill mid-write leaves
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    df = _read(out)
+    assert sorted(df["id"], key=int) == [str(i) for i in range(n)] and df["id"].is_unique
+    assert list(df["index"]) == list(range(n)) and df["error"].isna().all()
+    assert not list(out.glob(".*tmp"))
+    assert json.loads((out / "_manifest.json").read_text())["complete"] is True
+
+
+def test_torchrun_two_gloo_processes_equal_one(lm, tmp_path):
+    d, tok, model = lm
+    data = _jsonl(tmp_path / "p.jsonl", [{"text": t} for t in TEXTS] + [{"text": ""}])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    one = pyattr.run(model, data, tmp_path / "one", tokenizer=tok)
+    assert one.stored == 7
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533",
+           "-m", "pyattr", "run", "--model", str(d), "--data", str(data), "--out", str(tmp_path / "two"), "--shard-size", "2"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a = _read(tmp_path / "one").sort_values("index").reset_index(drop=True)
+    b = _read(tmp_path / "two").sort_values("index").reset_index(drop=True)
+    assert list(a["id"]) == list(b["id"]) and len(b) == 7  # each prompt once, no sampler padding
+    assert {f.name.split("-")[1] for f in (tmp_path / "two").glob("part-*")} == {"00000", "00001"}
+    for x, y in zip(a["token_relevance"], b["token_relevance"]):
+        if x is None:
+            assert y is None
+        else:
+            torch.testing.assert_close(torch.tensor(list(y)), torch.tensor(list(x)), atol=1e-5, rtol=1e-4)
+    assert list(a["error"].fillna("")) == list(b["error"].fillna(""))
+    manifest = json.loads((tmp_path / "two" / "_manifest.json").read_text())
+    assert manifest["world_size"] == 2 and manifest["complete"] is True and manifest["rows"] == 7
