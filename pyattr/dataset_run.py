@@ -216,8 +216,11 @@ def _manifest(model, tokenizer, rules, text_field, target_field, data, command, 
     cfg = getattr(model, "config", None)
     dtype = next((str(p.dtype).replace("torch.", "") for p in model.parameters()), "float32")
     device = next((str(p.device) for p in model.parameters()), "cpu")
+    name = getattr(cfg, "_name_or_path", None) or type(model).__name__
+    if os.path.isdir(name):  # "./m" and "m" are one model
+        name = os.path.realpath(name)
     return {
-        "model": getattr(cfg, "_name_or_path", None) or type(model).__name__,
+        "model": name,
         "model_type": getattr(cfg, "model_type", None),
         "rules": {"normalization": rules.normalization, "activation": rules.activation,
                   "multiplicative_gate": rules.multiplicative_gate, "attention": rules.attention},
@@ -226,7 +229,7 @@ def _manifest(model, tokenizer, rules, text_field, target_field, data, command, 
         "device": device,
         "text_field": text_field,
         "target": target_field or "top1",
-        "data": str(data) if isinstance(data, (str, Path)) else "in-memory list",
+        "data": os.path.realpath(data) if isinstance(data, (str, Path)) else "in-memory list",
         "world_size": world,
         "pyattr_version": pyattr.__version__,
         "torch_version": torch.__version__,

@@ -2,7 +2,8 @@
 
 Python blocks run in a fresh namespace in a directory where ``path/to/llama`` is a tiny
 random Llama; command-line blocks run each ``pyattr ...`` line there, with ``./my-llama`` a
-tiny random Llama that carries the bundled MiniLM's tokenizer. The ``make`` block is the
+tiny random Llama that carries the bundled MiniLM's tokenizer (the python blocks, which run
+first, leave ``prompts.jsonl`` and ``results`` there as a user's session would). The ``make`` block is the
 README's two commands, which CI itself runs (`.ci/run` calls `make test`).
 """
 
