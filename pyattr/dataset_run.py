@@ -306,14 +306,13 @@ def run(
 
     Raises:
         RunError: unusable data (see :func:`read_prompts`), an ``out`` that holds another
-            run, bad ``max_tokens_per_batch`` / ``shard_size``.
+            run or that another run is writing to (a lock per rank), bad
+            ``max_tokens_per_batch`` / ``shard_size``.
 
     Per prompt, an empty text, a text longer than the model reads, or an unknown target
     token is stored with its ``error``; the run goes on.
     """
     from pyattr import _forward as F
-    from pyattr.attribution import relevance
-    from pyattr.targets import Logit
 
     max_tokens_per_batch = F.check_count("max_tokens_per_batch", max_tokens_per_batch, allow_none=False)
     shard_size = F.check_count("shard_size", shard_size, allow_none=False)
@@ -321,6 +320,19 @@ def run(
     rank, world = _rank_world()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    lock = _lock(out, rank)
+    try:
+        return _run_locked(model, data, out, tokenizer, text_field, target, rules, max_tokens_per_batch,
+                           shard_size, progress, command, rank, world)
+    finally:
+        lock.close()
+
+
+def _run_locked(model, data, out: Path, tokenizer, text_field, target, rules, max_tokens_per_batch, shard_size,
+                progress, command, rank, world) -> RunSummary:
+    from pyattr.attribution import relevance
+    from pyattr.targets import Logit
+
     prompts = read_prompts(data, text_field, target)
     manifest = _manifest(model, tokenizer, rules, text_field, target, data, command, world)
     _check_manifest(out, manifest)
@@ -379,6 +391,20 @@ def run(
         _write_json(out / MANIFEST, {**manifest, "complete": total == len(prompts), "rows": total})
     return RunSummary(stored=len(todo), skipped=skipped, failed=failed, shards=shards,
                       seconds=time.perf_counter() - t_start)
+
+
+def _lock(out: Path, rank: int):
+    """An exclusive lock per rank on ``out``: two runs writing the same rank's shards at
+    once would overwrite each other's sequence numbers."""
+    import fcntl
+
+    f = open(out / f".lock-{rank:05d}", "w")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise RunError(f"--out: another run is writing to {str(out)!r} (rank {rank}); wait for it or use another directory") from None
+    return f
 
 
 def _barrier(world: int) -> None:

@@ -194,3 +194,18 @@ def test_torchrun_two_gloo_processes_equal_one(lm, tmp_path):
     assert list(a["error"].fillna("")) == list(b["error"].fillna(""))
     manifest = json.loads((tmp_path / "two" / "_manifest.json").read_text())
     assert manifest["world_size"] == 2 and manifest["complete"] is True and manifest["rows"] == 7
+
+
+def test_a_second_run_into_the_same_directory_at_once_is_refused(lm, tmp_path):
+    from pyattr.dataset_run import _lock
+
+    d, tok, model = lm
+    data = _jsonl(tmp_path / "p.jsonl", [{"text": t} for t in TEXTS[:2]])
+    (tmp_path / "out").mkdir()
+    held = _lock(tmp_path / "out", 0)  # as a running process holds it
+    try:
+        with pytest.raises(RunError, match="another run is writing to"):
+            pyattr.run(model, data, tmp_path / "out", tokenizer=tok)
+    finally:
+        held.close()
+    assert pyattr.run(model, data, tmp_path / "out", tokenizer=tok).stored == 2
