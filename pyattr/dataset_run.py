@@ -56,7 +56,7 @@ class RunError(ValueError):
 class Prompt:
     id: str
     text: Optional[str]
-    target: Optional[str] = None   # the target field's value, as given
+    target: Union[None, str, int] = None   # a token (str) or a token id (int), as given
     error: Optional[str] = None    # a problem found while reading (recorded, not skipped)
 
 
@@ -84,14 +84,29 @@ def read_prompts(data: Union[str, Path, Sequence], text_field: str = "text", tar
     Parquet file without the column, an empty file, or an unknown extension raise
     :class:`RunError`.
     """
+    if hasattr(data, "to_dict") and hasattr(data, "columns"):  # a pandas DataFrame
+        data = data.to_dict("records")
     if isinstance(data, (list, tuple)):
+        bad = [i for i, d in enumerate(data) if not isinstance(d, (str, dict))]
+        if bad:
+            raise RunError(f"data: item {bad[0]} is a {type(data[bad[0]]).__name__}; expected strings or dicts")
         rows = [{text_field: d} if isinstance(d, str) else d for d in data]
-        return _from_rows(rows, text_field, target_field, "data")
+        return _checked(_from_rows(rows, text_field, target_field, "data"), "data", target_field)
+    if not isinstance(data, (str, Path)):
+        raise RunError(f"data: expected a file path or a list of strings / dicts, got {type(data).__name__}")
     path = Path(data)
     if not path.is_file():
         raise RunError(f"--data: {str(path)!r} is not a file")
     suffix = path.suffix.lower()
-    if suffix in (".jsonl", ".json", ".ndjson"):
+    if suffix == ".json" and path.read_bytes().lstrip(b"\xef\xbb\xbf \t\r\n")[:1] == b"[":
+        try:
+            rows = json.loads(path.read_text(encoding="utf-8-sig"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise RunError(f"--data: {path.name} is not a valid JSON array ({e})") from None
+        if not all(isinstance(r, dict) for r in rows):
+            raise RunError(f"--data: {path.name}: a JSON array must hold objects")
+        prompts = _from_rows(rows, text_field, target_field, path.name)
+    elif suffix in (".jsonl", ".json", ".ndjson"):
         prompts = _read_jsonl(path, text_field, target_field)
     elif suffix == ".csv":
         with open(path, "rb") as f:
@@ -113,22 +128,31 @@ def read_prompts(data: Union[str, Path, Sequence], text_field: str = "text", tar
         prompts = _from_rows(table.to_pylist(), text_field, target_field, path.name)
     else:
         raise RunError(f"--data: {path.name}: expected a .jsonl, .csv or .parquet file")
+    return _checked(prompts, path.name, target_field)
+
+
+def _checked(prompts: List[Prompt], name: str, target_field) -> List[Prompt]:
     if not prompts:
-        raise RunError(f"--data: {path.name} holds no prompts")
-    ids = [p.id for p in prompts]
-    if len(set(ids)) != len(ids):
-        dup = next(i for i in ids if ids.count(i) > 1)
-        raise RunError(f"--data: the id {dup!r} appears more than once; ids must be unique (they key the store)")
+        raise RunError(f"--data: {name} holds no prompts")
+    seen: set = set()
+    for p in prompts:
+        if p.id in seen:
+            raise RunError(f"--data: the id {p.id!r} appears more than once; ids must be unique (they key the store)")
+        seen.add(p.id)
+    if target_field is not None and all(p.target is None for p in prompts):
+        raise RunError(f"--target: no prompt of {name} has the field {target_field!r}")
     return prompts
 
 
 def _read_jsonl(path: Path, text_field, target_field) -> List[Prompt]:
-    prompts = []
+    prompts: List[Prompt] = []
     with open(path, "rb") as f:
         for n, raw in enumerate(f):
+            if n == 0 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark
+                raw = raw[3:]
             if not raw.strip():
                 continue
-            fallback = str(n)
+            fallback = str(len(prompts))  # the prompt's 0-based row, blank lines not counted
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -150,19 +174,33 @@ def _from_rows(rows, text_field, target_field, where) -> List[Prompt]:
     return [_prompt(r, str(i), text_field, target_field, f"row {i}") for i, r in enumerate(rows)]
 
 
+def _unicode_ok(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:  # lone surrogates ("\\ud800" in JSON)
+        return False
+
+
 def _prompt(obj: dict, fallback: str, text_field, target_field, where) -> Prompt:
     pid = obj.get("id")
     pid = fallback if pid is None or pid == "" else str(pid)
+    if not _unicode_ok(pid):
+        pid = pid.encode("utf-8", "backslashreplace").decode("utf-8")
     text = obj.get(text_field)
     if not isinstance(text, str):
         why = "missing" if text is None else f"not a string ({type(text).__name__})"
         return Prompt(pid, None, error=f"{where}: field {text_field!r} {why}")
+    if not _unicode_ok(text):
+        return Prompt(pid, text.encode("utf-8", "backslashreplace").decode("utf-8"),
+                      error=f"{where}: field {text_field!r} is not valid Unicode (a lone surrogate)")
     target = None
     if target_field is not None:
         target = obj.get(target_field)
         if target is None or target == "":
             return Prompt(pid, text, error=f"{where}: target field {target_field!r} missing")
-        target = str(target)
+        if isinstance(target, bool) or not isinstance(target, (int, str)):
+            return Prompt(pid, text, target="?", error=f"{where}: target {target!r} is neither a token nor an integer id")
     return Prompt(pid, text, target)
 
 
@@ -238,7 +276,21 @@ def _manifest(model, tokenizer, rules, text_field, target_field, data, command, 
     }
 
 
-_SAME = ("model", "model_type", "rules", "dtype", "text_field", "target", "data")
+# what a resumed run must share with the stored one: the results would mix otherwise (in
+# reduced precision a row's numbers depend on its batch's padding, hence the budget)
+_SAME = ("model", "model_type", "rules", "dtype", "text_field", "target", "data", "data_sha256",
+         "max_tokens_per_batch")
+
+
+def _fingerprint(prompts: List[Prompt]) -> str:
+    """SHA-256 of the prompts (ids, texts, targets, in order): an edited data file, or
+    another list, is another run."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in prompts:
+        h.update(json.dumps([p.id, p.text, p.target, p.error], ensure_ascii=True).encode())
+    return h.hexdigest()
 
 
 def _check_manifest(out: Path, manifest: dict) -> None:
@@ -335,10 +387,12 @@ def _run_locked(model, data, out: Path, tokenizer, text_field, target, rules, ma
 
     prompts = read_prompts(data, text_field, target)
     manifest = _manifest(model, tokenizer, rules, text_field, target, data, command, world)
+    manifest["data_sha256"] = _fingerprint(prompts)
+    manifest["max_tokens_per_batch"] = max_tokens_per_batch
     _check_manifest(out, manifest)
+    for tmp in out.glob(f".part-{rank:05d}-*.tmp"):  # half-written by a killed run (this rank's lock is ours)
+        tmp.unlink()
     if rank == 0:
-        for tmp in out.glob(".part-*.tmp"):  # a shard a killed run left half-written
-            tmp.unlink()
         if not (out / MANIFEST).exists():
             _write_json(out / MANIFEST, {**manifest, "complete": False})
     _barrier(world)
@@ -352,16 +406,16 @@ def _run_locked(model, data, out: Path, tokenizer, text_field, target, rules, ma
     seq = _next_seq(out, rank)
     failed = 0
     limit = _max_positions(model)
-    if tokenizer.pad_token_id is None:  # GPT-2 style tokenizers: the mask hides the pad id
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "right"
+    # any id pads (the attention mask hides it); GPT-2 style tokenizers have no pad token
+    pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
     encoded: Dict[str, List[int]] = {}
+    targets: Dict[str, int] = {}
     problems: Dict[str, str] = {}
     for p in todo:
-        err = _encode(p, tokenizer, model, limit, encoded)
+        err = _encode(p, tokenizer, model, limit, encoded, targets)
         if err is not None:
             problems[p.id] = err
-    bar = _RunProgress(len(todo), sum(len(v) for k, v in encoded.items() if "\0" not in k), progress)
+    bar = _RunProgress(len(todo), sum(len(v) for v in encoded.values()), progress)
     # shards hold consecutive prompts in input order (a single process's store reads back in
     # input order); within a shard, prompts are batched by length (little padding)
     for start in range(0, len(todo), shard_size):
@@ -374,11 +428,12 @@ def _run_locked(model, data, out: Path, tokenizer, text_field, target, rules, ma
         bar.advance(len(chunk) - len(ready), 0)
         for batch in _batches(ready, encoded, max_tokens_per_batch):
             t0 = time.perf_counter()
-            results = _relevance_batch(relevance, Logit, model, tokenizer, batch, encoded, rules)
+            results = _relevance_batch(relevance, Logit, model, pad, batch, encoded, targets, rules)
             per = (time.perf_counter() - t0) / len(batch)
             for p, res in zip(batch, results):
                 by_id[p.id] = _error_row(p, res, per) if isinstance(res, str) else \
-                    {**res, "id": p.id, "text": p.text, "error": None, "seconds": per}
+                    {**res, "tokens": tokenizer.convert_ids_to_tokens(encoded[p.id]), "id": p.id, "text": p.text,
+                     "error": None, "seconds": per}
             bar.advance(len(batch), sum(len(encoded[p.id]) for p in batch))
         rows = [{**by_id[p.id], "index": index[p.id]} for p in chunk]
         failed += sum(r["error"] is not None for r in rows)
@@ -412,13 +467,17 @@ def _barrier(world: int) -> None:
         torch.distributed.barrier()
 
 
-def _encode(p: Prompt, tokenizer, model, limit, encoded) -> Optional[str]:
-    """Tokenise a prompt (and its target) into ``encoded``, or say why it cannot run."""
+def _encode(p: Prompt, tokenizer, model, limit, encoded, targets) -> Optional[str]:
+    """Tokenise a prompt into ``encoded`` (and its target id into ``targets``), or say why
+    it cannot run."""
     if p.error is not None:
         return p.error
     if not p.text.strip():
         return "empty text"
-    ids = tokenizer(p.text)["input_ids"]
+    try:
+        ids = tokenizer(p.text)["input_ids"]
+    except Exception as e:  # noqa: BLE001 - a tokenizer that refuses this text
+        return f"the tokenizer refused the text ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
     if not ids:
         return "no tokens after tokenisation"
     if limit is not None and len(ids) > limit:
@@ -427,7 +486,7 @@ def _encode(p: Prompt, tokenizer, model, limit, encoded) -> Optional[str]:
         tid = _target_id(tokenizer, p.target, model)
         if isinstance(tid, str):
             return tid
-        encoded[p.id + "\0target"] = [tid]
+        targets[p.id] = tid
     encoded[p.id] = ids
     return None
 
@@ -441,16 +500,22 @@ def _max_positions(model) -> Optional[int]:
     return None
 
 
-def _target_id(tokenizer, target: str, model):
+def _target_id(tokenizer, target, model):
+    """A target token (a string: the vocabulary entry, else its single-token encoding, so
+    "5" is the token "5", never id 5) or an integer id (a JSON number, a Parquet integer)
+    → the id, or why it cannot be one."""
     vocab = model.config.vocab_size
-    if target.lstrip("-").isdigit():
-        tid = int(target)
+    if isinstance(target, int):
+        tid = target
     else:
         v = tokenizer.get_vocab()
         if target in v:
             tid = int(v[target])
         else:
-            ids = tokenizer.encode(target, add_special_tokens=False)
+            try:
+                ids = tokenizer.encode(target, add_special_tokens=False)
+            except Exception as e:  # noqa: BLE001
+                return f"target {target!r}: the tokenizer refused it ({type(e).__name__})"
             if len(ids) != 1:
                 return f"target {target!r} is {len(ids)} tokens, not one"
             tid = int(ids[0])
@@ -479,38 +544,34 @@ def _batches(prompts: List[Prompt], encoded, budget: int):
         yield batch
 
 
-def _relevance_batch(relevance, Logit, model, tokenizer, batch, encoded, rules):
+def _relevance_batch(relevance, Logit, model, pad, batch, encoded, targets, rules):
     """One relevance call for the batch; if it fails, each prompt alone (so one bad prompt
     is recorded with its error and the others still get their relevance)."""
     try:
-        return _call(relevance, Logit, model, tokenizer, batch, encoded, rules)
+        return _call(relevance, Logit, model, pad, batch, encoded, targets, rules)
     except Exception as e:  # noqa: BLE001 - recorded per prompt below
         if len(batch) == 1:
             return [f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"]
     out = []
     for p in batch:
-        out += _relevance_batch(relevance, Logit, model, tokenizer, [p], encoded, rules)
+        out += _relevance_batch(relevance, Logit, model, pad, [p], encoded, targets, rules)
     return out
 
 
-def _call(relevance, Logit, model, tokenizer, batch, encoded, rules):
+def _call(relevance, Logit, model, pad, batch, encoded, targets, rules):
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     seqs = [encoded[p.id] for p in batch]
     width = max(len(s) for s in seqs)
-    pad = tokenizer.pad_token_id
     ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs], device=device)
     mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], device=device)
-    has_target = [p.id + "\0target" in encoded for p in batch]
     target = None
-    if any(has_target):
-        if not all(has_target):  # a batch mixes only rows of one kind: read_prompts is per run
-            raise RuntimeError("internal: mixed targets in one batch")
-        target = Logit([encoded[p.id + "\0target"][0] for p in batch])
+    if batch[0].id in targets:  # with a target field every prompt that runs has one
+        target = Logit([targets[p.id] for p in batch])
     res = relevance(model, {"input_ids": ids, "attention_mask": mask}, target=target, rules=rules)
     out = []
     for i, s in enumerate(seqs):
         out.append({
-            "tokens": tokenizer.convert_ids_to_tokens(s),
+            "tokens": None,  # filled by the caller (it holds the tokenizer)
             "token_relevance": [float(v) for v in res.token_relevance[i, :len(s)].float().cpu()],
             "target_id": int(res.target_ids[i]),
             "target": float(res.target[i]),

@@ -209,3 +209,65 @@ def test_a_second_run_into_the_same_directory_at_once_is_refused(lm, tmp_path):
     finally:
         held.close()
     assert pyattr.run(model, data, tmp_path / "out", tokenizer=tok).stored == 2
+
+
+# --------------------------------------------------------------------------- found by an adversarial pass
+
+
+def test_targets_are_tokens_unless_given_as_integers(lm, tmp_path):
+    d, tok, model = lm
+    five = tok.convert_tokens_to_ids("5")
+    with open(tmp_path / "num.csv", "w", encoding="utf-8") as f:
+        f.write("text,answer\ntwo plus three is,5\nthe year is, 1999\n")
+    pyattr.run(model, tmp_path / "num.csv", tmp_path / "a", tokenizer=tok, target="answer")
+    df = _read(tmp_path / "a")
+    assert list(df["target_id"]) == [five, tok.convert_tokens_to_ids("1999")]  # the tokens, not ids 5 / 1999
+    data = _jsonl(tmp_path / "ids.jsonl", [{"text": "two plus three is", "answer": 5}, {"text": "x", "answer": "--5"},
+                                           {"text": "y", "answer": 1.5}])
+    pyattr.run(model, data, tmp_path / "b", tokenizer=tok, target="answer")
+    df = _read(tmp_path / "b")
+    assert int(df["target_id"][0]) == 5  # a JSON number is an id
+    assert df["error"][1] == "target '--5' is 3 tokens, not one"
+    assert df["error"][2] == "line 3: target 1.5 is neither a token nor an integer id"
+
+
+def test_an_id_never_collides_with_another_prompts_target(lm, tmp_path):
+    d, tok, model = lm
+    rows = [{"id": "a", "text": "the cat sat"}, {"id": "a\0target", "text": "paris is the capital"}]
+    pyattr.run(model, rows, tmp_path / "o", tokenizer=tok)
+    df = _read(tmp_path / "o")
+    want = pyattr.relevance(model, tok("the cat sat", return_tensors="pt")["input_ids"])
+    assert int(df["target_id"][0]) == int(want.target_ids[0])
+
+
+def test_edited_data_or_another_list_is_another_run(lm, tmp_path):
+    d, tok, model = lm
+    pyattr.run(model, ["the cat sat", "a dog"], tmp_path / "o", tokenizer=tok)
+    with pytest.raises(RunError, match="holds a run with another data_sha256"):
+        pyattr.run(model, ["paris is", "one two"], tmp_path / "o", tokenizer=tok)
+    with pytest.raises(RunError, match="holds a run with another max_tokens_per_batch"):
+        pyattr.run(model, ["the cat sat", "a dog"], tmp_path / "o", tokenizer=tok, max_tokens_per_batch=8)
+    assert pyattr.run(model, ["the cat sat", "a dog"], tmp_path / "o", tokenizer=tok).skipped == 2
+
+
+def test_file_forms_and_unusual_text(lm, tmp_path):
+    import pandas as pd
+
+    d, tok, model = lm
+    (tmp_path / "bom.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "the cat"}\n\n{"text": "a dog"}\n')
+    prompts = read_prompts(tmp_path / "bom.jsonl")
+    assert [(p.id, p.text, p.error) for p in prompts] == [("0", "the cat", None), ("1", "a dog", None)]
+    (tmp_path / "arr.json").write_text('[\n  {"text": "the cat"},\n  {"text": "a dog"}\n]\n')
+    assert [p.text for p in read_prompts(tmp_path / "arr.json")] == ["the cat", "a dog"]
+    (tmp_path / "sur.jsonl").write_text('{"text": "bad \\ud800 text"}\n{"text": "fine"}\n')
+    pyattr.run(model, tmp_path / "sur.jsonl", tmp_path / "o", tokenizer=tok)
+    df = _read(tmp_path / "o")
+    assert df["error"][0] == "line 1: field 'text' is not valid Unicode (a lone surrogate)" and df["error"].isna()[1]
+    with pytest.raises(RunError, match="--target: no prompt of bom.jsonl has the field 'answr'"):
+        read_prompts(tmp_path / "bom.jsonl", target_field="answr")
+    with pytest.raises(RunError, match="data: item 0 is a int; expected strings or dicts"):
+        read_prompts([1, 2])
+    assert [p.text for p in read_prompts(pd.DataFrame({"text": ["x", "y"]}))] == ["x", "y"]
+    before = (tok.padding_side, tok.pad_token)
+    pyattr.run(model, ["the cat"], tmp_path / "o2", tokenizer=tok)
+    assert (tok.padding_side, tok.pad_token) == before
