@@ -20,28 +20,16 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
 
 
-def _explain(args) -> int:
-    from pyattr.cli.explain import run
+def _command(name: str):
+    """The ``run(args)`` of ``pyattr.cli.<name>``, imported when the command runs (so that
+    ``--help`` / ``--version`` load no torch)."""
 
-    return run(args)
+    def call(args) -> int:
+        import importlib
 
+        return importlib.import_module(f"pyattr.cli.{name}").run(args)
 
-def _bench(args) -> int:
-    from pyattr.cli.bench import run
-
-    return run(args)
-
-
-def _patch(args) -> int:
-    from pyattr.cli.patch import run
-
-    return run(args)
-
-
-def _run(args) -> int:
-    from pyattr.cli.run import run
-
-    return run(args)
+    return call
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "torch", "cpp", "cuda", "triton"],
         help="force a backend (default: PYATTR_BACKEND, else auto)",
     )
-    e.set_defaults(func=_explain)
+    e.set_defaults(func=_command("explain"))
 
     pa = sub.add_parser(
         "patch",
@@ -106,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--png", metavar="PATH", help="write layer x position heatmaps (and scatter plots) as PNG")
     pa.add_argument("--html", metavar="PATH", help="write a self-contained HTML page of the heatmaps")
     pa.add_argument("--json", metavar="PATH", help="write every effect as JSON (NaN: a neuron not patched, as null)")
-    pa.set_defaults(func=_patch)
+    pa.set_defaults(func=_command("patch"))
 
     r = sub.add_parser(
         "run",
@@ -130,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-tokens-per-batch", type=int, default=4096, help="rows x padded length per pass (default 4096)")
     r.add_argument("--shard-size", type=int, default=256, help="rows per Parquet shard (default 256)")
     r.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu (default) or cuda")
-    r.set_defaults(func=_run)
+    r.set_defaults(func=_command("run"))
 
     b = sub.add_parser(
         "bench",
@@ -160,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--chunk", type=int, default=16, help="--ig-memory: internal_batch_size (default 16)")
     b.add_argument("--patching", action="store_true",
                    help="correlation of RelP / AtP with activation patching on MiniLM and a random Llama, instead")
-    b.set_defaults(func=_bench)
+    b.set_defaults(func=_command("bench"))
     p.commands = {"explain": e, "patch": pa, "run": r, "bench": b}
     return p
 
