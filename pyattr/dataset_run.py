@@ -418,28 +418,30 @@ def _run_locked(model, data, out: Path, tokenizer, text_field, target, rules, ma
     bar = _RunProgress(len(todo), sum(len(v) for v in encoded.values()), progress)
     # shards hold consecutive prompts in input order (a single process's store reads back in
     # input order); within a shard, prompts are batched by length (little padding)
-    for start in range(0, len(todo), shard_size):
-        chunk = todo[start:start + shard_size]
-        by_id: Dict[str, dict] = {}
-        for p in chunk:
-            if p.id in problems:
-                by_id[p.id] = _error_row(p, problems[p.id])
-        ready = [p for p in chunk if p.id not in problems]
-        bar.advance(len(chunk) - len(ready), 0)
-        for batch in _batches(ready, encoded, max_tokens_per_batch):
-            t0 = time.perf_counter()
-            results = _relevance_batch(relevance, Logit, model, pad, batch, encoded, targets, rules)
-            per = (time.perf_counter() - t0) / len(batch)
-            for p, res in zip(batch, results):
-                by_id[p.id] = _error_row(p, res, per) if isinstance(res, str) else \
-                    {**res, "tokens": tokenizer.convert_ids_to_tokens(encoded[p.id]), "id": p.id, "text": p.text,
-                     "error": None, "seconds": per}
-            bar.advance(len(batch), sum(len(encoded[p.id]) for p in batch))
-        rows = [{**by_id[p.id], "index": index[p.id]} for p in chunk]
-        failed += sum(r["error"] is not None for r in rows)
-        shards.append(_write_shard(out, rank, seq, rows))
-        seq += 1
-    bar.close()
+    try:
+        for start in range(0, len(todo), shard_size):
+            chunk = todo[start:start + shard_size]
+            by_id: Dict[str, dict] = {}
+            for p in chunk:
+                if p.id in problems:
+                    by_id[p.id] = _error_row(p, problems[p.id])
+            ready = [p for p in chunk if p.id not in problems]
+            bar.advance(len(chunk) - len(ready), 0)
+            for batch in _batches(ready, encoded, max_tokens_per_batch):
+                t0 = time.perf_counter()
+                results = _relevance_batch(relevance, Logit, model, pad, batch, encoded, targets, rules)
+                per = (time.perf_counter() - t0) / len(batch)
+                for p, res in zip(batch, results):
+                    by_id[p.id] = _error_row(p, res, per) if isinstance(res, str) else \
+                        {**res, "tokens": tokenizer.convert_ids_to_tokens(encoded[p.id]), "id": p.id, "text": p.text,
+                         "error": None, "seconds": per}
+                bar.advance(len(batch), sum(len(encoded[p.id]) for p in batch))
+            rows = [{**by_id[p.id], "index": index[p.id]} for p in chunk]
+            failed += sum(r["error"] is not None for r in rows)
+            shards.append(_write_shard(out, rank, seq, rows))
+            seq += 1
+    finally:
+        bar.close()  # also on Ctrl-C: the terminal is restored; a rerun resumes
     _barrier(world)
     if rank == 0:
         total = len(stored_ids(out))

@@ -70,6 +70,10 @@ def run(args) -> int:
         )
     except (ExplainError, RunError) as e:
         return fail("run", str(e))
+    except KeyboardInterrupt:
+        print("pyattr run: interrupted; the shards written so far are kept, rerun the same command to resume",
+              file=sys.stderr)
+        return 130
     finally:
         if world > 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
