@@ -8,14 +8,15 @@ underscore, as the temporary ``.part-….tmp`` files' leading dot, keeps Parquet
 from taking it for data). One row per prompt:
 
 =====================  =============================================================
-``id``                 the prompt's ``id`` field, else its 0-based row in the data
+``id``                 the prompt's ``id`` field as a string, else its 0-based row in the data
 ``index``              its 0-based row in the data (shards of one process are in this
                        order; with several ranks, sort by it)
 ``text``               the prompt
 ``tokens``             list of token strings (the real tokens, no padding)
 ``token_relevance``    list of float32, one per token (gradient × input, summed over hidden)
-``target_id``          the explained token id
-``target``             the explained logit f(x), float64
+``target_id``          the explained token id (pandas reads it as float when a row has an error)
+``target_token``       that token as a string
+``target``             the explained logit f(x) (a number, not a token), float64
 ``conservation_delta`` target − Σ relevance, float64
 ``error``              null, or why this prompt has no relevance (then the numbers are null)
 ``seconds``            wall time of the prompt's batch divided by its rows
@@ -45,7 +46,7 @@ from torch import nn
 from pyattr.integration.config import RelevanceRules
 
 MANIFEST = "_manifest.json"
-COLUMNS = ("id", "index", "text", "tokens", "token_relevance", "target_id", "target", "conservation_delta", "error", "seconds")
+COLUMNS = ("id", "index", "text", "tokens", "token_relevance", "target_id", "target_token", "target", "conservation_delta", "error", "seconds")
 
 
 class RunError(ValueError):
@@ -198,7 +199,7 @@ def _prompt(obj: dict, fallback: str, text_field, target_field, where) -> Prompt
     if target_field is not None:
         target = obj.get(target_field)
         if target is None or target == "":
-            return Prompt(pid, text, error=f"{where}: target field {target_field!r} missing")
+            return Prompt(pid, text, error=f"{where}: target field {target_field!r} missing or empty")
         if isinstance(target, bool) or not isinstance(target, (int, str)):
             return Prompt(pid, text, target="?", error=f"{where}: target {target!r} is neither a token nor an integer id")
     return Prompt(pid, text, target)
@@ -234,7 +235,8 @@ def _write_shard(out: Path, rank: int, seq: int, rows: List[dict]) -> str:
 
     schema = pa.schema([
         ("id", pa.string()), ("index", pa.int64()), ("text", pa.string()), ("tokens", pa.list_(pa.string())),
-        ("token_relevance", pa.list_(pa.float32())), ("target_id", pa.int64()), ("target", pa.float64()),
+        ("token_relevance", pa.list_(pa.float32())), ("target_id", pa.int64()), ("target_token", pa.string()),
+        ("target", pa.float64()),
         ("conservation_delta", pa.float64()), ("error", pa.string()), ("seconds", pa.float64()),
     ])
     table = pa.Table.from_pylist(rows, schema=schema)
@@ -277,7 +279,8 @@ def _manifest(model, tokenizer, rules, text_field, target_field, data, command, 
 
 
 # what a resumed run must share with the stored one: the results would mix otherwise (in
-# reduced precision a row's numbers depend on its batch's padding, hence the budget)
+# bfloat16 / float16 a row's numbers depend on its batch's padding by up to ~1 %, hence the
+# budget; in float32 by ~1e-7, and a smaller budget after running out of memory is fine)
 _SAME = ("model", "model_type", "rules", "dtype", "text_field", "target", "data", "data_sha256",
          "max_tokens_per_batch")
 
@@ -301,7 +304,8 @@ def _check_manifest(out: Path, manifest: dict) -> None:
         old = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         raise RunError(f"--out: {str(path)!r} is unreadable; remove it (and the shards) to start over") from None
-    diff = [k for k in _SAME if old.get(k) != manifest.get(k)]
+    same = [k for k in _SAME if k != "max_tokens_per_batch" or manifest.get("dtype") != "float32"]
+    diff = [k for k in same if old.get(k) != manifest.get(k)]
     if diff:
         k = diff[0]
         raise RunError(
@@ -350,7 +354,8 @@ def run(
         max_tokens_per_batch (int): rows × padded length per forward; prompts are sorted
             by length first, so little is padding. Default 4096.
         shard_size (int): rows per Parquet shard. Default 256.
-        progress (bool): a rich progress bar on stderr with prompts/s, tokens/s and ETA.
+        progress (bool): a rich progress bar on stderr with prompts/s, tokens/s and ETA
+            (on a terminal only).
         command (str, optional): recorded in the manifest.
 
     Returns:
@@ -370,22 +375,22 @@ def run(
     shard_size = F.check_count("shard_size", shard_size, allow_none=False)
     rules = RelevanceRules.all() if rules is None else rules
     rank, world = _rank_world()
+    prompts = read_prompts(data, text_field, target)  # a bad file fails before OUT is created
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     lock = _lock(out, rank)
     try:
-        return _run_locked(model, data, out, tokenizer, text_field, target, rules, max_tokens_per_batch,
+        return _run_locked(model, prompts, data, out, tokenizer, text_field, target, rules, max_tokens_per_batch,
                            shard_size, progress, command, rank, world)
     finally:
         lock.close()
 
 
-def _run_locked(model, data, out: Path, tokenizer, text_field, target, rules, max_tokens_per_batch, shard_size,
-                progress, command, rank, world) -> RunSummary:
+def _run_locked(model, prompts, data, out: Path, tokenizer, text_field, target, rules, max_tokens_per_batch,
+                shard_size, progress, command, rank, world) -> RunSummary:
     from pyattr.attribution import relevance
     from pyattr.targets import Logit
 
-    prompts = read_prompts(data, text_field, target)
     manifest = _manifest(model, tokenizer, rules, text_field, target, data, command, world)
     manifest["data_sha256"] = _fingerprint(prompts)
     manifest["max_tokens_per_batch"] = max_tokens_per_batch
@@ -433,8 +438,9 @@ def _run_locked(model, data, out: Path, tokenizer, text_field, target, rules, ma
                 per = (time.perf_counter() - t0) / len(batch)
                 for p, res in zip(batch, results):
                     by_id[p.id] = _error_row(p, res, per) if isinstance(res, str) else \
-                        {**res, "tokens": tokenizer.convert_ids_to_tokens(encoded[p.id]), "id": p.id, "text": p.text,
-                         "error": None, "seconds": per}
+                        {**res, "tokens": tokenizer.convert_ids_to_tokens(encoded[p.id]),
+                         "target_token": tokenizer.convert_ids_to_tokens([res["target_id"]])[0],
+                         "id": p.id, "text": p.text, "error": None, "seconds": per}
                 bar.advance(len(batch), sum(len(encoded[p.id]) for p in batch))
             rows = [{**by_id[p.id], "index": index[p.id]} for p in chunk]
             failed += sum(r["error"] is not None for r in rows)
@@ -528,7 +534,7 @@ def _target_id(tokenizer, target, model):
 
 def _error_row(p: Prompt, error: str, seconds: float = 0.0) -> dict:
     return {"id": p.id, "text": p.text, "tokens": None, "token_relevance": None, "target_id": None,
-            "target": None, "conservation_delta": None, "error": error, "seconds": seconds}
+            "target_token": None, "target": None, "conservation_delta": None, "error": error, "seconds": seconds}
 
 
 def _batches(prompts: List[Prompt], encoded, budget: int):

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -55,6 +54,7 @@ def test_store_reads_back_as_relevance_per_prompt_in_input_order(lm, tmp_path):
     df = _read(tmp_path / "out")
     assert list(df["id"]) == [str(i) for i in range(6)] and list(df["index"]) == list(range(6))
     assert list(df["text"]) == TEXTS and df["error"].isna().all()
+    assert list(df["target_token"]) == tok.convert_ids_to_tokens([int(t) for t in df["target_id"]])
     for i, text in enumerate(TEXTS):
         ids = tok(text, return_tensors="pt")["input_ids"]
         want = pyattr.relevance(model, ids)
@@ -240,14 +240,28 @@ def test_an_id_never_collides_with_another_prompts_target(lm, tmp_path):
     assert int(df["target_id"][0]) == int(want.target_ids[0])
 
 
+def _csv_without_text(tmp_path):
+    (tmp_path / "nt.csv").write_text("id,prompt\n1,hello\n")
+    return tmp_path / "nt.csv"
+
+
 def test_edited_data_or_another_list_is_another_run(lm, tmp_path):
     d, tok, model = lm
     pyattr.run(model, ["the cat sat", "a dog"], tmp_path / "o", tokenizer=tok)
     with pytest.raises(RunError, match="holds a run with another data_sha256"):
         pyattr.run(model, ["paris is", "one two"], tmp_path / "o", tokenizer=tok)
-    with pytest.raises(RunError, match="holds a run with another max_tokens_per_batch"):
-        pyattr.run(model, ["the cat sat", "a dog"], tmp_path / "o", tokenizer=tok, max_tokens_per_batch=8)
-    assert pyattr.run(model, ["the cat sat", "a dog"], tmp_path / "o", tokenizer=tok).skipped == 2
+    # float32: another batch budget (a smaller one after running out of memory) resumes
+    assert pyattr.run(model, ["the cat sat", "a dog"], tmp_path / "o", tokenizer=tok, max_tokens_per_batch=8).skipped == 2
+    bf16 = model.to(torch.bfloat16)
+    try:
+        pyattr.run(bf16, ["the cat sat"], tmp_path / "b", tokenizer=tok)
+        with pytest.raises(RunError, match="holds a run with another max_tokens_per_batch"):
+            pyattr.run(bf16, ["the cat sat"], tmp_path / "b", tokenizer=tok, max_tokens_per_batch=8)
+    finally:
+        model.to(torch.float32)
+    with pytest.raises(RunError, match="nt.csv has no column 'text'"):
+        pyattr.run(model, _csv_without_text(tmp_path), tmp_path / "new", tokenizer=tok)
+    assert not (tmp_path / "new").exists()  # a refused file creates no output directory
 
 
 def test_file_forms_and_unusual_text(lm, tmp_path):
