@@ -46,6 +46,15 @@ def _is_cache(name: str, value) -> bool:
     return name in _CACHE_KWARGS or any(c.__name__.endswith("Cache") for c in type(value).__mro__)
 
 
+def use_eager(model) -> None:
+    """Switch a loaded Hugging Face model to eager attention (which returns the attention
+    probabilities that ``method="atp*"`` needs)."""
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation("eager")
+    else:  # older transformers
+        model.config._attn_implementation = "eager"
+
+
 class AttentionCalls:
     """Records, per block, the attention module's call (args, kwargs), its first tensor
     input and the attention probabilities it returns."""

@@ -410,6 +410,8 @@ def _run_locked(model, prompts, data, out: Path, tokenizer, text_field, target, 
     shards: List[str] = []
     seq = _next_seq(out, rank)
     failed = 0
+    from pyattr.explain import _max_positions
+
     limit = _max_positions(model)
     # any id pads (the attention mask hides it); GPT-2 style tokenizers have no pad token
     pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
@@ -496,15 +498,6 @@ def _encode(p: Prompt, tokenizer, model, limit, encoded, targets) -> Optional[st
             return tid
         targets[p.id] = tid
     encoded[p.id] = ids
-    return None
-
-
-def _max_positions(model) -> Optional[int]:
-    cfg = getattr(model, "config", None)
-    for key in ("max_position_embeddings", "n_positions"):
-        v = getattr(cfg, key, None)
-        if isinstance(v, int) and v > 0:
-            return v
     return None
 
 

@@ -216,7 +216,8 @@ def _check_text(name: str, text: Optional[str]) -> str:
 
 
 def _max_positions(model) -> Optional[int]:
-    cfg = model.config
+    """The longest input the model's position embeddings allow, if the config says."""
+    cfg = getattr(model, "config", None)
     for key in ("max_position_embeddings", "n_positions"):
         v = getattr(cfg, key, None)
         if isinstance(v, int) and v > 0:

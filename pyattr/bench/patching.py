@@ -64,15 +64,6 @@ def _flat(result, node: str, valid: torch.Tensor, sampled=None) -> torch.Tensor:
     return e[v].double()
 
 
-def use_eager(model) -> None:
-    """Switch a loaded Hugging Face model to eager attention (which returns the attention
-    probabilities that ``method="atp*"`` needs)."""
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation("eager")
-    else:  # older transformers
-        model.config._attn_implementation = "eager"
-
-
 def load_pairs(path: Path = DATA, limit: int = 0) -> List[dict]:
     if not Path(path).is_file():
         raise FileNotFoundError(
@@ -119,6 +110,7 @@ def compare(model, clean, corrupt, metric_for, nodes, sample: int, batch_size: i
 
 def _minilm_task(limit: int = 0):
     """(model, clean, corrupt, partner embeddings) of the MiniLM task."""
+    from pyattr._qk_fix import use_eager
     from pyattr.explain import _load, bundled_model_dir
 
     tok, model = _load(bundled_model_dir(), causal=False)
