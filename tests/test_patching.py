@@ -637,3 +637,18 @@ def test_cosine_target_checks_and_constant_norm():
     torch.testing.assert_close(const[last].relevance.double().sum(dim=(1, 2)), const.target, atol=1e-5, rtol=1e-5)
     sub = T.Cosine(ref).rows(torch.tensor([1, 1]), 2)
     assert torch.equal(sub.reference, ref[[1, 1]])
+
+
+def test_relp_equals_activation_patching_in_float64():
+    """The linear-in-the-node case on a float64 model: RelP (all rules) and activation
+    patching agree to float32 rounding of the returned effects, at every position."""
+    from models import tiny_causal_lm
+
+    model = tiny_causal_lm("llama", dtype=torch.float64)
+    w = torch.randn(model.config.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(21))
+    metric = T.ModuleOutput("model.layers.1", select=lambda out: out[:, -1] @ w)
+    clean, corrupt = _pair(seed=22, batch=2, seq=6, pos=5)
+    relp = P.attribution_patching(model, clean, corrupt, metric, nodes="mlp", rules=RelevanceRules.all())
+    exact = P.activation_patching(model, clean, corrupt, metric, nodes="mlp")
+    torch.testing.assert_close(relp["mlp"][:, 1], exact["mlp"][:, 1], atol=1e-7, rtol=1e-6)
+    assert float(exact["mlp"][:, 1, -1].abs().min()) > 1e-3
