@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import inspect
 import operator
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, Mapping, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -163,6 +164,23 @@ def prepare(model: nn.Module, inputs, attention_mask, caller: str) -> Prepared:
     return Prepared(kwargs, kwargs["input_ids"], kwargs.get("attention_mask"), entry, where)
 
 
+def input_device(model: nn.Module) -> torch.device:
+    """Where token ids go: the input embedding's device. Under an accelerate hook (a
+    ``device_map`` or ``cpu_offload``) that is the hook's execution device, since the
+    weight itself may sit on ``meta`` between calls."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    dev = getattr(getattr(emb, "_hf_hook", None), "execution_device", None)
+    if dev is not None:
+        return torch.device(dev)
+    for t in (emb.parameters() if emb is not None else ()):
+        if t.device.type != "meta":
+            return t.device
+    for t in model.parameters():
+        if t.device.type != "meta":
+            return t.device
+    return torch.device("cpu")
+
+
 def entry_module(model: nn.Module):
     """``(module, "input" | "output")``: where the residual stream enters the first block."""
     mt = model_type_of(model)
@@ -177,16 +195,65 @@ def entry_module(model: nn.Module):
     return emb, "output"
 
 
+_CHECKPOINT_TEST = "self.gradient_checkpointing and self.training"
+
+
+def _checkpointing_modules(model: nn.Module) -> List[nn.Module]:
+    """Modules with Hugging Face gradient checkpointing switched on, whose forward reads
+    ``self.training`` only to decide whether to checkpoint.
+
+    Hugging Face checkpoints only in training mode, so a pass in eval mode would silently
+    drop the memory saving the user asked for. These modules alone stay in training mode
+    (dropout lives in their child modules, which go to eval). A module whose own forward
+    reads ``self.training`` for anything else (a functional dropout) stays in eval mode:
+    its blocks are then not checkpointed, and the result is still exact."""
+    found = []
+    for m in model.modules():
+        if getattr(m, "gradient_checkpointing", False) is not True or not callable(
+                getattr(m, "_gradient_checkpointing_func", None)):
+            continue
+        fn = type(m).forward
+        while hasattr(fn, "__wrapped__"):
+            fn = fn.__wrapped__
+        try:
+            src = inspect.getsource(fn)
+        except (OSError, TypeError):
+            continue
+        if "self.training" not in src.replace(_CHECKPOINT_TEST, ""):
+            found.append(m)
+    return found
+
+
+def _reentrant(fn) -> bool:
+    """``fn`` is ``partial(torch.utils.checkpoint.checkpoint, use_reentrant=True)``, as
+    ``gradient_checkpointing_enable()`` sets by default. PyTorch refuses reentrant
+    checkpoints under ``torch.autograd.grad``, which every pass uses; the non-reentrant
+    form recomputes the same block with the same memory saving, so the pass swaps it in."""
+    import torch.utils.checkpoint as ckpt
+
+    return (isinstance(fn, functools.partial) and fn.func is ckpt.checkpoint
+            and fn.keywords.get("use_reentrant", True) is not False)
+
+
 @contextlib.contextmanager
 def _inference_state(model: nn.Module):
     """eval() mode and parameters frozen for the pass, restored afterwards.
 
-    Only parameters that required grad are touched, and the ``training`` flags are
-    restored first."""
+    Modules that checkpoint (``gradient_checkpointing_enable()``) stay in training mode,
+    which is when Hugging Face checkpoints (:func:`_checkpointing_modules`). Only
+    parameters that required grad are touched, and the ``training`` flags are restored
+    first."""
     training = [(m, m.training) for m in model.modules()]
-    frozen = []
+    frozen, swapped = [], []
     try:
         model.eval()
+        for m in _checkpointing_modules(model):
+            m.training = True
+            fn = m.__dict__.get("_gradient_checkpointing_func")
+            if _reentrant(fn):
+                swapped.append((m, fn))
+                m.__dict__["_gradient_checkpointing_func"] = functools.partial(
+                    fn.func, *fn.args, **{**fn.keywords, "use_reentrant": False})
         for p in model.parameters():
             if p.requires_grad:
                 p.requires_grad_(False)
@@ -195,6 +262,8 @@ def _inference_state(model: nn.Module):
     finally:
         for m, t in training:
             m.training = t
+        for m, fn in swapped:
+            m.__dict__["_gradient_checkpointing_func"] = fn
         for p in frozen:  # never inference tensors: check_parameters_usable refused those
             p.requires_grad_(True)
 

@@ -14,6 +14,7 @@ from pyattr import _forward as F
 from pyattr import backends
 from pyattr import targets as T
 from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
+from pyattr.integration.wrappers import unwrap
 
 Target = Union[None, int, Sequence[int], torch.Tensor, Callable, T.Target, Sequence[T.Target]]
 
@@ -308,6 +309,7 @@ def relevance(
             inference tensors.
         RelevanceRuleUnsupportedError, RelevanceRuleConflictError: see :func:`use_relevance_rules`.
     """
+    model = unwrap(model)
     precheck_baseline(model, baseline)
     prep = F.prepare(model, inputs, attention_mask, "relevance")
     tgts, several = T.normalize(target, prep.input_ids.shape[0])

@@ -44,6 +44,8 @@ import torch
 from torch import nn
 
 from pyattr.integration.config import RelevanceRules
+from pyattr._forward import input_device
+from pyattr.integration.wrappers import unwrap
 
 MANIFEST = "_manifest.json"
 COLUMNS = ("id", "index", "text", "tokens", "token_relevance", "target_id", "target_token", "target", "conservation_delta", "error", "seconds")
@@ -255,7 +257,7 @@ def _manifest(model, tokenizer, rules, text_field, target_field, data, command, 
 
     cfg = getattr(model, "config", None)
     dtype = next((str(p.dtype).replace("torch.", "") for p in model.parameters()), "float32")
-    device = next((str(p.device) for p in model.parameters()), "cpu")
+    device = str(input_device(model))
     name = getattr(cfg, "_name_or_path", None) or type(model).__name__
     if os.path.isdir(name):  # "./m" and "m" are one model
         name = os.path.realpath(name)
@@ -267,6 +269,7 @@ def _manifest(model, tokenizer, rules, text_field, target_field, data, command, 
         "backend": backends.select(torch.device(device), "identity"),
         "dtype": dtype,
         "device": device,
+        "device_map": _device_map(model),
         "text_field": text_field,
         "target": target_field or "top1",
         "data": os.path.realpath(data) if isinstance(data, (str, Path)) else "in-memory list",
@@ -276,6 +279,12 @@ def _manifest(model, tokenizer, rules, text_field, target_field, data, command, 
         "command": command,
         "columns": list(COLUMNS),
     }
+
+
+def _device_map(model) -> Optional[Dict[str, str]]:
+    """accelerate's placement (``from_pretrained(device_map=...)`` / ``dispatch_model``)."""
+    dm = getattr(model, "hf_device_map", None)
+    return {k: str(v) for k, v in dm.items()} if isinstance(dm, dict) else None
 
 
 # what a resumed run must share with the stored one: the results would mix otherwise (in
@@ -369,6 +378,7 @@ def run(
     Per prompt, an empty text, a text longer than the model reads, or an unknown target
     token is stored with its ``error``; the run goes on.
     """
+    model = unwrap(model)
     from pyattr import _forward as F
 
     max_tokens_per_batch = F.check_count("max_tokens_per_batch", max_tokens_per_batch, allow_none=False)
@@ -560,7 +570,7 @@ def _relevance_batch(relevance, Logit, model, pad, batch, encoded, targets, rule
 
 
 def _call(relevance, Logit, model, pad, batch, encoded, targets, rules):
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device = input_device(model)
     seqs = [encoded[p.id] for p in batch]
     width = max(len(s) for s in seqs)
     ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs], device=device)

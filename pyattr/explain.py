@@ -146,7 +146,10 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
                     "spiece.model", "sentencepiece.bpe.model")
 
 
-def _load(path: Path, causal: bool):
+def _load(path: Path, causal: bool, dtype: torch.dtype = torch.float32, placement: Optional[dict] = None):
+    """The tokenizer and model of a local directory. ``placement``: accelerate's loading
+    arguments (``device_map``, ``max_memory``, ``offload_folder``) for a model placed over
+    devices, the CPU and the disk."""
     _offline()
     _check_dir(path)
     try:
@@ -168,7 +171,8 @@ def _load(path: Path, causal: bool):
     try:
         tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         cls = AutoModelForCausalLM if causal else AutoModel
-        model, info = cls.from_pretrained(str(path), local_files_only=True, dtype=torch.float32, output_loading_info=True)
+        model, info = cls.from_pretrained(str(path), local_files_only=True, dtype=dtype, output_loading_info=True,
+                                          **(placement or {}))
     except Exception as e:  # transformers raises OSError/ValueError/KeyError for broken dirs
         text = " ".join(str(e).split()) or type(e).__name__
         if len(text) > 400:

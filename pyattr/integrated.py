@@ -31,6 +31,7 @@ from pyattr.attribution import (
     run_model,
 )
 from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
+from pyattr.integration.wrappers import unwrap
 
 METHODS = ("gausslegendre", "riemann_left", "riemann_right", "riemann_middle", "riemann_trapezoid")
 
@@ -209,6 +210,7 @@ def integrated_gradients(
             target that does not depend on the inputs or gives no value per row.
         RuntimeError: a call under ``torch.inference_mode()``.
     """
+    model = unwrap(model)
     n_steps = F.check_count("n_steps", n_steps, allow_none=False)
     internal_batch_size = F.check_count("internal_batch_size", internal_batch_size)
     if attribute_to_layer_input and layer is None:

@@ -32,6 +32,7 @@ from pyattr.attribution import (
 from pyattr.integration import architectures as A
 from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.integration.scope import model_type_of
+from pyattr.integration.wrappers import unwrap
 
 SHORTHANDS = ("residual", "attention", "mlp", "neurons")
 
@@ -225,6 +226,7 @@ def layer_relevance(
             internal_batch_size (each names the argument).
         RuntimeError: a call under ``torch.inference_mode()``.
     """
+    model = unwrap(model)
     internal_batch_size = F.check_count("internal_batch_size", internal_batch_size)
     F.check_grad_mode("layer_relevance")
     # the layers first: a shorthand on an unmapped model names itself, before the search

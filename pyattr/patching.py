@@ -47,6 +47,7 @@ from pyattr.integration import architectures as A
 from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.integration.scope import model_type_of
 from pyattr.layer_attribution import _PARTS
+from pyattr.integration.wrappers import unwrap
 
 __all__ = ["NODES", "PATCHING_RULES", "PatchingResult", "activation_patching", "attribution_patching"]
 
@@ -397,6 +398,7 @@ def attribution_patching(
             per row or does not depend on the inputs, ``rules`` with ``"atp"``.
         RuntimeError: a call under ``torch.inference_mode()``.
     """
+    model = unwrap(model)
     node_list = _check_nodes(nodes)
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -557,6 +559,7 @@ def activation_patching(
         ValueError: as :func:`attribution_patching`; ``batch_size`` or ``sample`` < 1.
         RuntimeError: a call under ``torch.inference_mode()``.
     """
+    model = unwrap(model)
     from pyattr.integrated import _Progress
 
     node_list = _check_nodes(nodes)

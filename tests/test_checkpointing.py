@@ -136,3 +136,58 @@ def test_plain_and_rule_forwards_summed(setup):
             b = m(inputs_embeds=emb).logits[0, -1, 5]
             (a + b).backward()
     torch.testing.assert_close(emb.grad, plain + rule, atol=1e-6, rtol=1e-5)
+
+
+def _enable(m, mode):
+    kw = {"use_reentrant": mode == "reentrant"}
+    if hasattr(m, "activation_checkpointing_enable"):
+        m.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+    else:
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+
+
+def _saved_bytes(fn):
+    """(result, bytes autograd saved for backward during ``fn()``)."""
+    total = [0]
+
+    def pack(t):
+        total[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, total[0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt2", "gpt_neox", "bert"])
+@pytest.mark.parametrize("mode", MODES)
+def test_relevance_with_gradient_checkpointing_equals_without(arch, mode):
+    """pyattr.relevance runs in eval mode, and Hugging Face checkpoints only in training
+    mode: the checkpointing modules stay in training mode for the pass, and a reentrant
+    checkpoint (which torch.autograd.grad refuses) runs non-reentrant. Same relevance, the
+    blocks recomputed, less saved for backward; the model's flags and functions restored."""
+    m = tiny_causal_lm(arch)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    targets = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    want, plain_bytes = _saved_bytes(lambda: pyattr.relevance(m, ids, target=targets))
+    _enable(m, mode)
+    try:
+        funcs = [mod.__dict__.get("_gradient_checkpointing_func") for mod in m.modules()]
+        blocks = [mod for mod in m.modules() if getattr(mod, "gradient_checkpointing", False) is True]
+        leaf = next(c for c in blocks[-1].modules() if not list(c.children()) and list(c.parameters()))
+        calls = []
+        hook = leaf.register_forward_pre_hook(lambda *a: calls.append(1))
+        got, ckpt_bytes = _saved_bytes(lambda: pyattr.relevance(m, ids, target=targets))
+        hook.remove()
+        assert len(calls) == 2  # the forward, and its recomputation in the backward
+        # within 1e-6 of the largest relevance (batched recomputation rounds differently)
+        assert (got.relevance - want.relevance).abs().max() <= 1e-6 * want.relevance.abs().max()
+        # GPT-2's forward takes another path under checkpointing (no cache) that rounds
+        # differently by a few float32 ulps
+        assert (got.target - want.target).abs().max() <= 1e-5 * want.target.abs().max()
+        assert ckpt_bytes < 0.5 * plain_bytes, (ckpt_bytes, plain_bytes)
+        assert [mod.__dict__.get("_gradient_checkpointing_func") for mod in m.modules()] == funcs
+        assert not any(mod.training for mod in m.modules())
+        assert all(p.requires_grad for p in m.parameters())
+    finally:
+        (getattr(m, "activation_checkpointing_disable", None) or m.gradient_checkpointing_disable)()

@@ -67,6 +67,111 @@ def measure(device: str, dtypes: List[torch.dtype], layers: int = 8, seq: int = 
     return rows
 
 
+def _prompts(n: int, vocab: int, lo: int = 16, hi: int = 64, seed: int = 5) -> List[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [torch.randint(0, vocab, (k,), generator=g) for k in lengths]
+
+
+def _batches(prompts: List[torch.Tensor], size: int):
+    """(start, input_ids, attention_mask) per ``size`` prompts, right-padded with 0."""
+    for i in range(0, len(prompts), size):
+        chunk = prompts[i:i + size]
+        width = max(len(p) for p in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask = torch.zeros(len(chunk), width, dtype=torch.long)
+        for j, p in enumerate(chunk):
+            ids[j, :len(p)] = p
+            mask[j, :len(p)] = 1
+        yield i, ids, mask
+
+
+def _pearson(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double() - a.double().mean(), b.double() - b.double().mean()
+    return float((a * b).sum() / (a.norm() * b.norm()).clamp_min(1e-300))
+
+
+def measure_prompts(device: str, dtypes: List[torch.dtype], n: int = 100, layers: int = 8, batch: int = 10) -> List[Dict]:
+    """Conservation at the input over ``n`` random prompts of 16-64 tokens (padded batches),
+    and agreement with the float32 run, per (dtype, implementation).
+
+    The float32 model and each reduced-precision model hold the same weights (built in
+    float32, then cast). Every run explains the float32 run's top-1 next token. Per prompt:
+    ``|target − Σ relevance| / |target|``; the Pearson correlation of its token relevance
+    with the float32 pyattr run's; and the overlap of the 10 tokens of largest |relevance|
+    (shared tokens / 10). One row per (dtype, impl) with the median, 90th percentile and
+    max of each."""
+    import pyattr
+    from pyattr.bench import e2e
+
+    prompts = _prompts(n, CONFIG["vocab_size"])
+    base = build_model(device, torch.float32, layers)
+    reference, targets = [], []
+    for _, ids, mask in _batches(prompts, batch):
+        res = pyattr.relevance(base, ids.to(device), attention_mask=mask.to(device))
+        targets.append(res.target_ids)
+        reference += [res.token_relevance[j, :int(m.sum())].cpu() for j, m in enumerate(mask)]
+    rows = []
+    for dt in dtypes:
+        model = build_model(device, dt, layers)
+        for impl in ("pyattr", "unfused"):
+            err, err32, corr, top = [], [], [], []
+            for b, (start, ids, mask) in enumerate(_batches(prompts, batch)):
+                ids, mask = ids.to(device), mask.to(device)
+                seen = []
+                hook = model.lm_head.register_forward_hook(lambda mod, args, out: seen.append(args[0].detach()))
+                if impl == "pyattr":
+                    res = pyattr.relevance(model, ids, target=targets[b], attention_mask=mask)
+                else:
+                    with e2e.unfused_rules(model):
+                        res = pyattr.relevance(model, ids, target=targets[b], attention_mask=mask,
+                                               rules=pyattr.RelevanceRules())
+                hook.remove()
+                err += (res.conservation_delta.abs() / res.target.abs()).tolist()
+                # the same logit before its rounding to `dt`: the head's input and weight row
+                # multiplied in float64 (what a float32-accumulating matmul holds before storing)
+                last = mask.sum(1) - 1
+                h = seen[0][torch.arange(len(ids)), last].double()
+                logit = (h * model.lm_head.weight[res.target_ids.to(device)].double()).sum(-1).cpu()
+                err32 += ((logit - res.token_relevance.double().sum(1)).abs() / logit.abs()).tolist()
+                for j, m in enumerate(mask):
+                    r, ref = res.token_relevance[j, :int(m.sum())].cpu(), reference[start + j]
+                    corr.append(_pearson(r, ref))
+                    k = min(10, len(r))
+                    top.append(len(set(r.abs().topk(k).indices.tolist()) & set(ref.abs().topk(k).indices.tolist())) / k)
+            row = {"dtype": str(dt).replace("torch.", ""), "impl": impl, "prompts": n,
+                   "hidden": model.config.hidden_size, "layers": model.config.num_hidden_layers}
+            for name, vals in (("rel_error", err), ("unrounded_rel_error", err32)):
+                q = sorted(vals)
+                row.update({f"{name}_median": statistics.median(q), f"{name}_p90": q[int(0.9 * (len(q) - 1))],
+                            f"{name}_max": q[-1]})
+            for name, vals in (("pearson", corr), ("top10_overlap", top)):
+                q = sorted(vals)
+                row.update({f"{name}_median": statistics.median(q), f"{name}_p10": q[int(0.1 * (len(q) - 1))],
+                            f"{name}_min": q[0]})
+            rows.append(row)
+        del model
+    return rows
+
+
+def prompts_markdown(rows: List[Dict]) -> str:
+    lines = ["| dtype | impl | conservation error median | p90 | max | against the unrounded logit: median | p90 | "
+             "1 − Pearson vs float32: median | p90 | top-10 overlap: median | p10 |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['dtype']} | {r['impl']} | {r['rel_error_median']:.2e} | {r['rel_error_p90']:.2e} | "
+                     f"{r['rel_error_max']:.2e} | {r['unrounded_rel_error_median']:.2e} | "
+                     f"{r['unrounded_rel_error_p90']:.2e} | {1 - r['pearson_median']:.1e} | "
+                     f"{1 - r['pearson_p10']:.1e} | {r['top10_overlap_median']:.2f} | {r['top10_overlap_p10']:.2f} |")
+    by = {(r["dtype"], r["impl"]): r for r in rows}
+    lines += ["", "| dtype | pyattr / unfused, median error | the same against the unrounded logit |", "|---|---:|---:|"]
+    for dt in dict.fromkeys(r["dtype"] for r in rows):
+        p, u = by[(dt, "pyattr")], by[(dt, "unfused")]
+        ratios = [p[k] / u[k] if u[k] else float("nan") for k in ("rel_error_median", "unrounded_rel_error_median")]
+        lines.append(f"| {dt} | {ratios[0]:.2f} | {ratios[1]:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def summary(rows: List[Dict]) -> List[Dict]:
     """Per dtype: the worst layer's max error for each implementation, and their ratio."""
     out = []

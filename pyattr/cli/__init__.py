@@ -117,7 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="model dtype")
     r.add_argument("--max-tokens-per-batch", type=int, default=4096, help="rows x padded length per pass (default 4096)")
     r.add_argument("--shard-size", type=int, default=256, help="rows per Parquet shard (default 256)")
-    r.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu (default) or cuda")
+    where = r.add_mutually_exclusive_group()
+    where.add_argument("--device", choices=["cpu", "cuda"], help="cpu (default) or cuda")
+    where.add_argument("--device-map", metavar="MAP",
+                       help="place the model with accelerate instead: auto, balanced, balanced_low_0, sequential, "
+                            "or a JSON file mapping module names to devices (0, \"cpu\", \"disk\")")
+    r.add_argument("--max-memory", metavar="SPEC", help="with --device-map: per-device limits, e.g. 0=70GiB,cpu=120GiB")
+    r.add_argument("--offload-folder", metavar="DIR", help="with --device-map: where modules mapped to disk are kept")
     r.set_defaults(func=_command("run"))
 
     b = sub.add_parser(

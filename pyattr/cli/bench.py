@@ -97,11 +97,16 @@ def run(args) -> int:
 
         monitor = contention.start()
         rows = conservation.measure(device.type, dtypes, args.layers or 8)
+        reduced = [d for d in dtypes if d != torch.float32]
+        prompts = conservation.measure_prompts(device.type, reduced, n=10 if args.quick else 100,
+                                               layers=args.layers or 8) if reduced else []
         cond = monitor.stop()
         summ = conservation.summary(rows)
-        doc = report.document("conservation", device, rows, contention=cond, summary=summ)
+        doc = report.document("conservation", device, rows, contention=cond, summary=summ, prompts=prompts)
         report.validate(doc)
         table = conservation.markdown(rows, summ)  # errors, not timings: no CPU conditions
+        if prompts:
+            table += "\n" + conservation.prompts_markdown(prompts)
     elif args.ig_memory:
         from pyattr.bench import ig_memory
 

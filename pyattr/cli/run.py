@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import sys
@@ -30,6 +31,50 @@ def parse_rules(text: str):
     return RelevanceRules(**{n: True for n in names})
 
 
+_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def parse_placement(device_map, max_memory, offload_folder):
+    """accelerate's loading arguments from ``--device-map``, ``--max-memory`` and
+    ``--offload-folder`` (None without ``--device-map``)."""
+    if device_map is None:
+        if max_memory or offload_folder:
+            raise UsageError("--max-memory and --offload-folder need --device-map")
+        return None
+    if device_map in _MAPS:
+        dm = device_map
+    else:
+        path = Path(device_map)
+        if not path.is_file():
+            raise UsageError(
+                f"--device-map: expected {', '.join(_MAPS)} or a JSON file mapping module names to "
+                f"devices (0, \"cpu\", \"disk\"); {device_map!r} is neither"
+            )
+        try:
+            dm = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UsageError(f"--device-map: cannot read {device_map!r} as JSON: {e}") from None
+        if not isinstance(dm, dict) or not dm or not all(
+                isinstance(k, str) and isinstance(v, (int, str)) and not isinstance(v, bool) for k, v in dm.items()):
+            raise UsageError(f"--device-map: {device_map!r} must hold a JSON object of module name -> device "
+                             "(an integer GPU index, \"cpu\" or \"disk\")")
+        if "disk" in dm.values() and not offload_folder:
+            raise UsageError("--device-map puts modules on \"disk\": give --offload-folder DIR")
+    place = {"device_map": dm}
+    if max_memory:
+        limits = {}
+        for part in max_memory.split(","):
+            key, sep, size = part.partition("=")
+            key, size = key.strip(), size.strip()
+            if not sep or not key or not size:
+                raise UsageError(f"--max-memory: expected DEVICE=SIZE[,DEVICE=SIZE...] (e.g. 0=70GiB,cpu=120GiB), got {max_memory!r}")
+            limits[int(key) if key.isdigit() else key] = int(size) if size.isdigit() else size
+        place["max_memory"] = limits
+    if offload_folder:
+        place["offload_folder"] = offload_folder
+    return place
+
+
 def run(args) -> int:
     try:
         if args.max_tokens_per_batch < 1:
@@ -42,9 +87,17 @@ def run(args) -> int:
         if out.exists() and not out.is_dir():
             raise UsageError(f"--out: {args.out!r} exists and is not a directory")
         rules = parse_rules(args.rules)
+        placement = parse_placement(args.device_map, args.max_memory, args.offload_folder)
+        if placement is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise UsageError(
+                "--device-map places one model over every visible device, and under torchrun each "
+                "rank would do so over the same devices: run one process with --device-map, or "
+                "give each rank its own device with --device cuda"
+            )
     except UsageError as e:
         return fail("run", str(e))
 
+    args.device = args.device or "cpu"
     import torch
 
     from pyattr.dataset_run import RunError, run as run_dataset
@@ -56,12 +109,13 @@ def run(args) -> int:
     try:
         if args.device == "cuda" and not torch.cuda.is_available():
             return fail("run", "--device cuda: no CUDA device is visible to torch")
-        tok, model = _load(Path(args.model), causal=True)
         dtype = getattr(torch, args.dtype)
-        device = torch.device(args.device)
-        if device.type == "cuda" and world > 1:
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        model = model.to(device=device, dtype=dtype)
+        tok, model = _load(Path(args.model), causal=True, dtype=dtype, placement=placement)
+        if placement is None:
+            device = torch.device(args.device)
+            if device.type == "cuda" and world > 1:
+                device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            model = model.to(device=device)
         summary = run_dataset(
             model, args.data, out, tokenizer=tok, text_field=args.text_field,
             target=None if args.target == "top1" else args.target, rules=rules,

@@ -2,6 +2,11 @@
 
 A patch sets ``module.forward`` on the instance (never the class), remembers what was
 there, and is undone when the last scope holding any rule kind on that module exits.
+On a module carrying an accelerate hook (``cpu_offload``, ``dispatch_model``,
+``from_pretrained(device_map=...)``) the patch takes the place of ``_old_forward``
+instead: accelerate's ``forward`` wrapper must keep running around the rule forward,
+because its ``pre_forward`` is what brings offloaded weights in from the CPU or the disk
+(bypassing it leaves ``weight`` on the ``meta`` device).
 The state lives on the instance itself (``module._pyattr_rules``), so two models, or
 two modules of one class, never share it.
 """
@@ -21,6 +26,15 @@ _STATE = "_pyattr_rules"
 _MISSING = object()
 
 
+def forward_slot(module: nn.Module) -> str:
+    """The instance attribute holding the module's own forward: ``_old_forward`` under an
+    accelerate hook (its wrapper calls ``module._old_forward`` at each call), else
+    ``forward``."""
+    if "_old_forward" in module.__dict__ and hasattr(module, "_hf_hook"):
+        return "_old_forward"
+    return "forward"
+
+
 class RuleState:
     """Per-module record: active kinds with their counts and settings, and the original forward."""
 
@@ -30,8 +44,9 @@ class RuleState:
         self.check_output = check_output
         self.counts: Dict[str, int] = {}
         self.values: Dict[str, object] = {}
-        self.saved_forward = module.__dict__.get("forward", _MISSING)
-        self.native: Callable = module.forward
+        self.slot = forward_slot(module)
+        self.saved_forward = module.__dict__.get(self.slot, _MISSING)
+        self.native: Callable = getattr(module, self.slot)
         self.hook = None
         self.expected_out: Optional[int] = None
 
@@ -107,7 +122,7 @@ def acquire(
             return out
 
         module.__dict__[_STATE] = state
-        module.__dict__["forward"] = patched
+        module.__dict__[state.slot] = patched
         if check_output:
             # Appended last: hooks registered before the scope run first, so one that
             # returns a replacement output is seen here.
@@ -143,9 +158,9 @@ def _unpatch(module: nn.Module, state: RuleState) -> None:
     if state.hook is not None:
         state.hook.remove()
     if state.saved_forward is _MISSING:
-        module.__dict__.pop("forward", None)
+        module.__dict__.pop(state.slot, None)
     else:
-        module.__dict__["forward"] = state.saved_forward
+        module.__dict__[state.slot] = state.saved_forward
     module.__dict__.pop(_STATE, None)
 
 
@@ -207,7 +222,7 @@ def recomputing(modules: List[nn.Module], snap: list):
         st = state_of(m)
         if st is None:
             continue
-        suspended.append((m, st, m.__dict__.get("forward", _MISSING)))
+        suspended.append((m, st, m.__dict__.get(st.slot, _MISSING)))
         _unpatch(m, st)
     held = []
     _local.recomputing = getattr(_local, "recomputing", 0) + 1
@@ -224,8 +239,8 @@ def recomputing(modules: List[nn.Module], snap: list):
         for m, st, fwd in reversed(suspended):
             m.__dict__[_STATE] = st
             if fwd is _MISSING:
-                m.__dict__.pop("forward", None)
+                m.__dict__.pop(st.slot, None)
             else:
-                m.__dict__["forward"] = fwd
+                m.__dict__[st.slot] = fwd
             if st.hook is not None:
                 st.hook = m.register_forward_hook(_output_check(st))

@@ -29,6 +29,7 @@ from pyattr.ops.layer_norm import layer_norm
 from pyattr.ops.rms_norm import rms_norm
 from pyattr.rules.identity import IdentityRuleFunction
 from pyattr.rules.scale import scale_gradient
+from pyattr.integration.wrappers import unwrap
 
 
 @dataclass
@@ -477,6 +478,7 @@ def use_relevance_rules(
             same module; a hook sits on an activation the gated rule bypasses; at run
             time, a forward hook replaces the output of a rule-carrying module.
     """
+    model = unwrap(model)
     rules = RelevanceRules.all() if rules is None else rules
     pl = plan(model, rules, generic)
     done: List[_Step] = []
