@@ -17,7 +17,8 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 export MAX_JOBS="${MAX_JOBS:-16}" TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
 log "building pyattr._C (CPU + CUDA, arch $TORCH_CUDA_ARCH_LIST)"
-timeout 300 "$PY" -m pip install -q --no-build-isolation -e ".[dev]" > "$OUT/build.log" 2>&1 \
+# --no-deps: the GPU machine has no package index; torch, transformers and triton are there
+timeout 300 "$PY" -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/build.log" 2>&1 \
   || { log "build failed (see build.log)"; tail -30 "$OUT/build.log"; exit 1; }
 "$PY" -c "import pyattr, json; print(json.dumps({k: [v.available, v.reason] for k, v in pyattr.available_backends().items()}))" \
   | tee -a "$OUT/gpu_check.log"
@@ -38,4 +39,10 @@ timeout 150 "$PY" -m pyattr bench --e2e --device cuda --dtypes bfloat16 --repeat
   --json "$OUT/e2e_cuda.json" --markdown "$OUT/e2e_cuda.md" > "$OUT/e2e.log" 2>&1
 log "e2e exit $?"
 cat "$OUT/e2e_cuda.md" 2>/dev/null | tee -a "$OUT/gpu_check.log"
+
+log "dataset run (~1B Llama, bf16, 64 prompts of 128-1024 tokens; checkpointing; 2 ranks if 2 GPUs)"
+timeout 120 "$PY" -m pyattr bench --dataset --device cuda \
+  --json "$OUT/dataset_cuda.json" --markdown "$OUT/dataset_cuda.md" > "$OUT/dataset.log" 2>&1
+log "dataset exit $? — $(tail -3 "$OUT/dataset.log" | head -1)"
+cat "$OUT/dataset_cuda.md" 2>/dev/null | tee -a "$OUT/gpu_check.log"
 log "done"

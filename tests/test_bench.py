@@ -249,7 +249,7 @@ def test_check_tool_one_line_errors(tmp_path):
         (["--e2e", "--layers", "-1"], "--layers must be >= 1"),
         (["--e2e", "--targets", "-1"], "--targets must be >= 0"),
         (["--ig-memory", "--chunk", "0"], "--chunk must be >= 1"),
-        (["--e2e", "--conservation"], "--e2e, --conservation, --ig-memory and --patching are separate runs"),
+        (["--e2e", "--conservation"], "--e2e, --conservation, --ig-memory, --patching and --dataset are separate runs"),
     ],
 )
 def test_cli_bench_bad_arguments(args, msg):

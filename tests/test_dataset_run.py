@@ -285,3 +285,34 @@ def test_file_forms_and_unusual_text(lm, tmp_path):
     before = (tok.padding_side, tok.pad_token)
     pyattr.run(model, ["the cat"], tmp_path / "o2", tokenizer=tok)
     assert (tok.padding_side, tok.pad_token) == before
+
+
+def test_gradient_checkpointing_flag_gives_the_same_rows(lm, tmp_path):
+    d, tok, model = lm
+    data = _jsonl(tmp_path / "p.jsonl", [{"text": t} for t in TEXTS])
+    assert run_cli("run", "--model", d, "--data", data, "--out", tmp_path / "a").returncode == 0
+    r = run_cli("run", "--model", d, "--data", data, "--out", tmp_path / "b", "--gradient-checkpointing")
+    assert r.returncode == 0, r.stderr
+    a, b = _read(tmp_path / "a"), _read(tmp_path / "b")
+    for x, y in zip(a["token_relevance"], b["token_relevance"]):
+        x, y = torch.tensor(list(x)), torch.tensor(list(y))
+        assert (x - y).abs().max() <= 1e-6 * x.abs().max()
+
+
+def test_dataset_benchmark_configuration(tmp_path, monkeypatch):
+    """One configuration of ``pyattr bench --dataset`` on a 1-layer model: the row counts
+    what the store holds and its rates follow from them."""
+    from pyattr.bench import dataset
+
+    size = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=48, num_attention_heads=2,
+                num_key_value_heads=2, prompts=5, lo=8, hi=20, dtype="float32")
+    model_dir, data, params = dataset.prepare(tmp_path, size)
+    lengths = [len(json.loads(line)["text"].split()) + 2 for line in data.read_text().splitlines()]
+    assert len(lengths) == 5 and all(8 <= n <= 20 for n in lengths) and params > 0
+    row = dataset.run_config("1 process, checkpointing", model_dir, data, tmp_path / "out", size, "cpu", 1)
+    assert row["prompts"] == 5 and row["tokens"] == sum(lengths) and row["processes"] == 1
+    assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["seconds"])
+    assert row["peak_rss_bytes"] > 100e6  # a Python process with torch loaded
+    md = dataset.markdown([row], {"parameters": params, "num_hidden_layers": 1, "hidden_size": 32,
+                                  "intermediate_size": 48, "dtype": "float32", "prompts": 5, "prompt_tokens": [8, 20]})
+    assert "| 1 process, checkpointing | 1 |" in md

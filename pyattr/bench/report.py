@@ -184,6 +184,8 @@ _ROW_NUMBERS = {
     "conservation": (("dtype", "impl", "layer"), ("median_rel_error", "max_rel_error")),
     "ig-memory": (("dtype", "device"), ("n_steps", "peak_bytes", "seconds", "abs_convergence_delta")),
     "patching": (("model", "method", "variant", "node"), ("nodes", "pairs", "seconds")),
+    "dataset": (("config", "device", "dtype"), ("processes", "prompts", "tokens", "seconds", "prompts_per_s",
+                                               "tokens_per_s", "peak_rss_bytes")),
 }
 # correlations: finite, in [-1, 1], or null where undefined (a constant estimate)
 _SIGNED = {"patching": ("pearson", "spearman")}

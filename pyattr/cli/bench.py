@@ -34,8 +34,8 @@ def _check_args(args):
         raise UsageError(f"--targets must be >= 0, got {args.targets}")
     if args.chunk < 1:
         raise UsageError(f"--chunk must be >= 1, got {args.chunk}")
-    if sum(map(bool, (args.e2e, args.conservation, args.ig_memory, args.patching))) > 1:
-        raise UsageError("--e2e, --conservation, --ig-memory and --patching are separate runs; pass one")
+    if sum(map(bool, (args.e2e, args.conservation, args.ig_memory, args.patching, args.dataset))) > 1:
+        raise UsageError("--e2e, --conservation, --ig-memory, --patching and --dataset are separate runs; pass one")
     for flag, path in (("--json", args.json), ("--markdown", args.markdown)):
         if path is not None:
             check_output_path(flag, path)
@@ -107,6 +107,20 @@ def run(args) -> int:
         table = conservation.markdown(rows, summ)  # errors, not timings: no CPU conditions
         if prompts:
             table += "\n" + conservation.prompts_markdown(prompts)
+    elif args.dataset:
+        import os
+
+        from pyattr.bench import dataset
+
+        monitor = contention.start()
+        try:
+            rows, model = dataset.run_all(device.type, args.quick, torch.get_num_threads())
+        except RuntimeError as e:
+            return fail("bench", str(e), status=1)
+        cond = monitor.stop()
+        doc = report.document("dataset", device, rows, contention=cond, model=model, cpus=os.cpu_count())
+        report.validate(doc)
+        table = dataset.markdown(rows, model, cond)
     elif args.ig_memory:
         from pyattr.bench import ig_memory
 

@@ -111,6 +111,14 @@ def run(args) -> int:
             return fail("run", "--device cuda: no CUDA device is visible to torch")
         dtype = getattr(torch, args.dtype)
         tok, model = _load(Path(args.model), causal=True, dtype=dtype, placement=placement)
+        if args.gradient_checkpointing:
+            if not getattr(model, "supports_gradient_checkpointing", False):
+                raise ExplainError(f"--gradient-checkpointing: {type(model).__name__} does not support it")
+            kw = {"use_reentrant": False}
+            if hasattr(model, "activation_checkpointing_enable"):  # its name since transformers 5
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
         if placement is None:
             device = torch.device(args.device)
             if device.type == "cuda" and world > 1:
