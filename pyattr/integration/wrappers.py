@@ -42,6 +42,8 @@ def unwrap(model: nn.Module) -> nn.Module:
 
     while isinstance(model, (nn.DataParallel, DistributedDataParallel)):
         model = model.module
+    if not isinstance(model, nn.Module):
+        return model  # the caller's own check names the argument
     fsdp = _fsdp_types()
     if fsdp and any(isinstance(m, fsdp) for m in model.modules()):
         raise TypeError(
