@@ -34,8 +34,9 @@ from pyattr.integration.scope import model_type_of
 
 # block-relative path of the module that computes the attention pattern and returns it
 # as the second element of its output (Hugging Face eager attention)
-_CORE = {"llama": "self_attn", "gpt2": "attn", "gpt_neox": "attention", "bert": "attention.self"}
-for _name in ("mistral", "qwen2", "qwen3", "gemma", "gemma2"):
+_CORE = {"llama": "self_attn", "gpt2": "attn", "gpt_neox": "attention", "bert": "attention.self",
+         "roberta": "attention.self"}
+for _name in ("mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "phi3"):
     _CORE[_name] = _CORE["llama"]
 
 _CACHE_KWARGS = ("past_key_value", "past_key_values", "layer_past", "cache")

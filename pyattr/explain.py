@@ -179,6 +179,10 @@ def _load(path: Path, causal: bool, dtype: torch.dtype = torch.float32, placemen
             text = text[:400] + "…"
         raise ExplainError(f"cannot load model from {str(path)!r}: {text}") from None
     missing = sorted(info.get("missing_keys") or ())
+    if not causal:
+        # an encoder's pooler (absent from masked-LM checkpoints) is never read: the pair's
+        # similarity mean-pools the last hidden state
+        missing = [k for k in missing if k.split(".")[0] != "pooler"]
     if missing:
         # a newly initialised head (e.g. an encoder loaded as a causal LM) would be
         # explained as if it were the model's own: random targets, no error

@@ -46,8 +46,10 @@ _PARTS = {
     "gpt2": ("attn", "mlp", ("mlp.c_proj", "input")),
     "gpt_neox": ("attention", "mlp", ("mlp.dense_4h_to_h", "input")),
     "bert": ("attention.output.dense", "output.dense", ("intermediate", "output")),
+    "distilbert": ("attention.out_lin", "ffn", ("ffn.activation", "output")),
 }
-for _name in ("mistral", "qwen2", "qwen3", "gemma", "gemma2"):
+_PARTS["roberta"] = _PARTS["bert"]
+for _name in ("mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "phi3"):
     _PARTS[_name] = _PARTS["llama"]
 
 

@@ -5,6 +5,7 @@ import functools
 import torch
 
 VOCAB = 96
+ENCODERS = ("bert", "roberta", "distilbert")
 
 
 def _cfg(arch: str, attn: str):
@@ -26,6 +27,22 @@ def _cfg(arch: str, attn: str):
             hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
             final_logit_softcapping=None, query_pre_attn_scalar=8, sliding_window=16, **common,
         )
+    elif arch == "gemma3_text":
+        c = T.Gemma3TextConfig(
+            hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+            final_logit_softcapping=None, query_pre_attn_scalar=8, sliding_window=4, **common,
+        )
+    elif arch == "olmo2":
+        c = T.Olmo2Config(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, **common)
+    elif arch == "phi3":
+        c = T.Phi3Config(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=2, **common)
+    elif arch == "roberta":
+        c = T.RobertaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, max_position_embeddings=64,
+                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=1, **common)
+    elif arch == "distilbert":
+        c = T.DistilBertConfig(dim=32, hidden_dim=64, n_heads=4, n_layers=2, vocab_size=VOCAB, max_position_embeddings=64,
+                               dropout=0.0, attention_dropout=0.0, initializer_range=0.2, pad_token_id=0)
     elif arch == "gpt2":
         c = T.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64, initializer_range=0.2)
     elif arch == "gpt_neox":
@@ -40,11 +57,11 @@ def _cfg(arch: str, attn: str):
 
 
 def tiny_causal_lm(arch: str, attn: str = "eager", dtype=torch.float32, seed: int = 0):
-    """A tiny random model with next-token (for BERT: masked-LM) logits of shape (batch, seq, VOCAB)."""
+    """A tiny random model with next-token (for the encoders: masked-LM) logits of shape (batch, seq, VOCAB)."""
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
     torch.manual_seed(seed)
-    auto = AutoModelForMaskedLM if arch == "bert" else AutoModelForCausalLM
+    auto = AutoModelForMaskedLM if arch in ENCODERS else AutoModelForCausalLM
     m = auto.from_config(_cfg(arch, attn), attn_implementation=attn)
     return m.to(dtype).eval()
 

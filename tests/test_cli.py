@@ -67,6 +67,7 @@ def test_explain_causal_model(causal_dir):
         (["--text", "   "], "--text is empty"),
         (["--pair", ""], "--pair is empty"),
         (["--target", "cat"], "--target needs --model"),
+        (["--model", ".", "--pair", "x", "--target", "cat"], "with --pair the target is the pair's cosine similarity"),
     ],
 )
 def test_explain_errors_one_line(args, msg):

@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     e.add_argument("--text", help="sentence to explain (first of the pair, or the causal-LM prompt)")
-    e.add_argument("--pair", help="second sentence (sentence-embedding model)")
+    e.add_argument("--pair", help="second sentence: explain the cosine similarity of the two mean-pooled embeddings (the bundled model, or --model DIR)")
     e.add_argument("--model", help="local Hugging Face causal-LM directory; explains the next-token logit")
     e.add_argument("--target", help="target token for --model (default: the top-1 prediction)")
     e.add_argument("--html", metavar="PATH", help="also write a self-contained HTML heatmap")

@@ -27,8 +27,9 @@ def run(args) -> int:
     try:
         if args.html is not None:
             check_output_path("--html", args.html)
-        if args.model is not None and args.pair is not None:
-            raise UsageError("--pair works with the sentence-embedding model only (drop --model)")
+        if args.pair is not None and args.target is not None:
+            raise UsageError("--target is a next-token logit of a causal LM; with --pair the target is the "
+                             "pair's cosine similarity (drop one of them)")
         if args.model is None and args.target is not None:
             raise UsageError("--target needs --model (a causal LM directory)")
     except UsageError as e:
@@ -42,7 +43,10 @@ def run(args) -> int:
     scope = use_backend(args.backend) if args.backend else contextlib.nullcontext()
     try:
         with scope:
-            if args.model is not None:
+            if args.model is not None and args.pair is not None:  # any encoder (or decoder) directory
+                expl = explain_pair(args.text if args.text is not None else DEFAULT_PAIR[0], args.pair,
+                                    model_dir=Path(args.model), rules=rules_from_args(args))
+            elif args.model is not None:
                 expl = explain_causal(
                     Path(args.model),
                     args.text if args.text is not None else DEFAULT_TEXT,

@@ -19,8 +19,10 @@ class Arch:
     norm: str                         # "rms_norm" or "layer_norm"
     layer_norms: Tuple[str, ...]      # per block, residual-stream norms
     outer_norms: Tuple[str, ...]      # norms outside the blocks (final / embedding norm)
-    mlp: Tuple[str, str]              # ("gated", mlp path) or ("act", activation module path)
-    attention: Tuple                  # ("separate", q, k, v) or ("concat", fused) or ("per_head", fused)
+    mlp: Tuple[str, str]              # ("gated", mlp path), ("gated_fused", mlp path with one
+                                      # gate_up_proj) or ("act", activation module path)
+    attention: Tuple                  # ("separate", q, k, v), ("concat", fused), ("per_head", fused)
+                                      # or ("split", fused): q | k | v with GQA widths
     entry: Tuple[str, str]            # (module path, "layer0") where relevance is measured
     offset: float = 0.0               # RMSNorm weight offset (1.0 for Gemma)
     # per-head q/k norms inside attention (Qwen3): LN-rule only under AttnLRP, where
@@ -31,6 +33,9 @@ class Arch:
     # LayerNorm), relative to the whole model; mounted where the model has the head
     head_norms: Tuple[str, ...] = field(default=())
     head_acts: Tuple[str, ...] = field(default=())
+    # a head module whose forward calls its activation as a function (RoBERTa's
+    # lm_head): its forward is replaced by the same computation with the Identity-rule
+    head_forward: Optional[str] = None
 
 
 _LLAMA = Arch(
@@ -59,6 +64,37 @@ ARCHITECTURES = {
                 "pre_feedforward_layernorm",
                 "post_feedforward_layernorm",
             ),
+        }
+    ),
+    # Gemma 3 text: Gemma 2's sandwich norms, per-head q/k norms, (1 + w) RMSNorm
+    "gemma3_text": Arch(
+        **{
+            **_LLAMA.__dict__,
+            "offset": 1.0,
+            "layer_norms": (
+                "input_layernorm",
+                "post_attention_layernorm",
+                "pre_feedforward_layernorm",
+                "post_feedforward_layernorm",
+            ),
+            "qk_norms": ("self_attn.q_norm", "self_attn.k_norm"),
+        }
+    ),
+    # OLMo 2: no norm before the sublayers; each sublayer's output is normed before the
+    # residual add; q/k norms span all heads
+    "olmo2": Arch(
+        **{
+            **_LLAMA.__dict__,
+            "layer_norms": ("post_attention_layernorm", "post_feedforward_layernorm"),
+            "qk_norms": ("self_attn.q_norm", "self_attn.k_norm"),
+        }
+    ),
+    # Phi-3: one projection for q | k | v (GQA widths) and one for gate | up
+    "phi3": Arch(
+        **{
+            **_LLAMA.__dict__,
+            "mlp": ("gated_fused", "mlp"),
+            "attention": ("split", "self_attn.qkv_proj"),
         }
     ),
     "gpt2": Arch(
@@ -96,7 +132,24 @@ ARCHITECTURES = {
         head_norms=("cls.predictions.transform.LayerNorm",),
         head_acts=("cls.predictions.transform.transform_act_fn",),
     ),
+    "distilbert": Arch(
+        layers="transformer.layer",
+        norm="layer_norm",
+        layer_norms=("sa_layer_norm", "output_layer_norm"),
+        outer_norms=("embeddings.LayerNorm",),
+        mlp=("act", "ffn.activation"),
+        attention=("separate", "attention.q_lin", "attention.k_lin", "attention.v_lin"),
+        entry=("embeddings.LayerNorm", "input"),
+        head_norms=("vocab_layer_norm",),
+        head_acts=("activation",),
+    ),
 }
+# RoBERTa is BERT's encoder; its masked-LM head (dense → functional gelu → LayerNorm →
+# decoder) calls gelu as a function, so the head's forward itself carries the rule
+ARCHITECTURES["roberta"] = Arch(
+    **{**ARCHITECTURES["bert"].__dict__, "head_norms": ("lm_head.layer_norm",), "head_acts": (),
+       "head_forward": "lm_head"}
+)
 
 
 def base_prefix(model: nn.Module) -> str:

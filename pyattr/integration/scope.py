@@ -44,9 +44,9 @@ class _Step:
 
 # --- forward factories --------------------------------------------------------------------
 
-def _bypass_message(path: str) -> str:
+def _bypass_message(path: str, act: str = "act_fn") -> str:
     return (
-        f"{path + '.act_fn'!r} has hooks, but the gated-activation rule computes act(gate)·up "
+        f"{path + '.' + act!r} has hooks, but the gated-activation rule computes act(gate)·up "
         "in one op and would bypass them; remove the hooks or switch off activation and "
         "multiplicative_gate"
     )
@@ -122,6 +122,42 @@ def _gated_forward(kind: str, path: str):
     return make
 
 
+def _gated_fused_forward(kind: str, path: str):
+    """Phi-3's MLP: ``down_proj(up * act(gate))`` with ``gate, up = gate_up_proj(x).chunk(2)``.
+    The product is commutative in floating point, so act(gate)·up is bit-identical."""
+    def make(mlp, state):
+        act_mod = mlp.activation_fn
+        act = Activation(kind, forward_fn(act_mod, kind) if kind != "custom" else act_mod.forward)
+
+        def forward(x):
+            if has_hooks(act_mod):
+                raise RelevanceRuleConflictError(_bypass_message(path, "activation_fn"))
+            gate, up = mlp.gate_up_proj(x).chunk(2, dim=-1)
+            h = gated_activation(
+                gate, up, act, identity=state.active("activation"), half=state.active("multiplicative_gate")
+            )
+            return mlp.down_proj(h)
+
+        return forward
+
+    return make
+
+
+def _head_forward(act: Activation):
+    """RoBERTa's masked-LM head, ``decoder(layer_norm(gelu(dense(x))))``, with the
+    Identity-rule on the gelu it calls as a function (the LayerNorm is mounted itself)."""
+    def make(head, state):
+        def forward(features, **kwargs):
+            x = head.dense(features)
+            x = IdentityRuleFunction.apply(x, act)
+            x = head.layer_norm(x)
+            return head.decoder(x)
+
+        return forward
+
+    return make
+
+
 def _projection_forward(scale: float):
     def make(module, state):
         native = state.native
@@ -163,6 +199,18 @@ def _concat_pattern(scales):
     return pattern
 
 
+def _split_pattern(scales, widths):
+    """q | k | v of the given widths (GQA: k and v narrower than q)."""
+    def pattern(n: int) -> torch.Tensor:
+        if n != sum(widths):
+            raise RelevanceRuleUnsupportedError(
+                f"fused q/k/v projection of width {n}, expected q {widths[0]} + k {widths[1]} + v {widths[2]}"
+            )
+        return torch.cat([torch.full((w,), s, dtype=torch.float32) for s, w in zip(scales, widths)])
+
+    return pattern
+
+
 def _per_head_pattern(scales, head_size: int):
     def pattern(n: int) -> torch.Tensor:
         if n % (3 * head_size):
@@ -180,18 +228,51 @@ def _per_head_pattern(scales, head_size: int):
 _GATED_EXPR = re.compile(r"self\.down_proj\(self\.act_fn\(self\.gate_proj\((\w+)\)\)\*self\.up_proj\(\1\)\)")
 
 
+def _flat_source(fn) -> Optional[str]:
+    """A function's source without comments, docstrings and whitespace (None if unknown)."""
+    try:
+        src = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return None
+    body = re.sub(r"#.*", "", src)
+    body = re.sub(r'"""[\s\S]*?"""', "", body)
+    return re.sub(r"\s+", "", body)
+
+
+_FUSED_GATED_LINES = (
+    r"(\w+)=self\.gate_up_proj\((\w+)\)",
+    r"gate,(\w+)=\1\.chunk\(2,dim=-1\)",
+    r"\3=\3\*self\.activation_fn\(gate\)",
+    r"returnself\.down_proj\(\3\)",
+)
+
+
+def plain_fused_gated_forward(mlp: nn.Module) -> bool:
+    """True when the MLP's forward is exactly Phi-3's ``gate, up = gate_up_proj(x).chunk(2);
+    down_proj(up * activation_fn(gate))``."""
+    flat = _flat_source(type(mlp).forward)
+    if flat is None or not re.search("".join(_FUSED_GATED_LINES), flat):
+        return False
+    return set(re.findall(r"self\.(\w+)", flat)) <= {"gate_up_proj", "activation_fn", "down_proj"}
+
+
+_HEAD_EXPR = re.compile(
+    r"\(self,features,\*\*kwargs\)(?:->[\w.\[\]]+)?:x=self\.dense\(features\)x=gelu\(x\)"
+    r"x=self\.layer_norm\(x\)x=self\.decoder\(x\)returnx$"
+)
+
+
+def plain_gelu_head(head: nn.Module) -> bool:
+    """True when the head's forward is exactly ``decoder(layer_norm(gelu(dense(x))))``."""
+    flat = _flat_source(type(head).forward)
+    return flat is not None and bool(_HEAD_EXPR.search(flat))
+
+
 def plain_gated_forward(mlp: nn.Module) -> bool:
     """True when the MLP's forward is exactly ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``:
     the form the gated rule re-implements (no extra norm, multiplier or dropout)."""
-    fwd = type(mlp).forward
-    try:
-        src = inspect.getsource(fwd)
-    except (OSError, TypeError):
-        return False
-    body = re.sub(r"#.*", "", src)
-    body = re.sub(r'"""[\s\S]*?"""', "", body)
-    flat = re.sub(r"\s+", "", body)
-    if not _GATED_EXPR.search(flat):
+    flat = _flat_source(type(mlp).forward)
+    if flat is None or not _GATED_EXPR.search(flat):
         return False
     used = set(re.findall(r"self\.(\w+)", flat))
     return used <= {"down_proj", "act_fn", "gate_proj", "up_proj"}
@@ -278,6 +359,50 @@ class _Planner:
         for k in wanted:
             self.add(k, path, mlp, True, _gated_forward(kind, path), check_output=False)
 
+    def gated_fused_mlp(self, path: str) -> None:
+        """Phi-3's MLP (one gate_up_proj): the Identity- and Half-rules through the fused
+        gated_activation op, as for a gated MLP with separate projections."""
+        mlp = self.need(path)
+        for name in ("gate_up_proj", "down_proj", "activation_fn"):
+            if not isinstance(getattr(mlp, name, None), nn.Module):
+                raise RelevanceRuleUnsupportedError(
+                    f"{path!r}: a fused gated MLP needs gate_up_proj, down_proj and activation_fn modules; "
+                    f"{name} is missing"
+                )
+        kind = _kind_of_module(mlp.activation_fn) or "custom"
+        self.mounted.add(id(mlp.activation_fn))
+        wanted = [k for k in ("activation", "multiplicative_gate") if getattr(self.rules, k)]
+        for k in ("activation", "multiplicative_gate"):
+            if k not in wanted:
+                self.off(k, path, mlp, f"{k} rule off")
+        if not wanted:
+            return
+        if not plain_fused_gated_forward(mlp):
+            raise RelevanceRuleUnsupportedError(
+                f"{path!r}: {type(mlp).__name__}.forward is not the plain gate, up = gate_up_proj(x).chunk(2); "
+                "down_proj(up * activation_fn(gate)); the gated rule would change its forward"
+            )
+        if has_hooks(mlp.activation_fn):
+            raise RelevanceRuleConflictError(_bypass_message(path, "activation_fn"))
+        for k in wanted:
+            self.add(k, path, mlp, True, _gated_fused_forward(kind, path), check_output=False)
+
+    def head_forward(self, path: str) -> None:
+        head = A.get_submodule(self.model, path)
+        if not isinstance(head, nn.Module):
+            return  # the model without its head
+        if not self.rules.activation:
+            self.off("activation", path, head, "activation rule off")
+            return
+        gelu = getattr(inspect.getmodule(type(head)), "gelu", None)
+        kind = _kind_of_module(gelu) if isinstance(gelu, nn.Module) else None
+        if kind is None or not plain_gelu_head(head):
+            raise RelevanceRuleUnsupportedError(
+                f"{path!r}: {type(head).__name__}.forward is not the plain decoder(layer_norm(gelu(dense(x)))); "
+                "the Identity-rule cannot be placed on its activation"
+            )
+        self.add("activation", path, head, kind, _head_forward(Activation(kind, forward_fn(gelu, kind))))
+
     def activation(self, path: str, mlp_path: str) -> None:
         mod = self.need(path)
         kind = _kind_of_module(mod) or "custom"
@@ -312,6 +437,15 @@ class _Planner:
             return
         if layout == "concat":
             pattern = _concat_pattern(_ATTN_SCALES[mode])
+        elif layout == "split":
+            parent = self.need(path.rsplit(".", 1)[0])
+            cfg = getattr(parent, "config", None)
+            head_dim = getattr(parent, "head_dim", None)
+            heads = getattr(cfg, "num_attention_heads", None)
+            kv = getattr(cfg, "num_key_value_heads", None) or heads
+            if not all(isinstance(v, int) for v in (head_dim, heads, kv)):
+                raise RelevanceRuleUnsupportedError(f"{path!r}: cannot find the q/k/v head counts and head_dim")
+            pattern = _split_pattern(_ATTN_SCALES[mode], (heads * head_dim, kv * head_dim, kv * head_dim))
         else:
             parent = self.need(path.rsplit(".", 1)[0])
             head_size = getattr(parent, "head_size", None)
@@ -370,6 +504,8 @@ def _plan_known(model: nn.Module, rules: RelevanceRules, model_type: str) -> _Pl
         kind, p = arch.mlp
         if kind == "gated":
             pl.gated_mlp(A.join(layer, p))
+        elif kind == "gated_fused":
+            pl.gated_fused_mlp(A.join(layer, p))
         else:
             pl.activation(A.join(layer, p), A.join(layer, p.rsplit(".", 1)[0]))
     for p in arch.outer_norms:
@@ -383,6 +519,8 @@ def _plan_known(model: nn.Module, rules: RelevanceRules, model_type: str) -> _Pl
     for p in arch.head_norms:
         if isinstance(A.get_submodule(model, p), nn.Module):
             pl.norm(p, arch.norm, arch.offset)
+    if arch.head_forward:
+        pl.head_forward(arch.head_forward)
     pl.skip_lookalikes()
     return pl
 

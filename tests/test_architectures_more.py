@@ -1,0 +1,251 @@
+"""Gemma 3 (text), OLMo 2, Phi-3, RoBERTa and DistilBERT: the bar the first nine meet.
+
+Bit-identical forwards with the rules installed (eager and sdpa, AH-rule and AttnLRP),
+the rule map by position (exact coverage paths), conservation in float64 with all rules,
+scope hygiene, the GQA-aware split of Phi-3's fused q|k|v projection, the forms the
+fused rules re-implement (checked, not assumed), and one command-line run each.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import pyattr
+from conftest import run_cli
+from models import VOCAB, _cfg, tiny_causal_lm
+from pyattr.integration.patching import state_of
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+DECODERS = ["gemma3_text", "olmo2", "phi3"]
+ENCODERS = ["roberta", "distilbert"]
+NEW = DECODERS + ENCODERS
+CASES = [(a, impl) for a in NEW for impl in ("eager", "sdpa")]
+
+
+def _ids(batch=2, seq=11, seed=0):
+    # ids from 3: the encoders' pad token (0 or 1) would be a padding position
+    return torch.randint(3, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("arch,impl", CASES)
+@pytest.mark.parametrize("attention", [True, "attnlrp"])
+def test_forward_bit_identical(arch, impl, attention):
+    m = tiny_causal_lm(arch, impl)
+    ids = _ids()
+    ref = m(ids).logits
+    with pyattr.use_relevance_rules(m, pyattr.RelevanceRules.all(attention=attention)):
+        assert torch.equal(m(ids).logits, ref)
+    assert torch.equal(m(ids).logits, ref)
+
+
+@pytest.mark.parametrize("arch", NEW)
+def test_forward_bit_identical_bfloat16(arch):
+    m = tiny_causal_lm(arch, "eager", dtype=torch.bfloat16)
+    ids = _ids(1, 9)
+    ref = m(ids).logits
+    with pyattr.use_relevance_rules(m):
+        assert torch.equal(m(ids).logits, ref)
+
+
+def _decoder_paths(n, norms, attention, mlp="mlp"):
+    out = []
+    for i in range(n):
+        L = f"model.layers.{i}"
+        out += [f"{L}.{p}" for p in norms] + [f"{L}.{p}" for p in attention] + [f"{L}.{mlp}"]
+    return out + ["model.norm"]
+
+
+def _encoder_paths(base, layers, norms, qk, head):
+    out = [f"{base}.embeddings.LayerNorm"]
+    for i in range(2):
+        L = f"{base}.{layers}.{i}"
+        out += [f"{L}.{p}" for p in norms + qk]
+    return out + head
+
+
+EXPECTED = {
+    "gemma3_text": _decoder_paths(2, ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                                      "post_feedforward_layernorm"), ("self_attn.q_proj", "self_attn.k_proj")),
+    "olmo2": _decoder_paths(2, ("post_attention_layernorm", "post_feedforward_layernorm"),
+                            ("self_attn.q_proj", "self_attn.k_proj")),
+    "phi3": _decoder_paths(2, ("input_layernorm", "post_attention_layernorm"), ("self_attn.qkv_proj",)),
+    "roberta": _encoder_paths("roberta", "encoder.layer",
+                              ["attention.output.LayerNorm", "output.LayerNorm", "intermediate.intermediate_act_fn"],
+                              ["attention.self.query", "attention.self.key"], ["lm_head.layer_norm", "lm_head"]),
+    "distilbert": _encoder_paths("distilbert", "transformer.layer",
+                                 ["sa_layer_norm", "output_layer_norm", "ffn.activation"],
+                                 ["attention.q_lin", "attention.k_lin"], ["vocab_layer_norm", "activation"]),
+}
+
+
+@pytest.mark.parametrize("arch", NEW)
+def test_coverage_paths_exact(arch):
+    m = tiny_causal_lm(arch)
+    with pyattr.use_relevance_rules(m) as cov:
+        assert sorted(cov.installed) == sorted(EXPECTED[arch])
+        names = dict(m.named_modules())
+        assert all(p in names for p in cov.installed + cov.skipped)
+    if arch in ("gemma3_text", "olmo2"):  # q/k norms (per head / over all heads) stay native
+        for i in range(2):
+            for n in ("q_norm", "k_norm"):
+                p = f"model.layers.{i}.self_attn.{n}"
+                assert p in cov.skipped and p not in cov.installed
+                assert cov.reasons[p].startswith("q/k norm left native (AH-rule")
+    if arch in DECODERS:
+        assert cov.by_kind["multiplicative_gate"] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "olmo2"])
+def test_qk_norms_carry_the_ln_rule_under_attnlrp(arch):
+    m = tiny_causal_lm(arch)
+    with pyattr.use_relevance_rules(m, pyattr.RelevanceRules.all(attention="attnlrp")) as cov:
+        assert {"model.layers.0.self_attn.q_norm", "model.layers.1.self_attn.k_norm"} <= set(
+            cov.by_kind["normalization"])
+
+
+@pytest.mark.parametrize("arch,impl", CASES)
+def test_conservation_float64(arch, impl):
+    """All four rules, float64: Σ relevance equals the target up to the float32 rounding of
+    the relevance fields. The encoders' tiny configs have zero biases (Hugging Face's
+    initialisation), so nothing is absorbed; with biases the delta is what they absorb
+    (test_encoder_biases_absorb_relevance)."""
+    m = tiny_causal_lm(arch, impl, dtype=torch.float64)
+    r = pyattr.relevance(m, _ids(3, 13))
+    assert (r.target.abs() > 1e-3).all()
+    assert (r.conservation_delta.abs() <= 1e-4 * r.target.abs()).all(), (r.target, r.conservation_delta)
+
+
+@pytest.mark.parametrize("arch", ENCODERS)
+def test_encoder_biases_absorb_relevance(arch):
+    m = tiny_causal_lm(arch, dtype=torch.float64)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(torch.randn_like(p) * 0.2)
+    r = pyattr.relevance(m, _ids(3, 13))
+    assert (r.conservation_delta.abs() > 1e-3 * r.target.abs()).any()
+    torch.testing.assert_close(r.token_relevance.double().sum(1), r.target - r.conservation_delta)
+
+
+@pytest.mark.parametrize("arch", NEW)
+def test_rules_change_the_gradient_and_switching_one_off_breaks_conservation(arch):
+    """Each rule kind is load-bearing: with the activation rule off the relevance is no
+    longer conserved (GELU / SiLU are not linear), so the mounts are not inert."""
+    m = tiny_causal_lm(arch, dtype=torch.float64)
+    ids = _ids(3, 13)
+    r = pyattr.relevance(m, ids, rules=pyattr.RelevanceRules(True, False, True, True))
+    assert (r.conservation_delta.abs() > 1e-4 * r.target.abs()).any()
+
+
+@pytest.mark.parametrize("arch", NEW)
+def test_scope_hygiene(arch):
+    m, other = tiny_causal_lm(arch), tiny_causal_lm(arch)
+    before = {n: dict(mod.__dict__) for n, mod in m.named_modules()}
+    with pyattr.use_relevance_rules(m):
+        assert all(state_of(mod) is None for mod in other.modules())
+        assert any(state_of(mod) is not None for mod in m.modules())
+    with pytest.raises(RuntimeError, match="boom"):
+        with pyattr.use_relevance_rules(m):
+            raise RuntimeError("boom")
+    for n, mod in m.named_modules():
+        assert "forward" not in mod.__dict__ and state_of(mod) is None, n
+        assert set(mod.__dict__) == set(before[n]), n
+    copy.deepcopy(m)  # nothing of the scope is left to copy
+
+
+def test_phi3_split_projection_scales_q_k_v_columns_by_their_gqa_widths():
+    """q | k | v of widths 32 | 16 | 16 (4 heads, 2 key/value heads of 8): the AH-rule
+    zeroes the q and k rows of the fused weight's gradient and keeps the v rows; AttnLRP
+    scales them by 1/4, 1/4, 1/2."""
+    m = tiny_causal_lm("phi3")
+    w = m.model.layers[1].self_attn.qkv_proj.weight
+    ids = _ids(2, 7)
+
+    def grad(rules):
+        with pyattr.use_relevance_rules(m, rules):
+            (g,) = torch.autograd.grad(m(ids).logits[:, -1, 5].sum(), [w])
+        return g
+
+    plain = grad(pyattr.RelevanceRules.none())
+    for mode, scales in (("frozen", (0.0, 0.0, 1.0)), ("attnlrp", (0.25, 0.25, 0.5))):
+        got = grad(pyattr.RelevanceRules(False, False, False, mode))
+        want = plain * torch.tensor(scales).repeat_interleave(torch.tensor([32, 16, 16]))[:, None]
+        torch.testing.assert_close(got, want)
+    assert plain[48:].abs().max() > 0
+
+
+def test_phi3_with_a_changed_mlp_forward_is_refused():
+    m = tiny_causal_lm("phi3")
+    mlp = m.model.layers[0].mlp
+
+    class Scaled(type(mlp)):
+        def forward(self, hidden_states):
+            up_states = self.gate_up_proj(hidden_states)
+            gate, up_states = up_states.chunk(2, dim=-1)
+            up_states = up_states * self.activation_fn(gate) * 2
+            return self.down_proj(up_states)
+
+    mlp.__class__ = Scaled
+    with pytest.raises(pyattr.RelevanceRuleUnsupportedError,
+                       match=r"'model.layers.0.mlp': Scaled.forward is not the plain gate, up = gate_up_proj"):
+        with pyattr.use_relevance_rules(m):
+            pass
+    with pyattr.use_relevance_rules(m, pyattr.RelevanceRules(normalization=True)) as cov:  # gated rules off: fine
+        assert "model.layers.0.input_layernorm" in cov.installed
+
+
+def test_roberta_head_forward_form_is_checked():
+    m = tiny_causal_lm("roberta")
+    head = m.lm_head
+
+    class Other(type(head)):
+        def forward(self, features, **kwargs):
+            return self.decoder(self.layer_norm(self.dense(features)))
+
+    head.__class__ = Other
+    with pytest.raises(pyattr.RelevanceRuleUnsupportedError,
+                       match=r"'lm_head': Other.forward is not the plain decoder\(layer_norm\(gelu\(dense\(x\)\)\)\)"):
+        with pyattr.use_relevance_rules(m):
+            pass
+
+
+@pytest.mark.parametrize("arch", NEW)
+def test_layer_relevance_nodes(arch):
+    """The residual stream (each block's input, and the final norm's on decoders) and the
+    sublayer outputs are found on each architecture; the relevance is conserved at every
+    residual layer (float64, zero biases)."""
+    m = tiny_causal_lm(arch, dtype=torch.float64)
+    res = pyattr.layer_relevance(m, _ids(2, 9), layers=["residual", "attention", "mlp"])
+    assert len(res.paths) == (7 if arch in DECODERS else 6)
+    residual = [p for p in res.paths if res[p].conservation_delta is not None]
+    assert len(residual) == (3 if arch in DECODERS else 2)
+    for p in residual:
+        assert res[p].relevance.shape == (2, 9, 32)
+        assert (res[p].conservation_delta.abs() <= 1e-4 * res.target.abs()).all(), p
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from models import minilm
+
+    return minilm()[0]
+
+
+@pytest.mark.parametrize("arch", NEW)
+def test_one_cli_run(arch, tok, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    cfg = _cfg(arch, "sdpa")
+    cfg.vocab_size = len(tok)
+    torch.manual_seed(0)
+    auto = AutoModelForMaskedLM if arch in ENCODERS else AutoModelForCausalLM
+    auto.from_config(cfg).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    args = ["explain", "--model", tmp_path, "--text", "the cat sat on the mat"]
+    if arch in ENCODERS:  # encoders: the sentence-pair similarity of their embeddings
+        args += ["--pair", "a dog lay on the rug"]
+    r = run_cli(*args)
+    assert r.returncode == 0, r.stderr
+    assert "conservation delta" in r.stdout and "rules on" in r.stdout
