@@ -354,7 +354,8 @@ def attribution_patching(
 
     Args:
         model (nn.Module): a Hugging Face model of a mapped architecture (llama, mistral,
-            qwen2, qwen3, gemma, gemma2, gpt2, gpt_neox, bert).
+            qwen2, qwen3, gemma, gemma2, gemma3_text, olmo2, phi3, gpt2, gpt_neox, bert,
+            roberta, distilbert).
         clean, corrupt (LongTensor[batch, seq] | Mapping): token ids or tokenizer outputs;
             row i of ``corrupt`` is the counterfactual of row i of ``clean``.
         metric: what the effects are measured on: a :mod:`pyattr.targets` target

@@ -592,7 +592,9 @@ def use_relevance_rules(
 
     Args:
         model (nn.Module): a Hugging Face model (Llama, Mistral, Qwen2, Qwen3, Gemma,
-            Gemma2, GPT-2, GPT-NeoX/Pythia, BERT), with or without its head.
+            Gemma2, Gemma 3 text, OLMo 2, Phi-3, GPT-2, GPT-NeoX/Pythia, BERT, RoBERTa,
+            DistilBERT), with or without its head; also placed by accelerate, or wrapped in
+            DataParallel / DDP.
         rules (RelevanceRules, optional): which rules. ``RelevanceRules()`` is every rule off
             (TransformerLens' defaults: ``RelevanceRules(normalization=True)`` is the
             LN-rule alone). Default (``None``): ``RelevanceRules.all()``, the four rules
