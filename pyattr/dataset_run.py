@@ -254,6 +254,7 @@ def _write_shard(out: Path, rank: int, seq: int, rows: List[dict]) -> str:
 def _manifest(model, tokenizer, rules, text_field, target_field, data, command, world) -> dict:
     import pyattr
     from pyattr import backends
+    from pyattr.explain import _rules_dict
 
     cfg = getattr(model, "config", None)
     dtype = next((str(p.dtype).replace("torch.", "") for p in model.parameters()), "float32")
@@ -264,8 +265,7 @@ def _manifest(model, tokenizer, rules, text_field, target_field, data, command, 
     return {
         "model": name,
         "model_type": getattr(cfg, "model_type", None),
-        "rules": {"normalization": rules.normalization, "activation": rules.activation,
-                  "multiplicative_gate": rules.multiplicative_gate, "attention": rules.attention},
+        "rules": _rules_dict(rules),
         "backend": backends.select(torch.device(device), "identity"),
         "dtype": dtype,
         "device": device,

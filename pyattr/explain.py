@@ -214,6 +214,7 @@ def _rules_dict(rules: RelevanceRules) -> dict:
         "activation": rules.activation,
         "multiplicative_gate": rules.multiplicative_gate,
         "attention": rules.attention,
+        "routing": rules.routing,
     }
 
 

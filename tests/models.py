@@ -43,6 +43,17 @@ def _cfg(arch: str, attn: str):
     elif arch == "distilbert":
         c = T.DistilBertConfig(dim=32, hidden_dim=64, n_heads=4, n_layers=2, vocab_size=VOCAB, max_position_embeddings=64,
                                dropout=0.0, attention_dropout=0.0, initializer_range=0.2, pad_token_id=0)
+    elif arch == "mixtral":
+        c = T.MixtralConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                            num_local_experts=4, num_experts_per_tok=2, sliding_window=None, **common)
+    elif arch == "qwen2_moe":
+        c = T.Qwen2MoeConfig(hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+                             shared_expert_intermediate_size=40, num_attention_heads=4, num_key_value_heads=2,
+                             num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1], **common)
+    elif arch == "qwen3_moe":
+        c = T.Qwen3MoeConfig(hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                             norm_topk_prob=True, **common)
     elif arch == "gpt2":
         c = T.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64, initializer_range=0.2)
     elif arch == "gpt_neox":

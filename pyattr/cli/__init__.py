@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-norm-rule", action="store_true", help="switch off the LN-rule")
     e.add_argument("--no-activation-rule", action="store_true", help="switch off the Identity-rule")
     e.add_argument("--no-gate-rule", action="store_true", help="switch off the Half-rule on gates")
+    e.add_argument("--no-routing-rule", action="store_true",
+                   help="mixture-of-experts models: let gradient flow through the routing weights")
     e.add_argument(
         "--backend",
         default=None,
@@ -113,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--target", default="top1", help="a field holding each prompt's target token, or top1 (default)")
     r.add_argument("--rules", default="all",
                    help="all (default), attnlrp, none, or a comma list of normalization,activation,"
-                        "multiplicative_gate,attention")
+                        "multiplicative_gate,attention,routing")
     r.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="model dtype")
     r.add_argument("--max-tokens-per-batch", type=int, default=4096, help="rows x padded length per pass (default 4096)")
     r.add_argument("--shard-size", type=int, default=256, help="rows per Parquet shard (default 256)")

@@ -19,6 +19,7 @@ def rules_from_args(args):
         activation=not args.no_activation_rule,
         multiplicative_gate=not args.no_gate_rule,
         attention=attention,
+        routing=not args.no_routing_rule,
     )
 
 

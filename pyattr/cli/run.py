@@ -10,12 +10,13 @@ from pathlib import Path
 
 from pyattr.cli._common import UsageError, fail
 
-_RULE_FIELDS = ("normalization", "activation", "multiplicative_gate", "attention")
+_RULE_FIELDS = ("normalization", "activation", "multiplicative_gate", "attention", "routing")
 
 
 def parse_rules(text: str):
     """``all`` (default), ``attnlrp`` (all, AttnLRP attention), ``none``, or a comma list of
-    normalization, activation, multiplicative_gate, attention (the AH-rule)."""
+    normalization, activation, multiplicative_gate, attention (the AH-rule), routing
+    (frozen mixture-of-experts routing)."""
     from pyattr.integration.config import RelevanceRules
 
     if text == "all":

@@ -20,7 +20,8 @@ class Arch:
     layer_norms: Tuple[str, ...]      # per block, residual-stream norms
     outer_norms: Tuple[str, ...]      # norms outside the blocks (final / embedding norm)
     mlp: Tuple[str, str]              # ("gated", mlp path), ("gated_fused", mlp path with one
-                                      # gate_up_proj) or ("act", activation module path)
+                                      # gate_up_proj), ("moe", sparse block path) or ("act",
+                                      # activation module path)
     attention: Tuple                  # ("separate", q, k, v), ("concat", fused), ("per_head", fused)
                                       # or ("split", fused): q | k | v with GQA widths
     entry: Tuple[str, str]            # (module path, "layer0") where relevance is measured
@@ -97,6 +98,11 @@ ARCHITECTURES = {
             "attention": ("split", "self_attn.qkv_proj"),
         }
     ),
+    # mixture of experts: a router, experts stored as 3-D weights, and (Qwen2-MoE) a
+    # shared expert behind a sigmoid gate; layers without experts are gated MLPs
+    "mixtral": Arch(**{**_LLAMA.__dict__, "mlp": ("moe", "mlp")}),
+    "qwen2_moe": Arch(**{**_LLAMA.__dict__, "mlp": ("moe", "mlp")}),
+    "qwen3_moe": Arch(**{**_LLAMA.__dict__, "mlp": ("moe", "mlp"), "qk_norms": ("self_attn.q_norm", "self_attn.k_norm")}),
     "gpt2": Arch(
         layers="h",
         norm="layer_norm",

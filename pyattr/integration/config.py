@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Union
 
 _ATTENTION_MODES = {False: False, True: "frozen", "frozen": "frozen", "attnlrp": "attnlrp"}
+_ROUTING_MODES = {False: False, True: "frozen", "frozen": "frozen"}
 
 
 @dataclass(frozen=True)
@@ -26,9 +27,17 @@ class RelevanceRules:
         attention (bool | str): ``False`` (native), ``True`` or ``"frozen"`` (AH-rule: the
             attention pattern is a constant, gradient flows through V only) or
             ``"attnlrp"`` (uniform rule: q and k gradients ×¼, v gradient ×½). Default: False.
+        routing (bool | str): mixture-of-experts routing. ``False`` (native: gradient also
+            flows through the routing weights into the router) or ``True`` / ``"frozen"``:
+            the routing weights that scale the selected experts' outputs (and Qwen2-MoE's
+            shared-expert gate) are constants in the backward, as the attention pattern is
+            under the AH-rule (AttnLRP, ICML 2024, treats the softmax-normalised attention
+            weights this way; a router's top-k softmax is the same kind of data-dependent
+            mixing weight). Relevance then flows only through the selected experts and
+            is conserved. Only mixture-of-experts models have a mount for it. Default: False.
 
     Raises:
-        ValueError: ``attention`` is none of the values above.
+        ValueError: ``attention`` or ``routing`` is none of the values above.
         TypeError: a switch other than ``attention`` is not a bool.
     """
 
@@ -36,6 +45,7 @@ class RelevanceRules:
     activation: bool = False
     multiplicative_gate: bool = False
     attention: Union[bool, str] = False
+    routing: Union[bool, str] = False
 
     def __post_init__(self):
         for name in ("normalization", "activation", "multiplicative_gate"):
@@ -48,12 +58,19 @@ class RelevanceRules:
                 f"RelevanceRules.attention must be False, True, 'frozen' or 'attnlrp', got {self.attention!r}"
             ) from None
         object.__setattr__(self, "attention", mode)
+        try:
+            routing = _ROUTING_MODES[self.routing]
+        except (KeyError, TypeError):
+            raise ValueError(f"RelevanceRules.routing must be False, True or 'frozen', got {self.routing!r}") from None
+        object.__setattr__(self, "routing", routing)
 
     @classmethod
-    def all(cls, attention: Union[bool, str] = True) -> "RelevanceRules":
+    def all(cls, attention: Union[bool, str] = True, routing: Union[bool, str] = "frozen") -> "RelevanceRules":
         """All four rules: LN-rule, Identity-rule, Half-rule and the AH-rule (``attention=True``),
-        or the AttnLRP attention rule with ``attention="attnlrp"``."""
-        return cls(normalization=True, activation=True, multiplicative_gate=True, attention=attention)
+        or the AttnLRP attention rule with ``attention="attnlrp"``; and frozen routing on
+        mixture-of-experts models."""
+        return cls(normalization=True, activation=True, multiplicative_gate=True, attention=attention,
+                   routing=routing)
 
     @classmethod
     def none(cls) -> "RelevanceRules":
@@ -61,7 +78,8 @@ class RelevanceRules:
         return cls(False, False, False, False)
 
     def any(self) -> bool:
-        return bool(self.normalization or self.activation or self.multiplicative_gate or self.attention)
+        return bool(self.normalization or self.activation or self.multiplicative_gate or self.attention
+                    or self.routing)
 
 
 @dataclass
@@ -75,7 +93,8 @@ class RelevanceRuleCoverage:
         skipped (list[str]): rule mounts and look-alike modules left native, with
             ``reasons[path]`` saying why (rule switched off, not a residual-stream norm…).
         by_kind (dict[str, list[str]]): installed paths per rule kind
-            (``normalization``, ``activation``, ``multiplicative_gate``, ``attention``).
+            (``normalization``, ``activation``, ``multiplicative_gate``, ``attention``,
+            ``routing``).
         inherited (dict[str, list[str]]): paths whose rule this scope leaves off but an
             enclosing scope still holds (nested scopes add rules, never remove them),
             with the kinds.

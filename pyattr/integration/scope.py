@@ -143,6 +143,47 @@ def _gated_fused_forward(kind: str, path: str):
     return make
 
 
+def _router_forward():
+    """The router's (logits, routing weights, expert indices) with the weights detached:
+    the frozen routing rule (the selected experts and the forward are unchanged)."""
+    def make(router, state):
+        native = state.native
+
+        def forward(*args, **kwargs):
+            logits, weights, index = native(*args, **kwargs)
+            return logits, weights.detach(), index
+
+        return forward
+
+    return make
+
+
+def _experts_forward(kind: str):
+    """The experts' own (dispatched) forward, with their gate ``act(gate)·up`` computed by
+    the fused gated_activation op: every non-eager experts implementation of transformers
+    calls ``self._apply_gate(gate_up)``, so an instance attribute set for the call takes
+    its place. The product is commutative, so the values are bit-identical."""
+    def make(experts, state):
+        native = state.native
+        act = Activation(kind, forward_fn(experts.act_fn, kind) if kind != "custom" else experts.act_fn.forward)
+
+        def apply_gate(gate_up):
+            gate, up = gate_up.chunk(2, dim=-1)
+            return gated_activation(gate, up, act, identity=state.active("activation"),
+                                    half=state.active("multiplicative_gate"))
+
+        def forward(*args, **kwargs):
+            experts.__dict__["_apply_gate"] = apply_gate
+            try:
+                return native(*args, **kwargs)
+            finally:
+                experts.__dict__.pop("_apply_gate", None)
+
+        return forward
+
+    return make
+
+
 def _head_forward(act: Activation):
     """RoBERTa's masked-LM head, ``decoder(layer_norm(gelu(dense(x))))``, with the
     Identity-rule on the gelu it calls as a function (the LayerNorm is mounted itself)."""
@@ -387,6 +428,64 @@ class _Planner:
         for k in wanted:
             self.add(k, path, mlp, True, _gated_fused_forward(kind, path), check_output=False)
 
+    def moe(self, path: str) -> None:
+        """A sparse mixture-of-experts block (Mixtral, Qwen2-MoE, Qwen3-MoE): the routing
+        rule on the router (and the shared-expert gate), the Identity- and Half-rules on
+        the experts' gate through the fused op, the gated MLP rules on a shared expert.
+        A layer of the model without experts is a plain gated MLP."""
+        block = self.need(path)
+        experts, router = getattr(block, "experts", None), getattr(block, "gate", None)
+        if not isinstance(experts, nn.Module):
+            self.gated_mlp(path)
+            return
+        if not isinstance(router, nn.Module):
+            raise RelevanceRuleUnsupportedError(f"{path!r}: a mixture-of-experts block needs a gate (router) module")
+        gates = [(A.join(path, "gate"), router, _router_forward())]
+        shared_gate = getattr(block, "shared_expert_gate", None)
+        if isinstance(shared_gate, nn.Module):
+            gates.append((A.join(path, "shared_expert_gate"), shared_gate, _projection_forward(0.0)))
+        for p, mod, make in gates:
+            self.mounted.add(id(mod))
+            if self.rules.routing:
+                self.add("routing", p, mod, self.rules.routing, make)
+            else:
+                self.off("routing", p, mod, "routing rule off")
+        epath = A.join(path, "experts")
+        wanted = [k for k in ("activation", "multiplicative_gate") if getattr(self.rules, k)]
+        for k in ("activation", "multiplicative_gate"):
+            if k not in wanted:
+                self.off(k, epath, experts, f"{k} rule off")
+        if wanted:
+            self._check_experts(epath, experts)
+            kind = _kind_of_module(experts.act_fn) or "custom"
+            self.mounted.add(id(experts.act_fn))
+            for k in wanted:
+                self.add(k, epath, experts, True, _experts_forward(kind), check_output=False)
+        if isinstance(getattr(block, "shared_expert", None), nn.Module):
+            self.gated_mlp(A.join(path, "shared_expert"))
+
+    def _check_experts(self, path: str, experts: nn.Module) -> None:
+        impl = getattr(getattr(experts, "config", None), "_experts_implementation", None)
+        try:
+            from transformers.integrations.moe import _default_apply_gate
+        except ImportError:  # pragma: no cover - transformers without the experts interface
+            _default_apply_gate = None
+        checks = [
+            (impl not in (None, "eager"), f"experts_implementation {impl!r}: the eager one computes act(gate)·up "
+             "inline, where no rule can reach it; load the model with experts_implementation=\"grouped_mm\" (or \"batched_mm\")"),
+            (getattr(experts, "has_gate", False) is True and getattr(experts, "is_concatenated", False) is True
+             and not getattr(experts, "has_bias", False) and not getattr(experts, "has_post_expert_norm", False),
+             "experts without the plain concatenated gate | up layout (gated, no bias, no post-expert norm)"),
+            (_default_apply_gate is not None and getattr(type(experts), "_apply_gate", None) is _default_apply_gate,
+             f"{type(experts).__name__} has its own _apply_gate, not act(gate)·up"),
+            (isinstance(getattr(experts, "act_fn", None), nn.Module), "experts without an act_fn module"),
+        ]
+        for ok, why in checks:
+            if not ok:
+                raise RelevanceRuleUnsupportedError(f"{path!r}: {why}; the gated rules cannot be placed")
+        if has_hooks(experts.act_fn):
+            raise RelevanceRuleConflictError(_bypass_message(path))
+
     def head_forward(self, path: str) -> None:
         head = A.get_submodule(self.model, path)
         if not isinstance(head, nn.Module):
@@ -506,6 +605,8 @@ def _plan_known(model: nn.Module, rules: RelevanceRules, model_type: str) -> _Pl
             pl.gated_mlp(A.join(layer, p))
         elif kind == "gated_fused":
             pl.gated_fused_mlp(A.join(layer, p))
+        elif kind == "moe":
+            pl.moe(A.join(layer, p))
         else:
             pl.activation(A.join(layer, p), A.join(layer, p.rsplit(".", 1)[0]))
     for p in arch.outer_norms:
