@@ -36,7 +36,8 @@ from pyattr.integration.scope import model_type_of
 # as the second element of its output (Hugging Face eager attention)
 _CORE = {"llama": "self_attn", "gpt2": "attn", "gpt_neox": "attention", "bert": "attention.self",
          "roberta": "attention.self"}
-for _name in ("mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "phi3"):
+for _name in ("mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "phi3", "mixtral", "qwen2_moe",
+              "qwen3_moe"):
     _CORE[_name] = _CORE["llama"]
 
 _CACHE_KWARGS = ("past_key_value", "past_key_values", "layer_past", "cache")

@@ -47,8 +47,21 @@ _PARTS = {
     "gpt_neox": ("attention", "mlp", ("mlp.dense_4h_to_h", "input")),
     "bert": ("attention.output.dense", "output.dense", ("intermediate", "output")),
     "distilbert": ("attention.out_lin", "ffn", ("ffn.activation", "output")),
+    "modernbert": ("attn", "mlp", ("mlp.Wo", "input")),
 }
 _PARTS["roberta"] = _PARTS["bert"]
+# mixture of experts: the sparse block's output is the MLP's contribution; its hidden
+# units live per expert (rows of a 3-D weight), not one set per position
+for _name in ("mixtral", "qwen2_moe", "qwen3_moe"):
+    _PARTS[_name] = ("self_attn", "mlp", (None, None))
+
+
+def no_neurons(model: nn.Module, arg: str) -> ValueError:
+    return ValueError(
+        f"{arg}: {type(model).__name__} is a mixture-of-experts model; its MLP hidden units belong to "
+        "each expert (rows of 3-D weights), not to a position, so there is no 'neurons' layer. Use "
+        "'mlp' (each sparse block's output) or dotted module paths"
+    )
 for _name in ("mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "phi3"):
     _PARTS[_name] = _PARTS["llama"]
 
@@ -149,12 +162,14 @@ def expand_layers(model: nn.Module, layers, attribute_to_layer_input: bool = Fal
             arch, blocks, (attn, mlp, (neurons, neurons_where)) = _blocks(model, item)
             if item == "residual":
                 out += [_Layer(b, model.get_submodule(b), "input", True) for b in blocks]
-                final = [n for n in arch.outer_norms if n != "embeddings.LayerNorm"]
+                final = [n for n in arch.outer_norms if not n.startswith("embeddings")]
                 for n in final:
                     p = A.join(A.base_prefix(model), n)
                     out.append(_Layer(p, model.get_submodule(p), "input", True))
             else:
                 rel = {"attention": attn, "mlp": mlp, "neurons": neurons}[item]
+                if rel is None:
+                    raise no_neurons(model, "layers")
                 where = neurons_where if item == "neurons" else "output"
                 for b in blocks:
                     p = f"{b}.{rel}"

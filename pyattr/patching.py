@@ -46,7 +46,7 @@ from pyattr.attribution import evaluate_targets, leaf, run_model
 from pyattr.integration import architectures as A
 from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.integration.scope import model_type_of
-from pyattr.layer_attribution import _PARTS
+from pyattr.layer_attribution import _PARTS, no_neurons
 from pyattr.integration.wrappers import unwrap
 
 __all__ = ["NODES", "PATCHING_RULES", "PatchingResult", "activation_patching", "attribution_patching"]
@@ -64,8 +64,10 @@ PATCHING_RULES = RelevanceRules(normalization=True)
 
 # block-relative path of the attention output projection, whose input is split per head
 _HEADS = {"llama": "self_attn.o_proj", "gpt2": "attn.c_proj", "gpt_neox": "attention.dense",
-          "bert": "attention.output.dense", "roberta": "attention.output.dense", "distilbert": "attention.out_lin"}
-for _name in ("mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "phi3"):
+          "bert": "attention.output.dense", "roberta": "attention.output.dense", "distilbert": "attention.out_lin",
+          "modernbert": "attn.Wo"}
+for _name in ("mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "phi3", "mixtral",
+              "qwen2_moe", "qwen3_moe"):
     _HEADS[_name] = _HEADS["llama"]
 
 
@@ -182,6 +184,8 @@ def node_sites(model: nn.Module, nodes: Sequence[str]) -> Dict[str, List[_Site]]
         )
     blocks = A.layer_paths(model, A.ARCHITECTURES[mt])
     attn, mlp, (neurons, neurons_where) = _PARTS[mt]
+    if neurons is None and "neurons" in nodes:
+        raise no_neurons(model, "nodes")
     rel = {"attention": (attn, "output"), "mlp": (mlp, "output"), "neurons": (neurons, neurons_where),
            "heads": (_HEADS[mt], "input")}
     out: Dict[str, List[_Site]] = {}

@@ -5,7 +5,7 @@ import functools
 import torch
 
 VOCAB = 96
-ENCODERS = ("bert", "roberta", "distilbert")
+ENCODERS = ("bert", "roberta", "distilbert", "modernbert")
 
 
 def _cfg(arch: str, attn: str):
@@ -40,6 +40,11 @@ def _cfg(arch: str, attn: str):
     elif arch == "roberta":
         c = T.RobertaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, max_position_embeddings=64,
                             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=1, **common)
+    elif arch == "modernbert":
+        c = T.ModernBertConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_hidden_layers=2,
+                               vocab_size=VOCAB, global_attn_every_n_layers=2, local_attention=8, pad_token_id=0,
+                               bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2, mask_token_id=3,
+                               initializer_range=0.2, embedding_dropout=0.0, mlp_dropout=0.0, attention_dropout=0.0)
     elif arch == "distilbert":
         c = T.DistilBertConfig(dim=32, hidden_dim=64, n_heads=4, n_layers=2, vocab_size=VOCAB, max_position_embeddings=64,
                                dropout=0.0, attention_dropout=0.0, initializer_range=0.2, pad_token_id=0)

@@ -1,4 +1,5 @@
-"""Gemma 3 (text), OLMo 2, Phi-3, RoBERTa and DistilBERT: the bar the first nine meet.
+"""Gemma 3 (text), OLMo 2, Phi-3, RoBERTa, DistilBERT and ModernBERT: the bar the first
+nine meet.
 
 Bit-identical forwards with the rules installed (eager and sdpa, AH-rule and AttnLRP),
 the rule map by position (exact coverage paths), conservation in float64 with all rules,
@@ -19,7 +20,10 @@ from pyattr.integration.patching import state_of
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 DECODERS = ["gemma3_text", "olmo2", "phi3"]
-ENCODERS = ["roberta", "distilbert"]
+ENCODERS = ["roberta", "distilbert", "modernbert"]
+# the residual stream has a final norm: its input is a residual layer too
+FINAL_NORM = DECODERS + ["modernbert"]
+WIDTH = {"roberta": 64, "distilbert": 64}  # MLP hidden width; 48 elsewhere
 NEW = DECODERS + ENCODERS
 CASES = [(a, impl) for a in NEW for impl in ("eager", "sdpa")]
 
@@ -77,6 +81,8 @@ EXPECTED = {
     "distilbert": _encoder_paths("distilbert", "transformer.layer",
                                  ["sa_layer_norm", "output_layer_norm", "ffn.activation"],
                                  ["attention.q_lin", "attention.k_lin"], ["vocab_layer_norm", "activation"]),
+    "modernbert": ["model.embeddings.norm", "model.final_norm", "head.act", "head.norm", "model.layers.1.attn_norm"]
+    + [f"model.layers.{i}.{p}" for i in range(2) for p in ("attn.Wqkv", "mlp", "mlp_norm")],
 }
 
 
@@ -93,8 +99,10 @@ def test_coverage_paths_exact(arch):
                 p = f"model.layers.{i}.self_attn.{n}"
                 assert p in cov.skipped and p not in cov.installed
                 assert cov.reasons[p].startswith("q/k norm left native (AH-rule")
-    if arch in DECODERS:
+    if arch in DECODERS + ["modernbert"]:
         assert cov.by_kind["multiplicative_gate"] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    if arch == "modernbert":
+        assert cov.reasons["model.layers.0.attn_norm"] == "nn.Identity: no norm here"
 
 
 @pytest.mark.parametrize("arch", ["gemma3_text", "olmo2"])
@@ -189,7 +197,7 @@ def test_phi3_with_a_changed_mlp_forward_is_refused():
 
     mlp.__class__ = Scaled
     with pytest.raises(pyattr.RelevanceRuleUnsupportedError,
-                       match=r"'model.layers.0.mlp': Scaled.forward is not the plain gate, up = gate_up_proj"):
+                       match=r"'model.layers.0.mlp': Scaled.forward is not the plain a, b = gate_up_proj\(x\).chunk\(2\)"):
         with pyattr.use_relevance_rules(m):
             pass
     with pyattr.use_relevance_rules(m, pyattr.RelevanceRules(normalization=True)) as cov:  # gated rules off: fine
@@ -218,9 +226,9 @@ def test_layer_relevance_nodes(arch):
     residual layer (float64, zero biases)."""
     m = tiny_causal_lm(arch, dtype=torch.float64)
     res = pyattr.layer_relevance(m, _ids(2, 9), layers=["residual", "attention", "mlp"])
-    assert len(res.paths) == (7 if arch in DECODERS else 6)
+    assert len(res.paths) == (7 if arch in FINAL_NORM else 6)
     residual = [p for p in res.paths if res[p].conservation_delta is not None]
-    assert len(residual) == (3 if arch in DECODERS else 2)
+    assert len(residual) == (3 if arch in FINAL_NORM else 2)
     for p in residual:
         assert res[p].relevance.shape == (2, 9, 32)
         assert (res[p].conservation_delta.abs() <= 1e-4 * res.target.abs()).all(), p
@@ -267,7 +275,7 @@ def test_patching_nodes(arch):
     for node in nodes[:4]:
         assert torch.equal(same[node], torch.zeros_like(same[node])), node
     est = P.attribution_patching(m, clean, corrupt, T.Logit(4), nodes=nodes, method="atp")
-    width = 64 if arch in ENCODERS else 48
+    width = WIDTH.get(arch, 48)
     assert est["residual"].shape == (1, 2, 6) and est["heads"].shape == (1, 2, 6, 4)
     assert est["neurons"].shape == (1, 2, 6, width)
     assert est["mlp"][0, :, 2].abs().max() > 0  # the changed position moves every layer's MLP

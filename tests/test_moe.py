@@ -166,3 +166,26 @@ def test_scope_hygiene_and_routing_values():
         pyattr.RelevanceRules(routing="half")
     assert pyattr.RelevanceRules.all().routing == "frozen" and pyattr.RelevanceRules(routing=True).routing == "frozen"
     assert pyattr.RelevanceRules(routing=True).any() and not pyattr.RelevanceRules().any()
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_layer_relevance_and_patching_nodes(arch):
+    """Residual and sublayer nodes are found; the residual stream conserves at every block
+    input; 'neurons' is refused with a reason (hidden units belong to experts)."""
+    from pyattr import patching as P
+    from pyattr import targets as T
+
+    m = tiny_causal_lm(arch)
+    ids = _ids(2, 9)
+    res = pyattr.layer_relevance(m, ids, layers=["residual", "mlp"])
+    assert len(res.paths) == 5
+    for p in ("model.layers.0", "model.layers.1", "model.norm"):
+        assert (res[p].conservation_delta.abs() <= 1e-4 * res.target.abs()).all(), p
+    for call in (lambda: pyattr.layer_relevance(m, ids, layers="neurons"),
+                 lambda: P.attribution_patching(m, ids, _ids(2, 9, seed=1), T.Logit(3), nodes="neurons")):
+        with pytest.raises(ValueError, match=r"is a mixture-of-experts model; its MLP hidden units belong to each expert"):
+            call()
+    est = P.attribution_patching(m, ids, _ids(2, 9, seed=1), T.Logit(3), nodes=("residual", "mlp", "heads"))
+    assert est["heads"].shape == (2, 2, 9, 4)
+    same = P.activation_patching(m, ids, ids.clone(), T.Logit(3), nodes=("residual", "mlp"), progress=False)
+    assert torch.equal(same["mlp"], torch.zeros_like(same["mlp"]))

@@ -94,7 +94,7 @@ ARCHITECTURES = {
     "phi3": Arch(
         **{
             **_LLAMA.__dict__,
-            "mlp": ("gated_fused", "mlp"),
+            "mlp": ("gated_fused", "mlp"),  # the form: scope.FUSED_GATED_FORMS["phi3"]
             "attention": ("split", "self_attn.qkv_proj"),
         }
     ),
@@ -137,6 +137,19 @@ ARCHITECTURES = {
         entry=("embeddings.LayerNorm", "input"),
         head_norms=("cls.predictions.transform.LayerNorm",),
         head_acts=("cls.predictions.transform.transform_act_fn",),
+    ),
+    # ModernBERT: pre-norm (the first layer's attention norm is an nn.Identity), LayerNorms
+    # without bias, fused Wqkv (MHA thirds), GeGLU through one Wi, a dense → act → norm head
+    "modernbert": Arch(
+        layers="layers",
+        norm="layer_norm",
+        layer_norms=("attn_norm", "mlp_norm"),
+        outer_norms=("embeddings.norm", "final_norm"),
+        mlp=("gated_fused", "mlp"),  # the form: scope.FUSED_GATED_FORMS["modernbert"]
+        attention=("concat", "attn.Wqkv"),
+        entry=("embeddings.norm", "input"),
+        head_norms=("head.norm",),
+        head_acts=("head.act",),
     ),
     "distilbert": Arch(
         layers="transformer.layer",

@@ -122,21 +122,47 @@ def _gated_forward(kind: str, path: str):
     return make
 
 
-def _gated_fused_forward(kind: str, path: str):
-    """Phi-3's MLP: ``down_proj(up * act(gate))`` with ``gate, up = gate_up_proj(x).chunk(2)``.
-    The product is commutative in floating point, so act(gate)·up is bit-identical."""
+@dataclass(frozen=True)
+class FusedGatedForm:
+    """An MLP with one projection for both halves: ``a, b = proj(x).chunk(2)``, then
+    ``down(drop(act(a) * b))`` (``drop`` optional). The source of its forward must match
+    ``pattern`` (whitespace and comments removed) and read no other attribute."""
+
+    proj: str
+    act: str
+    down: str
+    drop: Optional[str]
+    pattern: str
+
+
+PHI3_MLP = FusedGatedForm(
+    "gate_up_proj", "activation_fn", "down_proj", None,
+    r"(\w+)=self\.gate_up_proj\((\w+)\)gate,(\w+)=\1\.chunk\(2,dim=-1\)\3=\3\*self\.activation_fn\(gate\)"
+    r"returnself\.down_proj\(\3\)",
+)
+MODERNBERT_MLP = FusedGatedForm(
+    "Wi", "act", "Wo", "drop",
+    r"(\w+),(\w+)=self\.Wi\((\w+)\)\.chunk\(2,dim=-1\)returnself\.Wo\(self\.drop\(self\.act\(\1\)\*\2\)\)",
+)
+FUSED_GATED_FORMS = {"phi3": PHI3_MLP, "modernbert": MODERNBERT_MLP}
+
+
+def _gated_fused_forward(kind: str, path: str, form: FusedGatedForm):
+    """``down(drop(act(a)·b))`` with ``a, b = proj(x).chunk(2)`` through the fused op.
+    The product is commutative in floating point (Phi-3 writes ``b * act(a)``), so the
+    values are bit-identical."""
     def make(mlp, state):
-        act_mod = mlp.activation_fn
+        act_mod = getattr(mlp, form.act)
         act = Activation(kind, forward_fn(act_mod, kind) if kind != "custom" else act_mod.forward)
+        proj, down = getattr(mlp, form.proj), getattr(mlp, form.down)
+        drop = getattr(mlp, form.drop) if form.drop else None
 
         def forward(x):
             if has_hooks(act_mod):
-                raise RelevanceRuleConflictError(_bypass_message(path, "activation_fn"))
-            gate, up = mlp.gate_up_proj(x).chunk(2, dim=-1)
-            h = gated_activation(
-                gate, up, act, identity=state.active("activation"), half=state.active("multiplicative_gate")
-            )
-            return mlp.down_proj(h)
+                raise RelevanceRuleConflictError(_bypass_message(path, form.act))
+            a, b = proj(x).chunk(2, dim=-1)
+            h = gated_activation(a, b, act, identity=state.active("activation"), half=state.active("multiplicative_gate"))
+            return down(h if drop is None else drop(h))
 
         return forward
 
@@ -280,21 +306,13 @@ def _flat_source(fn) -> Optional[str]:
     return re.sub(r"\s+", "", body)
 
 
-_FUSED_GATED_LINES = (
-    r"(\w+)=self\.gate_up_proj\((\w+)\)",
-    r"gate,(\w+)=\1\.chunk\(2,dim=-1\)",
-    r"\3=\3\*self\.activation_fn\(gate\)",
-    r"returnself\.down_proj\(\3\)",
-)
-
-
-def plain_fused_gated_forward(mlp: nn.Module) -> bool:
-    """True when the MLP's forward is exactly Phi-3's ``gate, up = gate_up_proj(x).chunk(2);
-    down_proj(up * activation_fn(gate))``."""
+def plain_fused_gated_forward(mlp: nn.Module, form: FusedGatedForm) -> bool:
+    """True when the MLP's forward is exactly ``form``'s."""
     flat = _flat_source(type(mlp).forward)
-    if flat is None or not re.search("".join(_FUSED_GATED_LINES), flat):
+    if flat is None or not re.search(form.pattern, flat):
         return False
-    return set(re.findall(r"self\.(\w+)", flat)) <= {"gate_up_proj", "activation_fn", "down_proj"}
+    names = {form.proj, form.act, form.down} | ({form.drop} if form.drop else set())
+    return set(re.findall(r"self\.(\w+)", flat)) <= names
 
 
 _HEAD_EXPR = re.compile(
@@ -351,6 +369,10 @@ class _Planner:
 
     def norm(self, path: str, norm: str, offset: float) -> None:
         mod = self.need(path)
+        if isinstance(mod, nn.Identity):  # ModernBERT's first layer: no norm in that place
+            self.mounted.add(id(mod))
+            self.cov._skip(path, "nn.Identity: no norm here")
+            return
         if norm == "layer_norm":
             if not isinstance(mod, nn.LayerNorm) or len(mod.normalized_shape) != 1:
                 raise RelevanceRuleUnsupportedError(
@@ -400,33 +422,35 @@ class _Planner:
         for k in wanted:
             self.add(k, path, mlp, True, _gated_forward(kind, path), check_output=False)
 
-    def gated_fused_mlp(self, path: str) -> None:
-        """Phi-3's MLP (one gate_up_proj): the Identity- and Half-rules through the fused
-        gated_activation op, as for a gated MLP with separate projections."""
+    def gated_fused_mlp(self, path: str, form: FusedGatedForm) -> None:
+        """An MLP with one projection for gate and up (Phi-3's gate_up_proj, ModernBERT's
+        GeGLU Wi): the Identity- and Half-rules through the fused gated_activation op, as
+        for a gated MLP with separate projections."""
         mlp = self.need(path)
-        for name in ("gate_up_proj", "down_proj", "activation_fn"):
+        for name in (form.proj, form.act, form.down) + ((form.drop,) if form.drop else ()):
             if not isinstance(getattr(mlp, name, None), nn.Module):
                 raise RelevanceRuleUnsupportedError(
-                    f"{path!r}: a fused gated MLP needs gate_up_proj, down_proj and activation_fn modules; "
+                    f"{path!r}: a fused gated MLP needs {form.proj}, {form.act} and {form.down} modules; "
                     f"{name} is missing"
                 )
-        kind = _kind_of_module(mlp.activation_fn) or "custom"
-        self.mounted.add(id(mlp.activation_fn))
+        act = getattr(mlp, form.act)
+        kind = _kind_of_module(act) or "custom"
+        self.mounted.add(id(act))
         wanted = [k for k in ("activation", "multiplicative_gate") if getattr(self.rules, k)]
         for k in ("activation", "multiplicative_gate"):
             if k not in wanted:
                 self.off(k, path, mlp, f"{k} rule off")
         if not wanted:
             return
-        if not plain_fused_gated_forward(mlp):
+        if not plain_fused_gated_forward(mlp, form):
             raise RelevanceRuleUnsupportedError(
-                f"{path!r}: {type(mlp).__name__}.forward is not the plain gate, up = gate_up_proj(x).chunk(2); "
-                "down_proj(up * activation_fn(gate)); the gated rule would change its forward"
+                f"{path!r}: {type(mlp).__name__}.forward is not the plain a, b = {form.proj}(x).chunk(2); "
+                f"{form.down}(act(a) * b); the gated rule would change its forward"
             )
-        if has_hooks(mlp.activation_fn):
-            raise RelevanceRuleConflictError(_bypass_message(path, "activation_fn"))
+        if has_hooks(act):
+            raise RelevanceRuleConflictError(_bypass_message(path, form.act))
         for k in wanted:
-            self.add(k, path, mlp, True, _gated_fused_forward(kind, path), check_output=False)
+            self.add(k, path, mlp, True, _gated_fused_forward(kind, path, form), check_output=False)
 
     def moe(self, path: str) -> None:
         """A sparse mixture-of-experts block (Mixtral, Qwen2-MoE, Qwen3-MoE): the routing
@@ -604,7 +628,7 @@ def _plan_known(model: nn.Module, rules: RelevanceRules, model_type: str) -> _Pl
         if kind == "gated":
             pl.gated_mlp(A.join(layer, p))
         elif kind == "gated_fused":
-            pl.gated_fused_mlp(A.join(layer, p))
+            pl.gated_fused_mlp(A.join(layer, p), FUSED_GATED_FORMS[model_type])
         elif kind == "moe":
             pl.moe(A.join(layer, p))
         else:
