@@ -6,7 +6,7 @@ import contextlib
 import inspect
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -99,23 +99,25 @@ def _activation_forward(kind: str):
     return make
 
 
-def _gated_forward(kind: str, path: str):
+_GATED_NAMES = ("gate_proj", "up_proj", "down_proj", "act_fn")
+
+
+def _gated_forward(kind: str, path: str, names=_GATED_NAMES):
+    """``down(act(gate(x)) * up(x))`` through the fused gated op; ``names`` are the MLP's
+    (gate, up, down, act) attributes."""
     def make(mlp, state):
+        gate, up, down, act_mod = (getattr(mlp, n) for n in names)
         # The module's own forward (bit-identical values) without its __call__: the
-        # act_fn's hooks would be bypassed, which is checked at install and at each call.
-        act = Activation(kind, forward_fn(mlp.act_fn, kind) if kind != "custom" else mlp.act_fn.forward)
+        # activation's hooks would be bypassed, which is checked at install and at each call.
+        act = Activation(kind, forward_fn(act_mod, kind) if kind != "custom" else act_mod.forward)
 
         def forward(x):
-            if has_hooks(mlp.act_fn):
-                raise RelevanceRuleConflictError(_bypass_message(path))
+            if has_hooks(act_mod):
+                raise RelevanceRuleConflictError(_bypass_message(path, names[3]))
             h = gated_activation(
-                mlp.gate_proj(x),
-                mlp.up_proj(x),
-                act,
-                identity=state.active("activation"),
-                half=state.active("multiplicative_gate"),
+                gate(x), up(x), act, identity=state.active("activation"), half=state.active("multiplicative_gate")
             )
-            return mlp.down_proj(h)
+            return down(h)
 
         return forward
 
@@ -510,6 +512,30 @@ class _Planner:
         if has_hooks(experts.act_fn):
             raise RelevanceRuleConflictError(_bypass_message(path))
 
+    def generic_gated_mlp(self, path: str, names) -> None:
+        """A gated MLP found by the form of its forward, under any attribute names."""
+        gate, up, down, act_name = names
+        mlp = self.need(path)
+        act = getattr(mlp, act_name)
+        kind = _kind_of_module(act) or "custom"
+        wanted = [k for k in ("activation", "multiplicative_gate") if getattr(self.rules, k)]
+        for k in ("activation", "multiplicative_gate"):
+            if k not in wanted:
+                self.off(k, path, mlp, f"{k} rule off")
+        if not wanted:
+            return
+        if has_hooks(act):
+            raise RelevanceRuleConflictError(_bypass_message(path, act_name))
+        for k in wanted:
+            self.add(k, path, mlp, True, _gated_forward(kind, path, names), check_output=False)
+
+    def structural_norm(self, path, mod, kind, weight_spec, eps, make_forward) -> None:
+        self.mounted.add(id(mod))
+        if self.rules.normalization:
+            self.add("normalization", path, mod, ("structural", kind), make_forward(kind, weight_spec, eps))
+        else:
+            self.off("normalization", path, mod, "normalization rule off")
+
     def head_forward(self, path: str) -> None:
         head = A.get_submodule(self.model, path)
         if not isinstance(head, nn.Module):
@@ -650,37 +676,113 @@ def _plan_known(model: nn.Module, rules: RelevanceRules, model_type: str) -> _Pl
     return pl
 
 
+_QKV_NAMES = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("q_lin", "k_lin", "v_lin"))
+_FUSED_QKV = ("qkv_proj", "Wqkv", "c_attn", "query_key_value", "qkv")
+_ACT_NAMES = ("act", "act_fn", "activation_fn", "activation")
+_GENERIC_GATED = re.compile(
+    r"self\.(?P<down>\w+)\(self\.(?P<act>\w+)\(self\.(?P<gate>\w+)\((?P<x>\w+)\)\)\*self\.(?P<up>\w+)\((?P=x)\)\)"
+)
+
+
+def _generic_gated_names(mod: nn.Module) -> Optional[Tuple[str, str, str, str]]:
+    """(gate, up, down, act) when the module's forward is ``down(act(gate(x)) * up(x))``
+    under any attribute names, and reads nothing else."""
+    flat = _flat_source(type(mod).forward)
+    m = _GENERIC_GATED.search(flat or "")
+    if m is None:
+        return None
+    names = (m["gate"], m["up"], m["down"], m["act"])
+    if not all(isinstance(getattr(mod, n, None), nn.Module) for n in names):
+        return None
+    return names if set(re.findall(r"self\.(\w+)", flat)) <= set(names) else None
+
+
+def _is_norm_like(mod: nn.Module) -> bool:
+    cls = type(mod).__name__
+    return isinstance(mod, nn.LayerNorm) or cls.endswith("Norm") or "LayerNorm" in cls or cls.endswith("RMSNorm")
+
+
 def _plan_generic(model: nn.Module, rules: RelevanceRules) -> _Planner:
-    """Class-based discovery, used only when asked for: every LayerNorm / *RMSNorm whose
-    weight spans the hidden size, every gated MLP (gate_proj/up_proj/down_proj/act_fn),
-    every recognised activation module elsewhere, every q_proj/k_proj/v_proj triple."""
+    """Structural discovery for a model without a rule map, used only when asked for.
+
+    - attention: a module with q/k/v projections (``q_proj``/``k_proj``/``v_proj``,
+      ``query``/``key``/``value`` or ``q_lin``/``k_lin``/``v_lin``); a fused q|k|v
+      projection is reported, not guessed at;
+    - norms: ``nn.LayerNorm`` and ``*RMSNorm`` spanning the hidden size, and any other
+      norm-like class recognised by what it computes (:mod:`.structural`); never one
+      inside an attention module (q/k norms get the qk-norm treatment or stay native);
+    - gated MLPs: a forward ``down(act(gate(x)) * up(x))`` under any attribute names;
+    - activations: recognised kinds anywhere, and activation modules of unknown kind
+      (``act``, ``act_fn``, ``activation_fn``, ``activation``) under the Identity-rule's
+      general form φ(x) = act(x)/x.
+
+    Whatever norm-like or activation-like module it cannot classify is listed in the
+    coverage report's ``skipped`` with the reason."""
+    from pyattr.integration.structural import _eps, classify_norm, structural_norm_forward
+
     pl = _Planner(model, rules, "generic")
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    modules = dict(model.named_modules())
+    attention = []
+    for name, mod in modules.items():
+        for q, k, v in _QKV_NAMES:
+            if all(isinstance(getattr(mod, n, None), nn.Module) for n in (q, k, v)):
+                attention.append((name, (q, k, v)))
+                break
+    inside_attention = [n for n, _ in attention]
     gated = {}
-    for name, mod in model.named_modules():
-        if all(isinstance(getattr(mod, n, None), nn.Module) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
-            gated[id(mod.act_fn)] = name
-    for name, mod in model.named_modules():
+    for name, mod in modules.items():
+        names = _generic_gated_names(mod) if name else None
+        if names:
+            gated[name] = names
+            gated_acts = A.join(name, names[3])
+            pl.mounted.add(id(modules[gated_acts]))
+    for name, (q, k, v) in attention:
+        mod = modules[name]
+        pl.attention(name, ("separate", q, k, v))
+        qk = [A.join(name, n) for n in ("q_norm", "k_norm") if isinstance(getattr(mod, n, None), nn.Module)]
+        qk = [p for p in qk if type(modules[p]).__name__.endswith("RMSNorm")]
+        if qk:
+            pl.qk_norms(qk, "rms_norm", 1.0 if "Gemma" in type(modules[qk[0]]).__name__ else 0.0)
+    for name, mod in modules.items():
         if not name or id(mod) in pl.mounted:
             continue
-        cls = type(mod).__name__
-        w = getattr(mod, "weight", None)
-        spans = isinstance(w, torch.Tensor) and w.dim() == 1 and (hidden is None or w.shape[0] == hidden)
-        if isinstance(mod, nn.LayerNorm) and len(mod.normalized_shape) == 1 and (hidden is None or mod.normalized_shape[0] == hidden):
-            pl.norm(name, "layer_norm", 0.0)
-        elif cls.endswith("RMSNorm") and spans:
-            pl.norm(name, "rms_norm", 1.0 if "Gemma" in cls else 0.0)
-        if all(isinstance(getattr(mod, n, None), nn.Module) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
-            pl.gated_mlp(name)
-        elif id(mod) not in gated and _kind_of_module(mod) is not None:
+        if name in gated:
+            pl.generic_gated_mlp(name, gated[name])
+            continue
+        if _is_norm_like(mod):
+            if any(name.startswith(a + ".") for a in inside_attention):
+                pl.mounted.add(id(mod))
+                pl.cov._skip(name, "norm inside attention (a q/k norm), not a residual-stream norm: left native")
+                continue
+            cls = type(mod).__name__
+            w = getattr(mod, "weight", None)
+            spans = isinstance(w, torch.Tensor) and w.dim() == 1 and (hidden is None or w.shape[0] == hidden)
+            if isinstance(mod, nn.LayerNorm) and len(mod.normalized_shape) == 1 and (
+                    hidden is None or mod.normalized_shape[0] == hidden):
+                pl.norm(name, "layer_norm", 0.0)
+            elif cls.endswith("RMSNorm") and spans:
+                pl.norm(name, "rms_norm", 1.0 if "Gemma" in cls else 0.0)
+            else:
+                found = classify_norm(mod, hidden) if isinstance(hidden, int) else None
+                if found is None:
+                    pl.mounted.add(id(mod))
+                    pl.cov._skip(name, f"generic: {cls} is norm-like but computes no layer / RMS norm over "
+                                       "the hidden size that could be recognised: left native")
+                else:
+                    pl.structural_norm(name, mod, found[0], found[1], _eps(mod), structural_norm_forward)
+            continue
+        kind = _kind_of_module(mod)
+        leaf = name.rsplit(".", 1)[-1]
+        if kind is not None or (leaf in _ACT_NAMES and not list(mod.children()) and not list(mod.parameters())):
             pl.activation(name, name.rsplit(".", 1)[0] if "." in name else "")
-        if all(isinstance(getattr(mod, n, None), nn.Module) for n in ("q_proj", "k_proj", "v_proj")):
-            pl.attention(name, ("separate", "q_proj", "k_proj", "v_proj"))
-            qk = [A.join(name, n) for n in ("q_norm", "k_norm") if isinstance(getattr(mod, n, None), nn.Module)]
-            qk = [p for p in qk if type(A.get_submodule(model, p)).__name__.endswith("RMSNorm")]
-            if qk:
-                cls = type(A.get_submodule(model, qk[0])).__name__
-                pl.qk_norms(qk, "rms_norm", 1.0 if "Gemma" in cls else 0.0)
+        elif leaf in _ACT_NAMES:
+            pl.mounted.add(id(mod))
+            pl.cov._skip(name, f"generic: activation-like module with parameters or submodules ({type(mod).__name__}), "
+                               "no known form: left native")
+        for f in _FUSED_QKV:
+            if isinstance(getattr(mod, f, None), nn.Linear) and name not in dict(attention):
+                pl.cov._skip(A.join(name, f), "generic: fused q/k/v projection whose split is unknown: left native")
     pl.skip_lookalikes()
     return pl
 

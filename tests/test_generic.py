@@ -1,0 +1,97 @@
+"""``generic=True``: structural rule installation on architectures without a rule map.
+
+Named here: Cohere (its own bias-free ``CohereLayerNorm``, parallel attention and MLP),
+OLMo (a parameter-free ``OlmoLayerNorm``), Arcee (a non-gated ReLU² MLP), Granite and
+OLMo 3 (q/k norms inside attention). Each: bit-identical forward, conservation in float64
+with all rules, and a coverage report that names what was found and what was not.
+"""
+
+import pytest
+import torch
+
+import pyattr
+from pyattr.integration.architectures import ARCHITECTURES
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+COMMON = dict(vocab_size=96, num_hidden_layers=2, initializer_range=0.2, hidden_size=32, intermediate_size=48,
+              num_attention_heads=4, num_key_value_heads=2)
+
+
+def _model(name, dtype=torch.float64, **extra):
+    import transformers as T
+
+    cfg = getattr(T, name)(**{**COMMON, **extra})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return T.AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
+
+
+UNMAPPED = ["CohereConfig", "OlmoConfig", "ArceeConfig", "GraniteConfig", "Olmo3Config"]
+
+
+def _ids():
+    return torch.randint(3, 96, (3, 11), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("name", UNMAPPED)
+def test_unmapped_architecture_forward_and_conservation(name):
+    m = _model(name)
+    assert m.config.model_type not in ARCHITECTURES
+    ids = _ids()
+    with pytest.raises(pyattr.RelevanceRuleUnsupportedError, match=f"model type {m.config.model_type!r}"):
+        pyattr.relevance(m, ids)
+    ref = m(ids).logits
+    with pyattr.use_relevance_rules(m, generic=True):
+        assert torch.equal(m(ids).logits, ref)
+    r = pyattr.relevance(m, ids, generic=True)
+    assert (r.target.abs() > 1e-3).all()
+    assert (r.conservation_delta.abs() <= 1e-4 * r.target.abs()).all(), (r.target, r.conservation_delta)
+    # and the rules carry it: the plain gradient does not conserve
+    plain = pyattr.relevance(m, ids, rules=pyattr.RelevanceRules())
+    assert (plain.conservation_delta.abs() > 1e-3 * plain.target.abs()).any()
+
+
+def test_norms_of_unknown_classes_are_recognised_by_what_they_compute():
+    """CohereLayerNorm (weight, no bias, its own formula) and OlmoLayerNorm (no parameters)
+    get the LN-rule beside their own forward; the bias-free weight keeps its gradient."""
+    from pyattr.integration.structural import classify_norm
+
+    cohere, olmo = _model("CohereConfig"), _model("OlmoConfig")
+    kind, (w, offset) = classify_norm(cohere.model.layers[0].input_layernorm, 32)
+    assert kind == "layer_norm" and w is cohere.model.layers[0].input_layernorm.weight and offset == 0.0
+    assert classify_norm(olmo.model.norm, 32) == ("layer_norm", (None, 0.0))
+    with pyattr.use_relevance_rules(cohere, generic=True) as cov:
+        assert "model.layers.0.input_layernorm" in cov.by_kind["normalization"]
+        x = torch.randn(2, 5, 32, dtype=torch.float64, requires_grad=True)
+        norm = cohere.model.layers[0].input_layernorm
+        y = norm(x)
+        dy = torch.randn_like(y)
+        gx, gw = torch.autograd.grad(y, [x, norm.weight], dy)
+    # oracle: (x − μ)/σ·w with σ constant, in float64
+    c = x.detach() - x.detach().mean(-1, keepdim=True)
+    sigma = torch.sqrt(c.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    g = dy * norm.weight.detach() / sigma
+    torch.testing.assert_close(gx, g - g.mean(-1, keepdim=True))
+    torch.testing.assert_close(gw, (dy * c / sigma).sum((0, 1)))
+
+
+def test_qk_norms_inside_attention_are_never_residual_norms():
+    """Cohere with use_qk_norm: its q/k LayerNorms sit inside attention and are left native,
+    with the reason; the residual-stream norms of the same class are mounted."""
+    m = _model("CohereConfig", use_qk_norm=True)
+    with pyattr.use_relevance_rules(m, generic=True) as cov:
+        for n in ("q_norm", "k_norm"):
+            p = f"model.layers.0.self_attn.{n}"
+            assert p in cov.skipped and p not in cov.installed
+            assert cov.reasons[p].startswith("norm inside attention (a q/k norm)")
+        assert "model.layers.1.input_layernorm" in cov.installed
+
+
+def test_what_cannot_be_classified_is_reported():
+    """Apertus' xIELU activation has parameters (no known form): reported, left native."""
+    m = _model("ApertusConfig")
+    with pyattr.use_relevance_rules(m, generic=True) as cov:
+        p = "model.layers.0.mlp.act_fn"
+        assert p in cov.skipped and p not in cov.installed
+        assert cov.reasons[p].startswith("generic: activation-like module with parameters")
