@@ -18,7 +18,8 @@ from torch import nn
 from pyattr.integration import architectures as A
 from pyattr.integration.config import RelevanceRules
 from pyattr.integration.errors import RelevanceRuleConflictError
-from pyattr.integration.scope import model_type_of, use_relevance_rules
+from pyattr.integration.patching import _in_backward
+from pyattr.integration.scope import CHECKPOINT_INNER, bind_checkpoint, model_type_of, use_relevance_rules
 
 
 def normalise_inputs(inputs, attention_mask) -> dict:
@@ -250,10 +251,12 @@ def _inference_state(model: nn.Module):
         for m in _checkpointing_modules(model):
             m.training = True
             fn = m.__dict__.get("_gradient_checkpointing_func")
-            if _reentrant(fn):
+            # an open use_relevance_rules scope has wrapped it (scope.bind_checkpoint): look inside
+            inner = getattr(fn, CHECKPOINT_INNER, fn)
+            if _reentrant(inner):
                 swapped.append((m, fn))
-                m.__dict__["_gradient_checkpointing_func"] = functools.partial(
-                    fn.func, *fn.args, **{**fn.keywords, "use_reentrant": False})
+                new = functools.partial(inner.func, *inner.args, **{**inner.keywords, "use_reentrant": False})
+                m.__dict__["_gradient_checkpointing_func"] = new if inner is fn else bind_checkpoint(new, m)
         for p in model.parameters():
             if p.requires_grad:
                 p.requires_grad_(False)
@@ -278,7 +281,18 @@ def attribution_pass(model: nn.Module, rules: RelevanceRules, generic: bool, cal
                 f"rules on ({', '.join(sorted(cov.inherited))[:200]}); the result would not reflect "
                 f"`rules`. Call {caller}() outside that scope, or with the same rules."
             )
-        yield cov
+        try:
+            yield cov
+        except RuntimeError as e:
+            if "use_reentrant=True" not in str(e):
+                raise
+            raise RuntimeError(
+                f"{caller}(): the model checkpoints with use_reentrant=True through a function pyattr "
+                "cannot switch to the non-reentrant form (transformers' offload=True wrapper, or your "
+                "own), and torch.autograd.grad, which every method uses, refuses reentrant checkpoints. "
+                "Enable checkpointing with use_reentrant=False: model.gradient_checkpointing_enable("
+                "gradient_checkpointing_kwargs={'use_reentrant': False})"
+            ) from e
 
 
 def first_tensor(value):
@@ -320,14 +334,28 @@ _ARG_KEYS = ("hidden_states", "input", "x", "inputs_embeds")
 def tap(module: nn.Module, where: str, fn: Callable[[torch.Tensor], Optional[torch.Tensor]], once: bool = False):
     """Call ``fn(t)`` on the first tensor of ``module``'s input (``where="input"``) or
     output (``"output"``) at each call; a tensor it returns replaces ``t`` downstream.
-    ``once``: only the first call."""
-    state = {"calls": 0}
+    ``once``: only the first call.
+
+    With ``once``, an activation-checkpoint recomputation during the backward, which calls
+    the module again, gets back what the forward's calls got (the first call's tensor,
+    ``fn`` not called again), so the recomputed block sees the replaced value too."""
+    state = {"calls": 0, "first": None, "replays": 0}
 
     def apply(t):
-        if t is None or (once and state["calls"]):
+        if t is None:
             return None
+        if once and state["calls"] and _in_backward():
+            out = state["first"] if state["replays"] % state["calls"] == 0 else None
+            state["replays"] += 1
+            return out
+        if once and state["calls"]:
+            state["calls"] += 1
+            return None
+        out = fn(t)
         state["calls"] += 1
-        return fn(t)
+        if once:
+            state["first"] = out
+        return out
 
     if where == "input":
 

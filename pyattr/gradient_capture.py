@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from pyattr.backends import _vmap
+from pyattr.integration.wrappers import unwrap
 
 GradEdit = Callable[[torch.Tensor], torch.Tensor]
 
@@ -385,4 +386,5 @@ def capture(
         with pyattr.capture(model, [], grad_edits={"model.layers.1.mlp": torch.zeros_like}):
             ...                                # no gradient flows through that MLP
     """
+    model = unwrap(model)
     return GradientCapture(model, paths, inputs=inputs, grad_edits=grad_edits)

@@ -323,11 +323,15 @@ def _chunk_grads(model, prep, pairs, fixed, rows, batch, start, end, alphas, go)
         return points
 
     where_mod, where = pairs[0] if pairs else (prep.entry, prep.where)
-    with F.tap(where_mod, where, replace, once=True), F.record_modules(model, T.module_paths(tg), store):
-        value, _, _ = evaluate_targets(tg, run_model(model, sub, tg, store, keep_logits=head_free(model, [where_mod])), False)
-    if not value.requires_grad:
-        raise ValueError("target: the explained value does not depend on the inputs, so every attribution would be 0")
-    (g,) = torch.autograd.grad(value, points, go.to(value.dtype), allow_unused=True)
+    # the tap stays on through the backward: a checkpointed block recomputed there must see
+    # the path point again, not the model's own activation (F.tap replays it)
+    with F.tap(where_mod, where, replace, once=True):
+        with F.record_modules(model, T.module_paths(tg), store):
+            value, _, _ = evaluate_targets(tg, run_model(model, sub, tg, store, keep_logits=head_free(model, [where_mod])),
+                                           False)
+        if not value.requires_grad:
+            raise ValueError("target: the explained value does not depend on the inputs, so every attribution would be 0")
+        (g,) = torch.autograd.grad(value, points, go.to(value.dtype), allow_unused=True)
     if g is None:
         raise ValueError("target: the explained value does not depend on the inputs, so every attribution would be 0")
     return g.double()

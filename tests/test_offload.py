@@ -206,3 +206,81 @@ def test_data_parallel_and_ddp_are_unwrapped(tmp_path):
             pyattr.relevance(sharded, ids)
     finally:
         dist.destroy_process_group()
+
+
+def test_placing_or_unplacing_inside_an_open_scope(tmp_path):
+    """Reported: cpu_offload inside a scope left the model with NaN logits after it (the
+    scope popped accelerate's wrapper); remove_hook_from_module inside a scope left a stale
+    rule forward raising KeyError. The original forward goes back where the rule forward
+    is now, so accelerate's own changes stand."""
+    model = tiny_causal_lm("llama")
+    ids = _ids()
+    ref = copy.deepcopy(model)
+    want_logits = ref(ids).logits.detach()
+    want = pyattr.relevance(ref, ids)
+    m = copy.deepcopy(model)
+    with pyattr.use_relevance_rules(m, pyattr.RelevanceRules(attention=True)):
+        m = cpu_offload(m, execution_device="cpu")
+        torch.testing.assert_close(m(ids).logits, want_logits)
+    assert m.model.layers[0].self_attn.q_proj.weight.device.type == "meta"
+    with torch.no_grad():
+        assert torch.equal(m(ids).logits, want_logits)
+    _assert_same(pyattr.relevance(m, ids), want)
+
+    placed = dispatch_model(copy.deepcopy(model), _device_map(model), offload_dir=str(tmp_path))
+    with pyattr.use_relevance_rules(placed):
+        remove_hook_from_module(placed, recurse=True)
+    assert all(state_of(mod) is None for mod in placed.modules())
+    with torch.no_grad():  # every weight lives on the offload map now: back to a plain model via state_dict
+        torch.testing.assert_close(placed.model.embed_tokens(ids), ref.model.embed_tokens(ids))
+    assert "_old_forward" not in placed.model.norm.__dict__
+
+
+def test_reentrant_checkpointing_behind_an_unknown_wrapper_is_a_clear_error():
+    model = tiny_causal_lm("llama")
+    if not hasattr(model, "activation_checkpointing_enable"):
+        pytest.skip("transformers < 5 has no offload option for activation checkpointing")
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True}, offload=True)
+    with pytest.raises(RuntimeError, match=r"relevance\(\): the model checkpoints with use_reentrant=True through a "
+                                           r"function pyattr cannot switch"):
+        pyattr.relevance(model, _ids())
+
+
+@pytest.mark.parametrize("content, args, message", [
+    ({"model": "meta"}, [], "'meta' is not one"),
+    (None, ["--device-map", "auto", "--max-memory", "cpu=1GiB,cpu=2GiB"], "--max-memory: device 'cpu' is given twice"),
+    (None, ["--device-map", "auto", "--max-memory", ""], "--max-memory: expected DEVICE=SIZE"),
+    (None, ["--device-map", "auto", "--offload-folder", " "], "--offload-folder needs a directory"),
+])
+def test_cli_placement_values(tmp_path, content, args, message):
+    if content is not None:
+        (tmp_path / "map.json").write_text(json.dumps(content))
+        args = ["--device-map", str(tmp_path / "map.json")] + args
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"text": "x"}\n')
+    r = run_cli("run", "--model", tmp_path, "--data", data, "--out", tmp_path / "o", *args)
+    assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_gpu_index_without_cuda(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("checks the message on a machine without CUDA")
+    from models import minilm
+
+    tok, _ = minilm()
+    d = save_tiny_llama(tmp_path / "m", len(tok), tok)
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"text": "x"}\n')
+    r = run_cli("run", "--model", d, "--data", data, "--out", tmp_path / "o", "--device-map", "auto",
+                "--max-memory", "0=1GiB,cpu=2GiB")
+    assert r.returncode == 2 and "name GPU 0, but no CUDA device is visible to torch" in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1
+
+
+def test_capture_unwraps_data_parallel():
+    model = tiny_causal_lm("llama")
+    ids = _ids()
+    with pyattr.capture(torch.nn.DataParallel(model), ["model.layers.0.mlp"]) as cap:
+        model(ids).logits[:, -1, 3].sum().backward()
+    assert len(cap["model.layers.0.mlp"].outputs) == 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -39,7 +40,7 @@ def parse_placement(device_map, max_memory, offload_folder):
     """accelerate's loading arguments from ``--device-map``, ``--max-memory`` and
     ``--offload-folder`` (None without ``--device-map``)."""
     if device_map is None:
-        if max_memory or offload_folder:
+        if max_memory is not None or offload_folder is not None:
             raise UsageError("--max-memory and --offload-folder need --device-map")
         return None
     if device_map in _MAPS:
@@ -55,25 +56,54 @@ def parse_placement(device_map, max_memory, offload_folder):
             dm = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise UsageError(f"--device-map: cannot read {device_map!r} as JSON: {e}") from None
-        if not isinstance(dm, dict) or not dm or not all(
-                isinstance(k, str) and isinstance(v, (int, str)) and not isinstance(v, bool) for k, v in dm.items()):
+        if not isinstance(dm, dict) or not dm or not all(isinstance(k, str) and _device_ok(v) for k, v in dm.items()):
+            bad = next((v for v in dm.values() if not _device_ok(v)), None) if isinstance(dm, dict) else None
             raise UsageError(f"--device-map: {device_map!r} must hold a JSON object of module name -> device "
-                             "(an integer GPU index, \"cpu\" or \"disk\")")
+                             "(an integer GPU index, \"cpu\", \"disk\" or \"cuda:N\")"
+                             + (f"; {bad!r} is not one" if bad is not None else ""))
         if "disk" in dm.values() and not offload_folder:
             raise UsageError("--device-map puts modules on \"disk\": give --offload-folder DIR")
     place = {"device_map": dm}
-    if max_memory:
+    if max_memory is not None:
         limits = {}
         for part in max_memory.split(","):
             key, sep, size = part.partition("=")
             key, size = key.strip(), size.strip()
-            if not sep or not key or not size:
+            dev = int(key) if key.isdigit() else key
+            if not sep or not key or not size or not _device_ok(dev):
                 raise UsageError(f"--max-memory: expected DEVICE=SIZE[,DEVICE=SIZE...] (e.g. 0=70GiB,cpu=120GiB), got {max_memory!r}")
-            limits[int(key) if key.isdigit() else key] = int(size) if size.isdigit() else size
+            if dev in limits:
+                raise UsageError(f"--max-memory: device {key!r} is given twice")
+            limits[dev] = int(size) if size.isdigit() else size
         place["max_memory"] = limits
-    if offload_folder:
+    if offload_folder is not None:
+        if not offload_folder.strip():
+            raise UsageError("--offload-folder needs a directory")
+        if Path(offload_folder).exists() and not Path(offload_folder).is_dir():
+            raise UsageError(f"--offload-folder: {offload_folder!r} exists and is not a directory")
         place["offload_folder"] = offload_folder
     return place
+
+
+_DEVICE = re.compile(r"(cuda|xpu|npu|mps|mlu|hpu)(:\d+)?")
+
+
+def _device_ok(v) -> bool:
+    """What accelerate places modules on: a GPU index, "cpu", "disk" or a named device
+    ("cuda:1"); never "meta", which holds no weights."""
+    if isinstance(v, bool):
+        return False
+    if isinstance(v, int):
+        return v >= 0
+    return isinstance(v, str) and (v in ("cpu", "disk") or bool(_DEVICE.fullmatch(v)))
+
+
+def gpu_indices(placement) -> list:
+    """The GPUs a placement names (map values and --max-memory keys)."""
+    dm = placement["device_map"]
+    named = list(dm.values()) if isinstance(dm, dict) else []
+    named += list(placement.get("max_memory", {}))
+    return [d for d in named if isinstance(d, int) or (isinstance(d, str) and d.startswith("cuda"))]
 
 
 def run(args) -> int:
@@ -110,6 +140,9 @@ def run(args) -> int:
     try:
         if args.device == "cuda" and not torch.cuda.is_available():
             return fail("run", "--device cuda: no CUDA device is visible to torch")
+        if placement is not None and gpu_indices(placement) and not torch.cuda.is_available():
+            return fail("run", f"--device-map / --max-memory name GPU {gpu_indices(placement)[0]!r}, "
+                               "but no CUDA device is visible to torch")
         dtype = getattr(torch, args.dtype)
         tok, model = _load(Path(args.model), causal=True, dtype=dtype, placement=placement)
         if args.gradient_checkpointing:

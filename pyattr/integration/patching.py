@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import types
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -48,6 +49,7 @@ class RuleState:
         self.saved_forward = module.__dict__.get(self.slot, _MISSING)
         self.native: Callable = getattr(module, self.slot)
         self.hook = None
+        self.patched: Optional[Callable] = None
         self.expected_out: Optional[int] = None
 
     def __deepcopy__(self, memo):
@@ -117,12 +119,13 @@ def acquire(
                 # keep the check last, after hooks registered inside the scope too
                 if state.hook is not None:
                     hooks = module._forward_hooks
-                    if next(reversed(hooks), None) != state.hook.id:
+                    if state.hook.id in hooks and next(reversed(hooks), None) != state.hook.id:
                         hooks.move_to_end(state.hook.id)
             return out
 
         module.__dict__[_STATE] = state
         module.__dict__[state.slot] = patched
+        state.patched = patched
         if check_output:
             # Appended last: hooks registered before the scope run first, so one that
             # returns a replacement output is seen here.
@@ -153,14 +156,29 @@ def release(module: nn.Module, kind: str) -> None:
     _unpatch(module, state)
 
 
+def _where_patched(module: nn.Module, state: RuleState) -> str:
+    """The attribute holding the rule forward now. accelerate may have moved it while the
+    scope was open: ``add_hook_to_module`` (``cpu_offload``, ``dispatch_model``) keeps the
+    forward it finds as ``_old_forward``; ``remove_hook_from_module`` puts ``_old_forward``
+    back as ``forward``. The original goes back where the rule forward is, so the hooks
+    accelerate added or removed in between stay as accelerate left them."""
+    for slot in (state.slot, "_old_forward", "forward"):
+        if state.patched is not None and module.__dict__.get(slot) is state.patched:
+            return slot
+    return state.slot
+
+
 def _unpatch(module: nn.Module, state: RuleState) -> None:
     """Give ``module`` back its own forward and drop the output check and the state."""
     if state.hook is not None:
         state.hook.remove()
-    if state.saved_forward is _MISSING:
-        module.__dict__.pop(state.slot, None)
+    slot = _where_patched(module, state)
+    if state.saved_forward is not _MISSING:
+        module.__dict__[slot] = state.saved_forward
+    elif slot == "_old_forward":  # the class's forward, where accelerate's wrapper calls it
+        module.__dict__[slot] = types.MethodType(type(module).forward, module)
     else:
-        module.__dict__[state.slot] = state.saved_forward
+        module.__dict__.pop(slot, None)
     module.__dict__.pop(_STATE, None)
 
 

@@ -862,7 +862,7 @@ def use_relevance_rules(
 
 # --- activation checkpointing -------------------------------------------------------------
 
-_INNER = "_pyattr_checkpoint_inner"
+CHECKPOINT_INNER = "_pyattr_checkpoint_inner"
 _SCOPES = "_pyattr_checkpoint_scopes"
 
 
@@ -874,7 +874,7 @@ def _block_of(run_function, owner: nn.Module) -> nn.Module:
     return mod if isinstance(mod, nn.Module) else owner
 
 
-def _bind(fn: Callable, owner: nn.Module) -> Callable:
+def bind_checkpoint(fn: Callable, owner: nn.Module) -> Callable:
     def checkpointed(run_function, *args, **kwargs):
         mods = list(_block_of(run_function, owner).modules())
         snap = snapshot(mods)  # the rules of this forward, whatever holds them
@@ -891,15 +891,15 @@ def _bind(fn: Callable, owner: nn.Module) -> Callable:
         finally:
             first[0] = False
 
-    setattr(checkpointed, _INNER, fn)
+    setattr(checkpointed, CHECKPOINT_INNER, fn)
     return checkpointed
 
 
 def _wrap_checkpoint_functions(model: nn.Module) -> None:
     for mod in model.modules():
         fn = mod.__dict__.get("_gradient_checkpointing_func")
-        if callable(fn) and not hasattr(fn, _INNER):
-            mod.__dict__["_gradient_checkpointing_func"] = _bind(fn, mod)
+        if callable(fn) and not hasattr(fn, CHECKPOINT_INNER):
+            mod.__dict__["_gradient_checkpointing_func"] = bind_checkpoint(fn, mod)
 
 
 @contextlib.contextmanager
@@ -930,5 +930,5 @@ def _checkpoints_bound(model: nn.Module):
             del model.__dict__[_SCOPES]
             for mod in model.modules():
                 fn = mod.__dict__.get("_gradient_checkpointing_func")
-                if hasattr(fn, _INNER):
-                    mod.__dict__["_gradient_checkpointing_func"] = getattr(fn, _INNER)
+                if hasattr(fn, CHECKPOINT_INNER):
+                    mod.__dict__["_gradient_checkpointing_func"] = getattr(fn, CHECKPOINT_INNER)
