@@ -289,7 +289,7 @@ def relevance(
         grad_outputs (Tensor, optional): the initial gradient, shaped like the target
             ((batch,), or (k, batch)); default ones (tdhook's ``init_attr_grads``).
         attention_mask (Tensor[batch, seq], optional): 1 for real tokens.
-        generic (bool): class-based rule installation for unknown architectures.
+        generic (bool): structural rule installation for architectures without a rule map.
 
     Returns:
         RelevanceResult with ``token_relevance`` (batch, seq), ``relevance``

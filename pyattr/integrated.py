@@ -197,7 +197,7 @@ def integrated_gradients(
             layer's two activations (its output's first tensor, or its first input with
             ``attribute_to_layer_input``, which needs ``layer``).
         attention_mask (Tensor[batch, seq], optional): 1 for real tokens.
-        generic (bool): class-based rule installation for unknown architectures.
+        generic (bool): structural rule installation for architectures without a rule map.
 
     Returns:
         AttributionResult: ``attribution``, ``token_attribution``, ``convergence_delta``

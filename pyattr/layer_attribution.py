@@ -229,7 +229,7 @@ def layer_relevance(
         internal_batch_size (int, optional): rows per forward/backward; results equal the
             unchunked run (per-row targets only).
         attention_mask (Tensor[batch, seq], optional): 1 for real tokens.
-        generic (bool): class-based rule installation for unknown architectures.
+        generic (bool): structural rule installation for architectures without a rule map.
 
     Returns:
         LayerRelevanceResult: ``result[path].activation / .gradient / .relevance``

@@ -807,7 +807,7 @@ def plan(model: nn.Module, rules: RelevanceRules, generic: bool = False) -> _Pla
         return _Planner(model, rules, mt)
     raise RelevanceRuleUnsupportedError(
         f"model type {mt!r} ({type(model).__name__}) has no rule map; supported: "
-        f"{sorted(A.ARCHITECTURES)}. Pass generic=True for class-based installation."
+        f"{sorted(A.ARCHITECTURES)}. Pass generic=True for structural installation."
     )
 
 
@@ -826,8 +826,8 @@ def use_relevance_rules(
             (TransformerLens' defaults: ``RelevanceRules(normalization=True)`` is the
             LN-rule alone). Default (``None``): ``RelevanceRules.all()``, the four rules
             with the AH-rule.
-        generic (bool): for an unknown architecture, mount by module class instead of
-            raising. Default: False.
+        generic (bool): for an architecture without a rule map, install the rules
+            structurally (:func:`_plan_generic`) instead of raising. Default: False.
 
     Yields:
         RelevanceRuleCoverage: installed and skipped dotted paths.
