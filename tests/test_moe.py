@@ -189,3 +189,27 @@ def test_layer_relevance_and_patching_nodes(arch):
     assert est["heads"].shape == (2, 2, 9, 4)
     same = P.activation_patching(m, ids, ids.clone(), T.Logit(3), nodes=("residual", "mlp"), progress=False)
     assert torch.equal(same["mlp"], torch.zeros_like(same["mlp"]))
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_one_cli_run(arch, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from conftest import run_cli
+    from models import minilm
+
+    tok = minilm()[0]
+    cfg = _cfg(arch, "sdpa")
+    cfg.vocab_size = len(tok)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    r = run_cli("explain", "--model", tmp_path, "--text", "the cat sat on the mat", "--json")
+    assert r.returncode == 0, r.stderr
+    import json
+
+    out = json.loads(r.stdout)
+    assert out["rules"]["routing"] == "frozen"
+    assert abs(out["conservation_delta"]) <= 1e-4 * abs(out["target"])
+    r = run_cli("explain", "--model", tmp_path, "--text", "the cat sat on the mat", "--json", "--no-routing-rule")
+    assert json.loads(r.stdout)["rules"]["routing"] is False
