@@ -36,8 +36,11 @@ SIZES = {
     # the issue's ~1B model: for a GPU (on the 2-core CPU one prompt takes minutes in bfloat16)
     "full": dict(num_hidden_layers=16, hidden_size=2048, intermediate_size=5632, num_attention_heads=16,
                  num_key_value_heads=16, prompts=64, lo=128, hi=1024, dtype="bfloat16"),
-    # what the 2-core CPU runs in minutes: float32, because its bfloat16 matmul backward is
-    # 60-300x slower than float32 (no native bf16 on AVX2)
+    # the same ~1B model on a CPU: float32, because a CPU without native bfloat16 (AVX2)
+    # runs the bfloat16 matmul backward 60-300x slower than float32; few, short prompts
+    "cpu": dict(num_hidden_layers=16, hidden_size=2048, intermediate_size=5632, num_attention_heads=16,
+                num_key_value_heads=16, prompts=8, lo=128, hi=256, dtype="float32"),
+    # a small model for a quick look (minutes on 2 cores)
     "quick": dict(num_hidden_layers=4, hidden_size=512, intermediate_size=1376, num_attention_heads=8,
                   num_key_value_heads=8, prompts=32, lo=64, hi=256, dtype="float32"),
 }
@@ -134,7 +137,7 @@ def run_config(config: str, model_dir: Path, data: Path, out: Path, size: Dict, 
 
 def run_all(device: str, quick: bool, threads: int, progress=None) -> tuple:
     """(rows, model description) for every configuration."""
-    size = SIZES["quick" if quick else "full"]
+    size = SIZES["quick" if quick else "full" if device == "cuda" else "cpu"]
     work = Path(tempfile.mkdtemp(prefix="pyattr-dataset-bench-"))
     try:
         model_dir, data, params = prepare(work, size)

@@ -159,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--patching", action="store_true",
                    help="correlation of RelP / AtP with activation patching on MiniLM and a random Llama, instead")
     b.add_argument("--dataset", action="store_true",
-                   help="pyattr run over a file of prompts on a random ~1B Llama in bfloat16 (--quick: 28M, float32): "
+                   help="pyattr run over a file of prompts on a random ~1B Llama (bfloat16 on CUDA, 64 prompts; "
+                        "float32 on the CPU, 8 prompts; --quick: 44M, float32): "
                         "prompts/s, tokens/s, peak RSS, with and without checkpointing, 1 vs 2 torchrun processes")
     b.set_defaults(func=_command("bench"))
     p.commands = {"explain": e, "patch": pa, "run": r, "bench": b}
