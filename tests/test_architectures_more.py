@@ -33,7 +33,8 @@ def _ids(batch=2, seq=11, seed=0):
     return torch.randint(3, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("arch,impl", CASES)
+# the mixture-of-experts decoders (tests/test_moe.py) share this one
+@pytest.mark.parametrize("arch,impl", CASES + [(a, i) for a in ("mixtral", "qwen2_moe", "qwen3_moe") for i in ("eager", "sdpa")])
 @pytest.mark.parametrize("attention", [True, "attnlrp"])
 def test_forward_bit_identical(arch, impl, attention):
     m = tiny_causal_lm(arch, impl)

@@ -438,10 +438,7 @@ class _Planner:
         act = getattr(mlp, form.act)
         kind = _kind_of_module(act) or "custom"
         self.mounted.add(id(act))
-        wanted = [k for k in ("activation", "multiplicative_gate") if getattr(self.rules, k)]
-        for k in ("activation", "multiplicative_gate"):
-            if k not in wanted:
-                self.off(k, path, mlp, f"{k} rule off")
+        wanted = self.gated_kinds(path, mlp)
         if not wanted:
             return
         if not plain_fused_gated_forward(mlp, form):
@@ -477,10 +474,7 @@ class _Planner:
             else:
                 self.off("routing", p, mod, "routing rule off")
         epath = A.join(path, "experts")
-        wanted = [k for k in ("activation", "multiplicative_gate") if getattr(self.rules, k)]
-        for k in ("activation", "multiplicative_gate"):
-            if k not in wanted:
-                self.off(k, epath, experts, f"{k} rule off")
+        wanted = self.gated_kinds(epath, experts)
         if wanted:
             self._check_experts(epath, experts)
             kind = _kind_of_module(experts.act_fn) or "custom"
@@ -512,16 +506,21 @@ class _Planner:
         if has_hooks(experts.act_fn):
             raise RelevanceRuleConflictError(_bypass_message(path))
 
+    def gated_kinds(self, path: str, mod: nn.Module) -> List[str]:
+        """The gated rule kinds these rules ask for; the others are recorded as off."""
+        wanted = [k for k in ("activation", "multiplicative_gate") if getattr(self.rules, k)]
+        for k in ("activation", "multiplicative_gate"):
+            if k not in wanted:
+                self.off(k, path, mod, f"{k} rule off")
+        return wanted
+
     def generic_gated_mlp(self, path: str, names) -> None:
         """A gated MLP found by the form of its forward, under any attribute names."""
         gate, up, down, act_name = names
         mlp = self.need(path)
         act = getattr(mlp, act_name)
         kind = _kind_of_module(act) or "custom"
-        wanted = [k for k in ("activation", "multiplicative_gate") if getattr(self.rules, k)]
-        for k in ("activation", "multiplicative_gate"):
-            if k not in wanted:
-                self.off(k, path, mlp, f"{k} rule off")
+        wanted = self.gated_kinds(path, mlp)
         if not wanted:
             return
         if has_hooks(act):
