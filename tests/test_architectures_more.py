@@ -280,3 +280,54 @@ def test_patching_nodes(arch):
     assert est["residual"].shape == (1, 2, 6) and est["heads"].shape == (1, 2, 6, 4)
     assert est["neurons"].shape == (1, 2, 6, width)
     assert est["mlp"][0, :, 2].abs().max() > 0  # the changed position moves every layer's MLP
+
+
+def _scaled(cls, body):
+    """A subclass of ``cls`` whose forward is ``body`` (source), defined here."""
+    ns = {}
+    exec(f"def forward(self, hidden_states):\n{body}", {"torch": torch}, ns)
+    return type(f"Changed{cls.__name__}", (cls,), {"forward": ns["forward"]})
+
+
+@pytest.mark.parametrize("arch, body", [
+    ("phi3", "    up_states = self.gate_up_proj(hidden_states)\n    gate, up_states = up_states.chunk(2, dim=-1)\n"
+             "    up_states = up_states * self.activation_fn(gate)\n    return self.down_proj(up_states) * 2.0\n"),
+    ("phi3", "    hidden_states = hidden_states * 0.5\n    up_states = self.gate_up_proj(hidden_states)\n"
+             "    gate, up_states = up_states.chunk(2, dim=-1)\n    up_states = up_states * self.activation_fn(gate)\n"
+             "    return self.down_proj(up_states)\n"),
+    ("modernbert", "    input, gate = self.Wi(hidden_states).chunk(2, dim=-1)\n"
+                   "    return self.Wo(self.drop(self.act(input) * gate)) + hidden_states\n"),
+    ("llama", "    hidden_states = hidden_states * 0.5\n"
+              "    return self.down_proj(self.act_fn(self.gate_proj(hidden_states)) * self.up_proj(hidden_states))\n"),
+    ("llama", "    return 3 * self.down_proj(self.act_fn(self.gate_proj(hidden_states)) * self.up_proj(hidden_states))\n"),
+])
+def test_a_forward_with_one_more_step_is_refused(arch, body):
+    """Reported: the form check matched a substring, so these were installed and the
+    forward changed inside the scope (logits off by 1-4). The whole body must match."""
+    m = tiny_causal_lm(arch)
+    mlp = m.model.layers[0].mlp
+    mlp.__class__ = _scaled(type(mlp), body)
+    with pytest.raises(pyattr.RelevanceRuleUnsupportedError, match=r"'model.layers.0.mlp': Changed\w+\.forward is not the plain"):
+        with pyattr.use_relevance_rules(m):
+            pass
+
+
+def test_sequence_classification_heads():
+    """BERT's pooler tanh carries the Identity-rule (a classifier logit conserves); RoBERTa's
+    classification head calls torch.tanh as a function: it is reported, not hidden."""
+    from transformers import AutoModelForSequenceClassification
+
+    for arch in ("bert", "roberta"):
+        torch.manual_seed(0)
+        cfg = _cfg(arch, "eager")
+        cfg.num_labels = 2
+        m = AutoModelForSequenceClassification.from_config(cfg).double().eval()
+        ids = _ids(2, 9)
+        with pyattr.use_relevance_rules(m) as cov:
+            pass
+        if arch == "bert":
+            assert "bert.pooler.activation" in cov.by_kind["activation"]
+            r = pyattr.relevance(m, ids, target=lambda out: out.logits[:, 1])
+            assert (r.conservation_delta.abs() <= 1e-4 * r.target.abs()).all(), r.conservation_delta
+        else:
+            assert cov.reasons["classifier"].startswith("RobertaClassificationHead applies its activation as a function")

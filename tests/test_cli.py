@@ -38,7 +38,7 @@ def test_explain_bundled_default_json():
     import pyattr
 
     assert out["backend"] == ("cpp" if pyattr.available_backends()["cpp"].available else "torch")
-    assert out["rules_installed"] == 31
+    assert out["rules_installed"] == 32  # 6 layers × 5, the embedding LayerNorm, the pooler's tanh
 
 
 def test_explain_bundled_terminal_and_html(tmp_path):

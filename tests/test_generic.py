@@ -95,3 +95,53 @@ def test_what_cannot_be_classified_is_reported():
         p = "model.layers.0.mlp.act_fn"
         assert p in cov.skipped and p not in cov.installed
         assert cov.reasons[p].startswith("generic: activation-like module with parameters")
+
+
+def test_rms_norm_offset_is_probed_not_guessed_from_the_class_name():
+    """Reported: a *RMSNorm class computing x/r·(1 + w) without "Gemma" in its name (as
+    Qwen3-Next's) got offset 0 and |delta|/|target| = 0.99, with nothing reported."""
+    from torch import nn
+
+    class OffsetRMSNorm(nn.Module):
+        def __init__(self, dim, eps=1e-6):
+            super().__init__()
+            self.eps = eps
+            self.weight = nn.Parameter(torch.randn(dim) * 0.3)
+
+        def forward(self, x):
+            x32 = x.float()
+            return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).type_as(x)
+
+    m = _model("GraniteConfig", dtype=torch.float32)
+    for mod in list(m.modules()):
+        for cn, ch in list(mod.named_children()):
+            if type(ch).__name__.endswith("RMSNorm"):
+                setattr(mod, cn, OffsetRMSNorm(32))
+    ids = _ids()
+    with pyattr.use_relevance_rules(m, generic=True) as cov:
+        assert "model.norm" in cov.by_kind["normalization"]
+    r = pyattr.relevance(m, ids, generic=True)
+    assert (r.conservation_delta.abs() <= 1e-4 * r.target.abs()).all(), r.conservation_delta
+
+
+def test_reported_reasons_are_true():
+    """GLM's fused gate_up MLP (Phi-3's form) gets the gated rules and conserves; a gated MLP
+    with an extra step (Seed-OSS: dropout) and a mixture-of-experts block (OLMoE) are
+    named as left native with why, not as having "no multiplicative gate"."""
+    base = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, head_dim=8)
+    glm = _model("GlmConfig", dtype=torch.float32, **base)
+    r = pyattr.relevance(glm, _ids(), generic=True)
+    assert (r.conservation_delta.abs() <= 1e-4 * r.target.abs()).all()
+    with pyattr.use_relevance_rules(glm, generic=True) as cov:
+        assert "model.layers.0.mlp" in cov.by_kind["multiplicative_gate"]
+    seed = _model("SeedOssConfig", dtype=torch.float32, attention_bias=False, **base)
+    with pyattr.use_relevance_rules(seed, generic=True) as cov:
+        assert cov.reasons["model.layers.0.mlp"].startswith("generic: multiplies its activation 'act_fn' by another tensor")
+    import transformers as T
+
+    torch.manual_seed(0)
+    cfg = T.OlmoeConfig(**{**COMMON, "intermediate_size": 24}, num_experts=4, num_experts_per_tok=2, **base)
+    olmoe = T.AutoModelForCausalLM.from_config(cfg).eval()
+    with pyattr.use_relevance_rules(olmoe, generic=True) as cov:
+        assert cov.reasons["model.layers.0.mlp"].startswith("generic: mixture-of-experts block (router and experts) not covered")
+        assert not any(p.startswith("model.layers.0.mlp.") for p in cov.installed)

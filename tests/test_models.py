@@ -167,12 +167,14 @@ def test_attention_rules_scale_q_k_v_gradients(arch, mode, scales):
 def test_bert_minilm_forward_and_coverage():
     tok, m = minilm()
     enc = tok(["pyattr explains models", "a second, longer sentence here"], padding=True, return_tensors="pt")
-    ref = m(**enc).last_hidden_state
+    ref = m(**enc)
     with pyattr.use_relevance_rules(m) as cov:
-        out = m(**enc).last_hidden_state
-    assert torch.equal(ref, out)
+        out = m(**enc)
+    assert torch.equal(ref.last_hidden_state, out.last_hidden_state)
+    assert torch.equal(ref.pooler_output, out.pooler_output)
     n = m.config.num_hidden_layers
-    assert len(cov.installed) == 1 + n * 2 + n * 2 + n  # embedding LN, 2 LNs, q+k, act per layer
+    # embedding LN, 2 LNs, q+k, act per layer, and the pooler's tanh
+    assert len(cov.installed) == 1 + n * 2 + n * 2 + n + 1 and cov.installed[-1] == "pooler.activation"
     assert cov.installed[0] == "embeddings.LayerNorm"
     assert "encoder.layer.0.intermediate.intermediate_act_fn" in cov.by_kind["activation"]
     assert cov.reasons["encoder.layer.0.intermediate"] == "no multiplicative gate in this MLP"

@@ -206,3 +206,35 @@ def test_one_cli_run(arch, tmp_path):
     assert abs(out["conservation_delta"]) <= 1e-4 * abs(out["target"])
     r = run_cli("explain", "--model", tmp_path, "--text", "the cat sat on the mat", "--json", "--no-routing-rule")
     assert json.loads(r.stdout)["rules"]["routing"] is False
+
+
+def test_modified_blocks_and_experts_are_refused():
+    """Reported: a block recomputing its routing weights from the router logits, or experts
+    with a forward of their own (never calling _apply_gate), were reported installed while
+    the rules never applied (|delta|/|target| 0.06 and 0.44)."""
+    from transformers.models.mixtral import modeling_mixtral as MM
+
+    class OwnSoftmax(MM.MixtralSparseMoeBlock):
+        def forward(self, hidden_states):
+            b, s, h = hidden_states.shape
+            x = hidden_states.view(-1, h)
+            logits, _, idx = self.gate(x)
+            w = torch.softmax(logits, -1).gather(-1, idx)
+            return self.experts(x, idx, w / w.sum(-1, keepdim=True)).reshape(b, s, h)
+
+    class OwnExperts(MM.MixtralExperts):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return super().forward(hidden_states, top_k_index, top_k_weights) * 1.0
+
+    m = tiny_causal_lm("mixtral")
+    m.model.layers[0].mlp.__class__ = OwnSoftmax
+    with pytest.raises(pyattr.RelevanceRuleUnsupportedError,
+                       match=r"'model.layers.0.mlp': OwnSoftmax.forward is not the MixtralSparseMoeBlock forward"):
+        pyattr.relevance(m, _ids())
+    with pyattr.use_relevance_rules(m, pyattr.RelevanceRules()):  # nothing to place: fine
+        pass
+    m = tiny_causal_lm("mixtral")
+    m.model.layers[1].mlp.experts.__class__ = OwnExperts
+    with pytest.raises(pyattr.RelevanceRuleUnsupportedError,
+                       match=r"'model.layers.1.mlp.experts': OwnExperts.forward is its own"):
+        pyattr.relevance(m, _ids())

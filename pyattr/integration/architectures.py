@@ -37,6 +37,11 @@ class Arch:
     # a head module whose forward calls its activation as a function (RoBERTa's
     # lm_head): its forward is replaced by the same computation with the Identity-rule
     head_forward: Optional[str] = None
+    # activation modules of the base model outside the blocks (BERT's pooler: dense → tanh),
+    # relative to the base model
+    base_acts: Tuple[str, ...] = field(default=())
+    # heads whose activation no rule can reach, by (path, class name): reported as skipped
+    unruled_heads: Tuple[Tuple[str, str], ...] = field(default=())
 
 
 _LLAMA = Arch(
@@ -137,6 +142,7 @@ ARCHITECTURES = {
         entry=("embeddings.LayerNorm", "input"),
         head_norms=("cls.predictions.transform.LayerNorm",),
         head_acts=("cls.predictions.transform.transform_act_fn",),
+        base_acts=("pooler.activation",),
     ),
     # ModernBERT: pre-norm (the first layer's attention norm is an nn.Identity), LayerNorms
     # without bias, fused Wqkv (MHA thirds), GeGLU through one Wi, a dense → act → norm head
@@ -167,7 +173,7 @@ ARCHITECTURES = {
 # decoder) calls gelu as a function, so the head's forward itself carries the rule
 ARCHITECTURES["roberta"] = Arch(
     **{**ARCHITECTURES["bert"].__dict__, "head_norms": ("lm_head.layer_norm",), "head_acts": (),
-       "head_forward": "lm_head"}
+       "head_forward": "lm_head", "unruled_heads": (("classifier", "RobertaClassificationHead"),)}
 )
 
 

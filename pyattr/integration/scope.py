@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import importlib
 import inspect
 import re
+import textwrap
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
@@ -127,8 +130,8 @@ def _gated_forward(kind: str, path: str, names=_GATED_NAMES):
 @dataclass(frozen=True)
 class FusedGatedForm:
     """An MLP with one projection for both halves: ``a, b = proj(x).chunk(2)``, then
-    ``down(drop(act(a) * b))`` (``drop`` optional). The source of its forward must match
-    ``pattern`` (whitespace and comments removed) and read no other attribute."""
+    ``down(drop(act(a) * b))`` (``drop`` optional). The whole body of its forward must
+    match ``pattern`` (see :func:`_flat_body`)."""
 
     proj: str
     act: str
@@ -139,12 +142,12 @@ class FusedGatedForm:
 
 PHI3_MLP = FusedGatedForm(
     "gate_up_proj", "activation_fn", "down_proj", None,
-    r"(\w+)=self\.gate_up_proj\((\w+)\)gate,(\w+)=\1\.chunk\(2,dim=-1\)\3=\3\*self\.activation_fn\(gate\)"
+    r"(\w+)=self\.gate_up_proj\((\w+)\);gate,(\w+)=\1\.chunk\(2,dim=-1\);\3=\3\*self\.activation_fn\(gate\);"
     r"returnself\.down_proj\(\3\)",
 )
 MODERNBERT_MLP = FusedGatedForm(
     "Wi", "act", "Wo", "drop",
-    r"(\w+),(\w+)=self\.Wi\((\w+)\)\.chunk\(2,dim=-1\)returnself\.Wo\(self\.drop\(self\.act\(\1\)\*\2\)\)",
+    r"(\w+),(\w+)=self\.Wi\((\w+)\)\.chunk\(2,dim=-1\);returnself\.Wo\(self\.drop\(self\.act\(\1\)\*\2\)\)",
 )
 FUSED_GATED_FORMS = {"phi3": PHI3_MLP, "modernbert": MODERNBERT_MLP}
 
@@ -169,6 +172,21 @@ def _gated_fused_forward(kind: str, path: str, form: FusedGatedForm):
         return forward
 
     return make
+
+
+# the library's sparse block per model type: its forward is the form the MoE rules expect
+_MOE_BLOCKS = {
+    "mixtral": ("transformers.models.mixtral.modeling_mixtral", "MixtralSparseMoeBlock"),
+    "qwen2_moe": ("transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeSparseMoeBlock"),
+    "qwen3_moe": ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeSparseMoeBlock"),
+}
+
+
+def _is_experts_dispatcher(fn) -> bool:
+    """``fn`` is transformers' ``use_experts_implementation`` forward (it dispatches to the
+    configured implementation, which calls ``self._apply_gate``), not a forward of its own."""
+    code = getattr(fn, "__code__", None)
+    return code is not None and code.co_filename.replace("\\", "/").endswith("transformers/integrations/moe.py")
 
 
 def _router_forward():
@@ -294,49 +312,57 @@ def _per_head_pattern(scales, head_size: int):
 
 # --- planning -----------------------------------------------------------------------------
 
-_GATED_EXPR = re.compile(r"self\.down_proj\(self\.act_fn\(self\.gate_proj\((\w+)\)\)\*self\.up_proj\(\1\)\)")
+# The forms a rule forward re-implements, matched against the WHOLE body of the module's
+# forward (statements joined by ";", whitespace removed): one extra statement or factor
+# anywhere, and the module keeps its own forward (or the scope refuses).
+_GATED_CALL = r"self\.{down}\(self\.{act}\(self\.{gate}\((?P<x>\w+)\)\)\*self\.{up}\((?P=x)\)\)"
+_GATED_BODY = "return{call}"  # "v = call; return v" is folded into this first (_body_matches)
+_GATED_FORM = re.compile(_GATED_BODY.format(call=_GATED_CALL.format(
+    down="down_proj", act="act_fn", gate="gate_proj", up="up_proj")))
+_GENERIC_GATED_FORM = re.compile(_GATED_BODY.format(call=_GATED_CALL.format(
+    down="(?P<down>\\w+)", act="(?P<act>\\w+)", gate="(?P<gate>\\w+)", up="(?P<up>\\w+)")))
+_HEAD_FORM = re.compile(r"x=self\.dense\(features\);x=gelu\(x\);x=self\.layer_norm\(x\);x=self\.decoder\(x\);returnx")
 
 
-def _flat_source(fn) -> Optional[str]:
-    """A function's source without comments, docstrings and whitespace (None if unknown)."""
+def _flat_body(fn) -> Optional[str]:
+    """The body of a function, docstring dropped, statements joined by ";" and all
+    whitespace removed (None if the source is unknown)."""
     try:
-        src = inspect.getsource(fn)
-    except (OSError, TypeError):
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
         return None
-    body = re.sub(r"#.*", "", src)
-    body = re.sub(r'"""[\s\S]*?"""', "", body)
-    return re.sub(r"\s+", "", body)
+    func = tree.body[0] if tree.body and isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+    if func is None:
+        return None
+    body = func.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        body = body[1:]
+    return ";".join(re.sub(r"\s+", "", ast.unparse(st)) for st in body)
+
+
+def _body_matches(fn, form) -> Optional["re.Match"]:
+    body = _flat_body(fn)
+    if body is None:
+        return None
+    one = re.fullmatch(r"(\w+)=([^;]+);return\1", body)  # v = expr; return v  ->  return expr
+    return re.fullmatch(form, "return" + one[2] if one else body)
 
 
 def plain_fused_gated_forward(mlp: nn.Module, form: FusedGatedForm) -> bool:
     """True when the MLP's forward is exactly ``form``'s."""
-    flat = _flat_source(type(mlp).forward)
-    if flat is None or not re.search(form.pattern, flat):
-        return False
-    names = {form.proj, form.act, form.down} | ({form.drop} if form.drop else set())
-    return set(re.findall(r"self\.(\w+)", flat)) <= names
-
-
-_HEAD_EXPR = re.compile(
-    r"\(self,features,\*\*kwargs\)(?:->[\w.\[\]]+)?:x=self\.dense\(features\)x=gelu\(x\)"
-    r"x=self\.layer_norm\(x\)x=self\.decoder\(x\)returnx$"
-)
+    return _body_matches(type(mlp).forward, form.pattern) is not None
 
 
 def plain_gelu_head(head: nn.Module) -> bool:
     """True when the head's forward is exactly ``decoder(layer_norm(gelu(dense(x))))``."""
-    flat = _flat_source(type(head).forward)
-    return flat is not None and bool(_HEAD_EXPR.search(flat))
+    return _body_matches(type(head).forward, _HEAD_FORM) is not None
 
 
 def plain_gated_forward(mlp: nn.Module) -> bool:
     """True when the MLP's forward is exactly ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``:
     the form the gated rule re-implements (no extra norm, multiplier or dropout)."""
-    flat = _flat_source(type(mlp).forward)
-    if flat is None or not _GATED_EXPR.search(flat):
-        return False
-    used = set(re.findall(r"self\.(\w+)", flat))
-    return used <= {"down_proj", "act_fn", "gate_proj", "up_proj"}
+    return _body_matches(type(mlp).forward, _GATED_FORM) is not None
 
 
 class _Planner:
@@ -463,6 +489,8 @@ class _Planner:
             return
         if not isinstance(router, nn.Module):
             raise RelevanceRuleUnsupportedError(f"{path!r}: a mixture-of-experts block needs a gate (router) module")
+        if self.rules.any():
+            self._check_block(path, block)
         gates = [(A.join(path, "gate"), router, _router_forward())]
         shared_gate = getattr(block, "shared_expert_gate", None)
         if isinstance(shared_gate, nn.Module):
@@ -484,6 +512,25 @@ class _Planner:
         if isinstance(getattr(block, "shared_expert", None), nn.Module):
             self.gated_mlp(A.join(path, "shared_expert"))
 
+    def _check_block(self, path: str, block: nn.Module) -> None:
+        """The sparse block's forward must be the library's own (the router's second output
+        scales the experts' outputs; the shared expert behind a sigmoid gate), body for
+        body: a block that recomputes its weights from the router logits would bypass the
+        routing rule."""
+        own = _MOE_BLOCKS.get(self.cov.model_type)
+        ref = None
+        if own is not None:
+            try:
+                ref = getattr(importlib.import_module(own[0]), own[1])
+            except (ImportError, AttributeError):
+                ref = None
+        body = _flat_body(type(block).forward)
+        if ref is None or body is None or body != _flat_body(ref.forward):
+            raise RelevanceRuleUnsupportedError(
+                f"{path!r}: {type(block).__name__}.forward is not the {own[1] if own else 'library'} forward the "
+                "routing and gated rules are placed for; they would not apply where it computes its routing"
+            )
+
     def _check_experts(self, path: str, experts: nn.Module) -> None:
         impl = getattr(getattr(experts, "config", None), "_experts_implementation", None)
         try:
@@ -499,6 +546,9 @@ class _Planner:
             (_default_apply_gate is not None and getattr(type(experts), "_apply_gate", None) is _default_apply_gate,
              f"{type(experts).__name__} has its own _apply_gate, not act(gate)·up"),
             (isinstance(getattr(experts, "act_fn", None), nn.Module), "experts without an act_fn module"),
+            (_is_experts_dispatcher(type(experts).forward),
+             f"{type(experts).__name__}.forward is its own, not transformers' experts dispatcher that calls "
+             "_apply_gate"),
         ]
         for ok, why in checks:
             if not ok:
@@ -551,7 +601,7 @@ class _Planner:
             )
         self.add("activation", path, head, kind, _head_forward(Activation(kind, forward_fn(gelu, kind))))
 
-    def activation(self, path: str, mlp_path: str) -> None:
+    def activation(self, path: str, mlp_path: Optional[str]) -> None:
         mod = self.need(path)
         kind = _kind_of_module(mod) or "custom"
         self.mounted.add(id(mod))
@@ -559,7 +609,7 @@ class _Planner:
             self.add("activation", path, mod, kind, _activation_forward(kind))
         else:
             self.off("activation", path, mod, "activation rule off")
-        if self.rules.multiplicative_gate:
+        if self.rules.multiplicative_gate and mlp_path is not None:
             self.cov._skip(mlp_path, "no multiplicative gate in this MLP")
 
     def attention(self, layer: str, spec) -> None:
@@ -671,6 +721,16 @@ def _plan_known(model: nn.Module, rules: RelevanceRules, model_type: str) -> _Pl
             pl.norm(p, arch.norm, arch.offset)
     if arch.head_forward:
         pl.head_forward(arch.head_forward)
+    for p in arch.base_acts:  # the pooler's tanh: the Identity-rule in its general form act(x)/x
+        path = A.join(prefix, p)
+        if isinstance(A.get_submodule(model, path), nn.Module):
+            pl.activation(path, None)
+    for p, cls in arch.unruled_heads:
+        mod = A.get_submodule(model, p)
+        if isinstance(mod, nn.Module) and type(mod).__name__ == cls:
+            pl.mounted.add(id(mod))
+            pl.cov._skip(p, f"{cls} applies its activation as a function (torch.tanh) that no rule reaches: "
+                            "relevance is not conserved through this head")
     pl.skip_lookalikes()
     return pl
 
@@ -678,22 +738,28 @@ def _plan_known(model: nn.Module, rules: RelevanceRules, model_type: str) -> _Pl
 _QKV_NAMES = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("q_lin", "k_lin", "v_lin"))
 _FUSED_QKV = ("qkv_proj", "Wqkv", "c_attn", "query_key_value", "qkv")
 _ACT_NAMES = ("act", "act_fn", "activation_fn", "activation")
-_GENERIC_GATED = re.compile(
-    r"self\.(?P<down>\w+)\(self\.(?P<act>\w+)\(self\.(?P<gate>\w+)\((?P<x>\w+)\)\)\*self\.(?P<up>\w+)\((?P=x)\)\)"
-)
 
 
 def _generic_gated_names(mod: nn.Module) -> Optional[Tuple[str, str, str, str]]:
-    """(gate, up, down, act) when the module's forward is ``down(act(gate(x)) * up(x))``
-    under any attribute names, and reads nothing else."""
-    flat = _flat_source(type(mod).forward)
-    m = _GENERIC_GATED.search(flat or "")
+    """(gate, up, down, act) when the module's whole forward is ``down(act(gate(x)) * up(x))``
+    under any attribute names."""
+    m = _body_matches(type(mod).forward, _GENERIC_GATED_FORM)
     if m is None:
         return None
     names = (m["gate"], m["up"], m["down"], m["act"])
-    if not all(isinstance(getattr(mod, n, None), nn.Module) for n in names):
-        return None
-    return names if set(re.findall(r"self\.(\w+)", flat)) <= set(names) else None
+    return names if all(isinstance(getattr(mod, n, None), nn.Module) for n in names) else None
+
+
+_ACT_CLASS = re.compile(r"(?i)(gelu|silu|swish|relu|tanh|sigmoid|activation)$")
+
+
+def _multiplies(parent: Optional[nn.Module], act: str) -> bool:
+    """The parent's forward multiplies the output of ``self.<act>(...)`` by something: a
+    gate the Half-rule would need, in a form not recognised."""
+    body = _flat_body(type(parent).forward) if isinstance(parent, nn.Module) else None
+    if body is None:
+        return False
+    return any(f"self.{act}(" in st and "*" in st for st in body.split(";"))
 
 
 def _is_norm_like(mod: nn.Module) -> bool:
@@ -729,13 +795,26 @@ def _plan_generic(model: nn.Module, rules: RelevanceRules) -> _Planner:
                 attention.append((name, (q, k, v)))
                 break
     inside_attention = [n for n, _ in attention]
-    gated = {}
+    gated, fused = {}, {}
+    moe = [n for n, m in modules.items() if n and isinstance(getattr(m, "experts", None), nn.Module)]
     for name, mod in modules.items():
-        names = _generic_gated_names(mod) if name else None
+        if not name or any(name == b or name.startswith(b + ".") for b in moe):
+            continue
+        names = _generic_gated_names(mod)
         if names:
             gated[name] = names
-            gated_acts = A.join(name, names[3])
-            pl.mounted.add(id(modules[gated_acts]))
+            pl.mounted.add(id(modules[A.join(name, names[3])]))
+            continue
+        form = next((f for f in FUSED_GATED_FORMS.values() if plain_fused_gated_forward(mod, f)), None)
+        if form is not None and all(isinstance(getattr(mod, n, None), nn.Module) for n in (form.proj, form.act, form.down)):
+            fused[name] = form
+            pl.mounted.add(id(getattr(mod, form.act)))
+    for name in moe:  # routing and 3-D experts need the library's forms: only the mapped MoE models have them
+        for sub, m in modules.items():
+            if sub == name or sub.startswith(name + "."):
+                pl.mounted.add(id(m))
+        pl.cov._skip(name, "generic: mixture-of-experts block (router and experts) not covered in generic mode: "
+                           "left native, relevance is not conserved through it")
     for name, (q, k, v) in attention:
         mod = modules[name]
         pl.attention(name, ("separate", q, k, v))
@@ -749,6 +828,9 @@ def _plan_generic(model: nn.Module, rules: RelevanceRules) -> _Planner:
         if name in gated:
             pl.generic_gated_mlp(name, gated[name])
             continue
+        if name in fused:
+            pl.gated_fused_mlp(name, fused[name])
+            continue
         if _is_norm_like(mod):
             if any(name.startswith(a + ".") for a in inside_attention):
                 pl.mounted.add(id(mod))
@@ -760,10 +842,12 @@ def _plan_generic(model: nn.Module, rules: RelevanceRules) -> _Planner:
             if isinstance(mod, nn.LayerNorm) and len(mod.normalized_shape) == 1 and (
                     hidden is None or mod.normalized_shape[0] == hidden):
                 pl.norm(name, "layer_norm", 0.0)
-            elif cls.endswith("RMSNorm") and spans:
-                pl.norm(name, "rms_norm", 1.0 if "Gemma" in cls else 0.0)
             else:
+                # probed, whatever the class name says: an RMSNorm may compute x/r·(1 + w)
                 found = classify_norm(mod, hidden) if isinstance(hidden, int) else None
+                if found is not None and found[0] == "rms_norm" and spans and found[1][0] is w:
+                    pl.norm(name, "rms_norm", found[1][1])
+                    continue
                 if found is None:
                     pl.mounted.add(id(mod))
                     pl.cov._skip(name, f"generic: {cls} is norm-like but computes no layer / RMS norm over "
@@ -773,15 +857,29 @@ def _plan_generic(model: nn.Module, rules: RelevanceRules) -> _Planner:
             continue
         kind = _kind_of_module(mod)
         leaf = name.rsplit(".", 1)[-1]
-        if kind is not None or (leaf in _ACT_NAMES and not list(mod.children()) and not list(mod.parameters())):
-            pl.activation(name, name.rsplit(".", 1)[0] if "." in name else "")
-        elif leaf in _ACT_NAMES:
+        act_like = leaf in _ACT_NAMES or bool(_ACT_CLASS.search(type(mod).__name__))
+        bare = not list(mod.children()) and not list(mod.parameters())
+        if kind is not None or (act_like and bare):
+            parent = name.rsplit(".", 1)[0] if "." in name else ""
+            if _multiplies(modules.get(parent), leaf):
+                pl.mounted.add(id(mod))
+                pl.cov._skip(parent, f"generic: multiplies its activation {leaf!r} by another tensor in a form pyattr "
+                                     "does not recognise (no Half-rule): left native, relevance is not conserved "
+                                     "through it")
+                continue
+            pl.activation(name, parent)
+        elif act_like:
             pl.mounted.add(id(mod))
             pl.cov._skip(name, f"generic: activation-like module with parameters or submodules ({type(mod).__name__}), "
                                "no known form: left native")
         for f in _FUSED_QKV:
             if isinstance(getattr(mod, f, None), nn.Linear) and name not in dict(attention):
                 pl.cov._skip(A.join(name, f), "generic: fused q/k/v projection whose split is unknown: left native")
+        if "Attention" in type(mod).__name__ and name not in dict(attention) and not any(
+                name.startswith(a + ".") for a in inside_attention) and not any(
+                isinstance(getattr(mod, f, None), nn.Linear) for f in _FUSED_QKV):
+            pl.cov._skip(name, "generic: attention without recognisable q/k/v projections: its pattern is not "
+                               "frozen (no attention rule)")
     pl.skip_lookalikes()
     return pl
 
