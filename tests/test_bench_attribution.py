@@ -100,7 +100,7 @@ def test_saved_attribution_documents_validate_and_bad_rows_are_named():
 
     from pyattr.bench import report
 
-    for name in ("cpu_conservation", "cpu_ig_memory", "cpu_e2e_k_targets", "cpu_patching", "cpu_dataset_quick"):
+    for name in ("cpu_conservation", "cpu_ig_memory", "cpu_e2e_k_targets", "cpu_patching", "cpu_dataset", "cpu_dataset_quick"):
         with open(RESULTS / f"{name}.json", encoding="utf-8") as f:
             doc = json.load(f)
         report.validate(doc)

@@ -1,0 +1,174 @@
+"""``generic=True``: structural rule installation for architectures without a rule map.
+
+The planner reads the module graph instead of a map: attention by its q/k/v projections,
+norms by what they compute (:mod:`.structural`), gated MLPs by the form of their forward,
+activations by kind or name; whatever it cannot place is reported with the reason.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+
+from pyattr.activations import _kind_of_module
+from pyattr.integration import architectures as A
+from pyattr.integration.config import RelevanceRules
+from pyattr.integration.scope import (
+    FUSED_GATED_FORMS,
+    _GENERIC_GATED_FORM,
+    _body_matches,
+    _flat_body,
+    _Planner,
+    plain_fused_gated_forward,
+)
+from pyattr.integration.structural import _eps, classify_norm, structural_norm_forward
+
+
+_QKV_NAMES = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("q_lin", "k_lin", "v_lin"))
+_FUSED_QKV = ("qkv_proj", "Wqkv", "c_attn", "query_key_value", "qkv")
+_ACT_NAMES = ("act", "act_fn", "activation_fn", "activation")
+
+
+def _generic_gated_names(mod: nn.Module) -> Optional[Tuple[str, str, str, str]]:
+    """(gate, up, down, act) when the module's whole forward is ``down(act(gate(x)) * up(x))``
+    under any attribute names."""
+    m = _body_matches(type(mod).forward, _GENERIC_GATED_FORM)
+    if m is None:
+        return None
+    names = (m["gate"], m["up"], m["down"], m["act"])
+    return names if all(isinstance(getattr(mod, n, None), nn.Module) for n in names) else None
+
+
+_ACT_CLASS = re.compile(r"(?i)(gelu|silu|swish|relu|tanh|sigmoid|activation)$")
+
+
+def _multiplies(parent: Optional[nn.Module], act: str) -> bool:
+    """The parent's forward multiplies the output of ``self.<act>(...)`` by something: a
+    gate the Half-rule would need, in a form not recognised."""
+    body = _flat_body(type(parent).forward) if isinstance(parent, nn.Module) else None
+    if body is None:
+        return False
+    return any(f"self.{act}(" in st and "*" in st for st in body.split(";"))
+
+
+def _is_norm_like(mod: nn.Module) -> bool:
+    cls = type(mod).__name__
+    return isinstance(mod, nn.LayerNorm) or cls.endswith("Norm") or "LayerNorm" in cls or cls.endswith("RMSNorm")
+
+
+def plan_generic(model: nn.Module, rules: RelevanceRules) -> _Planner:
+    """Structural discovery for a model without a rule map, used only when asked for.
+
+    - attention: a module with q/k/v projections (``q_proj``/``k_proj``/``v_proj``,
+      ``query``/``key``/``value`` or ``q_lin``/``k_lin``/``v_lin``); a fused q|k|v
+      projection is reported, not guessed at;
+    - norms: ``nn.LayerNorm`` and ``*RMSNorm`` spanning the hidden size, and any other
+      norm-like class recognised by what it computes (:mod:`.structural`); never one
+      inside an attention module (q/k norms get the qk-norm treatment or stay native);
+    - gated MLPs: a forward ``down(act(gate(x)) * up(x))`` under any attribute names;
+    - activations: recognised kinds anywhere, and activation modules of unknown kind
+      (``act``, ``act_fn``, ``activation_fn``, ``activation``) under the Identity-rule's
+      general form φ(x) = act(x)/x.
+
+    Whatever norm-like or activation-like module it cannot classify is listed in the
+    coverage report's ``skipped`` with the reason."""
+    pl = _Planner(model, rules, "generic")
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    modules = dict(model.named_modules())
+    attention = []
+    for name, mod in modules.items():
+        for q, k, v in _QKV_NAMES:
+            if all(isinstance(getattr(mod, n, None), nn.Module) for n in (q, k, v)):
+                attention.append((name, (q, k, v)))
+                break
+    inside_attention = [n for n, _ in attention]
+    gated, fused = {}, {}
+    moe = [n for n, m in modules.items() if n and isinstance(getattr(m, "experts", None), nn.Module)]
+    for name, mod in modules.items():
+        if not name or any(name == b or name.startswith(b + ".") for b in moe):
+            continue
+        names = _generic_gated_names(mod)
+        if names:
+            gated[name] = names
+            pl.mounted.add(id(modules[A.join(name, names[3])]))
+            continue
+        form = next((f for f in FUSED_GATED_FORMS.values() if plain_fused_gated_forward(mod, f)), None)
+        if form is not None and all(isinstance(getattr(mod, n, None), nn.Module) for n in (form.proj, form.act, form.down)):
+            fused[name] = form
+            pl.mounted.add(id(getattr(mod, form.act)))
+    for name in moe:  # routing and 3-D experts need the library's forms: only the mapped MoE models have them
+        for sub, m in modules.items():
+            if sub == name or sub.startswith(name + "."):
+                pl.mounted.add(id(m))
+        pl.cov._skip(name, "generic: mixture-of-experts block (router and experts) not covered in generic mode: "
+                           "left native, relevance is not conserved through it")
+    for name, (q, k, v) in attention:
+        mod = modules[name]
+        pl.attention(name, ("separate", q, k, v))
+        qk = [A.join(name, n) for n in ("q_norm", "k_norm") if isinstance(getattr(mod, n, None), nn.Module)]
+        qk = [p for p in qk if type(modules[p]).__name__.endswith("RMSNorm")]
+        if qk:
+            pl.qk_norms(qk, "rms_norm", 1.0 if "Gemma" in type(modules[qk[0]]).__name__ else 0.0)
+    for name, mod in modules.items():
+        if not name or id(mod) in pl.mounted:
+            continue
+        if name in gated:
+            pl.generic_gated_mlp(name, gated[name])
+            continue
+        if name in fused:
+            pl.gated_fused_mlp(name, fused[name])
+            continue
+        if _is_norm_like(mod):
+            if any(name.startswith(a + ".") for a in inside_attention):
+                pl.mounted.add(id(mod))
+                pl.cov._skip(name, "norm inside attention (a q/k norm), not a residual-stream norm: left native")
+                continue
+            cls = type(mod).__name__
+            w = getattr(mod, "weight", None)
+            spans = isinstance(w, torch.Tensor) and w.dim() == 1 and (hidden is None or w.shape[0] == hidden)
+            if isinstance(mod, nn.LayerNorm) and len(mod.normalized_shape) == 1 and (
+                    hidden is None or mod.normalized_shape[0] == hidden):
+                pl.norm(name, "layer_norm", 0.0)
+            else:
+                # probed, whatever the class name says: an RMSNorm may compute x/r·(1 + w)
+                found = classify_norm(mod, hidden) if isinstance(hidden, int) else None
+                if found is not None and found[0] == "rms_norm" and spans and found[1][0] is w:
+                    pl.norm(name, "rms_norm", found[1][1])
+                    continue
+                if found is None:
+                    pl.mounted.add(id(mod))
+                    pl.cov._skip(name, f"generic: {cls} is norm-like but computes no layer / RMS norm over "
+                                       "the hidden size that could be recognised: left native")
+                else:
+                    pl.structural_norm(name, mod, found[0], found[1], _eps(mod), structural_norm_forward)
+            continue
+        kind = _kind_of_module(mod)
+        leaf = name.rsplit(".", 1)[-1]
+        act_like = leaf in _ACT_NAMES or bool(_ACT_CLASS.search(type(mod).__name__))
+        bare = not list(mod.children()) and not list(mod.parameters())
+        if kind is not None or (act_like and bare):
+            parent = name.rsplit(".", 1)[0] if "." in name else ""
+            if _multiplies(modules.get(parent), leaf):
+                pl.mounted.add(id(mod))
+                pl.cov._skip(parent, f"generic: multiplies its activation {leaf!r} by another tensor in a form pyattr "
+                                     "does not recognise (no Half-rule): left native, relevance is not conserved "
+                                     "through it")
+                continue
+            pl.activation(name, parent)
+        elif act_like:
+            pl.mounted.add(id(mod))
+            pl.cov._skip(name, f"generic: activation-like module with parameters or submodules ({type(mod).__name__}), "
+                               "no known form: left native")
+        for f in _FUSED_QKV:
+            if isinstance(getattr(mod, f, None), nn.Linear) and name not in dict(attention):
+                pl.cov._skip(A.join(name, f), "generic: fused q/k/v projection whose split is unknown: left native")
+        if "Attention" in type(mod).__name__ and name not in dict(attention) and not any(
+                name.startswith(a + ".") for a in inside_attention) and not any(
+                isinstance(getattr(mod, f, None), nn.Linear) for f in _FUSED_QKV):
+            pl.cov._skip(name, "generic: attention without recognisable q/k/v projections: its pattern is not "
+                               "frozen (no attention rule)")
+    pl.skip_lookalikes()
+    return pl
