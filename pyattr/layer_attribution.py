@@ -48,6 +48,7 @@ _PARTS = {
     "bert": ("attention.output.dense", "output.dense", ("intermediate", "output")),
     "distilbert": ("attention.out_lin", "ffn", ("ffn.activation", "output")),
     "modernbert": ("attn", "mlp", ("mlp.Wo", "input")),
+    "clip_text_model": ("self_attn", "mlp", ("mlp.fc2", "input")),
 }
 _PARTS["roberta"] = _PARTS["bert"]
 # mixture of experts: the sparse block's output is the MLP's contribution; its hidden

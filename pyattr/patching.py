@@ -65,7 +65,7 @@ PATCHING_RULES = RelevanceRules(normalization=True)
 # block-relative path of the attention output projection, whose input is split per head
 _HEADS = {"llama": "self_attn.o_proj", "gpt2": "attn.c_proj", "gpt_neox": "attention.dense",
           "bert": "attention.output.dense", "roberta": "attention.output.dense", "distilbert": "attention.out_lin",
-          "modernbert": "attn.Wo"}
+          "modernbert": "attn.Wo", "clip_text_model": "self_attn.out_proj"}
 for _name in ("mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "phi3", "mixtral",
               "qwen2_moe", "qwen3_moe"):
     _HEADS[_name] = _HEADS["llama"]

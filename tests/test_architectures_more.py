@@ -331,3 +331,29 @@ def test_sequence_classification_heads():
             assert (r.conservation_delta.abs() <= 1e-4 * r.target.abs()).all(), r.conservation_delta
         else:
             assert cov.reasons["classifier"].startswith("RobertaClassificationHead applies its activation as a function")
+
+
+@pytest.mark.parametrize("cls_name", ["CLIPTextModel", "CLIPTextModelWithProjection"])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_clip_text_tower(cls_name, attn):
+    """CLIP's text tower: bit-identical forward, its 11 mounts, and conservation (float64,
+    zero biases) for a linear read-out of the pooled (end-of-text) embedding."""
+    import transformers as T
+
+    cfg = T.CLIPTextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                           num_hidden_layers=2, max_position_embeddings=32, initializer_range=0.2, projection_dim=16)
+    cfg._attn_implementation = attn
+    torch.manual_seed(0)
+    m = getattr(T, cls_name)(cfg).double().eval()
+    ids = _ids(2, 9)
+    ref = m(ids)[0]
+    with pyattr.use_relevance_rules(m) as cov:
+        assert torch.equal(m(ids)[0], ref)
+    prefix = "text_model." if cls_name.endswith("Projection") else ""
+    assert len(cov.installed) == 11 and f"{prefix}final_layer_norm" in cov.installed
+    assert f"{prefix}encoder.layers.1.mlp.activation_fn" in cov.by_kind["activation"]
+    w = torch.randn(16 if prefix else 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    pooled = (lambda out: out.text_embeds @ w) if prefix else (lambda out: out.pooler_output @ w)
+    r = pyattr.relevance(m, ids, target=pooled)
+    assert (r.target.abs() > 1e-3).all()
+    assert (r.conservation_delta.abs() <= 1e-4 * r.target.abs()).all(), (r.target, r.conservation_delta)

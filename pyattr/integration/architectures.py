@@ -157,6 +157,17 @@ ARCHITECTURES = {
         head_norms=("head.norm",),
         head_acts=("head.act",),
     ),
+    # CLIP's text tower (CLIPTextModel, CLIPTextModelWithProjection): pre-norm, quick-GELU
+    # MLP, causal self-attention, a final LayerNorm
+    "clip_text_model": Arch(
+        layers="encoder.layers",
+        norm="layer_norm",
+        layer_norms=("layer_norm1", "layer_norm2"),
+        outer_norms=("final_layer_norm",),
+        mlp=("act", "mlp.activation_fn"),
+        attention=("separate", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        entry=("encoder.layers.0", "hidden_states"),
+    ),
     "distilbert": Arch(
         layers="transformer.layer",
         norm="layer_norm",
