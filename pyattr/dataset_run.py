@@ -32,6 +32,7 @@ takes every ``world_size``-th prompt (no sampler padding) and writes its own sha
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import os
@@ -270,6 +271,7 @@ def _manifest(model, tokenizer, rules, text_field, target_field, data, command, 
         "dtype": dtype,
         "device": device,
         "device_map": _device_map(model),
+        "gradient_checkpointing": any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()),
         "text_field": text_field,
         "target": target_field or "top1",
         "data": os.path.realpath(data) if isinstance(data, (str, Path)) else "in-memory list",
@@ -345,6 +347,7 @@ def run(
     shard_size: int = 256,
     progress: bool = True,
     command: Optional[str] = None,
+    generic: bool = False,
 ) -> RunSummary:
     """Token relevance of every prompt of ``data`` for a causal LM's next-token logit,
     stored in ``out`` (see :mod:`pyattr.dataset_run` for the layout and columns).
@@ -366,6 +369,8 @@ def run(
         progress (bool): a rich progress bar on stderr with prompts/s, tokens/s and ETA
             (on a terminal only).
         command (str, optional): recorded in the manifest.
+        generic (bool): structural rule installation for an architecture without a rule
+            map (see :func:`pyattr.use_relevance_rules`). Default False.
 
     Returns:
         RunSummary for this rank.
@@ -373,7 +378,8 @@ def run(
     Raises:
         RunError: unusable data (see :func:`read_prompts`), an ``out`` that holds another
             run or that another run is writing to (a lock per rank), bad
-            ``max_tokens_per_batch`` / ``shard_size``.
+            ``max_tokens_per_batch`` / ``shard_size``, a model whose architecture has
+            no rule map (without ``generic``): all before ``out`` is created.
 
     Per prompt, an empty text, a text longer than the model reads, or an unknown target
     token is stored with its ``error``; the run goes on.
@@ -386,20 +392,35 @@ def run(
     rules = RelevanceRules.all() if rules is None else rules
     rank, world = _rank_world()
     prompts = read_prompts(data, text_field, target)  # a bad file fails before OUT is created
+    _check_model(model, rules, generic)  # and so does a model the rules cannot be placed on
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     lock = _lock(out, rank)
     try:
         return _run_locked(model, prompts, data, out, tokenizer, text_field, target, rules, max_tokens_per_batch,
-                           shard_size, progress, command, rank, world)
+                           shard_size, progress, command, rank, world, generic)
     finally:
         lock.close()
 
 
+def _check_model(model, rules, generic: bool) -> None:
+    """The rule plan, once: an architecture without a rule map is one error for the run,
+    not an error stored in every row."""
+    from pyattr.integration.errors import RelevanceRuleUnsupportedError
+    from pyattr.integration.scope import plan
+
+    try:
+        plan(model, rules, generic)
+    except RelevanceRuleUnsupportedError as e:
+        raise RunError(f"model: {e}") from None
+
+
 def _run_locked(model, prompts, data, out: Path, tokenizer, text_field, target, rules, max_tokens_per_batch,
-                shard_size, progress, command, rank, world) -> RunSummary:
+                shard_size, progress, command, rank, world, generic) -> RunSummary:
     from pyattr.attribution import relevance
     from pyattr.targets import Logit
+
+    relevance = functools.partial(relevance, generic=generic)
 
     manifest = _manifest(model, tokenizer, rules, text_field, target, data, command, world)
     manifest["data_sha256"] = _fingerprint(prompts)

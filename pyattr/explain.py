@@ -146,6 +146,15 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
                     "spiece.model", "sentencepiece.bpe.model")
 
 
+def _config_type(path: Path) -> str:
+    import json
+
+    try:
+        return str(json.loads((path / "config.json").read_text()).get("model_type"))
+    except (OSError, ValueError, AttributeError):
+        return "unknown"
+
+
 def _load(path: Path, causal: bool, dtype: torch.dtype = torch.float32, placement: Optional[dict] = None):
     """The tokenizer and model of a local directory. ``placement``: accelerate's loading
     arguments (``device_map``, ``max_memory``, ``offload_folder``) for a model placed over
@@ -175,6 +184,12 @@ def _load(path: Path, causal: bool, dtype: torch.dtype = torch.float32, placemen
                                           **(placement or {}))
     except Exception as e:  # transformers raises OSError/ValueError/KeyError for broken dirs
         text = " ".join(str(e).split()) or type(e).__name__
+        if causal and "Unrecognized configuration class" in text:
+            raise ExplainError(
+                f"model directory {str(path)!r} holds a {_config_type(path)!r} model, which is not a causal "
+                "language model (transformers has no AutoModelForCausalLM for it): pyattr run and a --text "
+                "prompt need one; for an encoder, explain a sentence pair with --text A --pair B"
+            ) from None
         if len(text) > 400:
             text = text[:400] + "…"
         raise ExplainError(f"cannot load model from {str(path)!r}: {text}") from None

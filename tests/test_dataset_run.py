@@ -316,3 +316,53 @@ def test_dataset_benchmark_configuration(tmp_path, monkeypatch):
     md = dataset.markdown([row], {"parameters": params, "num_hidden_layers": 1, "hidden_size": 32,
                                   "intermediate_size": 48, "dtype": "float32", "prompts": 5, "prompt_tokens": [8, 20]})
     assert "| 1 process, checkpointing | 1 |" in md
+
+
+def test_an_architecture_without_a_rule_map_is_one_error_or_runs_generic(tmp_path):
+    """Reported: every row was stored with RelevanceRuleUnsupportedError (and never retried)
+    and `--generic` did not exist. Now the run refuses before OUT exists, naming --generic;
+    with it the rows are the generic relevance."""
+    import transformers as T
+
+    from models import minilm
+
+    tok, _ = minilm()
+    cfg = T.CohereConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                         num_key_value_heads=2, num_hidden_layers=2, initializer_range=0.2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(cfg).eval()
+    d = tmp_path / "cohere"
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    data = _jsonl(tmp_path / "p.jsonl", [{"text": t} for t in TEXTS[:3]])
+    r = run_cli("run", "--model", d, "--data", data, "--out", tmp_path / "o")
+    assert r.returncode == 2 and "model type 'cohere'" in r.stderr and "Pass --generic" in r.stderr, r.stderr
+    assert not (tmp_path / "o").exists()
+    r = run_cli("run", "--model", d, "--data", data, "--out", tmp_path / "o", "--generic")
+    assert r.returncode == 0, r.stderr
+    df = _read(tmp_path / "o")
+    assert df["error"].isna().all()
+    want = pyattr.relevance(model, tok(TEXTS[0], return_tensors="pt")["input_ids"], generic=True)
+    torch.testing.assert_close(torch.tensor(list(df["token_relevance"][0])), want.token_relevance[0], rtol=1e-4, atol=1e-5)
+    assert abs(df["conservation_delta"][0]) <= 1e-4 * abs(df["target"][0])
+    with pytest.raises(RunError, match=r"model: model type 'cohere'"):
+        pyattr.run(model, data, tmp_path / "o2", tokenizer=tok)
+    assert not (tmp_path / "o2").exists()
+
+
+def test_an_encoder_is_not_a_causal_lm(tmp_path):
+    from models import minilm
+
+    tok, _ = minilm()
+    cfg = __import__("models")._cfg("modernbert", "sdpa")
+    cfg.vocab_size = len(tok)
+    from transformers import AutoModelForMaskedLM
+
+    AutoModelForMaskedLM.from_config(cfg).save_pretrained(tmp_path / "enc")
+    tok.save_pretrained(tmp_path / "enc")
+    data = _jsonl(tmp_path / "p.jsonl", [{"text": "x"}])
+    for args in (["run", "--data", data, "--out", tmp_path / "o"], ["explain", "--text", "the cat"]):
+        r = run_cli(args[0], "--model", tmp_path / "enc", *args[1:])
+        assert r.returncode == 2 and "holds a 'modernbert' model, which is not a causal language model" in r.stderr, r.stderr
+        assert r.stderr.count("\n") == 1
+    assert not (tmp_path / "o").exists()

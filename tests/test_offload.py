@@ -156,14 +156,12 @@ def test_from_pretrained_device_map_and_the_cli(tmp_path):
     (["--device-map", "nowhere"], "--device-map: expected auto, balanced, balanced_low_0, sequential or a JSON file"),
     (["--max-memory", "cpu=1GiB"], "--max-memory and --offload-folder need --device-map"),
     (["--device-map", "auto", "--max-memory", "cpu"], "--max-memory: expected DEVICE=SIZE"),
-    (["--device-map", "MAP"], "--device-map puts modules on \"disk\": give --offload-folder DIR"),
     (["--device-map", "BAD"], "must hold a JSON object of module name -> device"),
     (["--device-map", "auto", "--device", "cpu"], "not allowed with argument --device"),
 ])
 def test_cli_placement_errors(tmp_path, args, message):
-    (tmp_path / "map.json").write_text(json.dumps({"model": "disk"}))
     (tmp_path / "bad.json").write_text(json.dumps(["cpu"]))
-    args = [str(tmp_path / "map.json") if a == "MAP" else str(tmp_path / "bad.json") if a == "BAD" else a for a in args]
+    args = [str(tmp_path / "bad.json") if a == "BAD" else a for a in args]
     data = tmp_path / "p.jsonl"
     data.write_text('{"text": "x"}\n')
     r = run_cli("run", "--model", tmp_path, "--data", data, "--out", tmp_path / "o", *args)

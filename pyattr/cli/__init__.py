@@ -123,9 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--device", choices=["cpu", "cuda"], help="cpu (default) or cuda")
     where.add_argument("--device-map", metavar="MAP",
                        help="place the model with accelerate instead: auto, balanced, balanced_low_0, sequential, "
-                            "or a JSON file mapping module names to devices (0, \"cpu\", \"disk\")")
+                            "or a JSON file mapping module names to devices (0, \"cuda:1\", \"cpu\", \"disk\")")
     r.add_argument("--max-memory", metavar="SPEC", help="with --device-map: per-device limits, e.g. 0=70GiB,cpu=120GiB")
-    r.add_argument("--offload-folder", metavar="DIR", help="with --device-map: where modules mapped to disk are kept")
+    r.add_argument("--offload-folder", metavar="DIR", help="with --device-map: where modules mapped to disk are kept (needed when the checkpoint "
+                        "is not in safetensors format)")
+    r.add_argument("--generic", action="store_true",
+                   help="structural rule installation for an architecture without a rule map")
     r.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute each block in the backward instead of keeping its activations (less memory)")
     r.set_defaults(func=_command("run"))

@@ -61,8 +61,6 @@ def parse_placement(device_map, max_memory, offload_folder):
             raise UsageError(f"--device-map: {device_map!r} must hold a JSON object of module name -> device "
                              "(an integer GPU index, \"cpu\", \"disk\" or \"cuda:N\")"
                              + (f"; {bad!r} is not one" if bad is not None else ""))
-        if "disk" in dm.values() and not offload_folder:
-            raise UsageError("--device-map puts modules on \"disk\": give --offload-folder DIR")
     place = {"device_map": dm}
     if max_memory is not None:
         limits = {}
@@ -162,10 +160,10 @@ def run(args) -> int:
             model, args.data, out, tokenizer=tok, text_field=args.text_field,
             target=None if args.target == "top1" else args.target, rules=rules,
             max_tokens_per_batch=args.max_tokens_per_batch, shard_size=args.shard_size,
-            command=" ".join(shlex.quote(a) for a in ["pyattr", *sys.argv[1:]]),
+            command=" ".join(shlex.quote(a) for a in ["pyattr", *sys.argv[1:]]), generic=args.generic,
         )
     except (ExplainError, RunError) as e:
-        return fail("run", str(e))
+        return fail("run", str(e).replace("Pass generic=True", "Pass --generic"))
     except KeyboardInterrupt:
         print("pyattr run: interrupted; the shards written so far are kept, rerun the same command to resume",
               file=sys.stderr)
