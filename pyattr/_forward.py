@@ -22,16 +22,50 @@ from pyattr.integration.patching import _in_backward
 from pyattr.integration.scope import CHECKPOINT_INNER, bind_checkpoint, model_type_of, use_relevance_rules
 
 
+def _is_pixels(inputs) -> bool:
+    if isinstance(inputs, torch.Tensor):  # token ids are (batch, seq) or (seq,)
+        return inputs.dim() == 4 or (inputs.is_floating_point() and inputs.dim() == 3)
+    return isinstance(inputs, Mapping) and "pixel_values" in inputs and inputs.get("input_ids") is None
+
+
+def normalise_pixels(inputs, attention_mask) -> dict:
+    """An image batch (``pixel_values`` of shape (batch, channels, height, width), or a
+    single image (channels, height, width), or an image processor's output) → the model's
+    kwargs. Images have no padding, so no ``attention_mask``."""
+    kwargs = {"pixel_values": inputs} if isinstance(inputs, torch.Tensor) else dict(inputs)
+    px = kwargs["pixel_values"]
+    if not isinstance(px, torch.Tensor) or not px.is_floating_point():
+        raise TypeError("inputs: pixel_values must be a floating tensor of shape (batch, channels, height, width)")
+    if px.dim() == 3:
+        px = px.unsqueeze(0)
+    if px.dim() != 4 or 0 in px.shape:
+        raise ValueError(
+            f"inputs: pixel_values must have shape (batch, channels, height, width) with no empty dimension, got {tuple(px.shape)}"
+        )
+    if not bool(torch.isfinite(px).all()):
+        raise ValueError("inputs: pixel_values holds NaN or inf")
+    if attention_mask is not None or kwargs.get("attention_mask") is not None:
+        raise ValueError("attention_mask: image inputs (pixel_values) have no padding; pass no attention_mask")
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    kwargs["pixel_values"] = px
+    return kwargs
+
+
 def normalise_inputs(inputs, attention_mask) -> dict:
-    """Token ids or a tokenizer output (+ ``attention_mask``) → the model's kwargs."""
+    """Token ids or a tokenizer output (+ ``attention_mask``) → the model's kwargs; image
+    inputs (floating ``pixel_values``) go to :func:`normalise_pixels`."""
+    if _is_pixels(inputs):
+        return normalise_pixels(inputs, attention_mask)
     if isinstance(inputs, torch.Tensor):
         kwargs = {"input_ids": inputs}
     elif isinstance(inputs, Mapping):
         if "input_ids" not in inputs:
-            raise ValueError("inputs: a mapping must contain 'input_ids'")
+            raise ValueError("inputs: a mapping must contain 'input_ids' (token inputs) or 'pixel_values' (images)")
         kwargs = dict(inputs)
     else:
-        raise TypeError(f"inputs must be a LongTensor of token ids or a mapping, got {type(inputs).__name__}")
+        raise TypeError(
+            f"inputs must be a LongTensor of token ids, a floating pixel_values tensor or a mapping, got {type(inputs).__name__}"
+        )
     ids = kwargs["input_ids"]
     if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
         raise TypeError("inputs: input_ids must be an integer tensor of shape (batch, seq)")
@@ -145,13 +179,43 @@ def check_grad_mode(caller: str) -> None:
 
 @dataclass
 class Prepared:
-    """A checked call: the model's kwargs and where the input embeddings enter."""
+    """A checked call: the model's kwargs and where the input embeddings enter.
+
+    ``input_ids`` is the token layout (batch, seq) every target and method reads. For
+    image inputs it is a stand-in of -1s, one per token the vision transformer makes
+    ([CLS] first, then the patches row by row), and ``patch_grid`` is (rows, cols)."""
 
     kwargs: dict
     input_ids: torch.Tensor
     attention_mask: Optional[torch.Tensor]
     entry: nn.Module
     where: str  # "input": the module's first tensor argument; "output": its output
+    patch_grid: Optional[tuple] = None
+
+
+def _vision_config(model: nn.Module):
+    cfg = getattr(model, "config", None)
+    return getattr(cfg, "vision_config", None) or cfg
+
+
+def patch_grid(model: nn.Module, pixel_values: torch.Tensor, caller: str):
+    """(rows, cols) of patches a ViT-style model cuts ``pixel_values`` into."""
+    cfg = _vision_config(model)
+    p = getattr(cfg, "patch_size", None)
+    if p is None or model_type_of(model) not in A.VISION:
+        raise ValueError(
+            f"{caller}(): inputs are pixel_values, but {type(model).__name__} (model type "
+            f"{model_type_of(model)!r}) is not a supported vision transformer; image inputs are "
+            f"supported for {sorted(A.VISION)}"
+        )
+    ph, pw = (p, p) if isinstance(p, int) else tuple(p)
+    h, w = pixel_values.shape[-2:]
+    channels = getattr(cfg, "num_channels", pixel_values.shape[1])
+    if pixel_values.shape[1] != channels:
+        raise ValueError(f"inputs: pixel_values has {pixel_values.shape[1]} channels, the model expects {channels}")
+    if h < ph or w < pw:
+        raise ValueError(f"inputs: pixel_values of {h}×{w} is smaller than one {ph}×{pw} patch")
+    return h // ph, w // pw
 
 
 def prepare(model: nn.Module, inputs, attention_mask, caller: str) -> Prepared:
@@ -161,6 +225,11 @@ def prepare(model: nn.Module, inputs, attention_mask, caller: str) -> Prepared:
     check_parameters_usable(model, caller)
     # inputs made under inference_mode elsewhere cannot enter a graph; small copies can
     kwargs = {k: (v.clone() if isinstance(v, torch.Tensor) and v.is_inference() else v) for k, v in kwargs.items()}
+    if "pixel_values" in kwargs and "input_ids" not in kwargs:
+        px = kwargs["pixel_values"]
+        rows, cols = patch_grid(model, px, caller)
+        layout = torch.full((px.shape[0], 1 + rows * cols), -1, dtype=torch.long, device=px.device)
+        return Prepared(kwargs, layout, None, entry, where, (rows, cols))
     kwargs = padding_positions(model, kwargs)
     return Prepared(kwargs, kwargs["input_ids"], kwargs.get("attention_mask"), entry, where)
 
@@ -443,4 +512,5 @@ def select_rows(prep: "Prepared", idx: torch.Tensor) -> "Prepared":
     batch = prep.input_ids.shape[0]
     kw = {k: (v[idx.to(v.device)] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch else v)
           for k, v in prep.kwargs.items()}
-    return Prepared(kw, kw["input_ids"], kw.get("attention_mask"), prep.entry, prep.where)
+    ids = kw["input_ids"] if "input_ids" in kw else prep.input_ids[idx.to(prep.input_ids.device)]
+    return Prepared(kw, ids, kw.get("attention_mask"), prep.entry, prep.where, prep.patch_grid)

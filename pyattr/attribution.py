@@ -5,7 +5,7 @@ propagation, and ``input · grad`` at the embeddings is each input's relevance."
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -39,6 +39,9 @@ class RelevanceResult:
         coverage (RelevanceRuleCoverage): what the rule scope installed and skipped.
         backend (str): the backend that ran the rule backwards.
         baseline_target (Tensor like ``target``, float64, or None): f(x₀) with a baseline.
+        patch_grid ((rows, cols) or None): for image inputs (``pixel_values``), the patch
+            grid; ``token_relevance`` then holds the [CLS] token first and the patches row
+            by row (see :meth:`patch_relevance`).
     """
 
     token_relevance: torch.Tensor
@@ -49,6 +52,20 @@ class RelevanceResult:
     coverage: RelevanceRuleCoverage
     backend: str
     baseline_target: Optional[torch.Tensor] = None
+    patch_grid: Optional[Tuple[int, int]] = None
+
+    def patch_relevance(self) -> torch.Tensor:
+        """Relevance per image patch, ``Tensor[..., batch, rows, cols]`` (float32): the
+        patch tokens of ``token_relevance`` laid out as the image's grid, the [CLS] token
+        (``token_relevance[..., 0]``) left out.
+
+        Raises:
+            ValueError: the input was not an image (no ``patch_grid``).
+        """
+        if self.patch_grid is None:
+            raise ValueError("patch_relevance(): the input was token ids, not an image (pixel_values)")
+        rows, cols = self.patch_grid
+        return self.token_relevance[..., 1:].reshape(*self.token_relevance.shape[:-1], rows, cols)
 
 
 # --------------------------------------------------------------------------- shared pieces
@@ -123,12 +140,17 @@ def pad_token_id(model: nn.Module) -> int:
     return int(pad)
 
 
-def precheck_baseline(model: nn.Module, baseline) -> None:
+def precheck_baseline(model: nn.Module, baseline, inputs=None) -> None:
     """What can be checked about a baseline before any pass: its kind, and a pad token for
     ``"pad"`` (its shape is checked against the embeddings once they are known)."""
     if isinstance(baseline, str):
         if baseline not in ("zeros", "pad"):
             raise ValueError(f"baseline must be 'zeros', 'pad' or a tensor, got {baseline!r}")
+        if baseline == "pad" and F._is_pixels(inputs):
+            raise ValueError(
+                "baseline='pad' runs the pad token at every position, and image inputs (pixel_values) have "
+                "no tokens; pass baseline='zeros' or a tensor shaped like the patch embeddings (batch, tokens, hidden)"
+            )
         if baseline == "pad":
             pad_token_id(model)
     elif baseline is not None:
@@ -269,10 +291,15 @@ def relevance(
 
     Args:
         model (nn.Module): a supported Hugging Face model (see :func:`use_relevance_rules`).
-        inputs (LongTensor[batch, seq] | Mapping): token ids, or a tokenizer output
-            (``input_ids``, optional ``attention_mask`` and other model kwargs).
+        inputs (LongTensor[batch, seq] | FloatTensor[batch, channels, height, width] | Mapping):
+            token ids, or a tokenizer output (``input_ids``, optional ``attention_mask`` and
+            other model kwargs); for vision transformers (ViT, CLIP's vision tower) the
+            ``pixel_values`` or an image processor's output. An image's relevance is
+            measured at the patch embeddings as the first block sees them ([CLS] token and
+            position embeddings added): one value per token, [CLS] first.
         target: what to explain (:mod:`pyattr.targets`): ``None`` (the top-1 next-token
-            logit at each row's last real position), a token id (``int``, NumPy integer,
+            logit at each row's last real position; for a classifier, the top-1 class
+            logit), a token or class id (``int``, NumPy integer,
             0-d tensor), one token id per row (list, 1-d or ``(batch, 1)`` integer tensor
             or array), ``Logit`` / ``LogitDiff`` / ``ModuleOutput``, or a callable
             ``f(output) -> Tensor[]`` or ``Tensor[batch]``. k targets per row: a
@@ -310,7 +337,7 @@ def relevance(
         RelevanceRuleUnsupportedError, RelevanceRuleConflictError: see :func:`use_relevance_rules`.
     """
     model = unwrap(model)
-    precheck_baseline(model, baseline)
+    precheck_baseline(model, baseline, inputs)
     prep = F.prepare(model, inputs, attention_mask, "relevance")
     tgts, several = T.normalize(target, prep.input_ids.shape[0])
     rules = F.rule_defaults(rules)
@@ -353,4 +380,5 @@ def relevance(
         coverage=cov,
         backend=backend_name,
         baseline_target=None if base is None else f0,
+        patch_grid=prep.patch_grid,
     )

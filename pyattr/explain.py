@@ -58,6 +58,10 @@ class Explanation:
     installed: int = 0
     has_bias: Optional[bool] = None  # None: not known
     contention: Optional[_contention.Contention] = None  # CPU conditions of the timed pass
+    # image mode: the patch grid (rows, cols) of the segment's tokens after [CLS], and
+    # where the relevance map over the image was written
+    patch_grid: Optional[tuple] = None
+    image_png: Optional[str] = None
 
     @property
     def conserved(self) -> bool:
@@ -82,7 +86,7 @@ class Explanation:
         return "; ".join(causes)
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "mode": self.mode,
             "model": self.model,
             "target_description": self.target_description,
@@ -100,6 +104,10 @@ class Explanation:
                 for s in self.segments
             ],
         }
+        if self.patch_grid is not None:
+            out["patch_grid"] = list(self.patch_grid)
+            out["image_png"] = self.image_png
+        return out
 
 
 _RULE_NAMES = (

@@ -216,7 +216,7 @@ def integrated_gradients(
     if attribute_to_layer_input and layer is None:
         raise ValueError("attribute_to_layer_input=True needs layer: without it the attribution is at the input embeddings")
     alphas, weights = path_points(method, n_steps)
-    precheck_baseline(model, baseline)
+    precheck_baseline(model, baseline, inputs)
     prep = F.prepare(model, inputs, attention_mask, "integrated_gradients")
     batch = prep.input_ids.shape[0]
     tgts, several = T.normalize(target, batch)

@@ -49,6 +49,8 @@ _PARTS = {
     "distilbert": ("attention.out_lin", "ffn", ("ffn.activation", "output")),
     "modernbert": ("attn", "mlp", ("mlp.Wo", "input")),
     "clip_text_model": ("self_attn", "mlp", ("mlp.fc2", "input")),
+    "clip_vision_model": ("self_attn", "mlp", ("mlp.fc2", "input")),
+    "vit": ("attention", "mlp", ("mlp.fc2", "input")),
 }
 _PARTS["roberta"] = _PARTS["bert"]
 # mixture of experts: the sparse block's output is the MLP's contribution; its hidden
@@ -250,7 +252,7 @@ def layer_relevance(
     # the layers first: a shorthand on an unmapped model names itself, before the search
     # for the embedding entry (which such a model may not have) can fail less clearly
     lays = expand_layers(model, layers, attribute_to_layer_input)
-    precheck_baseline(model, baseline)
+    precheck_baseline(model, baseline, inputs)
     prep = F.prepare(model, inputs, attention_mask, "layer_relevance")
     batch = prep.input_ids.shape[0]
     tgts, several = T.normalize(target, batch)

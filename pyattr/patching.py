@@ -65,7 +65,8 @@ PATCHING_RULES = RelevanceRules(normalization=True)
 # block-relative path of the attention output projection, whose input is split per head
 _HEADS = {"llama": "self_attn.o_proj", "gpt2": "attn.c_proj", "gpt_neox": "attention.dense",
           "bert": "attention.output.dense", "roberta": "attention.output.dense", "distilbert": "attention.out_lin",
-          "modernbert": "attn.Wo", "clip_text_model": "self_attn.out_proj"}
+          "modernbert": "attn.Wo", "clip_text_model": "self_attn.out_proj",
+          "clip_vision_model": "self_attn.out_proj", "vit": "attention.o_proj"}
 for _name in ("mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "phi3", "mixtral",
               "qwen2_moe", "qwen3_moe"):
     _HEADS[_name] = _HEADS["llama"]
@@ -216,6 +217,12 @@ class _Pair:
 
 
 def _prepare_pair(model, clean, corrupt, alignment, clean_mask, corrupt_mask, caller) -> _Pair:
+    for name, value in (("clean", clean), ("corrupt", corrupt)):
+        if F._is_pixels(value):
+            raise TypeError(
+                f"{caller}: {name} is an image (pixel_values); patching aligns token sequences, and "
+                "image inputs are supported by relevance(), layer_relevance() and integrated_gradients()"
+            )
     pc = F.prepare(model, clean, clean_mask, caller)
     px = F.prepare(model, corrupt, corrupt_mask, caller)
     (bc, sc), (bx, sx) = pc.input_ids.shape, px.input_ids.shape

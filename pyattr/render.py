@@ -50,7 +50,9 @@ def print_terminal(expl: Explanation, console=None) -> None:
     scale = _scale(expl)
     console.print(f"[bold]model[/bold]   {escape(expl.model)}")
     console.print(f"[bold]target[/bold]  {escape(expl.target_description)}")
-    for i, seg in enumerate(expl.segments):
+    if expl.patch_grid is not None:
+        _print_grid(console, expl, scale)
+    for i, seg in enumerate(expl.segments if expl.patch_grid is None else ()):
         line = Text(f"[{i + 1}] " if len(expl.segments) > 1 else "")
         for j, (tokn, v) in enumerate(zip(seg.tokens, seg.relevance)):
             r, g, b = _rgb(v, scale)
@@ -58,11 +60,14 @@ def print_terminal(expl: Explanation, console=None) -> None:
                 line.append(" ")
             line.append(_display(tokn), style=f"black on rgb({r},{g},{b})")
         console.print(line)
+    if expl.image_png:
+        console.print(f"relevance map written to {escape(expl.image_png)}")
     top = sorted(
         ((v, t, i) for i, s in enumerate(expl.segments) for t, v in zip(s.tokens, s.relevance)),
         key=lambda z: -abs(z[0]),
     )[:5]
-    console.print(Text("top tokens by |relevance|: " + ", ".join(f"{_display(t)!r}={num(v, '+.4f')}" for v, t, _ in top)))
+    what = "patches" if expl.patch_grid is not None else "tokens"
+    console.print(Text(f"top {what} by |relevance|: " + ", ".join(f"{_display(t)!r}={num(v, '+.4f')}" for v, t, _ in top)))
     warning = expl.contention.warning if expl.contention is not None else None
     console.print(
         Text(
@@ -74,6 +79,34 @@ def print_terminal(expl: Explanation, console=None) -> None:
             + f"backend            {expl.backend}   rules on {expl.installed} modules"
         )
     )
+
+
+def _print_grid(console, expl: Explanation, scale: float) -> None:
+    """The patch relevance as a coloured grid, one cell per patch, and the [CLS] value."""
+    from rich.text import Text
+
+    rows, cols = expl.patch_grid
+    rel = expl.segments[0].relevance
+    console.print(Text(f"image   {expl.segments[0].text}  ({rows}×{cols} patches; [CLS] {num(rel[0], '+.4f')})"))
+    for r in range(rows):
+        line = Text()
+        for c in range(cols):
+            red, g, b = _rgb(rel[1 + r * cols + c], scale)
+            line.append("  ", style=f"on rgb({red},{g},{b})")
+        console.print(line)
+
+
+def _image_html(expl: Explanation) -> str:
+    import base64
+
+    if not expl.image_png:
+        return ""
+    try:
+        with open(expl.image_png, "rb") as f:
+            data = base64.b64encode(f.read()).decode("ascii")
+    except OSError:
+        return f"<p>relevance map: {html.escape(expl.image_png)}</p>"
+    return f'<p><img alt="patch relevance" src="data:image/png;base64,{data}"></p>'
 
 
 def to_html(expl: Explanation) -> str:
@@ -91,7 +124,7 @@ def to_html(expl: Explanation) -> str:
 
     warning = expl.contention.warning if expl.contention is not None else None
     warn_html = f" <strong>({html.escape(warning)})</strong>" if warning else ""
-    rows = "\n".join(
+    rows = _image_html(expl) if expl.patch_grid is not None else "\n".join(
         f"<p><span class='lbl'>{i + 1}</span> {spans(s.tokens, s.relevance)}</p>"
         for i, s in enumerate(expl.segments)
     )
@@ -103,7 +136,7 @@ body {{ font-family: sans-serif; margin: 2em; max-width: 60em; }}
 .lbl {{ color: #888; margin-right: 0.5em; }}
 td {{ padding: 0.1em 1em 0.1em 0; }}
 </style></head><body>
-<h1>Token relevance</h1>
+<h1>{"Patch" if expl.patch_grid is not None else "Token"} relevance</h1>
 <p>{html.escape(expl.target_description)} — model <code>{html.escape(expl.model)}</code></p>
 {rows}
 <table>

@@ -66,15 +66,28 @@ def _is_int(v) -> bool:
 
 
 def _logits(output) -> torch.Tensor:
+    """The model's logits: next-token (batch, seq, vocab) or one per class (batch, classes)."""
     logits = getattr(output, "logits", None)
     if logits is None and isinstance(output, torch.Tensor):
         logits = output
-    if logits is None or logits.dim() != 3:
+    if logits is None or logits.dim() not in (2, 3):
         raise ValueError(
-            "target: a token id needs a model that returns next-token logits of shape (batch, seq, vocab); "
-            "for other outputs pass ModuleOutput(...) or a callable target"
+            "target: a token or class id needs a model that returns logits of shape (batch, seq, vocab) "
+            "or (batch, classes); for other outputs pass ModuleOutput(...) or a callable target"
         )
     return logits
+
+
+def _class_logits(logits: torch.Tensor, position: int) -> bool:
+    """Classification logits (batch, classes) have no position: only the default -1."""
+    if logits.dim() != 2:
+        return False
+    if position != -1:
+        raise ValueError(
+            f"target: position {position} given, but the model returns one logit per class (batch, classes), "
+            "which has no positions; leave position at -1"
+        )
+    return True
 
 
 def _positions(position: int, fwd: _Forward) -> torch.Tensor:
@@ -187,8 +200,17 @@ def _gather_logit(logits, pos, tid, name="target"):
     return logits[rows, pos.to(logits.device), tid]
 
 
+def _gather_class(logits, cid):
+    classes = logits.shape[-1]
+    cid = cid.to(logits.device)
+    if bool(((cid < 0) | (cid >= classes)).any()):
+        raise ValueError(f"target: class ids must be in [0, {classes}), got {cid.tolist()}")
+    return logits[torch.arange(logits.shape[0], device=logits.device), cid]
+
+
 class Logit(Target):
-    """The logit of ``token_id`` at ``position``: ``output.logits[row, position, token_id]``.
+    """The logit of ``token_id`` at ``position``: ``output.logits[row, position, token_id]``;
+    for a classifier's logits (batch, classes), the class logit ``output.logits[row, token_id]``.
 
     Args:
         token_id: an int (every row), one id per row (list / 1-d tensor), or ``None`` for
@@ -208,8 +230,11 @@ class Logit(Target):
 
     def value(self, fwd):
         logits = _logits(fwd.output)
-        pos = _kept_index(logits, _positions(self.position, fwd), fwd)
         rows = torch.arange(logits.shape[0], device=logits.device)
+        if _class_logits(logits, self.position):
+            tid = logits.detach().argmax(-1) if self.token_id is None else token_ids(self.token_id, logits.shape[0])
+            return _gather_class(logits, tid), tid.to(logits.device)
+        pos = _kept_index(logits, _positions(self.position, fwd), fwd)
         if self.token_id is None:
             tid = logits[rows, pos.to(logits.device)].detach().argmax(-1)
         else:
@@ -243,9 +268,11 @@ class LogitDiff(Target):
 
     def value(self, fwd):
         logits = _logits(fwd.output)
-        pos = _kept_index(logits, _positions(self.position, fwd), fwd)
         ta = token_ids(self.a, logits.shape[0], "target (LogitDiff a)")
         tb = token_ids(self.b, logits.shape[0], "target (LogitDiff b)")
+        if _class_logits(logits, self.position):
+            return _gather_class(logits, ta) - _gather_class(logits, tb), ta.to(logits.device)
+        pos = _kept_index(logits, _positions(self.position, fwd), fwd)
         return _gather_logit(logits, pos, ta) - _gather_logit(logits, pos, tb), ta.to(logits.device)
 
     def rows(self, index, batch):

@@ -47,7 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--text", help="sentence to explain (first of the pair, or the causal-LM prompt)")
     e.add_argument("--pair", help="second sentence: explain the cosine similarity of the two mean-pooled embeddings (the bundled model, or --model DIR)")
     e.add_argument("--model", help="local Hugging Face causal-LM directory; explains the next-token logit")
-    e.add_argument("--target", help="target token for --model (default: the top-1 prediction)")
+    e.add_argument("--target", help="target token for --model (default: the top-1 prediction); with --image a class label or index")
+    e.add_argument("--image", metavar="FILE",
+                   help="image for --model DIR (an image classifier: ViT, CLIP): patch relevance of a class logit")
+    e.add_argument("--png", metavar="PATH",
+                   help="with --image: where to write the relevance map over the image (default: <image stem>_relevance.png)")
     e.add_argument("--html", metavar="PATH", help="also write a self-contained HTML heatmap")
     e.add_argument("--json", action="store_true", help="print machine-readable JSON instead of the heatmap")
     e.add_argument("--attention", choices=["frozen", "attnlrp", "off"], default="frozen", help="attention rule")

@@ -33,6 +33,14 @@ def run(args) -> int:
                              "pair's cosine similarity (drop one of them)")
         if args.model is None and args.target is not None:
             raise UsageError("--target needs --model (a causal LM directory)")
+        if args.image is not None and args.model is None:
+            raise UsageError("--image needs --model DIR (an image classifier directory)")
+        if args.image is not None and (args.text is not None or args.pair is not None):
+            raise UsageError("--image explains an image; drop --text / --pair")
+        if args.png is not None and args.image is None:
+            raise UsageError("--png is the relevance map of --image; give --image FILE")
+        if args.png is not None:
+            check_output_path("--png", args.png)
     except UsageError as e:
         return fail("explain", str(e))
 
@@ -44,7 +52,12 @@ def run(args) -> int:
     scope = use_backend(args.backend) if args.backend else contextlib.nullcontext()
     try:
         with scope:
-            if args.model is not None and args.pair is not None:  # any encoder (or decoder) directory
+            if args.image is not None:
+                from pyattr.image import explain_image
+
+                expl = explain_image(Path(args.model), Path(args.image), args.target, rules_from_args(args),
+                                     png=Path(args.png) if args.png else None)
+            elif args.model is not None and args.pair is not None:  # any encoder (or decoder) directory
                 expl = explain_pair(args.text if args.text is not None else DEFAULT_PAIR[0], args.pair,
                                     model_dir=Path(args.model), rules=rules_from_args(args))
             elif args.model is not None:

@@ -168,6 +168,30 @@ ARCHITECTURES = {
         attention=("separate", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
         entry=("encoder.layers.0", "hidden_states"),
     ),
+    # ViT (ViTModel, ViTForImageClassification): pre-norm blocks, GELU MLP; the blocks'
+    # input is the patch embeddings with the [CLS] token and position embeddings added
+    "vit": Arch(
+        layers="layers",
+        norm="layer_norm",
+        layer_norms=("layernorm_before", "layernorm_after"),
+        outer_norms=("layernorm",),
+        mlp=("act", "mlp.activation_fn"),
+        attention=("separate", "attention.q_proj", "attention.k_proj", "attention.v_proj"),
+        entry=("layers.0", "hidden_states"),
+        base_acts=("pooler.activation",),
+    ),
+    # CLIP's vision tower (CLIPVisionModel, CLIPVisionModelWithProjection, and
+    # CLIPForImageClassification's vision_model): the embeddings pass one LayerNorm
+    # (pre_layrnorm) before the blocks, and the pooled [CLS] state another
+    "clip_vision_model": Arch(
+        layers="encoder.layers",
+        norm="layer_norm",
+        layer_norms=("layer_norm1", "layer_norm2"),
+        outer_norms=("pre_layrnorm", "post_layernorm"),
+        mlp=("act", "mlp.activation_fn"),
+        attention=("separate", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        entry=("pre_layrnorm", "input"),
+    ),
     "distilbert": Arch(
         layers="transformer.layer",
         norm="layer_norm",
@@ -188,12 +212,33 @@ ARCHITECTURES["roberta"] = Arch(
 )
 
 
+# vision transformers: their inputs are pixel_values, cut into patches of config.patch_size
+VISION = ("vit", "clip_vision_model")
+
+
 def base_prefix(model: nn.Module) -> str:
     """Dotted path of the base model inside ``model`` ("" if ``model`` is the base)."""
     prefix = getattr(model, "base_model_prefix", "")
     if prefix and isinstance(getattr(model, prefix, None), nn.Module):
         return prefix
+    if _vision_classifier(model):
+        return "vision_model"
     return ""
+
+
+def _vision_classifier(model: nn.Module) -> bool:
+    """CLIP's image classifier: a ``clip`` config, the vision tower alone at ``vision_model``."""
+    return (getattr(getattr(model, "config", None), "model_type", None) == "clip"
+            and isinstance(getattr(model, "vision_model", None), nn.Module)
+            and getattr(model, "text_model", None) is None)
+
+
+def model_type(model: nn.Module):
+    """``config.model_type``; CLIP's image classifier (a ``clip`` config around the vision
+    tower alone) reads as its tower, ``clip_vision_model``."""
+    if _vision_classifier(model):
+        return "clip_vision_model"
+    return getattr(getattr(model, "config", None), "model_type", None)
 
 
 def join(*parts: str) -> str:

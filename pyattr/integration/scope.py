@@ -736,8 +736,7 @@ def _plan_known(model: nn.Module, rules: RelevanceRules, model_type: str) -> _Pl
 
 
 def model_type_of(model: nn.Module) -> Optional[str]:
-    cfg = getattr(model, "config", None)
-    return getattr(cfg, "model_type", None)
+    return A.model_type(model)
 
 
 def plan(model: nn.Module, rules: RelevanceRules, generic: bool = False) -> _Planner:
