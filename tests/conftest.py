@@ -94,6 +94,28 @@ def save_tiny_llama(path, vocab_size: int, tokenizer=None, **overrides):
     return path
 
 
+def save_tiny_vit(path):
+    """A tiny random ViT image classifier (classes cat, dog, bird) with its image processor."""
+    from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
+
+    torch.manual_seed(0)
+    labels = {0: "cat", 1: "dog", 2: "bird"}
+    cfg = ViTConfig(image_size=32, patch_size=8, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                    num_hidden_layers=2, id2label=labels, label2id={v: k for k, v in labels.items()})
+    ViTForImageClassification(cfg).save_pretrained(path)
+    ViTImageProcessor(size={"height": 32, "width": 32}).save_pretrained(path)
+    return path
+
+
+def save_image(path, height=48, width=64):
+    """A random RGB image file (PNG)."""
+    import numpy as np
+    from PIL import Image
+
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (height, width, 3), dtype=np.uint8)).save(path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def causal_dir(tmp_path_factory):
     """A local causal LM directory for the command line: a tiny Llama with the bundled

@@ -2,7 +2,8 @@
 
 Python blocks run in a fresh namespace in a directory where ``path/to/llama`` is a tiny
 random Llama; command-line blocks run each ``pyattr ...`` line there, with ``./my-llama`` a
-tiny random Llama that carries the bundled MiniLM's tokenizer (the python blocks, which run
+tiny random Llama that carries the bundled MiniLM's tokenizer (``path/to/vit`` and ``./my-vit``
+tiny random ViT classifiers with their image processor, ``photo.png`` a random image) (the python blocks, which run
 first, leave ``prompts.jsonl`` and ``results`` there as a user's session would). The ``make`` block is the
 README's two commands, which CI itself runs (`.ci/run` calls `make test`).
 """
@@ -23,13 +24,16 @@ def _blocks(lang):
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    from conftest import save_tiny_llama
+    from conftest import save_image, save_tiny_llama, save_tiny_vit
     from models import minilm
 
     d = tmp_path_factory.mktemp("readme")
     save_tiny_llama(d / "path" / "to" / "llama", 8000)  # the Quick start's ids go up to 7483
     tok, _ = minilm()
     save_tiny_llama(d / "my-llama", len(tok), tok)
+    save_tiny_vit(d / "path" / "to" / "vit")
+    save_tiny_vit(d / "my-vit")
+    save_image(d / "photo.png")
     return d
 
 
