@@ -31,6 +31,9 @@ from pyattr.ops.gated import gated_activation
 from pyattr.ops.layer_norm import layer_norm
 from pyattr.ops.rms_norm import rms_norm
 from pyattr.rules.identity import IdentityRuleFunction
+from pyattr.integration.attention import exactly as attention_exactly
+from pyattr.integration.attention import frozen_attention
+from pyattr.integration.attention import is_frozen as attention_is_frozen
 from pyattr.rules.scale import scale_gradient
 from pyattr.integration.wrappers import unwrap
 
@@ -373,6 +376,8 @@ class _Planner:
         self.steps: List[_Step] = []
         self.mounted: set = set()
         self.generic = model_type == "generic"
+        # attention modules under the AH-rule: their core runs the dV-only backward
+        self.frozen_attention: List[nn.Module] = []
 
     def need(self, path: str) -> nn.Module:
         mod = A.get_submodule(self.model, path)
@@ -627,6 +632,7 @@ class _Planner:
                     self.cov._skip(p, "value path stays native under the AH-rule")
                     continue
                 self.add("attention", p, m, (mode, role), _projection_forward(s))
+            self.freeze(paths[0])
             return
         path = A.join(layer, spec[1])
         mod = self.need(path)
@@ -651,6 +657,15 @@ class _Planner:
                 raise RelevanceRuleUnsupportedError(f"{path!r}: cannot find the attention head size")
             pattern = _per_head_pattern(_ATTN_SCALES[mode], head_size)
         self.add("attention", path, mod, (mode, "qkv"), _fused_projection_forward(pattern))
+        self.freeze(path)
+
+    def freeze(self, projection: str) -> None:
+        """Under the AH-rule, the attention module owning ``projection`` runs its core with
+        the dV-only backward (integration/attention.py)."""
+        if self.rules.attention == "frozen" and "." in projection:
+            parent = A.get_submodule(self.model, projection.rsplit(".", 1)[0])
+            if isinstance(parent, nn.Module):
+                self.frozen_attention.append(parent)
 
     def qk_norms(self, paths, norm: str, offset: float) -> None:
         """Per-head q/k norms (Qwen3): the LN-rule under AttnLRP with ``normalization`` on,
@@ -802,7 +817,7 @@ def use_relevance_rules(
         for st in pl.steps:
             acquire(st.module, st.path, st.kind, st.value, st.make_forward, st.check_output)
             done.append(st)
-        with _checkpoints_bound(model):
+        with _checkpoints_bound(model), frozen_attention(pl.frozen_attention):
             yield pl.cov
     finally:
         for st in reversed(done):
@@ -827,12 +842,13 @@ def bind_checkpoint(fn: Callable, owner: nn.Module) -> Callable:
     def checkpointed(run_function, *args, **kwargs):
         mods = list(_block_of(run_function, owner).modules())
         snap = snapshot(mods)  # the rules of this forward, whatever holds them
+        frozen = [m for m in mods if attention_is_frozen(m)]
         first = [True]
 
         def run(*a, **k):
             if first[0]:
                 return run_function(*a, **k)
-            with recomputing(mods, snap):
+            with recomputing(mods, snap), attention_exactly(mods, frozen):
                 return run_function(*a, **k)
 
         try:

@@ -1,0 +1,208 @@
+"""Frozen attention in Hugging Face models: the attention core of the modules a scope puts
+under the AH-rule runs as :class:`pyattr.ops.attention.FrozenAttentionFunction`.
+
+The seam is the call every supported architecture makes,
+``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)``:
+while a scope is open, the ``"sdpa"`` entry of that registry and the modeling file's
+``eager_attention_forward`` are wrapped. The wrapper hands every call through unchanged
+except those of a registered attention module with gradient recording on; those run the
+same native call as the forward of the frozen function, whose backward is ``dV = Pᵀ·dO``.
+
+Correctness never depends on the wrapper being reached: the scope already detaches q and k
+(or scales their gradient by 0), so a call that goes native (flash or flex attention, a
+model with its own attention registry, dropout, sinks, a position bias) gives the same
+gradient, only with the native backward's extra work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import weakref
+from typing import Dict, Iterable, Iterator, Optional, Tuple
+
+import torch
+from torch import nn
+
+from pyattr.integration.patching import _unbound_recomputation
+from pyattr.ops.attention import FrozenAttentionFunction
+
+_REGISTERED: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
+# registered modules set aside while a checkpointed block recomputes with other rules
+_SUSPENDED: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
+# (holder id, name) -> [holder, name, original, had_local, count]
+_PATCHES: Dict[Tuple[int, str], list] = {}
+# keyword arguments that change the attention's math beyond q, k, v, mask, scale, softcap
+_UNHANDLED = ("s_aux", "sinks", "position_bias", "head_mask", "alibi", "attention_bias")
+
+_bypass = False  # tests: run the native backward for comparison
+
+
+@contextlib.contextmanager
+def native_attention_backward() -> Iterator[None]:
+    """Inside the block, registered modules run the native attention backward (for
+    comparisons: the gradient is the same, only the work differs)."""
+    global _bypass
+    old, _bypass = _bypass, True
+    try:
+        yield
+    finally:
+        _bypass = old
+
+
+def _spec(kind: str, module: nn.Module, query, key, mask, kwargs) -> Optional[tuple]:
+    """``(scaling, softcap, causal, key, mask)`` of a call the frozen function can run, else None."""
+    if not isinstance(query, torch.Tensor) or not isinstance(key, torch.Tensor) or query.dim() != 4 or key.dim() != 4:
+        return None
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        return None  # e.g. flex attention's BlockMask
+    dropout = kwargs.get("dropout", 0.0)
+    if not isinstance(dropout, (int, float)) or dropout != 0:
+        return None
+    if any(kwargs.get(name) is not None for name in _UNHANDLED):
+        return None
+    scaling = kwargs.get("scaling")
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if not isinstance(scaling, (int, float)):
+        return None
+    softcap = kwargs.get("softcap")
+    causal = False
+    if kind == "sdpa":
+        if softcap is not None:
+            return None  # the native call raises for it
+        is_causal = kwargs.get("is_causal")
+        if is_causal is None:
+            is_causal = getattr(module, "is_causal", True)
+        if not isinstance(is_causal, bool):
+            return None
+        causal = query.shape[2] > 1 and mask is None and is_causal
+        if causal and key.shape[2] > query.shape[2]:
+            key = key[:, :, : query.shape[2]]  # as the native sdpa call does
+    elif softcap is not None and not isinstance(softcap, (int, float)):
+        return None
+    if query.shape[1] % key.shape[1] or query.shape[-1] != key.shape[-1]:
+        return None
+    return float(scaling), (None if softcap is None else float(softcap)), causal, key, mask
+
+
+def _wrap(original, kind: str):
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        if (args or _bypass or not is_frozen(module) or not torch.is_grad_enabled() or _unbound_recomputation()
+                or not isinstance(value, torch.Tensor) or not value.requires_grad):
+            return original(module, query, key, value, attention_mask, *args, **kwargs)
+        spec = _spec(kind, module, query, key, attention_mask, kwargs)
+        if spec is None:
+            return original(module, query, key, value, attention_mask, **kwargs)
+        scaling, softcap, causal, k_used, mask = spec
+        holder: dict = {}
+
+        def native():
+            return original(module, query, key, value, attention_mask, **kwargs)
+
+        out = FrozenAttentionFunction.apply(
+            value, query.detach(), k_used.detach(), None if mask is None else mask.detach(),
+            scaling, softcap, causal, native, holder)
+        weights = holder.get("weights")
+        return out, (weights.detach() if isinstance(weights, torch.Tensor) else weights)
+
+    attention.__wrapped__ = original
+    attention._pyattr_frozen = True
+    return attention
+
+
+def _patch(holder, name: str, kind: str, mapping: bool) -> None:
+    key = (id(holder), name)
+    entry = _PATCHES.get(key)
+    if entry is not None:
+        entry[4] += 1
+        return
+    if mapping:
+        had_local = name in holder._local_mapping
+        original = holder[name]
+        holder[name] = _wrap(original, kind)
+    else:
+        had_local = True
+        original = getattr(holder, name)
+        setattr(holder, name, _wrap(original, kind))
+    _PATCHES[key] = [holder, name, original, had_local, 1]
+
+
+def _unpatch(holder, name: str, mapping: bool) -> None:
+    key = (id(holder), name)
+    entry = _PATCHES[key]
+    entry[4] -= 1
+    if entry[4]:
+        return
+    del _PATCHES[key]
+    _, _, original, had_local, _ = entry
+    if mapping:
+        if had_local:
+            holder._local_mapping[name] = original
+        else:
+            holder._local_mapping.pop(name, None)
+    else:
+        setattr(holder, name, original)
+
+
+def _seams(module: nn.Module):
+    """``(holder, name, kind, is_mapping)`` of the attention functions ``module``'s modeling file calls."""
+    src = sys.modules.get(type(module).__module__)
+    out = []
+    if src is None:
+        return out
+    if callable(getattr(src, "eager_attention_forward", None)):
+        out.append((src, "eager_attention_forward", "eager", False))
+    iface = getattr(src, "ALL_ATTENTION_FUNCTIONS", None)
+    if iface is not None and hasattr(iface, "_local_mapping") and "sdpa" in iface:
+        out.append((iface, "sdpa", "sdpa", True))
+    return out
+
+
+def is_frozen(module: nn.Module) -> bool:
+    return _REGISTERED.get(module, 0) > 0 and not _SUSPENDED.get(module, 0)
+
+
+@contextlib.contextmanager
+def exactly(modules: Iterable[nn.Module], frozen: Iterable[nn.Module]) -> Iterator[None]:
+    """For an activation-checkpoint recomputation: among ``modules``, exactly ``frozen``
+    (those frozen during the block's forward) run the frozen core, whatever scope is open
+    now, so the recomputation records the same graph as the forward did."""
+    keep = {id(m) for m in frozen}
+    add = [m for m in frozen if not is_frozen(m)]
+    drop = [m for m in modules if is_frozen(m) and id(m) not in keep]
+    for m in drop:
+        _SUSPENDED[m] = _SUSPENDED.get(m, 0) + 1
+    try:
+        with frozen_attention(add):
+            yield
+    finally:
+        for m in drop:
+            n = _SUSPENDED.get(m, 0) - 1
+            if n > 0:
+                _SUSPENDED[m] = n
+            else:
+                _SUSPENDED.pop(m, None)
+
+
+@contextlib.contextmanager
+def frozen_attention(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Register ``modules`` (attention modules under the AH-rule) for the ``with`` block."""
+    done = []
+    try:
+        for m in modules:
+            seams = _seams(m)
+            for holder, name, kind, mapping in seams:
+                _patch(holder, name, kind, mapping)
+            _REGISTERED[m] = _REGISTERED.get(m, 0) + 1
+            done.append((m, seams))
+        yield
+    finally:
+        for m, seams in reversed(done):
+            n = _REGISTERED.get(m, 0) - 1
+            if n > 0:
+                _REGISTERED[m] = n
+            else:
+                _REGISTERED.pop(m, None)
+            for holder, name, _, mapping in reversed(seams):
+                _unpatch(holder, name, mapping)

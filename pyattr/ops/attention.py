@@ -1,0 +1,180 @@
+"""Frozen attention: the AH-rule's attention core with a backward that does only the rule's work.
+
+Under the AH-rule (RelP, arXiv 2508.21258, §3; AttnLRP, ICML 2024, Prop. 3.1 with the
+attention pattern held constant) the softmax pattern ``P = softmax(s · q kᵀ + mask)`` is a
+constant of the backward: relevance reaches the values only, ``dV = Pᵀ · dO``, and
+nothing reaches q or k. A native attention backward still computes dQ and dK (and
+PyTorch's fused SDPA backward always does). :class:`FrozenAttentionFunction` runs the
+native attention call as its forward (bit-identical: it *is* that call) and, in the
+backward, recomputes P block by block from the saved q and k (a block of query rows
+against all keys at a time, never seq × seq at once) and multiplies by dO.
+
+Backends for ``attention_dv``: ``torch`` (this module's blocked reference), ``cpp`` (a fused
+CPU kernel: scale, softcap, mask, softmax and ``Pᵀ·dO`` per block of rows, threads over
+batch × key/value head), ``triton`` (``kernels/attention.py``: a flash-style dV-only
+backward with an online softmax over key blocks).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from pyattr import backends
+
+# elements of one block of scores (float32): 8 Mi elements = 32 MiB
+_BLOCK_ELEMENTS = 1 << 23
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def check_attention_dv(q: torch.Tensor, k: torch.Tensor, dout: torch.Tensor, mask: Optional[torch.Tensor]) -> None:
+    """Shapes: q (batch, heads, q_len, head_dim), k (batch, kv_heads, kv_len, head_dim),
+    dout (batch, heads, q_len, v_dim); heads a multiple of kv_heads; mask broadcastable to
+    (batch, heads, q_len, ≥ kv_len)."""
+    if q.dim() != 4 or k.dim() != 4 or dout.dim() != 4:
+        raise ValueError(
+            f"attention_dv: q, k and dout must be 4-D (batch, heads, seq, head_dim), got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(dout.shape)}"
+        )
+    b, h, lq, d = q.shape
+    if k.shape[0] != b or k.shape[3] != d or h % k.shape[1]:
+        raise ValueError(f"attention_dv: k of shape {tuple(k.shape)} does not fit q {tuple(q.shape)} (GQA: heads % kv_heads == 0)")
+    if dout.shape[:3] != (b, h, lq):
+        raise ValueError(f"attention_dv: dout of shape {tuple(dout.shape)} does not fit q {tuple(q.shape)}")
+    if mask is not None:
+        if mask.dim() != 4 or mask.shape[0] not in (1, b) or mask.shape[1] not in (1, h) or \
+                mask.shape[2] not in (1, lq) or mask.shape[3] < k.shape[2]:
+            raise ValueError(
+                f"attention_dv: mask of shape {tuple(mask.shape)} does not broadcast to (batch {b}, heads {h}, "
+                f"q_len {lq}, kv_len {k.shape[2]})"
+            )
+
+
+def additive_mask(mask: Optional[torch.Tensor], kv_len: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """A boolean mask (True: attend) as an additive one (0 / −inf); float masks as they are,
+    in ``dtype``; both cut to ``kv_len`` keys (eager attention slices the same way)."""
+    if mask is None:
+        return None
+    mask = mask[..., :kv_len]
+    if mask.dtype == torch.bool:
+        return torch.zeros((), dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    return mask.to(dtype)
+
+
+def attention_dv_reference(q, k, dout, mask, scaling: float, softcap: Optional[float], causal: bool):
+    """dV = Pᵀ·dO in blocks of query rows (PyTorch ops; differentiable in ``dout``).
+
+    Args:
+        q (Tensor[batch, heads, q_len, head_dim]), k (Tensor[batch, kv_heads, kv_len, head_dim]):
+            the attention's query and key states (any float dtype).
+        dout (Tensor[batch, heads, q_len, v_dim]): the gradient of the attention output.
+        mask (Tensor or None): additive (float) or boolean (True: attend), broadcastable to
+            (batch, heads, q_len, kv_len).
+        scaling (float): the score scale. softcap (float or None): Gemma 2's
+            ``tanh(s / c) · c`` on the scores. causal (bool): query i sees keys j ≤ i.
+
+    Returns:
+        Tensor[batch, kv_heads, kv_len, v_dim] in float32 (float64 for float64 inputs);
+        a query row whose keys are all masked contributes nothing.
+    """
+    b, h, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    g = h // hkv
+    acc = _acc(q.dtype)
+    qf = q.to(acc).view(b, hkv, g, lq, d)
+    kt = k.to(acc).transpose(-1, -2)
+    do = dout.to(acc).view(b, hkv, g, lq, dout.shape[-1])
+    m = additive_mask(mask, lk, acc)
+    if m is not None:
+        m = m.expand(m.shape[0], m.shape[1], lq, lk)
+        m = m.view(m.shape[0], hkv, g, lq, lk) if m.shape[1] == h else m.unsqueeze(2)
+    dv = None
+    rows = max(1, min(lq, _BLOCK_ELEMENTS // max(1, b * h * lk)))
+    for s in range(0, lq, rows):
+        e = min(lq, s + rows)
+        kend = min(lk, e) if causal else lk  # causal: keys after the block's last row are never seen
+        n = e - s
+        scores = torch.matmul(qf[:, :, :, s:e].reshape(b, hkv, g * n, d), kt[..., :kend]) * scaling
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.view(b, hkv, g, n, kend)
+        if m is not None:
+            scores = scores + m[:, :, :, s:e, :kend]
+        if causal:
+            later = torch.arange(kend, device=q.device) > torch.arange(s, e, device=q.device).unsqueeze(1)
+            scores = scores.masked_fill(later, float("-inf"))
+        p = torch.softmax(scores, dim=-1).nan_to_num(nan=0.0)  # all-masked rows: NaN → 0
+        p = p.view(b, hkv, g * n, kend)
+        part = torch.matmul(p.transpose(-1, -2), do[:, :, :, s:e].reshape(b, hkv, g * n, -1))
+        if kend < lk:  # out of place (vmap and double backward record it)
+            part = torch.cat([part, part.new_zeros(b, hkv, lk - kend, part.shape[-1])], dim=2)
+        dv = part if dv is None else dv + part
+    return dv
+
+
+def attention_dv(q, k, dout, mask, scaling: float, softcap: Optional[float], causal: bool) -> torch.Tensor:
+    """dV = Pᵀ·dO on the selected backend (:func:`attention_dv_reference` for the
+    arguments); the result is in the accumulation dtype (float32, float64 for float64)."""
+    check_attention_dv(q, k, dout, mask)
+    folded = _fold_targets(q, k, dout, mask, scaling, softcap, causal)
+    if folded is not None:
+        return folded
+    if torch.is_grad_enabled():  # a backward being recorded: the differentiable reference
+        backends.select(q.device, "attention")
+        return attention_dv_reference(q, k, dout, mask, scaling, softcap, causal)
+    impl = backends.implementation(q.device, "attention")
+    fn = getattr(impl, "attention_dv", None)
+    if fn is None:
+        return attention_dv_reference(q, k, dout, mask, scaling, softcap, causal)
+    return fn(q, k, dout, mask, scaling, softcap, causal)
+
+
+def _fold_targets(q, k, dout, mask, scaling, softcap, causal):
+    """k targets in one batched backward (``is_grads_batched``): ``dout`` carries the older
+    vmap's batch of k gradients while P is the same for all of them, so the k gradients
+    go side by side along the value dimension and P is computed once."""
+    from pyattr.backends import _vmap
+
+    if _vmap._LEGACY_KEY is None or not _vmap._legacy_batched(dout):
+        return None
+    if any(_vmap._legacy_batched(t) for t in (q, k, mask)):
+        return None
+    level = _vmap._legacy_level()
+    phys = torch._remove_batch_dim(dout, level, 1, 0)  # (k, batch, heads, q_len, v_dim)
+    if _vmap._legacy_batched(phys):
+        return None
+    kb, b, h, lq, dvd = phys.shape
+    side = phys.permute(1, 2, 3, 0, 4).reshape(b, h, lq, kb * dvd)
+    dv = attention_dv(q, k, side, mask, scaling, softcap, causal)
+    dv = dv.view(b, k.shape[1], k.shape[2], kb, dvd).permute(3, 0, 1, 2, 4).contiguous()
+    return torch._add_batch_dim(dv, 0, level)
+
+
+class FrozenAttentionFunction(torch.autograd.Function):
+    """The native attention call as forward; ``dV = Pᵀ·dO`` as backward (q and k get none).
+
+    Saves q, k and the mask (not v, not the output, not the pattern). ``native()`` returns
+    ``(attn_output (batch, q_len, heads, v_dim), attn_weights or None)``, Hugging Face's
+    attention-function convention; the weights are handed back through ``holder``, detached.
+    """
+
+    @staticmethod
+    def forward(ctx, value, query, key, mask, scaling, softcap, causal, native: Callable, holder: dict):
+        out, weights = native()
+        holder["weights"] = weights
+        ctx.scaling, ctx.softcap, ctx.causal = scaling, softcap, causal
+        ctx.save_for_backward(query, key, mask)
+        ctx.value_meta = (value.dtype, value.shape)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        query, key, mask = ctx.saved_tensors
+        dtype, shape = ctx.value_meta
+        do = dout.transpose(1, 2)  # (batch, heads, q_len, v_dim)
+        dv = attention_dv(query, key, do, mask, ctx.scaling, ctx.softcap, ctx.causal)
+        return dv.to(dtype).reshape(shape), None, None, None, None, None, None, None, None
