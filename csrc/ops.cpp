@@ -14,6 +14,9 @@ TORCH_LIBRARY(pyattr, m) {
   m.def("layer_norm_backward(Tensor x, Tensor? weight, float eps, Tensor dy, bool need_dweight, bool need_dbias) -> (Tensor, Tensor, Tensor)");
   // LN-rule for RMSNorm with weight offset (1.0 for Gemma).
   m.def("rms_norm_backward(Tensor x, Tensor? weight, float eps, float offset, Tensor dy, bool need_dweight) -> (Tensor, Tensor)");
+  // Frozen attention (AH-rule): dV = P^T dO, P recomputed per block of query rows from q, k,
+  // an additive mask, the scale, an optional softcap and causality (float32/float64 out).
+  m.def("attention_dv(Tensor q, Tensor k, Tensor dout, Tensor? mask, float scaling, float? softcap, bool causal) -> Tensor");
 }
 
 static PyModuleDef pyattr_module = {PyModuleDef_HEAD_INIT, "_C", "pyattr compiled kernels", -1, nullptr};

@@ -63,3 +63,19 @@ def rms_norm_backward(x, weight: Optional[torch.Tensor], eps: float, offset: flo
     dt = _promoted(x, dy)
     dx, dw = _ops().rms_norm_backward(x.to(dt), weight, eps, offset, dy.to(dt), need_dweight)
     return dx.to(x.dtype), (dw if need_dweight else None)
+
+
+def attention_dv(q, k, dout, mask, scaling: float, softcap, causal: bool) -> torch.Tensor:
+    """Frozen attention's dV on the CPU kernel; on CUDA the Triton kernel (or the reference)."""
+    from pyattr.ops.attention import additive_mask, attention_dv_reference
+
+    if q.device.type != "cpu":
+        try:
+            from pyattr.backends import triton_backend
+
+            return triton_backend.attention_dv(q, k, dout, mask, scaling, softcap, causal)
+        except ImportError:
+            return attention_dv_reference(q, k, dout, mask, scaling, softcap, causal)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return _ops().attention_dv(q, k, dout, additive_mask(mask, k.shape[2], acc), float(scaling),
+                               None if softcap is None else float(softcap), bool(causal))

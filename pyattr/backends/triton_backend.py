@@ -112,3 +112,28 @@ def rms_norm_backward(x, weight, eps, offset, dy, need_dweight):
     dt = _promoted(x, dy)
     dx, dw = _rms_norm_op(x.to(dt), weight, float(eps), float(offset), dy.to(dt), bool(need_dweight))
     return dx.to(x.dtype), (dw if need_dweight else None)
+
+
+# --- frozen attention -------------------------------------------------------------------
+
+@torch.library.custom_op("pyattr_triton::attention_dv", mutates_args=())
+def _attention_dv_op(q: Tensor, k: Tensor, dout: Tensor, mask: Optional[Tensor], scaling: float,
+                     softcap: Optional[float], causal: bool) -> Tensor:
+    from pyattr.kernels import attention
+
+    return attention.attention_dv(q, k, dout, mask, scaling, softcap, causal)
+
+
+@_attention_dv_op.register_fake
+def _(q, k, dout, mask, scaling, softcap, causal):
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty((q.shape[0], k.shape[1], k.shape[2], dout.shape[-1]), dtype=acc)
+
+
+def attention_dv(q, k, dout, mask, scaling: float, softcap, causal: bool) -> Tensor:
+    """Frozen attention's dV through the Triton kernels (``kernels/attention.py``)."""
+    from pyattr.ops.attention import additive_mask
+
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return _attention_dv_op(q, k, dout, additive_mask(mask, k.shape[2], acc), float(scaling),
+                            None if softcap is None else float(softcap), bool(causal))

@@ -1,0 +1,166 @@
+// Frozen attention (AH-rule) backward on CPU: dV = P^T dO, with P = softmax(s * q k^T
+// [softcap] + mask) recomputed per block of query rows and never kept whole.
+//
+// Work items are (batch, key/value head, share of the query blocks); each runs its GEMMs
+// single-threaded (inside at::parallel_for) on its own score buffer of
+// (groups * kBlockRows) x kv_len, so the scale, softcap, mask, softmax pass reads the
+// scores while they are in cache. A head with GQA stacks its query heads' rows in one
+// block, so P^T dO sums over the group in the same GEMM. Items that share a head write
+// separate partial sums, added at the end (only when there are fewer heads than threads).
+#include <cmath>
+#include <limits>
+#include <optional>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+namespace pyattr::cpu {
+
+namespace {
+
+constexpr int64_t kBlockRows = 64;
+
+template <typename A>
+inline at::vec::Vectorized<A> vexp(const at::vec::Vectorized<A>& x) {
+  if constexpr (std::is_same_v<A, float>) {
+    return x.exp_u20();  // within 20 ulp; arguments here are <= 0 after the max shift
+  } else {
+    return x.exp();
+  }
+}
+
+// One score row in place: scale (and softcap), mask, keys >= limit dropped, softmax.
+// A row whose keys are all masked becomes 0 (no contribution), as in PyTorch's SDPA.
+template <typename A>
+void softmax_row(A* row, int64_t kend, int64_t limit, A scaling, std::optional<A> softcap, const A* mrow,
+                 int64_t mstride) {
+  using V = at::vec::Vectorized<A>;
+  constexpr int64_t W = V::size();
+  const A ninf = -std::numeric_limits<A>::infinity();
+  A mx = ninf;
+  for (int64_t j = 0; j < limit; ++j) {
+    A v = row[j] * scaling;
+    if (softcap) v = std::tanh(v / *softcap) * *softcap;
+    if (mrow) v += mrow[j * mstride];
+    row[j] = v;
+    mx = v > mx ? v : mx;
+  }
+  if (!(mx > ninf)) {  // every key masked (or NaN)
+    std::fill(row, row + kend, A(0));
+    return;
+  }
+  A sum = 0;
+  int64_t j = 0;
+  const V vmx(mx);
+  V vsum(A(0));
+  for (; j + W <= limit; j += W) {
+    V e = vexp<A>(V::loadu(row + j) - vmx);
+    e.store(row + j);
+    vsum = vsum + e;
+  }
+  A lanes[W];
+  vsum.store(lanes);
+  for (int64_t l = 0; l < W; ++l) sum += lanes[l];
+  for (; j < limit; ++j) {
+    A e = std::exp(row[j] - mx);
+    row[j] = e;
+    sum += e;
+  }
+  const A inv = A(1) / sum;
+  const V vinv(inv);
+  j = 0;
+  for (; j + W <= limit; j += W) (V::loadu(row + j) * vinv).store(row + j);
+  for (; j < limit; ++j) row[j] *= inv;
+  std::fill(row + limit, row + kend, A(0));
+}
+
+}  // namespace
+
+at::Tensor attention_dv(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& dout_in,
+                        const std::optional<at::Tensor>& mask_opt, double scaling, std::optional<double> softcap,
+                        bool causal) {
+  TORCH_CHECK_VALUE(q_in.dim() == 4 && k_in.dim() == 4 && dout_in.dim() == 4,
+                    "attention_dv: q, k and dout must be 4-D (batch, heads, seq, head_dim)");
+  const int64_t B = q_in.size(0), H = q_in.size(1), Lq = q_in.size(2), D = q_in.size(3);
+  const int64_t Hkv = k_in.size(1), Lk = k_in.size(2), Dv = dout_in.size(3);
+  TORCH_CHECK_VALUE(k_in.size(0) == B && k_in.size(3) == D && Hkv > 0 && H % Hkv == 0,
+                    "attention_dv: k ", k_in.sizes(), " does not fit q ", q_in.sizes());
+  TORCH_CHECK_VALUE(dout_in.size(0) == B && dout_in.size(1) == H && dout_in.size(2) == Lq,
+                    "attention_dv: dout ", dout_in.sizes(), " does not fit q ", q_in.sizes());
+  TORCH_CHECK_VALUE(std::isfinite(scaling), "attention_dv: scaling must be finite");
+  TORCH_CHECK_VALUE(!softcap || (std::isfinite(*softcap) && *softcap > 0), "attention_dv: softcap must be > 0");
+  TORCH_CHECK_VALUE(k_in.device() == q_in.device() && dout_in.device() == q_in.device(),
+                    "attention_dv: q, k and dout must be on one device");
+  const at::ScalarType acc = q_in.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::Tensor q = q_in.to(acc).contiguous(), k = k_in.to(acc).contiguous(), dout = dout_in.to(acc).contiguous();
+  at::Tensor mask;
+  if (mask_opt && mask_opt->defined()) {
+    const at::Tensor& m = *mask_opt;
+    TORCH_CHECK_VALUE(m.dim() == 4 && (m.size(0) == 1 || m.size(0) == B) && (m.size(1) == 1 || m.size(1) == H) &&
+                          (m.size(2) == 1 || m.size(2) == Lq) && m.size(3) >= Lk,
+                      "attention_dv: mask ", m.sizes(), " does not broadcast to (", B, ", ", H, ", ", Lq, ", ", Lk, ")");
+    TORCH_CHECK_TYPE(at::isFloatingType(m.scalar_type()), "attention_dv: mask must be additive (floating)");
+    mask = m.narrow(3, 0, Lk).to(acc).expand({B, H, Lq, Lk});  // strided view: broadcast dims have stride 0
+  }
+  const int64_t G = H / Hkv;
+  const int64_t nblk = (Lq + kBlockRows - 1) / kBlockRows;
+  const int64_t heads = B * Hkv;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t splits = heads >= threads ? 1 : std::max<int64_t>(1, std::min(nblk, (threads + heads - 1) / heads));
+  at::Tensor dv = at::zeros({B, Hkv, Lk, Dv}, q.options());
+  at::Tensor partial = splits > 1 ? at::zeros({splits - 1, B, Hkv, Lk, Dv}, q.options()) : at::Tensor();
+
+  AT_DISPATCH_FLOATING_TYPES(acc, "attention_dv", [&] {
+    using A = scalar_t;
+    const std::optional<A> cap = softcap ? std::optional<A>(A(*softcap)) : std::nullopt;
+    at::parallel_for(0, heads * splits, 1, [&](int64_t begin, int64_t end) {
+      at::Tensor scores = at::empty({G * kBlockRows * Lk}, q.options());
+      at::Tensor gathered = G > 1 ? at::empty({G * kBlockRows, Dv}, q.options()) : at::Tensor();
+      for (int64_t it = begin; it < end; ++it) {
+        const int64_t bh = it / splits, sp = it % splits;
+        const int64_t b = bh / Hkv, hk = bh % Hkv;
+        at::Tensor target = sp == 0 ? dv[b][hk] : partial[sp - 1][b][hk];  // (Lk, Dv)
+        const at::Tensor kmat = k[b][hk];                                      // (Lk, D)
+        for (int64_t blk = sp * nblk / splits; blk < (sp + 1) * nblk / splits; ++blk) {
+          const int64_t s = blk * kBlockRows, n = std::min(kBlockRows, Lq - s);
+          const int64_t kend = causal ? std::min(Lk, s + n) : Lk;
+          at::Tensor S = scores.narrow(0, 0, G * n * kend).view({G * n, kend});
+          const at::Tensor kt = kmat.narrow(0, 0, kend).t();
+          for (int64_t g = 0; g < G; ++g) {
+            at::Tensor Sg = S.narrow(0, g * n, n);
+            at::mm_out(Sg, q[b][hk * G + g].narrow(0, s, n), kt);
+          }
+          A* base = S.data_ptr<A>();
+          for (int64_t r = 0; r < G * n; ++r) {
+            const int64_t g = r / n, i = s + r % n, h = hk * G + g;
+            const int64_t limit = causal ? std::min(kend, i + 1) : kend;
+            const A* mrow = nullptr;
+            int64_t mstride = 0;
+            if (mask.defined()) {
+              mrow = mask.const_data_ptr<A>() + b * mask.stride(0) + h * mask.stride(1) + i * mask.stride(2);
+              mstride = mask.stride(3);
+            }
+            softmax_row<A>(base + r * kend, kend, limit, A(scaling), cap, mrow, mstride);
+          }
+          at::Tensor dO;
+          if (G == 1) {
+            dO = dout[b][hk].narrow(0, s, n);
+          } else {
+            dO = gathered.narrow(0, 0, G * n);
+            for (int64_t g = 0; g < G; ++g) dO.narrow(0, g * n, n).copy_(dout[b][hk * G + g].narrow(0, s, n));
+          }
+          at::Tensor t = target.narrow(0, 0, kend);
+          t.addmm_(S.t(), dO);
+        }
+      }
+    });
+  });
+  if (splits > 1) dv.add_(partial.sum(0));
+  return dv;
+}
+
+TORCH_LIBRARY_IMPL(pyattr, CPU, m) { m.impl("attention_dv", &attention_dv); }
+
+}  // namespace pyattr::cpu
