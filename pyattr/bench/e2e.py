@@ -40,11 +40,11 @@ VARIANTS = ("plain", "pyattr", "unfused")
 K_VARIANTS = ("k_targets", "k_calls")
 
 
-def build_model(device: str, dtype: torch.dtype, layers: int = None):
+def build_model(device: str, dtype: torch.dtype, layers: int = None, seq: int = None):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     size = dict(SIZES[device])
-    seq = size.pop("seq")
+    seq = size.pop("seq") if seq is None else seq
     if layers is not None:
         size["num_hidden_layers"] = layers
     cfg = LlamaConfig(vocab_size=32000, max_position_embeddings=max(seq, 2048), **size)
@@ -126,8 +126,9 @@ def saved_activation_bytes(model, variant: str, ids, target: int, k: int = 8) ->
     return sum(seen.values())
 
 
-def measure(device: str, dtype: torch.dtype, variant: str, repeats: int, layers: int = None, k: int = 8) -> Dict:
-    model, seq = build_model(device, dtype, layers)
+def measure(device: str, dtype: torch.dtype, variant: str, repeats: int, layers: int = None, k: int = 8,
+            seq: int = None) -> Dict:
+    model, seq = build_model(device, dtype, layers, seq)
     ids = torch.randint(0, 32000, (1, seq), generator=torch.Generator().manual_seed(1)).to(device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     saved = saved_activation_bytes(model, variant, ids, 5, k)  # also the warm-up
@@ -174,18 +175,20 @@ def child_row(cmd: List[str], what: str) -> Dict:
 
 
 def run_all(device: str, dtypes: List[torch.dtype], repeats: int, layers: int = None, progress=None,
-            k: int = 8) -> List[Dict]:
-    """Every variant per dtype; ``k`` targets for the k-target pair (0: skip the pair)."""
+            k: int = 8, seq: int = None) -> List[Dict]:
+    """Every variant per dtype; ``k`` targets for the k-target pair (0: skip the pair);
+    ``seq`` overrides the input length (512 on CPU, 4096 on CUDA)."""
     rows = []
     variants = VARIANTS + (K_VARIANTS if k else ())
     for dt in dtypes:
         for v in variants:
             if device == "cpu":  # one process per variant: peak RSS cannot be reset in-process
                 cmd = [sys.executable, "-m", "pyattr.bench.e2e", "--child", v, "--dtype", str(dt).replace("torch.", ""),
-                       "--repeats", str(repeats), "--k", str(k)] + (["--layers", str(layers)] if layers else [])
+                       "--repeats", str(repeats), "--k", str(k)] + (["--layers", str(layers)] if layers else []) \
+                    + (["--seq", str(seq)] if seq else [])
                 rows.append(child_row(cmd, f"e2e variant {v!r} ({dt})"))
             else:
-                rows.append(measure(device, dt, v, repeats, layers, k))
+                rows.append(measure(device, dt, v, repeats, layers, k, seq))
             if progress:
                 progress()
     return rows
@@ -222,6 +225,9 @@ def markdown(rows: List[Dict], rat: List[Dict], contention=None) -> str:
     from pyattr.bench.report import conditions
 
     lines = [conditions(contention).rstrip("\n"), ""] if contention is not None else []
+    seqs = sorted({r["seq"] for r in rows if r.get("seq")})
+    if seqs:
+        lines += [f"Input length {', '.join(map(str, seqs))} tokens, batch 1.", ""]
     lines += ["| dtype | variant | median s | min–max s | peak MiB | saved for backward MiB |", "|---|---|---:|---:|---:|---:|"]
     for r in rows:
         name = f"{r['variant']} (k={r['k']})" if r.get("k", 1) > 1 else r["variant"]
@@ -248,8 +254,9 @@ def _child_main(argv=None):
     p.add_argument("--dtype", default="float32")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--seq", type=int, default=None)
     a = p.parse_args(argv)
-    row = measure("cpu", getattr(torch, a.dtype), a.child, a.repeats, a.layers, a.k)
+    row = measure("cpu", getattr(torch, a.dtype), a.child, a.repeats, a.layers, a.k, a.seq)
     print(json.dumps(row))
 
 

@@ -18,7 +18,14 @@ half           3        5 (u, v, dy → du, dv)
 gated          3        5 (g, u, dh → dg, du)
 layer_norm     2        3 (x, dy → dx)
 rms_norm       2        3 (x, dy → dx)
+attention      4        4 (q, k, dO → dV; a model only: the op is compute-bound)
 ============== ======== ========
+
+``attention`` is the AH-rule's frozen attention core, causal, batch 1, hidden 1024
+(``heads = 1024 / head_dim``), at shapes ``(seq, head_dim)``: ``native`` is PyTorch's SDPA
+with q, k and v requiring gradients, ``unfused`` the same call with q and k under
+``scale_gradient(·, 0)`` (pyattr's path before the frozen core), ``pyattr-*`` the frozen
+core (``dV`` only) on each backend. It runs in ``bwd`` mode only, with fewer repeats.
 """
 
 from __future__ import annotations
@@ -36,12 +43,17 @@ import pyattr
 from pyattr.activations import resolve_activation
 from pyattr.bench import unfused
 
-OPS = ("identity", "half", "gated", "layer_norm", "rms_norm")
+OPS = ("identity", "half", "gated", "layer_norm", "rms_norm", "attention")
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "quick_gelu", "relu")
 MODES = ("fwd", "bwd", "fwd+bwd")
-BYTES_MOVED = {"identity": (2, 3), "half": (3, 5), "gated": (3, 5), "layer_norm": (2, 3), "rms_norm": (2, 3)}
+BYTES_MOVED = {"identity": (2, 3), "half": (3, 5), "gated": (3, 5), "layer_norm": (2, 3), "rms_norm": (2, 3),
+               "attention": (4, 4)}
 DEFAULT_SHAPES = {"elementwise": (2048, 4096), "norm": (2048, 1024)}
 QUICK_SHAPES = {"elementwise": (256, 2048), "norm": (256, 1024)}
+# (seq, head_dim) of the attention op; its own list, not set by --shapes
+ATTENTION_SHAPES = ((2048, 64), (2048, 128))
+QUICK_ATTENTION_SHAPES = ((256, 64),)
+ATTENTION_HIDDEN = 1024
 
 
 @dataclass
@@ -116,10 +128,36 @@ def build(op: str, act: Optional[str], provider: str, shape, dtype, device) -> T
             "native": lambda: _hf_rms_norm(x, w, 1e-6),
             "unfused": lambda: unfused.rms_norm_unfused(x, w, 1e-6),
         }.get(provider, lambda: pyattr.ops.rms_norm(x, w, 1e-6))
+    elif op == "attention":
+        fn, ins = _attention(provider, rows, hidden, rnd)
+        return fn, ins, 3 * ins[-1].numel() * ins[-1].element_size()  # q, k and v, whichever need grad
     else:
         raise ValueError(f"ops: unknown op {op!r}; expected one of {OPS}")
     in_bytes = sum(t.numel() * t.element_size() for t in ins if t.dim() == 2)
     return fn, ins, in_bytes
+
+
+def _attention(provider: str, seq: int, head_dim: int, rnd):
+    from pyattr.ops.attention import FrozenAttentionFunction
+    from pyattr.rules import scale_gradient
+
+    heads = max(1, ATTENTION_HIDDEN // head_dim)
+    q, k, v = rnd(1, heads, seq, head_dim), rnd(1, heads, seq, head_dim), rnd(1, heads, seq, head_dim)
+    scale = head_dim ** -0.5
+    if provider == "native":
+        return (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)), [q, k, v]
+    if provider == "unfused":
+        return (lambda: F.scaled_dot_product_attention(scale_gradient(q, 0.0), scale_gradient(k, 0.0), v,
+                                                       is_causal=True, scale=scale)), [q, k, v]
+    qd, kd = q.detach(), k.detach()
+
+    def frozen():
+        def native():
+            return F.scaled_dot_product_attention(qd, kd, v, is_causal=True, scale=scale).transpose(1, 2), None
+
+        return FrozenAttentionFunction.apply(v, qd, kd, None, scale, None, True, native, {})
+
+    return frozen, [v]
 
 
 def saved_bytes(fn: Callable) -> int:
@@ -205,7 +243,7 @@ def measure(op, act, provider, shape, dtype, device, mode, warmup, repeats, copy
             peak = torch.cuda.max_memory_allocated(device) - base
         ts = time_ms(run, device, warmup, repeats)
     med = statistics.median(ts)
-    n = shape[0] * shape[1] * torch.empty((), dtype=dtype).element_size()
+    n = shape[0] * (ATTENTION_HIDDEN if op == "attention" else shape[1]) * torch.empty((), dtype=dtype).element_size()
     fw, bw = BYTES_MOVED[op]
     moved = {"fwd": fw, "bwd": bw, "fwd+bwd": fw + bw}[mode] * n
     gbps = moved / (med * 1e-3) / 1e9
@@ -255,19 +293,23 @@ def run_suite(
     progress: bool = True,
 ) -> Tuple[float, List[Row]]:
     shapes = shapes or DEFAULT_SHAPES
+    attention_shapes = shapes.get("attention", ATTENTION_SHAPES)
     copy_bw = copy_bandwidth_gbps(device)
     plan = [
-        (op, a, p, shapes["norm" if op.endswith("norm") else "elementwise"], dt, m)
+        (op, a, p, shape, dt, m)
         for op, a in cases(ops, activations)
         for dt in dtypes
-        for m in modes
+        for shape in (attention_shapes if op == "attention" else [shapes["norm" if op.endswith("norm") else "elementwise"]])
+        for m in (("bwd",) if op == "attention" else modes)
         for p in providers_for(device)
     ]
     rows: List[Row] = []
     bar = _progress(len(plan)) if progress else None
     try:
         for op, a, p, shape, dt, m in plan:
-            rows.append(measure(op, a, p, shape, dt, device, m, warmup, repeats, copy_bw))
+            few = op == "attention"  # one backward takes 0.1-2 s on a CPU at seq 2048
+            rows.append(measure(op, a, p, shape, dt, device, m, 1 if few else warmup,
+                                max(3, repeats // 3) if few else repeats, copy_bw))
             if bar:
                 bar.advance()
     finally:

@@ -268,6 +268,9 @@ def markdown(rows: List[dict], copy_bw: float, title: str, contention=None) -> s
         f"### {title}\n\n{conditions(contention)}Copy bandwidth measured in the same run: {copy_bw:.1f} GB/s.\n\n"
         "Forward + backward, median ms (`torch` is pyattr's reference backend):\n\n"
         + summary(rows)
+        + (("\nFrozen attention (AH-rule), backward only, median ms (causal, batch 1, hidden 1024; shape is "
+            "seq×head_dim):\n\n" + summary([r for r in rows if r["op"] == "attention"], mode="bwd"))
+           if any(r["op"] == "attention" for r in rows) else "")
         + "\nEvery measurement:\n\n"
         "| op | act | dtype | shape | mode | provider | median ms | p20–p80 ms | saved / inputs | GB/s | % copy bw | × native | × unfused | × torch |\n"
         "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"

@@ -30,6 +30,8 @@ def _check_args(args):
         raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
     if args.layers is not None and args.layers < 1:
         raise UsageError(f"--layers must be >= 1, got {args.layers}")
+    if getattr(args, "seq", None) is not None and args.seq < 1:
+        raise UsageError(f"--seq must be >= 1, got {args.seq}")
     if args.targets < 0:
         raise UsageError(f"--targets must be >= 0, got {args.targets}")
     if args.chunk < 1:
@@ -136,14 +138,15 @@ def run(args) -> int:
     elif args.e2e:
         monitor = contention.start()
         try:
-            rows = e2e.run_all(device.type, dtypes, args.repeats or 3, args.layers, k=args.targets)
+            rows = e2e.run_all(device.type, dtypes, args.repeats or 3, args.layers, k=args.targets, seq=args.seq)
         except e2e.E2EError as e:
             return fail("bench", str(e), status=1)
         cond = monitor.stop()
         doc = report.document("e2e", device, rows, contention=cond, ratios=e2e.ratios(rows))
         table = e2e.markdown(rows, doc["ratios"], cond)
     else:
-        shapes = shapes or (micro.QUICK_SHAPES if args.quick else micro.DEFAULT_SHAPES)
+        shapes = dict(shapes or (micro.QUICK_SHAPES if args.quick else micro.DEFAULT_SHAPES))
+        shapes["attention"] = micro.QUICK_ATTENTION_SHAPES if args.quick else micro.ATTENTION_SHAPES
         repeats = args.repeats or (5 if args.quick else 15)
         monitor = contention.start()
         copy_bw, rows = micro.run_suite(
