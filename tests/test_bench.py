@@ -14,7 +14,7 @@ import torch
 from conftest import run_cli
 from pyattr.bench import contention, e2e, micro, report
 
-TINY = {"elementwise": (8, 96), "norm": (8, 64)}
+TINY = {"elementwise": (8, 96), "norm": (8, 64), "attention": ((16, 128), (9, 256))}
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +29,11 @@ def doc():
 def test_schema_and_coverage(doc):
     report.validate(doc)
     providers = micro.providers_for(torch.device("cpu"))
-    cases = list(micro.cases(micro.OPS, ("silu", "relu")))
-    assert len(doc["rows"]) == len(cases) * len(providers) * len(micro.MODES)
+    cases = [c for c in micro.cases(micro.OPS, ("silu", "relu")) if c[0] != "attention"]
+    # the attention op: backward only, at each of its shapes
+    assert len(doc["rows"]) == len(cases) * len(providers) * len(micro.MODES) + 2 * len(providers)
+    att = [r for r in doc["rows"] if r["op"] == "attention"]
+    assert {r["mode"] for r in att} == {"bwd"} and {tuple(r["shape"]) for r in att} == {(16, 128), (9, 256)}
     assert doc["copy_bandwidth_gbps"] > 0 and doc["torch_version"] == torch.__version__
     for r in doc["rows"]:
         if r["provider"] == "native":
@@ -52,6 +55,16 @@ def test_bytes_saved_for_backward(doc):
     assert _saved(doc, "gated", "native") == 1.5  # gate, up and act(gate)
 
 
+def test_frozen_attention_saves_less_than_sdpa(doc):
+    """The frozen core keeps q and k (2 of the 3 inputs); SDPA keeps q, k, v, the output
+    and the log-sum-exp."""
+    att = [r for r in doc["rows"] if r["op"] == "attention" and r["shape"] == [16, 128]]
+    by = {r["provider"]: r["saved_ratio_to_inputs"] for r in att}
+    for p in [p for p in by if p.startswith("pyattr-")]:
+        assert by[p] == pytest.approx(2 / 3)
+        assert by[p] < by["native"]
+
+
 @pytest.mark.parametrize(
     "mutate,msg",
     [
@@ -71,9 +84,12 @@ def test_validate_rejects_broken_documents(doc, mutate, msg):
 
 def test_markdown_table(doc):
     md = report.markdown(doc["rows"], doc["copy_bandwidth_gbps"], "t")
-    n_cases = len({(r["op"], r["activation"], r["dtype"]) for r in doc["rows"]})
-    # summary: header + one line per case; every measurement: header + one line per row
-    assert md.count("\n| ") == (n_cases + 1) + (len(doc["rows"]) + 1)
+    n_cases = len({(r["op"], r["activation"], r["dtype"]) for r in doc["rows"] if r["op"] != "attention"})
+    n_attention = len({(r["dtype"], tuple(r["shape"])) for r in doc["rows"] if r["op"] == "attention"})
+    # fwd+bwd summary and the attention (bwd) summary: header + one line per case; every
+    # measurement: header + one line per row
+    assert md.count("\n| ") == (n_cases + 1) + (n_attention + 1) + (len(doc["rows"]) + 1)
+    assert "Frozen attention (AH-rule), backward only" in md
     assert "Warning" not in md and "Conditions" not in md  # no contention given
 
 
@@ -81,9 +97,9 @@ def test_torch_reference_is_measured_and_compared(doc):
     providers = micro.providers_for(torch.device("cpu"))
     assert providers[:3] == ["native", "unfused", "pyattr-torch"]
     rows = doc["rows"]
-    index = {(r["op"], r["activation"], r["mode"], r["provider"]): r for r in rows}
+    index = {(r["op"], r["activation"], r["mode"], tuple(r["shape"]), r["provider"]): r for r in rows}
     for r in rows:
-        ref = index[(r["op"], r["activation"], r["mode"], "pyattr-torch")]
+        ref = index[(r["op"], r["activation"], r["mode"], tuple(r["shape"]), "pyattr-torch")]
         assert r["ratio_to_torch"] == r["median_ms"] / ref["median_ms"]
         if r["provider"] == "pyattr-torch":
             assert r["ratio_to_torch"] == 1.0
