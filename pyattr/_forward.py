@@ -340,10 +340,76 @@ def _inference_state(model: nn.Module):
             p.requires_grad_(True)
 
 
+class SparseRowsHeadFunction(torch.autograd.Function):
+    """The output head's logits (computed natively, passed in) with a backward that
+    multiplies only the rows of the logits' gradient that are not zero.
+
+    A logit target's gradient is one-hot over (seq × vocab): the head's native backward
+    multiplies the whole (seq × vocab) gradient by the (vocab × hidden) weight, about as
+    much work as the head's forward, for rows that are zero. Here ``dh = dlogits[rows] · W``
+    over the nonzero rows only (the others are exactly 0 either way); with more than half
+    the rows nonzero, or a gradient batched by vmap, or a backward being recorded, the
+    dense product runs. Saves the weight (a parameter) only."""
+
+    @staticmethod
+    def forward(ctx, h, logits, weight):
+        ctx.save_for_backward(weight)
+        ctx.h_meta = (h.shape, h.dtype)
+        return logits.view_as(logits)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (w,) = ctx.saved_tensors
+        shape, dtype = ctx.h_meta
+        flat = dy.reshape(-1, dy.shape[-1])
+        wt = w.to(flat.dtype)
+        from torch._C._functorch import is_batchedtensor
+
+        from pyattr.backends import _vmap
+
+        if torch.is_grad_enabled() or is_batchedtensor(dy) or (_vmap._LEGACY_KEY is not None and _vmap._legacy_batched(dy)):
+            return (flat @ wt).view(shape).to(dtype), None, None
+        rows = flat.ne(0).any(-1).nonzero().squeeze(1)
+        if 2 * rows.numel() > flat.shape[0]:
+            return (flat @ wt).view(shape).to(dtype), None, None
+        dh = flat.new_zeros(flat.shape[0], w.shape[1])
+        dh.index_copy_(0, rows, flat.index_select(0, rows) @ wt)
+        return dh.view(shape).to(dtype), None, None
+
+
+@contextlib.contextmanager
+def _sparse_rows_head(model: nn.Module):
+    """During a pass, the output head (an ``nn.Linear`` with a frozen weight) runs its
+    backward through :class:`SparseRowsHeadFunction`; its forward output is the module's own."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if not isinstance(head, nn.Linear) or hasattr(head, "_hf_hook"):
+        # an accelerate hook swaps the weight in for the forward call only: the native
+        # backward keeps the tensor the forward used
+        yield
+        return
+
+    def hook(mod, args, out):
+        h = args[0] if args else None
+        if (not torch.is_grad_enabled() or not isinstance(h, torch.Tensor) or not h.requires_grad
+                or mod.weight.requires_grad or mod.weight.device != h.device or not isinstance(out, torch.Tensor)
+                or out.shape[:-1] != h.shape[:-1]):
+            return None
+        return SparseRowsHeadFunction.apply(h, out.detach(), mod.weight)
+
+    handle = head.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 @contextlib.contextmanager
 def attribution_pass(model: nn.Module, rules: RelevanceRules, generic: bool, caller: str):
-    """Autograd on, eval mode, parameters frozen, the rules installed; yields the coverage."""
-    with torch.enable_grad(), _inference_state(model), use_relevance_rules(model, rules, generic=generic) as cov:
+    """Autograd on, eval mode, parameters frozen, the rules installed; yields the coverage.
+    The output head's backward skips the zero rows of its gradient (:class:`SparseRowsHeadFunction`)."""
+    with torch.enable_grad(), _inference_state(model), use_relevance_rules(model, rules, generic=generic) as cov, \
+            _sparse_rows_head(model):
         if cov.inherited:
             raise RelevanceRuleConflictError(
                 f"{caller}(rules={rules}) runs inside a use_relevance_rules scope that keeps other "
