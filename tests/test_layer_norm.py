@@ -5,6 +5,7 @@ from torch import nn
 
 from conftest import DTYPES, assert_close
 from oracles import layer_norm_rule_grads
+import pyattr
 from pyattr.ops import layer_norm
 
 
@@ -70,11 +71,41 @@ def test_layer_norm_special_values():
     assert torch.isfinite(dx[2]).all()  # constant row: σ = sqrt(eps), no 0/0
 
 
-def test_layer_norm_saves_x_and_weight_only():
-    x = torch.randn(4, 32, requires_grad=True)
-    w = torch.randn(32, requires_grad=True)
-    b = torch.randn(32, requires_grad=True)
+def _saved(x, w, b):
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         layer_norm(x, w, b, 1e-5)
-    assert sorted(t.numel() for t in saved) == [32, 128]
+    return sorted(t.numel() for t in saved)
+
+
+def test_layer_norm_saves_x_weight_and_the_forward_rstd():
+    """float32: x, the weight and the native forward's per-row rstd (4 values)."""
+    x = torch.randn(4, 32, requires_grad=True)
+    w, b = torch.randn(32, requires_grad=True), torch.randn(32, requires_grad=True)
+    assert _saved(x, w, b) == [4, 32, 128]
+
+
+def test_layer_norm_16_bit_saves_x_and_weight():
+    """bfloat16: the native forward's statistics are bfloat16, so x is saved and μ, σ are
+    recomputed in float32."""
+    x = torch.randn(4, 32, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(32, dtype=torch.bfloat16)
+    assert _saved(x, w, None) == [32, 128]
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_rstd_path_equals_the_recomputing_path(backend):
+    """The saved-rstd backward (frozen parameters) and the recomputing one (parameters with
+    gradients) give the same dx, on the reference and the C++ backend."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 3, 50, generator=g, dtype=torch.float64) * 3 + 1
+    w, b, dy = torch.randn(50, generator=g, dtype=torch.float64), torch.randn(50, generator=g, dtype=torch.float64), \
+        torch.randn(6, 3, 50, generator=g, dtype=torch.float64)
+    with pyattr.backend(backend):
+        xa = x.clone().requires_grad_()
+        (dx_stats,) = torch.autograd.grad(layer_norm(xa, w, b, 1e-5), xa, dy)
+        xb = x.clone().requires_grad_()
+        wb = w.clone().requires_grad_()
+        dx_full, _ = torch.autograd.grad(layer_norm(xb, wb, b, 1e-5), (xb, wb), dy)
+    torch.testing.assert_close(dx_stats, dx_full, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dx_stats, layer_norm_rule_grads(x, w, b, 1e-5, dy)[0], rtol=1e-12, atol=1e-12)

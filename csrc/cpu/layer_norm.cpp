@@ -77,6 +77,52 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(const at::Ten
   return {dx, dw, db};
 }
 
-TORCH_LIBRARY_IMPL(pyattr, CPU, m) { m.impl("layer_norm_backward", &layer_norm_backward); }
+// dx only, from the per-row rstd the native forward returned (no pass over x):
+//   g = dy * w,  dx = rstd * (g - mean(g)).
+at::Tensor layer_norm_rule_dx(const at::Tensor& dy_in, const std::optional<at::Tensor>& w_opt,
+                              const at::Tensor& rstd_in) {
+  TORCH_CHECK_VALUE(dy_in.dim() >= 1, "dy must have at least one dimension (..., hidden_size)");
+  const int64_t H = dy_in.size(-1);
+  const int64_t R = H == 0 ? 0 : dy_in.numel() / H;
+  TORCH_CHECK_VALUE(rstd_in.numel() == R, "rstd must hold one value per row (", R, "), got ", rstd_in.numel());
+  const bool has_w = w_opt.has_value() && w_opt->defined();
+  if (has_w) {
+    TORCH_CHECK_VALUE(w_opt->dim() == 1 && w_opt->size(0) == H, "weight must have shape (hidden_size,)");
+  }
+  const at::Tensor dy = dy_in.contiguous();
+  at::Tensor dx = at::empty_like(dy, at::MemoryFormat::Contiguous);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dy.scalar_type(), "layer_norm_rule_dx", [&] {
+    using T = scalar_t;
+    using A = acc_t<T>;
+    using V = AccVec<T>;
+    const at::Tensor wacc = has_w ? w_opt->to(c10::CppTypeToScalarType<A>::value).contiguous() : at::Tensor();
+    const at::Tensor racc = rstd_in.to(c10::CppTypeToScalarType<A>::value).contiguous();
+    const A* W = has_w ? wacc.const_data_ptr<A>() : nullptr;
+    const A* RS = racc.const_data_ptr<A>();
+    const T* DY = dy.const_data_ptr<T>();
+    T* DX = dx.mutable_data_ptr<T>();
+    auto wv = [&](int64_t j) { return W ? V::loadu(W + j) : V(A(1)); };
+    auto ws = [&](int64_t j) { return W ? W[j] : A(1); };
+    at::parallel_for(0, R, std::max<int64_t>(1, kGrain / std::max<int64_t>(H, 1)), [&](int64_t rb, int64_t re) {
+      for (int64_t r = rb; r < re; ++r) {
+        const T* dr = DY + r * H;
+        T* out = DX + r * H;
+        const A rstd = RS[r];
+        const A gmean = row_sum<T>(H, [&](int64_t j) { return load_acc<T>(dr + j) * wv(j); },
+                                   [&](int64_t j) { return A(dr[j]) * ws(j); }) / A(H);
+        const V vg(gmean), vr(rstd);
+        int64_t j = 0;
+        for (; j + kStep<T> <= H; j += kStep<T>) store_acc<T>(out + j, (load_acc<T>(dr + j) * wv(j) - vg) * vr);
+        for (; j < H; ++j) out[j] = static_cast<T>((A(dr[j]) * ws(j) - gmean) * rstd);
+      }
+    });
+  });
+  return dx;
+}
+
+TORCH_LIBRARY_IMPL(pyattr, CPU, m) {
+  m.impl("layer_norm_backward", &layer_norm_backward);
+  m.impl("layer_norm_rule_dx", &layer_norm_rule_dx);
+}
 
 }  // namespace pyattr::cpu

@@ -11,31 +11,77 @@ from pyattr import backends
 from pyattr._validation import check_eps, check_float, check_has_hidden, check_norm_param, check_same_device
 
 
+def _plain_layer_norm(native: Optional[Callable]) -> bool:
+    """``native`` is ``nn.LayerNorm.forward`` itself (bound), so ``F.layer_norm`` is its math."""
+    return native is None or getattr(native, "__func__", None) is torch.nn.LayerNorm.forward
+
+
 class LayerNormRuleFunction(torch.autograd.Function):
-    """Saves ``x`` and ``weight``; μ and σ are recomputed in the backward. Vmappable (the
-    batching rule of the backward op gives ``dweight``/``dbias`` per example)."""
+    """Saves ``x`` and ``weight``; for float32 / float64 inputs with a plain LayerNorm
+    forward also the per-row rstd that ``torch.native_layer_norm`` (the forward: its output
+    is ``F.layer_norm``'s) returns, so the backward makes no pass over ``x`` for μ and σ.
+    Otherwise (16-bit inputs, whose native statistics are rounded to 16 bits; a module's
+    own forward), and for parameter gradients or a backward being recorded (a second
+    derivative needs σ as a function of ``x``), μ and σ are recomputed from ``x`` in
+    float32. Vmappable (the batching rule of the backward op gives ``dweight``/``dbias``
+    per example)."""
 
     generate_vmap_rule = True
 
     @staticmethod
     def forward(x, weight, bias, eps: float, native: Optional[Callable]):
-        if native is not None:
-            return native(x)
-        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+        if _plain_layer_norm(native) and x.dtype in (torch.float32, torch.float64) and all(
+                p is None or p.dtype == x.dtype for p in (weight, bias)):
+            out, _, rstd = torch.native_layer_norm(x, (x.shape[-1],), weight, bias, eps)
+            return out, rstd
+        out = native(x) if native is not None else F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+        return out, x.new_empty((0,))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, weight, bias, ctx.eps, _ = inputs
+        _, rstd = output
+        ctx.mark_non_differentiable(rstd)
         ctx.has_bias = bias is not None
-        ctx.save_for_backward(x, weight)
+        ctx.stats = rstd.numel() > 0
+        ctx.save_for_backward(x, weight, rstd if ctx.stats else None)
 
     @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
+    def backward(ctx, dy, _drstd):
+        x, weight, rstd = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        if ctx.stats and not (need_w or need_b or torch.is_grad_enabled()):
+            dx = layer_norm_rule_dx(dy, weight, rstd) if need_x else None
+            return dx, None, None, None, None
         impl = backends.backward_implementation(x.device, "layer_norm")
         dx, dw, db = impl.layer_norm_backward(x, weight, ctx.eps, dy, need_w, need_b and ctx.has_bias)
         return (dx if need_x else None), dw, db, None, None
+
+
+def layer_norm_rule_dx(dy: torch.Tensor, weight: Optional[torch.Tensor], rstd: torch.Tensor) -> torch.Tensor:
+    """LN-rule ``dx = rstd·(dy·w − mean(dy·w))`` from the forward's per-row rstd
+    (shape ``(..., 1)``); the ``cpp`` kernel where it can run, else PyTorch ops. A gradient
+    batched by ``is_grads_batched`` runs on its physical tensor (k gradients, one rstd)."""
+    if rstd.numel() == 0 or dy.numel() == 0:
+        return torch.zeros_like(dy)
+    from torch._C._functorch import is_batchedtensor
+
+    from pyattr.backends import _vmap
+
+    if _vmap._LEGACY_KEY is not None and _vmap._legacy_batched(dy) and not _vmap._legacy_batched(rstd):
+        level = _vmap._legacy_level()
+        phys = torch._remove_batch_dim(dy, level, 1, 0)
+        if not _vmap._legacy_batched(phys):
+            k = phys.shape[0]
+            dx = layer_norm_rule_dx(phys, weight, rstd.unsqueeze(0).expand(k, *rstd.shape))
+            return torch._add_batch_dim(dx, 0, level)
+    if not torch.is_grad_enabled() and not is_batchedtensor(dy) and not _vmap._legacy_batched(dy) \
+            and dy.device.type == "cpu" and backends.select(dy.device, "layer_norm") == "cpp":
+        from pyattr.backends.compiled import _ops
+
+        return _ops().layer_norm_rule_dx(dy, weight, rstd)
+    g = dy if weight is None else dy * weight
+    return ((g - g.mean(-1, keepdim=True)) * rstd).to(dy.dtype)
 
 
 def layer_norm(
@@ -58,7 +104,9 @@ def layer_norm(
         bias (Tensor[hidden], optional): shift. Default: None.
         eps (float): finite, >= 0. Default: 1e-5.
 
-    Saved for backward: ``x`` and ``weight`` (no per-row statistics; they are recomputed).
+    Saved for backward: ``x`` and ``weight``, and for float32/float64 with
+    ``nn.LayerNorm``'s own math the per-row ``rstd`` of the native forward (one value per
+    row), which the backward uses instead of recomputing μ and σ.
 
     Raises:
         TypeError: non-floating tensors or non-numeric ``eps``.
@@ -71,4 +119,4 @@ def layer_norm(
     check_norm_param("bias", bias, x)
     check_same_device(x=x, weight=weight, bias=bias)
     eps = check_eps(eps)
-    return LayerNormRuleFunction.apply(x, weight, bias, eps, _native)
+    return LayerNormRuleFunction.apply(x, weight, bias, eps, _native)[0]
