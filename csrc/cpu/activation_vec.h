@@ -6,6 +6,20 @@
 
 namespace pyattr::cpu {
 
+// Calls f(std::integral_constant<Act, a>{}): the activation becomes a compile-time constant
+// inside f, so the switch in phi_vec / act_vec / dact_vec folds away in the vector loop.
+template <typename F>
+inline void with_act(Act a, F&& f) {
+  switch (a) {
+    case Act::SiLU: f(std::integral_constant<Act, Act::SiLU>{}); break;
+    case Act::GELU: f(std::integral_constant<Act, Act::GELU>{}); break;
+    case Act::GELUTanh: f(std::integral_constant<Act, Act::GELUTanh>{}); break;
+    case Act::QuickGELU: f(std::integral_constant<Act, Act::QuickGELU>{}); break;
+    case Act::ReLU:
+    default: f(std::integral_constant<Act, Act::ReLU>{}); break;
+  }
+}
+
 template <typename V>
 inline V sigmoid_vec(const V& x) {
   const V one(1);

@@ -21,21 +21,24 @@ std::tuple<at::Tensor, at::Tensor> gated_backward(const at::Tensor& g_in, const 
     using T = scalar_t;
     using A = acc_t<T>;
     const A s = half ? A(0.5) : A(1);
-    elementwise<T, 3, 2>(
-        {g.const_data_ptr<T>(), u.const_data_ptr<T>(), dh.const_data_ptr<T>()},
-        {dg.mutable_data_ptr<T>(), du.mutable_data_ptr<T>()}, g.numel(),
-        [=](const std::array<AccVec<T>, 3>& a) {
-          AccVec<T> sd = a[2] * AccVec<T>(s);
-          AccVec<T> p = phi_vec(act, a[0]);
-          AccVec<T> local = identity ? p : dact_vec(act, a[0]);
-          AccVec<T> actg = act == Act::ReLU ? act_vec(act, a[0]) : a[0] * p;
-          return std::array<AccVec<T>, 2>{sd * a[1] * local, sd * actg};
-        },
-        [=](const std::array<A, 3>& a) {
-          A sd = a[2] * s;
-          A local = identity ? phi_scalar<A>(act, a[0]) : dact_scalar<A>(act, a[0]);
-          return std::array<A, 2>{sd * a[1] * local, sd * act_scalar<A>(act, a[0])};
-        });
+    with_act(act, [&](auto c) {
+      constexpr Act K = decltype(c)::value;
+      elementwise<T, 3, 2>(
+          {g.const_data_ptr<T>(), u.const_data_ptr<T>(), dh.const_data_ptr<T>()},
+          {dg.mutable_data_ptr<T>(), du.mutable_data_ptr<T>()}, g.numel(),
+          [=](const std::array<AccVec<T>, 3>& a) {
+            AccVec<T> sd = a[2] * AccVec<T>(s);
+            AccVec<T> p = phi_vec(K, a[0]);
+            AccVec<T> local = identity ? p : dact_vec(K, a[0]);
+            AccVec<T> actg = K == Act::ReLU ? act_vec(K, a[0]) : a[0] * p;
+            return std::array<AccVec<T>, 2>{sd * a[1] * local, sd * actg};
+          },
+          [=](const std::array<A, 3>& a) {
+            A sd = a[2] * s;
+            A local = identity ? phi_scalar<A>(K, a[0]) : dact_scalar<A>(K, a[0]);
+            return std::array<A, 2>{sd * a[1] * local, sd * act_scalar<A>(K, a[0])};
+          });
+    });
   });
   return {dg, du};
 }
