@@ -155,7 +155,7 @@ def _attention(provider: str, seq: int, head_dim: int, rnd):
         def native():
             return F.scaled_dot_product_attention(qd, kd, v, is_causal=True, scale=scale).transpose(1, 2), None
 
-        return FrozenAttentionFunction.apply(v, qd, kd, None, scale, None, True, native, {})
+        return FrozenAttentionFunction.apply(v, qd, kd, None, scale, None, True, native)[0]
 
     return frozen, [v]
 

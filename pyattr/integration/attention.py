@@ -95,16 +95,14 @@ def _wrap(original, kind: str):
         if spec is None:
             return original(module, query, key, value, attention_mask, **kwargs)
         scaling, softcap, causal, k_used, mask = spec
-        holder: dict = {}
 
         def native():
             return original(module, query, key, value, attention_mask, **kwargs)
 
-        out = FrozenAttentionFunction.apply(
+        out, weights = FrozenAttentionFunction.apply(
             value, query.detach(), k_used.detach(), None if mask is None else mask.detach(),
-            scaling, softcap, causal, native, holder)
-        weights = holder.get("weights")
-        return out, (weights.detach() if isinstance(weights, torch.Tensor) else weights)
+            scaling, softcap, causal, native)
+        return out, (None if weights.numel() == 0 and weights.dim() == 1 else weights)
 
     attention.__wrapped__ = original
     attention._pyattr_frozen = True

@@ -78,6 +78,8 @@ def state_of(module: nn.Module) -> Optional[RuleState]:
 
 def _output_check(state: RuleState):
     def hook(module, args, output):
+        if torch.compiler.is_compiling():  # object identity is not traced; eager checks it
+            return
         expected, state.expected_out = state.expected_out, None
         if expected is not None and id(output) != expected:
             raise RelevanceRuleConflictError(
@@ -114,7 +116,7 @@ def acquire(
                 # that ran without rules: it must run as it did then
                 return state.native(*args, **kwargs)
             out = fwd(*args, **kwargs)
-            if check_output:
+            if check_output and not torch.compiler.is_compiling():
                 state.expected_out = id(out)
                 # keep the check last, after hooks registered inside the scope too
                 if state.hook is not None:
@@ -207,6 +209,8 @@ _local = threading.local()
 
 
 def _in_backward() -> bool:
+    if torch.compiler.is_compiling():  # a traced forward is never a backward's recomputation
+        return False
     task = getattr(torch._C, "_current_graph_task_id", None)
     return task is not None and task() != -1
 

@@ -159,22 +159,25 @@ class FrozenAttentionFunction(torch.autograd.Function):
 
     Saves q, k and the mask (not v, not the output, not the pattern). ``native()`` returns
     ``(attn_output (batch, q_len, heads, v_dim), attn_weights or None)``, Hugging Face's
-    attention-function convention; the weights are handed back through ``holder``, detached.
+    attention-function convention; so does this function (the weights are a constant of
+    the rule: no gradient; an empty tensor when the native call gave None).
     """
 
     @staticmethod
-    def forward(ctx, value, query, key, mask, scaling, softcap, causal, native: Callable, holder: dict):
+    def forward(ctx, value, query, key, mask, scaling, softcap, causal, native: Callable):
         out, weights = native()
-        holder["weights"] = weights
+        if not isinstance(weights, torch.Tensor):
+            weights = out.new_empty((0,))
+        ctx.mark_non_differentiable(weights)
         ctx.scaling, ctx.softcap, ctx.causal = scaling, softcap, causal
         ctx.save_for_backward(query, key, mask)
         ctx.value_meta = (value.dtype, value.shape)
-        return out
+        return out, weights
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, _dweights):
         query, key, mask = ctx.saved_tensors
         dtype, shape = ctx.value_meta
         do = dout.transpose(1, 2)  # (batch, heads, q_len, v_dim)
         dv = attention_dv(query, key, do, mask, ctx.scaling, ctx.softcap, ctx.causal)
-        return dv.to(dtype).reshape(shape), None, None, None, None, None, None, None, None
+        return dv.to(dtype).reshape(shape), None, None, None, None, None, None, None

@@ -52,7 +52,8 @@ def scale_gradient(x: torch.Tensor, scale: Union[float, torch.Tensor]) -> torch.
     if isinstance(scale, torch.Tensor):
         check_float("scale", scale)
         check_same_device(x=x, scale=scale)
-        if not bool(torch.isfinite(scale).all()):
+        # a data-dependent check: eager only (a traced graph cannot branch on values)
+        if not torch.compiler.is_compiling() and not bool(torch.isfinite(scale).all()):
             raise ValueError("scale must be finite")
         try:
             if torch.broadcast_shapes(scale.shape, x.shape) != x.shape:

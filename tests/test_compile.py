@@ -1,0 +1,82 @@
+"""torch.compile (inductor, CPU) with the rules installed: a decoder block compiles with
+``fullgraph=True`` (the pyattr ops are custom ops with fake kernels, the rule Functions
+trace), and a whole model's relevance, compiled, equals the eager relevance."""
+
+import warnings
+
+import pytest
+import torch
+
+import pyattr
+from models import VOCAB, tiny_causal_lm
+
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # dynamo's notes on lru_cache-wrapped probes
+        yield
+    torch._dynamo.reset()
+
+
+def _block_inputs(m, arch, seq=12):
+    x = torch.randn(1, seq, m.config.hidden_size, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    if arch == "llama":
+        pos = torch.arange(seq)[None]
+        return x, {"position_embeddings": m.model.rotary_emb(x, pos)}
+    return x, {}
+
+
+@pytest.mark.parametrize("arch,impl", [("llama", "sdpa"), ("llama", "eager"), ("gpt2", "sdpa")])
+@pytest.mark.parametrize("attention", [True, "attnlrp"])
+def test_block_compiles_fullgraph(arch, impl, attention):
+    m = tiny_causal_lm(arch, impl)
+    for p in m.parameters():
+        p.requires_grad_(False)
+    block = m.model.layers[0] if arch == "llama" else m.transformer.h[0]
+    x, kw = _block_inputs(m, arch)
+    with pyattr.use_relevance_rules(m, pyattr.RelevanceRules.all(attention=attention)):
+        first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731
+        ref = first(block(x, **kw))
+        (g_ref,) = torch.autograd.grad(ref.sum(), x)
+        out = first(torch.compile(block, fullgraph=True)(x, **kw))
+        (g,) = torch.autograd.grad(out.sum(), x)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-6)
+    assert (g - g_ref).abs().max() <= 1e-5 * g_ref.abs().max()
+
+
+def test_compiled_model_relevance_equals_eager():
+    """Llama with sdpa attention (the frozen attention core, RMSNorm, the gated MLP; the
+    LayerNorm path is in the GPT-2 block above)."""
+    arch = "llama"
+    m = tiny_causal_lm(arch, "sdpa")
+    ids = torch.randint(3, VOCAB, (2, 10), generator=torch.Generator().manual_seed(1))
+    ref = pyattr.relevance(m, ids, target=5)
+    got = pyattr.relevance(torch.compile(m), ids, target=5)
+    scale = ref.relevance.abs().max()
+    assert (got.relevance - ref.relevance).abs().max() <= 1e-5 * scale
+    torch.testing.assert_close(got.target, ref.target, rtol=1e-5, atol=1e-6)
+    # and by hand, compiling inside the scope
+    with pyattr.use_relevance_rules(m):
+        emb = m.get_input_embeddings()(ids).detach().requires_grad_(True)
+        out = torch.compile(m)(inputs_embeds=emb).logits[:, -1, 5].sum()
+        (g,) = torch.autograd.grad(out, emb)
+        assert ((emb * g).detach() - ref.relevance).abs().max() <= 1e-5 * scale
+
+
+def test_new_ops_pass_opcheck():
+    from pyattr.backends import compiled
+
+    compiled._ops()
+    g = torch.Generator().manual_seed(0)
+    q, k, do = torch.randn(1, 4, 9, 8, generator=g), torch.randn(1, 2, 9, 8, generator=g), torch.randn(1, 4, 9, 8, generator=g)
+    mask = torch.zeros(1, 1, 9, 9)
+    torch.library.opcheck(torch.ops.pyattr.attention_dv, (q, k, do, mask, 0.3, None, True))
+    torch.library.opcheck(torch.ops.pyattr.attention_dv, (q, k, do, None, 0.3, 2.0, False))
+    dy, w, rstd = torch.randn(3, 5, 16, generator=g), torch.randn(16, generator=g), torch.rand(3, 5, 1, generator=g)
+    torch.library.opcheck(torch.ops.pyattr.layer_norm_rule_dx, (dy, w, rstd))
+    torch.library.opcheck(torch.ops.pyattr.layer_norm_rule_dx, (dy, None, rstd))
