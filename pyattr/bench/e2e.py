@@ -38,6 +38,9 @@ SIZES = {
 }
 VARIANTS = ("plain", "pyattr", "unfused")
 K_VARIANTS = ("k_targets", "k_calls")
+# ``--compile``: pyattr.relevance on torch.compile(model) (inductor); the first pass,
+# which compiles, is timed apart as compile_s
+COMPILED = "compiled"
 
 
 def build_model(device: str, dtype: torch.dtype, layers: int = None, seq: int = None):
@@ -96,6 +99,9 @@ def one_pass(model, variant: str, ids: torch.Tensor, target: int, k: int = 8):
 
     if variant == "pyattr":
         return pyattr.relevance(model, ids, target=target).token_relevance
+    if variant == COMPILED:
+        cm = model.__dict__.setdefault("_pyattr_bench_compiled", torch.compile(model))
+        return pyattr.relevance(cm, ids, target=target).token_relevance
     if variant == "k_targets":
         tk = torch.arange(target, target + k, device=ids.device).expand(ids.shape[0], k)
         return pyattr.relevance(model, ids, target=tk).token_relevance
@@ -131,8 +137,10 @@ def measure(device: str, dtype: torch.dtype, variant: str, repeats: int, layers:
     model, seq = build_model(device, dtype, layers, seq)
     ids = torch.randint(0, 32000, (1, seq), generator=torch.Generator().manual_seed(1)).to(device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    saved = saved_activation_bytes(model, variant, ids, 5, k)  # also the warm-up
+    t0 = time.perf_counter()
+    saved = saved_activation_bytes(model, variant, ids, 5, k)  # also the warm-up (and the compile)
     sync()
+    first_s = time.perf_counter() - t0
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -157,6 +165,7 @@ def measure(device: str, dtype: torch.dtype, variant: str, repeats: int, layers:
         "peak_bytes": int(peak),
         "saved_bytes": int(saved),
         "peak_kind": "cuda max_memory_allocated above the model" if device == "cuda" else "process peak RSS",
+        **({"compile_s": first_s} if variant == COMPILED else {}),
     }
 
 
@@ -175,11 +184,11 @@ def child_row(cmd: List[str], what: str) -> Dict:
 
 
 def run_all(device: str, dtypes: List[torch.dtype], repeats: int, layers: int = None, progress=None,
-            k: int = 8, seq: int = None) -> List[Dict]:
+            k: int = 8, seq: int = None, compiled: bool = False) -> List[Dict]:
     """Every variant per dtype; ``k`` targets for the k-target pair (0: skip the pair);
     ``seq`` overrides the input length (512 on CPU, 4096 on CUDA)."""
     rows = []
-    variants = VARIANTS + (K_VARIANTS if k else ())
+    variants = VARIANTS + (K_VARIANTS if k else ()) + ((COMPILED,) if compiled else ())
     for dt in dtypes:
         for v in variants:
             if device == "cpu":  # one process per variant: peak RSS cannot be reset in-process
@@ -207,6 +216,12 @@ def ratios(rows: List[Dict]) -> List[Dict]:
                 "time_k_targets_over_k_calls": kt["median_s"] / kc["median_s"],
                 "peak_k_targets_over_k_calls": kt["peak_bytes"] / kc["peak_bytes"],
             }
+        if COMPILED in by:
+            extra.update({
+                "compiled_s": by[COMPILED]["median_s"], "eager_s": b["median_s"],
+                "time_compiled_over_eager": by[COMPILED]["median_s"] / b["median_s"],
+                "compile_s": by[COMPILED]["compile_s"],
+            })
         out.append({
             "dtype": dt,
             "time_pyattr_over_plain": b["median_s"] / a["median_s"],
@@ -239,6 +254,13 @@ def markdown(rows: List[Dict], rat: List[Dict], contention=None) -> str:
         lines.append(f"| {q['dtype']} | {q['time_pyattr_over_plain']:.2f} | {q['time_pyattr_over_unfused']:.2f} | "
                      f"{q['peak_pyattr_over_plain']:.2f} | {q['peak_pyattr_over_unfused']:.2f} | "
                      f"{q['saved_pyattr_over_plain']:.2f} | {q['saved_pyattr_over_unfused']:.2f} |")
+    cr = [q for q in rat if "time_compiled_over_eager" in q]
+    if cr:
+        lines += ["", "| dtype | compiled relevance s | eager relevance s | compiled / eager | compile s (first pass) |",
+                  "|---|---:|---:|---:|---:|"]
+        for q in cr:
+            lines.append(f"| {q['dtype']} | {q['compiled_s']:.3f} | {q['eager_s']:.3f} | "
+                         f"{q['time_compiled_over_eager']:.2f} | {q['compile_s']:.1f} |")
     kr = [q for q in rat if "k" in q]
     if kr:
         lines += ["", "| dtype | k | time k_targets / k_calls | peak k_targets / k_calls |", "|---|---:|---:|---:|"]
@@ -249,7 +271,7 @@ def markdown(rows: List[Dict], rat: List[Dict], contention=None) -> str:
 
 def _child_main(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("--child", choices=VARIANTS + K_VARIANTS, required=True)
+    p.add_argument("--child", choices=VARIANTS + K_VARIANTS + (COMPILED,), required=True)
     p.add_argument("--k", type=int, default=8)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--repeats", type=int, default=3)

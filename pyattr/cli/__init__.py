@@ -157,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--e2e", action="store_true", help="end-to-end relevance run on a random Llama instead")
     b.add_argument("--layers", type=int, default=None, help="e2e: override the number of layers")
     b.add_argument("--seq", type=int, default=None, help="e2e: override the input length (default 512 on CPU, 4096 on CUDA)")
+    b.add_argument("--compile", action="store_true",
+                   help="e2e: also time relevance on torch.compile(model) (inductor; the compile is timed apart)")
     b.add_argument("--targets", type=int, default=8, metavar="K",
                    help="e2e: also time K targets in one relevance call against K calls (0: skip; default 8)")
     b.add_argument("--conservation", action="store_true",

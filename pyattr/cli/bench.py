@@ -138,7 +138,8 @@ def run(args) -> int:
     elif args.e2e:
         monitor = contention.start()
         try:
-            rows = e2e.run_all(device.type, dtypes, args.repeats or 3, args.layers, k=args.targets, seq=args.seq)
+            rows = e2e.run_all(device.type, dtypes, args.repeats or 3, args.layers, k=args.targets, seq=args.seq,
+                               compiled=args.compile)
         except e2e.E2EError as e:
             return fail("bench", str(e), status=1)
         cond = monitor.stop()
