@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a CUDA machine: install pyattr against the torch that is there, build pyattr._C with
 # its CUDA kernels, run the CUDA tests, the kernel microbenchmarks at the issue shapes and
-# the end-to-end relevance run, and leave logs and JSON in OUTDIR. Budget: < 8 minutes.
+# the end-to-end relevance run, the frozen-attention kernel against
+# SDPA, and leave logs and JSON in OUTDIR. Budget: < 8 minutes.
 #   usage: benchmarks/gpu_check.sh OUTDIR
 set -uo pipefail
 OUT="${1:?usage: benchmarks/gpu_check.sh OUTDIR}"
@@ -24,8 +25,15 @@ timeout 300 "$PY" -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/
   | tee -a "$OUT/gpu_check.log"
 
 log "CUDA tests"
-timeout 180 "$PY" -m pytest -q tests/test_cuda.py tests/test_backend_parity.py tests/test_vmap.py > "$OUT/tests.log" 2>&1
+timeout 240 "$PY" -m pytest -q tests/test_cuda.py tests/test_backend_parity.py tests/test_vmap.py \
+  tests/test_attention.py tests/test_compile.py > "$OUT/tests.log" 2>&1
 log "tests exit $? — $(tail -1 "$OUT/tests.log")"
+
+log "frozen attention backward against SDPA's, bf16 and fp32, seq 2048, head dims 64 and 128"
+timeout 60 "$PY" -m pyattr bench --device cuda --dtypes bfloat16,float32 --ops attention --repeats 10 \
+  --json "$OUT/attention_cuda.json" --markdown "$OUT/attention_cuda.md" > "$OUT/attention.log" 2>&1
+log "attention exit $?"
+grep -E "^\| attention" "$OUT/attention_cuda.md" | head -20 | tee -a "$OUT/gpu_check.log"
 
 log "microbenchmarks, bf16, (16384, 14336) elementwise and (16384, 4096) norms"
 timeout 150 "$PY" -m pyattr bench --device cuda --dtypes bfloat16 --shapes 16384x14336,16384x4096 \

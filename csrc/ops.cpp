@@ -14,6 +14,8 @@ TORCH_LIBRARY(pyattr, m) {
   m.def("layer_norm_backward(Tensor x, Tensor? weight, float eps, Tensor dy, bool need_dweight, bool need_dbias) -> (Tensor, Tensor, Tensor)");
   // LN-rule dx of LayerNorm from the forward's per-row rstd: dx = rstd * (dy*w - mean(dy*w)).
   m.def("layer_norm_rule_dx(Tensor dy, Tensor? weight, Tensor rstd) -> Tensor");
+  // LN-rule backward of LayerNorm with the forward's per-row mean and rstd (no recomputation).
+  m.def("layer_norm_backward_stats(Tensor x, Tensor? weight, Tensor dy, Tensor mean, Tensor rstd, bool need_dweight, bool need_dbias) -> (Tensor, Tensor, Tensor)");
   // LN-rule for RMSNorm with weight offset (1.0 for Gemma).
   m.def("rms_norm_backward(Tensor x, Tensor? weight, float eps, float offset, Tensor dy, bool need_dweight) -> (Tensor, Tensor)");
   // Frozen attention (AH-rule): dV = P^T dO, P recomputed per block of query rows from q, k,

@@ -21,6 +21,11 @@ from pyattr.ops.attention import FrozenAttentionFunction, attention_dv_reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+# the Triton kernels: CUDA tensors on a GPU machine, CPU tensors under the interpreter here
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(not pyattr.available_backends()["triton"].available,
+                                  reason=pyattr.available_backends()["triton"].reason)
+
 
 def closed_form(q, k, dout, mask, scaling, softcap, causal):
     """Float64, all at once: P = softmax(scores), dV = Σ over the group's heads of Pᵀ·dO."""
@@ -104,15 +109,21 @@ def test_cpp_kernel_splits_query_blocks_when_heads_are_few():
     torch.testing.assert_close(got, closed_form(q, k, do, None, 0.2, None, True), rtol=1e-12, atol=1e-12)
 
 
+def _on(device, *ts):
+    return [None if t is None else t.to(device) for t in ts]
+
+
+@needs_triton
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_triton_kernel_equals_the_reference_small(case):
     case = dict(case)
     causal, softcap = case.pop("causal", False), case.pop("softcap", None)
     q, k, do, m = _case(**case, dtype=torch.float32)
-    got = triton_backend.attention_dv(q, k, do, m, 0.3, softcap, causal)
+    got = triton_backend.attention_dv(*_on(TRITON_DEVICE, q, k, do, m), 0.3, softcap, causal).cpu()
     torch.testing.assert_close(got, attention_dv_reference(q, k, do, m, 0.3, softcap, causal), rtol=2e-5, atol=2e-5)
 
 
+@needs_triton
 @pytest.mark.parametrize("seq", [1, 17, 1000, 4097])
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
 def test_triton_kernel_at_the_issue_sizes(seq, head_dim):
@@ -123,7 +134,7 @@ def test_triton_kernel_at_the_issue_sizes(seq, head_dim):
     q, k, do = q[:1], k[:1], do[:1]
     m = None if m is None else m[:1]
     causal = seq == 4097 or seq == 17
-    got = triton_backend.attention_dv(q, k, do, m, head_dim ** -0.5, None, causal)
+    got = triton_backend.attention_dv(*_on(TRITON_DEVICE, q, k, do, m), head_dim ** -0.5, None, causal).cpu()
     ref = attention_dv_reference(q, k, do, m, head_dim ** -0.5, None, causal)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 

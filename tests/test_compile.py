@@ -80,3 +80,6 @@ def test_new_ops_pass_opcheck():
     dy, w, rstd = torch.randn(3, 5, 16, generator=g), torch.randn(16, generator=g), torch.rand(3, 5, 1, generator=g)
     torch.library.opcheck(torch.ops.pyattr.layer_norm_rule_dx, (dy, w, rstd))
     torch.library.opcheck(torch.ops.pyattr.layer_norm_rule_dx, (dy, None, rstd))
+    x, mean = torch.randn(3, 5, 16, generator=g), torch.randn(3, 5, 1, generator=g)
+    torch.library.opcheck(torch.ops.pyattr.layer_norm_backward_stats, (x, w, dy, mean, rstd, True, True))
+    torch.library.opcheck(torch.ops.pyattr.layer_norm_backward_stats, (x, None, dy, mean, rstd, False, False))

@@ -78,11 +78,11 @@ def _saved(x, w, b):
     return sorted(t.numel() for t in saved)
 
 
-def test_layer_norm_saves_x_weight_and_the_forward_rstd():
-    """float32: x, the weight and the native forward's per-row rstd (4 values)."""
+def test_layer_norm_saves_x_weight_and_the_forward_statistics():
+    """float32: x, the weight and the native forward's per-row mean and rstd (4 values each)."""
     x = torch.randn(4, 32, requires_grad=True)
     w, b = torch.randn(32, requires_grad=True), torch.randn(32, requires_grad=True)
-    assert _saved(x, w, b) == [4, 32, 128]
+    assert _saved(x, w, b) == [4, 4, 32, 128]
 
 
 def test_layer_norm_16_bit_saves_x_and_weight():
@@ -91,6 +91,21 @@ def test_layer_norm_16_bit_saves_x_and_weight():
     x = torch.randn(4, 32, dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(32, dtype=torch.bfloat16)
     assert _saved(x, w, None) == [32, 128]
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_saved_statistics_give_the_recomputed_parameter_gradients(backend):
+    """With weight and bias needing gradients, the backward from the forward's mean and
+    rstd (cpp: pyattr::layer_norm_backward_stats) equals the float64 oracle."""
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(7, 33, generator=g, dtype=torch.float64) * 2 - 1).requires_grad_()
+    w = torch.randn(33, generator=g, dtype=torch.float64).requires_grad_()
+    b = torch.randn(33, generator=g, dtype=torch.float64).requires_grad_()
+    dy = torch.randn(7, 33, generator=g, dtype=torch.float64)
+    with pyattr.backend(backend):
+        got = torch.autograd.grad(layer_norm(x, w, b, 1e-5), (x, w, b), dy)
+    for a, e in zip(got, layer_norm_rule_grads(x.detach(), w.detach(), b.detach(), 1e-5, dy)):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpp"])

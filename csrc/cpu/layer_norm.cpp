@@ -12,11 +12,19 @@
 
 namespace pyattr::cpu {
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(const at::Tensor& x_in,
-                                                                   const std::optional<at::Tensor>& w_opt,
-                                                                   double eps, const at::Tensor& dy_in,
-                                                                   bool need_dw, bool need_db) {
+namespace {
+
+// mean_in / rstd_in: the forward's per-row statistics (one value per row), or undefined
+// to recompute them from x.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_impl(
+    const at::Tensor& x_in, const std::optional<at::Tensor>& w_opt, double eps, const at::Tensor& dy_in,
+    bool need_dw, bool need_db, const at::Tensor& mean_in, const at::Tensor& rstd_in) {
   const NormRows rows = prepare_norm_rows(x_in, dy_in, w_opt, eps);
+  const bool stats = mean_in.defined() && rstd_in.defined();
+  if (stats) {
+    TORCH_CHECK_VALUE(mean_in.numel() == rows.R && rstd_in.numel() == rows.R,
+                      "mean and rstd must hold one value per row (", rows.R, ")");
+  }
   const at::Tensor &x = rows.x, &dy = rows.dy, &dx = rows.dx;
   const int64_t H = rows.H, R = rows.R;
   // the weight in the accumulation type, once (H values), whatever its dtype
@@ -30,6 +38,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(const at::Ten
     const T* DY = dy.const_data_ptr<T>();
     const A* W = rows.has_w ? wacc.const_data_ptr<A>() : nullptr;
     T* DX = dx.mutable_data_ptr<T>();
+    const at::Tensor macc = stats ? mean_in.to(c10::CppTypeToScalarType<A>::value).contiguous() : at::Tensor();
+    const at::Tensor racc = stats ? rstd_in.to(c10::CppTypeToScalarType<A>::value).contiguous() : at::Tensor();
+    const A* MS = stats ? macc.const_data_ptr<A>() : nullptr;
+    const A* RS = stats ? racc.const_data_ptr<A>() : nullptr;
     const int64_t chunks = num_row_chunks(R);
     const bool partials = (need_dw || need_db) && R > 0;
     std::vector<A> pw(partials && need_dw ? chunks * H : 0, A(0)), pb(partials && need_db ? chunks * H : 0, A(0));
@@ -44,13 +56,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(const at::Ten
           const T* xr = X + r * H;
           const T* dr = DY + r * H;
           T* out = DX + r * H;
-          const A mean = row_sum<T>(H, [&](int64_t j) { return load_acc<T>(xr + j); },
-                                    [&](int64_t j) { return A(xr[j]); }) / A(H);
+          A mean, rstd;
+          if (MS) {
+            mean = MS[r];
+            rstd = RS[r];
+          } else {
+            mean = row_sum<T>(H, [&](int64_t j) { return load_acc<T>(xr + j); },
+                              [&](int64_t j) { return A(xr[j]); }) / A(H);
+            const V vm0(mean);
+            const A var = row_sum<T>(
+                              H, [&](int64_t j) { V d = load_acc<T>(xr + j) - vm0; return d * d; },
+                              [&](int64_t j) { A d = A(xr[j]) - mean; return d * d; }) / A(H);
+            rstd = A(1) / std::sqrt(var + A(eps));
+          }
           const V vm(mean);
-          const A var = row_sum<T>(
-                            H, [&](int64_t j) { V d = load_acc<T>(xr + j) - vm; return d * d; },
-                            [&](int64_t j) { A d = A(xr[j]) - mean; return d * d; }) / A(H);
-          const A rstd = A(1) / std::sqrt(var + A(eps));
           const V vr(rstd);
           const A gmean = row_sum<T>(H, [&](int64_t j) { return load_acc<T>(dr + j) * wv(j) * vr; },
                                      [&](int64_t j) { return A(dr[j]) * ws(j) * rstd; }) / A(H);
@@ -75,6 +94,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(const at::Ten
     if (need_db) finish_param_grad<A>(pb, chunks, H, partials, db);
   });
   return {dx, dw, db};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(const at::Tensor& x_in,
+                                                                   const std::optional<at::Tensor>& w_opt,
+                                                                   double eps, const at::Tensor& dy_in,
+                                                                   bool need_dw, bool need_db) {
+  return layer_norm_backward_impl(x_in, w_opt, eps, dy_in, need_dw, need_db, at::Tensor(), at::Tensor());
+}
+
+// The same with the forward's per-row mean and rstd instead of recomputing them.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_stats(
+    const at::Tensor& x_in, const std::optional<at::Tensor>& w_opt, const at::Tensor& dy_in, const at::Tensor& mean,
+    const at::Tensor& rstd, bool need_dw, bool need_db) {
+  return layer_norm_backward_impl(x_in, w_opt, 0.0, dy_in, need_dw, need_db, mean, rstd);
 }
 
 // dx only, from the per-row rstd the native forward returned (no pass over x):
@@ -123,6 +158,7 @@ at::Tensor layer_norm_rule_dx(const at::Tensor& dy_in, const std::optional<at::T
 TORCH_LIBRARY_IMPL(pyattr, CPU, m) {
   m.impl("layer_norm_backward", &layer_norm_backward);
   m.impl("layer_norm_rule_dx", &layer_norm_rule_dx);
+  m.impl("layer_norm_backward_stats", &layer_norm_backward_stats);
 }
 
 }  // namespace pyattr::cpu

@@ -42,6 +42,11 @@ def register() -> None:
     def _layer_norm_rule_dx(dy, weight, rstd):
         return _like(dy)
 
+    @lib.register_fake("pyattr::layer_norm_backward_stats")
+    def _layer_norm_stats(x, weight, dy, mean, rstd, need_dweight, need_dbias):
+        _check_norm(x, weight, dy)
+        return _like(x), _param(x, weight, need_dweight), _param(x, weight, need_dbias)
+
     @lib.register_fake("pyattr::attention_dv")
     def _attention_dv(q, k, dout, mask, scaling, softcap, causal):
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32

@@ -18,8 +18,9 @@ def _plain_layer_norm(native: Optional[Callable]) -> bool:
 
 class LayerNormRuleFunction(torch.autograd.Function):
     """Saves ``x`` and ``weight``; for float32 / float64 inputs with a plain LayerNorm
-    forward also the per-row rstd that ``torch.native_layer_norm`` (the forward: its output
-    is ``F.layer_norm``'s) returns, so the backward makes no pass over ``x`` for μ and σ.
+    forward also the per-row mean and rstd that ``torch.native_layer_norm`` (the forward:
+    its output is ``F.layer_norm``'s) returns, so the backward makes no pass over ``x``
+    for μ and σ (and none at all for ``dx`` alone).
     Otherwise (16-bit inputs, whose native statistics are rounded to 16 bits; a module's
     own forward), and for parameter gradients or a backward being recorded (a second
     derivative needs σ as a function of ``x``), μ and σ are recomputed from ``x`` in
@@ -32,30 +33,48 @@ class LayerNormRuleFunction(torch.autograd.Function):
     def forward(x, weight, bias, eps: float, native: Optional[Callable]):
         if _plain_layer_norm(native) and x.dtype in (torch.float32, torch.float64) and all(
                 p is None or p.dtype == x.dtype for p in (weight, bias)):
-            out, _, rstd = torch.native_layer_norm(x, (x.shape[-1],), weight, bias, eps)
-            return out, rstd
+            out, mean, rstd = torch.native_layer_norm(x, (x.shape[-1],), weight, bias, eps)
+            return out, mean, rstd
         out = native(x) if native is not None else F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
-        return out, x.new_empty((0,))
+        return out, x.new_empty((0,)), x.new_empty((0,))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, weight, bias, ctx.eps, _ = inputs
-        _, rstd = output
-        ctx.mark_non_differentiable(rstd)
+        _, mean, rstd = output
+        ctx.mark_non_differentiable(mean, rstd)
         ctx.has_bias = bias is not None
         ctx.stats = rstd.numel() > 0
-        ctx.save_for_backward(x, weight, rstd if ctx.stats else None)
+        ctx.save_for_backward(x, weight, mean if ctx.stats else None, rstd if ctx.stats else None)
 
     @staticmethod
-    def backward(ctx, dy, _drstd):
-        x, weight, rstd = ctx.saved_tensors
+    def backward(ctx, dy, _dmean, _drstd):
+        x, weight, mean, rstd = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        if ctx.stats and not (need_w or need_b or torch.is_grad_enabled()):
-            dx = layer_norm_rule_dx(dy, weight, rstd) if need_x else None
-            return dx, None, None, None, None
+        if ctx.stats and not torch.is_grad_enabled():
+            if not (need_w or need_b):
+                dx = layer_norm_rule_dx(dy, weight, rstd) if need_x else None
+                return dx, None, None, None, None
+            if _plain_cpp(dy):
+                from pyattr.backends.compiled import _ops
+
+                dx, dw, db = _ops().layer_norm_backward_stats(x, weight, dy, mean, rstd, need_w,
+                                                               need_b and ctx.has_bias)
+                return (dx if need_x else None), (dw if need_w else None), \
+                    (db if need_b and ctx.has_bias else None), None, None
         impl = backends.backward_implementation(x.device, "layer_norm")
         dx, dw, db = impl.layer_norm_backward(x, weight, ctx.eps, dy, need_w, need_b and ctx.has_bias)
         return (dx if need_x else None), dw, db, None, None
+
+
+def _plain_cpp(dy: torch.Tensor) -> bool:
+    """The ``cpp`` backend runs this call, on a gradient no vmap has batched."""
+    from torch._C._functorch import is_batchedtensor
+
+    from pyattr.backends import _vmap
+
+    return (dy.device.type == "cpu" and not is_batchedtensor(dy) and not _vmap._legacy_batched(dy)
+            and backends.select(dy.device, "layer_norm") == "cpp")
 
 
 def layer_norm_rule_dx(dy: torch.Tensor, weight: Optional[torch.Tensor], rstd: torch.Tensor) -> torch.Tensor:
@@ -64,8 +83,6 @@ def layer_norm_rule_dx(dy: torch.Tensor, weight: Optional[torch.Tensor], rstd: t
     batched by ``is_grads_batched`` runs on its physical tensor (k gradients, one rstd)."""
     if rstd.numel() == 0 or dy.numel() == 0:
         return torch.zeros_like(dy)
-    from torch._C._functorch import is_batchedtensor
-
     from pyattr.backends import _vmap
 
     if _vmap._LEGACY_KEY is not None and _vmap._legacy_batched(dy) and not _vmap._legacy_batched(rstd):
@@ -75,8 +92,7 @@ def layer_norm_rule_dx(dy: torch.Tensor, weight: Optional[torch.Tensor], rstd: t
             k = phys.shape[0]
             dx = layer_norm_rule_dx(phys, weight, rstd.unsqueeze(0).expand(k, *rstd.shape))
             return torch._add_batch_dim(dx, 0, level)
-    if not torch.is_grad_enabled() and not is_batchedtensor(dy) and not _vmap._legacy_batched(dy) \
-            and dy.device.type == "cpu" and backends.select(dy.device, "layer_norm") == "cpp":
+    if not torch.is_grad_enabled() and _plain_cpp(dy):
         from pyattr.backends.compiled import _ops
 
         return _ops().layer_norm_rule_dx(dy, weight, rstd)
@@ -105,8 +121,8 @@ def layer_norm(
         eps (float): finite, >= 0. Default: 1e-5.
 
     Saved for backward: ``x`` and ``weight``, and for float32/float64 with
-    ``nn.LayerNorm``'s own math the per-row ``rstd`` of the native forward (one value per
-    row), which the backward uses instead of recomputing μ and σ.
+    ``nn.LayerNorm``'s own math the per-row mean and rstd of the native forward (one value
+    each per row), which the backward uses instead of recomputing μ and σ.
 
     Raises:
         TypeError: non-floating tensors or non-numeric ``eps``.
