@@ -369,18 +369,27 @@ def explain_causal(
     chosen = int(res.target_ids[0])
     name = tok.convert_ids_to_tokens([chosen])[0]
     seg = Segment(text, _tokens(tok, ids), [float(v) for v in res.token_relevance[0]])
+    return one_row_explanation(
+        "causal", str(model_dir), f"next-token logit of {name!r} (id {chosen}{', top-1' if tid is None else ''})",
+        res, model, rules, wall, cond, [seg])
+
+
+def one_row_explanation(mode: str, model_name: str, description: str, res, model, rules: RelevanceRules,
+                        wall: float, cond, segments: List[Segment], **extra) -> Explanation:
+    """The :class:`Explanation` of row 0 of a relevance result."""
     return Explanation(
-        mode="causal",
-        model=str(model_dir),
-        target_description=f"next-token logit of {name!r} (id {chosen}{', top-1' if tid is None else ''})",
+        mode=mode,
+        model=model_name,
+        target_description=description,
         target=float(res.target[0]),
         relevance_sum=float(res.relevance.double().sum()),
         conservation_delta=float(res.conservation_delta[0]),
         wall_time_s=wall,
         backend=res.backend,
         rules=_rules_dict(rules),
-        segments=[seg],
+        segments=segments,
         installed=len(res.coverage.installed),
         has_bias=_has_bias(model),
         contention=cond,
+        **extra,
     )

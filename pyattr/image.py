@@ -17,16 +17,8 @@ import torch
 from pyattr.attribution import relevance
 from pyattr.backends import available_backends
 from pyattr.bench import contention as _contention
-from pyattr.explain import (
-    Explanation,
-    ExplainError,
-    Segment,
-    _check_dir,
-    _config_type,
-    _has_bias,
-    _offline,
-    _rules_dict,
-)
+from pyattr.explain import (ExplainError, Explanation, Segment, _check_dir, _config_type, _offline,
+                            one_row_explanation)
 from pyattr.integration.config import RelevanceRules
 
 # each patch is drawn this many pixels wide at least, so that small inputs stay readable
@@ -183,20 +175,7 @@ def explain_image(
     chosen = int(res.target_ids[0])
     label = (getattr(model.config, "id2label", None) or {}).get(chosen, str(chosen))
     tokens = ["[CLS]"] + [f"patch({r},{c})" for r in range(rows) for c in range(cols)]
-    return Explanation(
-        mode="image",
-        model=str(model_dir),
-        target_description=f"class logit of {label!r} (class {chosen}{', top-1' if cid is None else ''})",
-        target=float(res.target[0]),
-        relevance_sum=float(res.relevance.double().sum()),
-        conservation_delta=float(res.conservation_delta[0]),
-        wall_time_s=wall,
-        backend=res.backend,
-        rules=_rules_dict(rules),
-        segments=[Segment(str(image_path), tokens, [float(v) for v in res.token_relevance[0]])],
-        installed=len(res.coverage.installed),
-        has_bias=_has_bias(model),
-        contention=cond,
-        patch_grid=(rows, cols),
-        image_png=str(out),
-    )
+    return one_row_explanation(
+        "image", str(model_dir), f"class logit of {label!r} (class {chosen}{', top-1' if cid is None else ''})",
+        res, model, rules, wall, cond, [Segment(str(image_path), tokens, [float(v) for v in res.token_relevance[0]])],
+        patch_grid=(rows, cols), image_png=str(out))

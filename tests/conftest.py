@@ -150,3 +150,37 @@ def run_cli(*args, env=None):
         os.environ.clear()
         os.environ.update(saved)
     return types.SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+
+
+def assert_scope_hygiene(m, other):
+    """A scope on ``m`` leaves ``other`` untouched and, on exit (also through an exception),
+    leaves ``m``'s modules exactly as it found them (nothing left to deep-copy)."""
+    import copy
+
+    import pyattr
+    from pyattr.integration.patching import state_of
+
+    before = {n: dict(mod.__dict__) for n, mod in m.named_modules()}
+    with pyattr.use_relevance_rules(m):
+        assert all(state_of(mod) is None for mod in other.modules())
+        assert any(state_of(mod) is not None for mod in m.modules())
+    with pytest.raises(RuntimeError, match="boom"):
+        with pyattr.use_relevance_rules(m):
+            raise RuntimeError("boom")
+    for n, mod in m.named_modules():
+        assert "forward" not in mod.__dict__ and state_of(mod) is None, n
+        assert set(mod.__dict__) == set(before[n]), n
+    copy.deepcopy(m)
+
+
+def graph_names(t) -> set:
+    """Class names of every autograd node behind ``t``."""
+    seen, todo, names = set(), [t.grad_fn], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.add(type(fn).__name__)
+        todo.extend(f for f, _ in fn.next_functions)
+    return names

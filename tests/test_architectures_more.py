@@ -7,15 +7,13 @@ scope hygiene, the GQA-aware split of Phi-3's fused q|k|v projection, the forms 
 fused rules re-implement (checked, not assumed), and one command-line run each.
 """
 
-import copy
 
 import pytest
 import torch
 
 import pyattr
-from conftest import run_cli
+from conftest import assert_scope_hygiene, run_cli
 from models import VOCAB, _cfg, tiny_causal_lm
-from pyattr.integration.patching import state_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -150,18 +148,7 @@ def test_rules_change_the_gradient_and_switching_one_off_breaks_conservation(arc
 
 @pytest.mark.parametrize("arch", NEW)
 def test_scope_hygiene(arch):
-    m, other = tiny_causal_lm(arch), tiny_causal_lm(arch)
-    before = {n: dict(mod.__dict__) for n, mod in m.named_modules()}
-    with pyattr.use_relevance_rules(m):
-        assert all(state_of(mod) is None for mod in other.modules())
-        assert any(state_of(mod) is not None for mod in m.modules())
-    with pytest.raises(RuntimeError, match="boom"):
-        with pyattr.use_relevance_rules(m):
-            raise RuntimeError("boom")
-    for n, mod in m.named_modules():
-        assert "forward" not in mod.__dict__ and state_of(mod) is None, n
-        assert set(mod.__dict__) == set(before[n]), n
-    copy.deepcopy(m)  # nothing of the scope is left to copy
+    assert_scope_hygiene(tiny_causal_lm(arch), tiny_causal_lm(arch))
 
 
 def test_phi3_split_projection_scales_q_k_v_columns_by_their_gqa_widths():

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import pyattr
+from conftest import graph_names
 from models import VOCAB, _cfg, tiny_causal_lm
 from pyattr.backends import compiled, triton_backend
 from pyattr.integration import attention as FA
@@ -234,16 +235,6 @@ def test_gemma2_softcap_and_sliding_window(counting):
     torch.testing.assert_close(r.relevance, ref.relevance, rtol=1e-5, atol=1e-7)
 
 
-def _graph_names(t):
-    seen, todo, names = set(), [t.grad_fn], set()
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        names.add(type(fn).__name__)
-        todo.extend(f for f, _ in fn.next_functions)
-    return names
 
 
 def test_native_attention_backward_and_q_k_paths_leave_the_graph():
@@ -251,11 +242,11 @@ def test_native_attention_backward_and_q_k_paths_leave_the_graph():
     ids = torch.randint(3, VOCAB, (1, 9))
     with pyattr.use_relevance_rules(m):
         emb = m.get_input_embeddings()(ids).detach().requires_grad_(True)
-        names = _graph_names(m(inputs_embeds=emb).logits[0, -1, 3])
+        names = graph_names(m(inputs_embeds=emb).logits[0, -1, 3])
     assert "FrozenAttentionFunctionBackward" in names
     assert not any("ScaledDotProduct" in n for n in names), names
     with pyattr.use_relevance_rules(m, pyattr.RelevanceRules.all(attention="attnlrp")):
-        names = _graph_names(m(inputs_embeds=emb).logits[0, -1, 3])
+        names = graph_names(m(inputs_embeds=emb).logits[0, -1, 3])
     assert "FrozenAttentionFunctionBackward" not in names  # AttnLRP keeps its scaled gradients
     assert any("ScaledDotProduct" in n for n in names)
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import pyattr
+from conftest import graph_names
 from models import VOCAB, tiny_causal_lm
 from pyattr import _forward as F
 
@@ -41,16 +42,6 @@ def test_double_backward_runs_the_dense_product():
     torch.testing.assert_close(gg, w.sum(1).expand(3, 5))
 
 
-def _graph_names(t):
-    seen, todo, names = set(), [t.grad_fn], set()
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        names.add(type(fn).__name__)
-        todo.extend(f for f, _ in fn.next_functions)
-    return names
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
@@ -72,7 +63,7 @@ def test_only_inside_a_pass_and_the_head_is_left_as_found():
         emb = m.get_input_embeddings()(ids).detach().requires_grad_(True)
         for p in m.parameters():
             p.requires_grad_(False)
-        names = _graph_names(m(inputs_embeds=emb).logits[0, -1, 3])
+        names = graph_names(m(inputs_embeds=emb).logits[0, -1, 3])
         for p in m.parameters():
             p.requires_grad_(True)
     assert "SparseRowsHeadFunctionBackward" in names
@@ -80,5 +71,5 @@ def test_only_inside_a_pass_and_the_head_is_left_as_found():
     # a trainable head (weight requiring grad) keeps the native backward
     with F._sparse_rows_head(m):
         emb = m.get_input_embeddings()(ids).detach().requires_grad_(True)
-        names = _graph_names(m(inputs_embeds=emb).logits[0, -1, 3])
+        names = graph_names(m(inputs_embeds=emb).logits[0, -1, 3])
     assert "SparseRowsHeadFunctionBackward" not in names

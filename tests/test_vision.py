@@ -8,7 +8,6 @@ relevance measured at the patch embeddings (checked against a hand-made gradient
 clear errors for image inputs where they cannot work.
 """
 
-import copy
 import json
 
 import numpy as np
@@ -16,8 +15,7 @@ import pytest
 import torch
 
 import pyattr
-from conftest import run_cli
-from pyattr.integration.patching import state_of
+from conftest import assert_scope_hygiene, run_cli
 from pyattr.targets import Logit, LogitDiff
 
 T = pytest.importorskip("transformers")
@@ -269,18 +267,7 @@ def test_layer_relevance_and_integrated_gradients_on_images():
 
 @pytest.mark.parametrize("kind", ["vit_cls", "clip_vision_proj"])
 def test_scope_hygiene(kind):
-    m, other = model(kind), model(kind)
-    before = {n: dict(mod.__dict__) for n, mod in m.named_modules()}
-    with pyattr.use_relevance_rules(m):
-        assert all(state_of(mod) is None for mod in other.modules())
-        assert any(state_of(mod) is not None for mod in m.modules())
-    with pytest.raises(RuntimeError, match="boom"):
-        with pyattr.use_relevance_rules(m):
-            raise RuntimeError("boom")
-    for n, mod in m.named_modules():
-        assert "forward" not in mod.__dict__ and state_of(mod) is None, n
-        assert set(mod.__dict__) == set(before[n]), n
-    copy.deepcopy(m)
+    assert_scope_hygiene(model(kind), model(kind))
 
 
 # --------------------------------------------------------------------------- errors
