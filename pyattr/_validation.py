@@ -34,6 +34,8 @@ def check_same_device(**tensors: Optional[torch.Tensor]) -> None:
 def check_eps(eps) -> float:
     if isinstance(eps, bool) or not isinstance(eps, (int, float)):
         raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    if torch.compiler.is_compiling():  # a symbolic float while tracing; eager checks it
+        return eps
     eps = float(eps)
     if not math.isfinite(eps) or eps < 0:
         raise ValueError(f"eps must be finite and >= 0, got {eps!r}")

@@ -83,3 +83,43 @@ def test_new_ops_pass_opcheck():
     x, mean = torch.randn(3, 5, 16, generator=g), torch.randn(3, 5, 1, generator=g)
     torch.library.opcheck(torch.ops.pyattr.layer_norm_backward_stats, (x, w, dy, mean, rstd, True, True))
     torch.library.opcheck(torch.ops.pyattr.layer_norm_backward_stats, (x, None, dy, mean, rstd, False, False))
+
+
+FRESH = r"""
+import sys, warnings
+import torch
+sys.path.insert(0, {tests!r})
+from models import tiny_causal_lm
+from pyattr import RelevanceRules, use_relevance_rules
+m = tiny_causal_lm("llama", "sdpa")
+for p in m.parameters():
+    p.requires_grad_(False)
+x = torch.randn(1, 12, 32, requires_grad=True)
+pe = m.model.rotary_emb(x, torch.arange(12)[None])
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for attention in (True, "attnlrp", True):
+        with use_relevance_rules(m, RelevanceRules.all(attention=attention)):
+            out = torch.compile(m.model.layers[0], fullgraph=True)(x, position_embeddings=pe)
+            (g,) = torch.autograd.grad(out.sum(), x)
+            print(attention, float(g.abs().sum()))
+print("notes", sum("lru_cache" in str(w.message) for w in caught))
+"""
+
+
+def test_fullgraph_first_in_a_fresh_process_and_across_rule_modes():
+    """Compiling is the first pyattr work of the process (the backend probe and the op
+    registrations happen at scope entry, not inside the trace), then the same block is
+    compiled again under AttnLRP and again under the AH-rule; no notes from Dynamo about
+    pyattr's cached probes."""
+    import os
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([sys.executable, "-c", FRESH.format(tests=tests)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert [ln.split()[0] for ln in lines[:3]] == ["True", "attnlrp", "True"]
+    assert lines[0] == lines[2] and lines[0] != lines[1]  # the AH-rule and AttnLRP gradients differ
+    assert lines[3] == "notes 0"

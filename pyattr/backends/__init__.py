@@ -57,7 +57,13 @@ def _probe_extension() -> tuple[object | None, str]:
 
     _fake.register()
     _vmap.register("pyattr")  # torch.vmap and is_grads_batched run the kernels batched
+    global EXTENSION_LOADED
+    EXTENSION_LOADED = True
     return _C, ""
+
+
+# set once pyattr._C is loaded and its ops have fake and batching rules
+EXTENSION_LOADED = False
 
 
 def _probe_cpp() -> BackendStatus:
@@ -160,7 +166,10 @@ _AUTO_ORDER = {"cpu": ("cpp", "torch"), "cuda": ("cuda", "triton", "torch")}
 
 
 def select(device: torch.device, op: str) -> str:
-    """Name of the backend that runs ``op`` for tensors on ``device``."""
+    """Name of the backend that runs ``op`` for tensors on ``device``.
+
+    Under ``torch.compile`` the selection is made once while tracing (a constant of the
+    graph): compile under the backend you want."""
     name = requested_backend()
     if name == "torch":
         return name
@@ -180,6 +189,11 @@ def select(device: torch.device, op: str) -> str:
             f"backend {name!r} cannot run {op} on {device.type} tensors (runs on {list(st.devices)})"
         )
     return name
+
+
+# torch.compile calls select() while tracing and keeps its result, instead of tracing the
+# cached probes (their caches and the one-time op registrations they make)
+select = torch.compiler.assume_constant_result(select)
 
 
 def implementation(device: torch.device, op: str):

@@ -24,9 +24,12 @@ gated_forward = reference.gated_forward
 
 
 def _ops():
-    from pyattr.backends import _probe_extension
+    """``torch.ops.pyattr``, once the extension that registers its ops is loaded (a plain
+    flag read, so that ``torch.compile`` traces through it; the scopes load it first)."""
+    from pyattr import backends
 
-    _probe_extension()  # loads pyattr._C, which registers the ops
+    if not backends.EXTENSION_LOADED:
+        backends._probe_extension()  # loads pyattr._C, which registers the ops
     return torch.ops.pyattr
 
 

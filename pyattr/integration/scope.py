@@ -812,6 +812,11 @@ def use_relevance_rules(
     model = unwrap(model)
     rules = RelevanceRules.all() if rules is None else rules
     pl = plan(model, rules, generic)
+    # probe the backends (load the extension, register its ops) now, not first inside a
+    # graph torch.compile traces, where the one-time registration cannot run
+    from pyattr.backends import available_backends
+
+    available_backends()
     done: List[_Step] = []
     try:
         for st in pl.steps:

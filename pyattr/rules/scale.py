@@ -64,7 +64,8 @@ def scale_gradient(x: torch.Tensor, scale: Union[float, torch.Tensor]) -> torch.
             ) from None
         scale = scale.detach()
     elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
-        if not math.isfinite(scale):
+        # a traced graph may carry the scale as a symbolic float: eager checks it
+        if not torch.compiler.is_compiling() and not math.isfinite(scale):
             raise ValueError(f"scale must be finite, got {scale!r}")
         scale = float(scale)
     else:
