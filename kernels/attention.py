@@ -2,16 +2,20 @@
 
 Two kernels, neither of which holds a seq × seq matrix:
 
-1. ``_attention_lse``: per block of query rows, the log-sum-exp of the scores over all
-   keys with an online maximum (the native forward did not keep it);
-2. ``_attention_dv``: per block of keys, ``P = exp(S − lse)`` block by block over the
+1. ``_attention_row_stats``: per block of query rows, the row maximum m and the sum
+   l = Σ exp(s − m) over all keys (online; the native forward kept neither);
+2. ``_attention_dv``: per block of keys, ``P = exp(S − m) / l`` block by block over the
    query rows of every query head of the key's group (GQA), accumulated as ``Pᵀ·dO`` in
    float32 (float64 for float64 inputs).
 
 Scores are ``scaling · q·kᵀ``, then Gemma 2's softcap ``tanh(s/c)·c`` (through sigmoid),
 then an additive mask (any strides; broadcast dimensions have stride 0), then causality
-(query i sees keys j ≤ i). A query row with every key masked has ``lse = −inf`` and adds
-nothing. Offsets are int64; the head dimension is masked (64, 80, 128, any size).
+(query i sees keys j ≤ i). m and l are kept apart rather than as ``m + log l``: a row
+whose keys are all masked with a large finite value (eager attention's ``finfo.min``)
+has ``m`` so large that ``log l`` would vanish in the sum, and its uniform pattern would
+come out as ones. A row with every key masked to −inf has ``m = −inf`` and adds nothing.
+Float32 products run at IEEE precision (no TF32). Offsets are int64; the head dimension
+is masked (64, 80, 128, any size).
 """
 
 import torch
@@ -25,7 +29,7 @@ from pyattr.kernels._common import INTERPRET, acc_dtype, tanh_
 def _scores(q, k, qi, kj, Lq, Lk, M, m_off, sm2, sm3, scaling, softcap,
             HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr):
     """The (rows × keys) block of masked scores; −inf outside the sequence and where masked."""
-    s = tl.dot(q, tl.trans(k)) * scaling
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * scaling
     if HAS_SOFTCAP:
         s = tanh_(s / softcap) * softcap
     valid = (qi[:, None] < Lq) & (kj[None, :] < Lk)
@@ -39,7 +43,7 @@ def _scores(q, k, qi, kj, Lq, Lk, M, m_off, sm2, sm3, scaling, softcap,
 
 
 @triton.jit
-def _attention_lse(Q, K, M, LSE, Lq, Lk, H, G, D,
+def _attention_row_stats(Q, K, M, ROWMAX, ROWSUM, Lq, Lk, H, G, D,
                    sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sm0, sm1, sm2, sm3,
                    scaling, softcap, HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr,
                    ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -67,12 +71,12 @@ def _attention_lse(Q, K, M, LSE, Lq, Lk, H, G, D,
         safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp(m_i - safe) + tl.sum(tl.exp(s - safe[:, None]), axis=1)
         m_i = m_new
-    lse = tl.where(m_i == float("-inf"), float("-inf"), m_i + tl.log(l_i))
-    tl.store(LSE + bh * Lq + qi, lse, mask=qi < Lq)
+    tl.store(ROWMAX + bh * Lq + qi, m_i, mask=qi < Lq)
+    tl.store(ROWSUM + bh * Lq + qi, l_i, mask=qi < Lq)
 
 
 @triton.jit
-def _attention_dv(Q, K, DO, M, LSE, DV, Lq, Lk, H, Hkv, G, D, Dv,
+def _attention_dv(Q, K, DO, M, ROWMAX, ROWSUM, DV, Lq, Lk, H, Hkv, G, D, Dv,
                   sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, so0, so1, so2, so3, sm0, sm1, sm2, sm3,
                   scaling, softcap, HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr,
                   ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -99,12 +103,14 @@ def _attention_dv(Q, K, DO, M, LSE, DV, Lq, Lk, H, Hkv, G, D, Dv,
             q = tl.load(Q + b * sq0 + h * sq1 + qi[:, None].to(tl.int64) * sq2 + dd[None, :] * sq3,
                         mask=rows & (dd[None, :] < D), other=0.0).to(ACC)
             s = _scores(q, k, qi, kj, Lq, Lk, M, m_off, sm2, sm3, scaling, softcap, HAS_MASK, HAS_SOFTCAP, CAUSAL)
-            lse = tl.load(LSE + (b * H + h) * Lq + qi, mask=qi < Lq, other=float("-inf"))
-            p = tl.exp(s - tl.where(lse == float("-inf"), 0.0, lse)[:, None])
-            p = tl.where(lse[:, None] == float("-inf"), 0.0, p)
+            mx = tl.load(ROWMAX + (b * H + h) * Lq + qi, mask=qi < Lq, other=float("-inf"))
+            sm = tl.load(ROWSUM + (b * H + h) * Lq + qi, mask=qi < Lq, other=1.0)
+            none = mx == float("-inf")
+            p = tl.exp(s - tl.where(none, 0.0, mx)[:, None]) / tl.where(none, 1.0, sm)[:, None]
+            p = tl.where(none[:, None], 0.0, p)
             do = tl.load(DO + b * so0 + h * so1 + qi[:, None].to(tl.int64) * so2 + de[None, :] * so3,
                          mask=rows & (de[None, :] < Dv), other=0.0).to(ACC)
-            acc += tl.dot(tl.trans(p), do)
+            acc += tl.dot(tl.trans(p), do, input_precision="ieee")
     out = DV + (bhk * Lk + kj[:, None].to(tl.int64)) * Dv + de[None, :]
     tl.store(out, acc, mask=(kj[:, None] < Lk) & (de[None, :] < Dv))
 
@@ -125,7 +131,8 @@ def attention_dv(q, k, dout, mask, scaling: float, softcap, causal: bool) -> tor
     dv = torch.empty(b, hkv, lk, dv_dim, dtype=acc, device=q.device)
     if lk == 0 or dv_dim == 0:
         return dv.zero_()
-    lse = torch.empty(b, h, lq, dtype=acc, device=q.device)
+    rowmax = torch.empty(b, h, lq, dtype=acc, device=q.device)
+    rowsum = torch.empty(b, h, lq, dtype=acc, device=q.device)
     if mask is not None:
         mask = mask[..., :lk].expand(b, h, lq, lk)
         ms = mask.stride()
@@ -138,10 +145,10 @@ def attention_dv(q, k, dout, mask, scaling: float, softcap, causal: bool) -> tor
     cap = 1.0 if softcap is None else float(softcap)
     m_arg = mask if mask is not None else q
     if lq:
-        _attention_lse[(triton.cdiv(lq, bm), b * h)](
-            q, k, m_arg, lse, lq, lk, h, h // hkv, d, *q.stride(), *k.stride(), *ms, float(scaling), cap,
+        _attention_row_stats[(triton.cdiv(lq, bm), b * h)](
+            q, k, m_arg, rowmax, rowsum, lq, lk, h, h // hkv, d, *q.stride(), *k.stride(), *ms, float(scaling), cap,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, **flags)
     _attention_dv[(triton.cdiv(lk, bn), b * hkv)](
-        q, k, dout, m_arg, lse, dv, lq, lk, h, hkv, h // hkv, d, dv_dim, *q.stride(), *k.stride(), *dout.stride(), *ms,
+        q, k, dout, m_arg, rowmax, rowsum, dv, lq, lk, h, hkv, h // hkv, d, dv_dim, *q.stride(), *k.stride(), *dout.stride(), *ms,
         float(scaling), cap, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, BLOCK_DV=block_dv, **flags)
     return dv

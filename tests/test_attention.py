@@ -61,6 +61,10 @@ def _case(lq, d=16, heads=4, kv=2, dv=None, mask=None, dtype=torch.float64, seed
     elif mask == "float":
         m = torch.randn(2, heads, lq, lk, generator=g).to(dtype)
         m[1, :, :, -2:] = torch.finfo(dtype).min
+    elif mask == "finfo_rows":  # eager attention's masks: whole rows at finfo.min (uniform P)
+        m = torch.zeros(2, 1, lq, lk, dtype=dtype)
+        m[0, :, 1] = torch.finfo(dtype).min
+        m[1, :, :, : lk // 2] = torch.finfo(dtype).min
     elif mask == "broadcast":
         m = torch.zeros(1, 1, 1, lk, dtype=dtype)
         m[..., 0] = float("-inf")
@@ -69,7 +73,7 @@ def _case(lq, d=16, heads=4, kv=2, dv=None, mask=None, dtype=torch.float64, seed
 
 CASES = [
     dict(lq=1), dict(lq=9, causal=True), dict(lq=37, kv=4, mask="bool"), dict(lq=37, kv=1, mask="float", softcap=3.0),
-    dict(lq=70, causal=True, mask="bool"), dict(lq=33, dv=8, mask="broadcast"), dict(lq=65, heads=6, kv=3, causal=True),
+    dict(lq=70, causal=True, mask="bool"), dict(lq=33, dv=8, mask="broadcast"), dict(lq=21, mask="finfo_rows"), dict(lq=65, heads=6, kv=3, causal=True),
 ]
 
 
@@ -222,6 +226,25 @@ def test_frozen_core_gives_the_native_backward(arch, impl, counting):
     assert len(counting) == m.config.num_hidden_layers  # and none on the native run
     torch.testing.assert_close(r.relevance, ref.relevance, rtol=1e-5, atol=1e-7)
     assert (r.conservation_delta.abs() <= 1e-4 * r.target.abs()).all()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2"])
+def test_sdpa_with_more_keys_than_queries(arch, counting):
+    """A static cache longer than the input: sdpa's causal call cuts the keys (and values)
+    to the queries; the cut-off values get a zero gradient, as in the native backward."""
+    import transformers
+
+    m = tiny_causal_lm(arch, "sdpa", dtype=torch.float64)
+    ids = torch.randint(3, VOCAB, (2, 11), generator=torch.Generator().manual_seed(2))
+
+    def run():
+        cache = transformers.StaticCache(config=m.config, max_cache_len=32)
+        return pyattr.relevance(m, {"input_ids": ids, "past_key_values": cache})
+
+    r = run()
+    with FA.native_attention_backward():
+        ref = run()
+    torch.testing.assert_close(r.relevance, ref.relevance, rtol=1e-5, atol=1e-7)
 
 
 def test_gemma2_softcap_and_sliding_window(counting):

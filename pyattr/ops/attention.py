@@ -180,4 +180,6 @@ class FrozenAttentionFunction(torch.autograd.Function):
         dtype, shape = ctx.value_meta
         do = dout.transpose(1, 2)  # (batch, heads, q_len, v_dim)
         dv = attention_dv(query, key, do, mask, ctx.scaling, ctx.softcap, ctx.causal)
+        if dv.shape[2] < shape[2]:  # keys past the queries (sdpa's causal cut): never attended
+            dv = torch.cat([dv, dv.new_zeros(*dv.shape[:2], shape[2] - dv.shape[2], dv.shape[3])], dim=2)
         return dv.to(dtype).reshape(shape), None, None, None, None, None, None, None
