@@ -23,8 +23,8 @@ from pyattr.integration.scope import CHECKPOINT_INNER, bind_checkpoint, model_ty
 
 
 def _is_pixels(inputs) -> bool:
-    if isinstance(inputs, torch.Tensor):  # token ids are (batch, seq) or (seq,)
-        return inputs.dim() == 4 or (inputs.is_floating_point() and inputs.dim() == 3)
+    if isinstance(inputs, torch.Tensor):  # token ids are (batch, seq) or (seq,): more dims are an image
+        return inputs.dim() >= 3
     return isinstance(inputs, Mapping) and "pixel_values" in inputs and inputs.get("input_ids") is None
 
 
@@ -68,7 +68,10 @@ def normalise_inputs(inputs, attention_mask) -> dict:
         )
     ids = kwargs["input_ids"]
     if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
-        raise TypeError("inputs: input_ids must be an integer tensor of shape (batch, seq)")
+        raise TypeError(
+            "inputs: input_ids must be an integer tensor of shape (batch, seq)"
+            + (f", got {ids.dtype} (images go in as pixel_values of shape (batch, channels, height, width))"
+               if isinstance(ids, torch.Tensor) else ""))
     if ids.dim() == 1:
         ids = ids.unsqueeze(0)
     if ids.dim() != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
@@ -383,9 +386,13 @@ def _sparse_rows_head(model: nn.Module):
     backward through :class:`SparseRowsHeadFunction`; its forward output is the module's own."""
     get = getattr(model, "get_output_embeddings", None)
     head = get() if callable(get) else None
-    if not isinstance(head, nn.Linear) or hasattr(head, "_hf_hook"):
-        # an accelerate hook swaps the weight in for the forward call only: the native
-        # backward keeps the tensor the forward used
+    from torch.nn.modules import module as _module
+
+    if (not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward or "forward" in head.__dict__
+            or hasattr(head, "_hf_hook") or head._forward_hooks or _module._global_forward_hooks):
+        # only a plain Linear's output is h·Wᵀ + b: a subclass's forward (a logit scale),
+        # an instance patch or forward hook that changes the output, or an accelerate hook
+        # (which swaps the weight in for the call only) keeps the native backward
         yield
         return
 

@@ -116,7 +116,17 @@ def backward(value: torch.Tensor, wrt: List[torch.Tensor], go: torch.Tensor, sev
         k = value.shape[0]
         eye = torch.eye(k, dtype=value.dtype, device=value.device)
         g = eye.view(k, k, *([1] * (value.dim() - 1))) * go.unsqueeze(0)  # (k, k, batch)
-        grads = torch.autograd.grad(value, wrt, g, is_grads_batched=True, allow_unused=True, retain_graph=retain)
+        try:
+            grads = torch.autograd.grad(value, wrt, g, is_grads_batched=True, allow_unused=True, retain_graph=retain)
+        except (NotImplementedError, RuntimeError) as e:
+            text = str(e)
+            if "atch" not in text:  # "Batching rule", "BatchedTensorImpl", "batched"
+                raise
+            raise RuntimeError(
+                f"target: {k} targets run as one batched backward (is_grads_batched), and an op in this "
+                "model's backward cannot run batched (a torch.compile'd model's backward cannot); explain "
+                f"the targets one call at a time. ({' '.join(text.split())[:200]})"
+            ) from e
     else:
         grads = torch.autograd.grad(value, wrt, go, allow_unused=True, retain_graph=retain)
     if grads[0] is None:
@@ -220,7 +230,8 @@ def baseline_forward(model, prep: F.Prepared, baseline, x: torch.Tensor, targets
         raise ValueError(
             f"baseline: layer {early[0]!r} runs before the input embeddings enter the first block, where "
             "a 'zeros' or tensor baseline is placed, so it would never see the baseline; use "
-            "baseline='pad' (the pad token runs through every module) or a later layer"
+            + ("a later layer (image inputs have no pad token)" if prep.patch_grid is not None else
+               "baseline='pad' (the pad token runs through every module) or a later layer")
         )
     return seen["x0"], value.detach().double(), acts
 

@@ -181,6 +181,11 @@ def _load(path: Path, causal: bool, dtype: torch.dtype = torch.float32, placemen
     except ImportError:  # pragma: no cover - older transformers
         pass
     if not any((path / f).exists() for f in _TOKENIZER_FILES):
+        if (path / "preprocessor_config.json").is_file():
+            raise ExplainError(
+                f"model directory {str(path)!r} holds an image model (preprocessor_config.json, no tokenizer): "
+                "explain an image with --image FILE"
+            )
         raise ExplainError(
             f"model directory {str(path)!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES[:3])}, …); "
             "save the tokenizer next to the model (tokenizer.save_pretrained(DIR))"

@@ -25,7 +25,11 @@ from pyattr.integration.config import RelevanceRules
 _MIN_PATCH_PIXELS = 16
 
 
-def _open_image(path: Path):
+# 8 bits per channel: what an image processor's rescale (1/255) expects
+_EIGHT_BIT = ("1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "CMYK", "YCbCr", "LAB", "HSV")
+
+
+def _open_image(path: Path, channels: int = 3):
     try:
         from PIL import Image, UnidentifiedImageError
     except ImportError:
@@ -34,7 +38,14 @@ def _open_image(path: Path):
         raise ExplainError(f"image {str(path)!r} does not exist or is not a file")
     try:
         with Image.open(path) as im:
-            return im.convert("RGB")
+            if im.mode not in _EIGHT_BIT:
+                raise ExplainError(
+                    f"image {str(path)!r} has mode {im.mode!r} (more than 8 bits per channel, or floating point); "
+                    "converting it to 8-bit RGB would clip it: save it as an 8-bit image first"
+                )
+            return im.convert("L" if channels == 1 else "RGB")
+    except Image.DecompressionBombError as e:
+        raise ExplainError(f"image {str(path)!r} is too large to open safely: {' '.join(str(e).split())}") from None
     except (UnidentifiedImageError, OSError) as e:
         raise ExplainError(f"cannot read image {str(path)!r}: {' '.join(str(e).split())}") from None
 
@@ -79,21 +90,28 @@ def _load_classifier(path: Path):
 
 
 def class_id(model, target: Optional[str]) -> Optional[int]:
-    """``--target``: a class label (``config.id2label``, case-insensitive) or a class index."""
+    """``--target``: a class label of ``config.id2label`` (exactly; else ignoring case and
+    surrounding spaces, when that names one class), or else a class index."""
     if target is None:
         return None
     labels = {int(k): str(v) for k, v in (getattr(model.config, "id2label", None) or {}).items()}
     n = int(getattr(model.config, "num_labels", len(labels)) or len(labels))
+    exact = [i for i, name in labels.items() if name == target]
+    loose = [i for i, name in labels.items() if name.strip().lower() == target.strip().lower()]
+    for hits in (exact, loose):
+        if len(hits) == 1:
+            return hits[0]
+        if len(hits) > 1:
+            raise ExplainError(f"--target {target!r} names {len(hits)} classes ({', '.join(map(str, sorted(hits)))}); "
+                               "give the class index")
     if target.strip().lstrip("-").isdigit():
         cid = int(target)
         if not 0 <= cid < n:
             raise ExplainError(f"--target class index {cid} is outside the model's {n} classes [0, {n})")
         return cid
-    hits = [i for i, name in labels.items() if name.lower() == target.strip().lower()]
-    if not hits:
-        some = ", ".join(repr(labels[i]) for i in sorted(labels)[:5])
-        raise ExplainError(f"--target {target!r} is not one of the model's class labels ({some}{', …' if n > 5 else ''})")
-    return hits[0]
+    some = ", ".join(repr(labels[i]) for i in sorted(labels)[:5])
+    raise ExplainError(f"--target {target!r} is not one of the model's class labels ({some}{', …' if n > 5 else ''}) "
+                       "nor a class index")
 
 
 def _seen_image(proc, pixel_values: torch.Tensor):
@@ -114,16 +132,16 @@ def _seen_image(proc, pixel_values: torch.Tensor):
     return arr[:, :, :3]
 
 
-def overlay(seen, patch_rel: torch.Tensor, alpha: float = 0.6):
+def overlay(seen, patch_rel: torch.Tensor, patch, alpha: float = 0.6):
     """Patch relevance drawn over ``seen`` (H×W×3 uint8): red for positive, blue for
-    negative, opacity ``alpha · |v| / max |v|``; one flat block per patch. Returns a
-    Pillow RGB image, upscaled so that a patch is at least 16 pixels wide."""
+    negative, opacity ``alpha · |v| / max |v|``; one flat block per ``patch`` (ph, pw)
+    pixels, as the model cut the image (pixels past the last whole patch are left out).
+    Returns a Pillow RGB image, upscaled so that a patch is at least 16 pixels wide."""
     import numpy as np
     from PIL import Image
 
     rows, cols = patch_rel.shape
-    h, w = seen.shape[:2]
-    ph, pw = h // rows, w // cols
+    ph, pw = patch
     scale = max(1, -(-_MIN_PATCH_PIXELS // max(1, min(ph, pw))))
     v = patch_rel.detach().double()
     peak = float(v.abs().max())
@@ -155,21 +173,31 @@ def explain_image(
             classifier, an unknown ``target`` label, an unwritable ``png``.
     """
     monitor = _contention.start()
-    image = _open_image(Path(image_path))
     proc, model = _load_classifier(Path(model_dir))
+    vcfg = getattr(model.config, "vision_config", None) or model.config
+    image = _open_image(Path(image_path), int(getattr(vcfg, "num_channels", 3) or 3))
     rules = RelevanceRules.all() if rules is None else rules
     cid = class_id(model, target)
     pixel_values = proc(images=image, return_tensors="pt")["pixel_values"].float()
     available_backends()  # probe (imports, extension load) outside the timed pass
     t0 = time.perf_counter()
-    res = relevance(model, pixel_values, target=cid, rules=rules)
+    try:
+        res = relevance(model, pixel_values, target=cid, rules=rules)
+    except ValueError as e:
+        if "doesn't match model" not in str(e):
+            raise
+        raise ExplainError(
+            f"the image processor makes {tuple(pixel_values.shape[-2:])} images, the model takes "
+            f"{getattr(vcfg, 'image_size', '?')}: set the processor's size to the model's image_size "
+            f"({' '.join(str(e).split())})") from None
     wall = time.perf_counter() - t0
     cond = monitor.stop()
     grid = res.patch_relevance()[0]
     rows, cols = res.patch_grid
     out = Path(png) if png is not None else Path(f"{Path(image_path).stem}_relevance.png")
     try:
-        overlay(_seen_image(proc, pixel_values), grid).save(out, format="PNG")
+        p = getattr(vcfg, "patch_size", 16)
+        overlay(_seen_image(proc, pixel_values), grid, (p, p) if isinstance(p, int) else tuple(p)).save(out, format="PNG")
     except OSError as e:
         raise ExplainError(f"cannot write {str(out)!r}: {e.strerror or e}") from None
     chosen = int(res.target_ids[0])

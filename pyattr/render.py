@@ -82,17 +82,25 @@ def print_terminal(expl: Explanation, console=None) -> None:
 
 
 def _print_grid(console, expl: Explanation, scale: float) -> None:
-    """The patch relevance as a coloured grid, one cell per patch, and the [CLS] value."""
+    """The patch relevance as a grid, one cell per patch, on the patches' own scale (as the
+    PNG; the [CLS] value, often the largest, is printed apart): coloured cells on a
+    terminal, numbers when the output is a file or a pipe."""
     from rich.text import Text
 
     rows, cols = expl.patch_grid
     rel = expl.segments[0].relevance
+    patches = rel[1:]
+    scale = max((abs(v) for v in patches), default=0.0) or 1.0
     console.print(Text(f"image   {expl.segments[0].text}  ({rows}×{cols} patches; [CLS] {num(rel[0], '+.4f')})"))
     for r in range(rows):
         line = Text()
         for c in range(cols):
-            red, g, b = _rgb(rel[1 + r * cols + c], scale)
-            line.append("  ", style=f"on rgb({red},{g},{b})")
+            v = patches[r * cols + c]
+            if console.is_terminal:
+                red, g, b = _rgb(v, scale)
+                line.append("  ", style=f"on rgb({red},{g},{b})")
+            else:
+                line.append(("" if c == 0 else " ") + num(v, "+.4f"))
         console.print(line)
 
 
@@ -106,7 +114,9 @@ def _image_html(expl: Explanation) -> str:
             data = base64.b64encode(f.read()).decode("ascii")
     except OSError:
         return f"<p>relevance map: {html.escape(expl.image_png)}</p>"
-    return f'<p><img alt="patch relevance" src="data:image/png;base64,{data}"></p>'
+    cls = num(expl.segments[0].relevance[0], "+.5f") if expl.segments and expl.segments[0].relevance else "–"
+    return (f'<p><img alt="patch relevance" src="data:image/png;base64,{data}"></p>\n'
+            f"<p>[CLS] token relevance: {cls}</p>")
 
 
 def to_html(expl: Explanation) -> str:
@@ -146,6 +156,6 @@ td {{ padding: 0.1em 1em 0.1em 0; }}
 <tr><td>wall time</td><td>{expl.wall_time_s * 1e3:.1f} ms{warn_html}</td></tr>
 <tr><td>backend</td><td>{html.escape(expl.backend)}</td></tr>
 </table>
-<p>Red: positive relevance, blue: negative; hover a token for its value.</p>
+<p>Red: positive relevance, blue: negative; {"each block is one patch, opacity by |relevance| on the patches' scale" if expl.patch_grid is not None else "hover a token for its value"}.</p>
 </body></html>
 """

@@ -344,3 +344,20 @@ def test_clip_text_tower(cls_name, attn):
     r = pyattr.relevance(m, ids, target=pooled)
     assert (r.target.abs() > 1e-3).all()
     assert (r.conservation_delta.abs() <= 1e-4 * r.target.abs()).all(), (r.target, r.conservation_delta)
+
+
+def test_bert_decoder_with_cross_attention_is_refused():
+    """A BERT decoder block with cross-attention has a sublayer no rule covers: refused,
+    naming the module, instead of losing relevance there silently."""
+    import transformers as T
+
+    cfg = T.BertConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                       num_hidden_layers=2, is_decoder=True, add_cross_attention=True)
+    m = T.BertLMHeadModel(cfg).eval()
+    with pytest.raises(pyattr.RelevanceRuleUnsupportedError, match=r"'bert.encoder.layer.0.crossattention'.*cross-attention"):
+        with pyattr.use_relevance_rules(m):
+            pass
+    ids = torch.randint(3, VOCAB, (1, 5))
+    r = pyattr.relevance(m, {"input_ids": ids, "encoder_hidden_states": torch.randn(1, 4, 32)},
+                         rules=pyattr.RelevanceRules())  # plain gradients still work
+    assert r.relevance.shape == (1, 5, 32)

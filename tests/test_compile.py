@@ -123,3 +123,11 @@ def test_fullgraph_first_in_a_fresh_process_and_across_rule_modes():
     assert [ln.split()[0] for ln in lines[:3]] == ["True", "attnlrp", "True"]
     assert lines[0] == lines[2] and lines[0] != lines[1]  # the AH-rule and AttnLRP gradients differ
     assert lines[3] == "notes 0"
+
+
+def test_k_targets_on_a_compiled_model_raise_a_clear_error():
+    """PyTorch cannot run a compiled backward batched (is_grads_batched): one clear error."""
+    m = tiny_causal_lm("llama", "sdpa")
+    ids = torch.randint(3, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(RuntimeError, match="2 targets run as one batched backward"):
+        pyattr.relevance(torch.compile(m), ids, target=torch.tensor([[3, 4]] * 2))

@@ -73,3 +73,30 @@ def test_only_inside_a_pass_and_the_head_is_left_as_found():
         emb = m.get_input_embeddings()(ids).detach().requires_grad_(True)
         names = graph_names(m(inputs_embeds=emb).logits[0, -1, 3])
     assert "SparseRowsHeadFunctionBackward" not in names
+
+
+def test_a_head_whose_output_is_not_h_times_w_keeps_the_native_backward():
+    """A forward hook that scales the logits, or a Linear subclass with its own forward:
+    the sparse backward (dh = dy·W) would miss the extra factor, so it is not used."""
+    m = tiny_causal_lm("llama", dtype=torch.float64)
+    ids = torch.randint(3, VOCAB, (1, 7), generator=torch.Generator().manual_seed(1))
+    handle = m.lm_head.register_forward_hook(lambda mod, args, out: out * 0.5)
+    try:
+        r = pyattr.relevance(m, ids, target=5)
+    finally:
+        handle.remove()
+    plain = pyattr.relevance(m, ids, target=5)
+    torch.testing.assert_close(r.target, plain.target * 0.5)
+    assert (r.conservation_delta.abs() <= 1e-6 * r.target.abs()).all()
+
+    class ScaledHead(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 3.0
+
+    head = ScaledHead(m.lm_head.in_features, m.lm_head.out_features, bias=False).double()
+    with torch.no_grad():
+        head.weight.copy_(m.lm_head.weight)
+    m.lm_head = head
+    r3 = pyattr.relevance(m, ids, target=5)
+    torch.testing.assert_close(r3.target, plain.target * 3.0)
+    assert (r3.conservation_delta.abs() <= 1e-6 * r3.target.abs()).all()

@@ -416,3 +416,62 @@ def test_cli_image_errors(image_dirs, args, message):
     assert res.returncode != 0
     assert message in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_cli_refuses_images_deeper_than_8_bits(image_dirs, tmp_path):
+    """A 16-bit PNG would be clipped by an RGB conversion: refused, not explained wrongly."""
+    deep = tmp_path / "deep.png"
+    PIL.fromarray(np.full((32, 32), 40000, dtype=np.uint16)).save(deep)
+    assert PIL.open(deep).mode.startswith("I")
+    res = run_cli("explain", "--model", str(image_dirs / "vit"), "--image", str(deep))
+    assert res.returncode != 0 and "more than 8 bits per channel" in res.stderr
+
+
+def test_target_labels_exact_first_then_loose_then_index():
+    from types import SimpleNamespace
+
+    from pyattr.explain import ExplainError
+    from pyattr.image import class_id
+
+    cfg = SimpleNamespace(id2label={0: "7", 1: "3", 2: " cat ", 3: "Dog", 4: "dog", 5: "crane", 6: "Crane"},
+                          num_labels=7)
+    m = SimpleNamespace(config=cfg)
+    assert class_id(m, "dog") == 4 and class_id(m, "Dog") == 3   # exact label wins
+    assert class_id(m, "3") == 1 and class_id(m, "7") == 0       # a label made of digits is a label
+    assert class_id(m, "cat") == 2 and class_id(m, " cat ") == 2  # spaces and case, when unique
+    assert class_id(m, "5") == 5                                 # otherwise a digit string is an index
+    with pytest.raises(ExplainError, match="names 2 classes"):
+        class_id(m, "CRANE")
+    with pytest.raises(ExplainError, match="nor a class index"):
+        class_id(m, "zebra")
+
+
+def test_cli_grid_prints_numbers_into_a_pipe(image_dirs, tmp_path):
+    res = run_cli("explain", "--model", str(image_dirs / "vit"), "--image", str(image_dirs / "img.png"),
+                  "--png", str(tmp_path / "m.png"))
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    i = next(k for k, ln in enumerate(lines) if "4×4 patches" in ln)
+    grid = [ln.split() for ln in lines[i + 1:i + 5]]
+    assert all(len(row) == 4 and all(v[0] in "+-0" for v in row) for row in grid), grid
+
+
+def test_text_on_an_image_model_points_to_image(image_dirs):
+    res = run_cli("explain", "--model", str(image_dirs / "vit"), "--text", "hello")
+    assert res.returncode != 0 and "explain an image with --image FILE" in res.stderr
+
+
+@pytest.mark.parametrize("bad, exc, msg", [
+    (torch.randn(1, 1, 3, 32, 32), ValueError, r"pixel_values must have shape \(batch, channels, height, width\)"),
+    (torch.zeros(3, 32, 32, dtype=torch.uint8), TypeError, "pixel_values must be a floating tensor"),
+    (torch.randn(2, 32), TypeError, r"got torch.float32 \(images go in as pixel_values"),
+])
+def test_tensor_inputs_that_are_neither_ids_nor_an_image(bad, exc, msg):
+    with pytest.raises(exc, match=msg):
+        pyattr.relevance(model("vit_cls"), bad)
+
+
+def test_layer_before_the_entry_with_a_zeros_baseline_names_no_pad_token():
+    m = model("vit_cls")
+    with pytest.raises(ValueError, match="image inputs have no pad token"):
+        pyattr.layer_relevance(m, pixels(1), layers="vit.embeddings", baseline="zeros")

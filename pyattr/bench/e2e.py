@@ -241,8 +241,12 @@ def markdown(rows: List[Dict], rat: List[Dict], contention=None) -> str:
 
     lines = [conditions(contention).rstrip("\n"), ""] if contention is not None else []
     seqs = sorted({r["seq"] for r in rows if r.get("seq")})
-    if seqs:
-        lines += [f"Input length {', '.join(map(str, seqs))} tokens, batch 1.", ""]
+    if rows:
+        r0 = rows[0]
+        lines += [f"Random Llama, {r0.get('layers')} layers, hidden {r0.get('hidden')}, input length "
+                  f"{', '.join(map(str, seqs))} tokens, batch 1, median of the repeats. (a) plain: forward + "
+                  "backward of the target logit to the input embeddings; (b) pyattr: pyattr.relevance with all "
+                  "four rules; (c) unfused: the same rules as separate PyTorch ops.", ""]
     lines += ["| dtype | variant | median s | min–max s | peak MiB | saved for backward MiB |", "|---|---|---:|---:|---:|---:|"]
     for r in rows:
         name = f"{r['variant']} (k={r['k']})" if r.get("k", 1) > 1 else r["variant"]

@@ -266,8 +266,8 @@ def markdown(rows: List[dict], copy_bw: float, title: str, contention=None) -> s
     fwd+bwd summary (:func:`summary`), then every measurement."""
     head = (
         f"### {title}\n\n{conditions(contention)}Copy bandwidth measured in the same run: {copy_bw:.1f} GB/s.\n\n"
-        "Forward + backward, median ms (`torch` is pyattr's reference backend):\n\n"
-        + summary(rows)
+        + ("Forward + backward, median ms (`torch` is pyattr's reference backend):\n\n" + summary(rows)
+           if any(r["mode"] == "fwd+bwd" for r in rows) else "")
         + (("\nFrozen attention (AH-rule), backward only, median ms (causal, batch 1, hidden 1024; shape is "
             "seq×head_dim):\n\n" + summary([r for r in rows if r["op"] == "attention"], mode="bwd"))
            if any(r["op"] == "attention" for r in rows) else "")

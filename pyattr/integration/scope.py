@@ -710,6 +710,16 @@ def _plan_known(model: nn.Module, rules: RelevanceRules, model_type: str) -> _Pl
         if p.startswith("embeddings"):
             pl.norm(A.join(prefix, p), arch.norm, arch.offset)
     for layer in layers:
+        cross = A.get_submodule(model, A.join(layer, "crossattention"))
+        if rules.any() and isinstance(cross, nn.Module):
+            # a decoder block with cross-attention has a third sublayer (its own LayerNorm on
+            # the residual stream, q from the decoder, k/v from the encoder) that no rule
+            # map covers: relevance would be lost there without a word
+            raise RelevanceRuleUnsupportedError(
+                f"{model_type}: {A.join(layer, 'crossattention')!r} ({type(cross).__name__}) is cross-attention, "
+                "which the rule map does not cover (its LayerNorm and its q/k paths would carry no rule); "
+                "use the model without add_cross_attention, or RelevanceRules() for plain gradients"
+            )
         for p in arch.layer_norms:
             pl.norm(A.join(layer, p), arch.norm, arch.offset)
         pl.attention(layer, arch.attention)
