@@ -105,5 +105,5 @@ demo: $(STAMP)
 
 # pytest's exit status fails make on any failure and on exit 5 (no tests collected).
 test: $(STAMP)
-	$(call step,pytest (about 1.5 minutes on 2 cores))
+	$(call step,pytest (about 5 minutes on 2 cores))
 	$(PY) -m pytest -q
