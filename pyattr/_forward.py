@@ -366,11 +366,9 @@ class SparseRowsHeadFunction(torch.autograd.Function):
         shape, dtype = ctx.h_meta
         flat = dy.reshape(-1, dy.shape[-1])
         wt = w.to(flat.dtype)
-        from torch._C._functorch import is_batchedtensor
-
         from pyattr.backends import _vmap
 
-        if torch.is_grad_enabled() or is_batchedtensor(dy) or (_vmap._LEGACY_KEY is not None and _vmap._legacy_batched(dy)):
+        if torch.is_grad_enabled() or _vmap.batched(dy):
             return (flat @ wt).view(shape).to(dtype), None, None
         rows = flat.ne(0).any(-1).nonzero().squeeze(1)
         if 2 * rows.numel() > flat.shape[0]:

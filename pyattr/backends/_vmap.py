@@ -188,6 +188,25 @@ def _legacy_level() -> int:
     return level - 1
 
 
+def batched(t) -> bool:
+    """``t`` is batched by either vmap (``torch.vmap`` or ``is_grads_batched``)."""
+    from torch._C._functorch import is_batchedtensor
+
+    return isinstance(t, torch.Tensor) and (is_batchedtensor(t) or (_LEGACY_KEY is not None and _legacy_batched(t)))
+
+
+def legacy_physical(t, *shared):
+    """``(physical tensor with the batch first, level)`` when ``t`` is batched by the older
+    vmap at one level and the ``shared`` tensors are not batched (one value for every
+    batch entry, such as a saved statistic); None otherwise. The result goes back with
+    ``torch._add_batch_dim(out, 0, level)``."""
+    if _LEGACY_KEY is None or not _legacy_batched(t) or any(_legacy_batched(x) for x in shared):
+        return None
+    level = _legacy_level()
+    phys = torch._remove_batch_dim(t, level, 1, 0)
+    return None if _legacy_batched(phys) else (phys, level)
+
+
 def physical_copy(t: torch.Tensor) -> torch.Tensor:
     """A plain detached copy of ``t``; a gradient batched by ``is_grads_batched`` (the
     older vmap) comes out with its batch as a leading dimension, so that it can be kept

@@ -180,18 +180,6 @@ ARCHITECTURES = {
         entry=("layers.0", "hidden_states"),
         base_acts=("pooler.activation",),
     ),
-    # CLIP's vision tower (CLIPVisionModel, CLIPVisionModelWithProjection, and
-    # CLIPForImageClassification's vision_model): the embeddings pass one LayerNorm
-    # (pre_layrnorm) before the blocks, and the pooled [CLS] state another
-    "clip_vision_model": Arch(
-        layers="encoder.layers",
-        norm="layer_norm",
-        layer_norms=("layer_norm1", "layer_norm2"),
-        outer_norms=("pre_layrnorm", "post_layernorm"),
-        mlp=("act", "mlp.activation_fn"),
-        attention=("separate", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-        entry=("pre_layrnorm", "input"),
-    ),
     "distilbert": Arch(
         layers="transformer.layer",
         norm="layer_norm",
@@ -204,6 +192,13 @@ ARCHITECTURES = {
         head_acts=("activation",),
     ),
 }
+# CLIP's vision tower (CLIPVisionModel, CLIPVisionModelWithProjection, and
+# CLIPForImageClassification's vision_model): the text tower's blocks; the embeddings pass
+# one LayerNorm (pre_layrnorm) before the blocks, and the pooled [CLS] state another
+ARCHITECTURES["clip_vision_model"] = Arch(
+    **{**ARCHITECTURES["clip_text_model"].__dict__, "outer_norms": ("pre_layrnorm", "post_layernorm"),
+       "entry": ("pre_layrnorm", "input")}
+)
 # RoBERTa is BERT's encoder; its masked-LM head (dense → functional gelu → LayerNorm →
 # decoder) calls gelu as a function, so the head's forward itself carries the rule
 ARCHITECTURES["roberta"] = Arch(

@@ -139,14 +139,10 @@ def _fold_targets(q, k, dout, mask, scaling, softcap, causal):
     go side by side along the value dimension and P is computed once."""
     from pyattr.backends import _vmap
 
-    if _vmap._LEGACY_KEY is None or not _vmap._legacy_batched(dout):
+    found = _vmap.legacy_physical(dout, q, k, mask)
+    if found is None:
         return None
-    if any(_vmap._legacy_batched(t) for t in (q, k, mask)):
-        return None
-    level = _vmap._legacy_level()
-    phys = torch._remove_batch_dim(dout, level, 1, 0)  # (k, batch, heads, q_len, v_dim)
-    if _vmap._legacy_batched(phys):
-        return None
+    phys, level = found  # (k, batch, heads, q_len, v_dim)
     kb, b, h, lq, dvd = phys.shape
     side = phys.permute(1, 2, 3, 0, 4).reshape(b, h, lq, kb * dvd)
     dv = attention_dv(q, k, side, mask, scaling, softcap, causal)

@@ -69,12 +69,9 @@ class LayerNormRuleFunction(torch.autograd.Function):
 
 def _plain_cpp(dy: torch.Tensor) -> bool:
     """The ``cpp`` backend runs this call, on a gradient no vmap has batched."""
-    from torch._C._functorch import is_batchedtensor
-
     from pyattr.backends import _vmap
 
-    return (dy.device.type == "cpu" and not is_batchedtensor(dy) and not _vmap._legacy_batched(dy)
-            and backends.select(dy.device, "layer_norm") == "cpp")
+    return dy.device.type == "cpu" and not _vmap.batched(dy) and backends.select(dy.device, "layer_norm") == "cpp"
 
 
 def layer_norm_rule_dx(dy: torch.Tensor, weight: Optional[torch.Tensor], rstd: torch.Tensor) -> torch.Tensor:
@@ -85,13 +82,11 @@ def layer_norm_rule_dx(dy: torch.Tensor, weight: Optional[torch.Tensor], rstd: t
         return torch.zeros_like(dy)
     from pyattr.backends import _vmap
 
-    if _vmap._LEGACY_KEY is not None and _vmap._legacy_batched(dy) and not _vmap._legacy_batched(rstd):
-        level = _vmap._legacy_level()
-        phys = torch._remove_batch_dim(dy, level, 1, 0)
-        if not _vmap._legacy_batched(phys):
-            k = phys.shape[0]
-            dx = layer_norm_rule_dx(phys, weight, rstd.unsqueeze(0).expand(k, *rstd.shape))
-            return torch._add_batch_dim(dx, 0, level)
+    found = _vmap.legacy_physical(dy, rstd, weight)
+    if found is not None:
+        phys, level = found
+        dx = layer_norm_rule_dx(phys, weight, rstd.unsqueeze(0).expand(phys.shape[0], *rstd.shape))
+        return torch._add_batch_dim(dx, 0, level)
     if not torch.is_grad_enabled() and _plain_cpp(dy):
         from pyattr.backends.compiled import _ops
 
