@@ -100,12 +100,13 @@ def normalise_inputs(inputs, attention_mask) -> dict:
     return kwargs
 
 
-def accepts(model: nn.Module, name: str) -> bool:
+def accepts(model: nn.Module, name: str, by_name: bool = False) -> bool:
+    """``model.forward`` takes ``name``; unless ``by_name``, a ``**kwargs`` counts too."""
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return False
-    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return name in params or (not by_name and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()))
 
 
 def _has_sliding_window(model: nn.Module) -> bool:
@@ -234,6 +235,10 @@ def prepare(model: nn.Module, inputs, attention_mask, caller: str) -> Prepared:
         layout = torch.full((px.shape[0], 1 + rows * cols), -1, dtype=torch.long, device=px.device)
         return Prepared(kwargs, layout, None, entry, where, (rows, cols))
     kwargs = padding_positions(model, kwargs)
+    if "use_cache" not in kwargs and accepts(model, "use_cache", by_name=True):
+        # a key/value cache is never read by an attribution pass: not building one saves a
+        # copy of every layer's keys and values
+        kwargs["use_cache"] = False
     return Prepared(kwargs, kwargs["input_ids"], kwargs.get("attention_mask"), entry, where)
 
 

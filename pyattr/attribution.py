@@ -222,7 +222,8 @@ def baseline_forward(model, prep: F.Prepared, baseline, x: torch.Tensor, targets
     store: dict = {}
     with torch.no_grad(), F.tap(prep.entry, prep.where, entry_fn, once=True), F.taps(extra_pairs, fn_for), \
             F.record_modules(model, T.module_paths(targets), store):
-        fwd = run_model(model, prep, targets, store, kwargs)
+        fwd = run_model(model, prep, targets, store, kwargs,
+                        keep_logits=head_free(model, [m for m, _ in extra_pairs]))
         value, _, _ = evaluate_targets(targets, fwd, len(targets) > 1)
     if "x0" not in seen:
         raise RuntimeError("the embedding entry point was not reached during the baseline forward pass")
@@ -242,13 +243,14 @@ def run_model(model: nn.Module, prep: F.Prepared, targets, store: dict, kwargs: 
 
     ``keep_logits``: when every target is a logit, the language-model head runs only at
     the positions they read (``logits_to_keep``, for models whose forward takes it and a
-    caller who did not pass it). The head's full-vocabulary matmul over every position,
-    and its backward, dominate a pass with k targets; the logits it gives can differ from
-    the full head's in the last bit (another matmul shape), so the passes that report a
-    target value of a single target use the full head."""
+    caller who did not pass it). The head's full-vocabulary matmul at every position is
+    the largest single cost of a pass on a long input (its backward too, with k targets).
+    A logit it gives equals the full head's up to float rounding (another matmul shape,
+    so possibly not in the last bit); a caller who needs the full head's bits passes
+    ``logits_to_keep=0`` with the inputs. Off where a read layer is inside the head."""
     kwargs = prep.kwargs if kwargs is None else kwargs
     kept = T.logit_positions(targets, prep.input_ids, prep.attention_mask) if keep_logits else None
-    if kept is not None and "logits_to_keep" not in kwargs and _takes_logits_to_keep(model):
+    if kept is not None and "logits_to_keep" not in kwargs and F.accepts(model, "logits_to_keep", by_name=True):
         kwargs = {**kwargs, "logits_to_keep": kept.to(prep.input_ids.device)}
     else:
         kept = None
@@ -265,15 +267,6 @@ def head_free(model: nn.Module, modules) -> bool:
         return True
     inside = {id(m) for m in head.modules()}
     return not any(id(m) in inside for m in modules)
-
-
-def _takes_logits_to_keep(model: nn.Module) -> bool:
-    import inspect
-
-    try:
-        return "logits_to_keep" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def leaf(t: torch.Tensor) -> torch.Tensor:
@@ -361,7 +354,7 @@ def relevance(
             return xs[-1]
 
         with F.tap(prep.entry, prep.where, entry_fn, once=True), F.record_modules(model, T.module_paths(tgts), store):
-            fwd = run_model(model, prep, tgts, store, keep_logits=several)
+            fwd = run_model(model, prep, tgts, store, keep_logits=True)
         if not xs:
             raise RuntimeError("the embedding entry point was not reached during the forward pass")
         x = xs[0]

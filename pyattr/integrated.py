@@ -253,7 +253,7 @@ def integrated_gradients(
 
         with torch.no_grad(), F.tap(prep.entry, prep.where, entry_fn, once=True), F.taps(pairs, act_fn), \
                 F.record_modules(model, T.module_paths(tgts), store):
-            fwd = run_model(model, prep, tgts, store)
+            fwd = run_model(model, prep, tgts, store, keep_logits=head_free(model, [m for m, _ in pairs]))
             value, tid, fixed = evaluate_targets(tgts, fwd, False)
         del fwd, store
         if "x" not in seen:

@@ -342,7 +342,7 @@ def _layer_pass(model, prep, lays, tgts, several, rules, generic, baseline, grad
         pairs = [(lay.module, lay.where) for lay in lays]
         with F.tap(prep.entry, prep.where, entry_fn, once=True), F.taps(pairs, fn_for), \
                 F.record_modules(model, T.module_paths(tgts), store):
-            fwd = run_model(model, prep, tgts, store, keep_logits=several and head_free(model, [lay.module for lay in lays]))
+            fwd = run_model(model, prep, tgts, store, keep_logits=head_free(model, [lay.module for lay in lays]))
         if not xs:
             raise RuntimeError("the embedding entry point was not reached during the forward pass")
         for lay, c in zip(lays, calls):

@@ -127,3 +127,36 @@ def test_layer_ig_at_lm_head(llama):
                                      baseline="pad", n_steps=4)
     res = pyattr.integrated_gradients(llama, IDS, target=3, layer="lm_head", baseline="pad", n_steps=4)
     torch.testing.assert_close(res.attribution, ok.attribution)
+
+
+def test_single_target_runs_the_head_at_its_position_only(llama):
+    """One logit target: the head sees one position per pass, and the reported target is
+    bit for bit the model's own logit from that call (``logits_to_keep``); a caller's
+    ``logits_to_keep=0`` keeps the full head, whose logit it then reports exactly."""
+    seen = []
+    hook = llama.lm_head.register_forward_hook(lambda mod, args, out: seen.append(tuple(args[0].shape)))
+    try:
+        r = pyattr.relevance(llama, IDS, target=3)
+        full = pyattr.relevance(llama, {"input_ids": IDS, "logits_to_keep": 0}, target=3)
+    finally:
+        hook.remove()
+    assert seen == [(2, 1, 32), (2, 6, 32)]
+    with torch.no_grad():
+        kept = llama(IDS, logits_to_keep=1).logits[:, -1, 3]
+        every = llama(IDS).logits[:, -1, 3]
+    assert torch.equal(r.target, kept.double()) and torch.equal(full.target, every.double())
+    assert torch.equal(r.relevance, full.relevance)  # the backward reads one row of the head either way
+    torch.testing.assert_close(r.conservation_delta, torch.zeros(2, dtype=torch.float64), rtol=0, atol=1e-4)
+
+
+def test_relevance_builds_no_key_value_cache(llama):
+    """An attribution pass never reads a key/value cache, so it asks the model for none."""
+    calls = []
+    hook = llama.register_forward_pre_hook(lambda mod, args, kwargs: calls.append(kwargs.get("use_cache")),
+                                           with_kwargs=True)
+    try:
+        pyattr.relevance(llama, IDS, target=3)
+        pyattr.relevance(llama, {"input_ids": IDS, "use_cache": True}, target=3)
+    finally:
+        hook.remove()
+    assert calls == [False, True]

@@ -196,6 +196,8 @@ def test_unfused_baseline_computes_the_same_rules(monkeypatch):
     c = e2e.one_pass(model, "plain", ids, 5)
     torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
     assert not torch.allclose(a, c, atol=1e-6, rtol=1e-4)
+    # the plain gradient with the head at the target position only: the same gradient
+    torch.testing.assert_close(e2e.one_pass(model, "plain_kept", ids, 5), c, atol=1e-6, rtol=1e-5)
     row = e2e.measure("cpu", torch.float32, "pyattr", repeats=1)
     assert row["median_s"] > 0 and row["peak_bytes"] > 0 and row["variant"] == "pyattr"
 

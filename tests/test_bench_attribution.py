@@ -30,6 +30,14 @@ def test_e2e_k_target_ratio_and_table():
     assert "| float32 | 8 | 0.25 | 1.50 |" in md
 
 
+def test_e2e_plain_kept_ratio_and_table():
+    rows = _e2e_rows() + [dict(variant="plain_kept", k=1, dtype="float32", median_s=1.5, min_s=1.5, max_s=1.5,
+                               peak_bytes=2**20, saved_bytes=2**20)]
+    (q,) = e2e.ratios(rows)
+    assert q["time_pyattr_over_plain_kept"] == 1.2 and q["time_pyattr_over_plain"] == 0.9
+    assert "| float32 | 1.20 |" in e2e.markdown(rows, [q])
+
+
 def test_e2e_without_the_k_pair_has_no_k_ratio():
     rows = [r for r in _e2e_rows() if r["k"] == 1]
     (q,) = e2e.ratios(rows)

@@ -119,7 +119,9 @@ def measure_prompts(device: str, dtypes: List[torch.dtype], n: int = 100, layers
             for b, (start, ids, mask) in enumerate(_batches(prompts, batch)):
                 ids, mask = ids.to(device), mask.to(device)
                 seen = []
-                hook = model.lm_head.register_forward_hook(lambda mod, args, out: seen.append(args[0].detach()))
+                # the final norm's output: the head's input at every position (the head itself may
+                # run at the target positions only)
+                hook = model.model.norm.register_forward_hook(lambda mod, args, out: seen.append(out.detach()))
                 if impl == "pyattr":
                     res = pyattr.relevance(model, ids, target=targets[b], attention_mask=mask)
                 else:

@@ -3,6 +3,9 @@
 Variants, each measured for wall time and peak memory:
 
 * ``plain``   forward + backward of the target to the input embeddings, no rules;
+* ``plain_kept`` the same with the language-model head run at the target's position
+  only (``logits_to_keep=1``), as ``pyattr.relevance`` runs it: what the head alone
+  accounts for in the ratio to ``plain``;
 * ``pyattr``  :func:`pyattr.relevance` with all four rules and the best backend;
 * ``unfused`` the same four rules written as separate PyTorch ops (TransformerLens /
   LXT style, :mod:`pyattr.bench.unfused`), same target, same input;
@@ -36,7 +39,7 @@ SIZES = {
     "cuda": dict(num_hidden_layers=22, hidden_size=2048, intermediate_size=5632, num_attention_heads=32,
                  num_key_value_heads=4, seq=4096),
 }
-VARIANTS = ("plain", "pyattr", "unfused")
+VARIANTS = ("plain", "plain_kept", "pyattr", "unfused")
 K_VARIANTS = ("k_targets", "k_calls")
 # ``--compile``: pyattr.relevance on torch.compile(model) (inductor); the first pass,
 # which compiles, is timed apart as compile_s
@@ -109,8 +112,9 @@ def one_pass(model, variant: str, ids: torch.Tensor, target: int, k: int = 8):
         return torch.stack([pyattr.relevance(model, ids, target=target + j).token_relevance for j in range(k)])
     emb = model.get_input_embeddings()(ids).detach().requires_grad_(True)
     ctx = unfused_rules(model) if variant == "unfused" else contextlib.nullcontext()
+    keep = {"logits_to_keep": 1} if variant == "plain_kept" else {}
     with ctx:
-        out = model(inputs_embeds=emb).logits[:, -1, target].sum()
+        out = model(inputs_embeds=emb, **keep).logits[:, -1, target].sum()
         (g,) = torch.autograd.grad(out, emb)
     return (emb * g).sum(-1)
 
@@ -216,6 +220,8 @@ def ratios(rows: List[Dict]) -> List[Dict]:
                 "time_k_targets_over_k_calls": kt["median_s"] / kc["median_s"],
                 "peak_k_targets_over_k_calls": kt["peak_bytes"] / kc["peak_bytes"],
             }
+        if "plain_kept" in by:
+            extra["time_pyattr_over_plain_kept"] = b["median_s"] / by["plain_kept"]["median_s"]
         if COMPILED in by:
             extra.update({
                 "compiled_s": by[COMPILED]["median_s"], "eager_s": b["median_s"],
@@ -246,7 +252,8 @@ def markdown(rows: List[Dict], rat: List[Dict], contention=None) -> str:
         lines += [f"Random Llama, {r0.get('layers')} layers, hidden {r0.get('hidden')}, input length "
                   f"{', '.join(map(str, seqs))} tokens, batch 1, median of the repeats. (a) plain: forward + "
                   "backward of the target logit to the input embeddings; (b) pyattr: pyattr.relevance with all "
-                  "four rules; (c) unfused: the same rules as separate PyTorch ops.", ""]
+                  "four rules; (c) unfused: the same rules as separate PyTorch ops; plain_kept: (a) with the head at "
+                  "the target position only (logits_to_keep=1), as (b) runs it.", ""]
     lines += ["| dtype | variant | median s | min–max s | peak MiB | saved for backward MiB |", "|---|---|---:|---:|---:|---:|"]
     for r in rows:
         name = f"{r['variant']} (k={r['k']})" if r.get("k", 1) > 1 else r["variant"]
@@ -258,6 +265,10 @@ def markdown(rows: List[Dict], rat: List[Dict], contention=None) -> str:
         lines.append(f"| {q['dtype']} | {q['time_pyattr_over_plain']:.2f} | {q['time_pyattr_over_unfused']:.2f} | "
                      f"{q['peak_pyattr_over_plain']:.2f} | {q['peak_pyattr_over_unfused']:.2f} | "
                      f"{q['saved_pyattr_over_plain']:.2f} | {q['saved_pyattr_over_unfused']:.2f} |")
+    pk = [q for q in rat if "time_pyattr_over_plain_kept" in q]
+    if pk:
+        lines += ["", "| dtype | time (b)/plain_kept |", "|---|---:|"]
+        lines += [f"| {q['dtype']} | {q['time_pyattr_over_plain_kept']:.2f} |" for q in pk]
     cr = [q for q in rat if "time_compiled_over_eager" in q]
     if cr:
         lines += ["", "| dtype | compiled relevance s | eager relevance s | compiled / eager | compile s (first pass) |",
