@@ -273,3 +273,28 @@ def test_check_tool_one_line_errors(tmp_path):
 def test_cli_bench_bad_arguments(args, msg):
     p = run_cli("bench", "--quick", *args)
     assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_micro_keeps_freed_memory_in_its_own_process():
+    """``pyattr bench`` (micro) turns glibc's mmap and trimming off in its process, and the
+    report says so; the markdown carries the line."""
+    p = subprocess.run([sys.executable, "-c", "from pyattr.bench import micro; print(micro.keep_freed_memory())"],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    import platform
+
+    if platform.libc_ver()[0] == "glibc":
+        assert p.stdout.startswith("glibc malloc with mmap and heap trimming off (mallopt)")
+    else:
+        assert p.stdout.strip() == "None"
+    md = report.markdown([], 10.0, "t", None, "ALLOC")
+    assert "Allocator: ALLOC.\n\nCopy bandwidth" in md and "Allocator" not in report.markdown([], 10.0, "t")
+
+
+def test_micro_providers_are_timed_in_turn():
+    """time_interleaved runs one of each provider per round, after each one's warm-up."""
+    order = []
+    runs = [lambda i=i: order.append(i) for i in range(3)]
+    out = micro.time_interleaved(runs, torch.device("cpu"), warmup=2, repeats=4)
+    assert order == [0, 0, 1, 1, 2, 2] + [0, 1, 2] * 4
+    assert [len(t) for t in out] == [4, 4, 4] and all(v >= 0 for t in out for v in t)

@@ -21,6 +21,10 @@ rms_norm       2        3 (x, dy → dx)
 attention      4        4 (q, k, dO → dV; a model only: the op is compute-bound)
 ============== ======== ========
 
+The providers of one case are timed in turn, one run of each per round
+(:func:`time_interleaved`), so that the ratios between them compare runs made under the
+same conditions.
+
 ``attention`` is the AH-rule's frozen attention core, causal, batch 1, hidden 1024
 (``heads = 1024 / head_dim``), at shapes ``(seq, head_dim)``: ``native`` is PyTorch's SDPA
 with q, k and v requiring gradients, ``unfused`` the same call with q and k under
@@ -203,6 +207,33 @@ def time_ms(run: Callable, device, warmup: int, repeats: int) -> List[float]:
     return out
 
 
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+
+
+def keep_freed_memory() -> Optional[str]:
+    """Make glibc's malloc keep freed memory for reuse, in this process: no ``mmap`` for
+    large blocks, no trimming of the heap. By default every tensor above a size threshold
+    that glibc moves at run time is mapped fresh and freed to the system, so each run of
+    an op pays page faults on its outputs (about half the time of a 32 MiB elementwise op
+    here), for one provider or another depending on the order of allocations: the times
+    come out bimodal. Reusing freed memory is what CUDA's caching allocator does for the
+    GPU rows. Returns a description for the report, or None where glibc is not the
+    allocator (nothing changed)."""
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        ok = libc.mallopt(_M_MMAP_MAX, 0) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
+    except (OSError, AttributeError):
+        return None
+    return ("glibc malloc with mmap and heap trimming off (mallopt), so freed memory is reused, as CUDA's caching "
+            "allocator does: no provider pays page faults on fresh outputs") if ok else None
+
+
 def copy_bandwidth_gbps(device, nbytes: int = 1 << 27, repeats: int = 10) -> float:
     """Measured device copy bandwidth: (read + write) bytes / time of ``dst.copy_(src)``."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
@@ -218,41 +249,75 @@ def _pct(ts: Sequence[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-def measure(op, act, provider, shape, dtype, device, mode, warmup, repeats, copy_bw) -> Row:
-    backend = provider.split("-", 1)[1] if provider.startswith("pyattr-") else None
-    ctx = pyattr.backend(backend) if backend else _Null()
-    with ctx:
-        fn, ins, in_bytes = build(op, act, provider, shape, dtype, device)
-        sb = saved_bytes(fn)
-        y = fn()
-        dy = torch.randn_like(y)
+class _Case:
+    """One provider's run of one case, ready to time: ``run()`` is one forward, backward
+    or both (under the provider's backend), ``saved``/``in_bytes`` what it keeps."""
+
+    def __init__(self, op, act, provider, shape, dtype, device, mode):
+        self.op, self.act, self.provider, self.shape, self.dtype, self.mode = op, act, provider, shape, dtype, mode
+        backend = provider.split("-", 1)[1] if provider.startswith("pyattr-") else None
+        self._ctx = (lambda: pyattr.backend(backend)) if backend else _Null
+        with self._ctx():
+            fn, ins, self.in_bytes = build(op, act, provider, shape, dtype, device)
+            self.saved = saved_bytes(fn)
+            y = fn()
+            dy = torch.randn_like(y)
         if mode == "fwd":
-            run = fn  # with autograd recording, as a relevance pass runs it
+            step = fn  # with autograd recording, as a relevance pass runs it
         elif mode == "bwd":
-            def run():
+            def step():
                 torch.autograd.grad(y, ins, dy, retain_graph=True)
         else:
-            def run():
+            def step():
                 torch.autograd.grad(fn(), ins, dy)
-        peak = None
+        self._step = step
+        self.peak = None
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
-            run()
+            self.run()
             _sync(device)
-            peak = torch.cuda.max_memory_allocated(device) - base
-        ts = time_ms(run, device, warmup, repeats)
+            self.peak = torch.cuda.max_memory_allocated(device) - base
+
+    def run(self):
+        with self._ctx():
+            self._step()
+
+
+def time_interleaved(runs: Sequence[Callable], device, warmup: int, repeats: int) -> List[List[float]]:
+    """Wall times in ms of each of ``runs``, taken in turn (one of each per round): slow
+    drifts of the machine (another tenant, clock changes) then land on every provider of
+    a case alike instead of on whichever ran during them."""
+    for run in runs:
+        time_ms(run, device, warmup, 0)
+    out: List[List[float]] = [[] for _ in runs]
+    for _ in range(repeats):
+        for i, run in enumerate(runs):
+            out[i] += time_ms(run, device, 0, 1)
+    return out
+
+
+def _row(case: "_Case", ts: Sequence[float], device, copy_bw) -> Row:
+    op, shape, dtype, mode = case.op, case.shape, case.dtype, case.mode
     med = statistics.median(ts)
     n = shape[0] * (ATTENTION_HIDDEN if op == "attention" else shape[1]) * torch.empty((), dtype=dtype).element_size()
     fw, bw = BYTES_MOVED[op]
     moved = {"fwd": fw, "bwd": bw, "fwd+bwd": fw + bw}[mode] * n
     gbps = moved / (med * 1e-3) / 1e9
+    sb, in_bytes = case.saved, case.in_bytes
     return Row(
-        op=op, activation=act, provider=provider, dtype=str(dtype).replace("torch.", ""), shape=tuple(shape),
-        mode=mode, median_ms=med, p20_ms=_pct(ts, 0.2), p80_ms=_pct(ts, 0.8), saved_bytes=sb,
-        saved_ratio_to_inputs=sb / in_bytes if in_bytes else 0.0, peak_bytes=peak, gbps=gbps,
+        op=op, activation=case.act, provider=case.provider, dtype=str(dtype).replace("torch.", ""),
+        shape=tuple(shape), mode=mode, median_ms=med, p20_ms=_pct(ts, 0.2), p80_ms=_pct(ts, 0.8), saved_bytes=sb,
+        saved_ratio_to_inputs=sb / in_bytes if in_bytes else 0.0, peak_bytes=case.peak, gbps=gbps,
         frac_of_copy_bandwidth=gbps / copy_bw if copy_bw else 0.0,
     )
+
+
+def measure_case(op, act, providers, shape, dtype, device, mode, warmup, repeats, copy_bw) -> List[Row]:
+    """One row per provider of one case, their runs interleaved (:func:`time_interleaved`)."""
+    cases_ = [_Case(op, act, p, shape, dtype, device, mode) for p in providers]
+    times = time_interleaved([c.run for c in cases_], device, warmup, repeats)
+    return [_row(c, ts, device, copy_bw) for c, ts in zip(cases_, times)]
 
 
 class _Null:
@@ -295,23 +360,23 @@ def run_suite(
     shapes = shapes or DEFAULT_SHAPES
     attention_shapes = shapes.get("attention", ATTENTION_SHAPES)
     copy_bw = copy_bandwidth_gbps(device)
+    providers = providers_for(device)
     plan = [
-        (op, a, p, shape, dt, m)
+        (op, a, shape, dt, m)
         for op, a in cases(ops, activations)
         for dt in dtypes
         for shape in (attention_shapes if op == "attention" else [shapes["norm" if op.endswith("norm") else "elementwise"]])
         for m in (("bwd",) if op == "attention" else modes)
-        for p in providers_for(device)
     ]
     rows: List[Row] = []
-    bar = _progress(len(plan)) if progress else None
+    bar = _progress(len(plan) * len(providers)) if progress else None
     try:
-        for op, a, p, shape, dt, m in plan:
+        for op, a, shape, dt, m in plan:
             few = op == "attention"  # one backward takes 0.1-2 s on a CPU at seq 2048
-            rows.append(measure(op, a, p, shape, dt, device, m, 1 if few else warmup,
-                                max(3, repeats // 3) if few else repeats, copy_bw))
+            rows += measure_case(op, a, providers, shape, dt, device, m, 1 if few else warmup,
+                                 max(3, repeats // 3) if few else repeats, copy_bw)
             if bar:
-                bar.advance()
+                bar.advance(len(providers))
     finally:
         if bar:
             bar.close()
@@ -339,9 +404,9 @@ class _progress:
         except ImportError:  # pragma: no cover
             self._p = None
 
-    def advance(self):
+    def advance(self, n: int = 1):
         if self._p:
-            self._p.advance(self._t)
+            self._p.advance(self._t, n)
 
     def close(self):
         if self._p:

@@ -261,11 +261,13 @@ def summary(rows: List[dict], mode: str = "fwd+bwd") -> str:
     return "\n".join(lines) + "\n"
 
 
-def markdown(rows: List[dict], copy_bw: float, title: str, contention=None) -> str:
+def markdown(rows: List[dict], copy_bw: float, title: str, contention=None, allocator: Optional[str] = None) -> str:
     """The run as markdown: the CPU conditions (a warning when oversubscribed), the
-    fwd+bwd summary (:func:`summary`), then every measurement."""
+    allocator setting when one was made, the fwd+bwd summary (:func:`summary`), then
+    every measurement."""
     head = (
-        f"### {title}\n\n{conditions(contention)}Copy bandwidth measured in the same run: {copy_bw:.1f} GB/s.\n\n"
+        f"### {title}\n\n{conditions(contention)}" + (f"Allocator: {allocator}.\n\n" if allocator else "")
+        + f"Copy bandwidth measured in the same run: {copy_bw:.1f} GB/s.\n\n"
         + ("Forward + backward, median ms (`torch` is pyattr's reference backend):\n\n" + summary(rows)
            if any(r["mode"] == "fwd+bwd" for r in rows) else "")
         + (("\nFrozen attention (AH-rule), backward only, median ms (causal, batch 1, hidden 1024; shape is "

@@ -149,16 +149,18 @@ def run(args) -> int:
         shapes = dict(shapes or (micro.QUICK_SHAPES if args.quick else micro.DEFAULT_SHAPES))
         shapes["attention"] = micro.QUICK_ATTENTION_SHAPES if args.quick else micro.ATTENTION_SHAPES
         repeats = args.repeats or (5 if args.quick else 15)
+        allocator = micro.keep_freed_memory() if device.type == "cpu" else None
         monitor = contention.start()
         copy_bw, rows = micro.run_suite(
             device, ops, dtypes, shapes, warmup=2 if args.quick else 3, repeats=repeats,
             activations=("silu", "gelu_tanh") if args.quick else micro.ACTIVATIONS,
         )
         cond = monitor.stop()
-        doc = report.document("micro", device, micro.rows_as_dicts(rows), contention=cond, copy_bandwidth_gbps=copy_bw)
+        doc = report.document("micro", device, micro.rows_as_dicts(rows), contention=cond, copy_bandwidth_gbps=copy_bw,
+                              allocator=allocator)
         report.validate(doc)
         title = f"pyattr microbenchmarks on {device.type} ({doc['machine']['processor']}, torch {torch.__version__})"
-        table = report.markdown(doc["rows"], copy_bw, title, cond)
+        table = report.markdown(doc["rows"], copy_bw, title, cond, allocator)
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1))
     if args.markdown:
