@@ -14,6 +14,13 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ACT_IDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "quick_gelu": 3, "relu": 4}
 
 
+def launch(kernel):
+    """``kernel`` through ``torch.library.wrap_triton``: inside a ``torch.library.triton_op``
+    that torch.compile or export traces, the launch is recorded as the kernel itself
+    (inductor sees and schedules it); when the op runs, the kernel launches as is."""
+    return torch.library.wrap_triton(kernel)
+
+
 def acc_dtype(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pyattr.kernels._common import INTERPRET, acc_dtype, tanh_
+from pyattr.kernels._common import INTERPRET, acc_dtype, launch, tanh_
 
 
 @triton.jit
@@ -145,10 +145,10 @@ def attention_dv(q, k, dout, mask, scaling: float, softcap, causal: bool) -> tor
     cap = 1.0 if softcap is None else float(softcap)
     m_arg = mask if mask is not None else q
     if lq:
-        _attention_row_stats[(triton.cdiv(lq, bm), b * h)](
+        launch(_attention_row_stats)[(triton.cdiv(lq, bm), b * h)](
             q, k, m_arg, rowmax, rowsum, lq, lk, h, h // hkv, d, *q.stride(), *k.stride(), *ms, float(scaling), cap,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, **flags)
-    _attention_dv[(triton.cdiv(lk, bn), b * hkv)](
+    launch(_attention_dv)[(triton.cdiv(lk, bn), b * hkv)](
         q, k, dout, m_arg, rowmax, rowsum, dv, lq, lk, h, hkv, h // hkv, d, dv_dim, *q.stride(), *k.stride(), *dout.stride(), *ms,
         float(scaling), cap, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, BLOCK_DV=block_dv, **flags)
     return dv

@@ -4,7 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pyattr.kernels._common import ACT_IDS, acc_dtype, act_, dact, elementwise_configs, phi
+from pyattr.kernels._common import ACT_IDS, acc_dtype, act_, dact, elementwise_configs, launch, phi
 
 
 @triton.autotune(configs=elementwise_configs(), key=["n"])
@@ -32,6 +32,6 @@ def gated_backward(g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor, act: str,
     n = g.numel()
     if n:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK"]),)  # noqa: E731
-        _gated_backward[grid](g, u, dh, dg, du, n, 0.5 if half else 1.0, ACT=ACT_IDS[act], IDENTITY=bool(identity),
+        launch(_gated_backward)[grid](g, u, dh, dg, du, n, 0.5 if half else 1.0, ACT=ACT_IDS[act], IDENTITY=bool(identity),
                               ACC=acc_dtype(g.dtype))
     return dg, du

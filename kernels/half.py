@@ -4,7 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pyattr.kernels._common import acc_dtype, elementwise_configs
+from pyattr.kernels._common import acc_dtype, elementwise_configs, launch
 
 
 @triton.autotune(configs=elementwise_configs(), key=["n"])
@@ -27,5 +27,5 @@ def half_backward(u: torch.Tensor, v: torch.Tensor, dy: torch.Tensor):
     n = u.numel()
     if n:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK"]),)  # noqa: E731
-        _half_backward[grid](u, v, dy, du, dv, n, ACC=acc_dtype(u.dtype))
+        launch(_half_backward)[grid](u, v, dy, du, dv, n, ACC=acc_dtype(u.dtype))
     return du, dv

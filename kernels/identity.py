@@ -4,7 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pyattr.kernels._common import ACT_IDS, acc_dtype, elementwise_configs, phi
+from pyattr.kernels._common import ACT_IDS, acc_dtype, elementwise_configs, launch, phi
 
 
 @triton.autotune(configs=elementwise_configs(), key=["n"])
@@ -25,5 +25,5 @@ def identity_backward(x: torch.Tensor, dy: torch.Tensor, act: str) -> torch.Tens
     n = x.numel()
     if n:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK"]),)  # noqa: E731
-        _identity_backward[grid](x, dy, dx, n, ACT=ACT_IDS[act], ACC=acc_dtype(x.dtype))
+        launch(_identity_backward)[grid](x, dy, dx, n, ACT=ACT_IDS[act], ACC=acc_dtype(x.dtype))
     return dx

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pyattr.kernels._common import acc_dtype, row_configs
+from pyattr.kernels._common import acc_dtype, launch, row_configs
 
 
 def num_row_chunks(rows: int, need_params: bool) -> int:
@@ -70,7 +70,7 @@ def _sum_partials(P, OUT, chunks, H, BLOCK: tl.constexpr):
 
 def sum_partials(partial: torch.Tensor, out: torch.Tensor) -> None:
     chunks, H = partial.shape
-    _sum_partials[(triton.cdiv(H, 256),)](partial, out, chunks, H, BLOCK=256)
+    launch(_sum_partials)[(triton.cdiv(H, 256),)](partial, out, chunks, H, BLOCK=256)
 
 
 def prepare_rows(x, weight, dy):
@@ -95,7 +95,7 @@ def layer_norm_backward(x, weight, eps, dy, need_dw, need_db):
     chunks = num_row_chunks(R, need_dw or need_db)
     pw = torch.zeros(chunks, H, dtype=acc, device=x.device) if need_dw else dx
     pb = torch.zeros(chunks, H, dtype=acc, device=x.device) if need_db else dx
-    _layer_norm_backward[(chunks,)](
+    launch(_layer_norm_backward)[(chunks,)](
         x, dy, w if w is not None else x, dx, pw, pb, R, H, chunks, eps,
         HAS_W=w is not None, NEED_W=bool(need_dw), NEED_B=bool(need_db), ACC=acc_dtype(x.dtype),
     )

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pyattr.kernels._common import acc_dtype, row_configs
+from pyattr.kernels._common import acc_dtype, launch, row_configs
 from pyattr.kernels.layer_norm import num_row_chunks, prepare_rows, sum_partials
 
 
@@ -44,7 +44,7 @@ def rms_norm_backward(x, weight, eps, offset, dy, need_dw):
         return dx, dw
     chunks = num_row_chunks(R, need_dw)
     pw = torch.zeros(chunks, H, dtype=acc, device=x.device) if need_dw else dx
-    _rms_norm_backward[(chunks,)](
+    launch(_rms_norm_backward)[(chunks,)](
         x, dy, w if w is not None else x, dx, pw, R, H, chunks, eps, offset,
         HAS_W=w is not None, NEED_W=bool(need_dw), ACC=acc_dtype(x.dtype),
     )

@@ -326,6 +326,12 @@ def relevance(
         RelevanceResult with ``token_relevance`` (batch, seq), ``relevance``
         (batch, seq, hidden), ``target`` and ``conservation_delta``.
 
+    Logit targets run the language-model head at their positions only
+    (``logits_to_keep``, where the model's forward takes it): ``target`` is the model's
+    logit from that call, equal to the full head's up to the last bit. Passing
+    ``logits_to_keep=0`` with the inputs keeps the full head. No key/value cache is built
+    (``use_cache=False`` unless the inputs set it).
+
     The model runs in eval mode with its parameters' ``requires_grad`` off during the
     pass; both are restored afterwards, also when the call fails. The pass enables
     autograd for itself, so a call under ``torch.no_grad()`` returns the same result.

@@ -131,3 +131,78 @@ def test_k_targets_on_a_compiled_model_raise_a_clear_error():
     ids = torch.randint(3, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
     with pytest.raises(RuntimeError, match="2 targets run as one batched backward"):
         pyattr.relevance(torch.compile(m), ids, target=torch.tensor([[3, 4]] * 2))
+
+
+_TRACE_SCRIPT = r"""
+import json, torch
+from pyattr.backends import triton_backend as tb
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch._subclasses.functional_tensor import dispatch_functionalize
+from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+ops = torch.ops.pyattr_triton
+x, dy, w = torch.randn(8, 64), torch.randn(8, 64), torch.randn(64)
+q, k, do = torch.randn(1, 4, 16, 64), torch.randn(1, 2, 16, 64), torch.randn(1, 4, 16, 64)
+cases = {
+    "identity": (lambda x, dy: ops.identity_backward(x, dy, "gelu"), (x, dy)),
+    "half": (lambda x, dy: ops.half_backward(x, dy, dy), (x, dy)),
+    "gated": (lambda x, dy: ops.gated_backward(x, dy, dy, "silu", True, True), (x, dy)),
+    "layer_norm": (lambda x, dy, w: ops.layer_norm_backward(x, w, 1e-5, dy, True, True), (x, dy, w)),
+    "rms_norm": (lambda x, dy, w: ops.rms_norm_backward(x, w, 1e-6, 0.0, dy, True), (x, dy, w)),
+    "attention_dv": (lambda q, k, do: ops.attention_dv(q, k, do, None, 0.125, None, True), (q, k, do)),
+}
+out = {"traceable": tb.TRACEABLE}
+for name, (f, args) in cases.items():
+    gm = make_fx(dispatch_functionalize(f), tracing_mode="fake")(*args)
+    kernels = [kernel_side_table.get_kernel(n.kwargs["kernel_idx"]) for n in gm.graph.nodes
+               if "triton_kernel_wrapper" in str(n.target)]
+    out[name] = [getattr(kn, "fn", kn).__name__ for kn in kernels]
+    # the fake implementation (the launcher on fake tensors) gives the op's output shapes
+    with torch._subclasses.FakeTensorMode() as mode:
+        res = f(*[mode.from_tensor(a) for a in args])
+    out[name + "_shapes"] = [list(r.shape) for r in (res if isinstance(res, tuple) else (res,))]
+print(json.dumps(out))
+"""
+
+
+def test_triton_ops_trace_into_their_kernels():
+    """With compiled Triton (no interpreter) the Triton backend's operators are
+    ``triton_op``s: functionalized tracing, what torch.compile's AOT step does, records
+    the kernels themselves (``wrap_triton``), and the launcher on fake tensors gives the
+    output shapes. Traced on CPU tensors in a process without TRITON_INTERPRET: tracing
+    needs no GPU (the kernels are never launched)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", _TRACE_SCRIPT], capture_output=True, text=True, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["traceable"] is True
+    assert got["identity"] == ["_identity_backward"] and got["half"] == ["_half_backward"]
+    assert got["gated"] == ["_gated_backward"]
+    assert got["layer_norm"] == ["_layer_norm_backward", "_sum_partials", "_sum_partials"]
+    assert got["rms_norm"] == ["_rms_norm_backward", "_sum_partials"]
+    assert got["attention_dv"] == ["_attention_row_stats", "_attention_dv"]
+    assert got["identity_shapes"] == [[8, 64]] and got["half_shapes"] == [[8, 64], [8, 64]]
+    assert got["layer_norm_shapes"] == [[8, 64], [64], [64]] and got["rms_norm_shapes"] == [[8, 64], [64]]
+    assert got["attention_dv_shapes"] == [[1, 2, 16, 64]]
+
+
+def test_triton_ops_are_opaque_under_the_interpreter():
+    """Under TRITON_INTERPRET=1 (how CI runs the kernels) the operators are custom ops
+    with explicit fake implementations: the interpreter cannot be traced."""
+    import os
+
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("this process runs compiled Triton")
+    from pyattr.backends import triton_backend
+
+    assert triton_backend.TRACEABLE is False
+    x, dy = torch.randn(4, 8), torch.randn(4, 8)
+    torch.library.opcheck(torch.ops.pyattr_triton.identity_backward, (x, dy, "silu"),
+                          test_utils=("test_schema", "test_faketensor"))

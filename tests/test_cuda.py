@@ -113,3 +113,26 @@ def test_k_targets_on_cuda_backends_equal_separate_calls(arch):
                 sep = pyattr.relevance(m, ids, target=tk[:, j])
                 torch.testing.assert_close(one.relevance[j], sep.relevance, rtol=1e-5, atol=1e-6)
                 torch.testing.assert_close(one.target[j], sep.target, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif("triton" not in GPU_BACKENDS, reason="no Triton backend on this CUDA machine")
+@pytest.mark.parametrize("op", ["identity", "layer_norm"])
+def test_triton_ops_compile_into_the_inductor_code(op):
+    """torch.compile(fullgraph=True) over a rule on the Triton backend: the backward's
+    generated code launches pyattr's kernel itself (triton_op), and the gradient equals
+    the eager one."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    x = _rand(64, 4096, dtype=torch.bfloat16).requires_grad_(True)
+    w = _rand(4096, dtype=torch.float32)
+    if op == "identity":
+        f, kernel = (lambda x: pyattr.rules.identity_rule(x, "gelu")), "_identity_backward"
+    else:
+        f, kernel = (lambda x: pyattr.ops.layer_norm(x.float(), w, None, 1e-5)), "_layer_norm_backward"
+    with pyattr.backend("triton"):
+        (ref,) = torch.autograd.grad(f(x).float().sum(), x)
+        cf = torch.compile(f, fullgraph=True)
+        got, codes = run_and_get_code(lambda: torch.autograd.grad(cf(x).float().sum(), x)[0])
+    _close(got, ref, torch.bfloat16)
+    assert any(kernel in c for c in codes), "the kernel is not in inductor's code"

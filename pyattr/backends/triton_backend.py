@@ -2,12 +2,18 @@
 under ``TRITON_INTERPRET=1``). Custom activation callables and broadcasting Half-rule
 inputs run in the reference backend, as in the compiled backends.
 
-Each kernel launcher is wrapped in a custom op ``pyattr_triton::<op>`` with the schema of
-the matching ``pyattr::<op>`` of the extension (activations as their kind string, empty
+Each kernel launcher is an operator ``pyattr_triton::<op>`` with the schema of the
+matching ``pyattr::<op>`` of the extension (activations as their kind string, empty
 tensors for parameter gradients not asked for). The dispatcher then unwraps batched
 tensors (``torch.vmap``, ``is_grads_batched``) through the batching rules of
-:mod:`pyattr.backends._vmap` before a kernel sees them, and ``torch.compile`` traces the
-calls through their fake implementations.
+:mod:`pyattr.backends._vmap` before a kernel sees them.
+
+With compiled Triton the operators are ``torch.library.triton_op``s whose launches go
+through ``wrap_triton``: ``torch.compile`` (inductor) and export trace into them and see
+the kernels themselves, and their fake implementation is the launcher run on fake
+tensors. Under ``TRITON_INTERPRET=1`` a kernel cannot be traced (the interpreter runs it
+on the tensors' data), so there they are ``custom_op``s with the fake implementations of
+:mod:`pyattr.backends._fake`, opaque to the compiler.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from torch import Tensor
 
 from pyattr.activations import Activation
 from pyattr.backends import _fake, _vmap, reference
+from pyattr.kernels._common import INTERPRET
 from pyattr.backends.reference import promoted_dtype as _promoted
 
 rms_norm_forward = reference.rms_norm_forward
@@ -28,21 +35,30 @@ gated_forward = reference.gated_forward
 
 # --- the custom ops ---------------------------------------------------------------------
 
-@torch.library.custom_op("pyattr_triton::identity_backward", mutates_args=())
+# traceable operators over compiled kernels; opaque ones (explicit fakes) under the interpreter
+TRACEABLE = not INTERPRET
+
+
+def _operator(name: str):
+    make = torch.library.triton_op if TRACEABLE else torch.library.custom_op
+    return make(name, mutates_args=())
+
+
+@_operator("pyattr_triton::identity_backward")
 def _identity_op(x: Tensor, dy: Tensor, act: str) -> Tensor:
     from pyattr.kernels import identity
 
     return identity.identity_backward(x, dy, act)
 
 
-@torch.library.custom_op("pyattr_triton::half_backward", mutates_args=())
+@_operator("pyattr_triton::half_backward")
 def _half_op(u: Tensor, v: Tensor, dy: Tensor) -> Tuple[Tensor, Tensor]:
     from pyattr.kernels import half
 
     return half.half_backward(u, v, dy)
 
 
-@torch.library.custom_op("pyattr_triton::gated_backward", mutates_args=())
+@_operator("pyattr_triton::gated_backward")
 def _gated_op(gate: Tensor, up: Tensor, dh: Tensor, act: str, identity: bool, half: bool) -> Tuple[Tensor, Tensor]:
     from pyattr.kernels import gated
 
@@ -53,7 +69,7 @@ def _or_empty(t: Optional[Tensor], like: Tensor) -> Tensor:
     return like.new_empty((0,)) if t is None else t
 
 
-@torch.library.custom_op("pyattr_triton::layer_norm_backward", mutates_args=())
+@_operator("pyattr_triton::layer_norm_backward")
 def _layer_norm_op(
     x: Tensor, weight: Optional[Tensor], eps: float, dy: Tensor, need_dweight: bool, need_dbias: bool
 ) -> Tuple[Tensor, Tensor, Tensor]:
@@ -63,7 +79,7 @@ def _layer_norm_op(
     return dx, _or_empty(dw, x), _or_empty(db, x)
 
 
-@torch.library.custom_op("pyattr_triton::rms_norm_backward", mutates_args=())
+@_operator("pyattr_triton::rms_norm_backward")
 def _rms_norm_op(
     x: Tensor, weight: Optional[Tensor], eps: float, offset: float, dy: Tensor, need_dweight: bool
 ) -> Tuple[Tensor, Tensor]:
@@ -73,7 +89,8 @@ def _rms_norm_op(
     return dx, _or_empty(dw, x)
 
 
-_fake.register_ops("pyattr_triton")
+if not TRACEABLE:
+    _fake.register_ops("pyattr_triton")
 _vmap.register("pyattr_triton")
 
 
@@ -116,7 +133,7 @@ def rms_norm_backward(x, weight, eps, offset, dy, need_dweight):
 
 # --- frozen attention -------------------------------------------------------------------
 
-@torch.library.custom_op("pyattr_triton::attention_dv", mutates_args=())
+@_operator("pyattr_triton::attention_dv")
 def _attention_dv_op(q: Tensor, k: Tensor, dout: Tensor, mask: Optional[Tensor], scaling: float,
                      softcap: Optional[float], causal: bool) -> Tensor:
     from pyattr.kernels import attention
@@ -124,10 +141,11 @@ def _attention_dv_op(q: Tensor, k: Tensor, dout: Tensor, mask: Optional[Tensor],
     return attention.attention_dv(q, k, dout, mask, scaling, softcap, causal)
 
 
-@_attention_dv_op.register_fake
-def _(q, k, dout, mask, scaling, softcap, causal):
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return q.new_empty((q.shape[0], k.shape[1], k.shape[2], dout.shape[-1]), dtype=acc)
+if not TRACEABLE:
+    @_attention_dv_op.register_fake
+    def _(q, k, dout, mask, scaling, softcap, causal):
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        return q.new_empty((q.shape[0], k.shape[1], k.shape[2], dout.shape[-1]), dtype=acc)
 
 
 def attention_dv(q, k, dout, mask, scaling: float, softcap, causal: bool) -> Tensor:
