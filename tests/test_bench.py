@@ -298,3 +298,25 @@ def test_micro_providers_are_timed_in_turn():
     out = micro.time_interleaved(runs, torch.device("cpu"), warmup=2, repeats=4)
     assert order == [0, 0, 1, 1, 2, 2] + [0, 1, 2] * 4
     assert [len(t) for t in out] == [4, 4, 4] and all(v >= 0 for t in out for v in t)
+
+
+def test_e2e_cpu_times_come_from_one_interleaved_process():
+    """On CPU the e2e rows keep each variant's own peak and saved bytes (one process per
+    variant) and take their times from one process that runs the variants in turn."""
+    rows = e2e.run_all("cpu", [torch.float32], repeats=2, layers=1, k=0, seq=8)
+    assert [r["variant"] for r in rows] == list(e2e.VARIANTS)
+    for r in rows:
+        assert r["timing"] == "interleaved" and 0 < r["min_s"] <= r["median_s"] <= r["max_s"]
+        assert r["peak_bytes"] > 0 and r["saved_bytes"] > 0 and r["seq"] == 8 and r["layers"] == 1
+    md = e2e.markdown(rows, e2e.ratios(rows))
+    assert "Times from one process that runs the variants in turn" in md
+
+
+def test_e2e_interleaved_timing_in_process(monkeypatch):
+    monkeypatch.setitem(e2e.SIZES, "cpu", dict(num_hidden_layers=1, hidden_size=64, intermediate_size=96,
+                                             num_attention_heads=4, num_key_value_heads=4, seq=8))
+    calls = []
+    real = e2e.one_pass
+    monkeypatch.setattr(e2e, "one_pass", lambda model, v, ids, t, k=8: calls.append(v) or real(model, v, ids, t, k))
+    out = e2e.time_interleaved("cpu", torch.float32, ["plain", "pyattr"], repeats=3)
+    assert calls == ["plain", "pyattr"] * 4 and {v: len(t) for v, t in out.items()} == {"plain": 3, "pyattr": 3}

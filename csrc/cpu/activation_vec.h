@@ -36,11 +36,31 @@ inline V sigmoid_vec(const V& x) {
 
 // Phi(x) = (1 + erf(x/sqrt2))/2. at::vec's erf is a polynomial that turns +-inf into NaN,
 // so the argument is clamped where erf has long saturated (maximum/minimum keep NaN).
+//
+// float: erfc(|z|) = t P(t) exp(-z^2), t = 1/(1 + p|z|), the polynomial at::vec's erf uses
+// (Abramowitz & Stegun 7.1.26, |error| <= 1.5e-7), with exp_u20 inlined instead of a Sleef
+// call per vector (the call and its register spills made the kernel slower than
+// PyTorch's own GELU backward); then Phi = erfc(|z|)/2 for z < 0 and 1 - erfc(|z|)/2
+// otherwise, so the negative tail is not the difference of two numbers near 1.
 template <typename V>
 inline V gelu_cdf_vec(const V& x) {
   using S = typename V::value_type;
-  V xc = at::vec::minimum(at::vec::maximum(x, V(S(-10))), V(S(10)));
-  return V(S(0.5)) * (V(S(1)) + (xc * V(S(kInvSqrt2))).erf());
+  if constexpr (std::is_same_v<S, float>) {
+    // no clamp: exp_u20 is exactly 0 below ln(FLT_MIN), so +-inf give 1 and 0
+    const V z = x * V(S(kInvSqrt2));
+    const V a = z.abs();
+    const V t = V(1.0f) / at::vec::fmadd(V(0.3275911f), a, V(1.0f));
+    V poly = at::vec::fmadd(V(1.061405429f), t, V(-1.453152027f));
+    poly = at::vec::fmadd(poly, t, V(1.421413741f));
+    poly = at::vec::fmadd(poly, t, V(-0.284496736f));
+    poly = at::vec::fmadd(poly, t, V(0.254829592f));
+    const V half_erfc = V(0.5f) * (poly * t * (a * a).neg().exp_u20());
+    const V phi = V::blendv(V(1.0f) - half_erfc, half_erfc, z < V(0.0f));
+    return V::blendv(phi, x, x != x);  // NaN stays NaN
+  } else {
+    V xc = at::vec::minimum(at::vec::maximum(x, V(S(-10))), V(S(10)));
+    return V(S(0.5)) * (V(S(1)) + (xc * V(S(kInvSqrt2))).erf());
+  }
 }
 
 template <typename V>

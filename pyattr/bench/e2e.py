@@ -14,7 +14,9 @@ Variants, each measured for wall time and peak memory:
 
 On CPU each variant runs in its own process and its peak memory is that process's
 peak resident set size (model weights included, the same for every variant); on CUDA it
-is ``torch.cuda.max_memory_allocated`` over the measured pass.
+is ``torch.cuda.max_memory_allocated`` over the measured pass. The times on CPU come from
+one more process that runs every variant in turn, one pass each per round, so that a
+slow phase of a shared machine lands on all of them alike.
 """
 
 from __future__ import annotations
@@ -173,6 +175,27 @@ def measure(device: str, dtype: torch.dtype, variant: str, repeats: int, layers:
     }
 
 
+def time_interleaved(device: str, dtype: torch.dtype, variants: List[str], repeats: int, layers: int = None,
+                     k: int = 8, seq: int = None) -> Dict[str, List[float]]:
+    """Seconds per pass of each variant on one model, the variants taken in turn: a
+    warm-up pass of each (a compiled variant compiles then), then ``repeats`` rounds of
+    one pass each."""
+    model, seq = build_model(device, dtype, layers, seq)
+    ids = torch.randint(0, 32000, (1, seq), generator=torch.Generator().manual_seed(1)).to(device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for v in variants:
+        one_pass(model, v, ids, 5, k)
+    out: Dict[str, List[float]] = {v: [] for v in variants}
+    for _ in range(repeats):
+        for v in variants:
+            sync()
+            t0 = time.perf_counter()
+            one_pass(model, v, ids, 5, k)
+            sync()
+            out[v].append(time.perf_counter() - t0)
+    return out
+
+
 class E2EError(RuntimeError):
     """A measurement process failed; the message carries the end of its stderr."""
 
@@ -194,16 +217,26 @@ def run_all(device: str, dtypes: List[torch.dtype], repeats: int, layers: int = 
     rows = []
     variants = VARIANTS + (K_VARIANTS if k else ()) + ((COMPILED,) if compiled else ())
     for dt in dtypes:
+        name = str(dt).replace("torch.", "")
+        extra = (["--layers", str(layers)] if layers else []) + (["--seq", str(seq)] if seq else [])
+        group = []
         for v in variants:
             if device == "cpu":  # one process per variant: peak RSS cannot be reset in-process
-                cmd = [sys.executable, "-m", "pyattr.bench.e2e", "--child", v, "--dtype", str(dt).replace("torch.", ""),
-                       "--repeats", str(repeats), "--k", str(k)] + (["--layers", str(layers)] if layers else []) \
-                    + (["--seq", str(seq)] if seq else [])
-                rows.append(child_row(cmd, f"e2e variant {v!r} ({dt})"))
+                cmd = [sys.executable, "-m", "pyattr.bench.e2e", "--child", v, "--dtype", name,
+                       "--repeats", "1", "--k", str(k)] + extra
+                group.append(child_row(cmd, f"e2e variant {v!r} ({dt})"))
             else:
-                rows.append(measure(device, dt, v, repeats, layers, k, seq))
+                group.append(measure(device, dt, v, repeats, layers, k, seq))
             if progress:
                 progress()
+        if device == "cpu":
+            cmd = [sys.executable, "-m", "pyattr.bench.e2e", "--interleave", ",".join(variants), "--dtype", name,
+                   "--repeats", str(repeats), "--k", str(k)] + extra
+            times = child_row(cmd, f"e2e interleaved timing ({dt})")
+            for r in group:
+                ts = times[r["variant"]]
+                r.update(median_s=statistics.median(ts), min_s=min(ts), max_s=max(ts), timing="interleaved")
+        rows += group
     return rows
 
 
@@ -253,7 +286,9 @@ def markdown(rows: List[Dict], rat: List[Dict], contention=None) -> str:
                   f"{', '.join(map(str, seqs))} tokens, batch 1, median of the repeats. (a) plain: forward + "
                   "backward of the target logit to the input embeddings; (b) pyattr: pyattr.relevance with all "
                   "four rules; (c) unfused: the same rules as separate PyTorch ops; plain_kept: (a) with the head at "
-                  "the target position only (logits_to_keep=1), as (b) runs it.", ""]
+                  "the target position only (logits_to_keep=1), as (b) runs it."
+                  + (" Times from one process that runs the variants in turn, one pass each per round; peak memory "
+                     "from one process per variant." if r0.get("timing") == "interleaved" else ""), ""]
     lines += ["| dtype | variant | median s | min–max s | peak MiB | saved for backward MiB |", "|---|---|---:|---:|---:|---:|"]
     for r in rows:
         name = f"{r['variant']} (k={r['k']})" if r.get("k", 1) > 1 else r["variant"]
@@ -286,13 +321,20 @@ def markdown(rows: List[Dict], rat: List[Dict], contention=None) -> str:
 
 def _child_main(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("--child", choices=VARIANTS + K_VARIANTS + (COMPILED,), required=True)
+    p.add_argument("--child", choices=VARIANTS + K_VARIANTS + (COMPILED,))
+    p.add_argument("--interleave", help="comma-separated variants, timed in turn in this process")
     p.add_argument("--k", type=int, default=8)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--seq", type=int, default=None)
     a = p.parse_args(argv)
+    if a.interleave:
+        print(json.dumps(time_interleaved("cpu", getattr(torch, a.dtype), a.interleave.split(","), a.repeats, a.layers,
+                                          a.k, a.seq)))
+        return
+    if not a.child:
+        p.error("one of --child or --interleave is required")
     row = measure("cpu", getattr(torch, a.dtype), a.child, a.repeats, a.layers, a.k, a.seq)
     print(json.dumps(row))
 
