@@ -115,7 +115,7 @@ def test_k_targets_on_cuda_backends_equal_separate_calls(arch):
                 torch.testing.assert_close(one.target[j], sep.target, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.skipif("triton" not in GPU_BACKENDS, reason="no Triton backend on this CUDA machine")
+@pytest.mark.skipif("triton" not in GPU_BACKENDS, reason="no CUDA device with the Triton backend")
 @pytest.mark.parametrize("op", ["identity", "layer_norm"])
 def test_triton_ops_compile_into_the_inductor_code(op):
     """torch.compile(fullgraph=True) over a rule on the Triton backend: the backward's
