@@ -246,9 +246,10 @@ def run_model(model: nn.Module, prep: F.Prepared, targets, store: dict, kwargs: 
     caller who did not pass it). The head's full-vocabulary matmul at every position is
     the largest single cost of a pass on a long input (its backward too, with k targets).
     A logit it gives equals the full head's up to float rounding (another matmul shape,
-    so possibly not in the last bit); a caller who needs the full head's bits passes
+    so possibly not in the last bits, a few ulp); a caller who needs the full head's bits passes
     ``logits_to_keep=0`` with the inputs. Off where a read layer is inside the head."""
     kwargs = prep.kwargs if kwargs is None else kwargs
+    check_caller_logits_to_keep(kwargs, targets)
     kept = T.logit_positions(targets, prep.input_ids, prep.attention_mask) if keep_logits else None
     if kept is not None and "logits_to_keep" not in kwargs and F.accepts(model, "logits_to_keep", by_name=True):
         kwargs = {**kwargs, "logits_to_keep": kept.to(prep.input_ids.device)}
@@ -256,6 +257,22 @@ def run_model(model: nn.Module, prep: F.Prepared, targets, store: dict, kwargs: 
         kept = None
     out = model(**kwargs)
     return T._Forward(out, prep.input_ids, prep.attention_mask, store, kept)
+
+
+def check_caller_logits_to_keep(kwargs: dict, targets) -> None:
+    """A ``logits_to_keep`` of the caller other than 0 (the full head) leaves logits at
+    some positions only, indexed from 0 again; a logit target names its position in the
+    input, so it would read another position's logit (or fail on an index): ValueError."""
+    given = kwargs.get("logits_to_keep")
+    every = isinstance(given, int) and not isinstance(given, bool) and given == 0
+    if given is None or every or not any(isinstance(t, (T.Logit, T.LogitDiff)) for t in targets):
+        return
+    shown = given.tolist() if isinstance(given, torch.Tensor) else given
+    raise ValueError(
+        f"inputs: logits_to_keep={shown!r} keeps the logits of some positions only, but a logit target reads the "
+        "logit at its position in the input; pass logits_to_keep=0 (the full head) or leave it out (pyattr then "
+        "runs the head at the target positions itself)"
+    )
 
 
 def head_free(model: nn.Module, modules) -> bool:
@@ -328,7 +345,7 @@ def relevance(
 
     Logit targets run the language-model head at their positions only
     (``logits_to_keep``, where the model's forward takes it): ``target`` is the model's
-    logit from that call, equal to the full head's up to the last bit. Passing
+    logit from that call, equal to the full head's up to the last bits (a few ulp). Passing
     ``logits_to_keep=0`` with the inputs keeps the full head. No key/value cache is built
     (``use_cache=False`` unless the inputs set it).
 

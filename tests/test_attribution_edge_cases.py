@@ -160,3 +160,22 @@ def test_relevance_builds_no_key_value_cache(llama):
     finally:
         hook.remove()
     assert calls == [False, True]
+
+
+@pytest.mark.parametrize("keep", [1, 3, torch.tensor([2, 5])])
+def test_a_callers_partial_logits_to_keep_is_refused_for_logit_targets(llama, keep):
+    """logits_to_keep=k (or positions) re-indexes the logits from 0: a Logit target at
+    position p would read another position's logit. Refused, naming the argument; a
+    callable target indexes the output itself, so it may keep what it likes."""
+    msg = "inputs: logits_to_keep=.* keeps the logits of some positions only"
+    for target in (None, 3, Logit(3, position=2), [Logit(3), Logit(4)]):
+        with pytest.raises(ValueError, match=msg):
+            pyattr.relevance(llama, {"input_ids": IDS, "logits_to_keep": keep}, target=target)
+    with pytest.raises(ValueError, match=msg):
+        pyattr.layer_relevance(llama, {"input_ids": IDS, "logits_to_keep": keep}, "model.norm", target=3)
+    with pytest.raises(ValueError, match=msg):
+        pyattr.integrated_gradients(llama, {"input_ids": IDS, "logits_to_keep": keep}, target=3, n_steps=2)
+    if isinstance(keep, int):
+        r = pyattr.relevance(llama, {"input_ids": IDS, "logits_to_keep": keep}, target=lambda o: o.logits[:, -1, 3])
+        ref = pyattr.relevance(llama, IDS, target=3)
+        torch.testing.assert_close(r.relevance, ref.relevance, rtol=1e-5, atol=1e-7)

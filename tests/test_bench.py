@@ -251,6 +251,14 @@ def test_check_tool_one_line_errors(tmp_path):
         with contextlib.redirect_stderr(err):
             code = main([str(tmp_path / name)])
         assert code == 1 and "invalid:" in err.getvalue() and "Traceback" not in err.getvalue(), (name, err.getvalue())
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        main([str(tmp_path / "bad.json")])
+    assert "invalid: not a JSON document" in err.getvalue()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["--help"]) == 0
+    assert out.getvalue().startswith("usage: python -m pyattr.bench.check FILE.json")
     # the module entry point CI runs, once in its own process
     p = subprocess.run([sys.executable, "-m", "pyattr.bench.check", str(tmp_path / "bad.json")], capture_output=True, text=True)
     assert p.returncode == 1 and "invalid:" in p.stderr and "Traceback" not in p.stderr, p.stderr

@@ -282,7 +282,8 @@ def markdown(rows: List[Dict], rat: List[Dict], contention=None) -> str:
     seqs = sorted({r["seq"] for r in rows if r.get("seq")})
     if rows:
         r0 = rows[0]
-        lines += [f"Random Llama, {r0.get('layers')} layers, hidden {r0.get('hidden')}, input length "
+        layers = r0.get("layers")
+        lines += [f"Random Llama, {layers} layer{'' if layers == 1 else 's'}, hidden {r0.get('hidden')}, vocabulary 32000, input length "
                   f"{', '.join(map(str, seqs))} tokens, batch 1, median of the repeats. (a) plain: forward + "
                   "backward of the target logit to the input embeddings; (b) pyattr: pyattr.relevance with all "
                   "four rules; (c) unfused: the same rules as separate PyTorch ops; plain_kept: (a) with the head at "
