@@ -102,6 +102,7 @@ def normalise_inputs(inputs, attention_mask) -> dict:
 
 def accepts(model: nn.Module, name: str, by_name: bool = False) -> bool:
     """``model.forward`` takes ``name``; unless ``by_name``, a ``**kwargs`` counts too."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper forwards (*args, **kwargs)
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):

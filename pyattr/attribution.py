@@ -243,15 +243,18 @@ def run_model(model: nn.Module, prep: F.Prepared, targets, store: dict, kwargs: 
 
     ``keep_logits``: when every target is a logit, the language-model head runs only at
     the positions they read (``logits_to_keep``, for models whose forward takes it and a
-    caller who did not pass it). The head's full-vocabulary matmul at every position is
+    caller who passed neither it nor ``labels``). The head's full-vocabulary matmul at every position is
     the largest single cost of a pass on a long input (its backward too, with k targets).
     A logit it gives equals the full head's up to float rounding (another matmul shape,
-    so possibly not in the last bits, a few ulp); a caller who needs the full head's bits passes
-    ``logits_to_keep=0`` with the inputs. Off where a read layer is inside the head."""
+    so possibly not in the last bits, a few ulp); a caller who wants the full head passes
+    ``logits_to_keep=0`` with the inputs. Off where a read layer runs on the cut
+    hidden states (:func:`head_free`)."""
     kwargs = prep.kwargs if kwargs is None else kwargs
     check_caller_logits_to_keep(kwargs, targets)
     kept = T.logit_positions(targets, prep.input_ids, prep.attention_mask) if keep_logits else None
-    if kept is not None and "logits_to_keep" not in kwargs and F.accepts(model, "logits_to_keep", by_name=True):
+    # with labels, the model's own loss would compare the kept logits with every label
+    if (kept is not None and "logits_to_keep" not in kwargs and "labels" not in kwargs
+            and F.accepts(model, "logits_to_keep", by_name=True)):
         kwargs = {**kwargs, "logits_to_keep": kept.to(prep.input_ids.device)}
     else:
         kept = None
@@ -276,14 +279,21 @@ def check_caller_logits_to_keep(kwargs: dict, targets) -> None:
 
 
 def head_free(model: nn.Module, modules) -> bool:
-    """No module in ``modules`` is the language-model head or inside it: then the head may
-    run at the target positions only (the layers read keep their full shape)."""
+    """No module in ``modules`` runs after the hidden states are cut to the kept
+    positions: then the head may run at the target positions only (the layers read keep
+    their full shape). Hugging Face cuts before everything outside the base model (BERT's
+    ``cls.predictions.transform``, RoBERTa's ``lm_head.dense`` run on the cut states too),
+    so a read module must lie inside ``model.base_model`` and outside the output embeddings."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
     get = getattr(model, "get_output_embeddings", None)
     head = get() if callable(get) else None
-    if head is None:
-        return True
-    inside = {id(m) for m in head.modules()}
-    return not any(id(m) in inside for m in modules)
+    if head is not None and any(id(m) in {id(h) for h in head.modules()} for m in modules):
+        return False
+    base = getattr(model, "base_model", None)
+    if isinstance(base, nn.Module) and base is not model:
+        inside = {id(m) for m in base.modules()}
+        return all(id(m) in inside for m in modules)
+    return True
 
 
 def leaf(t: torch.Tensor) -> torch.Tensor:

@@ -179,3 +179,42 @@ def test_a_callers_partial_logits_to_keep_is_refused_for_logit_targets(llama, ke
         r = pyattr.relevance(llama, {"input_ids": IDS, "logits_to_keep": keep}, target=lambda o: o.logits[:, -1, 3])
         ref = pyattr.relevance(llama, IDS, target=3)
         torch.testing.assert_close(r.relevance, ref.relevance, rtol=1e-5, atol=1e-7)
+
+
+def test_layers_on_the_cut_hidden_states_keep_their_shape():
+    """BERT and RoBERTa decoders cut the hidden states to the kept positions before the
+    rest of their LM head (``cls.predictions.transform``, ``lm_head.dense``): a layer read
+    there must see every position, so the head then runs in full."""
+    import transformers as tr
+
+    cfg = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_hidden_layers=2,
+               max_position_embeddings=64, is_decoder=True)
+    torch.manual_seed(0)
+    for model, layer in ((tr.BertLMHeadModel(tr.BertConfig(**cfg)).eval(), "cls.predictions.transform"),
+                         (tr.RobertaForCausalLM(tr.RobertaConfig(**cfg, pad_token_id=1)).eval(), "lm_head.dense")):
+        ids = torch.randint(3, 96, (2, 9))
+        full = {"input_ids": ids, "logits_to_keep": 0}
+        got = pyattr.layer_relevance(model, ids, layer, target=Logit(5, position=3)).layers[layer]
+        ref = pyattr.layer_relevance(model, full, layer, target=Logit(5, position=3)).layers[layer]
+        assert got.relevance.shape == ref.relevance.shape == (2, 9, 32)
+        torch.testing.assert_close(got.relevance, ref.relevance)
+        ig = pyattr.integrated_gradients(model, ids, target=Logit(5, position=3), layer=layer, n_steps=4)
+        ig_ref = pyattr.integrated_gradients(model, full, target=Logit(5, position=3), layer=layer, n_steps=4)
+        assert ig.token_attribution.shape == (2, 9)
+        torch.testing.assert_close(ig.token_attribution, ig_ref.token_attribution)
+
+
+def test_labels_in_the_inputs_keep_the_full_head(llama):
+    """A collator batch with ``labels``: the model's own loss needs every position's logits."""
+    got = pyattr.relevance(llama, {"input_ids": IDS, "labels": IDS}, target=Logit(4, position=2))
+    ref = pyattr.relevance(llama, {"input_ids": IDS, "logits_to_keep": 0}, target=Logit(4, position=2))
+    assert torch.equal(got.relevance, ref.relevance) and torch.equal(got.target, ref.target)
+
+
+def test_a_compiled_model_gets_the_head_shortcut(llama):
+    """torch.compile's wrapper forwards (*args, **kwargs): pyattr reads the wrapped
+    model's signature, so a compiled model also runs the head at the target only."""
+    from pyattr._forward import accepts
+
+    cm = torch.compile(llama)
+    assert accepts(cm, "logits_to_keep", by_name=True) and accepts(cm, "use_cache", by_name=True)

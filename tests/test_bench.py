@@ -306,6 +306,21 @@ def test_micro_providers_are_timed_in_turn():
     out = micro.time_interleaved(runs, torch.device("cpu"), warmup=2, repeats=4)
     assert order == [0, 0, 1, 1, 2, 2] + [0, 1, 2] * 4
     assert [len(t) for t in out] == [4, 4, 4] and all(v >= 0 for t in out for v in t)
+    # a provider's scope (its backend) is entered around its runs, outside the timed window
+    import contextlib as cl
+
+    seen = []
+
+    @cl.contextmanager
+    def scope(i):
+        seen.append(("enter", i))
+        yield
+        seen.append(("exit", i))
+
+    order.clear()
+    micro.time_interleaved(runs[:2], torch.device("cpu"), warmup=0, repeats=1,
+                           contexts=[lambda: scope(0), lambda: scope(1)])
+    assert seen == [("enter", 0), ("exit", 0), ("enter", 1), ("exit", 1)] * 2 and order == [0, 1]
 
 
 def test_e2e_cpu_times_come_from_one_interleaved_process():

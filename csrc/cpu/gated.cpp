@@ -32,11 +32,6 @@ std::tuple<at::Tensor, at::Tensor> gated_backward(const at::Tensor& g_in, const 
             AccVec<T> local = identity ? p : dact_vec(K, a[0]);
             AccVec<T> actg = K == Act::ReLU ? act_vec(K, a[0]) : a[0] * p;
             return std::array<AccVec<T>, 2>{sd * a[1] * local, sd * actg};
-          },
-          [=](const std::array<A, 3>& a) {
-            A sd = a[2] * s;
-            A local = identity ? phi_scalar<A>(K, a[0]) : dact_scalar<A>(K, a[0]);
-            return std::array<A, 2>{sd * a[1] * local, sd * act_scalar<A>(K, a[0])};
           });
     });
   });

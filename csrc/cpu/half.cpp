@@ -24,10 +24,6 @@ std::tuple<at::Tensor, at::Tensor> half_backward(const at::Tensor& u_in, const a
         [](const std::array<AccVec<T>, 3>& a) {
           AccVec<T> h = a[2] * AccVec<T>(A(0.5));
           return std::array<AccVec<T>, 2>{h * a[1], h * a[0]};
-        },
-        [](const std::array<A, 3>& a) {
-          A h = a[2] * A(0.5);
-          return std::array<A, 2>{h * a[1], h * a[0]};
         });
   });
   return {du, dv};

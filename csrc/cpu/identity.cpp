@@ -15,13 +15,11 @@ at::Tensor identity_backward(const at::Tensor& x_in, const at::Tensor& dy_in, c1
   at::Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "identity_backward", [&] {
     using T = scalar_t;
-    using A = acc_t<T>;
     with_act(act, [&](auto c) {
       constexpr Act K = decltype(c)::value;
       elementwise<T, 2, 1>(
           {x.const_data_ptr<T>(), dy.const_data_ptr<T>()}, {dx.mutable_data_ptr<T>()}, x.numel(),
-          [](const std::array<AccVec<T>, 2>& a) { return std::array<AccVec<T>, 1>{a[1] * phi_vec(K, a[0])}; },
-          [](const std::array<A, 2>& a) { return std::array<A, 1>{a[1] * phi_scalar<A>(K, a[0])}; });
+          [](const std::array<AccVec<T>, 2>& a) { return std::array<AccVec<T>, 1>{a[1] * phi_vec(K, a[0])}; });
     });
   });
   return dx;

@@ -2,6 +2,7 @@
 // and stores that convert 16-bit types once, and a parallel elementwise driver.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <type_traits>
 
@@ -55,10 +56,11 @@ inline acc_t<T> reduce_sum(const AccVec<T>& v) {
 constexpr int64_t kGrain = 16384;
 
 // out_k[i] = f(in_0[i], ..., in_{N-1}[i]) for every i, in parallel; vf works on
-// AccVec<T> lanes, sf on acc_t<T> scalars (the tail that does not fill a vector).
-template <typename T, size_t NIN, size_t NOUT, typename VF, typename SF>
-void elementwise(const std::array<const T*, NIN>& in, const std::array<T*, NOUT>& out, int64_t n, VF vf,
-                 SF sf) {
+// AccVec<T> lanes. The tail that does not fill a vector goes through vf too, from a
+// zero-padded copy, so an element's result never depends on where it falls in the tensor
+// (a scalar tail with its own formula would round differently).
+template <typename T, size_t NIN, size_t NOUT, typename VF>
+void elementwise(const std::array<const T*, NIN>& in, const std::array<T*, NOUT>& out, int64_t n, VF vf) {
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
     int64_t i = begin;
     for (; i + kStep<T> <= end; i += kStep<T>) {
@@ -67,11 +69,20 @@ void elementwise(const std::array<const T*, NIN>& in, const std::array<T*, NOUT>
       std::array<AccVec<T>, NOUT> r = vf(a);
       for (size_t k = 0; k < NOUT; ++k) store_acc<T>(out[k] + i, r[k]);
     }
-    for (; i < end; ++i) {
-      std::array<acc_t<T>, NIN> a;
-      for (size_t k = 0; k < NIN; ++k) a[k] = static_cast<acc_t<T>>(in[k][i]);
-      std::array<acc_t<T>, NOUT> r = sf(a);
-      for (size_t k = 0; k < NOUT; ++k) out[k][i] = static_cast<T>(r[k]);
+    if (i < end) {
+      const int64_t m = end - i;
+      std::array<AccVec<T>, NIN> a;
+      for (size_t k = 0; k < NIN; ++k) {
+        T buf[kStep<T>] = {};
+        std::copy(in[k] + i, in[k] + end, buf);
+        a[k] = load_acc<T>(buf);
+      }
+      std::array<AccVec<T>, NOUT> r = vf(a);
+      for (size_t k = 0; k < NOUT; ++k) {
+        T buf[kStep<T>];
+        store_acc<T>(buf, r[k]);
+        std::copy(buf, buf + m, out[k] + i);
+      }
     }
   });
 }

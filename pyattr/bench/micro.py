@@ -284,16 +284,21 @@ class _Case:
             self._step()
 
 
-def time_interleaved(runs: Sequence[Callable], device, warmup: int, repeats: int) -> List[List[float]]:
+def time_interleaved(runs: Sequence[Callable], device, warmup: int, repeats: int,
+                     contexts: Optional[Sequence[Callable]] = None) -> List[List[float]]:
     """Wall times in ms of each of ``runs``, taken in turn (one of each per round): slow
     drifts of the machine (another tenant, clock changes) then land on every provider of
-    a case alike instead of on whichever ran during them."""
-    for run in runs:
-        time_ms(run, device, warmup, 0)
+    a case alike instead of on whichever ran during them. ``contexts[i]()`` (a backend
+    scope) is entered around run i's timing, outside the timed window."""
+    ctxs = contexts or [_Null] * len(runs)
+    for run, ctx in zip(runs, ctxs):
+        with ctx():
+            time_ms(run, device, warmup, 0)
     out: List[List[float]] = [[] for _ in runs]
     for _ in range(repeats):
-        for i, run in enumerate(runs):
-            out[i] += time_ms(run, device, 0, 1)
+        for i, (run, ctx) in enumerate(zip(runs, ctxs)):
+            with ctx():
+                out[i] += time_ms(run, device, 0, 1)
     return out
 
 
@@ -316,7 +321,7 @@ def _row(case: "_Case", ts: Sequence[float], device, copy_bw) -> Row:
 def measure_case(op, act, providers, shape, dtype, device, mode, warmup, repeats, copy_bw) -> List[Row]:
     """One row per provider of one case, their runs interleaved (:func:`time_interleaved`)."""
     cases_ = [_Case(op, act, p, shape, dtype, device, mode) for p in providers]
-    times = time_interleaved([c.run for c in cases_], device, warmup, repeats)
+    times = time_interleaved([c._step for c in cases_], device, warmup, repeats, [c._ctx for c in cases_])
     return [_row(c, ts, device, copy_bw) for c, ts in zip(cases_, times)]
 
 

@@ -144,6 +144,7 @@ def run(args) -> int:
             return fail("bench", str(e), status=1)
         cond = monitor.stop()
         doc = report.document("e2e", device, rows, contention=cond, ratios=e2e.ratios(rows))
+        report.validate(doc)
         table = e2e.markdown(rows, doc["ratios"], cond)
     else:
         shapes = dict(shapes or (micro.QUICK_SHAPES if args.quick else micro.DEFAULT_SHAPES))
