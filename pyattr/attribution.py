@@ -114,6 +114,11 @@ def backward(value: torch.Tensor, wrt: List[torch.Tensor], go: torch.Tensor, sev
         )
     if several:
         k = value.shape[0]
+        if _runs_compiled_backward(value):
+            raise RuntimeError(
+                f"target: {k} targets run as one batched backward (is_grads_batched), and a torch.compile'd "
+                "model's backward cannot run batched; explain the targets one call at a time"
+            )
         eye = torch.eye(k, dtype=value.dtype, device=value.device)
         g = eye.view(k, k, *([1] * (value.dim() - 1))) * go.unsqueeze(0)  # (k, k, batch)
         try:
@@ -135,6 +140,21 @@ def backward(value: torch.Tensor, wrt: List[torch.Tensor], go: torch.Tensor, sev
             "embeddings is empty); choose a target computed after the embeddings"
         )
     return grads
+
+
+def _runs_compiled_backward(value: torch.Tensor) -> bool:
+    """The autograd graph behind ``value`` holds a torch.compile'd region
+    (``CompiledFunctionBackward``); a walk over its nodes, each once."""
+    seen, todo = set(), [value.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if "CompiledFunction" in type(node).__name__:
+            return True
+        todo.extend(n for n, _ in node.next_functions)
+    return False
 
 
 def pad_token_id(model: nn.Module) -> int:
