@@ -115,10 +115,7 @@ def backward(value: torch.Tensor, wrt: List[torch.Tensor], go: torch.Tensor, sev
     if several:
         k = value.shape[0]
         if _runs_compiled_backward(value):
-            raise RuntimeError(
-                f"target: {k} targets run as one batched backward (is_grads_batched), and a torch.compile'd "
-                "model's backward cannot run batched; explain the targets one call at a time"
-            )
+            raise _unbatchable(k, "a torch.compile'd model's backward cannot run batched")
         eye = torch.eye(k, dtype=value.dtype, device=value.device)
         g = eye.view(k, k, *([1] * (value.dim() - 1))) * go.unsqueeze(0)  # (k, k, batch)
         try:
@@ -127,11 +124,7 @@ def backward(value: torch.Tensor, wrt: List[torch.Tensor], go: torch.Tensor, sev
             text = str(e)
             if "atch" not in text:  # "Batching rule", "BatchedTensorImpl", "batched"
                 raise
-            raise RuntimeError(
-                f"target: {k} targets run as one batched backward (is_grads_batched), and an op in this "
-                "model's backward cannot run batched (a torch.compile'd model's backward cannot); explain "
-                f"the targets one call at a time. ({' '.join(text.split())[:200]})"
-            ) from e
+            raise _unbatchable(k, f"an op in this model's backward cannot run batched ({' '.join(text.split())[:200]})") from e
     else:
         grads = torch.autograd.grad(value, wrt, go, allow_unused=True, retain_graph=retain)
     if grads[0] is None:
@@ -140,6 +133,11 @@ def backward(value: torch.Tensor, wrt: List[torch.Tensor], go: torch.Tensor, sev
             "embeddings is empty); choose a target computed after the embeddings"
         )
     return grads
+
+
+def _unbatchable(k: int, why: str) -> RuntimeError:
+    return RuntimeError(f"target: {k} targets run as one batched backward (is_grads_batched), and {why}; explain "
+                        "the targets one call at a time")
 
 
 def _runs_compiled_backward(value: torch.Tensor) -> bool:
@@ -305,15 +303,14 @@ def head_free(model: nn.Module, modules) -> bool:
     ``cls.predictions.transform``, RoBERTa's ``lm_head.dense`` run on the cut states too),
     so a read module must lie inside ``model.base_model`` and outside the output embeddings."""
     model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    if head is not None and any(id(m) in {id(h) for h in head.modules()} for m in modules):
-        return False
     base = getattr(model, "base_model", None)
     if isinstance(base, nn.Module) and base is not model:
         inside = {id(m) for m in base.modules()}
         return all(id(m) in inside for m in modules)
-    return True
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    cut = {id(m) for m in head.modules()} if head is not None else set()
+    return not any(id(m) in cut for m in modules)
 
 
 def leaf(t: torch.Tensor) -> torch.Tensor:

@@ -34,8 +34,10 @@ inline V sigmoid_vec(const V& x) {
   }
 }
 
-// Phi(x) = (1 + erf(x/sqrt2))/2. at::vec's erf is a polynomial that turns +-inf into NaN,
-// so the argument is clamped where erf has long saturated (maximum/minimum keep NaN).
+// Phi(x) = (1 + erf(x/sqrt2))/2.
+//
+// double: at::vec's erf, a polynomial that turns +-inf into NaN, so the argument is
+// clamped where erf has long saturated (maximum/minimum keep NaN).
 //
 // float: erfc(|z|) = t P(t) exp(-z^2), t = 1/(1 + p|z|), the polynomial at::vec's erf uses
 // (Abramowitz & Stegun 7.1.26, |error| <= 1.5e-7), with exp_u20 inlined instead of a Sleef

@@ -165,9 +165,10 @@ def measure(device: str, dtype: torch.dtype, variant: str, repeats: int, layers:
         "seq": seq,
         "layers": model.config.num_hidden_layers,
         "hidden": model.config.hidden_size,
-        "median_s": statistics.median(ts),
-        "min_s": min(ts),
-        "max_s": max(ts),
+        # repeats=0 (a CPU peak-only child): the times come from the interleaved process
+        "median_s": statistics.median(ts) if ts else None,
+        "min_s": min(ts) if ts else None,
+        "max_s": max(ts) if ts else None,
         "peak_bytes": int(peak),
         "saved_bytes": int(saved),
         "peak_kind": "cuda max_memory_allocated above the model" if device == "cuda" else "process peak RSS",
@@ -223,7 +224,7 @@ def run_all(device: str, dtypes: List[torch.dtype], repeats: int, layers: int = 
         for v in variants:
             if device == "cpu":  # one process per variant: peak RSS cannot be reset in-process
                 cmd = [sys.executable, "-m", "pyattr.bench.e2e", "--child", v, "--dtype", name,
-                       "--repeats", "1", "--k", str(k)] + extra
+                       "--repeats", "0", "--k", str(k)] + extra
                 group.append(child_row(cmd, f"e2e variant {v!r} ({dt})"))
             else:
                 group.append(measure(device, dt, v, repeats, layers, k, seq))

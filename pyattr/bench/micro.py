@@ -250,14 +250,15 @@ def _pct(ts: Sequence[float], q: float) -> float:
 
 
 class _Case:
-    """One provider's run of one case, ready to time: ``run()`` is one forward, backward
-    or both (under the provider's backend), ``saved``/``in_bytes`` what it keeps."""
+    """One provider's run of one case, ready to time: ``step()`` is one forward, backward
+    or both, to be called inside ``ctx()`` (the provider's backend; ``run()`` does both);
+    ``saved``/``in_bytes`` what it keeps."""
 
     def __init__(self, op, act, provider, shape, dtype, device, mode):
         self.op, self.act, self.provider, self.shape, self.dtype, self.mode = op, act, provider, shape, dtype, mode
         backend = provider.split("-", 1)[1] if provider.startswith("pyattr-") else None
-        self._ctx = (lambda: pyattr.backend(backend)) if backend else _Null
-        with self._ctx():
+        self.ctx = (lambda: pyattr.backend(backend)) if backend else _Null
+        with self.ctx():
             fn, ins, self.in_bytes = build(op, act, provider, shape, dtype, device)
             self.saved = saved_bytes(fn)
             y = fn()
@@ -270,7 +271,7 @@ class _Case:
         else:
             def step():
                 torch.autograd.grad(fn(), ins, dy)
-        self._step = step
+        self.step = step
         self.peak = None
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -280,8 +281,8 @@ class _Case:
             self.peak = torch.cuda.max_memory_allocated(device) - base
 
     def run(self):
-        with self._ctx():
-            self._step()
+        with self.ctx():
+            self.step()
 
 
 def time_interleaved(runs: Sequence[Callable], device, warmup: int, repeats: int,
@@ -321,7 +322,7 @@ def _row(case: "_Case", ts: Sequence[float], device, copy_bw) -> Row:
 def measure_case(op, act, providers, shape, dtype, device, mode, warmup, repeats, copy_bw) -> List[Row]:
     """One row per provider of one case, their runs interleaved (:func:`time_interleaved`)."""
     cases_ = [_Case(op, act, p, shape, dtype, device, mode) for p in providers]
-    times = time_interleaved([c._step for c in cases_], device, warmup, repeats, [c._ctx for c in cases_])
+    times = time_interleaved([c.step for c in cases_], device, warmup, repeats, [c.ctx for c in cases_])
     return [_row(c, ts, device, copy_bw) for c, ts in zip(cases_, times)]
 
 
