@@ -45,51 +45,71 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_impl(
     const int64_t chunks = num_row_chunks(R);
     const bool partials = (need_dw || need_db) && R > 0;
     std::vector<A> pw(partials && need_dw ? chunks * H : 0, A(0)), pb(partials && need_db ? chunks * H : 0, A(0));
-    auto wv = [&](int64_t j) { return W ? V::loadu(W + j) : V(A(1)); };
-    auto ws = [&](int64_t j) { return W ? W[j] : A(1); };
-    at::parallel_for(0, R > 0 ? chunks : 0, 1, [&](int64_t cb, int64_t ce) {
-      for (int64_t c = cb; c < ce; ++c) {
-        const int64_t r0 = c * R / chunks, r1 = (c + 1) * R / chunks;
-        A* PW = need_dw ? pw.data() + c * H : nullptr;
-        A* PB = need_db ? pb.data() + c * H : nullptr;
-        for (int64_t r = r0; r < r1; ++r) {
-          const T* xr = X + r * H;
-          const T* dr = DY + r * H;
-          T* out = DX + r * H;
-          A mean, rstd;
-          if (MS) {
-            mean = MS[r];
-            rstd = RS[r];
-          } else {
-            mean = row_sum<T>(H, [&](int64_t j) { return load_acc<T>(xr + j); },
-                              [&](int64_t j) { return A(xr[j]); }) / A(H);
-            const V vm0(mean);
-            const A var = row_sum<T>(
-                              H, [&](int64_t j) { V d = load_acc<T>(xr + j) - vm0; return d * d; },
-                              [&](int64_t j) { A d = A(xr[j]) - mean; return d * d; }) / A(H);
-            rstd = A(1) / std::sqrt(var + A(eps));
-          }
-          const V vm(mean);
-          const V vr(rstd);
-          const A gmean = row_sum<T>(H, [&](int64_t j) { return load_acc<T>(dr + j) * wv(j) * vr; },
-                                     [&](int64_t j) { return A(dr[j]) * ws(j) * rstd; }) / A(H);
-          const V vg(gmean);
-          int64_t j = 0;
-          for (; j + kStep<T> <= H; j += kStep<T>) {
-            V d = load_acc<T>(dr + j);
-            store_acc<T>(out + j, d * wv(j) * vr - vg);
-            if (PW) (V::loadu(PW + j) + d * (load_acc<T>(xr + j) - vm) * vr).store(PW + j);
-            if (PB) (V::loadu(PB + j) + d).store(PB + j);
-          }
-          for (; j < H; ++j) {
-            A d = A(dr[j]);
-            out[j] = static_cast<T>(d * ws(j) * rstd - gmean);
-            if (PW) PW[j] += d * (A(xr[j]) - mean) * rstd;
-            if (PB) PB[j] += d;
-          }
-        }
+    // One row: dx, then (while the row is still in L1) its dw/db contributions. The
+    // flags are template constants so that the inner loops carry no branches.
+    auto row = [&](auto has_w, auto do_dw, auto do_db, int64_t r, A* PW, A* PB) {
+      constexpr bool kW = decltype(has_w)::value, kDW = decltype(do_dw)::value, kDB = decltype(do_db)::value;
+      auto wv = [&](int64_t j) { if constexpr (kW) return V::loadu(W + j); else return V(A(1)); };
+      auto ws = [&](int64_t j) { if constexpr (kW) return W[j]; else return A(1); };
+      const T* xr = X + r * H;
+      const T* dr = DY + r * H;
+      T* out = DX + r * H;
+      A mean, rstd;
+      if (MS) {
+        mean = MS[r];
+        rstd = RS[r];
+      } else {
+        mean = row_sum<T>(H, [&](int64_t j) { return load_acc<T>(xr + j); },
+                          [&](int64_t j) { return A(xr[j]); }) / A(H);
+        const V vm0(mean);
+        const A var = row_sum<T>(
+                          H, [&](int64_t j) { V d = load_acc<T>(xr + j) - vm0; return d * d; },
+                          [&](int64_t j) { A d = A(xr[j]) - mean; return d * d; }) / A(H);
+        rstd = A(1) / std::sqrt(var + A(eps));
       }
-    });
+      // Pass 1 reads dy and x together (two streams, so the prefetcher keeps both rows
+      // coming): the sum for mean(g) and the row's dw/db contributions. Pass 2 writes dx
+      // from dy, which is still in L1.
+      const V vr(rstd), vm(mean);
+      V acc(A(0));
+      int64_t j = 0;
+      for (; j + kStep<T> <= H; j += kStep<T>) {
+        const V d = load_acc<T>(dr + j);
+        acc = acc + d * wv(j) * vr;
+        if constexpr (kDW) (V::loadu(PW + j) + d * (load_acc<T>(xr + j) - vm) * vr).store(PW + j);
+        if constexpr (kDB) (V::loadu(PB + j) + d).store(PB + j);
+      }
+      A gsum = reduce_sum<T>(acc);
+      for (; j < H; ++j) {
+        const A d = A(dr[j]);
+        gsum += d * ws(j) * rstd;
+        if constexpr (kDW) PW[j] += d * (A(xr[j]) - mean) * rstd;
+        if constexpr (kDB) PB[j] += d;
+      }
+      const A gmean = gsum / A(H);
+      const V vg(gmean);
+      j = 0;
+      for (; j + kStep<T> <= H; j += kStep<T>) store_acc<T>(out + j, load_acc<T>(dr + j) * wv(j) * vr - vg);
+      for (; j < H; ++j) out[j] = static_cast<T>(A(dr[j]) * ws(j) * rstd - gmean);
+    };
+    auto rows_of = [&](auto has_w, auto do_dw, auto do_db) {
+      at::parallel_for(0, R > 0 ? chunks : 0, 1, [&](int64_t cb, int64_t ce) {
+        for (int64_t c = cb; c < ce; ++c) {
+          A* PW = need_dw ? pw.data() + c * H : nullptr;
+          A* PB = need_db ? pb.data() + c * H : nullptr;
+          for (int64_t r = c * R / chunks, r1 = (c + 1) * R / chunks; r < r1; ++r) row(has_w, do_dw, do_db, r, PW, PB);
+        }
+      });
+    };
+    using Y = std::true_type;
+    using N = std::false_type;
+    auto with_params = [&](auto has_w) {
+      if (need_dw && need_db) rows_of(has_w, Y{}, Y{});
+      else if (need_dw) rows_of(has_w, Y{}, N{});
+      else if (need_db) rows_of(has_w, N{}, Y{});
+      else rows_of(has_w, N{}, N{});
+    };
+    if (W) with_params(Y{}); else with_params(N{});
     if (need_dw) finish_param_grad<A>(pw, chunks, H, partials, dw);
     if (need_db) finish_param_grad<A>(pb, chunks, H, partials, db);
   });

@@ -25,14 +25,22 @@ inline acc_t<T> row_sum(int64_t n, VF vf, SF sf) {
   return s;
 }
 
-// Sum `chunks` partial rows of length n (float32/float64) in chunk order into out.
+// Sum `chunks` partial rows of length n (float32/float64) in chunk order into out. The
+// sum runs along the rows (contiguous, vectorisable) into a block of running sums; a walk
+// down each column would stride n elements per load, a page apart at hidden size 1024.
 template <typename A, typename P>
 inline void sum_partials(const std::vector<A>& partial, int64_t chunks, int64_t n, P* out) {
-  at::parallel_for(0, n, 2048, [&](int64_t b, int64_t e) {
-    for (int64_t j = b; j < e; ++j) {
-      A s = 0;
-      for (int64_t c = 0; c < chunks; ++c) s += partial[c * n + j];
-      out[j] = static_cast<P>(s);
+  constexpr int64_t kBlock = 512;
+  at::parallel_for(0, (n + kBlock - 1) / kBlock, 1, [&](int64_t bb, int64_t be) {
+    A s[kBlock];
+    for (int64_t blk = bb; blk < be; ++blk) {
+      const int64_t j0 = blk * kBlock, m = std::min(kBlock, n - j0);
+      std::fill(s, s + m, A(0));
+      for (int64_t c = 0; c < chunks; ++c) {
+        const A* p = partial.data() + c * n + j0;
+        for (int64_t j = 0; j < m; ++j) s[j] += p[j];
+      }
+      for (int64_t j = 0; j < m; ++j) out[j0 + j] = static_cast<P>(s[j]);
     }
   });
 }

@@ -36,6 +36,7 @@ from __future__ import annotations
 from typing import Callable, Dict, Optional, Sequence
 
 import torch
+from torch._C._functorch import is_batchedtensor as _is_batchedtensor
 
 from pyattr.activations import resolve_activation
 from pyattr.backends import reference
@@ -190,9 +191,7 @@ def _legacy_level() -> int:
 
 def batched(t) -> bool:
     """``t`` is batched by either vmap (``torch.vmap`` or ``is_grads_batched``)."""
-    from torch._C._functorch import is_batchedtensor
-
-    return isinstance(t, torch.Tensor) and (is_batchedtensor(t) or (_LEGACY_KEY is not None and _legacy_batched(t)))
+    return isinstance(t, torch.Tensor) and (_is_batchedtensor(t) or (_LEGACY_KEY is not None and _legacy_batched(t)))
 
 
 def legacy_physical(t, *shared):

@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator, List, Optional
 import torch
 from torch import nn
 
+from pyattr import _function
 from pyattr.activations import Activation, _kind_of_module, forward_fn
 from pyattr.integration import architectures as A
 from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
@@ -98,7 +99,7 @@ def _activation_forward(kind: str):
         act = Activation(kind, forward_fn(module, kind) if inplace else state.native)
 
         def forward(x):
-            return IdentityRuleFunction.apply(x, act)
+            return _function.apply(IdentityRuleFunction, x, act)
 
         return forward
 
@@ -239,7 +240,7 @@ def _head_forward(act: Activation):
     def make(head, state):
         def forward(features, **kwargs):
             x = head.dense(features)
-            x = IdentityRuleFunction.apply(x, act)
+            x = _function.apply(IdentityRuleFunction, x, act)
             x = head.layer_norm(x)
             return head.decoder(x)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pyattr import backends
+from pyattr import _function, backends
 from pyattr._validation import check_float, check_same_device
 from pyattr.activations import Activation, resolve_activation
 
@@ -78,4 +78,4 @@ def gated_activation(
     if gate.dtype != up.dtype:
         raise TypeError(f"gate ({gate.dtype}) and up ({up.dtype}) must have the same dtype")
     check_same_device(gate=gate, up=up)
-    return GatedActivationFunction.apply(gate, up, resolve_activation(act, zero_limit), bool(identity), bool(half))
+    return _function.apply(GatedActivationFunction, gate, up, resolve_activation(act, zero_limit), bool(identity), bool(half))

@@ -7,7 +7,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from pyattr import backends
+from pyattr import _function, backends
 from pyattr._validation import check_eps, check_float, check_has_hidden, check_norm_param, check_same_device
 
 
@@ -130,4 +130,4 @@ def layer_norm(
     check_norm_param("bias", bias, x)
     check_same_device(x=x, weight=weight, bias=bias)
     eps = check_eps(eps)
-    return LayerNormRuleFunction.apply(x, weight, bias, eps, _native)[0]
+    return _function.apply(LayerNormRuleFunction, x, weight, bias, eps, _native)[0]

@@ -7,7 +7,7 @@ from typing import Callable, Optional
 
 import torch
 
-from pyattr import backends
+from pyattr import _function, backends
 from pyattr._validation import check_eps, check_float, check_has_hidden, check_norm_param, check_same_device
 
 
@@ -78,4 +78,4 @@ def rms_norm(
         raise ValueError(f"offset must be finite, got {offset!r}")
     if weight is None and offset != 0.0:
         raise ValueError("offset needs a weight: with weight=None the norm has no scale to offset")
-    return RMSNormRuleFunction.apply(x, weight, eps, float(offset), _native)
+    return _function.apply(RMSNormRuleFunction, x, weight, eps, float(offset), _native)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from pyattr import backends
+from pyattr import _function, backends
 from pyattr._validation import check_broadcast, check_float, check_same_device
 from pyattr.backends._vmap import sum_to
 
@@ -58,4 +58,4 @@ def half_rule(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     check_float("v", v)
     check_same_device(u=u, v=v)
     check_broadcast("u", u, "v", v)
-    return HalfRuleFunction.apply(u, v)
+    return _function.apply(HalfRuleFunction, u, v)

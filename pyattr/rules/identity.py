@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from pyattr import backends
+from pyattr import _function, backends
 from pyattr._validation import check_float
 from pyattr.activations import Activation, resolve_activation
 
@@ -62,4 +62,4 @@ def identity_rule(x: torch.Tensor, act="silu", zero_limit: float = 0.5) -> torch
         ValueError: ``act`` names no known activation; ``zero_limit`` is not finite.
     """
     check_float("x", x)
-    return IdentityRuleFunction.apply(x, resolve_activation(act, zero_limit))
+    return _function.apply(IdentityRuleFunction, x, resolve_activation(act, zero_limit))

@@ -11,7 +11,7 @@ from typing import Optional, Union
 
 import torch
 
-from pyattr import backends
+from pyattr import _function, backends
 from pyattr._validation import check_broadcast, check_eps, check_float, check_has_hidden, check_norm_param, check_same_device
 from pyattr.backends._vmap import sum_to
 
@@ -64,7 +64,7 @@ def ln_rule(num: torch.Tensor, denom: Union[torch.Tensor, float]) -> torch.Tenso
         check_broadcast("num", num, "denom", denom)
     elif not isinstance(denom, (int, float)) or isinstance(denom, bool):
         raise TypeError(f"denom must be a tensor or a number, got {type(denom).__name__}")
-    return LNRuleFunction.apply(num, denom)
+    return _function.apply(LNRuleFunction, num, denom)
 
 
 def ln_rule_grad(

@@ -11,6 +11,7 @@ from typing import Union
 
 import torch
 
+from pyattr import _function
 from pyattr._validation import check_float, check_same_device
 from pyattr.backends._vmap import sum_to
 
@@ -70,4 +71,4 @@ def scale_gradient(x: torch.Tensor, scale: Union[float, torch.Tensor]) -> torch.
         scale = float(scale)
     else:
         raise TypeError(f"scale must be a float or a tensor, got {type(scale).__name__}")
-    return ScaleGradientFunction.apply(x, scale)
+    return _function.apply(ScaleGradientFunction, x, scale)
