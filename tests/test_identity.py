@@ -160,3 +160,31 @@ def test_cpp_result_does_not_depend_on_the_position_in_the_tensor(kind, dtype):
         a = compiled.gated_backward(g, u, dh, act, identity, True)
         b = compiled.gated_backward(G, U, DH, act, identity, True)
         assert torch.equal(a[0], b[0][:5]) and torch.equal(a[1], b[1][:5])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpp_relu_16bit_equals_the_float32_product_for_every_bit_pattern(dtype):
+    """The cpp ReLU rule for 16-bit types works on bit patterns (no float32 round trip).
+    Against ``dy·φ(x)`` computed in float32 and rounded: every one of the 65536 values of
+    x, with dy finite of both signs, ±0, ±inf and NaN (lengths that leave a tail too)."""
+    from pyattr.backends import compiled
+
+    import pyattr
+
+    if not pyattr.available_backends()["cpp"].available:
+        pytest.skip("the cpp backend is not built")
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    act = resolve_activation("relu")
+    for d in (1.5, -2.25, 0.0, -0.0, 3e-39 if dtype == torch.bfloat16 else 6e-8, float("inf"), float("-inf"),
+              float("nan")):
+        dy = torch.full_like(x, d)
+        x32 = x.float()
+        phi = torch.where(x32 > 0, 1.0, 0.0).where(~x32.isnan(), float("nan"))
+        want = (dy.float() * phi).to(dtype)
+        for n in (x.numel(), x.numel() - 5):
+            got = compiled.identity_backward(x[:n], dy[:n], act)
+            w = want[:n]
+            assert torch.equal(got.isnan(), w.isnan()), d
+            keep = ~w.isnan()
+            # bit for bit, the sign of zero included
+            assert torch.equal(got[keep].view(torch.int16), w[keep].view(torch.int16)), d
