@@ -82,7 +82,9 @@ constexpr int64_t kGrain = 16384;
 // (a scalar tail with its own formula would round differently).
 template <typename T, size_t NIN, size_t NOUT, typename VF>
 void elementwise(const std::array<const T*, NIN>& in, const std::array<T*, NOUT>& out, int64_t n, VF vf) {
-  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+  // copied by value into the task: pointers read through a reference are reloaded after
+  // every store (the compiler cannot rule out aliasing), a load per operand per step
+  at::parallel_for(0, n, kGrain, [in, out, vf](int64_t begin, int64_t end) {
     int64_t i = begin;
     // Two accumulation vectors per step: a 16-bit type then converts a whole register
     // (16 lanes) each way instead of half of one, which halves the conversion work that
