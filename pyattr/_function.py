@@ -30,16 +30,20 @@ def _twin(cls: Type[torch.autograd.Function]) -> Type[torch.autograd.Function]:
     if any(p.default is not p.empty or p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params):
         # the twin passes the arguments through as given: defaults would be lost
         raise TypeError(f"{cls.__name__}.forward must take positional arguments without defaults")
-    fwd, setup, bwd = cls.forward, cls.setup_context, cls.backward
 
+    # The methods are looked up on cls at each call, so that a patched method (a test's
+    # monkeypatch) reaches both forms alike, and its undoing too.
     def forward(ctx, *args):
-        out = fwd(*args)
-        setup(ctx, args, out)
+        out = cls.forward(*args)
+        cls.setup_context(ctx, args, out)
         return out
+
+    def backward(ctx, *grads):
+        return cls.backward(ctx, *grads)
 
     # same name, so the graph shows the same <Name>Backward node either way
     twin = type(cls.__name__, (torch.autograd.Function,), {
-        "forward": staticmethod(forward), "backward": staticmethod(bwd),
+        "forward": staticmethod(forward), "backward": staticmethod(backward),
         "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
     })
     setattr(cls, _TWIN, twin)

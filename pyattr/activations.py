@@ -225,7 +225,8 @@ def phi(x32: torch.Tensor, act: Activation) -> torch.Tensor:
     if k == "silu":
         return torch.sigmoid(x32)
     if k == "gelu":
-        return 0.5 * (1.0 + torch.erf(x32 * _INV_SQRT_2))
+        # erfc, not 1 + erf: for x below about -5 the sum cancels to 0 while Φ is ~1e-9
+        return 0.5 * torch.erfc(-x32 * _INV_SQRT_2)
     if k == "gelu_tanh":
         inner = _SQRT_2_OVER_PI * (x32 + 0.044715 * x32 * x32 * x32)
         # x³ overflows to ±inf for huge |x|; tanh saturates correctly there.
@@ -275,7 +276,7 @@ def derivative(x32: torch.Tensor, act: Activation) -> torch.Tensor:
         return s * (1.0 + x32 * (1.0 - s))
     if k == "gelu":
         pdf = torch.exp(-0.5 * x32 * x32) / math.sqrt(2.0 * math.pi)
-        return 0.5 * (1.0 + torch.erf(x32 * _INV_SQRT_2)) + x32 * pdf
+        return 0.5 * torch.erfc(-x32 * _INV_SQRT_2) + x32 * pdf
     if k == "gelu_tanh":
         # saturated beyond |x| = 10; the clamp keeps x² from overflowing into inf·0
         xc = torch.clamp(x32, -10.0, 10.0)

@@ -188,3 +188,30 @@ def test_cpp_relu_16bit_equals_the_float32_product_for_every_bit_pattern(dtype):
             keep = ~w.isnan()
             # bit for bit, the sign of zero included
             assert torch.equal(got[keep].view(torch.int16), w[keep].view(torch.int16)), d
+
+
+def test_cpp_relu_16bit_follows_flush_denormal():
+    """Under ``torch.set_flush_denormal(True)`` float arithmetic reads and writes
+    subnormals as zero; the cpp ReLU rule on bfloat16 then gives what the reference
+    backend gives (its bit-pattern path would pass subnormals through)."""
+    import pyattr
+
+    if not pyattr.available_backends()["cpp"].available:
+        pytest.skip("the cpp backend is not built")
+    bf = torch.bfloat16
+    x = torch.tensor([0x0001, 0x3F80, 0x0040, 0x7F80, -0x7FFF], dtype=torch.int16).view(bf).requires_grad_(True)
+    dy = torch.tensor([0x3F80, 0x0001, 0x0040, 0x0003, -0x4080], dtype=torch.int16).view(bf)  # last: -1.0
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU has no flush-denormal mode")
+    try:
+        got = {}
+        for name in ("torch", "cpp"):
+            with pyattr.backend(name):
+                got[name] = torch.autograd.grad(identity_rule(x, "relu"), x, dy)[0].view(torch.int16)
+    finally:
+        torch.set_flush_denormal(False)
+    assert torch.equal(got["cpp"], got["torch"])
+    assert got["cpp"].tolist() == [0, 0, 0, 0, -0x8000]
+    with pyattr.backend("cpp"):  # and with subnormals kept, they pass through
+        kept = torch.autograd.grad(identity_rule(x, "relu"), x, dy)[0].view(torch.int16)
+    assert kept.tolist() == [0x3F80, 0x0001, 0x0040, 0x0003, -0x8000]

@@ -1,4 +1,8 @@
 // Identity-rule backward on CPU: dx = dy * phi(x), float32 accumulation.
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
@@ -7,6 +11,17 @@
 namespace pyattr::cpu {
 
 namespace {
+
+// torch.set_flush_denormal(True) sets FTZ and DAZ in the calling thread's MXCSR: float
+// arithmetic then reads and writes subnormals as zero, which the bit-pattern path below
+// would not do.
+inline bool denormals_flushed() {
+#if defined(__x86_64__) || defined(_M_X64)
+  return (_mm_getcsr() & 0x8040) != 0;
+#else
+  return false;
+#endif
+}
 
 // ReLU's phi is 1[x > 0] (NaN for a NaN x), so in a 16-bit type dx = dy * phi takes no
 // arithmetic: dy where x > 0; dy * 0 where x <= 0, a zero with dy's sign (NaN for an
@@ -57,8 +72,10 @@ at::Tensor identity_backward(const at::Tensor& x_in, const at::Tensor& dy_in, c1
     with_act(act, [&](auto c) {
       constexpr Act K = decltype(c)::value;
       if constexpr (K == Act::ReLU && (std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>)) {
-        relu_rule_16bit<T>(x.const_data_ptr<T>(), dy.const_data_ptr<T>(), dx.mutable_data_ptr<T>(), x.numel());
-        return;
+        if (!denormals_flushed()) {  // else the float path, which flushes as the other backends do
+          relu_rule_16bit<T>(x.const_data_ptr<T>(), dy.const_data_ptr<T>(), dx.mutable_data_ptr<T>(), x.numel());
+          return;
+        }
       }
       elementwise<T, 2, 1>(
           {x.const_data_ptr<T>(), dy.const_data_ptr<T>()}, {dx.mutable_data_ptr<T>()}, x.numel(),
