@@ -173,6 +173,21 @@ def select(device: torch.device, op: str) -> str:
     name = requested_backend()
     if name == "torch":
         return name
+    # Every rule backward asks; the answer is a function of the request, the device type
+    # and the probes (fixed per TRITON_INTERPRET, unless the probe functions themselves
+    # are replaced, which is part of the key). Only successful answers are kept, so an
+    # unavailable forced backend raises at every call.
+    key = (name, device.type, os.environ.get("TRITON_INTERPRET"), available_backends, _probe_all)
+    hit = _selected.get(key)
+    if hit is None:
+        hit = _selected[key] = _select(name, device, op)
+    return hit
+
+
+_selected: Dict[tuple, str] = {}
+
+
+def _select(name: str, device: torch.device, op: str) -> str:
     if name == "auto":
         for cand in _AUTO_ORDER.get(device.type, ("torch",)):
             if cand == "torch":

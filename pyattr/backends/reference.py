@@ -25,7 +25,8 @@ def promoted_dtype(x: torch.Tensor, *others: torch.Tensor) -> torch.dtype:
     down; the kernel runs in float32 and its results are cast back."""
     dt = x.dtype
     for t in others:
-        dt = torch.promote_types(dt, t.dtype)
+        if t.dtype != dt:
+            dt = torch.promote_types(dt, t.dtype)
     return dt
 
 
