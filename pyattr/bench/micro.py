@@ -34,7 +34,9 @@ core (``dV`` only) on each backend. It runs in ``bwd`` mode only, with fewer rep
 
 from __future__ import annotations
 
+import itertools
 import math
+import random
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -88,12 +90,24 @@ def _hf_rms_norm(x, w, eps):
     return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def build(op: str, act: Optional[str], provider: str, shape, dtype, device) -> Tuple[Callable, List[torch.Tensor], int]:
-    """Return (forward function, inputs requiring grad, input bytes) for one case."""
+def build(op: str, act: Optional[str], provider: str, shape, dtype, device,
+          pool: Optional[Dict[int, torch.Tensor]] = None) -> Tuple[Callable, List[torch.Tensor], int]:
+    """Return (forward function, inputs requiring grad, input bytes) for one case.
+
+    ``pool`` shares the input tensors between the providers of a case (the i-th input
+    made is the pool's i-th): where a tensor lies in memory moved one op's time by up to
+    a quarter here, so each provider drawing its own inputs made a different draw."""
     g = torch.Generator(device="cpu").manual_seed(0)
+    made = itertools.count()
 
     def rnd(*s):
-        return torch.randn(*s, generator=g).to(device=device, dtype=dtype).requires_grad_(True)
+        i = next(made)
+        if pool is not None and i in pool:
+            return pool[i]
+        t = torch.randn(*s, generator=g).to(device=device, dtype=dtype).requires_grad_(True)
+        if pool is not None:
+            pool[i] = t
+        return t
 
     rows, hidden = shape
     if op in ("identity",):
@@ -254,12 +268,12 @@ class _Case:
     or both, to be called inside ``ctx()`` (the provider's backend; ``run()`` does both);
     ``saved``/``in_bytes`` what it keeps."""
 
-    def __init__(self, op, act, provider, shape, dtype, device, mode):
+    def __init__(self, op, act, provider, shape, dtype, device, mode, pool=None):
         self.op, self.act, self.provider, self.shape, self.dtype, self.mode = op, act, provider, shape, dtype, mode
         backend = provider.split("-", 1)[1] if provider.startswith("pyattr-") else None
         self.ctx = (lambda: pyattr.backend(backend)) if backend else _Null
         with self.ctx():
-            fn, ins, self.in_bytes = build(op, act, provider, shape, dtype, device)
+            fn, ins, self.in_bytes = build(op, act, provider, shape, dtype, device, pool)
             self.saved = saved_bytes(fn)
             y = fn()
             dy = torch.randn_like(y)
@@ -289,17 +303,25 @@ def time_interleaved(runs: Sequence[Callable], device, warmup: int, repeats: int
                      contexts: Optional[Sequence[Callable]] = None) -> List[List[float]]:
     """Wall times in ms of each of ``runs``, taken in turn (one of each per round): slow
     drifts of the machine (another tenant, clock changes) then land on every provider of
-    a case alike instead of on whichever ran during them. ``contexts[i]()`` (a backend
-    scope) is entered around run i's timing, outside the timed window."""
+    a case alike instead of on whichever ran during them. Each round takes the runs in a
+    new order (a seeded shuffle), so that no run always follows the same other one: what
+    a run leaves behind (caches full of its data, a heap cut up by its temporaries) cost
+    the next one up to a third of its time here, and a fixed order put that cost on the
+    same provider every round (the reference backend after the unfused rules, for one).
+    ``contexts[i]()`` (a backend scope) is entered around run i's timing, outside the
+    timed window."""
     ctxs = contexts or [_Null] * len(runs)
     for run, ctx in zip(runs, ctxs):
         with ctx():
             time_ms(run, device, warmup, 0)
     out: List[List[float]] = [[] for _ in runs]
+    order = list(range(len(runs)))
+    shuffle = random.Random(0).shuffle
     for _ in range(repeats):
-        for i, (run, ctx) in enumerate(zip(runs, ctxs)):
-            with ctx():
-                out[i] += time_ms(run, device, 0, 1)
+        shuffle(order)
+        for i in order:
+            with ctxs[i]():
+                out[i] += time_ms(runs[i], device, 0, 1)
     return out
 
 
@@ -321,7 +343,8 @@ def _row(case: "_Case", ts: Sequence[float], device, copy_bw) -> Row:
 
 def measure_case(op, act, providers, shape, dtype, device, mode, warmup, repeats, copy_bw) -> List[Row]:
     """One row per provider of one case, their runs interleaved (:func:`time_interleaved`)."""
-    cases_ = [_Case(op, act, p, shape, dtype, device, mode) for p in providers]
+    pool: Dict[int, torch.Tensor] = {}  # one set of inputs for every provider
+    cases_ = [_Case(op, act, p, shape, dtype, device, mode, pool) for p in providers]
     times = time_interleaved([c.step for c in cases_], device, warmup, repeats, [c.ctx for c in cases_])
     return [_row(c, ts, device, copy_bw) for c, ts in zip(cases_, times)]
 
