@@ -23,7 +23,17 @@ TORCH_LIBRARY(pyattr, m) {
   m.def("attention_dv(Tensor q, Tensor k, Tensor dout, Tensor? mask, float scaling, float? softcap, bool causal) -> Tensor");
 }
 
-static PyModuleDef pyattr_module = {PyModuleDef_HEAD_INIT, "_C", "pyattr compiled kernels", -1, nullptr};
+namespace pyattr {
+PyObject* layer_norm_rule_py(PyObject* self, PyObject* args);  // csrc/layer_norm_rule.cpp
+}
+
+static PyMethodDef pyattr_methods[] = {
+    {"layer_norm_rule", pyattr::layer_norm_rule_py, METH_VARARGS,
+     "layer_norm_rule(x, weight, bias, eps) -> Tensor: LayerNorm with the LN-rule backward as a C++ "
+     "autograd Function (arguments checked by pyattr.ops.layer_norm)."},
+    {nullptr, nullptr, 0, nullptr}};
+
+static PyModuleDef pyattr_module = {PyModuleDef_HEAD_INIT, "_C", "pyattr compiled kernels", -1, pyattr_methods};
 
 PyMODINIT_FUNC PyInit__C(void) {
   PyObject* mod = PyModule_Create(&pyattr_module);

@@ -21,11 +21,12 @@ def check_float(name: str, t: torch.Tensor) -> None:
 
 def check_same_device(**tensors: Optional[torch.Tensor]) -> None:
     present = [(n, t) for n, t in tensors.items() if t is not None]
-    if not present:
+    if len(present) < 2:
         return
     n0, t0 = present[0]
+    d0 = t0.device
     for n, t in present[1:]:
-        if t.device != t0.device:
+        if t.device != d0:
             raise ValueError(
                 f"{n} is on {t.device} but {n0} is on {t0.device}; all tensors must be on one device"
             )

@@ -300,12 +300,24 @@ def test_micro_keeps_freed_memory_in_its_own_process():
 
 
 def test_micro_providers_are_timed_in_turn():
-    """time_interleaved runs one of each provider per round, after each one's warm-up."""
+    """time_interleaved runs one of each provider per round, after each one's warm-up;
+    the order within a round is reshuffled (seeded), so that no provider always follows
+    the same one."""
     order = []
     runs = [lambda i=i: order.append(i) for i in range(3)]
-    out = micro.time_interleaved(runs, torch.device("cpu"), warmup=2, repeats=4)
-    assert order == [0, 0, 1, 1, 2, 2] + [0, 1, 2] * 4
-    assert [len(t) for t in out] == [4, 4, 4] and all(v >= 0 for t in out for v in t)
+    out = micro.time_interleaved(runs, torch.device("cpu"), warmup=2, repeats=12)
+    assert order[:6] == [0, 0, 1, 1, 2, 2]
+    rounds = [tuple(order[6 + 3 * r: 9 + 3 * r]) for r in range(12)]
+    assert all(sorted(r) == [0, 1, 2] for r in rounds)
+    assert len(set(rounds)) > 1  # not one fixed order
+    # each provider is preceded by each other one in some round (2 is not always after 1)
+    after = {(r[k - 1], r[k]) for r in rounds for k in range(1, 3)}
+    assert {(0, 1), (1, 0), (1, 2), (2, 1), (0, 2), (2, 0)} <= after
+    # the same seed, the same orders: runs are comparable between invocations
+    again = []
+    micro.time_interleaved([lambda i=i: again.append(i) for i in range(3)], torch.device("cpu"), warmup=2, repeats=12)
+    assert again == order
+    assert [len(t) for t in out] == [12, 12, 12] and all(v >= 0 for t in out for v in t)
     # a provider's scope (its backend) is entered around its runs, outside the timed window
     import contextlib as cl
 
@@ -320,7 +332,26 @@ def test_micro_providers_are_timed_in_turn():
     order.clear()
     micro.time_interleaved(runs[:2], torch.device("cpu"), warmup=0, repeats=1,
                            contexts=[lambda: scope(0), lambda: scope(1)])
-    assert seen == [("enter", 0), ("exit", 0), ("enter", 1), ("exit", 1)] * 2 and order == [0, 1]
+    assert seen[:4] == [("enter", 0), ("exit", 0), ("enter", 1), ("exit", 1)]  # warm-up, in order
+    assert sorted(order) == [0, 1]
+    assert seen[4:] == [x for i in order for x in (("enter", i), ("exit", i))]
+
+
+def test_micro_providers_of_a_case_share_their_inputs():
+    """Every provider of a case reads the same input tensors (where a tensor lies in memory
+    moved an op's time by a quarter here): the pool hands the i-th input to each."""
+    pool = {}
+    cases = [micro._Case("layer_norm", None, p, (8, 16), torch.float32, torch.device("cpu"), "fwd+bwd", pool)
+             for p in ("native", "pyattr-torch")]
+    assert len(pool) == 3  # x, weight, bias
+    fn_native, ins_native, _ = micro.build("layer_norm", None, "native", (8, 16), torch.float32, torch.device("cpu"), pool)
+    fn_torch, ins_torch, _ = micro.build("layer_norm", None, "pyattr-torch", (8, 16), torch.float32,
+                                         torch.device("cpu"), pool)
+    assert all(a is b for a, b in zip(ins_native, ins_torch)) and all(a is pool[i] for i, a in enumerate(ins_native))
+    # without a pool each build draws its own tensors (same values, other memory)
+    _, own, _ = micro.build("layer_norm", None, "native", (8, 16), torch.float32, torch.device("cpu"))
+    assert all(a is not b and torch.equal(a, b) for a, b in zip(own, ins_native))
+    assert [c.provider for c in cases] == ["native", "pyattr-torch"]
 
 
 def test_e2e_cpu_times_come_from_one_interleaved_process():

@@ -45,7 +45,8 @@ CASES = {
 def test_eager_call_runs_the_twin_with_the_same_node_name_and_gradient(name):
     call, cls, make = CASES[name]
     leaves = make()
-    y = call(*leaves)
+    with pyattr.backend("torch"):  # LayerNorm with the cpp backend has a C++ node instead
+        y = call(*leaves)
     twin = cls.__dict__[_function._TWIN]
     assert type(y.grad_fn)._forward_cls is twin
     assert type(y.grad_fn).__name__ == f"{cls.__name__}Backward"

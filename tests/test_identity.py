@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import DTYPES, assert_close
-from oracles import act64, phi64
+from oracles import phi64
 from pyattr.activations import resolve_activation
 from pyattr.ops import activation
 from pyattr.rules import identity_rule

@@ -124,3 +124,127 @@ def test_rstd_path_equals_the_recomputing_path(backend):
         dx_full, _ = torch.autograd.grad(layer_norm(xb, wb, b, 1e-5), (xb, wb), dy)
     torch.testing.assert_close(dx_stats, dx_full, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(dx_stats, layer_norm_rule_grads(x, w, b, 1e-5, dy)[0], rtol=1e-12, atol=1e-12)
+
+
+# --- the C++ autograd Function (csrc/layer_norm_rule.cpp) -------------------------------
+
+def _needs_cpp():
+    import pyattr
+
+    if not pyattr.available_backends()["cpp"].available:
+        pytest.skip("the cpp backend is not built")
+
+
+def _python_function(x, w, b, eps):
+    from pyattr import _function
+    from pyattr.ops.layer_norm import LayerNormRuleFunction
+
+    return _function.apply(LayerNormRuleFunction, x, w, b, eps, None)[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("affine", ["both", "weight", "bias", "none"])
+@pytest.mark.parametrize("grads", ["all", "x", "params", "weight"])
+def test_cpp_function_equals_the_python_function(dtype, affine, grads):
+    """With the cpp backend a CPU float32/float64 LayerNorm is a C++ autograd node: the
+    same forward (bit for bit) and the same gradients (bit for bit: the same kernels) as
+    the Python Function, for every subset of inputs that need a gradient."""
+    import pyattr
+
+    _needs_cpp()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 3, 33, generator=g, dtype=dtype)
+    w = torch.randn(33, generator=g, dtype=dtype) if affine in ("both", "weight") else None
+    b = torch.randn(33, generator=g, dtype=dtype) if affine in ("both", "bias") else None
+    want_grad = {"all": (True, True, True), "x": (True, False, False), "params": (False, True, True),
+                 "weight": (False, True, False)}[grads]
+    for t, r in zip((x, w, b), want_grad):
+        if t is not None:
+            t.requires_grad_(r)
+    leaves = [t for t in (x, w, b) if t is not None and t.requires_grad]
+    if not leaves:
+        return
+    dy = torch.randn(5, 3, 33, generator=g, dtype=dtype)
+    with pyattr.backend("cpp"):
+        y = layer_norm(x, w, b, 1e-5)
+        assert "CppNode" in y.grad_fn.name() and "LayerNormRule" in y.grad_fn.name()
+        ref = _python_function(x, w, b, 1e-5)
+        assert type(ref.grad_fn).__name__ == "LayerNormRuleFunctionBackward"
+        assert torch.equal(y, ref) and torch.equal(y, F.layer_norm(x, (33,), w, b, 1e-5))
+        got = torch.autograd.grad(y, leaves, dy)
+        want = torch.autograd.grad(ref, leaves, dy)
+    for a, e in zip(got, want):
+        assert a.dtype == e.dtype and torch.equal(a, e)
+
+
+def test_cpp_function_second_order_batched_and_saved_tensors():
+    """create_graph runs the reference formula (as the Python Function does); k gradients
+    in one batched backward equal the loop; four tensors are saved (x, weight, mean, rstd)."""
+    import pyattr
+
+    _needs_cpp()
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(4, 17, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(17, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(17, generator=g, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(4, 17, generator=g, dtype=torch.float64)
+    with pyattr.backend("cpp"):
+        for fn in (layer_norm, _python_function):
+            (gx,) = torch.autograd.grad(fn(x, w, b, 1e-5), x, dy, create_graph=True)
+            assert gx.requires_grad
+            second = torch.autograd.grad((gx * gx).sum(), [x, w])
+            if fn is layer_norm:
+                first = second
+        for a, e in zip(first, second):
+            assert torch.equal(a, e)
+        y = layer_norm(x, w, b, 1e-5)
+        G = torch.randn(3, 4, 17, generator=g, dtype=torch.float64)
+        loop = [torch.autograd.grad(y, [x, w, b], gi, retain_graph=True) for gi in G]
+        batched = torch.autograd.grad(y, [x, w, b], G, is_grads_batched=True)
+        for i, bt in enumerate(batched):
+            torch.testing.assert_close(bt, torch.stack([lp[i] for lp in loop]), rtol=1e-12, atol=1e-12)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+            layer_norm(x, w, b, 1e-5)
+    assert sorted(saved) == sorted([(4, 17), (17,), (4, 1), (4, 1)])
+
+
+def test_cpp_function_only_where_it_gives_the_same_result():
+    """The Python Function stays where the C++ node would differ or could not be seen: the
+    torch backend, 16-bit inputs, mixed dtypes, a module's own forward, tensor subclasses,
+    torch.func transforms."""
+    import pyattr
+    from pyattr.ops.layer_norm import _cpp_function_applies
+
+    _needs_cpp()
+    x = torch.randn(3, 8, requires_grad=True)
+    w = torch.randn(8, requires_grad=True)
+
+    def node(*a, **k):
+        return layer_norm(*a, **k).grad_fn.name()
+
+    with pyattr.backend("cpp"):
+        assert "CppNode" in node(x, w, None, 1e-5)
+        assert "CppNode" not in node(x.bfloat16(), w.bfloat16(), None, 1e-5)
+        assert "CppNode" not in node(x.bfloat16(), w, None, 1e-5)  # 16-bit x with a float32 weight
+        custom = torch.nn.LayerNorm(8)
+        custom.forward = lambda t: F.layer_norm(t, (8,), None, None, 1e-5)
+        assert "CppNode" not in node(x, None, None, 1e-5, _native=custom.forward)
+
+        class Sub(torch.Tensor):
+            pass
+
+        assert "CppNode" not in node(x.detach().as_subclass(Sub).requires_grad_(), w, None, 1e-5)
+        seen = []
+
+        def f(t):
+            y = layer_norm(t, w.detach(), None, 1e-5)
+            seen.append(_cpp_function_applies(t, w.detach(), None, None))
+            return y.sum()
+
+        gx = torch.func.grad(f)(x.detach())  # inside a transform: the Python Function
+        assert seen == [False] and gx.shape == x.shape
+        assert _cpp_function_applies(x, w, None, None)
+    with pyattr.backend("torch"):
+        assert "CppNode" not in node(x, w, None, 1e-5)
+    assert "CppNode" in node(x, w, None, 1e-5) or pyattr.backends.select(x.device, "layer_norm") != "cpp"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 import torch
@@ -31,8 +32,9 @@ class LayerNormRuleFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(x, weight, bias, eps: float, native: Optional[Callable]):
-        if _plain_layer_norm(native) and x.dtype in (torch.float32, torch.float64) and all(
-                p is None or p.dtype == x.dtype for p in (weight, bias)):
+        dt = x.dtype
+        if (dt == torch.float32 or dt == torch.float64) and (weight is None or weight.dtype == dt) and (
+                bias is None or bias.dtype == dt) and _plain_layer_norm(native):
             out, mean, rstd = torch.native_layer_norm(x, (x.shape[-1],), weight, bias, eps)
             return out, mean, rstd
         out = native(x) if native is not None else F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
@@ -119,11 +121,18 @@ def layer_norm(
     ``nn.LayerNorm``'s own math the per-row mean and rstd of the native forward (one value
     each per row), which the backward uses instead of recomputing μ and σ.
 
+    On CPU with the ``cpp`` backend (float32/float64, plain tensors, eager code) the
+    autograd node is a C++ Function (``pyattr._C.layer_norm_rule``) with the same forward
+    and the same kernels, without the Python ``autograd.Function`` around them; for that
+    node the backend is the one selected when the forward runs.
+
     Raises:
         TypeError: non-floating tensors or non-numeric ``eps``.
         ValueError: ``weight``/``bias`` not of shape ``(hidden,)``, tensors on different
             devices, ``eps`` negative or not finite.
     """
+    if _valid_for_cpp_function(x, weight, bias, eps) and _cpp_function_applies(x, weight, bias, _native):
+        return backends._probe_extension()[0].layer_norm_rule(x, weight, bias, eps)
     check_float("x", x)
     check_has_hidden("x", x)
     check_norm_param("weight", weight, x)
@@ -131,3 +140,36 @@ def layer_norm(
     check_same_device(x=x, weight=weight, bias=bias)
     eps = check_eps(eps)
     return _function.apply(LayerNormRuleFunction, x, weight, bias, eps, _native)[0]
+
+
+def _valid_for_cpp_function(x, weight, bias, eps) -> bool:
+    """The arguments pass the checks below (a CPU float32/float64 ``x`` with at least one
+    dimension, parameters of shape ``(hidden,)`` in its dtype and on its device, a finite
+    float ``eps`` >= 0) and suit the C++ Function: true means the checks have nothing to
+    say; false sends the call through them, for their errors. Cheap attribute tests only,
+    since the Python time around a kernel is what the C++ Function saves."""
+    if type(x) is not torch.Tensor or type(eps) is not float or not 0.0 <= eps < math.inf:
+        return False
+    dt = x.dtype
+    if (dt is not torch.float32 and dt is not torch.float64) or not x.is_cpu or x.dim() == 0:
+        return False
+    hidden = x.shape[-1]
+    for p in (weight, bias):
+        if p is not None and (type(p) is not torch.Tensor or p.dtype is not dt or not p.is_cpu or p.dim() != 1
+                              or p.shape[0] != hidden):
+            return False
+    return True
+
+
+def _cpp_function_applies(x, weight, bias, native) -> bool:
+    """The C++ autograd Function (csrc/layer_norm_rule.cpp) gives what the Python one
+    gives, for arguments :func:`_valid_for_cpp_function` passed: ``nn.LayerNorm``'s math,
+    no torch-function mode, tracing or functorch transform that would see the ops inside
+    the Python Function, and the cpp backend selected."""
+    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+            or torch._C._is_torch_function_mode_enabled() or torch.jit.is_tracing() or not _plain_layer_norm(native)):
+        return False
+    try:
+        return backends.select(x.device, "layer_norm") == "cpp"
+    except backends.BackendUnavailableError:
+        return False  # a forced backend that cannot run raises in the backward, as before
