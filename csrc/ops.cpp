@@ -25,12 +25,16 @@ TORCH_LIBRARY(pyattr, m) {
 
 namespace pyattr {
 PyObject* layer_norm_rule_py(PyObject* self, PyObject* args);  // csrc/layer_norm_rule.cpp
+PyObject* identity_rule_py(PyObject* self, PyObject* args);    // csrc/identity_rule.cpp
 }
 
 static PyMethodDef pyattr_methods[] = {
     {"layer_norm_rule", pyattr::layer_norm_rule_py, METH_VARARGS,
      "layer_norm_rule(x, weight, bias, eps) -> Tensor: LayerNorm with the LN-rule backward as a C++ "
      "autograd Function (arguments checked by pyattr.ops.layer_norm)."},
+    {"identity_rule", pyattr::identity_rule_py, METH_VARARGS,
+     "identity_rule(x, kind) -> Tensor: silu / gelu / gelu_tanh / relu with the Identity-rule backward as a C++ "
+     "autograd Function (arguments checked by pyattr.rules.identity)."},
     {nullptr, nullptr, 0, nullptr}};
 
 static PyModuleDef pyattr_module = {PyModuleDef_HEAD_INIT, "_C", "pyattr compiled kernels", -1, pyattr_methods};

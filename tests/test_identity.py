@@ -215,3 +215,56 @@ def test_cpp_relu_16bit_follows_flush_denormal():
     with pyattr.backend("cpp"):  # and with subnormals kept, they pass through
         kept = torch.autograd.grad(identity_rule(x, "relu"), x, dy)[0].view(torch.int16)
     assert kept.tolist() == [0x3F80, 0x0001, 0x0040, 0x0003, -0x8000]
+
+
+# --- the C++ autograd Function (csrc/identity_rule.cpp) ----------------------------------
+
+@pytest.mark.parametrize("kind", ["silu", "gelu", "gelu_tanh", "relu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_cpp_function_equals_the_python_function(kind, dtype):
+    """With the cpp backend a CPU Identity-rule on a native activation is a C++ autograd
+    node: the forward and the gradient bit for bit those of the Python Function (the same
+    op and kernel), the second-order gradient that of the reference formula, and k
+    gradients in one batched backward those of the loop."""
+    import pyattr
+    from pyattr import _function
+    from pyattr.rules.identity import IdentityRuleFunction
+
+    if not pyattr.available_backends()["cpp"].available:
+        pytest.skip("the cpp backend is not built")
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(3, 37, generator=g) * 3).to(dtype).requires_grad_(True)
+    dy = torch.randn(3, 37, generator=g).to(dtype)
+    act = resolve_activation(kind)
+    with pyattr.backend("cpp"):
+        y = identity_rule(x, kind)
+        assert "CppNode" in y.grad_fn.name() and "IdentityRule" in y.grad_fn.name()
+        ref = _function.apply(IdentityRuleFunction, x, act)
+        assert type(ref.grad_fn).__name__ == "IdentityRuleFunctionBackward"
+        assert torch.equal(y, ref) and torch.equal(y, act.fn(x))
+        assert torch.equal(torch.autograd.grad(y, x, dy, retain_graph=True)[0],
+                           torch.autograd.grad(ref, x, dy, retain_graph=True)[0])
+        if dtype == torch.float64:
+            firsts = [torch.autograd.grad(f, x, dy, create_graph=True)[0] for f in (y, ref)]
+            seconds = [torch.autograd.grad((f * f).sum(), x, retain_graph=True)[0] for f in firsts]
+            assert torch.equal(firsts[0], firsts[1]) and torch.equal(seconds[0], seconds[1])
+        G = torch.randn(4, 3, 37, generator=g).to(dtype)
+        loop = torch.stack([torch.autograd.grad(y, x, gi, retain_graph=True)[0] for gi in G])
+        assert torch.equal(torch.autograd.grad(y, x, G, is_grads_batched=True)[0], loop)
+
+
+def test_cpp_function_only_for_native_activations_and_the_cpp_backend():
+    import pyattr
+
+    if not pyattr.available_backends()["cpp"].available:
+        pytest.skip("the cpp backend is not built")
+    x = torch.randn(2, 8, requires_grad=True)
+    with pyattr.backend("cpp"):
+        assert "CppNode" in identity_rule(x, F.silu).grad_fn.name()
+        assert "CppNode" in identity_rule(x, "gelu_pytorch_tanh").grad_fn.name()
+        # a module's own forward, QuickGELU (no native op) and custom callables: the Python Function
+        assert "CppNode" not in identity_rule(x, nn.SiLU()).grad_fn.name()
+        assert "CppNode" not in identity_rule(x, "quick_gelu").grad_fn.name()
+        assert "CppNode" not in identity_rule(x, torch.tanh).grad_fn.name()
+    with pyattr.backend("torch"):
+        assert "CppNode" not in identity_rule(x, "silu").grad_fn.name()

@@ -14,7 +14,6 @@ from typing import Any, Callable, Iterator, List, Optional
 import torch
 from torch import nn
 
-from pyattr import _function
 from pyattr.activations import Activation, _kind_of_module, forward_fn
 from pyattr.integration import architectures as A
 from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
@@ -31,7 +30,7 @@ from pyattr.integration.patching import (
 from pyattr.ops.gated import gated_activation
 from pyattr.ops.layer_norm import layer_norm
 from pyattr.ops.rms_norm import rms_norm
-from pyattr.rules.identity import IdentityRuleFunction
+from pyattr.rules.identity import apply_identity_rule
 from pyattr.integration.attention import exactly as attention_exactly
 from pyattr.integration.attention import frozen_attention
 from pyattr.integration.attention import is_frozen as attention_is_frozen
@@ -99,7 +98,7 @@ def _activation_forward(kind: str):
         act = Activation(kind, forward_fn(module, kind) if inplace else state.native)
 
         def forward(x):
-            return _function.apply(IdentityRuleFunction, x, act)
+            return apply_identity_rule(x, act)
 
         return forward
 
@@ -240,7 +239,7 @@ def _head_forward(act: Activation):
     def make(head, state):
         def forward(features, **kwargs):
             x = head.dense(features)
-            x = _function.apply(IdentityRuleFunction, x, act)
+            x = apply_identity_rule(x, act)
             x = head.layer_norm(x)
             return head.decoder(x)
 

@@ -6,7 +6,10 @@ The forward is the activation's own; the backward passes ``dx = dy · φ(x)`` wi
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 
 from pyattr import _function, backends
 from pyattr._validation import check_float
@@ -62,4 +65,37 @@ def identity_rule(x: torch.Tensor, act="silu", zero_limit: float = 0.5) -> torch
         ValueError: ``act`` names no known activation; ``zero_limit`` is not finite.
     """
     check_float("x", x)
-    return _function.apply(IdentityRuleFunction, x, resolve_activation(act, zero_limit))
+    return apply_identity_rule(x, resolve_activation(act, zero_limit))
+
+
+def apply_identity_rule(x: torch.Tensor, act: Activation) -> torch.Tensor:
+    """The Identity-rule on a checked floating ``x``: :class:`IdentityRuleFunction`, or on
+    the eager CPU path with the cpp backend and a native activation (SiLU, GELU,
+    GELU-tanh, ReLU) the C++ autograd Function ``pyattr._C.identity_rule`` (csrc/
+    identity_rule.cpp): the same forward and kernel without the Python around them. For
+    that node the backend is the one selected when the forward runs."""
+    if _cpp_function_applies(x, act):
+        return backends._probe_extension()[0].identity_rule(x, act.kind)
+    return _function.apply(IdentityRuleFunction, x, act)
+
+
+def _native_forward(act: Activation) -> bool:
+    """``act.fn`` is the functional op the C++ Function runs (not a module's own forward,
+    which may compute otherwise)."""
+    fn, k = act.fn, act.kind
+    if k == "gelu_tanh":
+        return (isinstance(fn, functools.partial) and fn.func is F.gelu and not fn.args
+                and fn.keywords == {"approximate": "tanh"})
+    return fn is {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}.get(k)
+
+
+def _cpp_function_applies(x: torch.Tensor, act: Activation) -> bool:
+    if type(x) is not torch.Tensor or not x.is_cpu or not x.is_floating_point() or not _native_forward(act):
+        return False
+    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+            or torch._C._is_torch_function_mode_enabled() or torch.jit.is_tracing()):
+        return False
+    try:
+        return backends.select(x.device, "identity") == "cpp"
+    except backends.BackendUnavailableError:
+        return False  # a forced backend that cannot run raises in the backward, as before
