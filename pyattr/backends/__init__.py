@@ -177,7 +177,11 @@ def select(device: torch.device, op: str) -> str:
     # and the probes (fixed per TRITON_INTERPRET, unless the probe functions themselves
     # are replaced, which is part of the key). Only successful answers are kept, so an
     # unavailable forced backend raises at every call.
-    key = (name, device.type, os.environ.get("TRITON_INTERPRET"), available_backends, _probe_all)
+    dev = device.type
+    # TRITON_INTERPRET decides whether Triton runs on the CPU; no CPU choice but a forced
+    # "triton" can involve Triton, so the CPU skips reading it (a cost in every backward)
+    interpret = os.environ.get("TRITON_INTERPRET") if (dev != "cpu" or name == "triton") else None
+    key = (name, dev, interpret, available_backends, _probe_all)
     hit = _selected.get(key)
     if hit is None:
         hit = _selected[key] = _select(name, device, op)
