@@ -11,6 +11,7 @@
 #include <Python.h>
 
 #include <ATen/ATen.h>
+#include <ATen/LegacyBatchedTensorImpl.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/csrc/Exceptions.h>
@@ -50,6 +51,29 @@ Triple reference_backward(const at::Tensor& x, const at::Tensor& w, double eps, 
   return {dx.to(x.scalar_type()), dw, db};
 }
 
+// dx alone from the forward's rstd, as pyattr/ops/layer_norm.py (layer_norm_rule_dx) does
+// it: the kernel; for k gradients batched by is_grads_batched the kernel once on the
+// physical tensor (k gradients, one rstd); under torch.vmap PyTorch ops, which batch.
+at::Tensor rule_dx(const at::Tensor& dy, const at::Tensor& w, const at::Tensor& rstd) {
+  if (rstd.numel() == 0 || dy.numel() == 0) return at::zeros_like(dy);
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("pyattr::layer_norm_rule_dx", "")
+                       .typed<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&)>();
+  if (!batched(dy)) return op.call(dy, maybe(w), rstd);
+  const at::BatchedTensorImpl* legacy = at::maybeGetBatchedImpl(dy);
+  if (legacy != nullptr && legacy->bdims().size() == 1 && !batched(rstd) && !(w.defined() && batched(w))) {
+    const auto& bdim = legacy->bdims()[0];
+    const at::Tensor phys = legacy->value().movedim(bdim.dim(), 0);
+    if (!batched(phys)) {
+      std::vector<int64_t> shape{phys.size(0)};
+      shape.insert(shape.end(), rstd.sizes().begin(), rstd.sizes().end());
+      return at::addBatchDim(op.call(phys, maybe(w), rstd.unsqueeze(0).expand(shape)), bdim.level(), 0);
+    }
+  }
+  const at::Tensor g = w.defined() ? dy * w : dy;
+  return ((g - g.mean(-1, true)) * rstd).to(dy.scalar_type());
+}
+
 struct LayerNormRule : public torch::autograd::Function<LayerNormRule> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const std::optional<at::Tensor>& weight,
                             const std::optional<at::Tensor>& bias, double eps) {
@@ -73,19 +97,15 @@ struct LayerNormRule : public torch::autograd::Function<LayerNormRule> {
     Triple r;
     if (at::GradMode::is_enabled()) {
       r = reference_backward(x, w, eps, dy, need_w, need_b);
+    } else if (!need_w && !need_b) {
+      r = {rule_dx(dy, w, rstd), at::Tensor(), at::Tensor()};
     } else if (batched(dy)) {
-      // k gradients in one call: the op with batching rules for both vmaps (the older one
-      // behind is_grads_batched has none for the mean a formula here would take)
+      // k gradients with parameter gradients: the op with batching rules for both vmaps
       static auto op = c10::Dispatcher::singleton()
                            .findSchemaOrThrow("pyattr::layer_norm_backward", "")
                            .typed<Triple(const at::Tensor&, const std::optional<at::Tensor>&, double,
                                          const at::Tensor&, bool, bool)>();
       r = op.call(x, maybe(w), eps, dy, need_w, need_b);
-    } else if (!need_w && !need_b) {
-      static auto op = c10::Dispatcher::singleton()
-                           .findSchemaOrThrow("pyattr::layer_norm_rule_dx", "")
-                           .typed<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&)>();
-      r = {op.call(dy, maybe(w), rstd), at::Tensor(), at::Tensor()};
     } else {
       static auto op = c10::Dispatcher::singleton()
                            .findSchemaOrThrow("pyattr::layer_norm_backward_stats", "")

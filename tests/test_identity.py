@@ -268,3 +268,29 @@ def test_cpp_function_only_for_native_activations_and_the_cpp_backend():
         assert "CppNode" not in identity_rule(x, torch.tanh).grad_fn.name()
     with pyattr.backend("torch"):
         assert "CppNode" not in identity_rule(x, "silu").grad_fn.name()
+
+
+def test_cpp_function_for_torch_nn_module_forwards():
+    """A scope passes a module's bound forward: nn.SiLU / nn.GELU / nn.ReLU (not in place)
+    call the functional op, so they get the C++ node; another class's forward does not."""
+    import pyattr
+    from pyattr.activations import Activation
+    from pyattr.rules.identity import _native_forward, apply_identity_rule
+
+    if not pyattr.available_backends()["cpp"].available:
+        pytest.skip("the cpp backend is not built")
+    x = torch.randn(2, 8, requires_grad=True)
+    with pyattr.backend("cpp"):
+        for kind, mod in [("silu", nn.SiLU()), ("gelu", nn.GELU()), ("gelu_tanh", nn.GELU(approximate="tanh")),
+                          ("relu", nn.ReLU())]:
+            y = apply_identity_rule(x, Activation(kind, mod.forward))
+            assert "CppNode" in y.grad_fn.name() and torch.equal(y, mod(x)), kind
+        # the kind must match the module (a GELU module under "gelu_tanh" is not that op)
+        assert "CppNode" not in apply_identity_rule(x, Activation("gelu_tanh", nn.GELU().forward)).grad_fn.name()
+        assert not _native_forward(Activation("relu", nn.ReLU(inplace=True).forward))  # (would write into x)
+
+        class MySiLU(nn.SiLU):
+            def forward(self, t):
+                return t * torch.sigmoid(t)
+
+        assert "CppNode" not in apply_identity_rule(x, Activation("silu", MySiLU().forward)).grad_fn.name()

@@ -248,3 +248,71 @@ def test_cpp_function_only_where_it_gives_the_same_result():
     with pyattr.backend("torch"):
         assert "CppNode" not in node(x, w, None, 1e-5)
     assert "CppNode" in node(x, w, None, 1e-5) or pyattr.backends.select(x.device, "layer_norm") != "cpp"
+
+
+@pytest.mark.parametrize("arch", ["bert", "gpt2"])
+def test_cpp_function_in_a_model_scope_gives_the_python_function_relevance(arch, monkeypatch):
+    """Inside use_relevance_rules the models' nn.LayerNorm (nn.Parameter weights) get the
+    C++ node with the cpp backend, and relevance equals, bit for bit, what the Python
+    Function gives with the same backend."""
+    import sys
+
+    import pyattr
+
+    _needs_cpp()
+    from models import VOCAB, tiny_causal_lm
+
+    L = sys.modules["pyattr.ops.layer_norm"]  # pyattr.ops.layer_norm is the function
+
+    model = tiny_causal_lm(arch)
+    ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(0))
+
+    def run():
+        with pyattr.backend("cpp"):
+            res = pyattr.relevance(model, ids, target=3)
+        return res.relevance
+
+    names, seen = [], set()
+    with pyattr.backend("cpp"), pyattr.use_relevance_rules(model):
+        emb = model.get_input_embeddings()(ids).detach().requires_grad_()
+        out = model(inputs_embeds=emb).logits[0, -1, 3]
+        stack = [out.grad_fn]
+        while stack:
+            n = stack.pop()
+            if n is not None and id(n) not in seen:
+                seen.add(id(n))
+                names.append(n.name())
+                stack.extend(f for f, _ in n.next_functions)
+    assert any("LayerNormRule" in n and "CppNode" in n for n in names)
+    with_cpp = run()
+    monkeypatch.setattr(L, "_cpp_function_applies", lambda *a: False)
+    assert torch.equal(with_cpp, run())
+
+
+def test_cpp_function_edge_cases_match_the_python_function(monkeypatch):
+    """From the review of the C++ node: hidden size 0 with dx alone gives the empty
+    gradient; k gradients for x alone in one is_grads_batched backward equal the loop bit
+    for bit (the kernel on the physical tensor, with the forward's rstd); a bad
+    PYATTR_BACKEND does not fail the forward, only the backward, as before."""
+    import pyattr
+
+    _needs_cpp()
+    with pyattr.backend("cpp"):
+        x0 = torch.randn(5, 0, requires_grad=True)
+        y0 = layer_norm(x0, None, None, 1e-5)
+        assert "CppNode" in y0.grad_fn.name()
+        assert torch.autograd.grad(y0, x0, torch.ones_like(y0))[0].shape == (5, 0)
+        g = torch.Generator().manual_seed(6)
+        for w in (None, torch.randn(19, generator=g)):
+            x = torch.randn(3, 19, generator=g, requires_grad=True)
+            y = layer_norm(x, w, None, 1e-5)
+            G = torch.randn(4, 3, 19, generator=g)
+            loop = torch.stack([torch.autograd.grad(y, x, gi, retain_graph=True)[0] for gi in G])
+            assert torch.equal(torch.autograd.grad(y, x, G, is_grads_batched=True)[0], loop)
+    monkeypatch.setenv("PYATTR_BACKEND", "bogus")
+    x = torch.randn(3, 8, requires_grad=True)
+    with torch.no_grad():
+        assert torch.equal(layer_norm(x, None, None, 1e-5), F.layer_norm(x, (8,), None, None, 1e-5))
+    y = layer_norm(x, None, None, 1e-5)
+    with pytest.raises(ValueError, match="PYATTR_BACKEND: unknown backend 'bogus'"):
+        torch.autograd.grad(y.sum(), x)

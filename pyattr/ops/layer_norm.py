@@ -142,6 +142,10 @@ def layer_norm(
     return _function.apply(LayerNormRuleFunction, x, weight, bias, eps, _native)[0]
 
 
+# nn.Parameter has no __torch_function__ of its own: to the ops it is a plain tensor
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _valid_for_cpp_function(x, weight, bias, eps) -> bool:
     """The arguments pass the checks below (a CPU float32/float64 ``x`` with at least one
     dimension, parameters of shape ``(hidden,)`` in its dtype and on its device, a finite
@@ -155,7 +159,7 @@ def _valid_for_cpp_function(x, weight, bias, eps) -> bool:
         return False
     hidden = x.shape[-1]
     for p in (weight, bias):
-        if p is not None and (type(p) is not torch.Tensor or p.dtype is not dt or not p.is_cpu or p.dim() != 1
+        if p is not None and (type(p) not in _PLAIN or p.dtype is not dt or not p.is_cpu or p.dim() != 1
                               or p.shape[0] != hidden):
             return False
     return True
@@ -171,5 +175,5 @@ def _cpp_function_applies(x, weight, bias, native) -> bool:
         return False
     try:
         return backends.select(x.device, "layer_norm") == "cpp"
-    except backends.BackendUnavailableError:
-        return False  # a forced backend that cannot run raises in the backward, as before
+    except (backends.BackendUnavailableError, ValueError):
+        return False  # a forced backend that cannot run (or a bad name) raises in the backward, as before

@@ -80,9 +80,17 @@ def apply_identity_rule(x: torch.Tensor, act: Activation) -> torch.Tensor:
 
 
 def _native_forward(act: Activation) -> bool:
-    """``act.fn`` is the functional op the C++ Function runs (not a module's own forward,
-    which may compute otherwise)."""
+    """``act.fn`` is the functional op the C++ Function runs, or the forward of a
+    ``torch.nn`` SiLU / GELU / ReLU module (not in place), which calls it: not another
+    module's own forward, which may compute otherwise."""
     fn, k = act.fn, act.kind
+    mod = getattr(fn, "__self__", None)  # a bound method (builtins have one too: their module)
+    if isinstance(mod, torch.nn.Module) and getattr(fn, "__func__", None) is type(mod).forward:
+        if type(mod) in (torch.nn.SiLU, torch.nn.ReLU):
+            return not mod.inplace and k == ("silu" if type(mod) is torch.nn.SiLU else "relu")
+        if type(mod) is torch.nn.GELU:
+            return k == ("gelu_tanh" if mod.approximate == "tanh" else "gelu")
+        return False
     if k == "gelu_tanh":
         return (isinstance(fn, functools.partial) and fn.func is F.gelu and not fn.args
                 and fn.keywords == {"approximate": "tanh"})
@@ -97,5 +105,5 @@ def _cpp_function_applies(x: torch.Tensor, act: Activation) -> bool:
         return False
     try:
         return backends.select(x.device, "identity") == "cpp"
-    except backends.BackendUnavailableError:
-        return False  # a forced backend that cannot run raises in the backward, as before
+    except (backends.BackendUnavailableError, ValueError):
+        return False  # a forced backend that cannot run (or a bad name) raises in the backward, as before
