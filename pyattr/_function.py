@@ -13,6 +13,8 @@ and not.
 is active and nothing is being compiled; the twin calls the same ``forward``,
 ``setup_context`` and ``backward``, so the two differ only in how they are entered.
 Everywhere else (``vmap``, ``grad``, ``torch.compile``) the Function itself runs.
+:func:`cpp_node_applies` says where the extension's C++ autograd nodes may stand in for a
+Function (LayerNorm, the Identity-rule).
 """
 
 from __future__ import annotations
@@ -58,3 +60,21 @@ def apply(cls: Type[torch.autograd.Function], *args: Any) -> Any:
         return cls.apply(*args)
     twin = cls.__dict__.get(_TWIN) or _twin(cls)
     return twin.apply(*args)
+
+
+def cpp_node_applies(device: torch.device, op: str) -> bool:
+    """A C++ autograd node of the extension (``pyattr._C.layer_norm_rule``,
+    ``pyattr._C.identity_rule``) gives what the Python Function gives: eager code (no
+    compilation, functorch transform, torch-function mode or jit tracing would see the ops
+    inside the Python Function) with the ``cpp`` backend selected for ``op``. A backend
+    that cannot be selected (unavailable, or a bad ``PYATTR_BACKEND``) answers False: the
+    Python Function then raises in its backward, as before."""
+    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+            or torch._C._is_torch_function_mode_enabled() or torch.jit.is_tracing()):
+        return False
+    from pyattr import backends
+
+    try:
+        return backends.select(device, op) == "cpp"
+    except (backends.BackendUnavailableError, ValueError):
+        return False

@@ -167,13 +167,6 @@ def _valid_for_cpp_function(x, weight, bias, eps) -> bool:
 
 def _cpp_function_applies(x, weight, bias, native) -> bool:
     """The C++ autograd Function (csrc/layer_norm_rule.cpp) gives what the Python one
-    gives, for arguments :func:`_valid_for_cpp_function` passed: ``nn.LayerNorm``'s math,
-    no torch-function mode, tracing or functorch transform that would see the ops inside
-    the Python Function, and the cpp backend selected."""
-    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
-            or torch._C._is_torch_function_mode_enabled() or torch.jit.is_tracing() or not _plain_layer_norm(native)):
-        return False
-    try:
-        return backends.select(x.device, "layer_norm") == "cpp"
-    except (backends.BackendUnavailableError, ValueError):
-        return False  # a forced backend that cannot run (or a bad name) raises in the backward, as before
+    gives, for arguments :func:`_valid_for_cpp_function` passed: ``nn.LayerNorm``'s math
+    and :func:`pyattr._function.cpp_node_applies`."""
+    return _plain_layer_norm(native) and _function.cpp_node_applies(x.device, "layer_norm")

@@ -100,10 +100,4 @@ def _native_forward(act: Activation) -> bool:
 def _cpp_function_applies(x: torch.Tensor, act: Activation) -> bool:
     if type(x) is not torch.Tensor or not x.is_cpu or not x.is_floating_point() or not _native_forward(act):
         return False
-    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
-            or torch._C._is_torch_function_mode_enabled() or torch.jit.is_tracing()):
-        return False
-    try:
-        return backends.select(x.device, "identity") == "cpp"
-    except (backends.BackendUnavailableError, ValueError):
-        return False  # a forced backend that cannot run (or a bad name) raises in the backward, as before
+    return _function.cpp_node_applies(x.device, "identity")
