@@ -15,6 +15,9 @@ from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
+from pyattr import _model_state as S
+from pyattr import _positions as P
+from pyattr import _readout as R
 from pyattr.integration import architectures as A
 from pyattr.integration.config import RelevanceRules
 from pyattr.integration.errors import RelevanceRuleConflictError
@@ -125,13 +128,27 @@ def padding_positions(model: nn.Module, kwargs: dict) -> dict:
     Hugging Face models build positions with ``arange(seq)`` whatever the mask, so a row
     left-padded by ``p`` tokens would see its tokens at positions ``p, p+1, …``: a different
     input for absolute position embeddings (GPT-2, BERT) and for sliding windows. As
-    ``generate`` does, the real tokens get ``0, 1, …`` counted along the mask; pad
-    positions get 0 (they are masked out and never attended to). Right-padded and
-    unpadded rows get the same ids as ``arange``. Ids the caller passes are kept.
+    ``generate`` does, the real tokens get the positions the row alone gets, counted along
+    the mask in the model's own convention (:func:`pyattr._positions.position_ids`: from 0,
+    or from ``padding_idx + 1`` for the RoBERTa family); pad positions get the model's pad
+    position (they are masked out and never attended to). Explicit ids are passed
+
+    - where a row has padding before a real token (arange would shift it);
+    - always for models that number positions from the ids (RoBERTa family), so that a
+      forward on other ids (``baseline="pad"``) keeps the input's positions;
+    - always, with a mask, for models whose forward depends on the longest position in
+      the batch (dynamic-NTK, LongRoPE), which read ``max(position_ids)``.
+
+    Ids the caller passes are kept.
     """
     mask = kwargs.get("attention_mask")
+    past = S.cache_length(kwargs)
+    kind, _ = P.convention(model)
     if mask is None:
-        return kwargs
+        if kind != "padding_idx" or past or "position_ids" in kwargs or not accepts(model, "position_ids"):
+            return kwargs
+        ids = kwargs["input_ids"]
+        return {**kwargs, "position_ids": P.position_ids(model, torch.ones_like(ids))}
     m = mask.to(torch.long)
     # padding between real tokens: a sliding window counts raw positions, so a gap would
     # change which tokens a query sees
@@ -147,15 +164,20 @@ def padding_positions(model: nn.Module, kwargs: dict) -> dict:
         )
     if "position_ids" in kwargs:
         return kwargs
-    pos = (m.cumsum(-1) - 1).clamp_min(0) * m
-    if torch.equal(pos, torch.arange(m.shape[1], device=m.device).expand_as(m) * m):
-        return kwargs  # no row has padding before a real token: arange is already right
+    pos = P.position_ids(model, m, past)
+    always = kind == "padding_idx" or P.depends_on_batch(model)
+    # no row has padding before a real token: arange numbers every real token as alone
+    aligned = torch.equal((m.cumsum(-1) - 1).clamp_min(0) * m, torch.arange(m.shape[1], device=m.device).expand_as(m) * m)
+    if aligned and not always:
+        return kwargs
     if not accepts(model, "position_ids"):
-        raise ValueError(
-            f"attention_mask pads some rows on the left, but {type(model).__name__}.forward takes no "
-            "position_ids, so those rows would see shifted positions and a different result than "
-            "alone; pad on the right, or pass inputs the model can position itself"
-        )
+        if not aligned:
+            raise ValueError(
+                f"attention_mask pads some rows on the left, but {type(model).__name__}.forward takes no "
+                "position_ids, so those rows would see shifted positions and a different result than "
+                "alone; pad on the right, or pass inputs the model can position itself"
+            )
+        return kwargs
     return {**kwargs, "position_ids": pos}
 
 
@@ -236,6 +258,7 @@ def prepare(model: nn.Module, inputs, attention_mask, caller: str) -> Prepared:
         layout = torch.full((px.shape[0], 1 + rows * cols), -1, dtype=torch.long, device=px.device)
         return Prepared(kwargs, layout, None, entry, where, (rows, cols))
     kwargs = padding_positions(model, kwargs)
+    R.check_model_forward(model, kwargs.get("attention_mask"), caller)
     if "use_cache" not in kwargs and accepts(model, "use_cache", by_name=True):
         # a key/value cache is never read by an attribution pass: not building one saves a
         # copy of every layer's keys and values
@@ -419,8 +442,8 @@ def _sparse_rows_head(model: nn.Module):
 def attribution_pass(model: nn.Module, rules: RelevanceRules, generic: bool, caller: str):
     """Autograd on, eval mode, parameters frozen, the rules installed; yields the coverage.
     The output head's backward skips the zero rows of its gradient (:class:`SparseRowsHeadFunction`)."""
-    with torch.enable_grad(), _inference_state(model), use_relevance_rules(model, rules, generic=generic) as cov, \
-            _sparse_rows_head(model):
+    with torch.enable_grad(), _inference_state(model), S.keep_rotary_state(model), \
+            use_relevance_rules(model, rules, generic=generic) as cov, _sparse_rows_head(model):
         if cov.inherited:
             raise RelevanceRuleConflictError(
                 f"{caller}(rules={rules}) runs inside a use_relevance_rules scope that keeps other "
@@ -587,7 +610,8 @@ def check_count(name: str, value, allow_none: bool = True) -> Optional[int]:
 def select_rows(prep: "Prepared", idx: torch.Tensor) -> "Prepared":
     """The call restricted (or repeated) to rows ``idx``: every per-row kwarg is indexed."""
     batch = prep.input_ids.shape[0]
-    kw = {k: (v[idx.to(v.device)] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch else v)
+    kw = {k: (S.select(k, v, idx, batch) if S.is_state(v) else
+              v[idx.to(v.device)] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch else v)
           for k, v in prep.kwargs.items()}
     ids = kw["input_ids"] if "input_ids" in kw else prep.input_ids[idx.to(prep.input_ids.device)]
     return Prepared(kw, ids, kw.get("attention_mask"), prep.entry, prep.where, prep.patch_grid)

@@ -11,6 +11,9 @@ import torch
 from torch import nn
 
 from pyattr import _forward as F
+from pyattr import _groups as G
+from pyattr import _model_state as S
+from pyattr import _readout as R
 from pyattr import backends
 from pyattr import targets as T
 from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
@@ -276,7 +279,12 @@ def run_model(model: nn.Module, prep: F.Prepared, targets, store: dict, kwargs: 
         kwargs = {**kwargs, "logits_to_keep": kept.to(prep.input_ids.device)}
     else:
         kept = None
-    out = model(**kwargs)
+    # each forward gets its own copy of the caller's caches and starts from the rotary
+    # modules' pretrained state: no forward sees what an earlier one left behind
+    kwargs = S.fresh(kwargs)
+    S.reset_rotary(model)
+    with R.first_real_token(model, prep.attention_mask):
+        out = model(**kwargs)
     return T._Forward(out, prep.input_ids, prep.attention_mask, store, kept)
 
 
@@ -393,8 +401,25 @@ def relevance(
     model = unwrap(model)
     precheck_baseline(model, baseline, inputs)
     prep = F.prepare(model, inputs, attention_mask, "relevance")
-    tgts, several = T.normalize(target, prep.input_ids.shape[0])
+    batch = prep.input_ids.shape[0]
+    tgts, several = T.normalize(target, batch)
     rules = F.rule_defaults(rules)
+    groups = G.row_groups(model, prep)
+    if groups is None:
+        return _relevance(model, prep, tgts, several, rules, baseline, grad_outputs, generic)
+    # the forward depends on the batch (dynamic-NTK / LongRoPE): one call per regime
+    d = 1 if several else 0
+    grad_outputs = None if grad_outputs is None else torch.as_tensor(grad_outputs)
+    parts = [_relevance(model, F.select_rows(prep, idx), [t.rows(idx, batch) for t in tgts], several, rules,
+                        G.rows_of(baseline, idx, batch) if isinstance(baseline, torch.Tensor) and baseline.dim() == 3
+                        else baseline, G.rows_of(grad_outputs, idx, batch, d), generic) for idx in groups]
+    dims = {"token_relevance": d, "relevance": d, "target": d, "conservation_delta": d, "target_ids": d,
+            "baseline_target": d}
+    return G.merge(parts, groups, batch, dims)
+
+
+def _relevance(model, prep: F.Prepared, tgts, several: bool, rules: RelevanceRules, baseline, grad_outputs,
+               generic: bool) -> RelevanceResult:
     store: dict = {}
     with F.attribution_pass(model, rules, generic, "relevance") as cov:
         xs: List[torch.Tensor] = []

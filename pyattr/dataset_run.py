@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from pyattr.integration.config import RelevanceRules
+from pyattr import _positions as P
 from pyattr._forward import input_device
 from pyattr.integration.wrappers import unwrap
 
@@ -271,6 +272,8 @@ def _manifest(model, tokenizer, rules, text_field, target_field, data, command, 
         "dtype": dtype,
         "device": device,
         "device_map": _device_map(model),
+        # how rows are batched where the model's forward depends on its batch (None: it does not)
+        "batch_dependence": P.describe(model),
         "gradient_checkpointing": any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()),
         "text_field": text_field,
         "target": target_field or "top1",
@@ -465,7 +468,7 @@ def _run_locked(model, prompts, data, out: Path, tokenizer, text_field, target, 
                     by_id[p.id] = _error_row(p, problems[p.id])
             ready = [p for p in chunk if p.id not in problems]
             bar.advance(len(chunk) - len(ready), 0)
-            for batch in _batches(ready, encoded, max_tokens_per_batch):
+            for batch in _batches(ready, encoded, max_tokens_per_batch, model):
                 t0 = time.perf_counter()
                 results = _relevance_batch(relevance, Logit, model, pad, batch, encoded, targets, rules)
                 per = (time.perf_counter() - t0) / len(batch)
@@ -561,17 +564,23 @@ def _error_row(p: Prompt, error: str, seconds: float = 0.0) -> dict:
             "target_token": None, "target": None, "conservation_delta": None, "error": error, "seconds": seconds}
 
 
-def _batches(prompts: List[Prompt], encoded, budget: int):
+def _batches(prompts: List[Prompt], encoded, budget: int, model=None):
     """Prompts sorted by length, grouped so that rows × longest ≤ budget (a longer prompt
-    alone when it exceeds the budget by itself)."""
+    alone when it exceeds the budget by itself). On a model whose forward depends on the
+    longest position in the batch (dynamic-NTK / LongRoPE, :mod:`pyattr._positions`), a
+    batch never mixes rows of two regimes, so each row computes what it computes alone."""
     order = sorted(prompts, key=lambda p: len(encoded[p.id]))
+    dependent = model is not None and P.depends_on_batch(model)
     batch: List[Prompt] = []
+    key = None
     for p in order:
         n = len(encoded[p.id])
-        if batch and (len(batch) + 1) * n > budget:
+        k = P.regime_keys(model, [n])[0] if dependent else None
+        if batch and ((len(batch) + 1) * n > budget or k != key):
             yield batch
             batch = []
         batch.append(p)
+        key = k
     if batch:
         yield batch
 

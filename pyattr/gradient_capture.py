@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from pyattr.backends import _vmap
+from pyattr.integration import architectures as A
 from pyattr.integration.wrappers import unwrap
 
 GradEdit = Callable[[torch.Tensor], torch.Tensor]
@@ -94,10 +95,7 @@ def _first_tensor_arg(args: tuple, kwargs: dict, order: List[str]) -> Optional[t
 def _resolve(model: nn.Module, path: str) -> nn.Module:
     if not isinstance(path, str):
         raise TypeError(f"capture paths must be dotted module paths (str), got {type(path).__name__}")
-    try:
-        mod = model.get_submodule(path)
-    except AttributeError:
-        mod = None
+    mod = A.get_submodule(model, path)
     if isinstance(mod, nn.Module):
         return mod
     names = [n for n, _ in model.named_modules(remove_duplicate=False)]

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from pyattr import _forward as F
+from pyattr import _groups as G
 from pyattr import targets as T
 from pyattr.attribution import (
     baseline_forward,
@@ -234,7 +235,23 @@ def integrated_gradients(
     else:
         pairs = []
     rules = RelevanceRules.none() if rules is None else rules
+    args = (pairs, layer, rules, generic, n_steps, internal_batch_size, alphas, weights, multiply_by_inputs, method)
+    groups = G.row_groups(model, prep)
+    if groups is None:
+        return _integrated(model, prep, tgts, baseline, grad_outputs, *args)
+    # the forward depends on the batch (dynamic-NTK / LongRoPE): one call per regime
+    go_all = None if grad_outputs is None else torch.as_tensor(grad_outputs)
+    parts = [_integrated(model, F.select_rows(prep, idx), [t.rows(idx, batch) for t in tgts],
+                         G.rows_of(baseline, idx, batch) if isinstance(baseline, torch.Tensor) and baseline.dim() == 3
+                         else baseline, G.rows_of(go_all, idx, batch), *args) for idx in groups]
+    dims = {k: 0 for k in ("attribution", "token_attribution", "convergence_delta", "target", "baseline_target",
+                           "target_ids")}
+    return G.merge(parts, groups, batch, dims)
 
+
+def _integrated(model, prep, tgts, baseline, grad_outputs, pairs, layer, rules, generic, n_steps,
+                internal_batch_size, alphas, weights, multiply_by_inputs, method) -> AttributionResult:
+    batch = prep.input_ids.shape[0]
     with F.attribution_pass(model, rules, generic, "integrated_gradients") as cov:
         # the input: x, f(x), the layer's activation, and the token ids to keep fixed
         seen: dict = {}
@@ -265,10 +282,17 @@ def integrated_gradients(
         if layer is not None and len(seen.get("acts", [])) != 1:
             raise ValueError(f"layer: {layer!r} ran {len(seen.get('acts', []))} times in one forward pass; layer IG needs one call")
         # None is Captum's default, zeros (check_baseline's None means "no baseline": x₀ = x)
-        base = check_baseline("zeros" if baseline is None else baseline, x)
-        x0, f0, acts0 = baseline_forward(model, prep, base, x, fixed, pairs, [layer] if layer else [])
         end = seen["acts"][0] if layer is not None else x
-        start = acts0[0] if layer is not None else x0
+        if layer is not None and _embedding_output(model, pairs[0]) and not (isinstance(baseline, str) and baseline == "pad"):
+            # at the input embeddings' output the layer space is the input space (Captum
+            # issue 1132): a zeros or tensor baseline is that layer's baseline activation
+            start = check_baseline("zeros" if baseline is None else baseline, end)
+            start = torch.zeros_like(end) if isinstance(start, str) else start
+            f0 = _value_at(model, prep, fixed, pairs[0], start)
+        else:
+            base = check_baseline("zeros" if baseline is None else baseline, x)
+            x0, f0, acts0 = baseline_forward(model, prep, base, x, fixed, pairs, [layer] if layer else [])
+            start = acts0[0] if layer is not None else x0
         if start.shape != end.shape:
             raise ValueError(f"layer: {layer!r} has shape {tuple(end.shape)} at the input but {tuple(start.shape)} at the baseline")
         total = torch.zeros(end.shape, dtype=torch.float64, device=end.device)
@@ -304,6 +328,23 @@ def integrated_gradients(
         method=method,
         coverage=cov,
     )
+
+
+def _embedding_output(model: nn.Module, pair) -> bool:
+    """``pair`` is the output of the model's input embedding module."""
+    get = getattr(model, "get_input_embeddings", None)
+    emb = get() if callable(get) else None
+    return pair[1] == "output" and emb is not None and pair[0] is emb
+
+
+def _value_at(model, prep, fixed, pair, value: torch.Tensor) -> torch.Tensor:
+    """f with the output of ``pair``'s module replaced by ``value`` (float64, no gradient)."""
+    store: dict = {}
+    with torch.no_grad(), F.tap(pair[0], pair[1], lambda t: value, once=True), \
+            F.record_modules(model, T.module_paths(fixed), store):
+        out, _, _ = evaluate_targets(fixed, run_model(model, prep, fixed, store, keep_logits=head_free(model, [pair[0]])),
+                                     False)
+    return out.detach().double()
 
 
 def _chunk_grads(model, prep, pairs, fixed, rows, batch, start, end, alphas, go) -> torch.Tensor:

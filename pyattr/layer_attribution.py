@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pyattr import _forward as F
+from pyattr import _groups as G
 from pyattr import targets as T
 from pyattr.attribution import (
     backward,
@@ -258,7 +259,10 @@ def layer_relevance(
     tgts, several = T.normalize(target, batch)
     rules = F.rule_defaults(rules)
     chunk = internal_batch_size or batch
-    if chunk >= batch:
+    # on a model whose forward depends on the batch (dynamic-NTK / LongRoPE), rows of one
+    # regime share a pass; chunks never mix regimes
+    groups = G.row_groups(model, prep) or [torch.arange(batch)]
+    if chunk >= batch and len(groups) == 1:
         return _layer_pass(model, prep, lays, tgts, several, rules, generic, baseline, grad_outputs)
     go_all = None if grad_outputs is None else torch.as_tensor(grad_outputs)
     # each chunk checks its own slice, so a batch dimension that is too long (or too
@@ -272,8 +276,8 @@ def layer_relevance(
             f"dimension must be the batch ({batch}) or 1"
         )
     parts = []
-    for start in range(0, batch, chunk):
-        idx = torch.arange(start, min(start + chunk, batch))
+    pieces = [g[start:start + chunk] for g in groups for start in range(0, len(g), chunk)]
+    for idx in pieces:
         sub = F.select_rows(prep, idx)
         sub_t = [t.rows(idx, batch) for t in tgts]
         go = None if go_all is None else go_all[..., idx]
@@ -283,7 +287,25 @@ def layer_relevance(
             raise ValueError(
                 "internal_batch_size: a scalar target (one value for the whole batch) cannot be split into row chunks"
             )
-    return _concat(parts, several)
+    result = _concat(parts, several)
+    order = torch.cat(pieces)
+    if torch.equal(order, torch.arange(batch)):
+        return result
+    return _reorder(result, torch.argsort(order), several)
+
+
+def _reorder(result: LayerRelevanceResult, inverse: torch.Tensor, several: bool) -> LayerRelevanceResult:
+    """``result`` with its rows taken in the order ``inverse`` (the rows came grouped)."""
+    d = 1 if several else 0
+
+    def pick(t, dim):
+        return None if t is None else t.index_select(dim, inverse.to(t.device))
+
+    layers = {p: LayerRelevance(pick(x.activation, 0), pick(x.gradient, d), pick(x.relevance, d),
+                                pick(x.conservation_delta, d), x.where) for p, x in result.layers.items()}
+    return LayerRelevanceResult(layers=layers, paths=result.paths, target=pick(result.target, d),
+                                target_ids=pick(result.target_ids, d), coverage=result.coverage,
+                                baseline_target=pick(result.baseline_target, d))
 
 
 def _cat(xs, dim):

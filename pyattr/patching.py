@@ -41,6 +41,8 @@ import torch
 from torch import nn
 
 from pyattr import _forward as F
+from pyattr import _groups as G
+from pyattr import _positions as P
 from pyattr import targets as T
 from pyattr.attribution import evaluate_targets, leaf, run_model
 from pyattr.integration import architectures as A
@@ -225,6 +227,14 @@ def _prepare_pair(model, clean, corrupt, alignment, clean_mask, corrupt_mask, ca
             )
     pc = F.prepare(model, clean, clean_mask, caller)
     px = F.prepare(model, corrupt, corrupt_mask, caller)
+    for name, prep in (("clean", pc), ("corrupt", px)):
+        if G.row_groups(model, prep) is not None:
+            raise ValueError(
+                f"{caller}: the rows of {name} fall on both sides of a length where {type(model).__name__}'s rotary "
+                f"embedding changes ({P.describe(model).split(';')[0]}), so a row batched with the others would not "
+                "compute what it computes alone; patch rows of one side in one call (pyattr.relevance, "
+                "layer_relevance and integrated_gradients group such rows themselves)"
+            )
     (bc, sc), (bx, sx) = pc.input_ids.shape, px.input_ids.shape
     if bc != bx:
         raise ValueError(f"clean has {bc} rows and corrupt {bx}; patching pairs row i of clean with row i of corrupt")

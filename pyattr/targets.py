@@ -370,7 +370,8 @@ class Cosine(Target):
         reference (Tensor[hidden] or Tensor[batch, hidden]): the embedding to compare with
             (one for every row, or one per row); a constant (detached).
         pooling (str): ``"mean"`` over the real tokens (attention mask; default) or
-            ``"cls"`` (position 0).
+            ``"cls"`` (each row's first real token under the attention mask: position 0
+            unless the row is left-padded).
         constant_norm (bool): the pooled embedding's norm is a constant in the backward
             (the LN-rule of AttnLRP, ICML 2024, Prop. 3.3, applied to the metric's own
             normalisation, as ``pyattr explain`` does); the forward is unchanged. With
@@ -406,7 +407,11 @@ class Cosine(Target):
                 f"target: Cosine reference of shape {tuple(ref.shape)} does not match hidden states {tuple(h.shape)}"
             )
         if self.pooling == "cls":
-            pooled = h[:, 0]
+            # each row's first real token: under left padding position 0 is a pad token
+            m = fwd.attention_mask
+            first = torch.zeros(h.shape[0], dtype=torch.long, device=h.device) if m is None else \
+                m.to(device=h.device, dtype=torch.long).argmax(1)
+            pooled = h[torch.arange(h.shape[0], device=h.device), first]
         else:
             m = fwd.attention_mask
             m = torch.ones(h.shape[:2], dtype=h.dtype, device=h.device) if m is None else m.to(h.device, h.dtype)

@@ -94,3 +94,59 @@ def minilm():
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModel.from_pretrained(path, local_files_only=True).eval()
     return tok, model
+
+
+def tiny_rope_scaled(kind: str, seed: int = 0):
+    """A tiny decoder whose forward depends on the longest position in its batch:
+    ``"longrope"`` (Phi-3, long factors above 8 positions) or ``"dynamic"`` (Llama with
+    dynamic-NTK scaling above 8 positions)."""
+    import transformers as T
+
+    torch.manual_seed(seed)
+    common = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=VOCAB, num_hidden_layers=2, initializer_range=0.2, pad_token_id=0)
+    if kind == "longrope":
+        cfg = T.Phi3Config(max_position_embeddings=64, original_max_position_embeddings=8, bos_token_id=1,
+                           eos_token_id=2, rope_parameters={
+                               "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 8,
+                               "short_factor": [1.0, 1.0, 1.0, 1.0], "long_factor": [1.0, 3.0, 9.0, 27.0]}, **common)
+        model = T.Phi3ForCausalLM(cfg)
+    else:
+        cfg = T.LlamaConfig(max_position_embeddings=8, rope_parameters={
+            "rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}, **common)
+        model = T.LlamaForCausalLM(cfg)
+    return model.eval()
+
+
+def tiny_encoder(kind: str, head: str = "mlm", seed: int = 0):
+    """Tiny RoBERTa-family or BERT-family encoders outside the rule map (``xlm-roberta``,
+    ``camembert``) or with a sequence-classification head (``head="cls"``)."""
+    import transformers as T
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_hidden_layers=2,
+                  max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                  initializer_range=0.2)
+    if kind == "xlm-roberta":
+        cfg = T.XLMRobertaConfig(pad_token_id=1, **common)
+        cls = T.XLMRobertaForMaskedLM if head == "mlm" else T.XLMRobertaForSequenceClassification
+    elif kind == "camembert":
+        cfg = T.CamembertConfig(pad_token_id=1, **common)
+        cls = T.CamembertForMaskedLM if head == "mlm" else T.CamembertForSequenceClassification
+    elif kind == "roberta":
+        cfg = T.RobertaConfig(pad_token_id=1, **common)
+        cls = T.RobertaForMaskedLM if head == "mlm" else T.RobertaForSequenceClassification
+    elif kind == "bert":
+        cfg = T.BertConfig(pad_token_id=0, **common)
+        cls = T.BertForMaskedLM if head == "mlm" else T.BertForSequenceClassification
+    elif kind == "distilbert":
+        cfg = T.DistilBertConfig(dim=32, hidden_dim=64, n_heads=4, n_layers=2, vocab_size=VOCAB,
+                                 max_position_embeddings=64, dropout=0.0, attention_dropout=0.0, seq_classif_dropout=0.0,
+                                 initializer_range=0.2, pad_token_id=0)
+        cls = T.DistilBertForMaskedLM if head == "mlm" else T.DistilBertForSequenceClassification
+    else:
+        raise KeyError(kind)
+    if head != "mlm":
+        cfg.num_labels = 3
+    cfg._attn_implementation = "eager"
+    return cls(cfg).eval()

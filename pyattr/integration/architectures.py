@@ -42,6 +42,9 @@ class Arch:
     base_acts: Tuple[str, ...] = field(default=())
     # heads whose activation no rule can reach, by (path, class name): reported as skipped
     unruled_heads: Tuple[Tuple[str, str], ...] = field(default=())
+    # how the model numbers positions: "mask" (real tokens at 0, 1, …) or "padding_idx"
+    # (RoBERTa family: real tokens at padding_idx + 1, …, padding at padding_idx)
+    positions: str = "mask"
 
 
 _LLAMA = Arch(
@@ -203,7 +206,8 @@ ARCHITECTURES["clip_vision_model"] = Arch(
 # decoder) calls gelu as a function, so the head's forward itself carries the rule
 ARCHITECTURES["roberta"] = Arch(
     **{**ARCHITECTURES["bert"].__dict__, "head_norms": ("lm_head.layer_norm",), "head_acts": (),
-       "head_forward": "lm_head", "unruled_heads": (("classifier", "RobertaClassificationHead"),)}
+       "head_forward": "lm_head", "unruled_heads": (("classifier", "RobertaClassificationHead"),),
+       "positions": "padding_idx"}
 )
 
 
@@ -240,11 +244,22 @@ def join(*parts: str) -> str:
     return ".".join(p for p in parts if p)
 
 
+#: the attribute under which DataParallel / DistributedDataParallel (and FSDP) keep the model
+WRAPPER_PREFIX = "module."
+
+
 def get_submodule(model: nn.Module, path: str) -> Optional[nn.Module]:
+    """``model.get_submodule(path)``, or None. A path written for the model inside a
+    DataParallel / DDP wrapper (``module.`` + the model's own path, as the wrapper's
+    ``named_modules()`` and ``state_dict()`` print it) names the same module of the
+    unwrapped model."""
     try:
         return model.get_submodule(path) if path else model
     except AttributeError:
-        return None
+        pass
+    if path.startswith(WRAPPER_PREFIX) and not isinstance(getattr(model, "module", None), nn.Module):
+        return get_submodule(model, path[len(WRAPPER_PREFIX):])
+    return None
 
 
 def layer_paths(model: nn.Module, arch: Arch) -> List[str]:
