@@ -230,10 +230,10 @@ def _prepare_pair(model, clean, corrupt, alignment, clean_mask, corrupt_mask, ca
     for name, prep in (("clean", pc), ("corrupt", px)):
         if G.row_groups(model, prep) is not None:
             raise ValueError(
-                f"{caller}: the rows of {name} fall on both sides of a length where {type(model).__name__}'s rotary "
-                f"embedding changes ({P.describe(model).split(';')[0]}), so a row batched with the others would not "
-                "compute what it computes alone; patch rows of one side in one call (pyattr.relevance, "
-                "layer_relevance and integrated_gradients group such rows themselves)"
+                f"{caller}: the rows of {name} have lengths for which {type(model).__name__}'s rotary embedding "
+                f"computes different frequencies ({P.describe(model).split(';')[0]}), so a row batched with the "
+                "others would not compute what it computes alone; patch rows of one rotary regime per call "
+                "(pyattr.relevance, layer_relevance and integrated_gradients group such rows themselves)"
             )
     (bc, sc), (bx, sx) = pc.input_ids.shape, px.input_ids.shape
     if bc != bx:

@@ -6,6 +6,9 @@ import torch
 
 VOCAB = 96
 ENCODERS = ("bert", "roberta", "distilbert", "modernbert")
+#: every mapped text architecture tiny_causal_lm builds (decoders, then the encoders)
+TEXT_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "phi3", "mixtral",
+              "qwen2_moe", "qwen3_moe", "gpt2", "gpt_neox") + ENCODERS
 
 
 def _cfg(arch: str, attn: str):

@@ -6,7 +6,7 @@ import torch
 import pyattr
 from models import VOCAB, tiny_causal_lm
 
-ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gpt2", "gpt_neox", "bert"]
+from models import TEXT_ARCHS as ARCHS  # every mapped text architecture, encoders included
 
 
 def _pad(rows, side, pad_id=0):
@@ -25,8 +25,9 @@ def _pad(rows, side, pad_id=0):
 def test_padded_row_equals_row_alone(arch, side):
     m = tiny_causal_lm(arch)
     g = torch.Generator().manual_seed(1)
-    rows = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (9, 6, 3)]
-    ids, mask = _pad(rows, side)
+    rows = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (9, 6, 3)]
+    # the model's own pad id: RoBERTa numbers positions from its padding_idx
+    ids, mask = _pad(rows, side, m.config.pad_token_id or 0)
     batch = pyattr.relevance(m, {"input_ids": ids, "attention_mask": mask}, target=[4, 11, 17])
     for i, (row, tid) in enumerate(zip(rows, [4, 11, 17])):
         alone = pyattr.relevance(m, torch.tensor([row]), target=tid)

@@ -319,7 +319,7 @@ def test_batch_dependent_rope_rows_equal_alone(kind, side):
 def test_batch_dependent_rope_patching_mixed_is_refused():
     m = tiny_rope_scaled("longrope")
     ids, mask = _pad(_mixed()[:2], "left")
-    with pytest.raises(ValueError, match=r"attribution_patching: the rows of clean fall on both sides of a length"):
+    with pytest.raises(ValueError, match=r"attribution_patching: the rows of clean have lengths for which"):
         attribution_patching(m, {"input_ids": ids, "attention_mask": mask}, {"input_ids": ids, "attention_mask": mask},
                              targets.Logit(3))
 
