@@ -93,14 +93,25 @@ def normalise_inputs(inputs, attention_mask) -> dict:
             raise TypeError(f"attention_mask must be a tensor of shape (batch, seq), got {type(mask).__name__}")
         if mask.dim() == 1:
             mask = mask.unsqueeze(0)
-        if mask.shape != ids.shape:
-            raise ValueError(f"attention_mask of shape {tuple(mask.shape)} must match input_ids {tuple(ids.shape)}")
+        past = S.cache_length(kwargs)
+        if mask.shape != ids.shape and not (past and mask.shape == (ids.shape[0], past + ids.shape[1])):
+            with_cache = (f" or, with the {past} cached positions, ({ids.shape[0]}, {past + ids.shape[1]})"
+                          if past else "")
+            raise ValueError(
+                f"attention_mask of shape {tuple(mask.shape)} must match input_ids {tuple(ids.shape)}{with_cache}")
         if not bool(((mask == 0) | (mask == 1)).all()):
             raise ValueError("attention_mask must hold only 0 (padding) and 1 (real token), or booleans")
-        if bool((mask.sum(1) == 0).any()):
-            raise ValueError("attention_mask has a row with no real token (all zeros)")
+        if bool((new_tokens(mask, ids.shape[1]).sum(1) == 0).any()):
+            raise ValueError("attention_mask has a row with no real token (all zeros)"
+                             + (" among the new tokens (after the cache)" if mask.shape != ids.shape else ""))
         kwargs["attention_mask"] = mask
     return kwargs
+
+
+def new_tokens(mask: Optional[torch.Tensor], seq: int) -> Optional[torch.Tensor]:
+    """The part of an attention mask over the input ids: with a key/value cache, Hugging
+    Face masks span the cached positions too, (batch, past + seq)."""
+    return mask if mask is None or mask.shape[-1] == seq else mask[:, -seq:]
 
 
 def accepts(model: nn.Module, name: str, by_name: bool = False) -> bool:
@@ -164,6 +175,14 @@ def padding_positions(model: nn.Module, kwargs: dict) -> dict:
         )
     if "position_ids" in kwargs:
         return kwargs
+    seq = kwargs["input_ids"].shape[1]
+    if m.shape[1] != seq:  # the mask spans the cache: count along all of it
+        pos = P.position_ids(model, m)[:, -seq:]
+        if bool((m == 0).any()) and not accepts(model, "position_ids"):
+            raise ValueError(
+                f"attention_mask pads the cached positions, but {type(model).__name__}.forward takes no position_ids, "
+                "so the new tokens would see shifted positions")
+        return {**kwargs, "position_ids": pos} if bool((m == 0).any()) or P.depends_on_batch(model) else kwargs
     pos = P.position_ids(model, m, past)
     always = kind == "padding_idx" or P.depends_on_batch(model)
     # no row has padding before a real token: arange numbers every real token as alone
@@ -258,12 +277,13 @@ def prepare(model: nn.Module, inputs, attention_mask, caller: str) -> Prepared:
         layout = torch.full((px.shape[0], 1 + rows * cols), -1, dtype=torch.long, device=px.device)
         return Prepared(kwargs, layout, None, entry, where, (rows, cols))
     kwargs = padding_positions(model, kwargs)
-    R.check_model_forward(model, kwargs.get("attention_mask"), caller)
+    R.check_model_forward(model, new_tokens(kwargs.get("attention_mask"), kwargs["input_ids"].shape[1]), caller)
     if "use_cache" not in kwargs and accepts(model, "use_cache", by_name=True):
         # a key/value cache is never read by an attribution pass: not building one saves a
         # copy of every layer's keys and values
         kwargs["use_cache"] = False
-    return Prepared(kwargs, kwargs["input_ids"], kwargs.get("attention_mask"), entry, where)
+    ids = kwargs["input_ids"]
+    return Prepared(kwargs, ids, new_tokens(kwargs.get("attention_mask"), ids.shape[1]), entry, where)
 
 
 def input_device(model: nn.Module) -> torch.device:
@@ -614,4 +634,4 @@ def select_rows(prep: "Prepared", idx: torch.Tensor) -> "Prepared":
               v[idx.to(v.device)] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch else v)
           for k, v in prep.kwargs.items()}
     ids = kw["input_ids"] if "input_ids" in kw else prep.input_ids[idx.to(prep.input_ids.device)]
-    return Prepared(kw, ids, kw.get("attention_mask"), prep.entry, prep.where, prep.patch_grid)
+    return Prepared(kw, ids, new_tokens(kw.get("attention_mask"), ids.shape[1]), prep.entry, prep.where, prep.patch_grid)

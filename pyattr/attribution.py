@@ -388,7 +388,14 @@ def relevance(
     pass; both are restored afterwards, also when the call fails. The pass enables
     autograd for itself, so a call under ``torch.no_grad()`` returns the same result.
     Padded rows (``attention_mask``) equal the same row alone: position ids are counted
-    along the mask (see :func:`pyattr._forward.padding_positions`).
+    along the mask in the model's own convention (see
+    :func:`pyattr._forward.padding_positions`), read-outs at position 0 ([CLS]) take each
+    row's first real token (:mod:`pyattr._readout`), and on a model whose forward depends
+    on the longest position in the batch (dynamic-NTK RoPE, LongRoPE) rows run in groups
+    of one rotary regime (:mod:`pyattr._groups`). A key/value cache in the inputs
+    (``past_key_values`` / ``cache``, with a mask over cache + new tokens or none) is
+    copied for every forward, so the call leaves it unchanged and a second call gives the
+    same result.
 
     Raises:
         TypeError / ValueError: malformed inputs, target, baseline or grad_outputs (the

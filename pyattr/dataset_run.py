@@ -22,6 +22,11 @@ from taking it for data). One row per prompt:
 ``seconds``            wall time of the prompt's batch divided by its rows
 =====================  =============================================================
 
+On a model whose forward depends on the longest position in its batch (dynamic-NTK
+RoPE, Phi-3's LongRoPE), a batch holds rows of one rotary regime only, so every stored row
+is what the prompt gives alone; the manifest's ``batch_dependence`` says so (null for
+other models).
+
 Safe to kill and rerun: a shard is written under a temporary name and renamed when
 complete; a rerun of the same command skips the ids already stored, so a run killed at
 any moment and restarted stores every prompt exactly once. Under ``torchrun`` each rank

@@ -196,7 +196,11 @@ def integrated_gradients(
             ``LayerIntegratedGradients``): the baseline is given in input space, mapped
             to the layer by a forward at the baseline input, and the path runs between the
             layer's two activations (its output's first tensor, or its first input with
-            ``attribute_to_layer_input``, which needs ``layer``).
+            ``attribute_to_layer_input``, which needs ``layer``). At the output of the
+            input embedding module (``model.get_input_embeddings()``, e.g.
+            ``"model.embed_tokens"``) the layer space is the input space: a ``"zeros"`` or
+            tensor baseline is that layer's baseline activation (Captum issue 1132), so on
+            Llama-style models layer IG there equals IG at the embeddings.
         attention_mask (Tensor[batch, seq], optional): 1 for real tokens.
         generic (bool): structural rule installation for architectures without a rule map.
 

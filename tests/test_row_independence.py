@@ -145,6 +145,32 @@ def test_layer_relevance_with_cache_rows_split(cached):
     assert cache.get_seq_length() == 6
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_cache_with_left_padded_prefix(arch):
+    """A batch whose prefixes are left-padded in the cache, with the mask over cache + new
+    tokens as transformers takes it: each row equals its unpadded prefix + new tokens."""
+    m = tiny_causal_lm(arch)
+    g = torch.Generator().manual_seed(8)
+    prefixes = [torch.randint(3, VOCAB, (n,), generator=g) for n in (2, 5)]
+    new = torch.randint(3, VOCAB, (2, 3), generator=g)
+    pids, pmask = _pad(prefixes, "left")
+    with torch.no_grad():
+        cache = m(input_ids=pids, attention_mask=pmask, position_ids=((pmask.cumsum(1) - 1).clamp_min(0)),
+                  use_cache=True).past_key_values
+    mask = torch.cat([pmask, torch.ones_like(new)], 1)
+    r = pyattr.relevance(m, {"input_ids": new, "past_key_values": cache, "attention_mask": mask}, target=[4, 9])
+    for i, (p, t) in enumerate(zip(prefixes, [4, 9])):
+        with torch.no_grad():
+            want = m(torch.cat([p, new[i]])[None]).logits[0, -1, t].double()
+        alone = pyattr.relevance(m, torch.cat([p, new[i]])[None], target=t)
+        torch.testing.assert_close(r.target[i], want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(r.token_relevance[i], alone.token_relevance[0, -3:], atol=1e-5, rtol=1e-4)
+    assert cache.get_seq_length() == 5
+    with pytest.raises(ValueError, match=r"attention_mask of shape \(2, 7\) must match input_ids \(2, 3\) or, with "
+                                         r"the 5 cached positions, \(2, 8\)"):
+        pyattr.relevance(m, {"input_ids": new, "past_key_values": cache, "attention_mask": mask[:, 1:]}, target=4)
+
+
 def test_uncopyable_state_is_refused():
     m = tiny_causal_lm("llama")
 
