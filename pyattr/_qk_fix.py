@@ -30,15 +30,8 @@ import torch
 from torch import nn
 
 from pyattr import _forward as F
+from pyattr.integration import architectures as A
 from pyattr.integration.scope import model_type_of
-
-# block-relative path of the module that computes the attention pattern and returns it
-# as the second element of its output (Hugging Face eager attention)
-_CORE = {"llama": "self_attn", "gpt2": "attn", "gpt_neox": "attention", "bert": "attention.self",
-         "roberta": "attention.self"}
-for _name in ("mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "phi3", "mixtral", "qwen2_moe",
-              "qwen3_moe"):
-    _CORE[_name] = _CORE["llama"]
 
 _CACHE_KWARGS = ("past_key_value", "past_key_values", "layer_past", "cache")
 
@@ -62,7 +55,14 @@ class AttentionCalls:
     input and the attention probabilities it returns."""
 
     def __init__(self, model: nn.Module, blocks: List[str]):
-        rel = _CORE[model_type_of(model)]
+        arch = A.ARCHITECTURES.get(model_type_of(model))
+        rel = arch.attention_core if arch is not None else None
+        if rel is None:
+            raise ValueError(
+                f"method='atp*': {type(model).__name__} (model_type {model_type_of(model)!r}) has no attention module "
+                "in the architecture table that returns its attention probabilities, which AtP* recomputes; "
+                "use method='atp' or 'relp'"
+            )
         self.model = model
         self.modules = [model.get_submodule(f"{b}.{rel}") for b in blocks]
         n = len(blocks)

@@ -37,37 +37,12 @@ from pyattr.integration.wrappers import unwrap
 
 SHORTHANDS = ("residual", "attention", "mlp", "neurons")
 
-# block-relative paths: the attention block's and the MLP block's contribution to the
-# residual stream, and (module, "input" | "output") holding the MLP hidden activation
-# (act(g)·u for gated MLPs, act(x) otherwise). BERT is post-norm: its BertAttention /
-# BertOutput return LayerNorm(sublayer + residual), so the contributions are the dense
-# projections before the residual add.
-_PARTS = {
-    "llama": ("self_attn", "mlp", ("mlp.down_proj", "input")),
-    "gpt2": ("attn", "mlp", ("mlp.c_proj", "input")),
-    "gpt_neox": ("attention", "mlp", ("mlp.dense_4h_to_h", "input")),
-    "bert": ("attention.output.dense", "output.dense", ("intermediate", "output")),
-    "distilbert": ("attention.out_lin", "ffn", ("ffn.activation", "output")),
-    "modernbert": ("attn", "mlp", ("mlp.Wo", "input")),
-    "clip_text_model": ("self_attn", "mlp", ("mlp.fc2", "input")),
-    "clip_vision_model": ("self_attn", "mlp", ("mlp.fc2", "input")),
-    "vit": ("attention", "mlp", ("mlp.fc2", "input")),
-}
-_PARTS["roberta"] = _PARTS["bert"]
-# mixture of experts: the sparse block's output is the MLP's contribution; its hidden
-# units live per expert (rows of a 3-D weight), not one set per position
-for _name in ("mixtral", "qwen2_moe", "qwen3_moe"):
-    _PARTS[_name] = ("self_attn", "mlp", (None, None))
-
-
 def no_neurons(model: nn.Module, arg: str) -> ValueError:
     return ValueError(
         f"{arg}: {type(model).__name__} is a mixture-of-experts model; its MLP hidden units belong to "
         "each expert (rows of 3-D weights), not to a position, so there is no 'neurons' layer. Use "
         "'mlp' (each sparse block's output) or dotted module paths"
     )
-for _name in ("mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "phi3"):
-    _PARTS[_name] = _PARTS["llama"]
 
 
 @dataclass
@@ -137,14 +112,15 @@ class _Layer:
 
 
 def _blocks(model: nn.Module, shorthand: str):
+    """``(arch, block paths)`` of a mapped architecture (the table's roles name the parts)."""
     mt = model_type_of(model)
-    if mt not in A.ARCHITECTURES or mt not in _PARTS:
+    arch = A.ARCHITECTURES.get(mt)
+    if arch is None or arch.attention_out is None:
         raise ValueError(
             f"layers: the shorthand {shorthand!r} needs a mapped architecture, and {type(model).__name__} "
             f"(model_type {mt!r}) has none; pass dotted module paths instead"
         )
-    arch = A.ARCHITECTURES[mt]
-    return arch, A.layer_paths(model, arch), _PARTS[mt]
+    return arch, A.layer_paths(model, arch)
 
 
 def expand_layers(model: nn.Module, layers, attribute_to_layer_input: bool = False) -> List[_Layer]:
@@ -163,7 +139,8 @@ def expand_layers(model: nn.Module, layers, attribute_to_layer_input: bool = Fal
     out: List[_Layer] = []
     for item in layers:
         if item in SHORTHANDS:
-            arch, blocks, (attn, mlp, (neurons, neurons_where)) = _blocks(model, item)
+            arch, blocks = _blocks(model, item)
+            neurons, neurons_where = arch.neurons or (None, None)
             if item == "residual":
                 out += [_Layer(b, model.get_submodule(b), "input", True) for b in blocks]
                 final = [n for n in arch.outer_norms if not n.startswith("embeddings")]
@@ -171,7 +148,7 @@ def expand_layers(model: nn.Module, layers, attribute_to_layer_input: bool = Fal
                     p = A.join(A.base_prefix(model), n)
                     out.append(_Layer(p, model.get_submodule(p), "input", True))
             else:
-                rel = {"attention": attn, "mlp": mlp, "neurons": neurons}[item]
+                rel = {"attention": arch.attention_out, "mlp": arch.mlp_out, "neurons": neurons}[item]
                 if rel is None:
                     raise no_neurons(model, "layers")
                 where = neurons_where if item == "neurons" else "output"

@@ -48,7 +48,7 @@ from pyattr.attribution import evaluate_targets, leaf, run_model
 from pyattr.integration import architectures as A
 from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.integration.scope import model_type_of
-from pyattr.layer_attribution import _PARTS, no_neurons
+from pyattr.layer_attribution import no_neurons
 from pyattr.integration.wrappers import unwrap
 
 __all__ = ["NODES", "PATCHING_RULES", "PatchingResult", "activation_patching", "attribution_patching"]
@@ -63,16 +63,6 @@ METHODS = ("relp", "atp", "atp*")
 #: Identity-rules lowered every correlation there. RelP's full rule set (LN-, Identity-,
 #: Half- and AH-rule) is ``rules=RelevanceRules.all()``.
 PATCHING_RULES = RelevanceRules(normalization=True)
-
-# block-relative path of the attention output projection, whose input is split per head
-_HEADS = {"llama": "self_attn.o_proj", "gpt2": "attn.c_proj", "gpt_neox": "attention.dense",
-          "bert": "attention.output.dense", "roberta": "attention.output.dense", "distilbert": "attention.out_lin",
-          "modernbert": "attn.Wo", "clip_text_model": "self_attn.out_proj",
-          "clip_vision_model": "self_attn.out_proj", "vit": "attention.o_proj"}
-for _name in ("mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "phi3", "mixtral",
-              "qwen2_moe", "qwen3_moe"):
-    _HEADS[_name] = _HEADS["llama"]
-
 
 @dataclass(frozen=True)
 class _Site:
@@ -180,17 +170,19 @@ def _n_heads(model: nn.Module) -> int:
 def node_sites(model: nn.Module, nodes: Sequence[str]) -> Dict[str, List[_Site]]:
     """Node type → its module in each block (in layer order)."""
     mt = model_type_of(model)
-    if mt not in A.ARCHITECTURES or mt not in _PARTS:
+    arch = A.ARCHITECTURES.get(mt)
+    if arch is None or arch.heads is None:
+        supported = sorted(k for k, a in A.ARCHITECTURES.items() if a.heads is not None)
         raise ValueError(
             f"nodes: patching needs a mapped architecture to find the nodes, and {type(model).__name__} "
-            f"(model_type {mt!r}) has none; supported: {', '.join(sorted(_HEADS))}"
+            f"(model_type {mt!r}) has none; supported: {', '.join(supported)}"
         )
-    blocks = A.layer_paths(model, A.ARCHITECTURES[mt])
-    attn, mlp, (neurons, neurons_where) = _PARTS[mt]
-    if neurons is None and "neurons" in nodes:
+    blocks = A.layer_paths(model, arch)
+    if arch.neurons is None and "neurons" in nodes:
         raise no_neurons(model, "nodes")
-    rel = {"attention": (attn, "output"), "mlp": (mlp, "output"), "neurons": (neurons, neurons_where),
-           "heads": (_HEADS[mt], "input")}
+    neurons, neurons_where = arch.neurons or (None, None)
+    rel = {"attention": (arch.attention_out, "output"), "mlp": (arch.mlp_out, "output"),
+           "neurons": (neurons, neurons_where), "heads": (arch.heads, "input")}
     out: Dict[str, List[_Site]] = {}
     for node in nodes:
         sites = []

@@ -14,6 +14,34 @@ from torch import nn
 
 
 @dataclass(frozen=True)
+class FusedGatedForm:
+    """An MLP with one projection for both halves: ``a, b = proj(x).chunk(2)``, then
+    ``down(drop(act(a) * b))`` (``drop`` optional). The whole body of its forward must
+    match ``pattern`` (see :func:`pyattr.integration.scope._flat_body`)."""
+
+    proj: str
+    act: str
+    down: str
+    drop: Optional[str]
+    pattern: str
+
+
+PHI3_MLP = FusedGatedForm(
+    "gate_up_proj", "activation_fn", "down_proj", None,
+    r"(\w+)=self\.gate_up_proj\((\w+)\);gate,(\w+)=\1\.chunk\(2,dim=-1\);\3=\3\*self\.activation_fn\(gate\);"
+    r"returnself\.down_proj\(\3\)",
+)
+MODERNBERT_MLP = FusedGatedForm(
+    "Wi", "act", "Wo", "drop",
+    r"(\w+),(\w+)=self\.Wi\((\w+)\)\.chunk\(2,dim=-1\);returnself\.Wo\(self\.drop\(self\.act\(\1\)\*\2\)\)",
+)
+
+
+#: every fused gated MLP form the table knows (structural discovery tries each)
+FUSED_GATED_FORMS = (PHI3_MLP, MODERNBERT_MLP)
+
+
+@dataclass(frozen=True)
 class Arch:
     layers: str                       # ModuleList of blocks
     norm: str                         # "rms_norm" or "layer_norm"
@@ -45,6 +73,23 @@ class Arch:
     # how the model numbers positions: "mask" (real tokens at 0, 1, …) or "padding_idx"
     # (RoBERTa family: real tokens at padding_idx + 1, …, padding at padding_idx)
     positions: str = "mask"
+    # block-relative roles the methods read (layer_relevance's shorthands, patching nodes):
+    # the attention block's and the MLP block's contribution to the residual stream (BERT is
+    # post-norm: the dense projections before the residual add and the LayerNorm), and
+    # (module, "input" | "output") holding the MLP hidden activation (act(g)·u for gated
+    # MLPs); None for mixture-of-experts, whose hidden units belong to each expert
+    attention_out: Optional[str] = None
+    mlp_out: Optional[str] = None
+    neurons: Optional[Tuple[str, str]] = None
+    # the attention output projection, whose input splits per head (patching node "heads")
+    heads: Optional[str] = None
+    # the module that computes the attention pattern and returns it as the second element
+    # of its output (Hugging Face eager attention): AtP*'s recomputation; None: not supported
+    attention_core: Optional[str] = None
+    # the library's sparse MoE block (module, class): its forward is the form the MoE rules expect
+    moe_block: Optional[Tuple[str, str]] = None
+    # the forward form of a fused gated MLP (mlp kind "gated_fused")
+    fused_mlp: Optional[FusedGatedForm] = None
 
 
 _LLAMA = Arch(
@@ -55,7 +100,18 @@ _LLAMA = Arch(
     mlp=("gated", "mlp"),
     attention=("separate", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     entry=("layers.0", "hidden_states"),
+    attention_out="self_attn",
+    mlp_out="mlp",
+    neurons=("mlp.down_proj", "input"),
+    heads="self_attn.o_proj",
+    attention_core="self_attn",
 )
+
+
+def _moe(module: str, cls: str, **extra) -> "Arch":
+    return Arch(**{**_LLAMA.__dict__, "mlp": ("moe", "mlp"), "neurons": None,
+                   "moe_block": (f"transformers.models.{module}.modeling_{module}", cls), **extra})
+
 
 ARCHITECTURES = {
     "llama": _LLAMA,
@@ -102,15 +158,16 @@ ARCHITECTURES = {
     "phi3": Arch(
         **{
             **_LLAMA.__dict__,
-            "mlp": ("gated_fused", "mlp"),  # the form: scope.FUSED_GATED_FORMS["phi3"]
+            "mlp": ("gated_fused", "mlp"),
+            "fused_mlp": PHI3_MLP,
             "attention": ("split", "self_attn.qkv_proj"),
         }
     ),
     # mixture of experts: a router, experts stored as 3-D weights, and (Qwen2-MoE) a
     # shared expert behind a sigmoid gate; layers without experts are gated MLPs
-    "mixtral": Arch(**{**_LLAMA.__dict__, "mlp": ("moe", "mlp")}),
-    "qwen2_moe": Arch(**{**_LLAMA.__dict__, "mlp": ("moe", "mlp")}),
-    "qwen3_moe": Arch(**{**_LLAMA.__dict__, "mlp": ("moe", "mlp"), "qk_norms": ("self_attn.q_norm", "self_attn.k_norm")}),
+    "mixtral": _moe("mixtral", "MixtralSparseMoeBlock"),
+    "qwen2_moe": _moe("qwen2_moe", "Qwen2MoeSparseMoeBlock"),
+    "qwen3_moe": _moe("qwen3_moe", "Qwen3MoeSparseMoeBlock", qk_norms=("self_attn.q_norm", "self_attn.k_norm")),
     "gpt2": Arch(
         layers="h",
         norm="layer_norm",
@@ -119,6 +176,8 @@ ARCHITECTURES = {
         mlp=("act", "mlp.act"),
         attention=("concat", "attn.c_attn"),
         entry=("h.0", "hidden_states"),
+        attention_out="attn", mlp_out="mlp", neurons=("mlp.c_proj", "input"), heads="attn.c_proj",
+        attention_core="attn",
     ),
     "gpt_neox": Arch(
         layers="layers",
@@ -128,6 +187,8 @@ ARCHITECTURES = {
         mlp=("act", "mlp.act"),
         attention=("per_head", "attention.query_key_value"),
         entry=("layers.0", "hidden_states"),
+        attention_out="attention", mlp_out="mlp", neurons=("mlp.dense_4h_to_h", "input"), heads="attention.dense",
+        attention_core="attention",
     ),
     "bert": Arch(
         layers="encoder.layer",
@@ -146,6 +207,8 @@ ARCHITECTURES = {
         head_norms=("cls.predictions.transform.LayerNorm",),
         head_acts=("cls.predictions.transform.transform_act_fn",),
         base_acts=("pooler.activation",),
+        attention_out="attention.output.dense", mlp_out="output.dense", neurons=("intermediate", "output"),
+        heads="attention.output.dense", attention_core="attention.self",
     ),
     # ModernBERT: pre-norm (the first layer's attention norm is an nn.Identity), LayerNorms
     # without bias, fused Wqkv (MHA thirds), GeGLU through one Wi, a dense → act → norm head
@@ -154,11 +217,13 @@ ARCHITECTURES = {
         norm="layer_norm",
         layer_norms=("attn_norm", "mlp_norm"),
         outer_norms=("embeddings.norm", "final_norm"),
-        mlp=("gated_fused", "mlp"),  # the form: scope.FUSED_GATED_FORMS["modernbert"]
+        mlp=("gated_fused", "mlp"),
+        fused_mlp=MODERNBERT_MLP,
         attention=("concat", "attn.Wqkv"),
         entry=("embeddings.norm", "input"),
         head_norms=("head.norm",),
         head_acts=("head.act",),
+        attention_out="attn", mlp_out="mlp", neurons=("mlp.Wo", "input"), heads="attn.Wo",
     ),
     # CLIP's text tower (CLIPTextModel, CLIPTextModelWithProjection): pre-norm, quick-GELU
     # MLP, causal self-attention, a final LayerNorm
@@ -170,6 +235,7 @@ ARCHITECTURES = {
         mlp=("act", "mlp.activation_fn"),
         attention=("separate", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
         entry=("encoder.layers.0", "hidden_states"),
+        attention_out="self_attn", mlp_out="mlp", neurons=("mlp.fc2", "input"), heads="self_attn.out_proj",
     ),
     # ViT (ViTModel, ViTForImageClassification): pre-norm blocks, GELU MLP; the blocks'
     # input is the patch embeddings with the [CLS] token and position embeddings added
@@ -182,6 +248,7 @@ ARCHITECTURES = {
         attention=("separate", "attention.q_proj", "attention.k_proj", "attention.v_proj"),
         entry=("layers.0", "hidden_states"),
         base_acts=("pooler.activation",),
+        attention_out="attention", mlp_out="mlp", neurons=("mlp.fc2", "input"), heads="attention.o_proj",
     ),
     "distilbert": Arch(
         layers="transformer.layer",
@@ -193,6 +260,8 @@ ARCHITECTURES = {
         entry=("embeddings.LayerNorm", "input"),
         head_norms=("vocab_layer_norm",),
         head_acts=("activation",),
+        attention_out="attention.out_lin", mlp_out="ffn", neurons=("ffn.activation", "output"),
+        heads="attention.out_lin",
     ),
 }
 # CLIP's vision tower (CLIPVisionModel, CLIPVisionModelWithProjection, and

@@ -17,7 +17,6 @@ from pyattr.activations import _kind_of_module
 from pyattr.integration import architectures as A
 from pyattr.integration.config import RelevanceRules
 from pyattr.integration.scope import (
-    FUSED_GATED_FORMS,
     _GENERIC_GATED_FORM,
     _body_matches,
     _flat_body,
@@ -95,7 +94,7 @@ def plan_generic(model: nn.Module, rules: RelevanceRules) -> _Planner:
             gated[name] = names
             pl.mounted.add(id(modules[A.join(name, names[3])]))
             continue
-        form = next((f for f in FUSED_GATED_FORMS.values() if plain_fused_gated_forward(mod, f)), None)
+        form = next((f for f in A.FUSED_GATED_FORMS if plain_fused_gated_forward(mod, f)), None)
         if form is not None and all(isinstance(getattr(mod, n, None), nn.Module) for n in (form.proj, form.act, form.down)):
             fused[name] = form
             pl.mounted.add(id(getattr(mod, form.act)))

@@ -130,29 +130,7 @@ def _gated_forward(kind: str, path: str, names=_GATED_NAMES):
     return make
 
 
-@dataclass(frozen=True)
-class FusedGatedForm:
-    """An MLP with one projection for both halves: ``a, b = proj(x).chunk(2)``, then
-    ``down(drop(act(a) * b))`` (``drop`` optional). The whole body of its forward must
-    match ``pattern`` (see :func:`_flat_body`)."""
-
-    proj: str
-    act: str
-    down: str
-    drop: Optional[str]
-    pattern: str
-
-
-PHI3_MLP = FusedGatedForm(
-    "gate_up_proj", "activation_fn", "down_proj", None,
-    r"(\w+)=self\.gate_up_proj\((\w+)\);gate,(\w+)=\1\.chunk\(2,dim=-1\);\3=\3\*self\.activation_fn\(gate\);"
-    r"returnself\.down_proj\(\3\)",
-)
-MODERNBERT_MLP = FusedGatedForm(
-    "Wi", "act", "Wo", "drop",
-    r"(\w+),(\w+)=self\.Wi\((\w+)\)\.chunk\(2,dim=-1\);returnself\.Wo\(self\.drop\(self\.act\(\1\)\*\2\)\)",
-)
-FUSED_GATED_FORMS = {"phi3": PHI3_MLP, "modernbert": MODERNBERT_MLP}
+FusedGatedForm = A.FusedGatedForm  # the forms live in the architecture table
 
 
 def _gated_fused_forward(kind: str, path: str, form: FusedGatedForm):
@@ -175,14 +153,6 @@ def _gated_fused_forward(kind: str, path: str, form: FusedGatedForm):
         return forward
 
     return make
-
-
-# the library's sparse block per model type: its forward is the form the MoE rules expect
-_MOE_BLOCKS = {
-    "mixtral": ("transformers.models.mixtral.modeling_mixtral", "MixtralSparseMoeBlock"),
-    "qwen2_moe": ("transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeSparseMoeBlock"),
-    "qwen3_moe": ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeSparseMoeBlock"),
-}
 
 
 def _is_experts_dispatcher(fn) -> bool:
@@ -522,7 +492,8 @@ class _Planner:
         scales the experts' outputs; the shared expert behind a sigmoid gate), body for
         body: a block that recomputes its weights from the router logits would bypass the
         routing rule."""
-        own = _MOE_BLOCKS.get(self.cov.model_type)
+        arch = A.ARCHITECTURES.get(self.cov.model_type)
+        own = arch.moe_block if arch is not None else None
         ref = None
         if own is not None:
             try:
@@ -728,7 +699,7 @@ def _plan_known(model: nn.Module, rules: RelevanceRules, model_type: str) -> _Pl
         if kind == "gated":
             pl.gated_mlp(A.join(layer, p))
         elif kind == "gated_fused":
-            pl.gated_fused_mlp(A.join(layer, p), FUSED_GATED_FORMS[model_type])
+            pl.gated_fused_mlp(A.join(layer, p), arch.fused_mlp)
         elif kind == "moe":
             pl.moe(A.join(layer, p))
         else:
