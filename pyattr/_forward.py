@@ -94,6 +94,12 @@ def normalise_inputs(inputs, attention_mask) -> dict:
         if mask.dim() == 1:
             mask = mask.unsqueeze(0)
         past = S.cache_length(kwargs)
+        if past and mask.shape == ids.shape:
+            raise ValueError(
+                f"attention_mask of shape {tuple(mask.shape)} covers the new tokens only, but the inputs hold a "
+                f"key/value cache of {past} positions: transformers reads a mask over the cached and the new tokens, "
+                f"shape ({ids.shape[0]}, {past + ids.shape[1]}); pass that mask (ones where the cache holds real "
+                "tokens), or no mask")
         if mask.shape != ids.shape and not (past and mask.shape == (ids.shape[0], past + ids.shape[1])):
             with_cache = (f" or, with the {past} cached positions, ({ids.shape[0]}, {past + ids.shape[1]})"
                           if past else "")

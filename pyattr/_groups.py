@@ -22,10 +22,15 @@ def row_groups(model: nn.Module, prep) -> Optional[List[torch.Tensor]]:
     """Groups of row indices of the prepared call ``prep`` (None: one call serves all)."""
     if prep.patch_grid is not None:
         return None
+    if not P.depends_on_batch(model):
+        return None
     full = prep.kwargs.get("attention_mask")
     if full is not None and full.shape[-1] != prep.input_ids.shape[1]:  # the mask spans the cache too
-        return P.groups(model, prep.input_ids, full)
-    return P.groups(model, prep.input_ids, prep.attention_mask, S.cache_length(prep.kwargs))
+        lengths = P.row_lengths(prep.input_ids, full, 0, prep.kwargs.get("position_ids"))
+    else:
+        lengths = P.row_lengths(prep.input_ids, prep.attention_mask, S.cache_length(prep.kwargs),
+                                prep.kwargs.get("position_ids"))
+    return P.groups(model, lengths)
 
 
 def rows_of(value, idx: torch.Tensor, batch: int, dim: int = 0):

@@ -127,20 +127,29 @@ def describe(model: nn.Module) -> Optional[str]:
             + "; rows are grouped so that each group computes what each row computes alone")
 
 
-def row_lengths(input_ids: torch.Tensor, mask: Optional[torch.Tensor], past: int = 0) -> List[int]:
+def row_lengths(input_ids: torch.Tensor, mask: Optional[torch.Tensor], past: int = 0,
+                position_ids: Optional[torch.Tensor] = None) -> List[int]:
+    """Per row, the length a rotary embedding reads: ``max(position_ids) + 1`` where the
+    ids are given (what transformers reads, over the whole batch), else the real tokens
+    under ``mask`` plus ``past`` cached positions."""
+    batch = input_ids.shape[0]
+    if isinstance(position_ids, torch.Tensor) and position_ids.dim() >= 1:
+        pos = position_ids.reshape(position_ids.shape[0], -1) if position_ids.dim() >= 2 else position_ids[None]
+        top = [int(v) + 1 for v in pos.max(1).values.tolist()]
+        return top * batch if len(top) == 1 and batch > 1 else top
     if mask is None:
-        return [input_ids.shape[1] + past] * input_ids.shape[0]
+        return [input_ids.shape[1] + past] * batch
     return [int(n) + past for n in mask.to(torch.long).sum(1).tolist()]
 
 
-def groups(model: nn.Module, input_ids: torch.Tensor, mask: Optional[torch.Tensor],
-           past: int = 0) -> Optional[List[torch.Tensor]]:
+def groups(model: nn.Module, lengths: List[int]) -> Optional[List[torch.Tensor]]:
     """Row indices (LongTensor, ascending) of each group of rows that can share a forward
-    on a batch-dependent model, in order of first row; None when one forward serves the
-    whole batch (rows independent, or all of one regime)."""
+    on a batch-dependent model, given each row's length (:func:`row_lengths`), in order
+    of first row; None when one forward serves the whole batch (rows independent, or all
+    of one regime)."""
     if not depends_on_batch(model):
         return None
-    keys = regime_keys(model, row_lengths(input_ids, mask, past))
+    keys = regime_keys(model, lengths)
     order: Dict[tuple, List[int]] = {}
     for i, k in enumerate(keys):
         order.setdefault(k, []).append(i)

@@ -22,6 +22,10 @@ import torch
 from torch import nn
 
 _READS_FIRST = re.compile(r"\[\s*:\s*,\s*0\s*[\],]")
+# CLIP's text tower pools at the first end-of-sequence token, found in the ids
+_READS_EOS = re.compile(r"eos_token_id[\s\S]*argmax|argmax[\s\S]*eos_token_id")
+# decoder sequence classifiers read the last token that is not the pad token, found in the ids
+_READS_LAST_NON_PAD = re.compile(r"last_non_pad_token|pad_token_id[\s\S]*argmax|argmax[\s\S]*pad_token_id")
 
 
 def first_real(mask: Optional[torch.Tensor], batch: int, device) -> torch.Tensor:
@@ -55,18 +59,54 @@ def readers(model: nn.Module) -> List[nn.Module]:
             and type(m).__name__.endswith(("Pooler", "ClassificationHead")) and _reads_first(m)]
 
 
+def _model_level(model: nn.Module) -> List[nn.Module]:
+    """The model and the models inside it (base model, towers): where poolers read a fixed
+    position in their own ``forward`` rather than in a module (ALBERT, BigBird, CLIP's
+    text tower, DistilBERT's and ModernBERT's classifiers)."""
+    inner = getattr(model, "_orig_mod", model)
+    return [inner] + [m for m in inner.modules() if m is not inner and (
+        hasattr(m, "base_model_prefix") or type(m).__name__.endswith(("Model", "Transformer")))]
+
+
 def check_model_forward(model: nn.Module, mask: Optional[torch.Tensor], caller: str) -> None:
-    """A model whose own forward reads position 0 refuses left-padded rows (ValueError)."""
+    """A left-padded batch on a model whose own forward reads a fixed position (``[:, 0]``)
+    or the first end-of-sequence token found in the ids: ValueError."""
     if not left_padded(mask):
         return
-    inner = getattr(model, "_orig_mod", model)
-    if _reads_first(inner) and not type(inner).__name__.endswith(("ForCausalLM", "LMHeadModel")):
-        row = int((~mask[:, 0].bool()).nonzero()[0, 0])
-        raise ValueError(
-            f"{caller}(): attention_mask pads row {row} on the left, and {type(inner).__name__}.forward reads "
-            "position 0 ([CLS]) of every row itself, which is a pad token there, so the row would not give what "
-            "it gives alone. Pad on the right (the default of BERT-style tokenizers: tokenizer.padding_side = 'right')"
-        )
+    row = int((~mask[:, 0].bool()).nonzero()[0, 0])
+    for m in _model_level(model):
+        name = type(m).__name__
+        src = _source(type(m).forward)
+        if _READS_FIRST.search(src) and not name.endswith(("ForCausalLM", "LMHeadModel")):
+            raise ValueError(
+                f"{caller}(): attention_mask pads row {row} on the left, and {name}.forward reads position 0 "
+                "([CLS]) of every row itself, which is a pad token there, so the row would not give what it gives "
+                "alone. Pad on the right (the default of BERT-style tokenizers: tokenizer.padding_side = 'right')"
+            )
+        if _READS_EOS.search(src):
+            raise ValueError(
+                f"{caller}(): attention_mask pads row {row} on the left, and {name}.forward pools at the first "
+                "end-of-sequence token it finds in the ids, which under left padding can be a pad token, so the row "
+                "would not give what it gives alone. Pad on the right (tokenizer.padding_side = 'right')"
+            )
+
+
+def check_pad_baseline(model: nn.Module, mask: Optional[torch.Tensor], caller: str) -> None:
+    """``baseline="pad"`` on a left-padded batch of a model that reads the last non-pad
+    token of the ids (decoder sequence classifiers): an all-pad baseline row has none, so
+    the model reads position 0, a pad slot of the padded row but the first token of the
+    row alone: ValueError."""
+    if not left_padded(mask):
+        return
+    for m in _model_level(model):
+        if _READS_LAST_NON_PAD.search(_source(type(m).forward)):
+            row = int((~mask[:, 0].bool()).nonzero()[0, 0])
+            raise ValueError(
+                f"baseline: 'pad' on a batch that pads row {row} on the left, and {type(m).__name__}.forward reads the "
+                "last token that is not the pad token: the all-pad baseline has none, so it would read position 0, a "
+                "pad slot of the padded row but the first token of the row alone. Pad on the right, or pass "
+                "baseline='zeros' or a tensor"
+            )
 
 
 @contextlib.contextmanager

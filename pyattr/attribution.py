@@ -219,6 +219,7 @@ def baseline_forward(model, prep: F.Prepared, baseline, x: torch.Tensor, targets
     kwargs = dict(prep.kwargs)
     seen: dict = {}
     if isinstance(baseline, str) and baseline == "pad":
+        R.check_pad_baseline(model, prep.attention_mask, "baseline")
         kwargs["input_ids"] = torch.full_like(prep.input_ids, pad_token_id(model))
         replace = None
     else:

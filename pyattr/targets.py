@@ -14,8 +14,9 @@ selector. Every method (:func:`pyattr.relevance`, :func:`pyattr.layer_relevance`
   or ``Tensor[]``;
 - k targets per row: a ``LongTensor[batch, k]`` or a list of k target objects.
 
-Positions: ``-1`` is each row's last real token under the attention mask (so padded
-rows explain the same token as the row alone); ``p ≥ 0`` is absolute, in every row.
+Positions count each row's real tokens under the attention mask, so a padded row explains
+the token the row alone explains: ``-1`` is each row's last real token, ``p ≥ 0`` each
+row's ``p``-th real token (the absolute position ``p`` for unpadded and right-padded rows).
 """
 
 from __future__ import annotations
@@ -91,32 +92,39 @@ def _class_logits(logits: torch.Tensor, position: int) -> bool:
 
 
 def _positions(position: int, fwd: _Forward) -> torch.Tensor:
+    """Per row, the index along the sequence of ``position``: ``-1`` each row's last real
+    token, ``p ≥ 0`` each row's ``p``-th real token (counted along the attention mask from
+    0), so a padded row reads the token the row alone reads at ``p``."""
     ids, mask = fwd.input_ids, fwd.attention_mask
     batch, seq = ids.shape
-    if position == -1:
-        if mask is None:
-            return torch.full((batch,), seq - 1, dtype=torch.long, device=ids.device)
-        flipped = torch.flip(mask.to(torch.long), dims=[1])
-        return seq - 1 - flipped.argmax(dim=1)
-    if not 0 <= position < seq:
-        raise ValueError(f"target: position {position} is outside the sequence of length {seq} (use -1 for the last real token)")
-    _check_not_padding(position, mask)
-    return torch.full((batch,), position, dtype=torch.long, device=ids.device)
-
-
-def _check_not_padding(position: int, mask: Optional[torch.Tensor]) -> None:
-    """A position p ≥ 0 is one column in every row; where the mask pads that column, the
-    row would explain a pad token (and differ from the row alone): refused."""
     if mask is None:
-        return
-    col = mask[:, position]
-    if not bool(col.all()):
-        row = int((col == 0).nonzero()[0, 0])
+        if position == -1:
+            return torch.full((batch,), seq - 1, dtype=torch.long, device=ids.device)
+        if not 0 <= position < seq:
+            raise ValueError(
+                f"target: position {position} is outside the sequence of length {seq} (use -1 for the last real token)")
+        return torch.full((batch,), position, dtype=torch.long, device=ids.device)
+    return real_positions(position, mask, "target: position").to(ids.device)
+
+
+def real_positions(position: int, mask: torch.Tensor, name: str) -> torch.Tensor:
+    """Index (batch,) of each row's ``position``-th real token under ``mask`` (negative:
+    counted back from the row's last real token, ``-1`` the last).
+
+    Raises:
+        ValueError: a row has too few real tokens (``name`` starts the message).
+    """
+    m = mask.to(torch.long)
+    lengths = m.sum(1)
+    k = position + lengths if position < 0 else torch.full_like(lengths, position)
+    short = (k < 0) | (k >= lengths)
+    if bool(short.any()):
+        row = int(short.nonzero()[0, 0])
         raise ValueError(
-            f"target: position {position} is padding in row {row} (attention_mask); a position p ≥ 0 is "
-            "the same column in every row, so that row would explain a pad token. Use -1 for each "
-            "row's last real token, or pad so that the column holds a real token in every row"
+            f"{name} {position} is outside row {row}, which has {int(lengths[row])} real tokens (attention_mask); "
+            "positions count each row's real tokens, as in the row alone (p ≥ 0 from the first, -1 the last)"
         )
+    return ((m.cumsum(1) == (k + 1).unsqueeze(1)) & m.bool()).to(torch.long).argmax(1)
 
 
 def _check_position(position) -> int:
@@ -217,8 +225,8 @@ class Logit(Target):
             the top-1 token at that position (chosen at the real input and kept fixed for
             baselines and integration steps).
         position (int): ``-1`` (default) each row's last real token under the attention
-            mask; ``p ≥ 0`` that absolute position in every row, which must hold a real
-            token in every row (a padded column raises ValueError).
+            mask; ``p ≥ 0`` each row's ``p``-th real token (position ``p`` of the row
+            alone; a row with ``p`` or fewer real tokens raises ValueError).
     """
 
     def __init__(self, token_id=None, position: int = -1):
@@ -310,10 +318,14 @@ class ModuleOutput(Target):
             size at position ``p``: ``select=(p, j)``; at every position: ``(slice(None), j)``.
 
     Padding: where the output is laid out ``(batch, seq, …)`` like the attention mask, the
-    selector sees 0 at the positions the mask marks as padding, so a padded row explains
-    the same value as the row alone and its pad tokens get no relevance; an int position
-    ``p`` selected directly (``select=p`` or ``(p, …)``) counts every column and must hold
-    a real token in every row (a padded column raises ValueError).
+    selector sees 0 at the positions the mask marks as padding, so ``select=None`` and
+    sums over all positions explain what the row alone gives, and pad tokens get no
+    relevance. An int position selected directly (``select=p`` or ``(p, …)``) is each
+    row's ``p``-th real token (negative: counted back from its last real token), as in
+    the row alone; a row too short raises ValueError, and so does a slice over positions
+    other than ``slice(None)`` in a padded batch (it would mean other tokens than in each
+    row alone). A callable ``select`` sees the zeros at padding: make it padding-aware
+    (a mean over positions of a padded row is not the row's mean).
     """
 
     def __init__(self, path: str, select: Selector = None):
@@ -347,11 +359,24 @@ class ModuleOutput(Target):
                     f"target: select {self.select!r} indexes {len(idx)} dimensions after the batch, but "
                     f"{self.path!r} outputs shape {tuple(out.shape)}"
                 )
-            if _is_int(idx[0]) and fwd.attention_mask is not None and out.dim() >= 2 and \
-                    tuple(out.shape[:2]) == tuple(fwd.attention_mask.shape) and -out.shape[1] <= idx[0] < out.shape[1]:
-                _check_not_padding(int(idx[0]) % out.shape[1], fwd.attention_mask)
+            mask = fwd.attention_mask
+            by_row = mask is not None and out.dim() >= 2 and tuple(out.shape[:2]) == tuple(mask.shape) \
+                and not bool(mask.bool().all())
             try:
-                sel = out[(slice(None), *idx)]
+                if by_row and _is_int(idx[0]):
+                    # the p-th real token of each row, as the row alone has it at p
+                    pos = real_positions(int(idx[0]), mask, f"target: ModuleOutput({self.path!r}) select position")
+                    rows = torch.arange(out.shape[0], device=out.device)
+                    sel = out[rows, pos.to(out.device)][(slice(None), *idx[1:])]
+                else:
+                    if by_row and isinstance(idx[0], slice) and idx[0] != slice(None):
+                        raise ValueError(
+                            f"target: ModuleOutput({self.path!r}) select {self.select!r} slices the positions of a "
+                            "padded batch, where a slice means other tokens in rows of other lengths than in each "
+                            "row alone; select one position by an int (counted per row), all positions, or pass "
+                            "unpadded rows"
+                        )
+                    sel = out[(slice(None), *idx)]
             except IndexError as e:
                 raise ValueError(f"target: select {self.select!r} is out of range for {self.path!r} output {tuple(out.shape)}: {e}") from None
         if sel.dim() == 0:

@@ -55,11 +55,23 @@ def test_logit_position_in_left_padding_is_refused_or_equals_row_alone(llama):
     torch.testing.assert_close(padded.token_relevance[1, 2:], alone.token_relevance[0], rtol=1e-5, atol=1e-6)
 
 
-def test_module_output_select_on_padding_is_refused(llama):
-    """ModuleOutput(select=(p, j)) with p a pad column in some row: that row's target is
-    would be 0 with all-zero relevance (the row alone gives a real value at its p): refused."""
-    with pytest.raises(ValueError):
-        pyattr.relevance(llama, IDS, target=ModuleOutput("model.layers.1.mlp", select=(0, 3)), attention_mask=LEFT)
+def test_module_output_select_position_is_per_row(llama):
+    """ModuleOutput(select=(p, j)): p is each row's p-th real token (issue 22), so the
+    left-padded row explains what it explains alone at p; a row too short for p, and a
+    slice over the positions of a padded batch, are refused."""
+    target = ModuleOutput("model.layers.1.mlp", select=(0, 3))
+    padded = pyattr.relevance(llama, IDS, target=target, attention_mask=LEFT)
+    alone = pyattr.relevance(llama, IDS[1:, 2:], target=target)
+    torch.testing.assert_close(padded.target[1], alone.target[0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(padded.token_relevance[1, 2:], alone.token_relevance[0], atol=1e-6, rtol=1e-5)
+    last = pyattr.relevance(llama, IDS, target=ModuleOutput("model.layers.1.mlp", select=(-1, 3)), attention_mask=RIGHT)
+    alone = pyattr.relevance(llama, IDS[1:, :4], target=ModuleOutput("model.layers.1.mlp", select=(-1, 3)))
+    torch.testing.assert_close(last.target[1], alone.target[0], atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"select position 5 is outside row 1, which has 4 real tokens"):
+        pyattr.relevance(llama, IDS, target=ModuleOutput("model.layers.1.mlp", select=(5, 3)), attention_mask=LEFT)
+    with pytest.raises(ValueError, match=r"slices the positions of a padded batch"):
+        pyattr.relevance(llama, IDS, target=ModuleOutput("model.layers.1.mlp", select=(slice(-2, None), 3)),
+                         attention_mask=RIGHT)
 
 
 # --------------------------------------------------------------------------------------

@@ -408,3 +408,97 @@ def test_wrapper_prefixed_paths_are_accepted():
     with pyattr.capture(m, ["module.model.layers.0"]) as cap:
         m(ids)
     assert cap["module.model.layers.0"].output is not None
+
+
+# --------------------------------------------------------------------------- from the adversarial review
+
+
+@pytest.mark.parametrize("kind", ["longrope", "dynamic"])
+def test_caller_position_ids_decide_the_rotary_regime(kind):
+    """Transformers reads max(position_ids) + 1 over the batch: rows with the caller's
+    position ids in two regimes run apart, each as its own forward with its ids."""
+    m = tiny_rope_scaled(kind)
+    ids = torch.tensor([[5, 9, 13, 21, 8], [7, 3, 30, 12, 4]])
+    pos = torch.stack([torch.arange(5), torch.arange(10, 15)])
+    r = pyattr.relevance(m, {"input_ids": ids, "position_ids": pos}, target=[3, 4])
+    for i, t in enumerate([3, 4]):
+        fresh = tiny_rope_scaled(kind)
+        with torch.no_grad():
+            want = fresh(input_ids=ids[i:i + 1], position_ids=pos[i:i + 1]).logits[0, -1, t].double()
+        alone = pyattr.relevance(m, {"input_ids": ids[i:i + 1], "position_ids": pos[i:i + 1]}, target=t)
+        torch.testing.assert_close(r.target[i], want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(r.token_relevance[i], alone.token_relevance[0], atol=1e-5, rtol=1e-4)
+
+
+def test_cache_with_a_mask_over_the_new_tokens_only_is_refused(cached):
+    m, past, new, cache = cached
+    with pytest.raises(ValueError, match=r"attention_mask of shape \(1, 4\) covers the new tokens only, but the inputs "
+                                         r"hold a key/value cache of 6 positions: .* shape \(1, 10\)"):
+        pyattr.relevance(m, {"input_ids": new, "past_key_values": cache, "attention_mask": torch.ones_like(new)})
+
+
+def test_base_model_forward_reading_position_zero_refuses_left_padding():
+    """ALBERT's base model pools ``sequence_output[:, 0]`` in its own forward."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    cfg = T.AlbertConfig(vocab_size=VOCAB, embedding_size=16, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                         num_hidden_layers=2, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                         attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0, num_labels=3, pad_token_id=0)
+    m = T.AlbertForSequenceClassification(cfg).eval()
+    ids, mask = _pad([[5, 6, 7], [5, 6, 7, 8, 9]], "left")
+    with pytest.raises(ValueError, match=r"integrated_gradients\(\): attention_mask pads row 0 on the left, and "
+                                         r"AlbertModel.forward reads position 0"):
+        pyattr.integrated_gradients(m, {"input_ids": ids, "attention_mask": mask}, target=1, n_steps=2)
+    ids, mask = _pad([[5, 6, 7], [5, 6, 7, 8, 9]], "right")
+    r = pyattr.integrated_gradients(m, {"input_ids": ids, "attention_mask": mask}, target=1, n_steps=2)
+    with torch.no_grad():
+        want = m(input_ids=torch.tensor([[5, 6, 7]])).logits[0, 1].double()
+    torch.testing.assert_close(r.target[0], want, atol=1e-5, rtol=1e-5)
+
+
+def test_clip_text_eos_pooling_refuses_left_padding():
+    """CLIP's text tower pools at the first end-of-text token found in the ids: under
+    left padding with pad == eos that is a pad token."""
+    import transformers as T
+
+    cfg = T.CLIPTextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                           num_hidden_layers=2, max_position_embeddings=32, initializer_range=0.2,
+                           eos_token_id=VOCAB - 1, pad_token_id=VOCAB - 1, bos_token_id=VOCAB - 2)
+    torch.manual_seed(0)
+    m = T.CLIPTextModel(cfg).eval()
+    w = torch.randn(32, generator=torch.Generator().manual_seed(2))
+    rows = [[VOCAB - 2, 5, 6, VOCAB - 1], [VOCAB - 2, 5, 6, 7, 8, VOCAB - 1]]
+    ids, mask = _pad(rows, "left", pad_id=VOCAB - 1)
+    with pytest.raises(ValueError, match=r"CLIPTextModel.forward pools at the first end-of-sequence token"):
+        pyattr.relevance(m, {"input_ids": ids, "attention_mask": mask}, target=lambda out: out.pooler_output @ w)
+    ids, mask = _pad(rows, "right", pad_id=VOCAB - 1)
+    r = pyattr.relevance(m, {"input_ids": ids, "attention_mask": mask}, target=lambda out: out.pooler_output @ w)
+    for i, row in enumerate(rows):
+        with torch.no_grad():
+            want = (m(input_ids=torch.tensor([row])).pooler_output[0] @ w).double()
+        torch.testing.assert_close(r.target[i], want, atol=1e-5, rtol=1e-5)
+
+
+def test_last_non_pad_classifier_pad_baseline_under_left_padding():
+    """A decoder sequence classifier reads the last non-pad token of the ids; the all-pad
+    baseline has none. Right padding gives the row alone's f(x0); left padding is refused."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    cfg = T.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                        num_key_value_heads=2, num_hidden_layers=2, initializer_range=0.2, pad_token_id=0, num_labels=3)
+    m = T.LlamaForSequenceClassification(cfg).eval()
+    with torch.no_grad():
+        m.get_input_embeddings().weight[0].normal_()  # a trained pad row (pad = eos in many checkpoints)
+    rows = [[5, 6, 7], [5, 6, 7, 8, 9]]
+    ids, mask = _pad(rows, "right")
+    r = pyattr.relevance(m, {"input_ids": ids, "attention_mask": mask}, target=1, baseline="pad")
+    for i, row in enumerate(rows):
+        alone = pyattr.relevance(m, torch.tensor([row]), target=1, baseline="pad")
+        torch.testing.assert_close(r.baseline_target[i], alone.baseline_target[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(r.conservation_delta[i], alone.conservation_delta[0], atol=1e-4, rtol=1e-4)
+    ids, mask = _pad(rows, "left")
+    with pytest.raises(ValueError, match=r"baseline: 'pad' on a batch that pads row 0 on the left, and "
+                                         r"LlamaForSequenceClassification.forward reads the last token"):
+        pyattr.relevance(m, {"input_ids": ids, "attention_mask": mask}, target=1, baseline="pad")

@@ -122,15 +122,21 @@ def test_last_position_under_left_and_right_padding(llama):
     torch.testing.assert_close(right.target, pyattr.relevance(llama, row, target=Logit(4)).target, atol=1e-5, rtol=1e-5)
 
 
-def test_absolute_position_counts_padded_columns(llama):
-    """``position=p ≥ 0`` is column p in every row: in a row left-padded by 2, column 4 is
-    the row's third real token."""
+def test_position_counts_each_rows_real_tokens(llama):
+    """``position=p ≥ 0`` is each row's p-th real token (issue 22: read-outs at fixed
+    positions are found per row from the mask): in a row left-padded by 2, position 2
+    explains what the row alone explains at 2 (column 4 of the padded batch)."""
     row = _ids(1, 5, seed=3)
     ids, mask = _left_pad(row, 2)
-    padded = pyattr.relevance(llama, ids, attention_mask=mask, target=Logit(7, position=4))
+    padded = pyattr.relevance(llama, ids, attention_mask=mask, target=Logit(7, position=2))
     alone = pyattr.relevance(llama, row, target=Logit(7, position=2))
+    with torch.no_grad():
+        own = llama(row).logits[0, 2, 7].double()
+    torch.testing.assert_close(padded.target[0], own, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(padded.target, alone.target, atol=1e-5, rtol=1e-5)
     _rel_close(padded.relevance[0, 2:], alone.relevance[0], 1e-4)
+    with pytest.raises(ValueError, match=r"target: position 5 is outside row 0, which has 5 real tokens"):
+        pyattr.relevance(llama, ids, attention_mask=mask, target=Logit(7, position=5))
 
 
 @pytest.mark.parametrize(
