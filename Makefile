@@ -1,6 +1,6 @@
 # Two entry points, each doing all set-up on a fresh machine:
 #   make demo   installs pyattr and runs `pyattr explain` on the bundled model
-#   make test   installs pyattr and runs the test suite
+#   make test   installs pyattr and runs the test suite (without the slow tier; make test-all: every tier)
 # Both share one install (pyattr[demo,dev], editable, built against .venv's torch): the
 # second command reinstalls only when setup.py, pyproject.toml, MANIFEST.in, a file under
 # csrc/ or a build setting (PYATTR_FORCE_CUDA, PYATTR_CPU_CAPABILITY, TORCH_CUDA_ARCH_LIST,
@@ -49,7 +49,7 @@ for line in iter(sys.stdin.readline, ""):
 endef
 export SHOW
 
-.PHONY: demo test install venv FORCE
+.PHONY: demo test test-all install venv FORCE
 
 $(VENV)/.torch-installed:
 	$(call step,creating $(VENV) with $(TORCH) (about a minute))
@@ -104,6 +104,15 @@ demo: $(STAMP)
 	$(VENV)/bin/pyattr explain
 
 # pytest's exit status fails make on any failure and on exit 5 (no tests collected).
+# Two tiers (tests/conftest.py): `make test` leaves out what is marked slow (torch.compile,
+# subprocess and benchmark-harness runs, Triton kernels under the CPU interpreter);
+# `make test-all` runs everything and is what CI runs. pytest-xdist spreads the tests over
+# the cores, one intra-op thread per worker.
+PYTEST := $(PY) -m pytest -q -n auto
 test: $(STAMP)
-	$(call step,pytest (about 5 minutes on 2 cores))
-	$(PY) -m pytest -q
+	$(call step,pytest without the slow tier (about 2 minutes on 2 cores))
+	$(PYTEST) -m "not slow"
+
+test-all: $(STAMP)
+	$(call step,pytest: every tier (about 6 minutes on 2 cores))
+	$(PYTEST)

@@ -85,6 +85,8 @@ def normalise_inputs(inputs, attention_mask) -> dict:
     # a tokenizer or collator may hand over None for absent inputs
     for key in [k for k, v in kwargs.items() if v is None]:
         del kwargs[key]
+    _check_state_batch(kwargs, ids.shape[0])
+    _check_position_ids(kwargs, ids)
     if attention_mask is not None:
         kwargs["attention_mask"] = attention_mask
     mask = kwargs.get("attention_mask")
@@ -112,6 +114,32 @@ def normalise_inputs(inputs, attention_mask) -> dict:
                              + (" among the new tokens (after the cache)" if mask.shape != ids.shape else ""))
         kwargs["attention_mask"] = mask
     return kwargs
+
+
+def _check_state_batch(kwargs: dict, batch: int) -> None:
+    """A key/value cache holds one row per input row (the model concatenates them)."""
+    for key in ("past_key_values", "cache", "cache_params"):
+        rows = S.batch_of(kwargs.get(key))
+        if rows is not None and rows != batch:
+            raise ValueError(
+                f"inputs: {key!r} holds a cache of {rows} rows for input_ids of {batch} rows; a cache needs one "
+                "row per input row (select or repeat its rows first)")
+
+
+def _check_position_ids(kwargs: dict, ids: torch.Tensor) -> None:
+    pos = kwargs.get("position_ids")
+    if pos is None:
+        return
+    if not isinstance(pos, torch.Tensor) or pos.is_floating_point() or pos.is_complex() or pos.dtype == torch.bool:
+        raise TypeError(f"inputs: position_ids must be an integer tensor of shape (batch, seq), got "
+                        f"{pos.dtype if isinstance(pos, torch.Tensor) else type(pos).__name__}")
+    batch, seq = ids.shape
+    if pos.dim() == 1:
+        pos = pos.unsqueeze(0)
+    if pos.dim() != 2 or pos.shape[1] != seq or pos.shape[0] not in (1, batch):
+        raise ValueError(f"inputs: position_ids of shape {tuple(kwargs['position_ids'].shape)} must be "
+                         f"({batch}, {seq}) or (1, {seq}), like input_ids {tuple(ids.shape)}")
+    kwargs["position_ids"] = pos
 
 
 def new_tokens(mask: Optional[torch.Tensor], seq: int) -> Optional[torch.Tensor]:

@@ -32,9 +32,31 @@ def is_state(value: Any) -> bool:
     return not isinstance(value, _IMMUTABLE)
 
 
+def _tensors_in(value: Any, found: dict, depth: int = 0) -> None:
+    """Every tensor reachable from ``value`` through attributes, sequences and mappings."""
+    if depth > 6:
+        return
+    if isinstance(value, torch.Tensor):
+        found[id(value)] = value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _tensors_in(v, found, depth + 1)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _tensors_in(v, found, depth + 1)
+    elif hasattr(value, "__dict__") and not isinstance(value, (type, nn.Module)):
+        for v in vars(value).values():
+            _tensors_in(v, found, depth + 1)
+
+
 def _copy(key: str, value: Any) -> Any:
+    # a cache built with autograd on holds non-leaf tensors, which deepcopy refuses; the
+    # copy takes them detached (a forward never differentiates through the caller's cache)
+    found: dict = {}
+    _tensors_in(value, found)
+    memo = {i: t.detach().clone() for i, t in found.items() if t.requires_grad}
     try:
-        return copy.deepcopy(value)
+        return copy.deepcopy(value, memo)
     except Exception as e:  # noqa: BLE001 - any failure means the object cannot be replayed safely
         raise ValueError(
             f"inputs: {key!r} is a {type(value).__name__} that a forward may change in place, and pyattr cannot "
@@ -50,6 +72,13 @@ def fresh(kwargs: dict) -> dict:
     if not any(is_state(v) for v in kwargs.values()):
         return kwargs
     return {k: (_copy(k, v) if is_state(v) else v) for k, v in kwargs.items()}
+
+
+def batch_of(value: Any) -> Optional[int]:
+    """Rows of a key/value cache (None: no cache, or an empty one)."""
+    if value is None or isinstance(value, _IMMUTABLE):
+        return None
+    return _first_batch(value)
 
 
 def _first_batch(value: Any) -> Optional[int]:

@@ -253,12 +253,20 @@ def _check_text(name: str, text: Optional[str]) -> str:
 
 
 def _max_positions(model) -> Optional[int]:
-    """The longest input the model's position embeddings allow, if the config says."""
+    """The longest input the model's position embeddings allow, if the config says: none
+    for dynamic-NTK RoPE (its frequencies are rescaled beyond ``max_position_embeddings``,
+    which is what it is for); ``padding_idx + 1`` fewer for the RoBERTa family, whose
+    positions start there."""
+    from pyattr import _positions as P
+
+    if any("dynamic" in kind for kind, _ in P.batch_features(model)):
+        return None
     cfg = getattr(model, "config", None)
     for key in ("max_position_embeddings", "n_positions"):
         v = getattr(cfg, key, None)
         if isinstance(v, int) and v > 0:
-            return v
+            kind, pad = P.convention(model)
+            return v - pad - 1 if kind == "padding_idx" else v
     return None
 
 
@@ -301,9 +309,9 @@ def explain_pair(
     cond = monitor.stop()
     segs = []
     for row, text in enumerate((text_a, text_b)):
-        n = int(mask[row].sum())
-        ids = enc["input_ids"][row, :n]
-        segs.append(Segment(text, _tokens(tok, ids), [float(v) for v in res.token_relevance[row, :n]]))
+        real = mask[row].bool()  # the tokenizer may pad on either side
+        ids = enc["input_ids"][row, real]
+        segs.append(Segment(text, _tokens(tok, ids), [float(v) for v in res.token_relevance[row, real]]))
     total = float(res.relevance.double().sum())
     return Explanation(
         mode="pair",

@@ -15,6 +15,22 @@ import torch
 
 from pyattr import available_backends
 
+# Under pytest-xdist each worker is one process on a 2-core machine: one intra-op thread
+# each, or the workers' OpenMP threads fight over the cores (many times slower).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tiers: ``make test`` runs every test not marked ``slow``; ``make test-all`` (CI) runs
+    them all. Besides the tests marked in their files (torch.compile, subprocess runs,
+    benchmark harness runs), every case of a Triton kernel on CPU tensors is slow: it runs
+    in Triton's Python interpreter (about 83 s of the suite's 416 s, one process)."""
+    slow = pytest.mark.slow
+    for item in items:
+        if "triton" in item.nodeid.lower() and not torch.cuda.is_available():
+            item.add_marker(slow)
+
 # (atol, rtol) against a float64 oracle, per input dtype: the result is cast once to the
 # dtype, so the budget is about one rounding of that dtype plus float32 accumulation.
 TOL = {

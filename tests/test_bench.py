@@ -160,6 +160,7 @@ def test_legacy_schema_still_validates(doc):
         report.validate(new)
 
 
+@pytest.mark.slow
 def test_cli_bench_reports_oversubscription(tmp_path, monkeypatch, capsys):
     from pyattr.cli import main
 
@@ -202,6 +203,7 @@ def test_unfused_baseline_computes_the_same_rules(monkeypatch):
     assert row["median_s"] > 0 and row["peak_bytes"] > 0 and row["variant"] == "pyattr"
 
 
+@pytest.mark.slow
 def test_cli_bench_quick_json(tmp_path):
     out = tmp_path / "b.json"
     p = subprocess.run(
@@ -283,6 +285,7 @@ def test_cli_bench_bad_arguments(args, msg):
     assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 
+@pytest.mark.slow
 def test_micro_keeps_freed_memory_in_its_own_process():
     """``pyattr bench`` (micro) turns glibc's mmap and trimming off in its process, and the
     report says so; the markdown carries the line."""
@@ -354,6 +357,7 @@ def test_micro_providers_of_a_case_share_their_inputs():
     assert [c.provider for c in cases] == ["native", "pyattr-torch"]
 
 
+@pytest.mark.slow
 def test_e2e_cpu_times_come_from_one_interleaved_process():
     """On CPU the e2e rows keep each variant's own peak and saved bytes (one process per
     variant) and take their times from one process that runs the variants in turn."""

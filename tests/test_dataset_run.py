@@ -146,6 +146,7 @@ def _pyattr_cmd():
     return [sys.executable, "-m", "pyattr"]
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_stores_every_prompt_once(lm, tmp_path):
     d, tok, model = lm
     n = 300
@@ -172,6 +173,7 @@ def test_resume_after_sigkill_stores_every_prompt_once(lm, tmp_path):
     assert json.loads((out / "_manifest.json").read_text())["complete"] is True
 
 
+@pytest.mark.slow
 def test_torchrun_two_gloo_processes_equal_one(lm, tmp_path):
     d, tok, model = lm
     data = _jsonl(tmp_path / "p.jsonl", [{"text": t} for t in TEXTS] + [{"text": ""}])
@@ -299,6 +301,7 @@ def test_gradient_checkpointing_flag_gives_the_same_rows(lm, tmp_path):
         assert (x - y).abs().max() <= 1e-6 * x.abs().max()
 
 
+@pytest.mark.slow
 def test_dataset_benchmark_configuration(tmp_path, monkeypatch):
     """One configuration of ``pyattr bench --dataset`` on a 1-layer model: the row counts
     what the store holds and its rates follow from them."""

@@ -38,6 +38,7 @@ def test_default_pair_json_matches_the_api(tmp_path):
     assert doc["corrupt_metric"] == pytest.approx(float(api.corrupt_metric[0]), abs=1e-6)
 
 
+@pytest.mark.slow
 def test_method_all_draws_heatmaps_and_scatter(tmp_path):
     png, page = tmp_path / "p.png", tmp_path / "p.html"
     r = run_cli("patch", "--method", "all", "--nodes", "residual,heads", "--png", png, "--html", page, "--top", "3")

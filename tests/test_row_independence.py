@@ -502,3 +502,84 @@ def test_last_non_pad_classifier_pad_baseline_under_left_padding():
     with pytest.raises(ValueError, match=r"baseline: 'pad' on a batch that pads row 0 on the left, and "
                                          r"LlamaForSequenceClassification.forward reads the last token"):
         pyattr.relevance(m, {"input_ids": ids, "attention_mask": mask}, target=1, baseline="pad")
+
+
+# --------------------------------------------------------------------------- second review
+
+
+def test_explain_pair_with_a_left_padding_tokenizer(tmp_path):
+    from pyattr.explain import explain_pair
+
+    tok, model = minilm()
+    right = explain_pair("a cat", "a dog sleeps on the warm sofa")
+    tok.padding_side = "left"
+    try:
+        tok.save_pretrained(tmp_path)
+    finally:
+        tok.padding_side = "right"
+    model.save_pretrained(tmp_path)
+    left = explain_pair("a cat", "a dog sleeps on the warm sofa", model_dir=tmp_path)
+    for a, b in zip(left.segments, right.segments):
+        assert a.tokens == b.tokens and "[PAD]" not in a.tokens
+        torch.testing.assert_close(torch.tensor(a.relevance), torch.tensor(b.relevance), atol=1e-6, rtol=1e-5)
+    assert abs(left.target - right.target) < 1e-6
+
+
+def test_run_reads_beyond_max_positions_with_dynamic_ntk_and_roberta_limit(tmp_path):
+    pd = pytest.importorskip("pandas")
+    from pyattr.explain import _max_positions
+
+    assert _max_positions(tiny_rope_scaled("dynamic")) is None  # rescaled beyond max_position_embeddings
+    assert _max_positions(tiny_causal_lm("roberta")) == 64 - 1 - 1  # positions start at padding_idx + 1
+
+    class Tok:
+        pad_token_id = 0
+        eos_token_id = None
+
+        def __call__(self, text, **kw):
+            return {"input_ids": [int(w) for w in text.split()]}
+
+        def convert_ids_to_tokens(self, ids):
+            return [str(i) for i in ids]
+
+    m = tiny_rope_scaled("dynamic")
+    rows = _mixed(1)
+    data = [{"id": str(i), "text": " ".join(str(int(v)) for v in r)} for i, r in enumerate(rows)]
+    pyattr.run(m, data, tmp_path / "out", tokenizer=Tok())
+    df = pd.read_parquet(tmp_path / "out").set_index("id")
+    for i, row in enumerate(rows):
+        with torch.no_grad():
+            logits = tiny_rope_scaled("dynamic")(row[None]).logits[0, -1]
+        assert pd.isna(df.loc[str(i), "error"]), df.loc[str(i), "error"]
+        assert abs(df.loc[str(i), "target"] - float(logits.max())) < 1e-5
+
+
+@pytest.mark.parametrize("pos,exc,msg", [
+    (torch.arange(3).expand(2, 3), ValueError, r"inputs: position_ids of shape \(2, 3\) must be \(2, 4\) or \(1, 4\)"),
+    (torch.arange(4).expand(3, 4), ValueError, r"inputs: position_ids of shape \(3, 4\) must be \(2, 4\) or \(1, 4\)"),
+    (torch.zeros(2, 4, 1, dtype=torch.long), ValueError, r"inputs: position_ids of shape \(2, 4, 1\)"),
+    (torch.zeros(2, 4), TypeError, r"inputs: position_ids must be an integer tensor"),
+])
+@pytest.mark.parametrize("arch", ["llama", "dynamic"])
+def test_bad_position_ids(arch, pos, exc, msg):
+    m = tiny_rope_scaled(arch) if arch == "dynamic" else tiny_causal_lm(arch)
+    ids = torch.tensor([[5, 9, 13, 21], [7, 3, 30, 12]])
+    with pytest.raises(exc, match=msg):
+        pyattr.relevance(m, {"input_ids": ids, "position_ids": pos}, target=3)
+
+
+def test_cache_batch_must_match_the_inputs(cached):
+    m, past, new, cache = cached
+    with pytest.raises(ValueError, match=r"inputs: 'cache' holds a cache of 1 rows for input_ids of 2 rows"):
+        pyattr.integrated_gradients(m, {"input_ids": new.expand(2, -1), "cache": cache}, target=3, n_steps=2)
+
+
+def test_cache_built_with_autograd_on_is_copied_detached(cached):
+    m, past, new, _ = cached
+    emb = m.get_input_embeddings()(past).detach().requires_grad_(True)
+    cache = m(inputs_embeds=emb, use_cache=True).past_key_values  # non-leaf tensors in the cache
+    r = pyattr.relevance(m, {"input_ids": new, "past_key_values": cache}, target=5)
+    with torch.no_grad():
+        want = m(torch.cat([past, new], 1)).logits[0, -1, 5].double()
+    torch.testing.assert_close(r.target[0], want, atol=1e-5, rtol=1e-5)
+    assert cache.get_seq_length() == 6
