@@ -17,6 +17,7 @@ from conftest import graph_names
 from models import VOCAB, _cfg, tiny_causal_lm
 from pyattr.backends import compiled, triton_backend
 from pyattr.integration import attention as FA
+from pyattr.backends import reference
 from pyattr.ops import attention as OA
 from pyattr.ops.attention import FrozenAttentionFunction, attention_dv_reference
 
@@ -82,7 +83,7 @@ def test_reference_equals_the_closed_form(case, monkeypatch):
     case = dict(case)
     causal, softcap = case.pop("causal", False), case.pop("softcap", None)
     q, k, do, m = _case(**case)
-    monkeypatch.setattr(OA, "_BLOCK_ELEMENTS", 2048)  # several row blocks even at these sizes
+    monkeypatch.setattr(reference, "_BLOCK_ELEMENTS", 2048)  # several row blocks even at these sizes
     got = attention_dv_reference(q, k, do, m, 0.3, softcap, causal)
     torch.testing.assert_close(got, closed_form(q, k, do, m, 0.3, softcap, causal), rtol=1e-12, atol=1e-12)
 

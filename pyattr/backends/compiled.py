@@ -76,7 +76,7 @@ def rms_norm_backward(x, weight: Optional[torch.Tensor], eps: float, offset: flo
 
 def attention_dv(q, k, dout, mask, scaling: float, softcap, causal: bool) -> torch.Tensor:
     """Frozen attention's dV on the CPU kernel; on CUDA the Triton kernel (or the reference)."""
-    from pyattr.ops.attention import additive_mask, attention_dv_reference
+    from pyattr.backends.reference import additive_mask, attention_dv_reference
 
     if q.device.type != "cpu":
         try:

@@ -135,3 +135,75 @@ def rms_norm_backward(
     if need_dweight:
         dw = (dy32 * x32 * rinv).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
     return dx.to(x.dtype), dw
+
+
+# --------------------------------------------------------------------------- attention (AH-rule)
+
+# elements of one block of scores (float32): 8 Mi elements = 32 MiB
+_BLOCK_ELEMENTS = 1 << 23
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def additive_mask(mask: Optional[torch.Tensor], kv_len: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """A boolean mask (True: attend) as an additive one (0 / −inf); float masks as they are,
+    in ``dtype``; both cut to ``kv_len`` keys (eager attention slices the same way)."""
+    if mask is None:
+        return None
+    mask = mask[..., :kv_len]
+    if mask.dtype == torch.bool:
+        return torch.zeros((), dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    return mask.to(dtype)
+
+
+def attention_dv_reference(q, k, dout, mask, scaling: float, softcap: Optional[float], causal: bool):
+    """dV = Pᵀ·dO in blocks of query rows (PyTorch ops; differentiable in ``dout``).
+
+    Args:
+        q (Tensor[batch, heads, q_len, head_dim]), k (Tensor[batch, kv_heads, kv_len, head_dim]):
+            the attention's query and key states (any float dtype).
+        dout (Tensor[batch, heads, q_len, v_dim]): the gradient of the attention output.
+        mask (Tensor or None): additive (float) or boolean (True: attend), broadcastable to
+            (batch, heads, q_len, kv_len).
+        scaling (float): the score scale. softcap (float or None): Gemma 2's
+            ``tanh(s / c) · c`` on the scores. causal (bool): query i sees keys j ≤ i.
+
+    Returns:
+        Tensor[batch, kv_heads, kv_len, v_dim] in float32 (float64 for float64 inputs);
+        a query row whose keys are all masked contributes nothing.
+    """
+    b, h, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    g = h // hkv
+    acc = _acc(q.dtype)
+    qf = q.to(acc).view(b, hkv, g, lq, d)
+    kt = k.to(acc).transpose(-1, -2)
+    do = dout.to(acc).view(b, hkv, g, lq, dout.shape[-1])
+    m = additive_mask(mask, lk, acc)
+    if m is not None:
+        m = m.expand(m.shape[0], m.shape[1], lq, lk)
+        m = m.view(m.shape[0], hkv, g, lq, lk) if m.shape[1] == h else m.unsqueeze(2)
+    dv = None
+    rows = max(1, min(lq, _BLOCK_ELEMENTS // max(1, b * h * lk)))
+    for s in range(0, lq, rows):
+        e = min(lq, s + rows)
+        kend = min(lk, e) if causal else lk  # causal: keys after the block's last row are never seen
+        n = e - s
+        scores = torch.matmul(qf[:, :, :, s:e].reshape(b, hkv, g * n, d), kt[..., :kend]) * scaling
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.view(b, hkv, g, n, kend)
+        if m is not None:
+            scores = scores + m[:, :, :, s:e, :kend]
+        if causal:
+            later = torch.arange(kend, device=q.device) > torch.arange(s, e, device=q.device).unsqueeze(1)
+            scores = scores.masked_fill(later, float("-inf"))
+        p = torch.softmax(scores, dim=-1).nan_to_num(nan=0.0)  # all-masked rows: NaN → 0
+        p = p.view(b, hkv, g * n, kend)
+        part = torch.matmul(p.transpose(-1, -2), do[:, :, :, s:e].reshape(b, hkv, g * n, -1))
+        if kend < lk:  # out of place (vmap and double backward record it)
+            part = torch.cat([part, part.new_zeros(b, hkv, lk - kend, part.shape[-1])], dim=2)
+        dv = part if dv is None else dv + part
+    return dv

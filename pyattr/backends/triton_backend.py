@@ -150,7 +150,7 @@ if not TRACEABLE:
 
 def attention_dv(q, k, dout, mask, scaling: float, softcap, causal: bool) -> Tensor:
     """Frozen attention's dV through the Triton kernels (``kernels/attention.py``)."""
-    from pyattr.ops.attention import additive_mask
+    from pyattr.backends.reference import additive_mask
 
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     return _attention_dv_op(q, k, dout, additive_mask(mask, k.shape[2], acc), float(scaling),
