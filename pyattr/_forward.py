@@ -21,8 +21,9 @@ from pyattr import _readout as R
 from pyattr.integration import architectures as A
 from pyattr.integration.config import RelevanceRules
 from pyattr.integration.errors import RelevanceRuleConflictError
-from pyattr.integration.patching import _in_backward
-from pyattr.integration.scope import CHECKPOINT_INNER, bind_checkpoint, model_type_of, use_relevance_rules
+from pyattr.integration.install import _in_backward
+from pyattr.integration.checkpoint import CHECKPOINT_INNER, bind_checkpoint
+from pyattr.integration.scope import use_relevance_rules
 
 
 def _is_pixels(inputs) -> bool:
@@ -282,10 +283,10 @@ def patch_grid(model: nn.Module, pixel_values: torch.Tensor, caller: str):
     """(rows, cols) of patches a ViT-style model cuts ``pixel_values`` into."""
     cfg = _vision_config(model)
     p = getattr(cfg, "patch_size", None)
-    if p is None or model_type_of(model) not in A.VISION:
+    if p is None or A.model_type(model) not in A.VISION:
         raise ValueError(
             f"{caller}(): inputs are pixel_values, but {type(model).__name__} (model type "
-            f"{model_type_of(model)!r}) is not a supported vision transformer; image inputs are "
+            f"{A.model_type(model)!r}) is not a supported vision transformer; image inputs are "
             f"supported for {sorted(A.VISION)}"
         )
     ph, pw = (p, p) if isinstance(p, int) else tuple(p)
@@ -339,7 +340,7 @@ def input_device(model: nn.Module) -> torch.device:
 
 def entry_module(model: nn.Module):
     """``(module, "input" | "output")``: where the residual stream enters the first block."""
-    mt = model_type_of(model)
+    mt = A.model_type(model)
     if mt in A.ARCHITECTURES:
         path, _ = A.ARCHITECTURES[mt].entry
         mod = A.get_submodule(model, A.join(A.base_prefix(model), path))

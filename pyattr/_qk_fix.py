@@ -31,7 +31,6 @@ from torch import nn
 
 from pyattr import _forward as F
 from pyattr.integration import architectures as A
-from pyattr.integration.scope import model_type_of
 
 _CACHE_KWARGS = ("past_key_value", "past_key_values", "layer_past", "cache")
 
@@ -55,11 +54,11 @@ class AttentionCalls:
     input and the attention probabilities it returns."""
 
     def __init__(self, model: nn.Module, blocks: List[str]):
-        arch = A.ARCHITECTURES.get(model_type_of(model))
+        arch = A.ARCHITECTURES.get(A.model_type(model))
         rel = arch.attention_core if arch is not None else None
         if rel is None:
             raise ValueError(
-                f"method='atp*': {type(model).__name__} (model_type {model_type_of(model)!r}) has no attention module "
+                f"method='atp*': {type(model).__name__} (model_type {A.model_type(model)!r}) has no attention module "
                 "in the architecture table that returns its attention probabilities, which AtP* recomputes; "
                 "use method='atp' or 'relp'"
             )

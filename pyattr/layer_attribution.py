@@ -32,7 +32,6 @@ from pyattr.attribution import (
 )
 from pyattr.integration import architectures as A
 from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
-from pyattr.integration.scope import model_type_of
 from pyattr.integration.wrappers import unwrap
 
 SHORTHANDS = ("residual", "attention", "mlp", "neurons")
@@ -113,7 +112,7 @@ class _Layer:
 
 def _blocks(model: nn.Module, shorthand: str):
     """``(arch, block paths)`` of a mapped architecture (the table's roles name the parts)."""
-    mt = model_type_of(model)
+    mt = A.model_type(model)
     arch = A.ARCHITECTURES.get(mt)
     if arch is None or arch.attention_out is None:
         raise ValueError(

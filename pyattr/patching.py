@@ -47,7 +47,6 @@ from pyattr import targets as T
 from pyattr.attribution import evaluate_targets, leaf, run_model
 from pyattr.integration import architectures as A
 from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
-from pyattr.integration.scope import model_type_of
 from pyattr.layer_attribution import no_neurons
 from pyattr.integration.wrappers import unwrap
 
@@ -169,7 +168,7 @@ def _n_heads(model: nn.Module) -> int:
 
 def node_sites(model: nn.Module, nodes: Sequence[str]) -> Dict[str, List[_Site]]:
     """Node type → its module in each block (in layer order)."""
-    mt = model_type_of(model)
+    mt = A.model_type(model)
     arch = A.ARCHITECTURES.get(mt)
     if arch is None or arch.heads is None:
         supported = sorted(k for k, a in A.ARCHITECTURES.items() if a.heads is not None)

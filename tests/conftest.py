@@ -174,7 +174,7 @@ def assert_scope_hygiene(m, other):
     import copy
 
     import pyattr
-    from pyattr.integration.patching import state_of
+    from pyattr.integration.install import state_of
 
     before = {n: dict(mod.__dict__) for n, mod in m.named_modules()}
     with pyattr.use_relevance_rules(m):

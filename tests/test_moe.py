@@ -8,7 +8,7 @@ import torch
 
 import pyattr
 from models import VOCAB, _cfg, tiny_causal_lm
-from pyattr.integration.patching import state_of
+from pyattr.integration.install import state_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

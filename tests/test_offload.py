@@ -20,7 +20,7 @@ import pyattr
 from conftest import run_cli, save_tiny_llama
 from models import VOCAB, tiny_causal_lm
 from pyattr.integration import architectures as A
-from pyattr.integration.patching import state_of
+from pyattr.integration.install import state_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

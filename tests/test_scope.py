@@ -5,7 +5,7 @@ import torch
 
 import pyattr
 from models import VOCAB, tiny_causal_lm
-from pyattr.integration.patching import state_of
+from pyattr.integration.install import state_of
 
 
 def _patched(m):

@@ -17,7 +17,7 @@ from torch import nn
 class FusedGatedForm:
     """An MLP with one projection for both halves: ``a, b = proj(x).chunk(2)``, then
     ``down(drop(act(a) * b))`` (``drop`` optional). The whole body of its forward must
-    match ``pattern`` (see :func:`pyattr.integration.scope._flat_body`)."""
+    match ``pattern`` (see :func:`pyattr.integration.forms.flat_body`)."""
 
     proj: str
     act: str

@@ -24,7 +24,7 @@ from typing import Dict, Iterable, Iterator, Optional, Tuple
 import torch
 from torch import nn
 
-from pyattr.integration.patching import _unbound_recomputation
+from pyattr.integration.install import _unbound_recomputation
 from pyattr.ops.attention import FrozenAttentionFunction
 
 _REGISTERED: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()

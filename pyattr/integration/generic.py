@@ -16,13 +16,8 @@ from torch import nn
 from pyattr.activations import _kind_of_module
 from pyattr.integration import architectures as A
 from pyattr.integration.config import RelevanceRules
-from pyattr.integration.scope import (
-    _GENERIC_GATED_FORM,
-    _body_matches,
-    _flat_body,
-    _Planner,
-    plain_fused_gated_forward,
-)
+from pyattr.integration.forms import GENERIC_GATED_FORM, body_matches, flat_body, plain_fused_gated_forward
+from pyattr.integration.planner import Planner
 from pyattr.integration.structural import _eps, classify_norm, structural_norm_forward
 
 
@@ -34,7 +29,7 @@ _ACT_NAMES = ("act", "act_fn", "activation_fn", "activation")
 def _generic_gated_names(mod: nn.Module) -> Optional[Tuple[str, str, str, str]]:
     """(gate, up, down, act) when the module's whole forward is ``down(act(gate(x)) * up(x))``
     under any attribute names."""
-    m = _body_matches(type(mod).forward, _GENERIC_GATED_FORM)
+    m = body_matches(type(mod).forward, GENERIC_GATED_FORM)
     if m is None:
         return None
     names = (m["gate"], m["up"], m["down"], m["act"])
@@ -47,7 +42,7 @@ _ACT_CLASS = re.compile(r"(?i)(gelu|silu|swish|relu|tanh|sigmoid|activation)$")
 def _multiplies(parent: Optional[nn.Module], act: str) -> bool:
     """The parent's forward multiplies the output of ``self.<act>(...)`` by something: a
     gate the Half-rule would need, in a form not recognised."""
-    body = _flat_body(type(parent).forward) if isinstance(parent, nn.Module) else None
+    body = flat_body(type(parent).forward) if isinstance(parent, nn.Module) else None
     if body is None:
         return False
     return any(f"self.{act}(" in st and "*" in st for st in body.split(";"))
@@ -58,7 +53,7 @@ def _is_norm_like(mod: nn.Module) -> bool:
     return isinstance(mod, nn.LayerNorm) or cls.endswith("Norm") or "LayerNorm" in cls or cls.endswith("RMSNorm")
 
 
-def plan_generic(model: nn.Module, rules: RelevanceRules) -> _Planner:
+def plan_generic(model: nn.Module, rules: RelevanceRules) -> Planner:
     """Structural discovery for a model without a rule map, used only when asked for.
 
     - attention: a module with q/k/v projections (``q_proj``/``k_proj``/``v_proj``,
@@ -74,7 +69,7 @@ def plan_generic(model: nn.Module, rules: RelevanceRules) -> _Planner:
 
     Whatever norm-like or activation-like module it cannot classify is listed in the
     coverage report's ``skipped`` with the reason."""
-    pl = _Planner(model, rules, "generic")
+    pl = Planner(model, rules, "generic")
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
     modules = dict(model.named_modules())
     attention = []

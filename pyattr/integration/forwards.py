@@ -1,0 +1,264 @@
+"""The rule forwards the planner mounts: norms, activations, gated and fused gated MLPs, MoE
+routers and experts, heads and the attention q/k/v scalings, each a factory of the
+replacement ``forward`` of one module instance."""
+
+from __future__ import annotations
+from dataclasses import dataclass
+from typing import Any, Callable
+import torch
+from torch import nn
+from pyattr.activations import Activation, forward_fn
+from pyattr.integration import architectures as A
+from pyattr.integration.errors import RelevanceRuleConflictError, RelevanceRuleUnsupportedError
+from pyattr.integration.install import (
+    has_hooks,
+    per_column_scale,
+)
+from pyattr.ops.gated import gated_activation
+from pyattr.ops.layer_norm import layer_norm
+from pyattr.ops.rms_norm import rms_norm
+from pyattr.rules.identity import apply_identity_rule
+from pyattr.rules.scale import scale_gradient
+
+
+@dataclass
+class Step:
+    module: nn.Module
+    path: str
+    kind: str
+    value: Any
+    make_forward: Callable
+    check_output: bool
+
+
+def bypass_message(path: str, act: str = "act_fn") -> str:
+    return (
+        f"{path + '.' + act!r} has hooks, but the gated-activation rule computes act(gate)·up "
+        "in one op and would bypass them; remove the hooks or switch off activation and "
+        "multiplicative_gate"
+    )
+
+
+def norm_eps(module: nn.Module, path: str) -> float:
+    for name in ("variance_epsilon", "eps"):
+        eps = getattr(module, name, None)
+        if isinstance(eps, (int, float)) and not isinstance(eps, bool):
+            return float(eps)
+    raise RelevanceRuleUnsupportedError(f"{path!r}: norm module has no numeric eps / variance_epsilon")
+
+
+def rms_forward(offset: float, eps: float):
+    def make(module, state):
+        native = state.native
+
+        def forward(x):
+            return rms_norm(x, module.weight, eps, offset, _native=native)
+
+        return forward
+
+    return make
+
+
+def layer_norm_forward(eps: float):
+    def make(module, state):
+        native = state.native
+
+        def forward(x):
+            return layer_norm(x, module.weight, module.bias, eps, _native=native)
+
+        return forward
+
+    return make
+
+
+def activation_forward(kind: str):
+    def make(module, state):
+        # in-place modules (nn.ReLU(inplace=True)) run out of place, as the saved input
+        # must survive; otherwise the module's own forward, without its __call__
+        inplace = kind != "custom" and getattr(module, "inplace", False)
+        act = Activation(kind, forward_fn(module, kind) if inplace else state.native)
+
+        def forward(x):
+            return apply_identity_rule(x, act)
+
+        return forward
+
+    return make
+
+
+_GATED_NAMES = ("gate_proj", "up_proj", "down_proj", "act_fn")
+
+
+def gated_forward(kind: str, path: str, names=_GATED_NAMES):
+    """``down(act(gate(x)) * up(x))`` through the fused gated op; ``names`` are the MLP's
+    (gate, up, down, act) attributes."""
+    def make(mlp, state):
+        gate, up, down, act_mod = (getattr(mlp, n) for n in names)
+        # The module's own forward (bit-identical values) without its __call__: the
+        # activation's hooks would be bypassed, which is checked at install and at each call.
+        act = Activation(kind, forward_fn(act_mod, kind) if kind != "custom" else act_mod.forward)
+
+        def forward(x):
+            if has_hooks(act_mod):
+                raise RelevanceRuleConflictError(bypass_message(path, names[3]))
+            h = gated_activation(
+                gate(x), up(x), act, identity=state.active("activation"), half=state.active("multiplicative_gate")
+            )
+            return down(h)
+
+        return forward
+
+    return make
+
+
+FusedGatedForm = A.FusedGatedForm  # the forms live in the architecture table
+
+
+def gated_fused_forward(kind: str, path: str, form: FusedGatedForm):
+    """``down(drop(act(a)·b))`` with ``a, b = proj(x).chunk(2)`` through the fused op.
+    The product is commutative in floating point (Phi-3 writes ``b * act(a)``), so the
+    values are bit-identical."""
+    def make(mlp, state):
+        act_mod = getattr(mlp, form.act)
+        act = Activation(kind, forward_fn(act_mod, kind) if kind != "custom" else act_mod.forward)
+        proj, down = getattr(mlp, form.proj), getattr(mlp, form.down)
+        drop = getattr(mlp, form.drop) if form.drop else None
+
+        def forward(x):
+            if has_hooks(act_mod):
+                raise RelevanceRuleConflictError(bypass_message(path, form.act))
+            a, b = proj(x).chunk(2, dim=-1)
+            h = gated_activation(a, b, act, identity=state.active("activation"), half=state.active("multiplicative_gate"))
+            return down(h if drop is None else drop(h))
+
+        return forward
+
+    return make
+
+
+def is_experts_dispatcher(fn) -> bool:
+    """``fn`` is transformers' ``use_experts_implementation`` forward (it dispatches to the
+    configured implementation, which calls ``self._apply_gate``), not a forward of its own."""
+    code = getattr(fn, "__code__", None)
+    return code is not None and code.co_filename.replace("\\", "/").endswith("transformers/integrations/moe.py")
+
+
+def router_forward():
+    """The router's (logits, routing weights, expert indices) with the weights detached:
+    the frozen routing rule (the selected experts and the forward are unchanged)."""
+    def make(router, state):
+        native = state.native
+
+        def forward(*args, **kwargs):
+            logits, weights, index = native(*args, **kwargs)
+            return logits, weights.detach(), index
+
+        return forward
+
+    return make
+
+
+def experts_forward(kind: str):
+    """The experts' own (dispatched) forward, with their gate ``act(gate)·up`` computed by
+    the fused gated_activation op: every non-eager experts implementation of transformers
+    calls ``self._apply_gate(gate_up)``, so an instance attribute set for the call takes
+    its place. The product is commutative, so the values are bit-identical."""
+    def make(experts, state):
+        native = state.native
+        act = Activation(kind, forward_fn(experts.act_fn, kind) if kind != "custom" else experts.act_fn.forward)
+
+        def apply_gate(gate_up):
+            gate, up = gate_up.chunk(2, dim=-1)
+            return gated_activation(gate, up, act, identity=state.active("activation"),
+                                    half=state.active("multiplicative_gate"))
+
+        def forward(*args, **kwargs):
+            experts.__dict__["_apply_gate"] = apply_gate
+            try:
+                return native(*args, **kwargs)
+            finally:
+                experts.__dict__.pop("_apply_gate", None)
+
+        return forward
+
+    return make
+
+
+def head_forward(act: Activation):
+    """RoBERTa's masked-LM head, ``decoder(layer_norm(gelu(dense(x))))``, with the
+    Identity-rule on the gelu it calls as a function (the LayerNorm is mounted itself)."""
+    def make(head, state):
+        def forward(features, **kwargs):
+            x = head.dense(features)
+            x = apply_identity_rule(x, act)
+            x = head.layer_norm(x)
+            return head.decoder(x)
+
+        return forward
+
+    return make
+
+
+def projection_forward(scale: float):
+    def make(module, state):
+        native = state.native
+
+        def forward(*args, **kwargs):
+            out = native(*args, **kwargs)
+            if scale == 0.0:
+                return out.detach()
+            return scale_gradient(out, scale)
+
+        return forward
+
+    return make
+
+
+def fused_projection_forward(pattern: Callable[[int], torch.Tensor]):
+    def make(module, state):
+        native = state.native
+        cache: dict = {}
+
+        def forward(*args, **kwargs):
+            out = native(*args, **kwargs)
+            return scale_gradient(out, per_column_scale(out, pattern, cache))
+
+        return forward
+
+    return make
+
+
+ATTN_SCALES = {"frozen": (0.0, 0.0, 1.0), "attnlrp": (0.25, 0.25, 0.5)}
+
+
+def concat_pattern(scales):
+    def pattern(n: int) -> torch.Tensor:
+        if n % 3:
+            raise RelevanceRuleUnsupportedError(f"fused q/k/v projection of width {n} is not divisible by 3")
+        return torch.tensor(scales, dtype=torch.float32).repeat_interleave(n // 3)
+
+    return pattern
+
+
+def split_pattern(scales, widths):
+    """q | k | v of the given widths (GQA: k and v narrower than q)."""
+    def pattern(n: int) -> torch.Tensor:
+        if n != sum(widths):
+            raise RelevanceRuleUnsupportedError(
+                f"fused q/k/v projection of width {n}, expected q {widths[0]} + k {widths[1]} + v {widths[2]}"
+            )
+        return torch.cat([torch.full((w,), s, dtype=torch.float32) for s, w in zip(scales, widths)])
+
+    return pattern
+
+
+def per_head_pattern(scales, head_size: int):
+    def pattern(n: int) -> torch.Tensor:
+        if n % (3 * head_size):
+            raise RelevanceRuleUnsupportedError(
+                f"fused q/k/v projection of width {n} is not a multiple of 3 × head_size {head_size}"
+            )
+        one = torch.tensor(scales, dtype=torch.float32).repeat_interleave(head_size)
+        return one.repeat(n // (3 * head_size))
+
+    return pattern

@@ -1,0 +1,413 @@
+"""The planner: which rule mounts on which module of a mapped architecture (by position in
+the architecture table, never by class), checked before anything is installed."""
+
+from __future__ import annotations
+import importlib
+import inspect
+from typing import List, Optional
+import torch
+from torch import nn
+from pyattr.activations import Activation, _kind_of_module, forward_fn
+from pyattr.integration import architectures as A
+from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
+from pyattr.integration.errors import RelevanceRuleConflictError, RelevanceRuleUnsupportedError
+from pyattr.integration.install import (
+    has_hooks,
+    state_of,
+)
+from pyattr.integration.forms import flat_body, plain_fused_gated_forward, plain_gated_forward, plain_gelu_head
+from pyattr.integration.forwards import ATTN_SCALES, FusedGatedForm, Step, activation_forward, bypass_message, concat_pattern, experts_forward, fused_projection_forward, gated_forward, gated_fused_forward, head_forward, is_experts_dispatcher, layer_norm_forward, norm_eps, per_head_pattern, projection_forward, rms_forward, router_forward, split_pattern
+
+
+class Planner:
+    def __init__(self, model: nn.Module, rules: RelevanceRules, model_type: str):
+        self.model = model
+        self.rules = rules
+        self.cov = RelevanceRuleCoverage(model_type=model_type)
+        self.steps: List[Step] = []
+        self.mounted: set = set()
+        self.generic = model_type == "generic"
+        # attention modules under the AH-rule: their core runs the dV-only backward
+        self.frozen_attention: List[nn.Module] = []
+
+    def need(self, path: str) -> nn.Module:
+        mod = A.get_submodule(self.model, path)
+        if not isinstance(mod, nn.Module):
+            raise RelevanceRuleUnsupportedError(
+                f"{self.cov.model_type}: expected a module at {path!r}, found {type(mod).__name__}"
+            )
+        return mod
+
+    def off(self, kind: str, path: str, module: nn.Module, reason: str) -> None:
+        """A mount whose rule this scope leaves off; an enclosing scope may still hold it."""
+        st = state_of(module)
+        if st is not None and st.active(kind):
+            self.cov._inherit(path, kind)
+        else:
+            self.cov._skip(path, reason)
+
+    def add(self, kind, path, module, value, make, check_output=True):
+        self.steps.append(Step(module, path, kind, value, make, check_output))
+        self.cov._add(kind, path)
+        self.mounted.add(id(module))
+
+    def norm(self, path: str, norm: str, offset: float) -> None:
+        mod = self.need(path)
+        if isinstance(mod, nn.Identity):  # ModernBERT's first layer: no norm in that place
+            self.mounted.add(id(mod))
+            self.cov._skip(path, "nn.Identity: no norm here")
+            return
+        if norm == "layer_norm":
+            if not isinstance(mod, nn.LayerNorm) or len(mod.normalized_shape) != 1:
+                raise RelevanceRuleUnsupportedError(
+                    f"{path!r}: the LN-rule needs an nn.LayerNorm over the last dimension, "
+                    f"found {type(mod).__name__}"
+                )
+            make = layer_norm_forward(float(mod.eps))
+        else:
+            w = getattr(mod, "weight", None)
+            if not isinstance(w, torch.Tensor) or w.dim() != 1:
+                raise RelevanceRuleUnsupportedError(f"{path!r}: RMSNorm without a 1-D weight")
+            make = rms_forward(offset, norm_eps(mod, path))
+        self.mounted.add(id(mod))
+        if self.rules.normalization:
+            self.add("normalization", path, mod, (norm, offset), make)
+        else:
+            self.off("normalization", path, mod, "normalization rule off")
+
+    def gated_mlp(self, path: str) -> None:
+        mlp = self.need(path)
+        for name in ("gate_proj", "up_proj", "down_proj", "act_fn"):
+            if not isinstance(getattr(mlp, name, None), nn.Module):
+                raise RelevanceRuleUnsupportedError(
+                    f"{path!r}: a gated MLP needs gate_proj, up_proj, down_proj and act_fn modules; "
+                    f"{name} is missing"
+                )
+        kind = _kind_of_module(mlp.act_fn) or "custom"
+        self.mounted.add(id(mlp.act_fn))
+        wanted = [k for k in ("activation", "multiplicative_gate") if getattr(self.rules, k)]
+        if wanted and not plain_gated_forward(mlp):
+            msg = (
+                f"{path!r}: {type(mlp).__name__}.forward is not the plain "
+                "down_proj(act_fn(gate_proj(x)) * up_proj(x)); the gated rule would change its forward"
+            )
+            if self.generic:
+                for k in wanted:
+                    self.cov._skip(path, msg)
+                return
+            raise RelevanceRuleUnsupportedError(msg)
+        for k in ("activation", "multiplicative_gate"):
+            if k not in wanted:
+                self.off(k, path, mlp, f"{k} rule off")
+        if not wanted:
+            return
+        if has_hooks(mlp.act_fn):
+            raise RelevanceRuleConflictError(bypass_message(path))
+        for k in wanted:
+            self.add(k, path, mlp, True, gated_forward(kind, path), check_output=False)
+
+    def gated_fused_mlp(self, path: str, form: FusedGatedForm) -> None:
+        """An MLP with one projection for gate and up (Phi-3's gate_up_proj, ModernBERT's
+        GeGLU Wi): the Identity- and Half-rules through the fused gated_activation op, as
+        for a gated MLP with separate projections."""
+        mlp = self.need(path)
+        for name in (form.proj, form.act, form.down) + ((form.drop,) if form.drop else ()):
+            if not isinstance(getattr(mlp, name, None), nn.Module):
+                raise RelevanceRuleUnsupportedError(
+                    f"{path!r}: a fused gated MLP needs {form.proj}, {form.act} and {form.down} modules; "
+                    f"{name} is missing"
+                )
+        act = getattr(mlp, form.act)
+        kind = _kind_of_module(act) or "custom"
+        self.mounted.add(id(act))
+        wanted = self.gated_kinds(path, mlp)
+        if not wanted:
+            return
+        if not plain_fused_gated_forward(mlp, form):
+            raise RelevanceRuleUnsupportedError(
+                f"{path!r}: {type(mlp).__name__}.forward is not the plain a, b = {form.proj}(x).chunk(2); "
+                f"{form.down}(act(a) * b); the gated rule would change its forward"
+            )
+        if has_hooks(act):
+            raise RelevanceRuleConflictError(bypass_message(path, form.act))
+        for k in wanted:
+            self.add(k, path, mlp, True, gated_fused_forward(kind, path, form), check_output=False)
+
+    def moe(self, path: str) -> None:
+        """A sparse mixture-of-experts block (Mixtral, Qwen2-MoE, Qwen3-MoE): the routing
+        rule on the router (and the shared-expert gate), the Identity- and Half-rules on
+        the experts' gate through the fused op, the gated MLP rules on a shared expert.
+        A layer of the model without experts is a plain gated MLP."""
+        block = self.need(path)
+        experts, router = getattr(block, "experts", None), getattr(block, "gate", None)
+        if not isinstance(experts, nn.Module):
+            self.gated_mlp(path)
+            return
+        if not isinstance(router, nn.Module):
+            raise RelevanceRuleUnsupportedError(f"{path!r}: a mixture-of-experts block needs a gate (router) module")
+        if self.rules.any():
+            self._check_block(path, block)
+        gates = [(A.join(path, "gate"), router, router_forward())]
+        shared_gate = getattr(block, "shared_expert_gate", None)
+        if isinstance(shared_gate, nn.Module):
+            gates.append((A.join(path, "shared_expert_gate"), shared_gate, projection_forward(0.0)))
+        for p, mod, make in gates:
+            self.mounted.add(id(mod))
+            if self.rules.routing:
+                self.add("routing", p, mod, self.rules.routing, make)
+            else:
+                self.off("routing", p, mod, "routing rule off")
+        epath = A.join(path, "experts")
+        wanted = self.gated_kinds(epath, experts)
+        if wanted:
+            self._check_experts(epath, experts)
+            kind = _kind_of_module(experts.act_fn) or "custom"
+            self.mounted.add(id(experts.act_fn))
+            for k in wanted:
+                self.add(k, epath, experts, True, experts_forward(kind), check_output=False)
+        if isinstance(getattr(block, "shared_expert", None), nn.Module):
+            self.gated_mlp(A.join(path, "shared_expert"))
+
+    def _check_block(self, path: str, block: nn.Module) -> None:
+        """The sparse block's forward must be the library's own (the router's second output
+        scales the experts' outputs; the shared expert behind a sigmoid gate), body for
+        body: a block that recomputes its weights from the router logits would bypass the
+        routing rule."""
+        arch = A.ARCHITECTURES.get(self.cov.model_type)
+        own = arch.moe_block if arch is not None else None
+        ref = None
+        if own is not None:
+            try:
+                ref = getattr(importlib.import_module(own[0]), own[1])
+            except (ImportError, AttributeError):
+                ref = None
+        body = flat_body(type(block).forward)
+        if ref is None or body is None or body != flat_body(ref.forward):
+            raise RelevanceRuleUnsupportedError(
+                f"{path!r}: {type(block).__name__}.forward is not the {own[1] if own else 'library'} forward the "
+                "routing and gated rules are placed for; they would not apply where it computes its routing"
+            )
+
+    def _check_experts(self, path: str, experts: nn.Module) -> None:
+        impl = getattr(getattr(experts, "config", None), "_experts_implementation", None)
+        try:
+            from transformers.integrations.moe import _default_apply_gate
+        except ImportError:  # pragma: no cover - transformers without the experts interface
+            _default_apply_gate = None
+        checks = [
+            (impl not in (None, "eager"), f"experts_implementation {impl!r}: the eager one computes act(gate)·up "
+             "inline, where no rule can reach it; load the model with experts_implementation=\"grouped_mm\" (or \"batched_mm\")"),
+            (getattr(experts, "has_gate", False) is True and getattr(experts, "is_concatenated", False) is True
+             and not getattr(experts, "has_bias", False) and not getattr(experts, "has_post_expert_norm", False),
+             "experts without the plain concatenated gate | up layout (gated, no bias, no post-expert norm)"),
+            (_default_apply_gate is not None and getattr(type(experts), "_apply_gate", None) is _default_apply_gate,
+             f"{type(experts).__name__} has its own _apply_gate, not act(gate)·up"),
+            (isinstance(getattr(experts, "act_fn", None), nn.Module), "experts without an act_fn module"),
+            (is_experts_dispatcher(type(experts).forward),
+             f"{type(experts).__name__}.forward is its own, not transformers' experts dispatcher that calls "
+             "_apply_gate"),
+        ]
+        for ok, why in checks:
+            if not ok:
+                raise RelevanceRuleUnsupportedError(f"{path!r}: {why}; the gated rules cannot be placed")
+        if has_hooks(experts.act_fn):
+            raise RelevanceRuleConflictError(bypass_message(path))
+
+    def gated_kinds(self, path: str, mod: nn.Module) -> List[str]:
+        """The gated rule kinds these rules ask for; the others are recorded as off."""
+        wanted = [k for k in ("activation", "multiplicative_gate") if getattr(self.rules, k)]
+        for k in ("activation", "multiplicative_gate"):
+            if k not in wanted:
+                self.off(k, path, mod, f"{k} rule off")
+        return wanted
+
+    def generic_gated_mlp(self, path: str, names) -> None:
+        """A gated MLP found by the form of its forward, under any attribute names."""
+        gate, up, down, act_name = names
+        mlp = self.need(path)
+        act = getattr(mlp, act_name)
+        kind = _kind_of_module(act) or "custom"
+        wanted = self.gated_kinds(path, mlp)
+        if not wanted:
+            return
+        if has_hooks(act):
+            raise RelevanceRuleConflictError(bypass_message(path, act_name))
+        for k in wanted:
+            self.add(k, path, mlp, True, gated_forward(kind, path, names), check_output=False)
+
+    def structural_norm(self, path, mod, kind, weight_spec, eps, make_forward) -> None:
+        self.mounted.add(id(mod))
+        if self.rules.normalization:
+            self.add("normalization", path, mod, ("structural", kind), make_forward(kind, weight_spec, eps))
+        else:
+            self.off("normalization", path, mod, "normalization rule off")
+
+    def head_forward(self, path: str) -> None:
+        head = A.get_submodule(self.model, path)
+        if not isinstance(head, nn.Module):
+            return  # the model without its head
+        if not self.rules.activation:
+            self.off("activation", path, head, "activation rule off")
+            return
+        gelu = getattr(inspect.getmodule(type(head)), "gelu", None)
+        kind = _kind_of_module(gelu) if isinstance(gelu, nn.Module) else None
+        if kind is None or not plain_gelu_head(head):
+            raise RelevanceRuleUnsupportedError(
+                f"{path!r}: {type(head).__name__}.forward is not the plain decoder(layer_norm(gelu(dense(x)))); "
+                "the Identity-rule cannot be placed on its activation"
+            )
+        self.add("activation", path, head, kind, head_forward(Activation(kind, forward_fn(gelu, kind))))
+
+    def activation(self, path: str, mlp_path: Optional[str]) -> None:
+        mod = self.need(path)
+        kind = _kind_of_module(mod) or "custom"
+        self.mounted.add(id(mod))
+        if self.rules.activation:
+            self.add("activation", path, mod, kind, activation_forward(kind))
+        else:
+            self.off("activation", path, mod, "activation rule off")
+        if self.rules.multiplicative_gate and mlp_path is not None:
+            self.cov._skip(mlp_path, "no multiplicative gate in this MLP")
+
+    def attention(self, layer: str, spec) -> None:
+        mode = self.rules.attention
+        layout = spec[0]
+        if layout == "separate":
+            paths = [A.join(layer, p) for p in spec[1:]]
+            mods = [self.need(p) for p in paths]
+            if not mode:
+                for p, m in zip(paths, mods):
+                    self.off("attention", p, m, "attention rule off")
+                return
+            for role, p, m, s in zip("qkv", paths, mods, ATTN_SCALES[mode]):
+                if s == 1.0:
+                    self.cov._skip(p, "value path stays native under the AH-rule")
+                    continue
+                self.add("attention", p, m, (mode, role), projection_forward(s))
+            self.freeze(paths[0])
+            return
+        path = A.join(layer, spec[1])
+        mod = self.need(path)
+        if not mode:
+            self.off("attention", path, mod, "attention rule off")
+            return
+        if layout == "concat":
+            pattern = concat_pattern(ATTN_SCALES[mode])
+        elif layout == "split":
+            parent = self.need(path.rsplit(".", 1)[0])
+            cfg = getattr(parent, "config", None)
+            head_dim = getattr(parent, "head_dim", None)
+            heads = getattr(cfg, "num_attention_heads", None)
+            kv = getattr(cfg, "num_key_value_heads", None) or heads
+            if not all(isinstance(v, int) for v in (head_dim, heads, kv)):
+                raise RelevanceRuleUnsupportedError(f"{path!r}: cannot find the q/k/v head counts and head_dim")
+            pattern = split_pattern(ATTN_SCALES[mode], (heads * head_dim, kv * head_dim, kv * head_dim))
+        else:
+            parent = self.need(path.rsplit(".", 1)[0])
+            head_size = getattr(parent, "head_size", None)
+            if not isinstance(head_size, int):
+                raise RelevanceRuleUnsupportedError(f"{path!r}: cannot find the attention head size")
+            pattern = per_head_pattern(ATTN_SCALES[mode], head_size)
+        self.add("attention", path, mod, (mode, "qkv"), fused_projection_forward(pattern))
+        self.freeze(path)
+
+    def freeze(self, projection: str) -> None:
+        """Under the AH-rule, the attention module owning ``projection`` runs its core with
+        the dV-only backward (integration/attention.py)."""
+        if self.rules.attention == "frozen" and "." in projection:
+            parent = A.get_submodule(self.model, projection.rsplit(".", 1)[0])
+            if isinstance(parent, nn.Module):
+                self.frozen_attention.append(parent)
+
+    def qk_norms(self, paths, norm: str, offset: float) -> None:
+        """Per-head q/k norms (Qwen3): the LN-rule under AttnLRP with ``normalization`` on,
+        as the AttnLRP reference treats every norm; native otherwise (under the AH-rule no
+        gradient reaches q or k, so a rule there would change nothing)."""
+        for path in paths:
+            mod = A.get_submodule(self.model, path)
+            if not isinstance(mod, nn.Module):
+                continue
+            self.mounted.add(id(mod))
+            if self.rules.attention != "attnlrp":
+                why = "AH-rule: no gradient reaches q/k" if self.rules.attention else "attention rule off"
+                self.cov._skip(path, f"q/k norm left native ({why}; the LN-rule applies here under attnlrp)")
+                continue
+            if not self.rules.normalization:
+                self.off("normalization", path, mod, "normalization rule off")
+                continue
+            w = getattr(mod, "weight", None)
+            if not isinstance(w, torch.Tensor) or w.dim() != 1:
+                raise RelevanceRuleUnsupportedError(f"{path!r}: q/k RMSNorm without a 1-D weight")
+            self.add("normalization", path, mod, (norm, offset), rms_forward(offset, norm_eps(mod, path)))
+
+    def skip_lookalikes(self) -> None:
+        for name, mod in self.model.named_modules():
+            if id(mod) in self.mounted:
+                continue
+            cls = type(mod).__name__
+            if isinstance(mod, nn.LayerNorm) or cls.endswith("RMSNorm"):
+                self.cov._skip(name, "not a residual-stream norm")
+
+
+def plan_known(model: nn.Module, rules: RelevanceRules, model_type: str) -> Planner:
+    arch = A.ARCHITECTURES[model_type]
+    pl = Planner(model, rules, model_type)
+    prefix = A.base_prefix(model)
+    layers = A.layer_paths(model, arch)
+    if not layers:
+        raise RelevanceRuleUnsupportedError(
+            f"{model_type}: expected a ModuleList of blocks at {A.join(prefix, arch.layers)!r}"
+        )
+    for p in arch.outer_norms:
+        if p.startswith("embeddings"):
+            pl.norm(A.join(prefix, p), arch.norm, arch.offset)
+    for layer in layers:
+        cross = A.get_submodule(model, A.join(layer, "crossattention"))
+        if rules.any() and isinstance(cross, nn.Module):
+            # a decoder block with cross-attention has a third sublayer (its own LayerNorm on
+            # the residual stream, q from the decoder, k/v from the encoder) that no rule
+            # map covers: relevance would be lost there without a word
+            raise RelevanceRuleUnsupportedError(
+                f"{model_type}: {A.join(layer, 'crossattention')!r} ({type(cross).__name__}) is cross-attention, "
+                "which the rule map does not cover (its LayerNorm and its q/k paths would carry no rule); "
+                "use the model without add_cross_attention, or RelevanceRules() for plain gradients"
+            )
+        for p in arch.layer_norms:
+            pl.norm(A.join(layer, p), arch.norm, arch.offset)
+        pl.attention(layer, arch.attention)
+        pl.qk_norms([A.join(layer, p) for p in arch.qk_norms], arch.norm, arch.offset)
+        kind, p = arch.mlp
+        if kind == "gated":
+            pl.gated_mlp(A.join(layer, p))
+        elif kind == "gated_fused":
+            pl.gated_fused_mlp(A.join(layer, p), arch.fused_mlp)
+        elif kind == "moe":
+            pl.moe(A.join(layer, p))
+        else:
+            pl.activation(A.join(layer, p), A.join(layer, p.rsplit(".", 1)[0]))
+    for p in arch.outer_norms:
+        if not p.startswith("embeddings"):
+            pl.norm(A.join(prefix, p), arch.norm, arch.offset)
+    # a head's transform sits between the last block and the logits: without its rules
+    # the relevance reaching the target would be lost there (BERT's masked-LM head)
+    for p in arch.head_acts:
+        if isinstance(A.get_submodule(model, p), nn.Module):
+            pl.activation(p, p.rsplit(".", 1)[0])
+    for p in arch.head_norms:
+        if isinstance(A.get_submodule(model, p), nn.Module):
+            pl.norm(p, arch.norm, arch.offset)
+    if arch.head_forward:
+        pl.head_forward(arch.head_forward)
+    for p in arch.base_acts:  # the pooler's tanh: the Identity-rule in its general form act(x)/x
+        path = A.join(prefix, p)
+        if isinstance(A.get_submodule(model, path), nn.Module):
+            pl.activation(path, None)
+    for p, cls in arch.unruled_heads:
+        mod = A.get_submodule(model, p)
+        if isinstance(mod, nn.Module) and type(mod).__name__ == cls:
+            pl.mounted.add(id(mod))
+            pl.cov._skip(p, f"{cls} applies its activation as a function (torch.tanh) that no rule reaches: "
+                            "relevance is not conserved through this head")
+    pl.skip_lookalikes()
+    return pl
+
