@@ -18,7 +18,7 @@ from torch import nn
 from pyattr import _model_state as S
 from pyattr import _positions as P
 from pyattr import _readout as R
-from pyattr.integration import architectures as A
+import pyattr.architectures as A
 from pyattr.integration.config import RelevanceRules
 from pyattr.integration.errors import RelevanceRuleConflictError
 from pyattr.integration.install import _in_backward

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from pyattr import _model_state as S
-from pyattr.integration import architectures as A
+import pyattr.architectures as A
 
 
 def _embeddings_with_padding_idx(model: nn.Module) -> Optional[nn.Module]:

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from pyattr import _forward as F
-from pyattr.integration import architectures as A
+import pyattr.architectures as A
 
 _CACHE_KWARGS = ("past_key_value", "past_key_values", "layer_past", "cache")
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from pyattr.backends import _vmap
-from pyattr.integration import architectures as A
+import pyattr.architectures as A
 from pyattr.integration.wrappers import unwrap
 
 GradEdit = Callable[[torch.Tensor], torch.Tensor]

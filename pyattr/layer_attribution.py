@@ -30,7 +30,7 @@ from pyattr.attribution import (
     leaf,
     run_model,
 )
-from pyattr.integration import architectures as A
+import pyattr.architectures as A
 from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.integration.wrappers import unwrap
 

@@ -45,7 +45,7 @@ from pyattr import _groups as G
 from pyattr import _positions as P
 from pyattr import targets as T
 from pyattr.attribution import evaluate_targets, leaf, run_model
-from pyattr.integration import architectures as A
+import pyattr.architectures as A
 from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.layer_attribution import no_neurons
 from pyattr.integration.wrappers import unwrap

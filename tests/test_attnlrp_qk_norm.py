@@ -76,7 +76,7 @@ def test_qk_norms_change_the_qwen3_attnlrp_relevance():
                 assert "forward" in m.model.layers[i].self_attn.get_submodule(n).__dict__
     # the same rules with the q/k norms left native, by hand: scale only
     native = pyattr.RelevanceRules.all(attention="attnlrp")
-    from pyattr.integration import architectures as A
+    import pyattr.architectures as A
 
     saved = A.ARCHITECTURES["qwen3"]
     A.ARCHITECTURES["qwen3"] = A.ARCHITECTURES["qwen2"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import pyattr
-from pyattr.integration.architectures import ARCHITECTURES
+from pyattr.architectures import ARCHITECTURES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

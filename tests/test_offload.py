@@ -19,7 +19,7 @@ from accelerate.hooks import remove_hook_from_module
 import pyattr
 from conftest import run_cli, save_tiny_llama
 from models import VOCAB, tiny_causal_lm
-from pyattr.integration import architectures as A
+import pyattr.architectures as A
 from pyattr.integration.install import state_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")

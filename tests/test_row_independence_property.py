@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import pyattr
 from pyattr import RelevanceRules, targets
-from pyattr.integration import architectures as A
+import pyattr.architectures as A
 from pyattr.patching import attribution_patching
 from models import ENCODERS, TEXT_ARCHS, VOCAB, tiny_causal_lm, tiny_rope_scaled
 

@@ -177,7 +177,7 @@ def breakdown(limit: int = 0) -> Dict:
 
 
 def _block_inputs(model, inputs) -> List[torch.Tensor]:
-    from pyattr.integration import architectures as A
+    import pyattr.architectures as A
 
     blocks = [model.get_submodule(p) for p in A.layer_paths(model, A.ARCHITECTURES["bert"])]
     got: List[torch.Tensor] = []

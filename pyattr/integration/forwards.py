@@ -8,7 +8,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 from pyattr.activations import Activation, forward_fn
-from pyattr.integration import architectures as A
+import pyattr.architectures as A
 from pyattr.integration.errors import RelevanceRuleConflictError, RelevanceRuleUnsupportedError
 from pyattr.integration.install import (
     has_hooks,

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pyattr.activations import _kind_of_module
-from pyattr.integration import architectures as A
+import pyattr.architectures as A
 from pyattr.integration.config import RelevanceRules
 from pyattr.integration.forms import GENERIC_GATED_FORM, body_matches, flat_body, plain_fused_gated_forward
 from pyattr.integration.planner import Planner

@@ -8,7 +8,7 @@ from typing import List, Optional
 import torch
 from torch import nn
 from pyattr.activations import Activation, _kind_of_module, forward_fn
-from pyattr.integration import architectures as A
+import pyattr.architectures as A
 from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.integration.errors import RelevanceRuleConflictError, RelevanceRuleUnsupportedError
 from pyattr.integration.install import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator, List, Optional
 from torch import nn
-from pyattr.integration import architectures as A
+import pyattr.architectures as A
 from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.integration.errors import RelevanceRuleUnsupportedError
 from pyattr.integration.install import (

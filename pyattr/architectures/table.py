@@ -1,16 +1,11 @@
-"""Where the rules mount in each supported architecture, by position, not by class.
-
-Every path below is relative to the model's base model (``model.base_model``); the
-scope turns them into the dotted paths of ``model.named_modules()``. A module of a norm
-class elsewhere (Qwen3's per-head ``q_norm``/``k_norm``) is never a mount.
-"""
+"""The architecture table: per supported ``model_type``, one :class:`Arch` entry declaring
+every role the methods read, by position in the model (paths relative to its base model),
+never by class. A module of a norm class elsewhere (Qwen3's per-head ``q_norm``/``k_norm``)
+is never a mount."""
 
 from __future__ import annotations
-
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
-
-from torch import nn
+from typing import Optional, Tuple
 
 
 @dataclass(frozen=True)
@@ -31,6 +26,8 @@ PHI3_MLP = FusedGatedForm(
     r"(\w+)=self\.gate_up_proj\((\w+)\);gate,(\w+)=\1\.chunk\(2,dim=-1\);\3=\3\*self\.activation_fn\(gate\);"
     r"returnself\.down_proj\(\3\)",
 )
+
+
 MODERNBERT_MLP = FusedGatedForm(
     "Wi", "act", "Wo", "drop",
     r"(\w+),(\w+)=self\.Wi\((\w+)\)\.chunk\(2,dim=-1\);returnself\.Wo\(self\.drop\(self\.act\(\1\)\*\2\)\)",
@@ -264,6 +261,8 @@ ARCHITECTURES = {
         heads="attention.out_lin",
     ),
 }
+
+
 # CLIP's vision tower (CLIPVisionModel, CLIPVisionModelWithProjection, and
 # CLIPForImageClassification's vision_model): the text tower's blocks; the embeddings pass
 # one LayerNorm (pre_layrnorm) before the blocks, and the pooled [CLS] state another
@@ -271,6 +270,8 @@ ARCHITECTURES["clip_vision_model"] = Arch(
     **{**ARCHITECTURES["clip_text_model"].__dict__, "outer_norms": ("pre_layrnorm", "post_layernorm"),
        "entry": ("pre_layrnorm", "input")}
 )
+
+
 # RoBERTa is BERT's encoder; its masked-LM head (dense → functional gelu → LayerNorm →
 # decoder) calls gelu as a function, so the head's forward itself carries the rule
 ARCHITECTURES["roberta"] = Arch(
@@ -282,58 +283,3 @@ ARCHITECTURES["roberta"] = Arch(
 
 # vision transformers: their inputs are pixel_values, cut into patches of config.patch_size
 VISION = ("vit", "clip_vision_model")
-
-
-def base_prefix(model: nn.Module) -> str:
-    """Dotted path of the base model inside ``model`` ("" if ``model`` is the base)."""
-    prefix = getattr(model, "base_model_prefix", "")
-    if prefix and isinstance(getattr(model, prefix, None), nn.Module):
-        return prefix
-    if _vision_classifier(model):
-        return "vision_model"
-    return ""
-
-
-def _vision_classifier(model: nn.Module) -> bool:
-    """CLIP's image classifier: a ``clip`` config, the vision tower alone at ``vision_model``."""
-    return (getattr(getattr(model, "config", None), "model_type", None) == "clip"
-            and isinstance(getattr(model, "vision_model", None), nn.Module)
-            and getattr(model, "text_model", None) is None)
-
-
-def model_type(model: nn.Module):
-    """``config.model_type``; CLIP's image classifier (a ``clip`` config around the vision
-    tower alone) reads as its tower, ``clip_vision_model``."""
-    if _vision_classifier(model):
-        return "clip_vision_model"
-    return getattr(getattr(model, "config", None), "model_type", None)
-
-
-def join(*parts: str) -> str:
-    return ".".join(p for p in parts if p)
-
-
-#: the attribute under which DataParallel / DistributedDataParallel (and FSDP) keep the model
-WRAPPER_PREFIX = "module."
-
-
-def get_submodule(model: nn.Module, path: str) -> Optional[nn.Module]:
-    """``model.get_submodule(path)``, or None. A path written for the model inside a
-    DataParallel / DDP wrapper (``module.`` + the model's own path, as the wrapper's
-    ``named_modules()`` and ``state_dict()`` print it) names the same module of the
-    unwrapped model."""
-    try:
-        return model.get_submodule(path) if path else model
-    except AttributeError:
-        pass
-    if path.startswith(WRAPPER_PREFIX) and not isinstance(getattr(model, "module", None), nn.Module):
-        return get_submodule(model, path[len(WRAPPER_PREFIX):])
-    return None
-
-
-def layer_paths(model: nn.Module, arch: Arch) -> List[str]:
-    prefix = base_prefix(model)
-    layers = get_submodule(model, join(prefix, arch.layers))
-    if not isinstance(layers, nn.ModuleList):
-        return []
-    return [join(prefix, arch.layers, str(i)) for i in range(len(layers))]

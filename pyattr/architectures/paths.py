@@ -1,0 +1,62 @@
+"""Where an architecture's roles are in a model instance: its base model, its blocks, its
+``model_type``, and dotted paths (those written for a DataParallel / DDP wrapper included)."""
+
+from __future__ import annotations
+from typing import List, Optional
+from torch import nn
+from pyattr.architectures.table import Arch
+
+
+def base_prefix(model: nn.Module) -> str:
+    """Dotted path of the base model inside ``model`` ("" if ``model`` is the base)."""
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and isinstance(getattr(model, prefix, None), nn.Module):
+        return prefix
+    if _vision_classifier(model):
+        return "vision_model"
+    return ""
+
+
+def _vision_classifier(model: nn.Module) -> bool:
+    """CLIP's image classifier: a ``clip`` config, the vision tower alone at ``vision_model``."""
+    return (getattr(getattr(model, "config", None), "model_type", None) == "clip"
+            and isinstance(getattr(model, "vision_model", None), nn.Module)
+            and getattr(model, "text_model", None) is None)
+
+
+def model_type(model: nn.Module):
+    """``config.model_type``; CLIP's image classifier (a ``clip`` config around the vision
+    tower alone) reads as its tower, ``clip_vision_model``."""
+    if _vision_classifier(model):
+        return "clip_vision_model"
+    return getattr(getattr(model, "config", None), "model_type", None)
+
+
+def join(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
+
+
+#: the attribute under which DataParallel / DistributedDataParallel (and FSDP) keep the model
+WRAPPER_PREFIX = "module."
+
+
+def get_submodule(model: nn.Module, path: str) -> Optional[nn.Module]:
+    """``model.get_submodule(path)``, or None. A path written for the model inside a
+    DataParallel / DDP wrapper (``module.`` + the model's own path, as the wrapper's
+    ``named_modules()`` and ``state_dict()`` print it) names the same module of the
+    unwrapped model."""
+    try:
+        return model.get_submodule(path) if path else model
+    except AttributeError:
+        pass
+    if path.startswith(WRAPPER_PREFIX) and not isinstance(getattr(model, "module", None), nn.Module):
+        return get_submodule(model, path[len(WRAPPER_PREFIX):])
+    return None
+
+
+def layer_paths(model: nn.Module, arch: Arch) -> List[str]:
+    prefix = base_prefix(model)
+    layers = get_submodule(model, join(prefix, arch.layers))
+    if not isinstance(layers, nn.ModuleList):
+        return []
+    return [join(prefix, arch.layers, str(i)) for i in range(len(layers))]
