@@ -28,18 +28,18 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _EXPORTS = {
-    "relevance": "pyattr.attribution",
-    "RelevanceResult": "pyattr.attribution",
-    "layer_relevance": "pyattr.layer_attribution",
-    "LayerRelevance": "pyattr.layer_attribution",
-    "LayerRelevanceResult": "pyattr.layer_attribution",
-    "integrated_gradients": "pyattr.integrated",
-    "AttributionResult": "pyattr.integrated",
+    "relevance": "pyattr.methods.relevance",
+    "RelevanceResult": "pyattr.methods.relevance",
+    "layer_relevance": "pyattr.methods.layer_relevance",
+    "LayerRelevance": "pyattr.methods.layer_relevance",
+    "LayerRelevanceResult": "pyattr.methods.layer_relevance",
+    "integrated_gradients": "pyattr.methods.integrated_gradients",
+    "AttributionResult": "pyattr.methods.integrated_gradients",
     "run": "pyattr.dataset_run",
     "RunSummary": "pyattr.dataset_run",
-    "capture": "pyattr.gradient_capture",
-    "Captured": "pyattr.gradient_capture",
-    "GradientCapture": "pyattr.gradient_capture",
+    "capture": "pyattr.methods.capture",
+    "Captured": "pyattr.methods.capture",
+    "GradientCapture": "pyattr.methods.capture",
     "available_backends": "pyattr.backends",
     "backend": "pyattr.backends",
     "BackendUnavailableError": "pyattr.backends",
@@ -70,11 +70,10 @@ def __dir__():
 
 if TYPE_CHECKING:  # what static tools see
     from pyattr import ops, patching, rules, targets
-    from pyattr.attribution import RelevanceResult, relevance
     from pyattr.dataset_run import RunSummary, run
-    from pyattr.gradient_capture import Captured, GradientCapture, capture
-    from pyattr.integrated import AttributionResult, integrated_gradients
-    from pyattr.layer_attribution import LayerRelevance, LayerRelevanceResult, layer_relevance
+    from pyattr.methods.capture import Captured, GradientCapture, capture
+    from pyattr.methods.integrated_gradients import AttributionResult, integrated_gradients
+    from pyattr.methods.layer_relevance import LayerRelevance, LayerRelevanceResult, layer_relevance
     from pyattr.backends import BackendUnavailableError, available_backends, backend
     from pyattr.integration import (
         RelevanceRuleConflictError,

@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from pyattr import _forward as F
+import pyattr.methods._core as core
 import pyattr.architectures as A
 
 _CACHE_KWARGS = ("past_key_value", "past_key_values", "layer_past", "cache")
@@ -144,7 +144,7 @@ def _first_input(args, kwargs) -> Optional[torch.Tensor]:
     for a in args:
         if isinstance(a, torch.Tensor):
             return a
-    for key in F._ARG_KEYS:
+    for key in core.ARG_KEYS:
         if isinstance(kwargs.get(key), torch.Tensor):
             return kwargs[key]
     return None
@@ -154,7 +154,7 @@ def _replace_input(args, kwargs, x):
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor):
             return (*args[:i], x, *args[i + 1:]), kwargs
-    for key in F._ARG_KEYS:
+    for key in core.ARG_KEYS:
         if isinstance(kwargs.get(key), torch.Tensor):
             return args, {**kwargs, key: x}
     raise RuntimeError("method='atp*': the attention module's input tensor was not found")

@@ -50,9 +50,9 @@ import torch
 from torch import nn
 
 from pyattr.integration.config import RelevanceRules
-from pyattr import _positions as P
-from pyattr._forward import input_device
+import pyattr.methods._core.positions as P
 from pyattr.integration.wrappers import unwrap
+from pyattr.methods._core.inputs import input_device
 
 MANIFEST = "_manifest.json"
 COLUMNS = ("id", "index", "text", "tokens", "token_relevance", "target_id", "target_token", "target", "conservation_delta", "error", "seconds")
@@ -393,10 +393,10 @@ def run(
     token is stored with its ``error``; the run goes on.
     """
     model = unwrap(model)
-    from pyattr import _forward as F
+    import pyattr.methods._core as core
 
-    max_tokens_per_batch = F.check_count("max_tokens_per_batch", max_tokens_per_batch, allow_none=False)
-    shard_size = F.check_count("shard_size", shard_size, allow_none=False)
+    max_tokens_per_batch = core.check_count("max_tokens_per_batch", max_tokens_per_batch, allow_none=False)
+    shard_size = core.check_count("shard_size", shard_size, allow_none=False)
     rules = RelevanceRules.all() if rules is None else rules
     rank, world = _rank_world()
     prompts = read_prompts(data, text_field, target)  # a bad file fails before OUT is created
@@ -425,10 +425,10 @@ def _check_model(model, rules, generic: bool) -> None:
 
 def _run_locked(model, prompts, data, out: Path, tokenizer, text_field, target, rules, max_tokens_per_batch,
                 shard_size, progress, command, rank, world, generic) -> RunSummary:
-    from pyattr.attribution import relevance
+    from pyattr.methods.relevance import relevance as method
     from pyattr.targets import Logit
 
-    relevance = functools.partial(relevance, generic=generic)
+    relevance = functools.partial(method, generic=generic)
 
     manifest = _manifest(model, tokenizer, rules, text_field, target, data, command, world)
     manifest["data_sha256"] = _fingerprint(prompts)
@@ -572,7 +572,7 @@ def _error_row(p: Prompt, error: str, seconds: float = 0.0) -> dict:
 def _batches(prompts: List[Prompt], encoded, budget: int, model=None):
     """Prompts sorted by length, grouped so that rows × longest ≤ budget (a longer prompt
     alone when it exceeds the budget by itself). On a model whose forward depends on the
-    longest position in the batch (dynamic-NTK / LongRoPE, :mod:`pyattr._positions`), a
+    longest position in the batch (dynamic-NTK / LongRoPE, :mod:`pyattr.methods._core.positions`), a
     batch never mixes rows of two regimes, so each row computes what it computes alone."""
     order = sorted(prompts, key=lambda p: len(encoded[p.id]))
     dependent = model is not None and P.depends_on_batch(model)

@@ -19,11 +19,11 @@ from typing import List, Optional
 
 import torch
 
-from pyattr.attribution import relevance
 from pyattr.backends import available_backends
 from pyattr.bench import contention as _contention
 from pyattr.integration.config import RelevanceRules
 from pyattr.rules import half_rule, ln_rule
+from pyattr.methods.relevance import relevance
 
 DEFAULT_PAIR = (
     "A man is playing a guitar on stage.",
@@ -257,7 +257,7 @@ def _max_positions(model) -> Optional[int]:
     for dynamic-NTK RoPE (its frequencies are rescaled beyond ``max_position_embeddings``,
     which is what it is for); ``padding_idx + 1`` fewer for the RoBERTa family, whose
     positions start there."""
-    from pyattr import _positions as P
+    import pyattr.methods._core.positions as P
 
     if any("dynamic" in kind for kind, _ in P.batch_features(model)):
         return None

@@ -14,12 +14,12 @@ from typing import Optional
 
 import torch
 
-from pyattr.attribution import relevance
 from pyattr.backends import available_backends
 from pyattr.bench import contention as _contention
 from pyattr.explain import (ExplainError, Explanation, Segment, _check_dir, _config_type, _offline,
                             one_row_explanation)
 from pyattr.integration.config import RelevanceRules
+from pyattr.methods.relevance import relevance
 
 # each patch is drawn this many pixels wide at least, so that small inputs stay readable
 _MIN_PATCH_PIXELS = 16

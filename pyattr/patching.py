@@ -40,15 +40,15 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from pyattr import _forward as F
-from pyattr import _groups as G
-from pyattr import _positions as P
+import pyattr.methods._core as core
+import pyattr.methods._core.groups as G
+import pyattr.methods._core.positions as P
 from pyattr import targets as T
-from pyattr.attribution import evaluate_targets, leaf, run_model
 import pyattr.architectures as A
 from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
-from pyattr.layer_attribution import no_neurons
+from pyattr.methods.layer_relevance import no_neurons
 from pyattr.integration.wrappers import unwrap
+from pyattr.methods._core.forward import evaluate_targets, leaf, run_model
 
 __all__ = ["NODES", "PATCHING_RULES", "PatchingResult", "activation_patching", "attribution_patching"]
 
@@ -203,21 +203,21 @@ def _dims(node: str, sum_positions: bool) -> Tuple[str, ...]:
 
 @dataclass
 class _Pair:
-    clean: F.Prepared
-    corrupt: F.Prepared
+    clean: core.Prepared
+    corrupt: core.Prepared
     index: torch.Tensor    # (batch, seq) corrupt position of each clean position (-1: none)
     valid: torch.Tensor    # (batch, seq) bool: a node exists (real clean token with a counterpart)
 
 
 def _prepare_pair(model, clean, corrupt, alignment, clean_mask, corrupt_mask, caller) -> _Pair:
     for name, value in (("clean", clean), ("corrupt", corrupt)):
-        if F._is_pixels(value):
+        if core.is_pixels(value):
             raise TypeError(
                 f"{caller}: {name} is an image (pixel_values); patching aligns token sequences, and "
                 "image inputs are supported by relevance(), layer_relevance() and integrated_gradients()"
             )
-    pc = F.prepare(model, clean, clean_mask, caller)
-    px = F.prepare(model, corrupt, corrupt_mask, caller)
+    pc = core.prepare(model, clean, clean_mask, caller)
+    px = core.prepare(model, corrupt, corrupt_mask, caller)
     for name, prep in (("clean", pc), ("corrupt", px)):
         if G.row_groups(model, prep) is not None:
             raise ValueError(
@@ -296,7 +296,7 @@ def _recording(sites: List[_Site], store: List[Optional[torch.Tensor]], check: L
 
         return fn
 
-    with F.taps([(s.module, s.where) for s in sites], fn_for):
+    with core.taps([(s.module, s.where) for s in sites], fn_for):
         yield
 
 
@@ -306,7 +306,7 @@ def _check_once(sites: List[_Site], calls: List[int]) -> None:
             raise ValueError(f"nodes: {s.path!r} ran {c} times in one forward pass; patching needs modules that run once")
 
 
-def _forward(model, prep: F.Prepared, tgts, sites: List[_Site], grad: bool, metric: str = "required"):
+def _forward(model, prep: core.Prepared, tgts, sites: List[_Site], grad: bool, metric: str = "required"):
     """One forward recording every site's activation: ``(metric value, activations, fixed
     targets)``.
 
@@ -318,8 +318,8 @@ def _forward(model, prep: F.Prepared, tgts, sites: List[_Site], grad: bool, metr
     store: List[Optional[torch.Tensor]] = [None] * len(sites)
     calls = [0] * len(sites)
     mods: dict = {}
-    with F.tap(prep.entry, prep.where, lambda t: leaf(t), once=True), _recording(sites, store, calls), \
-            F.record_modules(model, T.module_paths(tgts), mods):
+    with core.tap(prep.entry, prep.where, lambda t: leaf(t), once=True), _recording(sites, store, calls), \
+            core.record_modules(model, T.module_paths(tgts), mods):
         fwd = run_model(model, prep, tgts, mods)
     _check_once(sites, calls)
     batch = prep.input_ids.shape[0]
@@ -435,7 +435,7 @@ def attribution_patching(
 
         attn_c = AttentionCalls(model, [s.path for s in sites["residual"]])
         attn_x = AttentionCalls(model, [s.path for s in sites["residual"]])
-    with F.attribution_pass(model, rules, False, caller) as cov:
+    with core.attribution_pass(model, rules, False, caller) as cov:
         with attn_c.recording() if star else contextlib.nullcontext():
             value, acts_c, fixed = _forward(model, pair.clean, tgts, flat, grad=True)
         if not value.requires_grad:
@@ -573,11 +573,11 @@ def activation_patching(
         RuntimeError: a call under ``torch.inference_mode()``.
     """
     model = unwrap(model)
-    from pyattr.integrated import _Progress
+    from pyattr.methods._core.progress import Progress
 
     node_list = _check_nodes(nodes)
-    batch_size = F.check_count("batch_size", batch_size) or 32
-    sample = F.check_count("sample", sample)
+    batch_size = core.check_count("batch_size", batch_size) or 32
+    sample = core.check_count("sample", sample)
     if sample is not None and "neurons" not in node_list:
         raise ValueError(f"sample: a sample is taken of 'neurons' nodes only, and nodes={tuple(node_list)} has none")
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -588,7 +588,7 @@ def activation_patching(
     pair = _prepare_pair(model, clean, corrupt, alignment, attention_mask, corrupt_attention_mask, caller)
     batch, seq = pair.clean.input_ids.shape
     tgts = _metric(metric, batch)
-    with torch.no_grad(), F._inference_state(model):
+    with torch.no_grad(), core.inference_state(model):
         value, acts_c, fixed = _forward(model, pair.clean, tgts, flat, grad=False)
         value_x, _, _ = _forward(model, pair.corrupt, fixed, flat, grad=False,
                                  metric="optional" if alignment is not None else "required")
@@ -598,7 +598,7 @@ def activation_patching(
         out = {n: torch.full((batch, *shapes[n]), float("nan") if n in sampled else 0.0, dtype=torch.float64)
                for n in node_list}
         n_forwards = sum(math.ceil(len(j) / batch_size) for j in jobs_per_row)
-        bar = _Progress(n_forwards, "activation patching") if progress else None
+        bar = Progress(n_forwards, "activation patching") if progress else None
         done = 0
         try:
             for row, jobs in enumerate(jobs_per_row):
@@ -695,7 +695,7 @@ def _copies(model, pair: _Pair, fixed, flat, row: int, n: int, clean_value: floa
             "LogitDiff(a, b), Cosine(reference)), which follows the rows"
         )
     idx = torch.full((n,), row, dtype=torch.long)
-    _, acts, _ = _forward(model, F.select_rows(pair.corrupt, idx), fixed, flat, grad=False, metric="skip")
+    _, acts, _ = _forward(model, core.select_rows(pair.corrupt, idx), fixed, flat, grad=False, metric="skip")
     index = pair.index[row:row + 1].expand(n, -1)
     return reference, [_align(a, index) for a in acts]
 
@@ -706,7 +706,7 @@ def _patched_forward(model, pair: _Pair, fixed, flat, sources, row: int, chunk) 
     k = len(chunk)
     batch = pair.clean.input_ids.shape[0]
     idx = torch.full((k,), row, dtype=torch.long)
-    sub = F.select_rows(pair.clean, idx)
+    sub = core.select_rows(pair.clean, idx)
     tg = [t.rows(idx, batch) for t in fixed]
     by_site: Dict[int, List[Tuple[int, _Job]]] = {}
     for j, job in enumerate(chunk):
@@ -734,8 +734,8 @@ def _patched_forward(model, pair: _Pair, fixed, flat, sources, row: int, chunk) 
         return fn
 
     mods: dict = {}
-    with F.taps([(flat[i].module, flat[i].where) for i in used], fn_for), \
-            F.record_modules(model, T.module_paths(tg), mods):
+    with core.taps([(flat[i].module, flat[i].where) for i in used], fn_for), \
+            core.record_modules(model, T.module_paths(tg), mods):
         fwd = run_model(model, sub, tg, mods)
     try:
         value, _, _ = evaluate_targets(tg, fwd, False)

@@ -8,6 +8,7 @@ import torch
 
 import pyattr
 from models import tiny_causal_lm
+from pyattr.methods._core.inputs import accepts
 from pyattr.targets import Logit, ModuleOutput
 
 IDS = torch.tensor([[5, 7, 9, 11, 13, 15], [6, 8, 10, 12, 14, 16]])
@@ -226,7 +227,6 @@ def test_labels_in_the_inputs_keep_the_full_head(llama):
 def test_a_compiled_model_gets_the_head_shortcut(llama):
     """torch.compile's wrapper forwards (*args, **kwargs): pyattr reads the wrapped
     model's signature, so a compiled model also runs the head at the target only."""
-    from pyattr._forward import accepts
 
     cm = torch.compile(llama)
     assert accepts(cm, "logits_to_keep", by_name=True) and accepts(cm, "use_cache", by_name=True)

@@ -61,7 +61,7 @@ def test_import_pyattr_is_lazy_but_complete():
             "sorted(pyattr.available_backends())[0], 'torch' in sys.modules)")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
-    assert p.stdout.split() == ["pyattr.attribution", "layer_norm", "RelevanceRules", "cpp", "True"]
+    assert p.stdout.split() == ["pyattr.methods.relevance", "layer_norm", "RelevanceRules", "cpp", "True"]
     with pytest.raises(AttributeError, match="module 'pyattr' has no attribute 'nope'"):
         pyattr.nope  # noqa: B018
 

@@ -1,5 +1,5 @@
 """The output head's backward during a pass multiplies only the nonzero rows of the
-logits' gradient (``_forward.SparseRowsHeadFunction``): same gradient, same relevance."""
+logits' gradient (``pyattr.methods._core.passes.SparseRowsHeadFunction``): same gradient, same relevance."""
 
 import contextlib
 
@@ -9,8 +9,8 @@ import torch
 import pyattr
 from conftest import graph_names
 from models import VOCAB, tiny_causal_lm
-from pyattr import _forward as F
-
+import pyattr.methods._core as core
+import pyattr.methods._core.passes as passes
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -20,7 +20,7 @@ def test_gradient_equals_the_dense_product(rows):
     h = torch.randn(2, 4, 16, dtype=torch.float64, generator=g, requires_grad=True)
     w = torch.randn(40, 16, dtype=torch.float64, generator=g)
     logits = (h @ w.T).detach()
-    out = F.SparseRowsHeadFunction.apply(h, logits, w)
+    out = core.SparseRowsHeadFunction.apply(h, logits, w)
     assert torch.equal(out, logits)
     dy = torch.zeros(2, 4, 40, dtype=torch.float64)
     flat = dy.view(8, 40)
@@ -35,7 +35,7 @@ def test_gradient_equals_the_dense_product(rows):
 def test_double_backward_runs_the_dense_product():
     h = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
     w = torch.randn(5, 8, dtype=torch.float64)
-    out = F.SparseRowsHeadFunction.apply(h, (h @ w.T).detach(), w)
+    out = core.SparseRowsHeadFunction.apply(h, (h @ w.T).detach(), w)
     dy = torch.zeros(3, 5, dtype=torch.float64, requires_grad=True)
     (g,) = torch.autograd.grad(out, h, dy, create_graph=True)
     (gg,) = torch.autograd.grad(g.sum(), dy)
@@ -49,7 +49,7 @@ def test_relevance_equals_the_dense_head(arch, monkeypatch):
     m = tiny_causal_lm(arch, dtype=torch.float64)
     ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
     r = pyattr.relevance(m, ids)
-    monkeypatch.setattr(F, "_sparse_rows_head", lambda model: contextlib.nullcontext())
+    monkeypatch.setattr(passes, "sparse_rows_head", lambda model: contextlib.nullcontext())
     dense = pyattr.relevance(m, ids)
     torch.testing.assert_close(r.relevance, dense.relevance, rtol=1e-6, atol=1e-9)
     assert torch.equal(r.target, dense.target)  # the forward is the head's own
@@ -59,7 +59,7 @@ def test_only_inside_a_pass_and_the_head_is_left_as_found():
     m = tiny_causal_lm("llama")
     ids = torch.randint(3, VOCAB, (1, 6))
     hooks = dict(m.lm_head._forward_hooks)
-    with F._sparse_rows_head(m), torch.enable_grad():
+    with core.sparse_rows_head(m), torch.enable_grad():
         emb = m.get_input_embeddings()(ids).detach().requires_grad_(True)
         for p in m.parameters():
             p.requires_grad_(False)
@@ -69,7 +69,7 @@ def test_only_inside_a_pass_and_the_head_is_left_as_found():
     assert "SparseRowsHeadFunctionBackward" in names
     assert dict(m.lm_head._forward_hooks) == hooks
     # a trainable head (weight requiring grad) keeps the native backward
-    with F._sparse_rows_head(m):
+    with core.sparse_rows_head(m):
         emb = m.get_input_embeddings()(ids).detach().requires_grad_(True)
         names = graph_names(m(inputs_embeds=emb).logits[0, -1, 3])
     assert "SparseRowsHeadFunctionBackward" not in names

@@ -12,7 +12,7 @@ from captum.attr._utils.approximation_methods import approximation_parameters
 
 import pyattr
 from models import minilm, tiny_causal_lm
-from pyattr.integrated import METHODS, gauss_legendre, path_points
+from pyattr.methods.integrated_gradients import METHODS, gauss_legendre, path_points
 from pyattr.targets import Logit, ModuleOutput
 
 IDS = torch.tensor([[5, 17, 33, 2, 9], [7, 8, 60, 61, 3]])
@@ -463,12 +463,12 @@ def test_grad_outputs_weight_each_row(llama):
 
 
 def test_progress_bar_only_on_a_terminal_after_a_second(monkeypatch):
-    from pyattr.integrated import _Progress
+    from pyattr.methods._core.progress import Progress
 
-    quick = _Progress(10, "ig")
+    quick = Progress(10, "ig")
     quick.advance(3)  # under a second: nothing
     assert quick.bar is None
-    slow = _Progress(10, "ig")
+    slow = Progress(10, "ig")
     slow.start -= 2.0
     slow.advance(3)  # stderr is not a terminal under pytest: nothing
     assert slow.bar is None

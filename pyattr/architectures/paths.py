@@ -2,8 +2,11 @@
 ``model_type``, and dotted paths (those written for a DataParallel / DDP wrapper included)."""
 
 from __future__ import annotations
+
 from typing import List, Optional
+
 from torch import nn
+
 from pyattr.architectures.table import Arch
 
 

@@ -4,6 +4,7 @@ never by class. A module of a norm class elsewhere (Qwen3's per-head ``q_norm``/
 is never a mount."""
 
 from __future__ import annotations
+
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 

@@ -2,16 +2,18 @@
 in the backward, and must do so with the rules its forward ran with."""
 
 from __future__ import annotations
+
 import contextlib
 from typing import Callable
+
 from torch import nn
+
+from pyattr.integration.attention import exactly as attention_exactly
+from pyattr.integration.attention import is_frozen as attention_is_frozen
 from pyattr.integration.install import (
     recomputing,
     snapshot,
 )
-from pyattr.integration.attention import exactly as attention_exactly
-from pyattr.integration.attention import is_frozen as attention_is_frozen
-
 
 CHECKPOINT_INNER = "_pyattr_checkpoint_inner"
 

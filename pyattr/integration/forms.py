@@ -2,14 +2,16 @@
 matched on their flattened source (a forward that computes something else keeps its own)."""
 
 from __future__ import annotations
+
 import ast
 import inspect
 import re
 import textwrap
 from typing import Optional
-from torch import nn
-from pyattr.integration.forwards import FusedGatedForm
 
+from torch import nn
+
+from pyattr.integration.forwards import FusedGatedForm
 
 # The forms a rule forward re-implements, matched against the WHOLE body of the module's
 # forward (statements joined by ";", whitespace removed): one extra statement or factor

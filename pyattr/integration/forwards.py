@@ -3,13 +3,19 @@ routers and experts, heads and the attention q/k/v scalings, each a factory of t
 replacement ``forward`` of one module instance."""
 
 from __future__ import annotations
+
 from dataclasses import dataclass
 from typing import Any, Callable
+
 import torch
 from torch import nn
-from pyattr.activations import Activation, forward_fn
+
 import pyattr.architectures as A
-from pyattr.integration.errors import RelevanceRuleConflictError, RelevanceRuleUnsupportedError
+from pyattr.activations import Activation, forward_fn
+from pyattr.integration.errors import (
+    RelevanceRuleConflictError,
+    RelevanceRuleUnsupportedError,
+)
 from pyattr.integration.install import (
     has_hooks,
     per_column_scale,

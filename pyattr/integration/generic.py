@@ -13,13 +13,17 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-from pyattr.activations import _kind_of_module
 import pyattr.architectures as A
+from pyattr.activations import _kind_of_module
 from pyattr.integration.config import RelevanceRules
-from pyattr.integration.forms import GENERIC_GATED_FORM, body_matches, flat_body, plain_fused_gated_forward
+from pyattr.integration.forms import (
+    GENERIC_GATED_FORM,
+    body_matches,
+    flat_body,
+    plain_fused_gated_forward,
+)
 from pyattr.integration.planner import Planner
 from pyattr.integration.structural import _eps, classify_norm, structural_norm_forward
-
 
 _QKV_NAMES = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("q_lin", "k_lin", "v_lin"))
 _FUSED_QKV = ("qkv_proj", "Wqkv", "c_attn", "query_key_value", "qkv")

@@ -2,21 +2,52 @@
 the architecture table, never by class), checked before anything is installed."""
 
 from __future__ import annotations
+
 import importlib
 import inspect
 from typing import List, Optional
+
 import torch
 from torch import nn
-from pyattr.activations import Activation, _kind_of_module, forward_fn
+
 import pyattr.architectures as A
+from pyattr.activations import Activation, _kind_of_module, forward_fn
 from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
-from pyattr.integration.errors import RelevanceRuleConflictError, RelevanceRuleUnsupportedError
+from pyattr.integration.errors import (
+    RelevanceRuleConflictError,
+    RelevanceRuleUnsupportedError,
+)
+from pyattr.integration.forms import (
+    flat_body,
+    plain_fused_gated_forward,
+    plain_gated_forward,
+    plain_gelu_head,
+)
+from pyattr.integration.forwards import (
+    ATTN_SCALES,
+    FusedGatedForm,
+    Step,
+    activation_forward,
+    bypass_message,
+    concat_pattern,
+    experts_forward,
+    fused_projection_forward,
+    gated_forward,
+    gated_fused_forward,
+    head_forward,
+    is_experts_dispatcher,
+    layer_norm_forward,
+    norm_eps,
+    per_head_pattern,
+    projection_forward,
+    rms_forward,
+    router_forward,
+    split_pattern,
+)
 from pyattr.integration.install import (
     has_hooks,
     state_of,
 )
-from pyattr.integration.forms import flat_body, plain_fused_gated_forward, plain_gated_forward, plain_gelu_head
-from pyattr.integration.forwards import ATTN_SCALES, FusedGatedForm, Step, activation_forward, bypass_message, concat_pattern, experts_forward, fused_projection_forward, gated_forward, gated_fused_forward, head_forward, is_experts_dispatcher, layer_norm_forward, norm_eps, per_head_pattern, projection_forward, rms_forward, router_forward, split_pattern
 
 
 class Planner:

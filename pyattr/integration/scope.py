@@ -2,21 +2,24 @@
 (the plan, the install and undo, checkpoint binding), and ``plan``."""
 
 from __future__ import annotations
+
 import contextlib
 from typing import Iterator, List, Optional
+
 from torch import nn
+
 import pyattr.architectures as A
+from pyattr.integration.attention import frozen_attention
+from pyattr.integration.checkpoint import checkpoints_bound
 from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.integration.errors import RelevanceRuleUnsupportedError
+from pyattr.integration.forwards import Step
 from pyattr.integration.install import (
     acquire,
     release,
 )
-from pyattr.integration.attention import frozen_attention
-from pyattr.integration.wrappers import unwrap
-from pyattr.integration.checkpoint import checkpoints_bound
-from pyattr.integration.forwards import Step
 from pyattr.integration.planner import Planner, plan_known
+from pyattr.integration.wrappers import unwrap
 
 
 def plan(model: nn.Module, rules: RelevanceRules, generic: bool = False) -> Planner:
@@ -28,7 +31,9 @@ def plan(model: nn.Module, rules: RelevanceRules, generic: bool = False) -> Plan
     if mt in A.ARCHITECTURES:
         return plan_known(model, rules, mt)
     if generic:
-        from pyattr.integration.generic import plan_generic  # it builds on this module's planner
+        from pyattr.integration.generic import (
+            plan_generic,  # it builds on this module's planner
+        )
 
         return plan_generic(model, rules)
     if not rules.any():

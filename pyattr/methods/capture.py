@@ -20,8 +20,8 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 import torch
 from torch import nn
 
-from pyattr.backends import _vmap
 import pyattr.architectures as A
+from pyattr.backends import _vmap
 from pyattr.integration.wrappers import unwrap
 
 GradEdit = Callable[[torch.Tensor], torch.Tensor]

@@ -10,29 +10,30 @@ is integrated along it with the chosen quadrature, ``multiply_by_inputs`` multip
 
 from __future__ import annotations
 
-import sys
-import time
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from pyattr import _forward as F
-from pyattr import _groups as G
+import pyattr.methods._core as core
+import pyattr.methods._core.groups as G
 from pyattr import targets as T
-from pyattr.attribution import (
+from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
+from pyattr.integration.wrappers import unwrap
+from pyattr.methods._core.baseline import (
     baseline_forward,
     check_baseline,
-    check_grad_outputs,
     precheck_baseline,
+)
+from pyattr.methods._core.forward import (
+    check_grad_outputs,
     evaluate_targets,
     head_free,
     leaf,
     run_model,
 )
-from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
-from pyattr.integration.wrappers import unwrap
+from pyattr.methods._core.progress import Progress
 
 METHODS = ("gausslegendre", "riemann_left", "riemann_right", "riemann_middle", "riemann_trapezoid")
 
@@ -114,34 +115,6 @@ def path_points(method: str, n_steps: int) -> Tuple[List[float], List[float]]:
     return [(i + offset) / n for i in range(n)], [1 / n] * n
 
 
-class _Progress:
-    """A transient rich progress bar on stderr, shown when stderr is a terminal and the
-    run has taken more than ~1 s (shorter runs print nothing)."""
-
-    def __init__(self, total: int, label: str):
-        self.total, self.label, self.start, self.bar, self.task = total, label, time.perf_counter(), None, None
-        self.off = False  # rich is not installed
-
-    def advance(self, done: int) -> None:
-        if self.bar is None:
-            if self.off or time.perf_counter() - self.start < 1.0 or not sys.stderr.isatty() or done >= self.total:
-                return
-            try:
-                from rich.console import Console
-                from rich.progress import Progress
-            except ImportError:  # rich is optional (the demo / dev extras)
-                self.off = True
-                return
-            self.bar = Progress(console=Console(file=sys.stderr), transient=True)
-            self.bar.start()
-            self.task = self.bar.add_task(self.label, total=self.total)
-        self.bar.update(self.task, completed=done)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-
 def integrated_gradients(
     model: nn.Module,
     inputs,
@@ -216,13 +189,13 @@ def integrated_gradients(
         RuntimeError: a call under ``torch.inference_mode()``.
     """
     model = unwrap(model)
-    n_steps = F.check_count("n_steps", n_steps, allow_none=False)
-    internal_batch_size = F.check_count("internal_batch_size", internal_batch_size)
+    n_steps = core.check_count("n_steps", n_steps, allow_none=False)
+    internal_batch_size = core.check_count("internal_batch_size", internal_batch_size)
     if attribute_to_layer_input and layer is None:
         raise ValueError("attribute_to_layer_input=True needs layer: without it the attribution is at the input embeddings")
     alphas, weights = path_points(method, n_steps)
     precheck_baseline(model, baseline, inputs)
-    prep = F.prepare(model, inputs, attention_mask, "integrated_gradients")
+    prep = core.prepare(model, inputs, attention_mask, "integrated_gradients")
     batch = prep.input_ids.shape[0]
     tgts, several = T.normalize(target, batch)
     if several:
@@ -233,7 +206,7 @@ def integrated_gradients(
                 f"layer: layer IG takes one dotted module path, not the shorthand {layer!r} "
                 "(layer_relevance expands shorthands)"
             )
-        lay_mod = F.resolve_module(model, layer, "layer")
+        lay_mod = core.resolve_module(model, layer, "layer")
         lay_where = "input" if attribute_to_layer_input else "output"
         pairs = [(lay_mod, lay_where)]
     else:
@@ -245,7 +218,7 @@ def integrated_gradients(
         return _integrated(model, prep, tgts, baseline, grad_outputs, *args)
     # the forward depends on the batch (dynamic-NTK / LongRoPE): one call per regime
     go_all = None if grad_outputs is None else torch.as_tensor(grad_outputs)
-    parts = [_integrated(model, F.select_rows(prep, idx), [t.rows(idx, batch) for t in tgts],
+    parts = [_integrated(model, core.select_rows(prep, idx), [t.rows(idx, batch) for t in tgts],
                          G.rows_of(baseline, idx, batch) if isinstance(baseline, torch.Tensor) and baseline.dim() == 3
                          else baseline, G.rows_of(go_all, idx, batch), *args) for idx in groups]
     dims = {k: 0 for k in ("attribution", "token_attribution", "convergence_delta", "target", "baseline_target",
@@ -256,7 +229,7 @@ def integrated_gradients(
 def _integrated(model, prep, tgts, baseline, grad_outputs, pairs, layer, rules, generic, n_steps,
                 internal_batch_size, alphas, weights, multiply_by_inputs, method) -> AttributionResult:
     batch = prep.input_ids.shape[0]
-    with F.attribution_pass(model, rules, generic, "integrated_gradients") as cov:
+    with core.attribution_pass(model, rules, generic, "integrated_gradients") as cov:
         # the input: x, f(x), the layer's activation, and the token ids to keep fixed
         seen: dict = {}
         store: dict = {}
@@ -272,8 +245,8 @@ def _integrated(model, prep, tgts, baseline, grad_outputs, pairs, layer, rules, 
 
             return fn
 
-        with torch.no_grad(), F.tap(prep.entry, prep.where, entry_fn, once=True), F.taps(pairs, act_fn), \
-                F.record_modules(model, T.module_paths(tgts), store):
+        with torch.no_grad(), core.tap(prep.entry, prep.where, entry_fn, once=True), core.taps(pairs, act_fn), \
+                core.record_modules(model, T.module_paths(tgts), store):
             fwd = run_model(model, prep, tgts, store, keep_logits=head_free(model, [m for m, _ in pairs]))
             value, tid, fixed = evaluate_targets(tgts, fwd, False)
         del fwd, store
@@ -304,7 +277,7 @@ def _integrated(model, prep, tgts, baseline, grad_outputs, pairs, layer, rules, 
         chunk = internal_batch_size or n_points
         alpha_t = torch.tensor(alphas, dtype=torch.float64, device=end.device)
         w_t = torch.tensor(weights, dtype=torch.float64, device=end.device)
-        progress = _Progress(n_points, "integrated gradients")
+        progress = Progress(n_points, "integrated gradients")
         try:
             for lo in range(0, n_points, chunk):
                 p = torch.arange(lo, min(lo + chunk, n_points))
@@ -344,8 +317,8 @@ def _embedding_output(model: nn.Module, pair) -> bool:
 def _value_at(model, prep, fixed, pair, value: torch.Tensor) -> torch.Tensor:
     """f with the output of ``pair``'s module replaced by ``value`` (float64, no gradient)."""
     store: dict = {}
-    with torch.no_grad(), F.tap(pair[0], pair[1], lambda t: value, once=True), \
-            F.record_modules(model, T.module_paths(fixed), store):
+    with torch.no_grad(), core.tap(pair[0], pair[1], lambda t: value, once=True), \
+            core.record_modules(model, T.module_paths(fixed), store):
         out, _, _ = evaluate_targets(fixed, run_model(model, prep, fixed, store, keep_logits=head_free(model, [pair[0]])),
                                      False)
     return out.detach().double()
@@ -358,7 +331,7 @@ def _chunk_grads(model, prep, pairs, fixed, rows, batch, start, end, alphas, go)
     shape = (-1, *([1] * (end.dim() - 1)))
     s, e = start[r], end[r]
     points = leaf(s + alphas.to(end.dtype).view(shape) * (e - s))
-    sub = F.select_rows(prep, rows)
+    sub = core.select_rows(prep, rows)
     tg = [t.rows(rows, batch) for t in fixed]
     store: dict = {}
 
@@ -369,9 +342,9 @@ def _chunk_grads(model, prep, pairs, fixed, rows, batch, start, end, alphas, go)
 
     where_mod, where = pairs[0] if pairs else (prep.entry, prep.where)
     # the tap stays on through the backward: a checkpointed block recomputed there must see
-    # the path point again, not the model's own activation (F.tap replays it)
-    with F.tap(where_mod, where, replace, once=True):
-        with F.record_modules(model, T.module_paths(tg), store):
+    # the path point again, not the model's own activation (core.tap replays it)
+    with core.tap(where_mod, where, replace, once=True):
+        with core.record_modules(model, T.module_paths(tg), store):
             value, _, _ = evaluate_targets(tg, run_model(model, sub, tg, store, keep_logits=head_free(model, [where_mod])),
                                            False)
         if not value.requires_grad:

@@ -1,7 +1,7 @@
 """Rows run in groups where the model's forward depends on its batch.
 
 On a model whose forward reads the longest position in the batch (dynamic-NTK RoPE,
-LongRoPE: :mod:`pyattr._positions`), a method's rows are split into groups of one regime
+LongRoPE: :mod:`pyattr.methods._core.positions`), a method's rows are split into groups of one regime
 each, every group runs as its own call, and the results are put back in row order. Each
 row then gets what it gets alone.
 """
@@ -14,8 +14,8 @@ from typing import List, Optional, Sequence
 import torch
 from torch import nn
 
-from pyattr import _model_state as S
-from pyattr import _positions as P
+import pyattr.methods._core.positions as P
+import pyattr.methods._core.state as S
 
 
 def row_groups(model: nn.Module, prep) -> Optional[List[torch.Tensor]]:

@@ -19,8 +19,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from pyattr import _model_state as S
 import pyattr.architectures as A
+import pyattr.methods._core.state as S
 
 
 def _embeddings_with_padding_idx(model: nn.Module) -> Optional[nn.Module]:

@@ -16,23 +16,25 @@ from typing import Dict, List, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from pyattr import _forward as F
-from pyattr import _groups as G
+import pyattr.architectures as A
+import pyattr.methods._core as core
+import pyattr.methods._core.groups as G
 from pyattr import targets as T
-from pyattr.attribution import (
-    backward,
+from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
+from pyattr.integration.wrappers import unwrap
+from pyattr.methods._core.baseline import (
     baseline_forward,
     check_baseline,
-    check_grad_outputs,
     precheck_baseline,
+)
+from pyattr.methods._core.forward import (
+    backward,
+    check_grad_outputs,
     evaluate_targets,
     head_free,
     leaf,
     run_model,
 )
-import pyattr.architectures as A
-from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
-from pyattr.integration.wrappers import unwrap
 
 SHORTHANDS = ("residual", "attention", "mlp", "neurons")
 
@@ -153,9 +155,9 @@ def expand_layers(model: nn.Module, layers, attribute_to_layer_input: bool = Fal
                 where = neurons_where if item == "neurons" else "output"
                 for b in blocks:
                     p = f"{b}.{rel}"
-                    out.append(_Layer(p, F.resolve_module(model, p, "layers"), where))
+                    out.append(_Layer(p, core.resolve_module(model, p, "layers"), where))
         else:
-            mod = F.resolve_module(model, item, "layers", extra=SHORTHANDS)
+            mod = core.resolve_module(model, item, "layers", extra=SHORTHANDS)
             out.append(_Layer(item, mod, "input" if attribute_to_layer_input else "output"))
     order = {n: i for i, n in enumerate(n for n, _ in model.named_modules())}
     seen: Dict[str, _Layer] = {}
@@ -224,16 +226,16 @@ def layer_relevance(
         RuntimeError: a call under ``torch.inference_mode()``.
     """
     model = unwrap(model)
-    internal_batch_size = F.check_count("internal_batch_size", internal_batch_size)
-    F.check_grad_mode("layer_relevance")
+    internal_batch_size = core.check_count("internal_batch_size", internal_batch_size)
+    core.check_grad_mode("layer_relevance")
     # the layers first: a shorthand on an unmapped model names itself, before the search
     # for the embedding entry (which such a model may not have) can fail less clearly
     lays = expand_layers(model, layers, attribute_to_layer_input)
     precheck_baseline(model, baseline, inputs)
-    prep = F.prepare(model, inputs, attention_mask, "layer_relevance")
+    prep = core.prepare(model, inputs, attention_mask, "layer_relevance")
     batch = prep.input_ids.shape[0]
     tgts, several = T.normalize(target, batch)
-    rules = F.rule_defaults(rules)
+    rules = core.rule_defaults(rules)
     chunk = internal_batch_size or batch
     # on a model whose forward depends on the batch (dynamic-NTK / LongRoPE), rows of one
     # regime share a pass; chunks never mix regimes
@@ -254,7 +256,7 @@ def layer_relevance(
     parts = []
     pieces = [g[start:start + chunk] for g in groups for start in range(0, len(g), chunk)]
     for idx in pieces:
-        sub = F.select_rows(prep, idx)
+        sub = core.select_rows(prep, idx)
         sub_t = [t.rows(idx, batch) for t in tgts]
         go = None if go_all is None else go_all[..., idx]
         base = baseline[idx] if isinstance(baseline, torch.Tensor) and baseline.dim() == 3 and baseline.shape[0] == batch else baseline
@@ -330,7 +332,7 @@ def _layer_pass(model, prep, lays, tgts, several, rules, generic, baseline, grad
 
         return fn
 
-    with F.attribution_pass(model, rules, generic, "layer_relevance") as cov:
+    with core.attribution_pass(model, rules, generic, "layer_relevance") as cov:
         xs: List[torch.Tensor] = []
 
         def entry_fn(t):
@@ -338,8 +340,8 @@ def _layer_pass(model, prep, lays, tgts, several, rules, generic, baseline, grad
             return xs[-1]
 
         pairs = [(lay.module, lay.where) for lay in lays]
-        with F.tap(prep.entry, prep.where, entry_fn, once=True), F.taps(pairs, fn_for), \
-                F.record_modules(model, T.module_paths(tgts), store):
+        with core.tap(prep.entry, prep.where, entry_fn, once=True), core.taps(pairs, fn_for), \
+                core.record_modules(model, T.module_paths(tgts), store):
             fwd = run_model(model, prep, tgts, store, keep_logits=head_free(model, [lay.module for lay in lays]))
         if not xs:
             raise RuntimeError("the embedding entry point was not reached during the forward pass")

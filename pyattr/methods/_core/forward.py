@@ -1,0 +1,166 @@
+"""One forward and its backward as every method runs them: the model called on the
+prepared kwargs (caches copied, rotary state reset, read-outs per row), the targets
+evaluated, and the (batched) backward."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+from torch import nn
+
+import pyattr.methods._core.readout as R
+import pyattr.methods._core.state as S
+from pyattr import targets as T
+from pyattr.methods._core.inputs import Prepared, accepts
+
+
+def evaluate_targets(targets: List[T.Target], fwd: T._Forward, several: bool):
+    """``(values, ids, fixed)``: values ``Tensor[batch]`` / ``Tensor[]`` (``(k, batch)``
+    when ``several``); ids like that when every target is a logit, else None; ``fixed``
+    the targets with the token ids chosen here (top-1) kept, for the baseline and path
+    passes, which must explain the token chosen at the real input."""
+    vals, ids = zip(*(t.value(fwd) for t in targets))
+    fixed = [t.fixed(i) for t, i in zip(targets, ids)]
+    if not several:
+        return vals[0], ids[0], fixed
+    batch = fwd.input_ids.shape[0]
+    for v in vals:
+        if v.dim() != 1 or v.shape[0] != batch:
+            raise ValueError(f"target: each of k targets must give one value per batch row ({batch},), got shape {tuple(v.shape)}")
+    tid = torch.stack(ids) if all(i is not None for i in ids) else None
+    return torch.stack(vals), tid, fixed
+
+
+def check_grad_outputs(grad_outputs, value: torch.Tensor) -> torch.Tensor:
+    """The initial gradient (tdhook's ``init_attr_grads``), shaped like the target."""
+    if grad_outputs is None:
+        return torch.ones_like(value)
+    if not isinstance(grad_outputs, torch.Tensor):
+        grad_outputs = torch.as_tensor(grad_outputs)
+    if not (grad_outputs.is_floating_point()):
+        raise TypeError(f"grad_outputs must be a floating tensor, got dtype {grad_outputs.dtype}")
+    if grad_outputs.shape != value.shape:
+        raise ValueError(
+            f"grad_outputs of shape {tuple(grad_outputs.shape)} must match the target's shape {tuple(value.shape)}"
+        )
+    return grad_outputs.to(device=value.device, dtype=value.dtype)
+
+
+def backward(value: torch.Tensor, wrt: List[torch.Tensor], go: torch.Tensor, several: bool, retain: bool = False):
+    """Gradients of ``value`` (weighted by ``go``) with respect to ``wrt``; k targets run
+    as one batched backward (``is_grads_batched``)."""
+    if not value.requires_grad:
+        raise ValueError(
+            "target: the explained value does not depend on the inputs through differentiable "
+            "operations (detached, .item(), argmax, or a module computed before the input embeddings), "
+            "so every relevance would be 0"
+        )
+    if several:
+        k = value.shape[0]
+        if _runs_compiled_backward(value):
+            raise _unbatchable(k, "a torch.compile'd model's backward cannot run batched")
+        eye = torch.eye(k, dtype=value.dtype, device=value.device)
+        g = eye.view(k, k, *([1] * (value.dim() - 1))) * go.unsqueeze(0)  # (k, k, batch)
+        try:
+            grads = torch.autograd.grad(value, wrt, g, is_grads_batched=True, allow_unused=True, retain_graph=retain)
+        except (NotImplementedError, RuntimeError) as e:
+            text = str(e)
+            if "atch" not in text:  # "Batching rule", "BatchedTensorImpl", "batched"
+                raise
+            raise _unbatchable(k, f"an op in this model's backward cannot run batched ({' '.join(text.split())[:200]})") from e
+    else:
+        grads = torch.autograd.grad(value, wrt, go, allow_unused=True, retain_graph=retain)
+    if grads[0] is None:
+        raise ValueError(
+            "target: the explained value does not depend on the inputs (its gradient at the input "
+            "embeddings is empty); choose a target computed after the embeddings"
+        )
+    return grads
+
+
+def _unbatchable(k: int, why: str) -> RuntimeError:
+    return RuntimeError(f"target: {k} targets run as one batched backward (is_grads_batched), and {why}; explain "
+                        "the targets one call at a time")
+
+
+def _runs_compiled_backward(value: torch.Tensor) -> bool:
+    """The autograd graph behind ``value`` holds a torch.compile'd region
+    (``CompiledFunctionBackward``); a walk over its nodes, each once."""
+    seen, todo = set(), [value.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if "CompiledFunction" in type(node).__name__:
+            return True
+        todo.extend(n for n, _ in node.next_functions)
+    return False
+
+
+def run_model(model: nn.Module, prep: Prepared, targets, store: dict, kwargs: Optional[dict] = None,
+              keep_logits: bool = False) -> T._Forward:
+    """``model(**kwargs)`` → what the targets read.
+
+    ``keep_logits``: when every target is a logit, the language-model head runs only at
+    the positions they read (``logits_to_keep``, for models whose forward takes it and a
+    caller who passed neither it nor ``labels``). The head's full-vocabulary matmul at every position is
+    the largest single cost of a pass on a long input (its backward too, with k targets).
+    A logit it gives equals the full head's up to float rounding (another matmul shape,
+    so possibly not in the last bits, a few ulp); a caller who wants the full head passes
+    ``logits_to_keep=0`` with the inputs. Off where a read layer runs on the cut
+    hidden states (:func:`head_free`)."""
+    kwargs = prep.kwargs if kwargs is None else kwargs
+    check_caller_logits_to_keep(kwargs, targets)
+    kept = T.logit_positions(targets, prep.input_ids, prep.attention_mask) if keep_logits else None
+    # with labels, the model's own loss would compare the kept logits with every label
+    if (kept is not None and "logits_to_keep" not in kwargs and "labels" not in kwargs
+            and accepts(model, "logits_to_keep", by_name=True)):
+        kwargs = {**kwargs, "logits_to_keep": kept.to(prep.input_ids.device)}
+    else:
+        kept = None
+    # each forward gets its own copy of the caller's caches and starts from the rotary
+    # modules' pretrained state: no forward sees what an earlier one left behind
+    kwargs = S.fresh(kwargs)
+    S.reset_rotary(model)
+    with R.first_real_token(model, prep.attention_mask):
+        out = model(**kwargs)
+    return T._Forward(out, prep.input_ids, prep.attention_mask, store, kept)
+
+
+def check_caller_logits_to_keep(kwargs: dict, targets) -> None:
+    """A ``logits_to_keep`` of the caller other than 0 (the full head) leaves logits at
+    some positions only, indexed from 0 again; a logit target names its position in the
+    input, so it would read another position's logit (or fail on an index): ValueError."""
+    given = kwargs.get("logits_to_keep")
+    every = isinstance(given, int) and not isinstance(given, bool) and given == 0
+    if given is None or every or not any(isinstance(t, (T.Logit, T.LogitDiff)) for t in targets):
+        return
+    shown = given.tolist() if isinstance(given, torch.Tensor) else given
+    raise ValueError(
+        f"inputs: logits_to_keep={shown!r} keeps the logits of some positions only, but a logit target reads the "
+        "logit at its position in the input; pass logits_to_keep=0 (the full head) or leave it out (pyattr then "
+        "runs the head at the target positions itself)"
+    )
+
+
+def head_free(model: nn.Module, modules) -> bool:
+    """No module in ``modules`` runs after the hidden states are cut to the kept
+    positions: then the head may run at the target positions only (the layers read keep
+    their full shape). Hugging Face cuts before everything outside the base model (BERT's
+    ``cls.predictions.transform``, RoBERTa's ``lm_head.dense`` run on the cut states too),
+    so a read module must lie inside ``model.base_model`` and outside the output embeddings."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
+    base = getattr(model, "base_model", None)
+    if isinstance(base, nn.Module) and base is not model:
+        inside = {id(m) for m in base.modules()}
+        return all(id(m) in inside for m in modules)
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    cut = {id(m) for m in head.modules()} if head is not None else set()
+    return not any(id(m) in cut for m in modules)
+
+
+def leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().requires_grad_(True)

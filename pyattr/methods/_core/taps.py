@@ -1,0 +1,140 @@
+"""Reading and replacing a module's tensors during a forward: the one ``first_tensor``, the
+one ``resolve_module``, and forward hooks that an activation checkpoint replays."""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+from typing import Callable, Dict, Iterator, Mapping, Optional, Sequence
+
+import torch
+from torch import nn
+
+import pyattr.architectures as A
+from pyattr.integration.install import _in_backward
+
+
+def first_tensor(value):
+    """The first tensor of a module's output or argument (tuples, lists, ModelOutput)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            if isinstance(v, torch.Tensor):
+                return v
+    return None
+
+
+def _replace_first(value, new):
+    if isinstance(value, torch.Tensor):
+        return new
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        done, out = False, []
+        for v in value:
+            if not done and isinstance(v, torch.Tensor):
+                out.append(new)
+                done = True
+            else:
+                out.append(v)
+        return tuple(out)
+    if isinstance(value, Mapping) and hasattr(value, "__setitem__"):
+        key = next(k for k, v in value.items() if isinstance(v, torch.Tensor))
+        value[key] = new
+        return value
+    raise TypeError(f"cannot replace the first tensor of a {type(value).__name__}")
+
+
+ARG_KEYS = ("hidden_states", "input", "x", "inputs_embeds")
+
+
+@contextlib.contextmanager
+def tap(module: nn.Module, where: str, fn: Callable[[torch.Tensor], Optional[torch.Tensor]], once: bool = False):
+    """Call ``fn(t)`` on the first tensor of ``module``'s input (``where="input"``) or
+    output (``"output"``) at each call; a tensor it returns replaces ``t`` downstream.
+    ``once``: only the first call.
+
+    With ``once``, an activation-checkpoint recomputation during the backward, which calls
+    the module again, gets back what the forward's calls got (the first call's tensor,
+    ``fn`` not called again), so the recomputed block sees the replaced value too."""
+    state = {"calls": 0, "first": None, "replays": 0}
+
+    def apply(t):
+        if t is None:
+            return None
+        if once and state["calls"] and _in_backward():
+            out = state["first"] if state["replays"] % state["calls"] == 0 else None
+            state["replays"] += 1
+            return out
+        if once and state["calls"]:
+            state["calls"] += 1
+            return None
+        out = fn(t)
+        state["calls"] += 1
+        if once:
+            state["first"] = out
+        return out
+
+    if where == "input":
+
+        def pre(mod, args, kwargs):
+            for i, a in enumerate(args):
+                if isinstance(a, torch.Tensor):
+                    new = apply(a)
+                    return None if new is None else ((*args[:i], new, *args[i + 1:]), kwargs)
+            for key in ARG_KEYS:
+                if isinstance(kwargs.get(key), torch.Tensor):
+                    new = apply(kwargs[key])
+                    return None if new is None else (args, {**kwargs, key: new})
+            return None
+
+        h = module.register_forward_pre_hook(pre, with_kwargs=True)
+    else:
+
+        def post(mod, args, out):
+            new = apply(first_tensor(out))
+            return None if new is None else _replace_first(out, new)
+
+        h = module.register_forward_hook(post)
+    try:
+        yield state
+    finally:
+        h.remove()
+
+
+@contextlib.contextmanager
+def taps(pairs: Sequence, fn_for) -> Iterator[None]:
+    """Several :func:`tap` hooks at once: ``pairs`` of (module, where), ``fn_for(i)`` the hook body."""
+    with contextlib.ExitStack() as stack:
+        for i, (mod, where) in enumerate(pairs):
+            stack.enter_context(tap(mod, where, fn_for(i)))
+        yield
+
+
+def resolve_module(model: nn.Module, path: str, arg: str, extra: Sequence[str] = ()) -> nn.Module:
+    """``model.get_submodule(path)``, or a ValueError naming ``arg`` and the nearest paths
+    (``extra``: other accepted names, such as shorthands, among the candidates)."""
+    if not isinstance(path, str):
+        raise TypeError(f"{arg}: module paths must be strings, got {type(path).__name__}")
+    names = [n for n, _ in model.named_modules() if n] + list(extra)
+    mod = A.get_submodule(model, path) if path else None
+    if mod is None:
+        near = difflib.get_close_matches(path, names, n=3, cutoff=0.5)
+        hint = f"; nearest: {', '.join(near)}" if near else ""
+        raise ValueError(f"{arg}: {type(model).__name__} has no module {path!r}{hint}")
+    return mod
+
+
+def record_modules(model: nn.Module, paths: Sequence[str], store: Dict[str, torch.Tensor]):
+    """Forward hooks keeping each path's latest output (first tensor, in the graph)."""
+    pairs = [(resolve_module(model, p, "target"), "output") for p in paths]
+
+    def fn_for(i):
+        def fn(t):
+            store[paths[i]] = t
+            return None
+
+        return fn
+
+    return taps(pairs, fn_for)

@@ -1,0 +1,223 @@
+"""Relevance (gradient × input under the rules), as in RelP (arXiv 2508.21258) and AttnLRP
+(ICML 2024): with the rules installed, the backward of the target is a relevance
+propagation, and ``input · grad`` at the embeddings is each input's relevance."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+import pyattr.methods._core as core
+import pyattr.methods._core.groups as G
+from pyattr import backends
+from pyattr import targets as T
+from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
+from pyattr.integration.wrappers import unwrap
+from pyattr.methods._core.baseline import (
+    baseline_forward,
+    check_baseline,
+    precheck_baseline,
+)
+from pyattr.methods._core.forward import (
+    backward,
+    check_grad_outputs,
+    evaluate_targets,
+    leaf,
+    run_model,
+)
+
+Target = Union[None, int, Sequence[int], torch.Tensor, Callable, T.Target, Sequence[T.Target]]
+
+
+@dataclass
+class RelevanceResult:
+    """Output of :func:`relevance`.
+
+    With k targets per row (``target`` a ``LongTensor[batch, k]`` or a list of k target
+    objects) every tensor field gains a leading ``k`` dimension.
+
+    Attributes:
+        token_relevance (Tensor[batch, seq], float32): relevance per token (sum over hidden).
+        relevance (Tensor[batch, seq, hidden], float32): relevance per embedding dimension,
+            ``x · g``, or ``(x − x₀) · g`` with a baseline.
+        target (Tensor[batch] or Tensor[], float64): the explained value(s) f(x).
+        conservation_delta (Tensor, like ``target``, float64): ``w·target − Σ relevance``
+            per row, ``w`` the ``grad_outputs`` (1 by default); with a baseline,
+            ``w·(f(x) − f(x₀)) − Σ relevance``. Near 0 for bias-free models with all rules
+            on; otherwise the relevance absorbed by biases and rules left off.
+        target_ids (Tensor[batch] or None): the token ids explained, for logit targets.
+        coverage (RelevanceRuleCoverage): what the rule scope installed and skipped.
+        backend (str): the backend that ran the rule backwards.
+        baseline_target (Tensor like ``target``, float64, or None): f(x₀) with a baseline.
+        patch_grid ((rows, cols) or None): for image inputs (``pixel_values``), the patch
+            grid; ``token_relevance`` then holds the [CLS] token first and the patches row
+            by row (see :meth:`patch_relevance`).
+    """
+
+    token_relevance: torch.Tensor
+    relevance: torch.Tensor
+    target: torch.Tensor
+    conservation_delta: torch.Tensor
+    target_ids: Optional[torch.Tensor]
+    coverage: RelevanceRuleCoverage
+    backend: str
+    baseline_target: Optional[torch.Tensor] = None
+    patch_grid: Optional[Tuple[int, int]] = None
+
+    def patch_relevance(self) -> torch.Tensor:
+        """Relevance per image patch, ``Tensor[..., batch, rows, cols]`` (float32): the
+        patch tokens of ``token_relevance`` laid out as the image's grid, the [CLS] token
+        (``token_relevance[..., 0]``) left out.
+
+        Raises:
+            ValueError: the input was not an image (no ``patch_grid``).
+        """
+        if self.patch_grid is None:
+            raise ValueError("patch_relevance(): the input was token ids, not an image (pixel_values)")
+        rows, cols = self.patch_grid
+        return self.token_relevance[..., 1:].reshape(*self.token_relevance.shape[:-1], rows, cols)
+
+
+def relevance(
+    model: nn.Module,
+    inputs,
+    target: Target = None,
+    rules: Optional[RelevanceRules] = None,
+    *,
+    baseline=None,
+    grad_outputs=None,
+    attention_mask: Optional[torch.Tensor] = None,
+    generic: bool = False,
+) -> RelevanceResult:
+    """Relevance of each input token for ``target``: gradient × input under the rules.
+
+    The input is the residual stream as the first block sees it: ``inputs_embeds`` for
+    Llama-style models, word + position embeddings for GPT-2 / GPT-NeoX, and the sum of
+    word, position and token-type embeddings before the first LayerNorm for BERT.
+
+    Args:
+        model (nn.Module): a supported Hugging Face model (see :func:`use_relevance_rules`).
+        inputs (LongTensor[batch, seq] | FloatTensor[batch, channels, height, width] | Mapping):
+            token ids, or a tokenizer output (``input_ids``, optional ``attention_mask`` and
+            other model kwargs); for vision transformers (ViT, CLIP's vision tower) the
+            ``pixel_values`` or an image processor's output. An image's relevance is
+            measured at the patch embeddings as the first block sees them ([CLS] token and
+            position embeddings added): one value per token, [CLS] first.
+        target: what to explain (:mod:`pyattr.targets`): ``None`` (the top-1 next-token
+            logit at each row's last real position; for a classifier, the top-1 class
+            logit), a token or class id (``int``, NumPy integer,
+            0-d tensor), one token id per row (list, 1-d or ``(batch, 1)`` integer tensor
+            or array), ``Logit`` / ``LogitDiff`` / ``ModuleOutput``, or a callable
+            ``f(output) -> Tensor[]`` or ``Tensor[batch]``. k targets per row: a
+            ``LongTensor[batch, k]`` or a list of k target objects, explained with one
+            forward and one batched backward (``is_grads_batched``); every result field
+            gains a leading ``k`` dimension. Default: None.
+        rules (RelevanceRules, optional): Default: ``RelevanceRules.all()``, the four rules
+            with AH-rule attention (``RelevanceRules()`` is every rule off: plain gradients).
+        baseline: ``None``, ``"zeros"``, ``"pad"`` (the pad token's embedding at every
+            position; needs ``model.config.pad_token_id``) or a tensor shaped like the
+            embeddings (batch, seq, hidden) or (seq, hidden). Relevance becomes
+            ``(x − x₀) · g`` and the delta is taken against ``f(x) − f(x₀)`` (one more
+            forward, without gradient).
+        grad_outputs (Tensor, optional): the initial gradient, shaped like the target
+            ((batch,), or (k, batch)); default ones (tdhook's ``init_attr_grads``).
+        attention_mask (Tensor[batch, seq], optional): 1 for real tokens.
+        generic (bool): structural rule installation for architectures without a rule map.
+
+    Returns:
+        RelevanceResult with ``token_relevance`` (batch, seq), ``relevance``
+        (batch, seq, hidden), ``target`` and ``conservation_delta``.
+
+    Logit targets run the language-model head at their positions only
+    (``logits_to_keep``, where the model's forward takes it): ``target`` is the model's
+    logit from that call, equal to the full head's up to the last bits (a few ulp). Passing
+    ``logits_to_keep=0`` with the inputs keeps the full head. No key/value cache is built
+    (``use_cache=False`` unless the inputs set it).
+
+    The model runs in eval mode with its parameters' ``requires_grad`` off during the
+    pass; both are restored afterwards, also when the call fails. The pass enables
+    autograd for itself, so a call under ``torch.no_grad()`` returns the same result.
+    Padded rows (``attention_mask``) equal the same row alone: position ids are counted
+    along the mask in the model's own convention (see
+    :func:`pyattr._forward.padding_positions`), read-outs at position 0 ([CLS]) take each
+    row's first real token (:mod:`pyattr.methods._core.readout`), and on a model whose forward depends
+    on the longest position in the batch (dynamic-NTK RoPE, LongRoPE) rows run in groups
+    of one rotary regime (:mod:`pyattr.methods._core.groups`). A key/value cache in the inputs
+    (``past_key_values`` / ``cache``, with a mask over cache + new tokens or none) is
+    copied for every forward, so the call leaves it unchanged and a second call gives the
+    same result.
+
+    Raises:
+        TypeError / ValueError: malformed inputs, target, baseline or grad_outputs (the
+            message names which); a target that does not depend on the inputs; a
+            left-padded batch on a model whose forward takes no ``position_ids``.
+        RuntimeError: a call under ``torch.inference_mode()``; the model's parameters are
+            inference tensors.
+        RelevanceRuleUnsupportedError, RelevanceRuleConflictError: see :func:`use_relevance_rules`.
+    """
+    model = unwrap(model)
+    precheck_baseline(model, baseline, inputs)
+    prep = core.prepare(model, inputs, attention_mask, "relevance")
+    batch = prep.input_ids.shape[0]
+    tgts, several = T.normalize(target, batch)
+    rules = core.rule_defaults(rules)
+    groups = G.row_groups(model, prep)
+    if groups is None:
+        return _relevance(model, prep, tgts, several, rules, baseline, grad_outputs, generic)
+    # the forward depends on the batch (dynamic-NTK / LongRoPE): one call per regime
+    d = 1 if several else 0
+    grad_outputs = None if grad_outputs is None else torch.as_tensor(grad_outputs)
+    parts = [_relevance(model, core.select_rows(prep, idx), [t.rows(idx, batch) for t in tgts], several, rules,
+                        G.rows_of(baseline, idx, batch) if isinstance(baseline, torch.Tensor) and baseline.dim() == 3
+                        else baseline, G.rows_of(grad_outputs, idx, batch, d), generic) for idx in groups]
+    dims = {"token_relevance": d, "relevance": d, "target": d, "conservation_delta": d, "target_ids": d,
+            "baseline_target": d}
+    return G.merge(parts, groups, batch, dims)
+
+
+def _relevance(model, prep: core.Prepared, tgts, several: bool, rules: RelevanceRules, baseline, grad_outputs,
+               generic: bool) -> RelevanceResult:
+    store: dict = {}
+    with core.attribution_pass(model, rules, generic, "relevance") as cov:
+        xs: List[torch.Tensor] = []
+
+        def entry_fn(t):
+            xs.append(leaf(t))
+            return xs[-1]
+
+        with core.tap(prep.entry, prep.where, entry_fn, once=True), core.record_modules(model, T.module_paths(tgts), store):
+            fwd = run_model(model, prep, tgts, store, keep_logits=True)
+        if not xs:
+            raise RuntimeError("the embedding entry point was not reached during the forward pass")
+        x = xs[0]
+        value, tid, fixed = evaluate_targets(tgts, fwd, several)
+        go = check_grad_outputs(grad_outputs, value)
+        base = check_baseline(baseline, x)
+        (grad,) = backward(value, [x], go, several)
+        backend_name = backends.select(x.device, "identity")
+        del fwd, store
+        if base is not None:
+            x0, f0, _ = baseline_forward(model, prep, base, x, fixed)
+    xd = x.detach()
+    diff = xd if base is None else xd - x0
+    rel = diff.float() * grad.float()
+    tok = rel.sum(-1)
+    t64 = value.detach().double()
+    w = go.detach().double()
+    explained = t64 if base is None else t64 - f0
+    sums = rel.double().sum(dim=(-2, -1)) if t64.dim() >= 1 else rel.double().sum()
+    delta = w * explained - sums
+    return RelevanceResult(
+        token_relevance=tok,
+        relevance=rel,
+        target=t64,
+        conservation_delta=delta,
+        target_ids=tid,
+        coverage=cov,
+        backend=backend_name,
+        baseline_target=None if base is None else f0,
+        patch_grid=prep.patch_grid,
+    )
