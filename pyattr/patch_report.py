@@ -117,7 +117,7 @@ def run_patch(clean: Optional[str], corrupt: Optional[str], partner: Optional[st
     path = Path(model_dir) if causal else bundled_model_dir()
     tok, model = _load(path, causal=causal)
     if "atp*" in methods:
-        from pyattr._qk_fix import use_eager
+        from pyattr.patching.atp_star import use_eager
 
         use_eager(model)
     enc_c = tok(clean, return_tensors="pt")

@@ -63,3 +63,11 @@ def layer_paths(model: nn.Module, arch: Arch) -> List[str]:
     if not isinstance(layers, nn.ModuleList):
         return []
     return [join(prefix, arch.layers, str(i)) for i in range(len(layers))]
+
+
+def no_neurons(model: nn.Module, arg: str) -> ValueError:
+    return ValueError(
+        f"{arg}: {type(model).__name__} is a mixture-of-experts model; its MLP hidden units belong to "
+        "each expert (rows of 3-D weights), not to a position, so there is no 'neurons' layer. Use "
+        "'mlp' (each sparse block's output) or dotted module paths"
+    )

@@ -110,7 +110,7 @@ def compare(model, clean, corrupt, metric_for, nodes, sample: int, batch_size: i
 
 def _minilm_task(limit: int = 0):
     """(model, clean, corrupt, partner embeddings) of the MiniLM task."""
-    from pyattr._qk_fix import use_eager
+    from pyattr.patching.atp_star import use_eager
     from pyattr.explain import _load, bundled_model_dir
 
     tok, model = _load(bundled_model_dir(), causal=False)

@@ -20,6 +20,7 @@ import pyattr.architectures as A
 import pyattr.methods._core as core
 import pyattr.methods._core.groups as G
 from pyattr import targets as T
+from pyattr.architectures.paths import no_neurons
 from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.integration.wrappers import unwrap
 from pyattr.methods._core.baseline import (
@@ -37,13 +38,6 @@ from pyattr.methods._core.forward import (
 )
 
 SHORTHANDS = ("residual", "attention", "mlp", "neurons")
-
-def no_neurons(model: nn.Module, arg: str) -> ValueError:
-    return ValueError(
-        f"{arg}: {type(model).__name__} is a mixture-of-experts model; its MLP hidden units belong to "
-        "each expert (rows of 3-D weights), not to a position, so there is no 'neurons' layer. Use "
-        "'mlp' (each sparse block's output) or dotted module paths"
-    )
 
 
 @dataclass

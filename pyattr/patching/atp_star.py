@@ -29,8 +29,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-import pyattr.methods._core as core
 import pyattr.architectures as A
+import pyattr.methods._core as core
 
 _CACHE_KWARGS = ("past_key_value", "past_key_values", "layer_past", "cache")
 

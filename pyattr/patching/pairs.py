@@ -1,0 +1,157 @@
+"""Clean / corrupt pairs: inputs checked and lined up (``alignment``), the metric, and the
+recording forward that reads every node's activation."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+import pyattr.methods._core as core
+import pyattr.methods._core.groups as G
+import pyattr.methods._core.positions as P
+from pyattr import targets as T
+from pyattr.methods._core.forward import evaluate_targets, leaf, run_model
+from pyattr.patching.nodes import Site
+
+
+@dataclass
+class Pair:
+    clean: core.Prepared
+    corrupt: core.Prepared
+    index: torch.Tensor    # (batch, seq) corrupt position of each clean position (-1: none)
+    valid: torch.Tensor    # (batch, seq) bool: a node exists (real clean token with a counterpart)
+
+
+def prepare_pair(model, clean, corrupt, alignment, clean_mask, corrupt_mask, caller) -> Pair:
+    for name, value in (("clean", clean), ("corrupt", corrupt)):
+        if core.is_pixels(value):
+            raise TypeError(
+                f"{caller}: {name} is an image (pixel_values); patching aligns token sequences, and "
+                "image inputs are supported by relevance(), layer_relevance() and integrated_gradients()"
+            )
+    pc = core.prepare(model, clean, clean_mask, caller)
+    px = core.prepare(model, corrupt, corrupt_mask, caller)
+    for name, prep in (("clean", pc), ("corrupt", px)):
+        if G.row_groups(model, prep) is not None:
+            raise ValueError(
+                f"{caller}: the rows of {name} have lengths for which {type(model).__name__}'s rotary embedding "
+                f"computes different frequencies ({P.describe(model).split(';')[0]}), so a row batched with the "
+                "others would not compute what it computes alone; patch rows of one rotary regime per call "
+                "(pyattr.relevance, layer_relevance and integrated_gradients group such rows themselves)"
+            )
+    (bc, sc), (bx, sx) = pc.input_ids.shape, px.input_ids.shape
+    if bc != bx:
+        raise ValueError(f"clean has {bc} rows and corrupt {bx}; patching pairs row i of clean with row i of corrupt")
+    mc = torch.ones(bc, sc, dtype=torch.bool) if pc.attention_mask is None else pc.attention_mask.bool().cpu()
+    mx = torch.ones(bx, sx, dtype=torch.bool) if px.attention_mask is None else px.attention_mask.bool().cpu()
+    if alignment is None:
+        if sc != sx:
+            raise ValueError(
+                f"clean and corrupt have different lengths ({sc} and {sx} tokens); patching pairs position p "
+                "with position p, so pass alignment= (LongTensor[batch, clean_seq]: the corrupt position of "
+                "each clean position, -1 for none)"
+            )
+        if not torch.equal(mc, mx):
+            row = int((mc != mx).any(1).nonzero()[0, 0])
+            raise ValueError(
+                f"clean and corrupt attention masks differ in row {row}; patching pairs position p with "
+                "position p, so the real tokens must line up, or pass alignment= (LongTensor[batch, "
+                "clean_seq]: the corrupt position of each clean position, -1 for none)"
+            )
+        index = torch.arange(sc).expand(bc, sc).clone()
+        valid = mc.clone()
+    else:
+        if not isinstance(alignment, torch.Tensor) or alignment.dtype not in (torch.int64, torch.int32):
+            raise TypeError("alignment must be an integer tensor of shape (batch, clean_seq)")
+        index = alignment.detach().to("cpu", torch.long)
+        if index.dim() == 1:
+            index = index.expand(bc, -1)
+        if tuple(index.shape) != (bc, sc):
+            raise ValueError(f"alignment of shape {tuple(alignment.shape)} must be (batch, clean_seq) = {(bc, sc)}")
+        if bool(((index < -1) | (index >= sx)).any()):
+            raise ValueError(f"alignment: positions must be in [0, {sx}) (the corrupt length) or -1 for none")
+        valid = (index >= 0) & mc
+        gathered = torch.gather(mx, 1, index.clamp_min(0))
+        if bool((valid & ~gathered).any()):
+            raise ValueError("alignment: a real clean token is aligned to a padding position of corrupt")
+    return Pair(pc, px, index, valid)
+
+
+def metric_targets(metric, batch: int):
+    if metric is None:
+        raise ValueError("metric is required: a callable(output) -> Tensor[batch] or a pyattr.targets target")
+    tgts, several = T.normalize(metric, batch)
+    if several:
+        raise ValueError("metric must be one target (one value per row), not k targets")
+    return tgts
+
+
+def check_value(value: torch.Tensor, batch: int) -> torch.Tensor:
+    if value.dim() != 1 or value.shape[0] != batch:
+        raise ValueError(f"metric must give one value per row, shape ({batch},), got shape {tuple(value.shape)}")
+    return value
+
+
+def align(act: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Corrupt activations (batch, seq_x, …) → clean layout (batch, seq_c, …)."""
+    idx = index.clamp_min(0).to(act.device)
+    idx = idx.view(*idx.shape, *([1] * (act.dim() - 2))).expand(*idx.shape, *act.shape[2:])
+    return torch.gather(act, 1, idx)
+
+
+@contextlib.contextmanager
+def _recording(sites: List[Site], store: List[Optional[torch.Tensor]], check: List[int]):
+    def fn_for(i):
+        def fn(t):
+            check[i] += 1
+            store[i] = t
+            return None
+
+        return fn
+
+    with core.taps([(s.module, s.where) for s in sites], fn_for):
+        yield
+
+
+def _check_once(sites: List[Site], calls: List[int]) -> None:
+    for s, c in zip(sites, calls):
+        if c != 1:
+            raise ValueError(f"nodes: {s.path!r} ran {c} times in one forward pass; patching needs modules that run once")
+
+
+def recording_forward(model, prep: core.Prepared, tgts, sites: List[Site], grad: bool, metric: str = "required"):
+    """One forward recording every site's activation: ``(metric value, activations, fixed
+    targets)``.
+
+    The entry embeddings are a leaf that requires grad in both the clean and the corrupt
+    run, so both run the same kernels (a clean and a corrupt copy of one input give
+    bit-identical activations). ``metric``: ``"required"``; ``"optional"`` (a metric that
+    cannot be read on this input, e.g. an absolute position beyond a shorter corrupt
+    input under an alignment, gives NaN); ``"skip"``."""
+    store: List[Optional[torch.Tensor]] = [None] * len(sites)
+    calls = [0] * len(sites)
+    mods: dict = {}
+    with core.tap(prep.entry, prep.where, lambda t: leaf(t), once=True), _recording(sites, store, calls), \
+            core.record_modules(model, T.module_paths(tgts), mods):
+        fwd = run_model(model, prep, tgts, mods)
+    _check_once(sites, calls)
+    batch = prep.input_ids.shape[0]
+    value, fixed = None, tgts
+    if metric == "skip":
+        pass
+    elif metric == "optional":
+        try:
+            value, _, fixed = evaluate_targets(tgts, fwd, False)
+            value = check_value(value, batch)
+        except (ValueError, IndexError):
+            value = torch.full((batch,), float("nan"), dtype=torch.float64)
+    else:
+        value, _, fixed = evaluate_targets(tgts, fwd, False)
+        value = check_value(value, batch)
+    if not grad:
+        store = [s.detach() for s in store]
+        value = None if value is None else value.detach()
+    return value, store, fixed

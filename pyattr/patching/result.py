@@ -1,0 +1,83 @@
+"""What a patching call returns: effects per node type, the metrics, the dimensions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
+
+
+@dataclass
+class PatchingResult:
+    """Effects of patching each node from the corrupt run into the clean run.
+
+    ``result[node]`` is a float32 tensor of shape ``(batch, layer, position)``, with a last
+    ``head`` / ``neuron`` dimension for ``"heads"`` / ``"neurons"`` (``position`` is absent
+    with ``sum_positions=True``); ``result.dims[node]`` names the dimensions. Positions
+    that are padding in the clean input, or that have no counterpart under
+    ``alignment``, hold 0. Activation patching of a neuron sample holds NaN at the nodes it
+    did not patch (``result.sampled[node]`` is the mask of those it did).
+
+    Attributes:
+        effects (dict): node type → effect tensor.
+        dims (dict): node type → dimension names, e.g. ``("batch", "layer", "position", "head")``.
+        clean_metric, corrupt_metric (Tensor[batch], float64): the metric on each input
+            (``corrupt_metric`` is NaN where an ``alignment`` is given and the metric cannot
+            be read on the corrupt input, e.g. an absolute position beyond its length).
+        method (str): ``"relp"``, ``"atp"``, ``"atp*"`` or ``"exact"`` (activation patching).
+        rules (RelevanceRules or None): the rules of the backward (``"relp"``).
+        sampled (dict): node type → bool mask of the nodes patched, where a sample was taken.
+        coverage (RelevanceRuleCoverage or None): what the rule scope installed (``"relp"``).
+    """
+
+    effects: Dict[str, torch.Tensor]
+    dims: Dict[str, Tuple[str, ...]]
+    clean_metric: torch.Tensor
+    corrupt_metric: torch.Tensor
+    method: str
+    rules: Optional[RelevanceRules] = None
+    sampled: Dict[str, torch.Tensor] = field(default_factory=dict)
+    coverage: Optional[RelevanceRuleCoverage] = None
+
+    @property
+    def nodes(self) -> List[str]:
+        """The node types, in the order asked for (iterating the result yields them too)."""
+        return list(self.effects)
+
+    def items(self):
+        """``(node type, effects)`` pairs, as a dict's."""
+        return self.effects.items()
+
+    def __getitem__(self, node: str) -> torch.Tensor:
+        if node not in self.effects:
+            raise KeyError(f"{node!r} is not among the node types of this result: {self.nodes}")
+        return self.effects[node]
+
+    def __contains__(self, node) -> bool:
+        return node in self.effects
+
+    def __iter__(self):
+        return iter(self.effects)
+
+    def top(self, k: int = 10, row: int = 0) -> List[Tuple[str, Tuple[int, ...], float]]:
+        """The ``k`` nodes of batch row ``row`` with the largest |effect|, over every node
+        type: ``(node type, index without the batch dimension, effect)``."""
+        items = []
+        for node, eff in self.effects.items():
+            e = eff[row]
+            flat = e.abs().flatten()
+            measured = (~torch.isnan(flat)).nonzero().flatten()  # sampled-out neurons are NaN
+            n = min(k, measured.numel())
+            for i in measured[flat[measured].topk(n).indices].tolist():
+                idx = tuple(int(v) for v in torch.unravel_index(torch.tensor(i), e.shape))
+                items.append((node, idx, float(e[idx])))
+        items.sort(key=lambda t: -abs(t[2]))
+        return items[:k]
+
+
+def dims(node: str, sum_positions: bool) -> Tuple[str, ...]:
+    d = ("batch", "layer") + (() if sum_positions else ("position",))
+    return d + (("head",) if node == "heads" else ("neuron",) if node == "neurons" else ())
