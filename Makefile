@@ -107,8 +107,9 @@ demo: $(STAMP)
 # Two tiers (tests/conftest.py): `make test` leaves out what is marked slow (torch.compile,
 # subprocess and benchmark-harness runs, Triton kernels under the CPU interpreter);
 # `make test-all` runs everything and is what CI runs. pytest-xdist spreads the tests over
-# the cores, one intra-op thread per worker.
-PYTEST := $(PY) -m pytest -q -n auto
+# the cores, one intra-op thread per worker, a test file per worker (the README tests share
+# one working directory across the file).
+PYTEST := $(PY) -m pytest -q -n auto --dist loadfile
 test: $(STAMP)
 	$(call step,pytest without the slow tier (about 2 minutes on 2 cores))
 	$(PYTEST) -m "not slow"

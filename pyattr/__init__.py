@@ -35,8 +35,8 @@ _EXPORTS = {
     "LayerRelevanceResult": "pyattr.methods.layer_relevance",
     "integrated_gradients": "pyattr.methods.integrated_gradients",
     "AttributionResult": "pyattr.methods.integrated_gradients",
-    "run": "pyattr.dataset_run",
-    "RunSummary": "pyattr.dataset_run",
+    "run": "pyattr.apps.run",
+    "RunSummary": "pyattr.apps.run",
     "capture": "pyattr.methods.capture",
     "Captured": "pyattr.methods.capture",
     "GradientCapture": "pyattr.methods.capture",
@@ -70,7 +70,7 @@ def __dir__():
 
 if TYPE_CHECKING:  # what static tools see
     from pyattr import ops, patching, rules, targets
-    from pyattr.dataset_run import RunSummary, run
+    from pyattr.apps.run import RunSummary, run
     from pyattr.methods.capture import Captured, GradientCapture, capture
     from pyattr.methods.integrated_gradients import AttributionResult, integrated_gradients
     from pyattr.methods.layer_relevance import LayerRelevance, LayerRelevanceResult, layer_relevance

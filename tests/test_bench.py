@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from conftest import run_cli
-from pyattr.bench import contention, e2e, micro, report
+import pyattr.apps.contention as contention
+from pyattr.bench import e2e, micro, report
 
 TINY = {"elementwise": (8, 96), "norm": (8, 64), "attention": ((16, 128), (9, 256))}
 

@@ -83,8 +83,8 @@ def test_markup_like_tokens_and_paths_are_printed_verbatim():
 
     from rich.console import Console
 
-    from pyattr.explain import Explanation, Segment
-    from pyattr.render import print_terminal
+    from pyattr.apps.explain import Explanation, Segment
+    from pyattr.apps.render import print_terminal
 
     expl = Explanation(
         mode="causal", model="./[red]m[/x]", target_description="next-token logit of '[/INST]'",

@@ -9,10 +9,10 @@ import re
 import pytest
 
 from conftest import run_cli
-from pyattr.bench import contention
+import pyattr.apps.contention as contention
 from pyattr.cli import main
-from pyattr.explain import Explanation, Segment
-from pyattr.render import num, print_terminal, to_html
+from pyattr.apps.explain import Explanation, Segment
+from pyattr.apps.render import num, print_terminal, to_html
 
 NEG_ZERO = re.compile(r"-0\.0+(?:e[+-]?\d+)?(?!\d)|-0(?![.\d])")
 ATTNLRP = "the AttnLRP rule does not conserve relevance (it scales the q, k, v gradients by ¼, ¼, ½)"

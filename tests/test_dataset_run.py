@@ -13,7 +13,7 @@ import torch
 
 import pyattr
 from conftest import run_cli, save_tiny_llama
-from pyattr.dataset_run import RunError, read_prompts
+from pyattr.apps.prompts import RunError, read_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -199,12 +199,12 @@ def test_torchrun_two_gloo_processes_equal_one(lm, tmp_path):
 
 
 def test_a_second_run_into_the_same_directory_at_once_is_refused(lm, tmp_path):
-    from pyattr.dataset_run import _lock
+    from pyattr.apps.store import lock_output as lock
 
     d, tok, model = lm
     data = _jsonl(tmp_path / "p.jsonl", [{"text": t} for t in TEXTS[:2]])
     (tmp_path / "out").mkdir()
-    held = _lock(tmp_path / "out", 0)  # as a running process holds it
+    held = lock(tmp_path / "out", 0)  # as a running process holds it
     try:
         with pytest.raises(RunError, match="another run is writing to"):
             pyattr.run(model, data, tmp_path / "out", tokenizer=tok)

@@ -25,7 +25,7 @@ def test_default_pair_json_matches_the_api(tmp_path):
 
     from pyattr import patching as P
     from pyattr import targets as T
-    from pyattr.patch_report import DEFAULT_CLEAN, DEFAULT_CORRUPT, DEFAULT_PARTNER
+    from pyattr.apps.patch_report import DEFAULT_CLEAN, DEFAULT_CORRUPT, DEFAULT_PARTNER
 
     tok, model = minilm()
     with torch.no_grad():
@@ -51,7 +51,7 @@ def test_method_all_draws_heatmaps_and_scatter(tmp_path):
 
 
 def test_neurons_json_and_panels_compare_the_same_nodes(tmp_path):
-    from pyattr.patch_report import run_patch
+    from pyattr.apps.patch_report import run_patch
 
     rep = run_patch(None, None, None, None, None, ["neurons"], ("atp", "exact"), 12)
     mask = rep.results["exact"].sampled["neurons"]

@@ -508,7 +508,7 @@ def test_last_non_pad_classifier_pad_baseline_under_left_padding():
 
 
 def test_explain_pair_with_a_left_padding_tokenizer(tmp_path):
-    from pyattr.explain import explain_pair
+    from pyattr.apps.explain import explain_pair
 
     tok, model = minilm()
     right = explain_pair("a cat", "a dog sleeps on the warm sofa")
@@ -527,7 +527,7 @@ def test_explain_pair_with_a_left_padding_tokenizer(tmp_path):
 
 def test_run_reads_beyond_max_positions_with_dynamic_ntk_and_roberta_limit(tmp_path):
     pd = pytest.importorskip("pandas")
-    from pyattr.explain import _max_positions
+    from pyattr.apps.explain import _max_positions
 
     assert _max_positions(tiny_rope_scaled("dynamic")) is None  # rescaled beyond max_position_embeddings
     assert _max_positions(tiny_causal_lm("roberta")) == 64 - 1 - 1  # positions start at padding_idx + 1

@@ -408,7 +408,7 @@ def test_cli_image_target_label_and_terminal(image_dirs, tmp_path):
     (["--model", "{root}/vit_model", "--image", "{img}"], "has no weights for classifier"),
 ])
 def test_cli_image_errors(image_dirs, args, message):
-    from pyattr.explain import bundled_model_dir
+    from pyattr.apps.explain import bundled_model_dir
 
     fill = {"vit": str(image_dirs / "vit"), "img": str(image_dirs / "img.png"), "root": str(image_dirs),
             "minilm": str(bundled_model_dir())}
@@ -430,8 +430,8 @@ def test_cli_refuses_images_deeper_than_8_bits(image_dirs, tmp_path):
 def test_target_labels_exact_first_then_loose_then_index():
     from types import SimpleNamespace
 
-    from pyattr.explain import ExplainError
-    from pyattr.image import class_id
+    from pyattr.apps.explain import ExplainError
+    from pyattr.apps.image import class_id
 
     cfg = SimpleNamespace(id2label={0: "7", 1: "3", 2: " cat ", 3: "Dog", 4: "dog", 5: "crane", 6: "Crane"},
                           num_labels=7)

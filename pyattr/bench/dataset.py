@@ -54,7 +54,7 @@ def prepare(workdir: Path, size: Dict, seed: int = 0):
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pyattr.explain import bundled_model_dir
+    from pyattr.apps.explain import bundled_model_dir
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(bundled_model_dir()), local_files_only=True)

@@ -111,7 +111,7 @@ def compare(model, clean, corrupt, metric_for, nodes, sample: int, batch_size: i
 def _minilm_task(limit: int = 0):
     """(model, clean, corrupt, partner embeddings) of the MiniLM task."""
     from pyattr.patching.atp_star import use_eager
-    from pyattr.explain import _load, bundled_model_dir
+    from pyattr.apps.explain import _load, bundled_model_dir
 
     tok, model = _load(bundled_model_dir(), causal=False)
     use_eager(model)  # atp* reads the attention probabilities; every method runs the same model

@@ -2,7 +2,7 @@
 
 Schema ``pyattr-bench/2`` (``/1`` documents still validate) adds:
 
-* ``contention`` (top level): the CPU conditions of the run, :mod:`pyattr.bench.contention`:
+* ``contention`` (top level): the CPU conditions of the run, :mod:`pyattr.apps.contention`:
   ``cores``, ``cpu_count``, ``threads``, ``load_avg_1min``, ``others_busy_cores``,
   ``window_s``, ``oversubscribed``, ``reasons``, ``warning`` (null unless oversubscribed:
   then the timings are unreliable);
@@ -84,10 +84,10 @@ CONTENTION_FIELDS = {
 def document(kind: str, device: torch.device, rows: List[dict], contention=None, **extra) -> dict:
     """The JSON document; every row also carries the machine, torch version and commit,
     so rows stay self-describing when results of several runs are concatenated.
-    ``contention``: the :class:`~pyattr.bench.contention.Contention` measured over the
+    ``contention``: the :class:`~pyattr.apps.contention.Contention` measured over the
     run (default: a snapshot now, load average and threads only)."""
     from pyattr import __version__, available_backends
-    from pyattr.bench import contention as _contention
+    import pyattr.apps.contention as _contention
 
     if contention is None:
         contention = _contention.snapshot()

@@ -79,7 +79,8 @@ def run(args) -> int:
 
     import torch
 
-    from pyattr.bench import contention, e2e, micro, report
+    import pyattr.apps.contention as contention
+    from pyattr.bench import e2e, micro, report
 
     dtypes = [getattr(torch, n) for n in names]
     if args.patching:

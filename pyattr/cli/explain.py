@@ -45,7 +45,7 @@ def run(args) -> int:
         return fail("explain", str(e))
 
     from pyattr import backend as use_backend
-    from pyattr.explain import DEFAULT_PAIR, DEFAULT_TEXT, ExplainError, explain_causal, explain_pair
+    from pyattr.apps.explain import DEFAULT_PAIR, DEFAULT_TEXT, ExplainError, explain_causal, explain_pair
     from pyattr.integration.errors import RelevanceRuleConflictError, RelevanceRuleUnsupportedError
 
     # --backend wins; without it PYATTR_BACKEND (or auto) applies, as in the Python API
@@ -53,7 +53,7 @@ def run(args) -> int:
     try:
         with scope:
             if args.image is not None:
-                from pyattr.image import explain_image
+                from pyattr.apps.image import explain_image
 
                 expl = explain_image(Path(args.model), Path(args.image), args.target, rules_from_args(args),
                                      png=Path(args.png) if args.png else None)
@@ -77,7 +77,7 @@ def run(args) -> int:
     except (RelevanceRuleUnsupportedError, RelevanceRuleConflictError) as e:
         return fail("explain", str(e).replace("Pass generic=True", "Pass --generic"))
     if args.html:
-        from pyattr.render import to_html
+        from pyattr.apps.render import to_html
 
         try:
             Path(args.html).write_text(to_html(expl), encoding="utf-8")
@@ -86,7 +86,7 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(expl.to_json(), indent=2))
     else:
-        from pyattr.render import print_terminal
+        from pyattr.apps.render import print_terminal
 
         print_terminal(expl)
         if args.html:

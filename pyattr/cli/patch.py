@@ -37,8 +37,8 @@ def run(args) -> int:
     except UsageError as e:
         return fail("patch", str(e))
 
-    from pyattr.explain import ExplainError
-    from pyattr.patch_report import METHODS, print_terminal, run_patch, to_html, to_png
+    from pyattr.apps.explain import ExplainError
+    from pyattr.apps.patch_report import METHODS, print_terminal, run_patch, to_html, to_png
 
     methods = METHODS if args.method == "all" else (args.method,)
     try:

@@ -129,8 +129,8 @@ def run(args) -> int:
     args.device = args.device or "cpu"
     import torch
 
-    from pyattr.dataset_run import RunError, run as run_dataset
-    from pyattr.explain import ExplainError, _load
+    from pyattr.apps.run import RunError, run as run_dataset
+    from pyattr.apps.explain import ExplainError, _load
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not torch.distributed.is_initialized():

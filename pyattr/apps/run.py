@@ -36,11 +36,7 @@ takes every ``world_size``-th prompt (no sampler padding) and writes its own sha
 
 from __future__ import annotations
 
-import csv
 import functools
-import io
-import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,25 +45,22 @@ from typing import Dict, List, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from pyattr.integration.config import RelevanceRules
 import pyattr.methods._core.positions as P
+from pyattr.apps.prompts import Prompt, RunError, read_prompts
+from pyattr.apps.store import (
+    MANIFEST,
+    build_manifest,
+    check_manifest,
+    fingerprint,
+    lock_output,
+    next_seq,
+    stored_ids,
+    write_json,
+    write_shard,
+)
+from pyattr.integration.config import RelevanceRules
 from pyattr.integration.wrappers import unwrap
 from pyattr.methods._core.inputs import input_device
-
-MANIFEST = "_manifest.json"
-COLUMNS = ("id", "index", "text", "tokens", "token_relevance", "target_id", "target_token", "target", "conservation_delta", "error", "seconds")
-
-
-class RunError(ValueError):
-    """A data file or output directory that cannot be used (one clear message)."""
-
-
-@dataclass
-class Prompt:
-    id: str
-    text: Optional[str]
-    target: Union[None, str, int] = None   # a token (str) or a token id (int), as given
-    error: Optional[str] = None    # a problem found while reading (recorded, not skipped)
 
 
 @dataclass
@@ -82,264 +75,10 @@ class RunSummary:
     seconds: float
 
 
-# --------------------------------------------------------------------------- reading
-
-
-def read_prompts(data: Union[str, Path, Sequence], text_field: str = "text", target_field: Optional[str] = None) -> List[Prompt]:
-    """Prompts from a ``.jsonl`` / ``.json`` (one object per line), ``.csv`` or ``.parquet``
-    file, or a list of strings / dicts.
-
-    A JSON line that is not UTF-8, not valid JSON, not an object, or lacks ``text_field``
-    becomes a prompt with an ``error`` (stored as such, never skipped silently). A CSV or
-    Parquet file without the column, an empty file, or an unknown extension raise
-    :class:`RunError`.
-    """
-    if hasattr(data, "to_dict") and hasattr(data, "columns"):  # a pandas DataFrame
-        data = data.to_dict("records")
-    if isinstance(data, (list, tuple)):
-        bad = [i for i, d in enumerate(data) if not isinstance(d, (str, dict))]
-        if bad:
-            raise RunError(f"data: item {bad[0]} is a {type(data[bad[0]]).__name__}; expected strings or dicts")
-        rows = [{text_field: d} if isinstance(d, str) else d for d in data]
-        return _checked(_from_rows(rows, text_field, target_field, "data"), "data", target_field)
-    if not isinstance(data, (str, Path)):
-        raise RunError(f"data: expected a file path or a list of strings / dicts, got {type(data).__name__}")
-    path = Path(data)
-    if not path.is_file():
-        raise RunError(f"--data: {str(path)!r} is not a file")
-    suffix = path.suffix.lower()
-    if suffix == ".json" and path.read_bytes().lstrip(b"\xef\xbb\xbf \t\r\n")[:1] == b"[":
-        try:
-            rows = json.loads(path.read_text(encoding="utf-8-sig"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise RunError(f"--data: {path.name} is not a valid JSON array ({e})") from None
-        if not all(isinstance(r, dict) for r in rows):
-            raise RunError(f"--data: {path.name}: a JSON array must hold objects")
-        prompts = _from_rows(rows, text_field, target_field, path.name)
-    elif suffix in (".jsonl", ".json", ".ndjson"):
-        prompts = _read_jsonl(path, text_field, target_field)
-    elif suffix == ".csv":
-        with open(path, "rb") as f:
-            raw = f.read()
-        try:
-            text = raw.decode("utf-8-sig")
-        except UnicodeDecodeError as e:
-            raise RunError(f"--data: {path.name} is not UTF-8 (byte {e.start})") from None
-        rows = list(csv.DictReader(io.StringIO(text)))
-        if rows and text_field not in rows[0]:
-            raise RunError(f"--data: {path.name} has no column {text_field!r} (columns: {list(rows[0])}); pass --text-field")
-        prompts = _from_rows(rows, text_field, target_field, path.name)
-    elif suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        table = pq.read_table(path)
-        if text_field not in table.column_names:
-            raise RunError(f"--data: {path.name} has no column {text_field!r} (columns: {table.column_names}); pass --text-field")
-        prompts = _from_rows(table.to_pylist(), text_field, target_field, path.name)
-    else:
-        raise RunError(f"--data: {path.name}: expected a .jsonl, .csv or .parquet file")
-    return _checked(prompts, path.name, target_field)
-
-
-def _checked(prompts: List[Prompt], name: str, target_field) -> List[Prompt]:
-    if not prompts:
-        raise RunError(f"--data: {name} holds no prompts")
-    seen: set = set()
-    for p in prompts:
-        if p.id in seen:
-            raise RunError(f"--data: the id {p.id!r} appears more than once; ids must be unique (they key the store)")
-        seen.add(p.id)
-    if target_field is not None and all(p.target is None for p in prompts):
-        raise RunError(f"--target: no prompt of {name} has the field {target_field!r}")
-    return prompts
-
-
-def _read_jsonl(path: Path, text_field, target_field) -> List[Prompt]:
-    prompts: List[Prompt] = []
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f):
-            if n == 0 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark
-                raw = raw[3:]
-            if not raw.strip():
-                continue
-            fallback = str(len(prompts))  # the prompt's 0-based row, blank lines not counted
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                prompts.append(Prompt(fallback, None, error=f"line {n + 1}: not UTF-8 (byte {e.start})"))
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                prompts.append(Prompt(fallback, None, error=f"line {n + 1}: not JSON ({e.msg})"))
-                continue
-            if not isinstance(obj, dict):
-                prompts.append(Prompt(fallback, None, error=f"line {n + 1}: not a JSON object"))
-                continue
-            prompts.append(_prompt(obj, fallback, text_field, target_field, f"line {n + 1}"))
-    return prompts
-
-
-def _from_rows(rows, text_field, target_field, where) -> List[Prompt]:
-    return [_prompt(r, str(i), text_field, target_field, f"row {i}") for i, r in enumerate(rows)]
-
-
-def _unicode_ok(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-        return True
-    except UnicodeEncodeError:  # lone surrogates ("\\ud800" in JSON)
-        return False
-
-
-def _prompt(obj: dict, fallback: str, text_field, target_field, where) -> Prompt:
-    pid = obj.get("id")
-    pid = fallback if pid is None or pid == "" else str(pid)
-    if not _unicode_ok(pid):
-        pid = pid.encode("utf-8", "backslashreplace").decode("utf-8")
-    text = obj.get(text_field)
-    if not isinstance(text, str):
-        why = "missing" if text is None else f"not a string ({type(text).__name__})"
-        return Prompt(pid, None, error=f"{where}: field {text_field!r} {why}")
-    if not _unicode_ok(text):
-        return Prompt(pid, text.encode("utf-8", "backslashreplace").decode("utf-8"),
-                      error=f"{where}: field {text_field!r} is not valid Unicode (a lone surrogate)")
-    target = None
-    if target_field is not None:
-        target = obj.get(target_field)
-        if target is None or target == "":
-            return Prompt(pid, text, error=f"{where}: target field {target_field!r} missing or empty")
-        if isinstance(target, bool) or not isinstance(target, (int, str)):
-            return Prompt(pid, text, target="?", error=f"{where}: target {target!r} is neither a token nor an integer id")
-    return Prompt(pid, text, target)
-
-
-# --------------------------------------------------------------------------- the store
-
-
 def _rank_world():
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
-
-
-def stored_ids(out: Path) -> set:
-    """Ids already in complete shards of ``out`` (all ranks)."""
-    import pyarrow.parquet as pq
-
-    ids = set()
-    for f in sorted(out.glob("part-*.parquet")):
-        ids.update(pq.read_table(f, columns=["id"]).column("id").to_pylist())
-    return ids
-
-
-def _next_seq(out: Path, rank: int) -> int:
-    seqs = [int(f.stem.split("-")[2]) for f in out.glob(f"part-{rank:05d}-*.parquet")]
-    return max(seqs) + 1 if seqs else 0
-
-
-def _write_shard(out: Path, rank: int, seq: int, rows: List[dict]) -> str:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    schema = pa.schema([
-        ("id", pa.string()), ("index", pa.int64()), ("text", pa.string()), ("tokens", pa.list_(pa.string())),
-        ("token_relevance", pa.list_(pa.float32())), ("target_id", pa.int64()), ("target_token", pa.string()),
-        ("target", pa.float64()),
-        ("conservation_delta", pa.float64()), ("error", pa.string()), ("seconds", pa.float64()),
-    ])
-    table = pa.Table.from_pylist(rows, schema=schema)
-    name = f"part-{rank:05d}-{seq:06d}.parquet"
-    tmp = out / f".{name}.tmp"
-    pq.write_table(table, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, out / name)  # atomic: a reader or a rerun sees the whole shard or none
-    return name
-
-
-def _manifest(model, tokenizer, rules, text_field, target_field, data, command, world) -> dict:
-    import pyattr
-    from pyattr import backends
-    from pyattr.explain import _rules_dict
-
-    cfg = getattr(model, "config", None)
-    dtype = next((str(p.dtype).replace("torch.", "") for p in model.parameters()), "float32")
-    device = str(input_device(model))
-    name = getattr(cfg, "_name_or_path", None) or type(model).__name__
-    if os.path.isdir(name):  # "./m" and "m" are one model
-        name = os.path.realpath(name)
-    return {
-        "model": name,
-        "model_type": getattr(cfg, "model_type", None),
-        "rules": _rules_dict(rules),
-        "backend": backends.select(torch.device(device), "identity"),
-        "dtype": dtype,
-        "device": device,
-        "device_map": _device_map(model),
-        # how rows are batched where the model's forward depends on its batch (None: it does not)
-        "batch_dependence": P.describe(model),
-        "gradient_checkpointing": any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()),
-        "text_field": text_field,
-        "target": target_field or "top1",
-        "data": os.path.realpath(data) if isinstance(data, (str, Path)) else "in-memory list",
-        "world_size": world,
-        "pyattr_version": pyattr.__version__,
-        "torch_version": torch.__version__,
-        "command": command,
-        "columns": list(COLUMNS),
-    }
-
-
-def _device_map(model) -> Optional[Dict[str, str]]:
-    """accelerate's placement (``from_pretrained(device_map=...)`` / ``dispatch_model``)."""
-    dm = getattr(model, "hf_device_map", None)
-    return {k: str(v) for k, v in dm.items()} if isinstance(dm, dict) else None
-
-
-# what a resumed run must share with the stored one: the results would mix otherwise (in
-# bfloat16 / float16 a row's numbers depend on its batch's padding by up to ~1 %, hence the
-# budget; in float32 by ~1e-7, and a smaller budget after running out of memory is fine)
-_SAME = ("model", "model_type", "rules", "dtype", "text_field", "target", "data", "data_sha256",
-         "max_tokens_per_batch")
-
-
-def _fingerprint(prompts: List[Prompt]) -> str:
-    """SHA-256 of the prompts (ids, texts, targets, in order): an edited data file, or
-    another list, is another run."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for p in prompts:
-        h.update(json.dumps([p.id, p.text, p.target, p.error], ensure_ascii=True).encode())
-    return h.hexdigest()
-
-
-def _check_manifest(out: Path, manifest: dict) -> None:
-    path = out / MANIFEST
-    if not path.exists():
-        return
-    try:
-        old = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        raise RunError(f"--out: {str(path)!r} is unreadable; remove it (and the shards) to start over") from None
-    same = [k for k in _SAME if k != "max_tokens_per_batch" or manifest.get("dtype") != "float32"]
-    diff = [k for k in same if old.get(k) != manifest.get(k)]
-    if diff:
-        k = diff[0]
-        raise RunError(
-            f"--out: {str(out)!r} holds a run with another {k} ({old.get(k)!r}, now {manifest.get(k)!r}); "
-            "resuming would mix results: use another --out directory"
-        )
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
-
-
-# --------------------------------------------------------------------------- the run
 
 
 def run(
@@ -358,7 +97,7 @@ def run(
     generic: bool = False,
 ) -> RunSummary:
     """Token relevance of every prompt of ``data`` for a causal LM's next-token logit,
-    stored in ``out`` (see :mod:`pyattr.dataset_run` for the layout and columns).
+    stored in ``out`` (see :mod:`pyattr.apps.run` for the layout and columns).
 
     Args:
         model (nn.Module): a Hugging Face causal LM (any device and dtype; the rule
@@ -403,7 +142,7 @@ def run(
     _check_model(model, rules, generic)  # and so does a model the rules cannot be placed on
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    lock = _lock(out, rank)
+    lock = lock_output(out, rank)
     try:
         return _run_locked(model, prompts, data, out, tokenizer, text_field, target, rules, max_tokens_per_batch,
                            shard_size, progress, command, rank, world, generic)
@@ -430,15 +169,15 @@ def _run_locked(model, prompts, data, out: Path, tokenizer, text_field, target, 
 
     relevance = functools.partial(method, generic=generic)
 
-    manifest = _manifest(model, tokenizer, rules, text_field, target, data, command, world)
-    manifest["data_sha256"] = _fingerprint(prompts)
+    manifest = build_manifest(model, tokenizer, rules, text_field, target, data, command, world)
+    manifest["data_sha256"] = fingerprint(prompts)
     manifest["max_tokens_per_batch"] = max_tokens_per_batch
-    _check_manifest(out, manifest)
+    check_manifest(out, manifest)
     for tmp in out.glob(f".part-{rank:05d}-*.tmp"):  # half-written by a killed run (this rank's lock is ours)
         tmp.unlink()
     if rank == 0:
         if not (out / MANIFEST).exists():
-            _write_json(out / MANIFEST, {**manifest, "complete": False})
+            write_json(out / MANIFEST, {**manifest, "complete": False})
     _barrier(world)
     done = stored_ids(out)
     index = {p.id: i for i, p in enumerate(prompts)}
@@ -447,9 +186,9 @@ def _run_locked(model, prompts, data, out: Path, tokenizer, text_field, target, 
     skipped = len(mine) - len(todo)
     t_start = time.perf_counter()
     shards: List[str] = []
-    seq = _next_seq(out, rank)
+    seq = next_seq(out, rank)
     failed = 0
-    from pyattr.explain import _max_positions
+    from pyattr.apps.explain import _max_positions
 
     limit = _max_positions(model)
     # any id pads (the attention mask hides it); GPT-2 style tokenizers have no pad token
@@ -485,30 +224,16 @@ def _run_locked(model, prompts, data, out: Path, tokenizer, text_field, target, 
                 bar.advance(len(batch), sum(len(encoded[p.id]) for p in batch))
             rows = [{**by_id[p.id], "index": index[p.id]} for p in chunk]
             failed += sum(r["error"] is not None for r in rows)
-            shards.append(_write_shard(out, rank, seq, rows))
+            shards.append(write_shard(out, rank, seq, rows))
             seq += 1
     finally:
         bar.close()  # also on Ctrl-C: the terminal is restored; a rerun resumes
     _barrier(world)
     if rank == 0:
         total = len(stored_ids(out))
-        _write_json(out / MANIFEST, {**manifest, "complete": total == len(prompts), "rows": total})
+        write_json(out / MANIFEST, {**manifest, "complete": total == len(prompts), "rows": total})
     return RunSummary(stored=len(todo), skipped=skipped, failed=failed, shards=shards,
                       seconds=time.perf_counter() - t_start)
-
-
-def _lock(out: Path, rank: int):
-    """An exclusive lock per rank on ``out``: two runs writing the same rank's shards at
-    once would overwrite each other's sequence numbers."""
-    import fcntl
-
-    f = open(out / f".lock-{rank:05d}", "w")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.close()
-        raise RunError(f"--out: another run is writing to {str(out)!r} (rank {rank}); wait for it or use another directory") from None
-    return f
 
 
 def _barrier(world: int) -> None:
@@ -639,7 +364,13 @@ class _RunProgress:
             return
         try:
             from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+            )
         except ImportError:
             return
         self.bar = Progress(TextColumn("relevance"), BarColumn(), MofNCompleteColumn(),

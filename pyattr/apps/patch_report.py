@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from pyattr.explain import ExplainError, _check_text, _check_tokens, _load, bundled_model_dir, _tokens
+from pyattr.apps.explain import ExplainError, _check_text, _check_tokens, _load, bundled_model_dir, _tokens
 
 DEFAULT_CLEAN = "A man is playing a guitar on stage."
 DEFAULT_CORRUPT = "A man is playing a ladder on stage."
@@ -132,7 +132,7 @@ def run_patch(clean: Optional[str], corrupt: Optional[str], partner: Optional[st
         )
     if causal:
         if target is not None:
-            from pyattr.explain import _target_id
+            from pyattr.apps.explain import _target_id
 
             metric = T.Logit(_target_id(tok, target, model.config.vocab_size))
             desc = f"logit of {target!r} at the last position"

@@ -20,7 +20,7 @@ from typing import List, Optional
 import torch
 
 from pyattr.backends import available_backends
-from pyattr.bench import contention as _contention
+import pyattr.apps.contention as _contention
 from pyattr.integration.config import RelevanceRules
 from pyattr.rules import half_rule, ln_rule
 from pyattr.methods.relevance import relevance

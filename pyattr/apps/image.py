@@ -15,8 +15,8 @@ from typing import Optional
 import torch
 
 from pyattr.backends import available_backends
-from pyattr.bench import contention as _contention
-from pyattr.explain import (ExplainError, Explanation, Segment, _check_dir, _config_type, _offline,
+import pyattr.apps.contention as _contention
+from pyattr.apps.explain import (ExplainError, Explanation, Segment, _check_dir, _config_type, _offline,
                             one_row_explanation)
 from pyattr.integration.config import RelevanceRules
 from pyattr.methods.relevance import relevance

@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 from typing import Iterable, Tuple
 
-from pyattr.explain import Explanation
+from pyattr.apps.explain import Explanation
 
 
 def _scale(expl: Explanation) -> float:
