@@ -24,7 +24,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from pyattr._version import __version__  # noqa: F401
 
 # public name -> module that defines it
 _EXPORTS = {

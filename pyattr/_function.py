@@ -72,7 +72,7 @@ def cpp_node_applies(device: torch.device, op: str) -> bool:
     if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
             or torch._C._is_torch_function_mode_enabled() or torch.jit.is_tracing()):
         return False
-    from pyattr import backends
+    import pyattr.backends as backends
 
     try:
         return backends.select(device, op) == "cpp"

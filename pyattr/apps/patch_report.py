@@ -108,8 +108,8 @@ def _heads_panel(result) -> torch.Tensor:
 
 def run_patch(clean: Optional[str], corrupt: Optional[str], partner: Optional[str], model_dir: Optional[Path],
               target: Optional[str], nodes: Sequence[str], methods: Sequence[str], sample: int) -> PatchReport:
-    from pyattr import patching as P
-    from pyattr import targets as T
+    import pyattr.patching as P
+    import pyattr.targets as T
 
     clean = _check_text("--clean", clean if clean is not None else DEFAULT_CLEAN)
     corrupt = _check_text("--corrupt", corrupt if corrupt is not None else DEFAULT_CORRUPT)
@@ -166,7 +166,7 @@ def run_patch(clean: Optional[str], corrupt: Optional[str], partner: Optional[st
         seconds=seconds,
     )
     if "exact" in results:
-        from pyattr.bench.patching import correlations
+        from pyattr.patching.result import correlations
 
         ex = results["exact"]
         for m in results:

@@ -56,8 +56,8 @@ def write_shard(out: Path, rank: int, seq: int, rows: List[dict]) -> str:
 
 
 def build_manifest(model, tokenizer, rules, text_field, target_field, data, command, world) -> dict:
-    import pyattr
-    from pyattr import backends
+    from pyattr._version import __version__
+    import pyattr.backends as backends
     from pyattr.apps.explain import _rules_dict
 
     cfg = getattr(model, "config", None)
@@ -81,7 +81,7 @@ def build_manifest(model, tokenizer, rules, text_field, target_field, data, comm
         "target": target_field or "top1",
         "data": os.path.realpath(data) if isinstance(data, (str, Path)) else "in-memory list",
         "world_size": world,
-        "pyattr_version": pyattr.__version__,
+        "pyattr_version": __version__,
         "torch_version": torch.__version__,
         "command": command,
         "columns": list(COLUMNS),

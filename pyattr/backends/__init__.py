@@ -12,11 +12,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import importlib
 import os
 from dataclasses import dataclass
 from typing import Dict, Iterator
 
 import torch
+
+import pyattr.backends.extension as extension
 
 BACKEND_NAMES = ("torch", "cpp", "cuda", "triton")
 _CHOICES = BACKEND_NAMES + ("auto",)
@@ -45,25 +48,9 @@ def _probe_torch() -> BackendStatus:
     return BackendStatus("torch", True, "reference PyTorch implementation", ("cpu", "cuda"))
 
 
-@functools.lru_cache(maxsize=None)
-def _probe_extension() -> tuple[object | None, str]:
-    try:
-        from pyattr import _C  # type: ignore[attr-defined]
-    except ImportError as e:  # not built, or built against another torch
-        return None, f"extension pyattr._C is not built or failed to load ({e})"
-    except OSError as e:  # a shared library it links against is missing
-        return None, f"extension pyattr._C failed to load ({e})"
-    from pyattr.backends import _fake, _vmap
-
-    _fake.register()
-    _vmap.register("pyattr")  # torch.vmap and is_grads_batched run the kernels batched
-    global EXTENSION_LOADED
-    EXTENSION_LOADED = True
-    return _C, ""
-
-
-# set once pyattr._C is loaded and its ops have fake and batching rules
-EXTENSION_LOADED = False
+def _probe_extension():
+    """``(pyattr._C or None, why not)``: :func:`pyattr.backends.extension.load`."""
+    return extension.load()
 
 
 def _probe_cpp() -> BackendStatus:
@@ -92,7 +79,7 @@ def _probe_triton() -> BackendStatus:
     except ImportError:
         return BackendStatus("triton", False, "triton is not installed")
     try:
-        from pyattr import kernels
+        kernels = importlib.import_module("pyattr.kernels")  # kernels/, shipped as pyattr.kernels
     except ImportError as e:
         return BackendStatus("triton", False, f"pyattr.kernels failed to import ({e})")
     if not getattr(kernels, "KERNELS_READY", False):
@@ -219,15 +206,15 @@ def implementation(device: torch.device, op: str):
     """Module implementing the backend functions for ``op`` on ``device``."""
     name = select(device, op)
     if name == "torch":
-        from pyattr.backends import reference
+        import pyattr.backends.reference as reference
 
         return reference
     if name in ("cpp", "cuda"):
-        from pyattr.backends import compiled
+        import pyattr.backends.compiled as compiled
 
         return compiled
     if name == "triton":
-        from pyattr.backends import triton_backend
+        import pyattr.backends.triton_backend as triton_backend
 
         return triton_backend
     raise BackendUnavailableError(f"backend {name!r} has no implementation of {op}")
@@ -244,7 +231,7 @@ def backward_implementation(device: torch.device, op: str):
     """
     if torch.is_grad_enabled():
         select(device, op)
-        from pyattr.backends import reference
+        import pyattr.backends.reference as reference
 
         return reference
     return implementation(device, op)

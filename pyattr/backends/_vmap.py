@@ -39,7 +39,7 @@ import torch
 from torch._C._functorch import is_batchedtensor as _is_batchedtensor
 
 from pyattr.activations import resolve_activation
-from pyattr.backends import reference
+import pyattr.backends.reference as reference
 
 OPS = ("identity_backward", "half_backward", "gated_backward", "layer_norm_backward", "rms_norm_backward")
 

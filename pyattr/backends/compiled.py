@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 import torch
 
 from pyattr.activations import Activation
-from pyattr.backends import reference
+import pyattr.backends.reference as reference
 from pyattr.backends.reference import promoted_dtype as _promoted
 
 # Forwards stay on the native ops: they are what keeps forwards bit-identical.
@@ -26,10 +26,10 @@ gated_forward = reference.gated_forward
 def _ops():
     """``torch.ops.pyattr``, once the extension that registers its ops is loaded (a plain
     flag read, so that ``torch.compile`` traces through it; the scopes load it first)."""
-    from pyattr import backends
+    import pyattr.backends.extension as extension
 
-    if not backends.EXTENSION_LOADED:
-        backends._probe_extension()  # loads pyattr._C, which registers the ops
+    if not extension.LOADED:
+        extension.load()  # loads pyattr._C, which registers the ops
     return torch.ops.pyattr
 
 
@@ -80,7 +80,7 @@ def attention_dv(q, k, dout, mask, scaling: float, softcap, causal: bool) -> tor
 
     if q.device.type != "cpu":
         try:
-            from pyattr.backends import triton_backend
+            import pyattr.backends.triton_backend as triton_backend
 
             return triton_backend.attention_dv(q, k, dout, mask, scaling, softcap, causal)
         except ImportError:

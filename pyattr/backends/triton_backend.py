@@ -18,14 +18,16 @@ on the tensors' data), so there they are ``custom_op``s with the fake implementa
 
 from __future__ import annotations
 
+import importlib
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from pyattr.activations import Activation
-from pyattr.backends import _fake, _vmap, reference
-from pyattr.kernels._common import INTERPRET
+import pyattr.backends._fake as _fake
+import pyattr.backends._vmap as _vmap
+import pyattr.backends.reference as reference
 from pyattr.backends.reference import promoted_dtype as _promoted
 
 rms_norm_forward = reference.rms_norm_forward
@@ -36,6 +38,8 @@ gated_forward = reference.gated_forward
 # --- the custom ops ---------------------------------------------------------------------
 
 # traceable operators over compiled kernels; opaque ones (explicit fakes) under the interpreter
+# kernels/ is shipped as pyattr.kernels (a package_dir mapping), loaded here by name
+INTERPRET = importlib.import_module("pyattr.kernels._common").INTERPRET
 TRACEABLE = not INTERPRET
 
 
@@ -46,21 +50,21 @@ def _operator(name: str):
 
 @_operator("pyattr_triton::identity_backward")
 def _identity_op(x: Tensor, dy: Tensor, act: str) -> Tensor:
-    from pyattr.kernels import identity
+    identity = importlib.import_module("pyattr.kernels.identity")
 
     return identity.identity_backward(x, dy, act)
 
 
 @_operator("pyattr_triton::half_backward")
 def _half_op(u: Tensor, v: Tensor, dy: Tensor) -> Tuple[Tensor, Tensor]:
-    from pyattr.kernels import half
+    half = importlib.import_module("pyattr.kernels.half")
 
     return half.half_backward(u, v, dy)
 
 
 @_operator("pyattr_triton::gated_backward")
 def _gated_op(gate: Tensor, up: Tensor, dh: Tensor, act: str, identity: bool, half: bool) -> Tuple[Tensor, Tensor]:
-    from pyattr.kernels import gated
+    gated = importlib.import_module("pyattr.kernels.gated")
 
     return gated.gated_backward(gate, up, dh, act, identity, half)
 
@@ -73,7 +77,7 @@ def _or_empty(t: Optional[Tensor], like: Tensor) -> Tensor:
 def _layer_norm_op(
     x: Tensor, weight: Optional[Tensor], eps: float, dy: Tensor, need_dweight: bool, need_dbias: bool
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    from pyattr.kernels import layer_norm
+    layer_norm = importlib.import_module("pyattr.kernels.layer_norm")
 
     dx, dw, db = layer_norm.layer_norm_backward(x, weight, eps, dy, need_dweight, need_dbias)
     return dx, _or_empty(dw, x), _or_empty(db, x)
@@ -83,7 +87,7 @@ def _layer_norm_op(
 def _rms_norm_op(
     x: Tensor, weight: Optional[Tensor], eps: float, offset: float, dy: Tensor, need_dweight: bool
 ) -> Tuple[Tensor, Tensor]:
-    from pyattr.kernels import rms_norm
+    rms_norm = importlib.import_module("pyattr.kernels.rms_norm")
 
     dx, dw = rms_norm.rms_norm_backward(x, weight, eps, offset, dy, need_dweight)
     return dx, _or_empty(dw, x)
@@ -136,7 +140,7 @@ def rms_norm_backward(x, weight, eps, offset, dy, need_dweight):
 @_operator("pyattr_triton::attention_dv")
 def _attention_dv_op(q: Tensor, k: Tensor, dout: Tensor, mask: Optional[Tensor], scaling: float,
                      softcap: Optional[float], causal: bool) -> Tensor:
-    from pyattr.kernels import attention
+    attention = importlib.import_module("pyattr.kernels.attention")
 
     return attention.attention_dv(q, k, dout, mask, scaling, softcap, causal)
 

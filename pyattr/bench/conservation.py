@@ -38,7 +38,7 @@ def build_model(device: str, dtype: torch.dtype, layers: int):
 def measure(device: str, dtypes: List[torch.dtype], layers: int = 8, seq: int = 64, batch: int = 8) -> List[Dict]:
     """One row per (dtype, implementation, layer): median and max relative error over rows."""
     import pyattr
-    from pyattr.bench import e2e
+    import pyattr.bench.e2e as e2e
 
     rows = []
     for dt in dtypes:
@@ -102,7 +102,7 @@ def measure_prompts(device: str, dtypes: List[torch.dtype], n: int = 100, layers
     (shared tokens / 10). One row per (dtype, impl) with the median, 90th percentile and
     max of each."""
     import pyattr
-    from pyattr.bench import e2e
+    import pyattr.bench.e2e as e2e
 
     prompts = _prompts(n, CONFIG["vocab_size"])
     base = build_model(device, torch.float32, layers)

@@ -75,7 +75,7 @@ def build_model(device: str, dtype: torch.dtype, layers: int = None, seq: int = 
 @contextlib.contextmanager
 def unfused_rules(model):
     """Install the unfused rule composition on a Llama model (instance patches)."""
-    from pyattr.bench import unfused
+    import pyattr.bench.unfused as unfused
 
     patched = []
 

@@ -22,7 +22,7 @@ STEPS = (16, 64, 256)
 
 def measure(device: str, dtype: torch.dtype, n_steps: int, chunk: Optional[int], layers: int = 2, seq: int = 128) -> Dict:
     import pyattr
-    from pyattr.bench import e2e
+    import pyattr.bench.e2e as e2e
 
     model, _ = e2e.build_model(device, dtype, layers)
     model.config.pad_token_id = 0
@@ -53,7 +53,7 @@ def measure(device: str, dtype: torch.dtype, n_steps: int, chunk: Optional[int],
 
 
 def run_all(device: str, dtype: torch.dtype, chunk: int = 16, steps=STEPS, unchunked=(16, 64)) -> List[Dict]:
-    from pyattr.bench import e2e
+    import pyattr.bench.e2e as e2e
 
     configs = [(n, chunk) for n in steps] + [(n, None) for n in unchunked]
     rows = []

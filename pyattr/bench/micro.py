@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 import pyattr
 from pyattr.activations import resolve_activation
-from pyattr.bench import unfused
+import pyattr.bench.unfused as unfused
 
 OPS = ("identity", "half", "gated", "layer_norm", "rms_norm", "attention")
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "quick_gelu", "relu")

@@ -20,9 +20,11 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List
 
 import torch
+
+from pyattr.patching.result import correlations
 
 NODES = ("residual", "attention", "heads", "mlp", "neurons")
 DATA = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "patching_pairs.jsonl"
@@ -44,16 +46,6 @@ def variants():
         ("relp LN, metric norm constant", "relp", PATCHING_RULES, True),
         ("relp all rules, metric norm constant", "relp", R.all(), True),
     ]
-
-
-def correlations(est: torch.Tensor, exact: torch.Tensor) -> Tuple[float, float]:
-    """(Pearson, Spearman) of two flat float64 tensors (scipy.stats)."""
-    from scipy import stats
-
-    a, b = est.double().numpy(), exact.double().numpy()
-    if a.size < 3 or a.std() == 0 or b.std() == 0:
-        return None, None
-    return float(stats.pearsonr(a, b)[0]), float(stats.spearmanr(a, b)[0])
 
 
 def _flat(result, node: str, valid: torch.Tensor, sampled=None) -> torch.Tensor:
@@ -83,7 +75,7 @@ def _timed(fn):
 def compare(model, clean, corrupt, metric_for, nodes, sample: int, batch_size: int, model_name: str,
             variant_list) -> List[Dict]:
     """One row per (variant, node type) and one per node type for the exact method."""
-    from pyattr import patching as P
+    import pyattr.patching as P
 
     valid = clean["attention_mask"].bool() if "attention_mask" in clean else torch.ones_like(clean["input_ids"], dtype=torch.bool)
     exact, t_exact = _timed(lambda: P.activation_patching(
@@ -130,7 +122,7 @@ def _minilm_task(limit: int = 0):
 
 
 def minilm_rows(limit: int = 0, sample: int = 100, batch_size: int = 64) -> List[Dict]:
-    from pyattr import targets as T
+    import pyattr.targets as T
 
     model, clean, corrupt, reference = _minilm_task(limit)
     return compare(model, clean, corrupt, lambda cn: T.Cosine(reference, constant_norm=cn), NODES, sample,
@@ -143,8 +135,8 @@ def breakdown(limit: int = 0) -> Dict:
     ``|Δr| / |r|`` at the replaced token and elsewhere (mean); per variant and node type,
     Pearson and the median ratio estimate / exact at the replaced token, Pearson and
     Spearman elsewhere, and the share of the exact effects' variance at the replaced token."""
-    from pyattr import patching as P
-    from pyattr import targets as T
+    import pyattr.patching as P
+    import pyattr.targets as T
     from pyattr.integration.config import RelevanceRules as R
 
     model, clean, corrupt, reference = _minilm_task(limit)
@@ -208,7 +200,7 @@ def breakdown_markdown(b: Dict) -> str:
 def llama_rows(pairs: int = 16, seq: int = 12, sample: int = 100, batch_size: int = 64) -> List[Dict]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pyattr import targets as T
+    import pyattr.targets as T
 
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                       num_hidden_layers=4, vocab_size=256, initializer_range=0.1)

@@ -86,7 +86,8 @@ def document(kind: str, device: torch.device, rows: List[dict], contention=None,
     so rows stay self-describing when results of several runs are concatenated.
     ``contention``: the :class:`~pyattr.apps.contention.Contention` measured over the
     run (default: a snapshot now, load average and threads only)."""
-    from pyattr import __version__, available_backends
+    from pyattr._version import __version__
+    from pyattr.backends import available_backends
     import pyattr.apps.contention as _contention
 
     if contention is None:

@@ -9,7 +9,7 @@ import os
 import sys
 from typing import List, NoReturn, Optional
 
-from pyattr import __version__
+from pyattr._version import __version__
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -80,11 +80,13 @@ def run(args) -> int:
     import torch
 
     import pyattr.apps.contention as contention
-    from pyattr.bench import e2e, micro, report
+    import pyattr.bench.e2e as e2e
+    import pyattr.bench.micro as micro
+    import pyattr.bench.report as report
 
     dtypes = [getattr(torch, n) for n in names]
     if args.patching:
-        from pyattr.bench import patching
+        import pyattr.bench.patching as patching
 
         if device.type != "cpu":
             return fail("bench", "--patching runs on the CPU only (--device cpu)")
@@ -96,7 +98,7 @@ def run(args) -> int:
         report.validate(doc)
         table = patching.markdown(rows, cond) + "\n" + patching.breakdown_markdown(why)
     elif args.conservation:
-        from pyattr.bench import conservation
+        import pyattr.bench.conservation as conservation
 
         monitor = contention.start()
         rows = conservation.measure(device.type, dtypes, args.layers or 8)
@@ -113,7 +115,7 @@ def run(args) -> int:
     elif args.dataset:
         import os
 
-        from pyattr.bench import dataset
+        import pyattr.bench.dataset as dataset
 
         monitor = contention.start()
         try:
@@ -125,7 +127,7 @@ def run(args) -> int:
         report.validate(doc)
         table = dataset.markdown(rows, model, cond)
     elif args.ig_memory:
-        from pyattr.bench import ig_memory
+        import pyattr.bench.ig_memory as ig_memory
 
         monitor = contention.start()
         try:

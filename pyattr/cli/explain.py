@@ -44,7 +44,7 @@ def run(args) -> int:
     except UsageError as e:
         return fail("explain", str(e))
 
-    from pyattr import backend as use_backend
+    from pyattr.backends import backend as use_backend
     from pyattr.apps.explain import DEFAULT_PAIR, DEFAULT_TEXT, ExplainError, explain_causal, explain_pair
     from pyattr.integration.errors import RelevanceRuleConflictError, RelevanceRuleUnsupportedError
 

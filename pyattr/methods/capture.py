@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import pyattr.architectures as A
-from pyattr.backends import _vmap
+import pyattr.backends._vmap as _vmap
 from pyattr.integration.wrappers import unwrap
 
 GradEdit = Callable[[torch.Tensor], torch.Tensor]

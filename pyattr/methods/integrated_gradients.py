@@ -18,7 +18,7 @@ from torch import nn
 
 import pyattr.methods._core as core
 import pyattr.methods._core.groups as G
-from pyattr import targets as T
+import pyattr.targets as T
 from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.integration.wrappers import unwrap
 from pyattr.methods._core.baseline import (

@@ -19,7 +19,7 @@ from torch import nn
 import pyattr.architectures as A
 import pyattr.methods._core as core
 import pyattr.methods._core.groups as G
-from pyattr import targets as T
+import pyattr.targets as T
 from pyattr.architectures.paths import no_neurons
 from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.integration.wrappers import unwrap

@@ -12,8 +12,8 @@ from torch import nn
 
 import pyattr.methods._core as core
 import pyattr.methods._core.groups as G
-from pyattr import backends
-from pyattr import targets as T
+import pyattr.backends as backends
+import pyattr.targets as T
 from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.integration.wrappers import unwrap
 from pyattr.methods._core.baseline import (

@@ -68,7 +68,7 @@ def _fold_targets(q, k, dout, mask, scaling, softcap, causal):
     """k targets in one batched backward (``is_grads_batched``): ``dout`` carries the older
     vmap's batch of k gradients while P is the same for all of them, so the k gradients
     go side by side along the value dimension and P is computed once."""
-    from pyattr.backends import _vmap
+    import pyattr.backends._vmap as _vmap
 
     found = _vmap.legacy_physical(dout, q, k, mask)
     if found is None:

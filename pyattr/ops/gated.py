@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from pyattr import _function, backends
+import pyattr._function as _function
+import pyattr.backends as backends
 from pyattr._validation import check_float, check_same_device
 from pyattr.activations import Activation, resolve_activation
 

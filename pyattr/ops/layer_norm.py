@@ -8,7 +8,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from pyattr import _function, backends
+import pyattr._function as _function
+import pyattr.backends as backends
 from pyattr._validation import check_eps, check_float, check_has_hidden, check_norm_param, check_same_device
 
 
@@ -71,7 +72,7 @@ class LayerNormRuleFunction(torch.autograd.Function):
 
 def _plain_cpp(dy: torch.Tensor) -> bool:
     """The ``cpp`` backend runs this call, on a gradient no vmap has batched."""
-    from pyattr.backends import _vmap
+    import pyattr.backends._vmap as _vmap
 
     return dy.device.type == "cpu" and not _vmap.batched(dy) and backends.select(dy.device, "layer_norm") == "cpp"
 
@@ -82,7 +83,7 @@ def layer_norm_rule_dx(dy: torch.Tensor, weight: Optional[torch.Tensor], rstd: t
     batched by ``is_grads_batched`` runs on its physical tensor (k gradients, one rstd)."""
     if rstd.numel() == 0 or dy.numel() == 0:
         return torch.zeros_like(dy)
-    from pyattr.backends import _vmap
+    import pyattr.backends._vmap as _vmap
 
     found = _vmap.legacy_physical(dy, rstd, weight)
     if found is not None:

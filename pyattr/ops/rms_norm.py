@@ -7,7 +7,8 @@ from typing import Callable, Optional
 
 import torch
 
-from pyattr import _function, backends
+import pyattr._function as _function
+import pyattr.backends as backends
 from pyattr._validation import check_eps, check_float, check_has_hidden, check_norm_param, check_same_device
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import pyattr.methods._core as core
-from pyattr import targets as T
+import pyattr.targets as T
 from pyattr.integration.wrappers import unwrap
 from pyattr.methods._core.forward import evaluate_targets, run_model
 from pyattr.patching.nodes import Site, check_nodes, node_sites

@@ -12,7 +12,7 @@ import torch
 import pyattr.methods._core as core
 import pyattr.methods._core.groups as G
 import pyattr.methods._core.positions as P
-from pyattr import targets as T
+import pyattr.targets as T
 from pyattr.methods._core.forward import evaluate_targets, leaf, run_model
 from pyattr.patching.nodes import Site
 

@@ -81,3 +81,13 @@ class PatchingResult:
 def dims(node: str, sum_positions: bool) -> Tuple[str, ...]:
     d = ("batch", "layer") + (() if sum_positions else ("position",))
     return d + (("head",) if node == "heads" else ("neuron",) if node == "neurons" else ())
+
+
+def correlations(est: torch.Tensor, exact: torch.Tensor) -> Tuple[float, float]:
+    """(Pearson, Spearman) of two flat float64 tensors (scipy.stats)."""
+    from scipy import stats
+
+    a, b = est.double().numpy(), exact.double().numpy()
+    if a.size < 3 or a.std() == 0 or b.std() == 0:
+        return None, None
+    return float(stats.pearsonr(a, b)[0]), float(stats.spearmanr(a, b)[0])

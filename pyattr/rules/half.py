@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from pyattr import _function, backends
+import pyattr._function as _function
+import pyattr.backends as backends
 from pyattr._validation import check_broadcast, check_float, check_same_device
 from pyattr.backends._vmap import sum_to
 

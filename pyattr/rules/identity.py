@@ -11,7 +11,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from pyattr import _function, backends
+import pyattr._function as _function
+import pyattr.backends as backends
 from pyattr._validation import check_float
 from pyattr.activations import Activation, resolve_activation
 

@@ -11,7 +11,8 @@ from typing import Optional, Union
 
 import torch
 
-from pyattr import _function, backends
+import pyattr._function as _function
+import pyattr.backends as backends
 from pyattr._validation import check_broadcast, check_eps, check_float, check_has_hidden, check_norm_param, check_same_device
 from pyattr.backends._vmap import sum_to
 
@@ -117,7 +118,7 @@ def ln_rule_grad(
         # plain code on tensors that require grad): the differentiable reference, since
         # the compiled kernels would return a result with no graph behind it
         backends.select(x.device, norm)
-        from pyattr.backends import reference as impl
+        import pyattr.backends.reference as impl
     else:
         impl = backends.implementation(x.device, norm)
     if norm == "layer_norm":

@@ -11,7 +11,7 @@ from typing import Union
 
 import torch
 
-from pyattr import _function
+import pyattr._function as _function
 from pyattr._validation import check_float, check_same_device
 from pyattr.backends._vmap import sum_to
 

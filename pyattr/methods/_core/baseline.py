@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import pyattr.methods._core.readout as R
-from pyattr import targets as T
+import pyattr.targets as T
 from pyattr.methods._core.forward import evaluate_targets, head_free, run_model
 from pyattr.methods._core.inputs import Prepared, is_pixels
 from pyattr.methods._core.taps import record_modules, tap, taps

@@ -11,7 +11,7 @@ from torch import nn
 
 import pyattr.methods._core.readout as R
 import pyattr.methods._core.state as S
-from pyattr import targets as T
+import pyattr.targets as T
 from pyattr.methods._core.inputs import Prepared, accepts
 
 

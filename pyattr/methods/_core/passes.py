@@ -139,7 +139,7 @@ class SparseRowsHeadFunction(torch.autograd.Function):
         shape, dtype = ctx.h_meta
         flat = dy.reshape(-1, dy.shape[-1])
         wt = w.to(flat.dtype)
-        from pyattr.backends import _vmap
+        import pyattr.backends._vmap as _vmap
 
         if torch.is_grad_enabled() or _vmap.batched(dy):
             return (flat @ wt).view(shape).to(dtype), None, None
