@@ -15,7 +15,7 @@ import pyattr.targets as T
 from pyattr.methods._core.inputs import Prepared, accepts
 
 
-def evaluate_targets(targets: List[T.Target], fwd: T._Forward, several: bool):
+def evaluate_targets(targets: List[T.Target], fwd: T.Forward, several: bool):
     """``(values, ids, fixed)``: values ``Tensor[batch]`` / ``Tensor[]`` (``(k, batch)``
     when ``several``); ids like that when every target is a logit, else None; ``fixed``
     the targets with the token ids chosen here (top-1) kept, for the baseline and path
@@ -100,7 +100,7 @@ def _runs_compiled_backward(value: torch.Tensor) -> bool:
 
 
 def run_model(model: nn.Module, prep: Prepared, targets, store: dict, kwargs: Optional[dict] = None,
-              keep_logits: bool = False) -> T._Forward:
+              keep_logits: bool = False) -> T.Forward:
     """``model(**kwargs)`` → what the targets read.
 
     ``keep_logits``: when every target is a logit, the language-model head runs only at
@@ -126,7 +126,7 @@ def run_model(model: nn.Module, prep: Prepared, targets, store: dict, kwargs: Op
     S.reset_rotary(model)
     with R.first_real_token(model, prep.attention_mask):
         out = model(**kwargs)
-    return T._Forward(out, prep.input_ids, prep.attention_mask, store, kept)
+    return T.Forward(out, prep.input_ids, prep.attention_mask, store, kept)
 
 
 def check_caller_logits_to_keep(kwargs: dict, targets) -> None:
