@@ -5,10 +5,10 @@ import functools
 import torch
 
 VOCAB = 96
-ENCODERS = ("bert", "roberta", "distilbert", "modernbert")
+ENCODERS = ("bert", "roberta", "distilbert", "modernbert", "xlm-roberta", "camembert")
 #: every mapped text architecture tiny_causal_lm builds (decoders, then the encoders)
 TEXT_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "phi3", "mixtral",
-              "qwen2_moe", "qwen3_moe", "gpt2", "gpt_neox") + ENCODERS
+              "qwen2_moe", "qwen3_moe", "gpt2", "gpt_neox", "phi") + ENCODERS
 
 
 def _cfg(arch: str, attn: str):
@@ -43,6 +43,13 @@ def _cfg(arch: str, attn: str):
     elif arch == "roberta":
         c = T.RobertaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, max_position_embeddings=64,
                             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=1, **common)
+    elif arch in ("xlm-roberta", "camembert"):
+        cls = T.XLMRobertaConfig if arch == "xlm-roberta" else T.CamembertConfig
+        c = cls(hidden_size=32, intermediate_size=64, num_attention_heads=4, max_position_embeddings=64,
+                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=1, **common)
+    elif arch == "phi":
+        c = T.PhiConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4, max_position_embeddings=64,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, **common)
     elif arch == "modernbert":
         c = T.ModernBertConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_hidden_layers=2,
                                vocab_size=VOCAB, global_attn_every_n_layers=2, local_attention=8, pad_token_id=0,

@@ -282,5 +282,28 @@ ARCHITECTURES["roberta"] = Arch(
 )
 
 
+# XLM-RoBERTa (the multilingual sentence-transformers models) and CamemBERT are RoBERTa's
+# encoder and heads under another model_type and class names
+ARCHITECTURES["xlm-roberta"] = Arch(
+    **{**ARCHITECTURES["roberta"].__dict__, "unruled_heads": (("classifier", "XLMRobertaClassificationHead"),)}
+)
+ARCHITECTURES["camembert"] = Arch(
+    **{**ARCHITECTURES["roberta"].__dict__, "unruled_heads": (("classifier", "CamembertClassificationHead"),)}
+)
+# Phi-1/1.5/2: one LayerNorm before a parallel attention and GELU MLP, a final LayerNorm,
+# partial rotary embeddings, biases everywhere
+ARCHITECTURES["phi"] = Arch(
+    layers="layers",
+    norm="layer_norm",
+    layer_norms=("input_layernorm",),
+    outer_norms=("final_layernorm",),
+    mlp=("act", "mlp.activation_fn"),
+    attention=("separate", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    entry=("layers.0", "hidden_states"),
+    attention_out="self_attn", mlp_out="mlp", neurons=("mlp.fc2", "input"), heads="self_attn.dense",
+    attention_core="self_attn",
+)
+
+
 # vision transformers: their inputs are pixel_values, cut into patches of config.patch_size
 VISION = ("vit", "clip_vision_model")
