@@ -6,7 +6,9 @@
 #include <cmath>
 #include <optional>
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 namespace pyattr {
 

@@ -11,10 +11,14 @@
 #include <limits>
 #include <optional>
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
-#include <torch/library.h>
+#include "kernels.h"
 
 namespace pyattr::cpu {
 
@@ -161,6 +165,5 @@ at::Tensor attention_dv(const at::Tensor& q_in, const at::Tensor& k_in, const at
   return dv;
 }
 
-TORCH_LIBRARY_IMPL(pyattr, CPU, m) { m.impl("attention_dv", &attention_dv); }
 
 }  // namespace pyattr::cpu

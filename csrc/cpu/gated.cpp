@@ -1,6 +1,6 @@
 // Gated activation backward on CPU: (d gate, d up) in one pass, each rule switchable.
 #include <ATen/Dispatch.h>
-#include <torch/library.h>
+#include "kernels.h"
 
 #include "activation_vec.h"
 
@@ -38,6 +38,5 @@ std::tuple<at::Tensor, at::Tensor> gated_backward(const at::Tensor& g_in, const 
   return {dg, du};
 }
 
-TORCH_LIBRARY_IMPL(pyattr, CPU, m) { m.impl("gated_backward", &gated_backward); }
 
 }  // namespace pyattr::cpu

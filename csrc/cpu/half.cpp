@@ -1,6 +1,6 @@
 // Half-rule backward on CPU: both outputs in one pass.
 #include <ATen/Dispatch.h>
-#include <torch/library.h>
+#include "kernels.h"
 
 #include "vec_utils.h"
 
@@ -29,6 +29,5 @@ std::tuple<at::Tensor, at::Tensor> half_backward(const at::Tensor& u_in, const a
   return {du, dv};
 }
 
-TORCH_LIBRARY_IMPL(pyattr, CPU, m) { m.impl("half_backward", &half_backward); }
 
 }  // namespace pyattr::cpu

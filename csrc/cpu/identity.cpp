@@ -4,7 +4,7 @@
 #endif
 
 #include <ATen/Dispatch.h>
-#include <torch/library.h>
+#include "kernels.h"
 
 #include "activation_vec.h"
 
@@ -85,6 +85,5 @@ at::Tensor identity_backward(const at::Tensor& x_in, const at::Tensor& dy_in, c1
   return dx;
 }
 
-TORCH_LIBRARY_IMPL(pyattr, CPU, m) { m.impl("identity_backward", &identity_backward); }
 
 }  // namespace pyattr::cpu

@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include <ATen/Dispatch.h>
-#include <torch/library.h>
+#include "kernels.h"
 
 #include "../checks.h"
 
@@ -175,10 +175,5 @@ at::Tensor layer_norm_rule_dx(const at::Tensor& dy_in, const std::optional<at::T
   return dx;
 }
 
-TORCH_LIBRARY_IMPL(pyattr, CPU, m) {
-  m.impl("layer_norm_backward", &layer_norm_backward);
-  m.impl("layer_norm_rule_dx", &layer_norm_rule_dx);
-  m.impl("layer_norm_backward_stats", &layer_norm_backward_stats);
-}
 
 }  // namespace pyattr::cpu

@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include <ATen/Dispatch.h>
-#include <torch/library.h>
+#include "kernels.h"
 
 #include "../checks.h"
 
@@ -69,6 +69,5 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& x_in, con
   return {dx, dw};
 }
 
-TORCH_LIBRARY_IMPL(pyattr, CPU, m) { m.impl("rms_norm_backward", &rms_norm_backward); }
 
 }  // namespace pyattr::cpu
