@@ -1,7 +1,11 @@
-// Operator schemas of pyattr._C and the Python module init. Kernels register per device
-// in csrc/cpu/*.cpp and csrc/cuda/*.cu (one file per rule family).
+// Operator schemas of pyattr._C, the CPU kernels' registrations and the Python module init.
+// The CPU kernels (csrc/cpu/*.cpp, one file per rule family) register here, so that only this
+// file parses torch/library.h (see csrc/cpu/kernels.h); the CUDA kernels register in
+// csrc/cuda/*.cu.
 #include <Python.h>
 #include <torch/library.h>
+
+#include "cpu/kernels.h"
 
 TORCH_LIBRARY(pyattr, m) {
   // Identity-rule: dx = dy * phi(x).
@@ -49,3 +53,18 @@ PyMODINIT_FUNC PyInit__C(void) {
 #endif
   return mod;
 }
+
+namespace pyattr::cpu {
+
+TORCH_LIBRARY_IMPL(pyattr, CPU, m) {
+  m.impl("attention_dv", &attention_dv);
+  m.impl("gated_backward", &gated_backward);
+  m.impl("half_backward", &half_backward);
+  m.impl("identity_backward", &identity_backward);
+  m.impl("layer_norm_backward", &layer_norm_backward);
+  m.impl("layer_norm_rule_dx", &layer_norm_rule_dx);
+  m.impl("layer_norm_backward_stats", &layer_norm_backward_stats);
+  m.impl("rms_norm_backward", &rms_norm_backward);
+}
+
+}  // namespace pyattr::cpu

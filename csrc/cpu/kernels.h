@@ -1,7 +1,7 @@
-// The CPU kernels' entry points, registered for the CPU dispatch key in register.cpp.
+// The CPU kernels' entry points, registered for the CPU dispatch key in csrc/ops.cpp.
 // The kernel files include only the ATen headers they use (ATen/core/Tensor.h and the
 // ops they call), not torch/library.h: parsing that and ATen/ATen.h was about 40% of
-// each kernel file's compile time. register.cpp alone pays for torch/library.h.
+// each kernel file's compile time. csrc/ops.cpp alone pays for torch/library.h.
 #pragma once
 
 #include <optional>
