@@ -160,3 +160,29 @@ def tiny_encoder(kind: str, head: str = "mlm", seed: int = 0):
         cfg.num_labels = 3
     cfg._attn_implementation = "eager"
     return cls(cfg).eval()
+
+
+def pad_rows(rows, side, pad_id=0):
+    """Token rows of different lengths as one batch: ``(ids, mask)``, padded on ``side``
+    ("left" or "right") with ``pad_id``."""
+    n = max(len(r) for r in rows)
+    ids = torch.full((len(rows), n), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), n, dtype=torch.long)
+    for i, r in enumerate(rows):
+        sl = slice(n - len(r), n) if side == "left" else slice(0, len(r))
+        ids[i, sl] = torch.as_tensor(r)
+        mask[i, sl] = 1
+    return ids, mask
+
+
+class WordIdTokenizer:
+    """A tokenizer for ``pyattr.run`` tests whose text is its token ids ("5 9 13")."""
+
+    pad_token_id = 0
+    eos_token_id = None
+
+    def __call__(self, text, **kw):
+        return {"input_ids": [int(w) for w in text.split()]}
+
+    def convert_ids_to_tokens(self, ids):
+        return [str(i) for i in ids]

@@ -4,20 +4,11 @@ import pytest
 import torch
 
 import pyattr
-from models import VOCAB, tiny_causal_lm
+from models import VOCAB, pad_rows, tiny_causal_lm
 
 from models import TEXT_ARCHS as ARCHS  # every mapped text architecture, encoders included
 
 
-def _pad(rows, side, pad_id=0):
-    n = max(len(r) for r in rows)
-    ids = torch.full((len(rows), n), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(rows), n, dtype=torch.long)
-    for i, r in enumerate(rows):
-        sl = slice(n - len(r), n) if side == "left" else slice(0, len(r))
-        ids[i, sl] = torch.tensor(r)
-        mask[i, sl] = 1
-    return ids, mask
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
@@ -27,7 +18,7 @@ def test_padded_row_equals_row_alone(arch, side):
     g = torch.Generator().manual_seed(1)
     rows = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (9, 6, 3)]
     # the model's own pad id: RoBERTa numbers positions from its padding_idx
-    ids, mask = _pad(rows, side, m.config.pad_token_id or 0)
+    ids, mask = pad_rows(rows, side, m.config.pad_token_id or 0)
     batch = pyattr.relevance(m, {"input_ids": ids, "attention_mask": mask}, target=[4, 11, 17])
     for i, (row, tid) in enumerate(zip(rows, [4, 11, 17])):
         alone = pyattr.relevance(m, torch.tensor([row]), target=tid)

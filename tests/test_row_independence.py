@@ -11,22 +11,13 @@ import torch
 import pyattr
 from pyattr import RelevanceRules, targets
 from pyattr.patching import activation_patching, attribution_patching
-from models import VOCAB, minilm, tiny_causal_lm, tiny_encoder, tiny_rope_scaled
+from models import VOCAB, WordIdTokenizer, minilm, pad_rows, tiny_causal_lm, tiny_encoder, tiny_rope_scaled
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 PLAIN = RelevanceRules()
 
 
-def _pad(rows, side, pad_id=0):
-    n = max(len(r) for r in rows)
-    ids = torch.full((len(rows), n), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(rows), n, dtype=torch.long)
-    for i, r in enumerate(rows):
-        sl = slice(n - len(r), n) if side == "left" else slice(0, len(r))
-        ids[i, sl] = torch.as_tensor(r)
-        mask[i, sl] = 1
-    return ids, mask
 
 
 def _real(mask, i):
@@ -153,7 +144,7 @@ def test_cache_with_left_padded_prefix(arch):
     g = torch.Generator().manual_seed(8)
     prefixes = [torch.randint(3, VOCAB, (n,), generator=g) for n in (2, 5)]
     new = torch.randint(3, VOCAB, (2, 3), generator=g)
-    pids, pmask = _pad(prefixes, "left")
+    pids, pmask = pad_rows(prefixes, "left")
     with torch.no_grad():
         cache = m(input_ids=pids, attention_mask=pmask, position_ids=((pmask.cumsum(1) - 1).clamp_min(0)),
                   use_cache=True).past_key_values
@@ -191,7 +182,7 @@ def test_roberta_left_padding_positions(attn, rules):
     m = tiny_causal_lm("roberta", attn=attn)
     g = torch.Generator().manual_seed(5)
     row = torch.randint(3, VOCAB, (6,), generator=g)
-    ids, mask = _pad([row, torch.randint(3, VOCAB, (9,), generator=g)], "left", pad_id=1)
+    ids, mask = pad_rows([row, torch.randint(3, VOCAB, (9,), generator=g)], "left", pad_id=1)
     r = pyattr.relevance(m, {"input_ids": ids, "attention_mask": mask}, target=7, rules=rules)
     alone = pyattr.relevance(m, row[None], target=7, rules=rules)
     with torch.no_grad():
@@ -221,7 +212,7 @@ def test_unmapped_roberta_family_positions(kind, side):
     m = tiny_encoder(kind)
     g = torch.Generator().manual_seed(2)
     rows = [torch.randint(3, VOCAB, (n,), generator=g) for n in (4, 7)]
-    ids, mask = _pad(rows, side, pad_id=1)
+    ids, mask = pad_rows(rows, side, pad_id=1)
     r = pyattr.relevance(m, {"input_ids": ids, "attention_mask": mask}, target=[4, 9], rules=PLAIN)
     for i, (row, t) in enumerate(zip(rows, [4, 9])):
         with torch.no_grad():
@@ -283,7 +274,7 @@ def test_classifier_cls_readout_under_left_padding(kind):
     pad = m.config.pad_token_id
     g = torch.Generator().manual_seed(4)
     rows = [torch.randint(3, VOCAB, (n,), generator=g) for n in (4, 8)]
-    ids, mask = _pad(rows, "left", pad_id=pad)
+    ids, mask = pad_rows(rows, "left", pad_id=pad)
     rules = None if kind in ("bert", "roberta") else PLAIN  # rules need a mapped architecture
     r = pyattr.relevance(m, {"input_ids": ids, "attention_mask": mask}, target=2, rules=rules)
     for i, row in enumerate(rows):
@@ -296,11 +287,11 @@ def test_classifier_cls_readout_under_left_padding(kind):
 
 def test_model_forward_reading_position_zero_refuses_left_padding():
     m = tiny_encoder("distilbert", head="cls")
-    ids, mask = _pad([[5, 6, 7], [5, 6, 7, 8, 9]], "left")
+    ids, mask = pad_rows([[5, 6, 7], [5, 6, 7, 8, 9]], "left")
     with pytest.raises(ValueError, match=r"relevance\(\): attention_mask pads row 0 on the left, and "
                                          r"DistilBertForSequenceClassification.forward reads position 0"):
         pyattr.relevance(m, {"input_ids": ids, "attention_mask": mask}, target=1)
-    ids, mask = _pad([[5, 6, 7], [5, 6, 7, 8, 9]], "right")
+    ids, mask = pad_rows([[5, 6, 7], [5, 6, 7, 8, 9]], "right")
     r = pyattr.relevance(m, {"input_ids": ids, "attention_mask": mask}, target=1)
     with torch.no_grad():
         want = m(input_ids=torch.tensor([[5, 6, 7]])).logits[0, 1].double()
@@ -320,7 +311,7 @@ def _mixed(seed=0):
 def test_batch_dependent_rope_rows_equal_alone(kind, side):
     m = tiny_rope_scaled(kind)
     rows = _mixed()
-    ids, mask = _pad(rows, side)
+    ids, mask = pad_rows(rows, side)
     before = {n: b.clone() for n, b in m.named_buffers()}
     r = pyattr.relevance(m, {"input_ids": ids, "attention_mask": mask}, target=[3, 4, 5, 6])
     ig = pyattr.integrated_gradients(m, {"input_ids": ids, "attention_mask": mask}, target=[3, 4, 5, 6], n_steps=3,
@@ -344,29 +335,19 @@ def test_batch_dependent_rope_rows_equal_alone(kind, side):
 
 def test_batch_dependent_rope_patching_mixed_is_refused():
     m = tiny_rope_scaled("longrope")
-    ids, mask = _pad(_mixed()[:2], "left")
+    ids, mask = pad_rows(_mixed()[:2], "left")
     with pytest.raises(ValueError, match=r"attribution_patching: the rows of clean have lengths for which"):
         attribution_patching(m, {"input_ids": ids, "attention_mask": mask}, {"input_ids": ids, "attention_mask": mask},
                              targets.Logit(3))
 
 
 def test_pyattr_run_groups_batch_dependent_rows(tmp_path):
-    pd = pytest.importorskip("pandas")
-
-    class Tok:
-        pad_token_id = 0
-        eos_token_id = None
-
-        def __call__(self, text, **kw):
-            return {"input_ids": [int(w) for w in text.split()]}
-
-        def convert_ids_to_tokens(self, ids):
-            return [str(i) for i in ids]
+    import pandas as pd
 
     m = tiny_rope_scaled("longrope")
     rows = _mixed()
     data = [{"id": str(i), "text": " ".join(str(int(v)) for v in r)} for i, r in enumerate(rows)]
-    pyattr.run(m, data, tmp_path / "out", tokenizer=Tok(), max_tokens_per_batch=4096)
+    pyattr.run(m, data, tmp_path / "out", tokenizer=WordIdTokenizer(), max_tokens_per_batch=4096)
     df = pd.read_parquet(tmp_path / "out").set_index("id")
     manifest = json.loads((tmp_path / "out" / "_manifest.json").read_text())
     assert "longrope (threshold 8 positions)" in manifest["batch_dependence"]
@@ -446,11 +427,11 @@ def test_base_model_forward_reading_position_zero_refuses_left_padding():
                          num_hidden_layers=2, max_position_embeddings=32, hidden_dropout_prob=0.0,
                          attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0, num_labels=3, pad_token_id=0)
     m = T.AlbertForSequenceClassification(cfg).eval()
-    ids, mask = _pad([[5, 6, 7], [5, 6, 7, 8, 9]], "left")
+    ids, mask = pad_rows([[5, 6, 7], [5, 6, 7, 8, 9]], "left")
     with pytest.raises(ValueError, match=r"integrated_gradients\(\): attention_mask pads row 0 on the left, and "
                                          r"AlbertModel.forward reads position 0"):
         pyattr.integrated_gradients(m, {"input_ids": ids, "attention_mask": mask}, target=1, n_steps=2)
-    ids, mask = _pad([[5, 6, 7], [5, 6, 7, 8, 9]], "right")
+    ids, mask = pad_rows([[5, 6, 7], [5, 6, 7, 8, 9]], "right")
     r = pyattr.integrated_gradients(m, {"input_ids": ids, "attention_mask": mask}, target=1, n_steps=2)
     with torch.no_grad():
         want = m(input_ids=torch.tensor([[5, 6, 7]])).logits[0, 1].double()
@@ -469,10 +450,10 @@ def test_clip_text_eos_pooling_refuses_left_padding():
     m = T.CLIPTextModel(cfg).eval()
     w = torch.randn(32, generator=torch.Generator().manual_seed(2))
     rows = [[VOCAB - 2, 5, 6, VOCAB - 1], [VOCAB - 2, 5, 6, 7, 8, VOCAB - 1]]
-    ids, mask = _pad(rows, "left", pad_id=VOCAB - 1)
+    ids, mask = pad_rows(rows, "left", pad_id=VOCAB - 1)
     with pytest.raises(ValueError, match=r"CLIPTextModel.forward pools at the first end-of-sequence token"):
         pyattr.relevance(m, {"input_ids": ids, "attention_mask": mask}, target=lambda out: out.pooler_output @ w)
-    ids, mask = _pad(rows, "right", pad_id=VOCAB - 1)
+    ids, mask = pad_rows(rows, "right", pad_id=VOCAB - 1)
     r = pyattr.relevance(m, {"input_ids": ids, "attention_mask": mask}, target=lambda out: out.pooler_output @ w)
     for i, row in enumerate(rows):
         with torch.no_grad():
@@ -492,13 +473,13 @@ def test_last_non_pad_classifier_pad_baseline_under_left_padding():
     with torch.no_grad():
         m.get_input_embeddings().weight[0].normal_()  # a trained pad row (pad = eos in many checkpoints)
     rows = [[5, 6, 7], [5, 6, 7, 8, 9]]
-    ids, mask = _pad(rows, "right")
+    ids, mask = pad_rows(rows, "right")
     r = pyattr.relevance(m, {"input_ids": ids, "attention_mask": mask}, target=1, baseline="pad")
     for i, row in enumerate(rows):
         alone = pyattr.relevance(m, torch.tensor([row]), target=1, baseline="pad")
         torch.testing.assert_close(r.baseline_target[i], alone.baseline_target[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(r.conservation_delta[i], alone.conservation_delta[0], atol=1e-4, rtol=1e-4)
-    ids, mask = _pad(rows, "left")
+    ids, mask = pad_rows(rows, "left")
     with pytest.raises(ValueError, match=r"baseline: 'pad' on a batch that pads row 0 on the left, and "
                                          r"LlamaForSequenceClassification.forward reads the last token"):
         pyattr.relevance(m, {"input_ids": ids, "attention_mask": mask}, target=1, baseline="pad")
@@ -526,26 +507,18 @@ def test_explain_pair_with_a_left_padding_tokenizer(tmp_path):
 
 
 def test_run_reads_beyond_max_positions_with_dynamic_ntk_and_roberta_limit(tmp_path):
-    pd = pytest.importorskip("pandas")
+    import pandas as pd
+
     from pyattr.apps.explain import _max_positions
 
     assert _max_positions(tiny_rope_scaled("dynamic")) is None  # rescaled beyond max_position_embeddings
     assert _max_positions(tiny_causal_lm("roberta")) == 64 - 1 - 1  # positions start at padding_idx + 1
 
-    class Tok:
-        pad_token_id = 0
-        eos_token_id = None
-
-        def __call__(self, text, **kw):
-            return {"input_ids": [int(w) for w in text.split()]}
-
-        def convert_ids_to_tokens(self, ids):
-            return [str(i) for i in ids]
 
     m = tiny_rope_scaled("dynamic")
     rows = _mixed(1)
     data = [{"id": str(i), "text": " ".join(str(int(v)) for v in r)} for i, r in enumerate(rows)]
-    pyattr.run(m, data, tmp_path / "out", tokenizer=Tok())
+    pyattr.run(m, data, tmp_path / "out", tokenizer=WordIdTokenizer())
     df = pd.read_parquet(tmp_path / "out").set_index("id")
     for i, row in enumerate(rows):
         with torch.no_grad():
