@@ -81,11 +81,13 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def llama():
-    """A tiny random Llama (tests/models.py), float32, eval mode (a test file may define
-    its own ``llama`` fixture, which takes precedence)."""
+    """A tiny random Llama (tests/models.py), float32, eval mode, with ``pad_token_id`` 0
+    (``baseline="pad"``); one per test module."""
     from models import tiny_causal_lm
 
-    return tiny_causal_lm("llama")
+    m = tiny_causal_lm("llama")
+    m.config.pad_token_id = 0
+    return m
 
 
 @pytest.fixture(scope="module")

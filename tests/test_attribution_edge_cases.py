@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import pyattr
-from models import tiny_causal_lm
 from pyattr.methods._core.inputs import accepts
 from pyattr.targets import Logit, ModuleOutput
 
@@ -16,11 +15,6 @@ LEFT = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])
 RIGHT = torch.tensor([[1] * 6, [1, 1, 1, 1, 0, 0]])
 
 
-@pytest.fixture(scope="module")
-def llama():
-    m = tiny_causal_lm("llama")
-    m.config.pad_token_id = 0
-    return m
 
 
 def _hooks(model):

@@ -16,9 +16,6 @@ capture = pyattr.capture
 MLP0, MLP1, L0, L1 = "model.layers.0.mlp", "model.layers.1.mlp", "model.layers.0", "model.layers.1"
 
 
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_causal_lm("llama")
 
 
 @pytest.fixture

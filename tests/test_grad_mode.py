@@ -7,9 +7,6 @@ import pyattr
 from models import VOCAB, tiny_causal_lm
 
 
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_causal_lm("llama")
 
 
 def _same(a, b):

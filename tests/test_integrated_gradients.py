@@ -23,11 +23,6 @@ PARITY = 1e-5  # relative, float32 (the issue's bound)
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def llama():
-    m = tiny_causal_lm("llama")
-    m.config.pad_token_id = 0
-    return m
 
 
 @pytest.fixture(scope="module")

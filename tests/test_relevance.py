@@ -2,13 +2,10 @@ import pytest
 import torch
 
 import pyattr
-from models import VOCAB, minilm, tiny_causal_lm
+from models import VOCAB, minilm
 from pyattr.rules import half_rule, ln_rule
 
 
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_causal_lm("llama")
 
 
 def test_result_shapes_and_default_target_is_top1(llama):

@@ -392,6 +392,7 @@ def test_tensor_baseline_is_difference_times_gradient(llama, shape):
 
 def test_pad_baseline(llama, monkeypatch):
     ids = _ids()
+    monkeypatch.setattr(llama.config, "pad_token_id", None)
     with pytest.raises(ValueError, match=r"pad_token_id"):
         pyattr.relevance(llama, ids, target=3, baseline="pad")
     monkeypatch.setattr(llama.config, "pad_token_id", 2)
