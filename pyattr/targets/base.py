@@ -115,3 +115,10 @@ def token_ids(target, batch: int, name: str = "target") -> torch.Tensor:
             f"{name}: expected one token id per batch row, shape ({batch},) or ({batch}, 1), got shape {tuple(t.shape)}"
         )
     return t
+
+
+def first_real(mask: Optional[torch.Tensor], batch: int, device) -> torch.Tensor:
+    """Index (batch,) of each row's first real token (0 without a mask)."""
+    if mask is None:
+        return torch.zeros(batch, dtype=torch.long, device=device)
+    return mask.to(torch.long).argmax(1).to(device)

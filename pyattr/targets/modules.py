@@ -7,7 +7,7 @@ from typing import Callable, Optional, Tuple, Union
 
 import torch
 
-from pyattr.targets.base import Target, is_int, real_positions
+from pyattr.targets.base import Target, first_real, is_int, real_positions
 
 Selector = Union[None, int, Tuple[Union[int, slice], ...], Callable]
 
@@ -154,8 +154,7 @@ class Cosine(Target):
         if self.pooling == "cls":
             # each row's first real token: under left padding position 0 is a pad token
             m = fwd.attention_mask
-            first = torch.zeros(h.shape[0], dtype=torch.long, device=h.device) if m is None else \
-                m.to(device=h.device, dtype=torch.long).argmax(1)
+            first = first_real(m, h.shape[0], h.device)
             pooled = h[torch.arange(h.shape[0], device=h.device), first]
         else:
             m = fwd.attention_mask

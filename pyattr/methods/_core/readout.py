@@ -21,18 +21,13 @@ from typing import List, Optional
 import torch
 from torch import nn
 
+from pyattr.targets.base import first_real
+
 _READS_FIRST = re.compile(r"\[\s*:\s*,\s*0\s*[\],]")
 # CLIP's text tower pools at the first end-of-sequence token, found in the ids
 _READS_EOS = re.compile(r"eos_token_id[\s\S]*argmax|argmax[\s\S]*eos_token_id")
 # decoder sequence classifiers read the last token that is not the pad token, found in the ids
 _READS_LAST_NON_PAD = re.compile(r"last_non_pad_token|pad_token_id[\s\S]*argmax|argmax[\s\S]*pad_token_id")
-
-
-def first_real(mask: Optional[torch.Tensor], batch: int, device) -> torch.Tensor:
-    """Index (batch,) of each row's first real token (0 without a mask)."""
-    if mask is None:
-        return torch.zeros(batch, dtype=torch.long, device=device)
-    return mask.to(torch.long).argmax(1).to(device)
 
 
 def left_padded(mask: Optional[torch.Tensor]) -> bool:
