@@ -173,6 +173,7 @@ if cpu_sources:
 setup(
     packages=packages,
     package_dir={"pyattr.kernels": "kernels"},
+    package_data={"pyattr.toy": ["induction/*.json", "induction/*.safetensors"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

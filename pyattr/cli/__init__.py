@@ -10,6 +10,7 @@ import sys
 from typing import List, NoReturn, Optional
 
 from pyattr._version import __version__
+from pyattr.cli._common import model_dir
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -46,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--text", help="sentence to explain (first of the pair, or the causal-LM prompt)")
     e.add_argument("--pair", help="second sentence: explain the cosine similarity of the two mean-pooled embeddings (the bundled model, or --model DIR)")
-    e.add_argument("--model", help="local Hugging Face causal-LM directory; explains the next-token logit")
+    e.add_argument("--model", type=model_dir,
+                   help="local Hugging Face causal-LM directory, or 'induction' (the shipped toy induction decoder); "
+                        "explains the next-token logit")
     e.add_argument("--target", help="target token for --model (default: the top-1 prediction); with --image a class label or index")
     e.add_argument("--image", metavar="FILE",
                    help="image for --model DIR (an image classifier: ViT, CLIP): patch relevance of a class logit")
@@ -88,7 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--corrupt", help="the corrupt text (same number of tokens)")
     pa.add_argument("--pair", help="partner sentence of the cosine metric (sentence-embedding model; default: "
                                    "the built-in partner sentence)")
-    pa.add_argument("--model", help="local Hugging Face causal-LM directory; metric: the next-token logit")
+    pa.add_argument("--model", type=model_dir,
+                    help="local Hugging Face causal-LM directory, or 'induction' (the shipped toy induction "
+                         "decoder); metric: the next-token logit")
     pa.add_argument("--target", help="target token for --model (default: the clean run's top-1 prediction)")
     pa.add_argument("--nodes", default="residual,attention,heads,mlp",
                     help="comma-separated: residual,attention,heads,mlp,neurons (default: all but neurons)")
@@ -112,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
             "takes every N-th prompt."
         ),
     )
-    r.add_argument("--model", required=True, help="local Hugging Face causal-LM directory (with its tokenizer)")
+    r.add_argument("--model", required=True, type=model_dir,
+                   help="local Hugging Face causal-LM directory (with its tokenizer), or 'induction'")
     r.add_argument("--data", required=True, help="prompts: .jsonl (one object per line), .csv or .parquet")
     r.add_argument("--out", required=True, help="results directory (created; an existing run is resumed)")
     r.add_argument("--text-field", default="text", help="the field holding each prompt (default: text)")

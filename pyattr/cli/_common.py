@@ -48,3 +48,13 @@ def check_output_path(flag: str, path: str) -> None:
             os.unlink(real)
         except OSError:
             pass
+
+
+def model_dir(value: str) -> str:
+    """``--model``: a directory, or ``induction`` for the shipped toy induction decoder
+    (:mod:`pyattr.toy`) when no directory of that name exists here."""
+    from pyattr.toy import INDUCTION_DIR, INDUCTION_NAME
+
+    if value == INDUCTION_NAME and not Path(value).exists():
+        return str(INDUCTION_DIR)
+    return value
