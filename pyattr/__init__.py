@@ -49,7 +49,7 @@ _EXPORTS = {
     "RelevanceRuleConflictError": "pyattr.integration",
     "RelevanceRuleUnsupportedError": "pyattr.integration",
 }
-_SUBMODULES = ("ops", "patching", "rules", "targets")
+_SUBMODULES = ("evaluate", "ops", "patching", "rules", "targets")
 
 __all__ = [*_SUBMODULES, *_EXPORTS]
 

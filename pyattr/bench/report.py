@@ -185,6 +185,7 @@ _ROW_NUMBERS = {
     "conservation": (("dtype", "impl", "layer"), ("median_rel_error", "max_rel_error")),
     "ig-memory": (("dtype", "device"), ("n_steps", "peak_bytes", "seconds", "abs_convergence_delta")),
     "patching": (("model", "method", "variant", "node"), ("nodes", "pairs", "seconds")),
+    "faithfulness": (("model", "method"), ("rows", "ms", "time_ratio_to_ig", "abpc_sem")),
     "dataset": (("config", "device", "dtype"), ("processes", "prompts", "tokens", "seconds", "prompts_per_s",
                                                "tokens_per_s", "peak_rss_bytes")),
 }

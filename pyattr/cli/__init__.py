@@ -174,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--chunk", type=int, default=16, help="--ig-memory: internal_batch_size (default 16)")
     b.add_argument("--patching", action="store_true",
                    help="correlation of RelP / AtP with activation patching on MiniLM and a random Llama, instead")
+    b.add_argument("--faithfulness", action="store_true",
+                   help="ABPC (perturbation curves) and time of relevance, AttnLRP, LN-rule, gradient x input, IG "
+                        "and random on MiniLM and the toy induction decoder, instead")
+    b.add_argument("--png", metavar="PATH", help="--faithfulness: write the mean perturbation curves as PNG")
     b.add_argument("--dataset", action="store_true",
                    help="pyattr run over a file of prompts on a random ~1B Llama (bfloat16 on CUDA, 64 prompts; "
                         "float32 on the CPU, 8 prompts; --quick: 44M, float32): "

@@ -36,9 +36,13 @@ def _check_args(args):
         raise UsageError(f"--targets must be >= 0, got {args.targets}")
     if args.chunk < 1:
         raise UsageError(f"--chunk must be >= 1, got {args.chunk}")
-    if sum(map(bool, (args.e2e, args.conservation, args.ig_memory, args.patching, args.dataset))) > 1:
-        raise UsageError("--e2e, --conservation, --ig-memory, --patching and --dataset are separate runs; pass one")
-    for flag, path in (("--json", args.json), ("--markdown", args.markdown)):
+    if sum(map(bool, (args.e2e, args.conservation, args.ig_memory, args.patching, args.dataset,
+                      args.faithfulness))) > 1:
+        raise UsageError("--e2e, --conservation, --ig-memory, --patching, --dataset and --faithfulness are "
+                         "separate runs; pass one")
+    if args.png is not None and not args.faithfulness:
+        raise UsageError("--png is the perturbation-curve plot of --faithfulness; pass --faithfulness")
+    for flag, path in (("--json", args.json), ("--markdown", args.markdown), ("--png", args.png)):
         if path is not None:
             check_output_path(flag, path)
     shapes = parse_shapes(args.shapes) if args.shapes else None
@@ -85,7 +89,20 @@ def run(args) -> int:
     import pyattr.bench.report as report
 
     dtypes = [getattr(torch, n) for n in names]
-    if args.patching:
+    if args.faithfulness:
+        import pyattr.bench.faithfulness as faithfulness
+
+        if device.type != "cpu":
+            return fail("bench", "--faithfulness runs on the CPU only (--device cpu)")
+        monitor = contention.start()
+        rows = faithfulness.run_all(quick=args.quick)
+        cond = monitor.stop()
+        doc = report.document("faithfulness", device, rows, contention=cond)
+        report.validate(doc)
+        table = faithfulness.markdown(rows, cond)
+        if args.png:
+            faithfulness.plot(rows, args.png)
+    elif args.patching:
         import pyattr.bench.patching as patching
 
         if device.type != "cpu":

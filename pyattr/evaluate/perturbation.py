@@ -1,0 +1,262 @@
+"""Perturbation curves: how fast the explained value falls when the tokens an explanation
+ranks first are removed, and ABPC (AttnLRP, Achtibat et al., ICML 2024, §4.1).
+
+For each row the real (non-padding) tokens are ranked by relevance. At level j of
+``steps`` the first ``round(j / steps · n)`` of them are perturbed (``n`` the row's real
+tokens) and the target is evaluated again; every level of every row is one row of a
+batched forward, so a row's whole curve costs ``(steps + 1) / batch_size`` forwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional, Union
+
+import torch
+from torch import nn
+
+import pyattr.methods._core as core
+import pyattr.methods._core.groups as G
+import pyattr.targets as T
+from pyattr.integration.wrappers import unwrap
+from pyattr.methods._core.forward import evaluate_targets, run_model
+from pyattr.methods._core.baseline import pad_token_id
+
+ORDERS = ("morf", "lerf", "insertion")
+PERTURBATIONS = ("zero_embedding", "pad", "mask", "mean_embedding")
+#: perturbed copies per forward when the caller gives no ``batch_size``
+DEFAULT_BATCH = 64
+
+
+@dataclass
+class PerturbationCurve:
+    """Output of :func:`perturbation_curve`.
+
+    Attributes:
+        fractions (Tensor[steps + 1], float64): share of each row's real tokens perturbed
+            (``morf`` / ``lerf``) or restored (``insertion``) at each level, 0 … 1.
+        values (Tensor[batch, steps + 1], float64): the target at each level (level 0 is
+            the unperturbed input for ``morf`` / ``lerf``, the fully perturbed one for
+            ``insertion``).
+        auc (Tensor[batch], float64): area under each row's curve over ``fractions``
+            (trapezoid rule), in the target's units.
+        order, perturbation (str): as called.
+    """
+
+    fractions: torch.Tensor
+    values: torch.Tensor
+    auc: torch.Tensor
+    order: str
+    perturbation: str
+
+    def plot(self, path: Union[str, Path], labels: Optional[List[str]] = None, title: Optional[str] = None) -> None:
+        """Write the curves (one line per row, their mean in black) as a PNG at ``path``."""
+        plot_curves([self], path, labels=labels, title=title)
+
+
+def area(values: torch.Tensor, fractions: torch.Tensor) -> torch.Tensor:
+    """Trapezoid area under ``values`` (…, levels) over ``fractions`` (levels,), float64."""
+    return torch.trapezoid(values.double(), fractions.double().to(values.device), dim=-1)
+
+
+def _token_relevance(relevance, shape) -> torch.Tensor:
+    for name in ("token_relevance", "token_attribution"):  # RelevanceResult, AttributionResult
+        if hasattr(relevance, name):
+            relevance = getattr(relevance, name)
+            break
+    r = relevance
+    if not isinstance(r, torch.Tensor):
+        raise TypeError(f"relevance must be a Tensor[batch, seq] or a result with token_relevance / "
+                        f"token_attribution, "
+                        f"got {type(relevance).__name__}")
+    if tuple(r.shape) != tuple(shape):
+        raise ValueError(f"relevance of shape {tuple(r.shape)} does not match the inputs: expected "
+                         f"{tuple(shape)} (batch, seq), one value per token")
+    if not r.is_floating_point():
+        raise TypeError(f"relevance must be a floating tensor, got dtype {r.dtype}")
+    if not torch.isfinite(r).all():
+        raise ValueError("relevance has non-finite values (NaN or inf); a ranking needs finite values")
+    return r.detach()
+
+
+def _check(order: str, perturbation: str, steps) -> int:
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    if perturbation not in PERTURBATIONS:
+        raise ValueError(f"perturbation must be one of {PERTURBATIONS}, got {perturbation!r}")
+    return core.check_count("steps", steps, allow_none=False)
+
+
+def perturbed_masks(relevance: torch.Tensor, real: torch.Tensor, order: str, steps: int) -> torch.Tensor:
+    """Which tokens each level perturbs: BoolTensor[batch, steps + 1, seq].
+
+    Ties in relevance are broken by position (earlier first), so a curve is reproducible."""
+    descending = order in ("morf", "insertion")
+    key = relevance.double().masked_fill(~real, float("-inf") if descending else float("inf"))
+    ranked = torch.sort(key, dim=-1, descending=descending, stable=True).indices
+    rank = torch.empty_like(ranked)
+    rank.scatter_(-1, ranked, torch.arange(key.shape[-1], device=key.device).expand_as(ranked))
+    n = real.sum(-1, keepdim=True).double()                                  # (batch, 1)
+    j = torch.arange(steps + 1, device=key.device, dtype=torch.float64)
+    counts = torch.floor(j[None, :] * n / steps + 0.5).long()                # (batch, steps + 1)
+    first = rank[:, None, :] < counts[:, :, None]                            # (batch, steps + 1, seq)
+    first &= real[:, None, :]
+    return (real[:, None, :] & ~first) if order == "insertion" else first
+
+
+def _replacement_id(model: nn.Module, perturbation: str, token_id) -> Optional[int]:
+    if perturbation == "pad":
+        return pad_token_id(model) if token_id is None else int(token_id)
+    if perturbation == "mask":
+        if token_id is None:
+            raise ValueError("perturbation='mask' needs token_id= (the tokenizer's mask_token_id)")
+        return int(token_id)
+    if token_id is not None:
+        raise ValueError(f"token_id is used by perturbation='pad' or 'mask', not {perturbation!r}")
+    return None
+
+
+@torch.no_grad()
+def perturbation_curve(model: nn.Module, inputs, relevance, target=None, *, order: str = "morf",
+                       perturbation: str = "zero_embedding", steps: int = 20, batch_size: Optional[int] = None,
+                       token_id: Optional[int] = None, attention_mask: Optional[torch.Tensor] = None
+                       ) -> PerturbationCurve:
+    """The target as the tokens are perturbed in the order of their relevance.
+
+    Args:
+        model (nn.Module): a Hugging Face model pyattr supports (as :func:`pyattr.relevance`).
+        inputs: token ids (LongTensor[batch, seq]), a tokenizer output, or ``pixel_values``
+            (``"zero_embedding"`` / ``"mean_embedding"`` only), as :func:`pyattr.relevance`.
+        relevance (Tensor[batch, seq] | RelevanceResult | AttributionResult): the explanation
+            to score, one value per token (``token_relevance`` / ``token_attribution``);
+            padding is never perturbed.
+        target: one target per row, as :func:`pyattr.relevance`. ``None``, a top-1
+            ``Logit()`` or a ``LogitDiff`` with top-1 ids are fixed to the unperturbed
+            input's prediction, so every level measures the same token.
+        order: ``"morf"`` (most relevant first), ``"lerf"`` (least relevant first) or
+            ``"insertion"`` (start from every real token perturbed, restore the most
+            relevant first).
+        perturbation: ``"zero_embedding"`` (the perturbed positions' vectors are set to 0
+            where the embeddings enter the first block, the point relevance is measured at;
+            AttnLRP's choice), ``"pad"`` (the token id becomes ``token_id``, default
+            ``config.pad_token_id``; attention mask and positions unchanged), ``"mask"``
+            (the id becomes ``token_id``, required) or ``"mean_embedding"`` (the input
+            embedding becomes the mean row of the embedding matrix).
+        steps (int): levels after level 0; fractions are ``j / steps``. Default 20.
+        batch_size (int, optional): perturbed copies per forward (default 64).
+        token_id (int, optional): see ``perturbation``.
+        attention_mask (Tensor[batch, seq], optional): 1 for real tokens.
+
+    Returns:
+        PerturbationCurve (``fractions`` (steps + 1,), ``values`` (batch, steps + 1),
+        ``auc`` (batch,), float64).
+
+    Raises:
+        ValueError / TypeError: unknown order or perturbation, ``steps`` < 1, relevance of
+            another shape or with NaN / inf, k targets per row, ``"pad"`` without a pad
+            token, ``"mask"`` without ``token_id``, ``"pad"`` / ``"mask"`` on image inputs.
+    """
+    steps = _check(order, perturbation, steps)
+    batch_size = core.check_count("batch_size", batch_size) or DEFAULT_BATCH
+    model = unwrap(model)
+    prep = core.prepare(model, inputs, attention_mask, "perturbation_curve")
+    ids = prep.input_ids
+    batch, seq = ids.shape
+    rel = _token_relevance(relevance, (batch, seq)).to(ids.device)
+    replace_id = _replacement_id(model, perturbation, token_id)
+    if replace_id is not None and prep.patch_grid is not None:
+        raise ValueError(f"perturbation={perturbation!r} replaces token ids, and the inputs are an image; "
+                         "use 'zero_embedding' or 'mean_embedding'")
+    tgts, several = T.normalize(target, batch)
+    if several:
+        raise ValueError("target: a perturbation curve scores one target per row, got k targets per row")
+    real = (prep.attention_mask.bool() if prep.attention_mask is not None
+            else torch.ones(batch, seq, dtype=torch.bool, device=ids.device))
+    levels = perturbed_masks(rel, real, order, steps)
+    values = torch.empty(batch, steps + 1, dtype=torch.float64)
+    with core.inference_state(model):
+        store: dict = {}
+        with core.record_modules(model, T.module_paths(tgts), store):
+            fwd = run_model(model, prep, tgts, store)
+        _, _, fixed = evaluate_targets(tgts, fwd, False)
+        groups = G.row_groups(model, prep) or [torch.arange(batch)]
+        for rows in groups:
+            pairs = torch.cartesian_prod(rows, torch.arange(steps + 1)).reshape(-1, 2)
+            for chunk in pairs.split(batch_size):
+                r, lv = chunk[:, 0], chunk[:, 1]
+                out = _perturbed_values(model, prep, fixed, r, levels[r.to(ids.device), lv.to(ids.device)],
+                                        perturbation, replace_id)
+                values[r, lv] = out.double().cpu()
+    fractions = torch.arange(steps + 1, dtype=torch.float64) / steps
+    return PerturbationCurve(fractions, values, area(values, fractions), order, perturbation)
+
+
+def _perturbed_values(model, prep, targets, rows: torch.Tensor, mask: torch.Tensor, perturbation: str,
+                      replace_id: Optional[int]) -> torch.Tensor:
+    """The targets of rows ``rows`` with the tokens of ``mask`` (len(rows), seq) perturbed."""
+    batch = prep.input_ids.shape[0]
+    sub = core.select_rows(prep, rows.to(prep.input_ids.device))
+    tg = [t.rows(rows, batch) for t in targets]
+    kwargs = dict(sub.kwargs)
+    if replace_id is not None:
+        kwargs["input_ids"] = sub.input_ids.masked_fill(mask, replace_id)
+        tap = _no_tap()
+    elif perturbation == "zero_embedding":
+        tap = core.tap(sub.entry, sub.where, lambda t: t.masked_fill(mask[..., None], 0.0), once=True)
+    else:  # mean_embedding
+        emb = model.get_input_embeddings()
+        mean = emb.weight.mean(0)
+        tap = core.tap(emb, "output", lambda t: torch.where(mask[..., None], mean.to(t.dtype), t), once=True)
+    store: dict = {}
+    with tap, core.record_modules(model, T.module_paths(tg), store):
+        fwd = run_model(model, sub, tg, store, kwargs)
+    value, _, _ = evaluate_targets(tg, fwd, False)
+    return value
+
+
+class _no_tap:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def abpc(model: nn.Module, inputs, relevance, target=None, **kw) -> torch.Tensor:
+    """Area between the perturbation curves, AUC(LeRF) − AUC(MoRF), per row (Tensor[batch],
+    float64; AttnLRP, Achtibat et al., ICML 2024, §4.1). Larger is better: removing the
+    tokens ranked most relevant should lower the target fast, removing those ranked least
+    relevant slowly. ``kw`` as :func:`perturbation_curve` (``order`` is set here)."""
+    if "order" in kw:
+        raise TypeError("abpc() sets order itself (lerf and morf); drop order=")
+    lerf = perturbation_curve(model, inputs, relevance, target, order="lerf", **kw)
+    morf = perturbation_curve(model, inputs, relevance, target, order="morf", **kw)
+    return lerf.auc - morf.auc
+
+
+def plot_curves(curves: List[PerturbationCurve], path: Union[str, Path], labels: Optional[List[str]] = None,
+                title: Optional[str] = None) -> None:
+    """One PNG with the mean curve of each of ``curves`` (rows as thin lines when one curve)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for i, c in enumerate(curves):
+        x = c.fractions.numpy()
+        if len(curves) == 1:
+            for row in c.values:
+                ax.plot(x, row.numpy(), color="tab:blue", alpha=0.25, lw=0.8)
+        label = labels[i] if labels else f"{c.order} ({c.perturbation})"
+        ax.plot(x, c.values.mean(0).numpy(), lw=2, label=f"{label}: AUC {c.auc.mean().item():.3g}",
+                color="black" if len(curves) == 1 else None)
+    ax.set_xlabel("fraction of tokens perturbed" if curves[0].order != "insertion" else "fraction of tokens restored")
+    ax.set_ylabel("target")
+    if title:
+        ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
