@@ -185,12 +185,13 @@ _ROW_NUMBERS = {
     "conservation": (("dtype", "impl", "layer"), ("median_rel_error", "max_rel_error")),
     "ig-memory": (("dtype", "device"), ("n_steps", "peak_bytes", "seconds", "abs_convergence_delta")),
     "patching": (("model", "method", "variant", "node"), ("nodes", "pairs", "seconds")),
+    "estimators": (("model", "variant", "node"), ("pairs", "seconds")),
     "faithfulness": (("model", "method"), ("rows", "ms", "time_ratio_to_ig", "abpc_sem")),
     "dataset": (("config", "device", "dtype"), ("processes", "prompts", "tokens", "seconds", "prompts_per_s",
                                                "tokens_per_s", "peak_rss_bytes")),
 }
 # correlations: finite, in [-1, 1], or null where undefined (a constant estimate)
-_SIGNED = {"patching": ("pearson", "spearman")}
+_SIGNED = {"patching": ("pearson", "spearman"), "estimators": ("pearson", "spearman")}
 
 
 def _validate_contention(c) -> None:

@@ -37,9 +37,9 @@ def _check_args(args):
     if args.chunk < 1:
         raise UsageError(f"--chunk must be >= 1, got {args.chunk}")
     if sum(map(bool, (args.e2e, args.conservation, args.ig_memory, args.patching, args.dataset,
-                      args.faithfulness))) > 1:
-        raise UsageError("--e2e, --conservation, --ig-memory, --patching, --dataset and --faithfulness are "
-                         "separate runs; pass one")
+                      args.faithfulness, args.estimators))) > 1:
+        raise UsageError("--e2e, --conservation, --ig-memory, --patching, --dataset, --faithfulness and "
+                         "--estimators are separate runs; pass one")
     if args.png is not None and not args.faithfulness:
         raise UsageError("--png is the perturbation-curve plot of --faithfulness; pass --faithfulness")
     for flag, path in (("--json", args.json), ("--markdown", args.markdown), ("--png", args.png)):
@@ -102,6 +102,17 @@ def run(args) -> int:
         table = faithfulness.markdown(rows, cond)
         if args.png:
             faithfulness.plot(rows, args.png)
+    elif args.estimators:
+        import pyattr.bench.estimators as estimators
+
+        if device.type != "cpu":
+            return fail("bench", "--estimators runs on the CPU only (--device cpu)")
+        monitor = contention.start()
+        rows = estimators.run_all(quick=args.quick)
+        cond = monitor.stop()
+        doc = report.document("estimators", device, rows, contention=cond)
+        report.validate(doc)
+        table = estimators.markdown(rows, cond)
     elif args.patching:
         import pyattr.bench.patching as patching
 

@@ -12,11 +12,12 @@ from torch import nn
 import pyattr.methods._core as core
 from pyattr.integration.config import RelevanceRules
 from pyattr.integration.wrappers import unwrap
+import pyattr.patching.ig as IG
 from pyattr.patching.nodes import Site, check_nodes, node_sites
 from pyattr.patching.pairs import align, metric_targets, prepare_pair, recording_forward
 from pyattr.patching.result import PatchingResult, dims
 
-METHODS = ("relp", "atp", "atp*")
+METHODS = ("relp", "atp", "atp*", "ig")
 
 
 #: The rules ``method="relp"`` uses by default: the LN-rule alone. Chosen by the
@@ -41,6 +42,8 @@ def attribution_patching(
     alignment: Optional[torch.Tensor] = None,
     attention_mask: Optional[torch.Tensor] = None,
     corrupt_attention_mask: Optional[torch.Tensor] = None,
+    steps: Optional[int] = None,
+    batch_size: Optional[int] = None,
 ) -> PatchingResult:
     """Estimated effect of patching each node from ``corrupt`` into ``clean``, for every
     node at once: ``(a_corrupt − a_clean) · ∂metric/∂a`` at the clean run.
@@ -72,6 +75,10 @@ def attribution_patching(
             per position, batched) instead of being linearised; the other node types get
             AtP's estimate (no softmax lies between their patch and a query or key that
             the patch alone determines). Needs eager attention; GradDrop is not applied.
+            ``"ig"``: EAP-IG (Hanna et al., COLM 2024): the plain gradient averaged over
+            ``steps`` inputs on the line from the clean to the corrupt input embeddings
+            (:mod:`pyattr.patching.ig`); ``steps`` forwards and backwards for every node
+            at once. Needs clean and corrupt that line up (no ``alignment``).
         rules (RelevanceRules, optional): the rules of ``"relp"`` (default
             :data:`PATCHING_RULES`); not accepted with ``"atp"`` / ``"atp*"``.
         sum_positions (bool): sum each node's estimate over positions (the estimate of
@@ -79,6 +86,10 @@ def attribution_patching(
         alignment (LongTensor[batch, clean_seq], optional): the corrupt position whose
             activation replaces each clean position, -1 for none (effect 0). Required when
             clean and corrupt differ in length or in their attention masks.
+        steps (int, optional): ``"ig"`` only: the interpolation steps (midpoint rule;
+            default 16).
+        batch_size (int, optional): ``"ig"`` only: rows per forward of the ``steps × batch``
+            interpolated rows (default: all in one).
         attention_mask, corrupt_attention_mask (Tensor[batch, seq], optional): masks of
             ``clean`` / ``corrupt`` when they are given as ids.
 
@@ -99,7 +110,15 @@ def attribution_patching(
     node_list = check_nodes(nodes)
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if method in ("atp", "atp*"):
+    if method != "ig" and (steps is not None or batch_size is not None):
+        raise ValueError(f"steps / batch_size: only method='ig' interpolates; method={method!r} takes neither")
+    if method == "ig":
+        steps = core.check_count("steps", IG.DEFAULT_STEPS if steps is None else steps, allow_none=False)
+        batch_size = core.check_count("batch_size", batch_size)
+        if alignment is not None:
+            raise ValueError("alignment: method='ig' interpolates the input embeddings position by position, so "
+                             "clean and corrupt must line up; drop alignment= or use method='atp' / 'relp'")
+    if method in ("atp", "atp*", "ig"):
         if rules is not None:
             raise ValueError(f"rules: method={method!r} uses the plain gradient; pass method='relp' to use rules")
         rules = RelevanceRules()
@@ -128,8 +147,14 @@ def attribution_patching(
         if star:
             attn_c.check()
             extra = attn_c.weights
-        grads = torch.autograd.grad(value, acts_c + extra, torch.ones_like(value), allow_unused=True, retain_graph=star)
-        grads, d_weights = grads[:len(acts_c)], grads[len(acts_c):]
+        if method == "ig":
+            value = value.detach()
+            grads = IG.path_gradients(model, pair, fixed, flat, steps, batch_size)
+            d_weights = []
+        else:
+            grads = torch.autograd.grad(value, acts_c + extra, torch.ones_like(value), allow_unused=True,
+                                        retain_graph=star)
+            grads, d_weights = grads[:len(acts_c)], grads[len(acts_c):]
         pattern_grads = {}
         if star:
             # the part of each residual node's gradient that flows through its own block's

@@ -89,11 +89,18 @@ def batch(generator: torch.Generator, count: int, length: int = LENGTH) -> Tuple
 
 @dataclass(frozen=True)
 class Pair:
-    """A clean/corrupt prompt pair for patching: the same words, but the word that the
-    induction copies is another one in the corrupt prompt.
+    """A clean/corrupt prompt pair for patching.
 
-    clean:   ``<s> w1 .. wn w1 .. wk``  answer ``w(k+1)``
-    corrupt: the same with ``w(k+1)`` replaced by ``x`` in the first segment; answer ``x``.
+    clean: ``<s> w1 .. wn w1 .. wk``, answer ``w(k+1)``. Corrupt, by ``kind``:
+
+    - ``"value"``: ``w(k+1)`` replaced by ``x`` in the first segment, answer ``x``. The
+      effect runs through what the induction head copies (its values).
+    - ``"key"``: ``wk`` replaced by ``x`` in the first segment: the current word has no
+      earlier occurrence, so the induction head finds nothing to copy. The effect runs
+      through the previous-token head, whose output at the position after ``wk`` is the
+      key the induction head's query matches (K-composition).
+
+    The metric is ``logit(answer) − logit(alternative)`` with ``alternative = x``.
     """
 
     clean: List[int]
@@ -101,11 +108,18 @@ class Pair:
     answer: int          # token id the clean prompt predicts
     alternative: int     # token id the corrupt prompt predicts
     source: int          # position (in the prompt) of the copied word's earlier occurrence
+    kind: str = "value"
 
 
-def pairs(generator: torch.Generator, count: int, period: int = 6) -> List[Pair]:
+KINDS = ("value", "key")
+
+
+def pairs(generator: torch.Generator, count: int, period: int = 6, kind: str = "value") -> List[Pair]:
     """``count`` patching pairs of equal length (``1 + period + period // 2`` tokens), with
-    a segment of ``period`` words and the prompt cut after ``period // 2`` repeated words."""
+    a segment of ``period`` words and the prompt cut after ``period // 2`` repeated words;
+    ``kind`` as :class:`Pair`."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     first = len(SPECIALS)
     bos = vocabulary()[BOS]
     k = period // 2
@@ -115,7 +129,7 @@ def pairs(generator: torch.Generator, count: int, period: int = 6) -> List[Pair]
         seg, x = words[:period], words[period]
         clean = [bos, *seg, *seg[:k]]
         bad = list(seg)
-        bad[k] = x
+        bad[k if kind == "value" else k - 1] = x
         corrupt = [bos, *bad, *seg[:k]]
-        out.append(Pair(clean, corrupt, seg[k], x, 1 + k))
+        out.append(Pair(clean, corrupt, seg[k], x, 1 + k, kind))
     return out

@@ -1,0 +1,159 @@
+"""``pyattr bench --estimators``: patching estimators scored against exact activation
+patching and against the known circuit of the toy induction decoder (:mod:`pyattr.toy`),
+and timed against exact patching on a model with GPT-2 small's 144 heads.
+
+Two kinds of clean/corrupt pairs (:class:`pyattr.toy.task.Pair`): ``value`` (the copied
+word differs: the effect runs through the induction heads' values) and ``key`` (the word
+before it differs: the effect runs through a previous-token head into the induction
+heads' keys, which no estimate that freezes or linearises attention sees well).
+
+Per estimator and pair kind: Pearson / Spearman with exact patching per node type
+(per position), and on heads (each head summed over positions): the share of pairs whose
+top-2 heads equal exact patching's top-2, and the share whose top-2 are circuit heads.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, List
+
+import torch
+
+NODES = ("residual", "attention", "heads", "mlp")
+
+
+def variants():
+    """(name, attribution_patching keyword arguments)."""
+    from pyattr.integration.config import RelevanceRules as R
+
+    return [
+        ("atp", {"method": "atp"}),
+        ("atp* (QK fix on residual nodes)", {"method": "atp*"}),
+        ("relp (default: LN-rule)", {"method": "relp"}),
+        ("relp all rules (AH)", {"method": "relp", "rules": R.all()}),
+        ("relp all rules, AttnLRP attention", {"method": "relp", "rules": R.all("attnlrp")}),
+        ("ig, 4 steps", {"method": "ig", "steps": 4}),
+        ("ig, 16 steps", {"method": "ig", "steps": 16}),
+    ]
+
+
+def _timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def _top2(x: torch.Tensor) -> List[set]:
+    flat = x.double().abs().reshape(x.shape[0], -1)
+    return [set(r.tolist()) for r in flat.topk(2, dim=-1).indices]
+
+
+def toy_rows(kind: str, count: int = 64) -> List[Dict]:
+    import pyattr.patching as P
+    import pyattr.targets as T
+    import pyattr.toy as toy
+    import pyattr.toy.circuit as C
+    import pyattr.toy.task as task
+    from pyattr.patching.result import correlations
+
+    model, _, circuit = toy.load()
+    heads = model.config.num_attention_heads
+    pairs = task.pairs(torch.Generator().manual_seed(11), count, kind=kind)
+    clean, corrupt, answer, alternative = C.pair_tensors(pairs)
+    metric = T.LogitDiff(answer, alternative)
+    true_heads = {l * heads + h for l, h in circuit["previous_token_heads"] + circuit["induction_heads"]}
+    P.attribution_patching(model, clean, corrupt, metric, nodes="heads", method="atp")  # warm-up
+    exact, t_exact = _timed(lambda: P.activation_patching(model, clean, corrupt, metric, nodes=list(NODES)))
+    exact_heads, t_heads = _timed(lambda: P.activation_patching(model, clean, corrupt, metric, nodes="heads",
+                                                                sum_positions=True))
+    top_exact = _top2(exact_heads["heads"])
+    name = f"toy induction decoder, {kind} pairs"
+    rows = [{"model": name, "variant": "exact (activation patching)", "node": "heads", "pairs": count,
+             "seconds": t_heads, "pearson": 1.0, "spearman": 1.0, "top2_equal_exact": 1.0,
+             "top2_in_circuit": sum(t <= true_heads for t in top_exact) / count}]
+    for var, kw in variants():
+        est, secs = _timed(lambda: P.attribution_patching(model, clean, corrupt, metric, nodes=list(NODES), **kw))
+        summed = P.attribution_patching(model, clean, corrupt, metric, nodes="heads", sum_positions=True, **kw)
+        top = _top2(summed["heads"])
+        for node in NODES:
+            pr, sr = correlations(est[node].flatten(), exact[node].flatten())
+            row = {"model": name, "variant": var, "node": node, "pairs": count, "seconds": secs,
+                   "pearson": pr, "spearman": sr}
+            if node == "heads":
+                hp, hs = correlations(summed["heads"].flatten(), exact_heads["heads"].flatten())
+                row.update(pearson_summed=hp, spearman_summed=hs,
+                           top2_equal_exact=sum(a == b for a, b in zip(top, top_exact)) / count,
+                           top2_in_circuit=sum(t <= true_heads for t in top) / count)
+            rows.append(row)
+    return rows
+
+
+def gpt2_size_rows(pairs: int = 8, seq: int = 16) -> List[Dict]:
+    """Time of each estimator and of exact head patching (each head summed over positions:
+    one forward per head) on a random Llama of GPT-2 small's shape (12 layers × 12 heads,
+    hidden 768), float32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import pyattr.patching as P
+    import pyattr.targets as T
+
+    cfg = LlamaConfig(hidden_size=768, intermediate_size=2048, num_attention_heads=12, num_key_value_heads=12,
+                      num_hidden_layers=12, vocab_size=1024)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    clean = torch.randint(3, 1024, (pairs, seq), generator=g)
+    corrupt = clean.clone()
+    corrupt[:, seq // 2] = torch.randint(3, 1024, (pairs,), generator=g)
+    metric = T.LogitDiff(3, 7)
+    name = "random Llama, 12 layers x 12 heads (144), hidden 768"
+    P.attribution_patching(model, clean, corrupt, metric, nodes="heads", method="atp")  # warm-up
+    _, t_exact = _timed(lambda: P.activation_patching(model, clean, corrupt, metric, nodes="heads",
+                                                      sum_positions=True))
+    rows = [{"model": name, "variant": "exact (activation patching)", "node": "heads", "pairs": pairs,
+             "seconds": t_exact, "speedup_vs_exact": 1.0}]
+    for var, kw in variants():
+        _, secs = _timed(lambda: P.attribution_patching(model, clean, corrupt, metric, nodes="heads",
+                                                        sum_positions=True, **kw))
+        rows.append({"model": name, "variant": var, "node": "heads", "pairs": pairs, "seconds": secs,
+                     "speedup_vs_exact": t_exact / secs})
+    return rows
+
+
+def run_all(quick: bool = False) -> List[Dict]:
+    n = 16 if quick else 64
+    rows = toy_rows("value", n) + toy_rows("key", n)
+    return rows + gpt2_size_rows(pairs=2 if quick else 8, seq=8 if quick else 16)
+
+
+def _f(v, spec="+.3f"):
+    return "n/a" if v is None else format(v, spec)
+
+
+def markdown(rows: List[Dict], contention=None) -> str:
+    from pyattr.bench.report import conditions
+
+    lines = [conditions(contention).rstrip("\n"), ""] if contention is not None else []
+    for model in dict.fromkeys(r["model"] for r in rows if r["model"].startswith("toy")):
+        rs = [r for r in rows if r["model"] == model]
+        ex = rs[0]
+        lines += [f"**{model}** ({ex['pairs']} pairs; exact head patching {ex['seconds'] * 1e3:.0f} ms, "
+                  f"its top-2 heads are circuit heads on {ex['top2_in_circuit']:.0%} of pairs). Pearson / "
+                  "Spearman with exact patching per node type (per position); heads summed over positions: "
+                  "Pearson, and the share of pairs whose top-2 heads equal exact patching's / are circuit heads:",
+                  "", "| estimator | " + " | ".join(NODES) + " | heads summed | top-2 = exact | top-2 in circuit "
+                  "| time (ms) |", "|---|" + "---:|" * (len(NODES) + 4)]
+        for var in dict.fromkeys(r["variant"] for r in rs[1:]):
+            vr = {r["node"]: r for r in rs if r["variant"] == var}
+            h = vr["heads"]
+            cells = [f"{_f(vr[n]['pearson'])} / {_f(vr[n]['spearman'])}" for n in NODES]
+            lines.append(f"| {var} | " + " | ".join(cells) + f" | {_f(h['pearson_summed'])} | "
+                         f"{h['top2_equal_exact']:.0%} | {h['top2_in_circuit']:.0%} | {h['seconds'] * 1e3:.0f} |")
+        lines.append("")
+    big = [r for r in rows if not r["model"].startswith("toy")]
+    if big:
+        lines += [f"**{big[0]['model']}**, {big[0]['pairs']} pairs: every head summed over positions",
+                  "", "| method | time (s) | speed-up vs exact |", "|---|---:|---:|"]
+        lines += [f"| {r['variant']} | {r['seconds']:.2f} | {r['speedup_vs_exact']:.1f}× |" for r in big]
+    return "\n".join(lines) + "\n"
