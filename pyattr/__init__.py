@@ -12,6 +12,9 @@ See the README for the rule math and the methods. Public API::
     pyattr.targets.Logit / LogitDiff / ModuleOutput / Cosine
     pyattr.patching.attribution_patching(model, clean, corrupt, metric, method="relp")   # or "atp", "atp*"
     pyattr.patching.activation_patching(model, clean, corrupt, metric, batch_size=...)
+    pyattr.patching.attribution_patching(..., method="ig", steps=16)                      # EAP-IG
+    pyattr.evaluate.perturbation_curve(model, inputs, relevance, order="morf"), pyattr.evaluate.abpc(...)
+    pyattr.toy.load()   # the trained induction decoder with its known circuit
     pyattr.run(model, "prompts.jsonl", "results/", tokenizer=tok)   # Parquet shards + manifest
     pyattr.available_backends(), pyattr.backend("torch")
 

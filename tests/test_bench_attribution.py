@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pyattr.bench import conservation, e2e, ig_memory
+from conftest import run_cli
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 
@@ -108,7 +109,8 @@ def test_saved_attribution_documents_validate_and_bad_rows_are_named():
 
     from pyattr.bench import report
 
-    for name in ("cpu_conservation", "cpu_ig_memory", "cpu_e2e_k_targets", "cpu_patching", "cpu_dataset", "cpu_dataset_quick"):
+    for name in ("cpu_conservation", "cpu_ig_memory", "cpu_e2e_k_targets", "cpu_patching", "cpu_dataset",
+                 "cpu_dataset_quick", "cpu_faithfulness", "cpu_estimators"):
         with open(RESULTS / f"{name}.json", encoding="utf-8") as f:
             doc = json.load(f)
         report.validate(doc)
@@ -119,7 +121,8 @@ def test_saved_attribution_documents_validate_and_bad_rows_are_named():
     with pytest.raises(ValueError, match=r"row 0 field 'peak_bytes'"):
         report.validate(bad)
     bad["kind"] = "speed"
-    with pytest.raises(ValueError, match=r"kind 'speed', expected one of \['micro', 'e2e', 'conservation', 'ig-memory', 'patching', 'dataset'\]"):
+    with pytest.raises(ValueError, match=r"kind 'speed', expected one of \['micro', 'e2e', 'conservation', 'ig-memory', 'patching', 'estimators', "
+                                         r"'faithfulness', 'dataset'\]"):
         report.validate(bad)
     bad["kind"] = "patching"
     bad["rows"] = [{"model": "m", "method": "atp", "variant": "atp", "node": "mlp", "nodes": 3, "pairs": 1,
@@ -155,3 +158,42 @@ def test_patching_bench_rows_and_table():
     assert rows[5]["nodes"] == 2 * 2 * 6
     md = PB.markdown(rows)
     assert "**tiny**: 2 pairs" in md and f"| relp all | {rows[4]['pearson']:+.3f} / {rows[4]['spearman']:+.3f} |" in md
+
+
+@pytest.mark.slow
+def test_faithfulness_bench_quick_run(tmp_path):
+    from pyattr.bench import report
+
+    out, png = tmp_path / "f.json", tmp_path / "f.png"
+    p = run_cli("bench", "--faithfulness", "--quick", "--json", out, "--png", png)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(out.read_text())
+    report.validate(doc)
+    assert doc["kind"] == "faithfulness" and png.read_bytes()[:4] == b"\x89PNG"
+    models = {r["model"] for r in doc["rows"]}
+    assert models == {"all-MiniLM-L6-v2", "toy induction decoder"}
+    for r in doc["rows"]:
+        assert len(r["morf_mean"]) == len(r["lerf_mean"]) == 21
+        # ABPC is the area between the mean curves (trapezoid rule over 20 steps)
+        gap = [a - b for a, b in zip(r["lerf_mean"], r["morf_mean"])]
+        assert r["abpc"] == pytest.approx(sum((x + y) / 2 for x, y in zip(gap, gap[1:])) / 20, abs=1e-9)
+    toy = {r["method"]: r["abpc"] for r in doc["rows"] if r["model"] == "toy induction decoder"}
+    assert toy["relevance, all rules (default)"] > toy["random"]
+    assert "| toy induction decoder (16 rows) | relevance, all rules (default) |" in p.stdout
+
+
+@pytest.mark.slow
+def test_estimators_bench_quick_run(tmp_path):
+    from pyattr.bench import report
+
+    out = tmp_path / "e.json"
+    p = run_cli("bench", "--estimators", "--quick", "--json", out)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(out.read_text())
+    report.validate(doc)
+    value = [r for r in doc["rows"] if r["model"] == "toy induction decoder, value pairs" and r["node"] == "heads"]
+    assert {r["variant"] for r in value} >= {"exact (activation patching)", "atp", "ig, 16 steps"}
+    assert all(0 <= r["top2_equal_exact"] <= 1 for r in value)
+    big = [r for r in doc["rows"] if r["model"].startswith("random Llama, 12 layers x 12 heads")]
+    assert len(big) == 8 and all(r["speedup_vs_exact"] > 0 for r in big)
+    assert "top-2 = exact" in p.stdout

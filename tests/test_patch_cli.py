@@ -93,7 +93,7 @@ def test_causal_model_exact(causal_dir, tmp_path):
     (("--clean", "The dog chased the ball."), "--clean and --corrupt go together"),
     (("--clean", "word " * 600, "--corrupt", "word " * 599 + "cat"), "--clean is 602 tokens long; the model reads at most 512"),
     (("--pair", "word " * 600), "--pair is 602 tokens long; the model reads at most 512"),
-    (("--method", "ig"), "argument --method: invalid choice: 'ig'"),
+    (("--method", "eap"), "argument --method: invalid choice: 'eap'"),
 ])
 def test_errors_are_one_line_with_status_2(args, message):
     r = run_cli("patch", *args)

@@ -417,7 +417,7 @@ def test_errors(models):
     with pytest.raises(ValueError, match="nodes: unknown node type 'head'"):
         P.attribution_patching(model, clean, corrupt, METRIC, nodes="head")
     with pytest.raises(ValueError, match="method must be one of"):
-        P.attribution_patching(model, clean, corrupt, METRIC, method="ig")
+        P.attribution_patching(model, clean, corrupt, METRIC, method="eap-ig")
     with pytest.raises(ValueError, match="rules: method='atp' uses the plain gradient"):
         P.attribution_patching(model, clean, corrupt, METRIC, method="atp", rules=RelevanceRules.all())
     with pytest.raises(ValueError, match="clean has 2 rows and corrupt 1"):

@@ -97,8 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--target", help="target token for --model (default: the clean run's top-1 prediction)")
     pa.add_argument("--nodes", default="residual,attention,heads,mlp",
                     help="comma-separated: residual,attention,heads,mlp,neurons (default: all but neurons)")
-    pa.add_argument("--method", choices=["relp", "atp", "atp*", "exact", "all"], default="relp",
-                    help="relp, atp, atp* (AtP with the QK fix), exact (activation patching), or all: relp, atp "
+    pa.add_argument("--method", choices=["relp", "atp", "atp*", "ig", "exact", "all"], default="relp",
+                    help="relp, atp, atp* (AtP with the QK fix), ig (EAP-IG, 16 steps), exact (activation "
+                         "patching), or all: relp, atp "
                          "and exact with correlations (default relp)")
     pa.add_argument("--sample", type=int, default=200, help="exact: neurons patched, a random sample (default 200)")
     pa.add_argument("--top", type=int, default=10, help="nodes listed in the terminal (default 10)")
