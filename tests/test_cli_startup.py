@@ -75,7 +75,7 @@ def test_import_pyattr_is_lazy_but_complete():
         (["explain", "--backend"], "pyattr explain: error: argument --backend: expected one argument"),
         (["bench", "--repeats", "x"], "pyattr bench: error: argument --repeats: invalid int value: 'x'"),
         (["explain", "--bogus", "x"], "pyattr explain: error: unrecognized arguments: --bogus x"),
-        (["patch", "--method", "ig"], "pyattr patch: error: argument --method: invalid choice: 'ig'"),
+        (["patch", "--method", "eap"], "pyattr patch: error: argument --method: invalid choice: 'eap'"),
     ],
 )
 def test_argparse_errors_are_one_line_with_status_2(args, line):
