@@ -8,6 +8,7 @@ See the README for the rule math and the methods. Public API::
     pyattr.relevance(model, inputs, target=...)
     pyattr.layer_relevance(model, inputs, layers, target=...)
     pyattr.integrated_gradients(model, inputs, target=..., baseline="zeros")
+    pyattr.generation_relevance(model, prompt_ids, max_new_tokens=16)   # (batch, generated, seq)
     with pyattr.capture(model, paths) as cap: ...
     pyattr.targets.Logit / LogitDiff / ModuleOutput / Cosine
     pyattr.patching.attribution_patching(model, clean, corrupt, metric, method="relp")   # or "atp", "atp*"
@@ -38,6 +39,8 @@ _EXPORTS = {
     "LayerRelevanceResult": "pyattr.methods.layer_relevance",
     "integrated_gradients": "pyattr.methods.integrated_gradients",
     "AttributionResult": "pyattr.methods.integrated_gradients",
+    "generation_relevance": "pyattr.methods.generation",
+    "GenerationRelevanceResult": "pyattr.methods.generation",
     "run": "pyattr.apps.run",
     "RunSummary": "pyattr.apps.run",
     "capture": "pyattr.methods.capture",

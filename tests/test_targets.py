@@ -142,7 +142,7 @@ def test_position_counts_each_rows_real_tokens(llama):
 @pytest.mark.parametrize(
     "target,exc,msg",
     [
-        (lambda: Logit(3, position=-2), ValueError, r"position must be an int ≥ 0, or -1"),
+        (lambda: Logit(3, position=-7), ValueError, r"position -7 is outside the sequence of length 6"),
         (lambda: Logit(3, position=1.0), ValueError, r"position must be an int"),
         (lambda: Logit(3, position=6), ValueError, r"position 6 is outside the sequence of length 6"),
         (lambda: LogitDiff(3, None), ValueError, r"LogitDiff needs two token ids"),

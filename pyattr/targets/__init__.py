@@ -6,6 +6,8 @@ selector. Every method (:func:`pyattr.relevance`, :func:`pyattr.layer_relevance`
 :func:`pyattr.integrated_gradients`) accepts:
 
 - ``Logit(token_id, position=-1)``: a next-token logit; ``LogitDiff(a, b)``: ``logit[a] − logit[b]``;
+  ``LogProb(token_id, position=-1, contrast=None, prob=False)``: its log-probability (or
+  probability), optionally minus a contrast token's;
 - ``ModuleOutput(path, select=None)``: a module's output (a neuron with ``select``);
 - ``Cosine(reference)``: the cosine similarity of the mean-pooled sentence embedding with a
   fixed reference embedding (sentence-transformers models);
@@ -20,8 +22,8 @@ row's ``p``-th real token (the absolute position ``p`` for unpadded and right-pa
 """
 
 from pyattr.targets.base import Target, Forward, real_positions, token_ids  # noqa: F401
-from pyattr.targets.logits import Logit, LogitDiff, logit_positions  # noqa: F401
+from pyattr.targets.logits import Logit, LogitDiff, LogProb, logit_positions  # noqa: F401
 from pyattr.targets.modules import Cosine, ModuleOutput  # noqa: F401
 from pyattr.targets.vocabulary import module_paths, normalize  # noqa: F401
 
-__all__ = ["Cosine", "Logit", "LogitDiff", "ModuleOutput", "Target"]
+__all__ = ["Cosine", "Logit", "LogitDiff", "LogProb", "ModuleOutput", "Target"]

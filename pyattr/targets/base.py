@@ -67,8 +67,11 @@ def real_positions(position: int, mask: torch.Tensor, name: str) -> torch.Tensor
 
 
 def check_position(position) -> int:
-    if not is_int(position) or int(position) < -1:
-        raise ValueError(f"target: position must be an int ≥ 0, or -1 for each row's last real token; got {position!r}")
+    """A position: ``p ≥ 0`` each row's ``p``-th real token, ``p < 0`` counted back from its
+    last real token (``-1`` the last)."""
+    if not is_int(position):
+        raise ValueError(f"target: position must be an int (≥ 0 from each row's first real token, < 0 counted "
+                         f"back from its last, -1 the last); got {position!r}")
     return int(position)
 
 

@@ -49,12 +49,10 @@ def _positions(position: int, fwd: Forward) -> torch.Tensor:
     ids, mask = fwd.input_ids, fwd.attention_mask
     batch, seq = ids.shape
     if mask is None:
-        if position == -1:
-            return torch.full((batch,), seq - 1, dtype=torch.long, device=ids.device)
-        if not 0 <= position < seq:
+        if not -seq <= position < seq:
             raise ValueError(
                 f"target: position {position} is outside the sequence of length {seq} (use -1 for the last real token)")
-        return torch.full((batch,), position, dtype=torch.long, device=ids.device)
+        return torch.full((batch,), position % seq, dtype=torch.long, device=ids.device)
     return real_positions(position, mask, "target: position").to(ids.device)
 
 
@@ -72,7 +70,7 @@ def logit_positions(targets: Sequence["Target"], input_ids: torch.Tensor, attent
     ``logits_to_keep``, the language-model head then runs at these positions only instead
     of at every position (the head's matmul over a large vocabulary dominates a relevance
     pass on long inputs, and its backward for k targets even more)."""
-    if not targets or not all(isinstance(t, (Logit, LogitDiff)) for t in targets):
+    if not targets or not all(isinstance(t, (Logit, LogitDiff, LogProb)) for t in targets):
         return None
     fwd = Forward(None, input_ids, attention_mask, {})
     pos = torch.cat([_positions(t.position, fwd) for t in targets])
@@ -105,8 +103,9 @@ class Logit(Target):
             the top-1 token at that position (chosen at the real input and kept fixed for
             baselines and integration steps).
         position (int): ``-1`` (default) each row's last real token under the attention
-            mask; ``p ≥ 0`` each row's ``p``-th real token (position ``p`` of the row
-            alone; a row with ``p`` or fewer real tokens raises ValueError).
+            mask, ``-2`` the one before it, and so on; ``p ≥ 0`` each row's ``p``-th real
+            token (position ``p`` of the row alone). A row with too few real tokens raises
+            ValueError.
     """
 
     def __init__(self, token_id=None, position: int = -1):
@@ -167,3 +166,41 @@ class LogitDiff(Target):
         ia = token_ids(self.a, batch, "target (LogitDiff a)")[index.cpu()]
         ib = token_ids(self.b, batch, "target (LogitDiff b)")[index.cpu()]
         return LogitDiff(ia, ib, self.position)
+
+
+class LogProb(Target):
+    """The log-probability of ``token_id`` at ``position``: ``log_softmax(logits)[token_id]``
+    (``prob=True``: the probability itself). With ``contrast`` (a token id, or one per row),
+    the difference to that token's log-probability (probability): inseq's contrastive
+    target. ``token_id`` and ``position`` as in :class:`Logit` (``token_id`` required)."""
+
+    def __init__(self, token_id, position: int = -1, contrast=None, prob: bool = False):
+        if token_id is None:
+            raise ValueError("target: LogProb needs a token id")
+        self.token_id, self.contrast, self.prob = token_id, contrast, bool(prob)
+        self.position = check_position(position)
+
+    def __repr__(self):
+        name = "Prob" if self.prob else "LogProb"
+        return f"{name}({self.token_id!r}, position={self.position}, contrast={self.contrast!r})"
+
+    def value(self, fwd):
+        logits = _logits(fwd.output)
+        if logits.dim() != 3:
+            raise ValueError("target: LogProb reads next-token logits of shape (batch, seq, vocab)")
+        pos = _kept_index(logits, _positions(self.position, fwd), fwd)
+        rows = torch.arange(logits.shape[0], device=logits.device)
+        lp = torch.log_softmax(logits[rows, pos.to(logits.device)].float(), dim=-1)
+        out = lp.exp() if self.prob else lp
+        tid = token_ids(self.token_id, logits.shape[0]).to(logits.device)
+        if bool(((tid < 0) | (tid >= out.shape[-1])).any()):
+            raise ValueError(f"target: token ids must be in [0, {out.shape[-1]}), got {tid.tolist()}")
+        v = out[rows, tid]
+        if self.contrast is not None:
+            cid = token_ids(self.contrast, logits.shape[0], "target (contrast)").to(logits.device)
+            v = v - out[rows, cid]
+        return v.to(logits.dtype), tid
+
+    def rows(self, index, batch):
+        pick = lambda v: v if v is None or is_int(v) else token_ids(v, batch)[index.cpu()]  # noqa: E731
+        return LogProb(pick(self.token_id), self.position, pick(self.contrast), self.prob)

@@ -1,0 +1,396 @@
+"""Relevance of generated text: every generated token's target explained over the prompt
+and the tokens generated before it (DESIGN §8).
+
+Steps run ``batch_targets`` at a time: one call of :func:`pyattr.relevance` on the
+sequence cut after the chunk's last target position, with the chunk's targets as k
+targets of one batched backward. A causal model's target at position ``p`` does not
+depend on later positions, so the cut changes no value, and neither forward nor backward
+runs over positions past the chunk's targets: the per-step loop's forwards become one
+per chunk, and the backwards stay as long as the loop's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+import pyattr.methods._core as core
+import pyattr.targets as T
+from pyattr.integration.config import RelevanceRules
+from pyattr.integration.wrappers import unwrap
+from pyattr.methods._core.inputs import input_device
+from pyattr.methods.relevance import relevance
+
+TARGETS = ("logit", "logprob", "prob")
+#: memory a chunk of targets may take for its backward when the caller sets no
+#: ``batch_targets`` (bytes)
+DEFAULT_BUDGET = 2 << 30
+
+
+@dataclass
+class GenerationRelevanceResult:
+    """Output of :func:`generation_relevance`.
+
+    Attributes:
+        sequences (LongTensor[batch, seq]): prompt (left-padded) then the generated tokens.
+        attention_mask (LongTensor[batch, seq]): 1 at the real prompt tokens and at every
+            generated column (steps after a row's end of sequence included).
+        prompt_width (int): columns of the (padded) prompt; step ``t``'s token is at
+            column ``prompt_width + t``.
+        prompt_length (LongTensor[batch]): real prompt tokens per row.
+        token_relevance (Tensor[batch, generated, seq], float32): row ``t`` is the relevance
+            of step ``t``'s target over every column; exactly 0 at columns ≥ the step's own
+            token and at padding, and for steps that do not exist (``step_mask`` False).
+        target (Tensor[batch, generated], float64): each step's explained value (NaN where
+            the step does not exist).
+        conservation_delta (Tensor[batch, generated], float64): target (or its change from
+            the baseline) minus the row's relevance sum.
+        step_mask (BoolTensor[batch, generated]): steps that exist: up to and including a
+            row's first end-of-sequence token (generation), or the row's continuation length.
+        target_kind (str): ``"logit"``, ``"logprob"`` or ``"prob"``; ``contrast`` (bool).
+        batch_targets (int): steps per batched backward.
+        backend (str): the backend that ran the rule backwards.
+    """
+
+    sequences: torch.Tensor
+    attention_mask: torch.Tensor
+    prompt_width: int
+    prompt_length: torch.Tensor
+    token_relevance: torch.Tensor
+    target: torch.Tensor
+    conservation_delta: torch.Tensor
+    step_mask: torch.Tensor
+    target_kind: str
+    contrast: bool
+    batch_targets: int
+    backend: str
+
+    @property
+    def generated(self) -> torch.Tensor:
+        """The generated (or given) token ids, LongTensor[batch, generated]."""
+        return self.sequences[:, self.prompt_width:]
+
+    def _step(self, step: int) -> int:
+        g = self.token_relevance.shape[1]
+        if not isinstance(step, int) or isinstance(step, bool) or not -g <= step < g:
+            raise IndexError(f"step must be an int in [-{g}, {g}), got {step!r}")
+        return step % g
+
+    def top_sources(self, step: int, k: int = 5, row: int = 0) -> List[Tuple[int, int, float]]:
+        """The ``k`` columns with the largest relevance for step ``step`` of row ``row``:
+        ``[(column, token id, relevance), …]``, largest first (positive relevance first;
+        columns the step cannot see are never listed)."""
+        step = self._step(step)
+        k = core.check_count("k", k, allow_none=False)
+        rel = self.token_relevance[row, step]
+        visible = self.attention_mask[row, : self.prompt_width + step].bool()
+        cols = visible.nonzero()[:, 0]
+        vals = rel[cols]
+        order = torch.argsort(vals, descending=True, stable=True)[:k]
+        return [(int(cols[i]), int(self.sequences[row, cols[i]]), float(vals[i])) for i in order]
+
+    def span(self, start: int, end: int) -> torch.Tensor:
+        """Relevance of the steps ``start … end − 1`` explained as one target (their summed
+        targets, LXT issue 39): the sum of their rows, Tensor[batch, seq]."""
+        g = self.token_relevance.shape[1]
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start < end <= g):
+            raise ValueError(f"span: need 0 <= start < end <= {g} (generated steps), got ({start!r}, {end!r})")
+        return self.token_relevance[:, start:end].sum(1)
+
+    def aggregate(self, by: Union[str, Sequence[Tuple[int, int]]], tokenizer=None, row: int = 0):
+        """Relevance summed over groups of columns, for each step of row ``row``.
+
+        ``by="word"``: words of the sequence, by the tokenizer's word markers (``Ġ``, ``▁``,
+        ``##``; a word-level tokenizer's tokens are words; needs ``tokenizer``). ``by`` a list of
+        ``(start, end)`` column ranges: segments of the prompt (passages of a document).
+
+        Returns ``(labels, Tensor[generated, groups])``: the words (or ``"start:end"``).
+        """
+        rel = self.token_relevance[row]
+        if isinstance(by, str):
+            if by != "word":
+                raise ValueError(f"aggregate: by must be 'word' or a list of (start, end) column ranges, got {by!r}")
+            if tokenizer is None:
+                raise ValueError("aggregate('word') needs tokenizer= (to read where words start)")
+            return _words(self.sequences[row], self.attention_mask[row], rel, tokenizer)
+        seq = rel.shape[-1]
+        groups = list(by)
+        for s, e in groups:
+            if not (isinstance(s, int) and isinstance(e, int) and 0 <= s < e <= seq):
+                raise ValueError(f"aggregate: segment ({s!r}, {e!r}) is not a column range within [0, {seq}]")
+        out = torch.stack([rel[:, s:e].sum(-1) for s, e in groups], -1)
+        return [f"{s}:{e}" for s, e in groups], out
+
+
+def _words(ids: torch.Tensor, mask: torch.Tensor, rel: torch.Tensor, tokenizer):
+    """Words by the tokenizer's own markers: byte-level BPE and SentencePiece mark a word's
+    first token (``Ġ``, ``▁``), WordPiece its continuations (``##``); a word-level
+    tokenizer's tokens are words. A special token is a word of its own."""
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    cols = mask.bool().nonzero()[:, 0].tolist()
+    toks = tokenizer.convert_ids_to_tokens([int(ids[c]) for c in cols])
+    marked = any(t.startswith(("Ġ", "▁")) for t in toks)
+    pieces = any(t.startswith("##") for t in toks)
+    labels: List[str] = []
+    starts: List[int] = []
+    prev_special = True
+    for c, tok in zip(cols, toks):
+        is_special = int(ids[c]) in special
+        if marked:
+            new = tok.startswith(("Ġ", "▁"))
+        elif pieces:
+            new = not tok.startswith("##")
+        else:
+            new = True
+        if is_special or prev_special or new or not labels:
+            labels.append(tok.lstrip("Ġ▁"))
+            starts.append(c)
+        else:
+            labels[-1] += tok[2:] if pieces else tok
+        prev_special = is_special
+    bounds = starts[1:] + [cols[-1] + 1]
+    out = torch.stack([rel[:, s:e].sum(-1) for s, e in zip(starts, bounds)], -1)
+    return labels, out
+
+
+def _as_batch(inputs, attention_mask) -> Tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(inputs, torch.Tensor):
+        ids, mask = inputs, attention_mask
+    elif hasattr(inputs, "keys") and "input_ids" in inputs:
+        ids, mask = inputs["input_ids"], inputs.get("attention_mask", attention_mask)
+    else:
+        raise TypeError("inputs must be token ids (LongTensor[batch, seq]) or a tokenizer output with input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32) or ids.dim() not in (1, 2):
+        raise TypeError("inputs: input_ids must be an integer tensor of shape (batch, seq) or (seq,)")
+    ids = ids.long()
+    if ids.dim() == 1:
+        ids = ids[None]
+        mask = None if mask is None else torch.as_tensor(mask).reshape(1, -1)
+    mask = torch.ones_like(ids) if mask is None else torch.as_tensor(mask).to(ids.device).long()
+    if mask.shape != ids.shape:
+        raise ValueError(f"attention_mask of shape {tuple(mask.shape)} must match input_ids {tuple(ids.shape)}")
+    if bool((mask.sum(1) == 0).any()):
+        raise ValueError("inputs: a prompt row has no real token (attention_mask all 0)")
+    # generation appends at the right end: the prompt's real tokens must end there
+    if bool((mask[:, -1] == 0).any()):
+        raise ValueError("inputs: the prompt must be left-padded (each row's real tokens end at the last column), "
+                         "as for model.generate; use tokenizer(..., padding_side='left')")
+    return ids, mask
+
+
+def _eos_ids(model) -> List[int]:
+    gc = getattr(model, "generation_config", None)
+    eos = getattr(gc, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(getattr(model, "config", None), "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def _generate(model, ids, mask, max_new_tokens: int, generate_kwargs: Optional[dict]):
+    kw = {"max_new_tokens": max_new_tokens, "do_sample": False, **(generate_kwargs or {})}
+    if kw.get("num_return_sequences", 1) != 1 or kw.get("num_beams", 1) != 1:
+        raise ValueError("generate_kwargs: one sequence per prompt (num_beams 1, num_return_sequences 1)")
+    if "pad_token_id" not in kw:
+        pad = getattr(model.config, "pad_token_id", None)
+        eos = _eos_ids(model)
+        kw["pad_token_id"] = pad if pad is not None else (eos[0] if eos else 0)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    out = out.sequences if hasattr(out, "sequences") else out
+    gen = out[:, ids.shape[1]:]
+    steps = torch.ones_like(gen, dtype=torch.bool)
+    eos = _eos_ids(model)
+    if eos and gen.shape[1]:
+        is_eos = torch.isin(gen, torch.tensor(eos, device=gen.device))
+        after = (is_eos.long().cumsum(1) - is_eos.long()) > 0  # strictly after the first EOS
+        steps = ~after
+    return gen, steps
+
+
+def _continuation(continuation, batch: int, device, pad: int):
+    if isinstance(continuation, torch.Tensor):
+        if continuation.dtype not in (torch.int64, torch.int32) or continuation.dim() not in (1, 2):
+            raise TypeError("continuation must be token ids: LongTensor[batch, generated] or [generated]")
+        c = continuation.long().to(device)
+        c = c.expand(batch, -1) if c.dim() == 1 else c
+        if c.shape[0] != batch:
+            raise ValueError(f"continuation has {c.shape[0]} rows, the prompt {batch}")
+        return c, torch.ones_like(c, dtype=torch.bool)
+    if isinstance(continuation, (list, tuple)) and continuation and all(isinstance(r, (list, tuple)) for r in continuation):
+        if len(continuation) != batch:
+            raise ValueError(f"continuation has {len(continuation)} rows, the prompt {batch}")
+        g = max(len(r) for r in continuation)
+        c = torch.full((batch, g), pad, dtype=torch.long, device=device)
+        steps = torch.zeros(batch, g, dtype=torch.bool, device=device)
+        for i, r in enumerate(continuation):
+            c[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+            steps[i, : len(r)] = True
+        return c, steps
+    if isinstance(continuation, (list, tuple)) and all(isinstance(v, int) for v in continuation):
+        return _continuation(torch.tensor(continuation, dtype=torch.long), batch, device, pad)
+    raise TypeError("continuation must be token ids: a LongTensor[batch, generated] / [generated], or a list of "
+                    "lists of ids (rows of different lengths)")
+
+
+def _contrast(contrast, batch: int, generated: int, device) -> Optional[torch.Tensor]:
+    if contrast is None:
+        return None
+    if isinstance(contrast, int) and not isinstance(contrast, bool):
+        return torch.full((batch, generated), contrast, dtype=torch.long, device=device)
+    c = torch.as_tensor(contrast)
+    if c.dtype not in (torch.int64, torch.int32):
+        raise TypeError("contrast must be a token id or token ids (batch, generated) / (generated,)")
+    c = c.long().to(device)
+    if c.dim() == 1:
+        c = c.expand(batch, -1)
+    if tuple(c.shape) != (batch, generated):
+        raise ValueError(f"contrast of shape {tuple(c.shape)}: expected (batch, generated) = {(batch, generated)}, "
+                         "one alternative token per step")
+    return c
+
+
+def _step_target(kind: str, token: torch.Tensor, position: int, alt: Optional[torch.Tensor]):
+    if kind == "logit":
+        return T.Logit(token, position) if alt is None else T.LogitDiff(token, alt, position)
+    return T.LogProb(token, position, contrast=alt, prob=kind == "prob")
+
+
+def default_batch_targets(model: nn.Module, batch: int, seq: int, generated: int, budget: int = DEFAULT_BUDGET) -> int:
+    """Steps per batched backward: as many as fit ``budget`` bytes, each step's backward
+    holding about 16 hidden-size vectors per position and layer in float32 (the rule
+    backwards' saved inputs and their gradients), at most ``generated``."""
+    cfg = getattr(model, "config", None)
+    hidden = getattr(cfg, "hidden_size", None) or 1024
+    layers = getattr(cfg, "num_hidden_layers", None) or 12
+    per = max(1, batch * seq * hidden * layers * 16 * 4)
+    return max(1, min(generated, budget // per))
+
+
+def generation_relevance(
+    model: nn.Module,
+    inputs,
+    *,
+    max_new_tokens: Optional[int] = None,
+    continuation=None,
+    generate_kwargs: Optional[dict] = None,
+    target: str = "logit",
+    contrast=None,
+    rules: Optional[RelevanceRules] = None,
+    baseline=None,
+    attention_mask: Optional[torch.Tensor] = None,
+    batch_targets: Optional[int] = None,
+) -> GenerationRelevanceResult:
+    """Relevance of every generated token over the prompt and the tokens before it.
+
+    Args:
+        model (nn.Module): a Hugging Face causal LM (``model.can_generate()``).
+        inputs (LongTensor[batch, seq] | Mapping): the prompt ids, or a tokenizer output;
+            rows of different lengths left-padded (``attention_mask``).
+        max_new_tokens (int): generate this many tokens first (greedy unless
+            ``generate_kwargs`` say otherwise), then explain them. Or:
+        continuation: explain a given continuation, teacher-forced: LongTensor[batch,
+            generated] / [generated], or a list of id lists (rows of different lengths).
+        generate_kwargs (dict, optional): passed to ``model.generate``.
+        target (str): per step, the generated token's ``"logit"`` (default), ``"logprob"``
+            or ``"prob"``.
+        contrast: an alternative token per step (an int, or LongTensor[batch, generated] /
+            [generated]): the target becomes the difference to the alternative's logit
+            (log-probability, probability), inseq's contrastive attribution.
+        rules (RelevanceRules, optional): as :func:`pyattr.relevance` (default all four
+            rules; ``RelevanceRules()`` is gradient × input).
+        baseline: as :func:`pyattr.relevance`.
+        attention_mask (Tensor[batch, seq], optional): the prompt's mask, with ids.
+        batch_targets (int, optional): steps per batched backward (default: as many as fit
+            2 GiB, :func:`default_batch_targets`).
+
+    Returns:
+        GenerationRelevanceResult. Row ``t`` equals :func:`pyattr.relevance` on the
+        sequence up to step ``t``'s token (exclusive) with that token as target.
+
+    Raises:
+        ValueError / TypeError: neither or both of ``max_new_tokens`` and ``continuation``;
+            a model that cannot generate (not a causal LM); a right-padded prompt; an
+            unknown ``target``; ``contrast`` or ``continuation`` of the wrong shape; bad
+            ``batch_targets``; everything :func:`pyattr.relevance` refuses.
+    """
+    model = unwrap(model)
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    if (max_new_tokens is None) == (continuation is None):
+        raise ValueError("pass exactly one of max_new_tokens= (generate, then explain) and continuation= "
+                         "(explain given tokens)")
+    if generate_kwargs is not None and continuation is not None:
+        raise ValueError("generate_kwargs: a continuation is given, nothing is generated")
+    can = getattr(model, "can_generate", None)
+    if not callable(can) or not can():
+        raise ValueError(f"model: {type(model).__name__} is not a causal language model (can_generate() is False); "
+                         "generation_relevance explains generated tokens")
+    batch_targets = core.check_count("batch_targets", batch_targets)
+    ids, mask = _as_batch(inputs, attention_mask)
+    ids = ids.to(input_device(model))
+    mask = mask.to(ids.device)
+    batch, width = ids.shape
+    if continuation is None:
+        max_new_tokens = core.check_count("max_new_tokens", max_new_tokens, allow_none=False)
+        gen, steps = _generate(model, ids, mask, max_new_tokens, generate_kwargs)
+    else:
+        pad = getattr(model.config, "pad_token_id", None)
+        gen, steps = _continuation(continuation, batch, ids.device, 0 if pad is None else int(pad))
+    generated = gen.shape[1]
+    if generated == 0:
+        raise ValueError("nothing to explain: the continuation is empty (or generation stopped at once)")
+    alt = _contrast(contrast, batch, generated, ids.device)
+    seqs = torch.cat([ids, gen], 1)
+    full_mask = torch.cat([mask, torch.ones_like(gen)], 1)
+    seq = seqs.shape[1]
+    k = batch_targets or default_batch_targets(model, batch, seq, generated)
+    rel = torch.zeros(batch, generated, seq, dtype=torch.float32)
+    value = torch.full((batch, generated), float("nan"), dtype=torch.float64)
+    delta = torch.full((batch, generated), float("nan"), dtype=torch.float64)
+    backend = "none"
+    for t0 in range(0, generated, k):
+        t1 = min(generated, t0 + k)
+        last = width + t1 - 2          # column of the chunk's last target (step t1 - 1)
+        cut = {"input_ids": seqs[:, : last + 1], "attention_mask": full_mask[:, : last + 1]}
+        tg = [_step_target(target, gen[:, t], -(last - (width + t - 1)) - 1, None if alt is None else alt[:, t])
+              for t in range(t0, t1)]
+        r = relevance(model, cut, target=tg, rules=rules, baseline=baseline)
+        backend = r.backend
+        rel[:, t0:t1, : last + 1] = r.token_relevance.transpose(0, 1).float().cpu()
+        value[:, t0:t1] = r.target.transpose(0, 1).double().cpu()
+        delta[:, t0:t1] = r.conservation_delta.transpose(0, 1).double().cpu()
+    # exact zeros: the step's own column and later, padding, and steps that do not exist
+    cols = torch.arange(seq)
+    own = width + torch.arange(generated)
+    rel.masked_fill_(cols[None, None, :] >= own[None, :, None], 0.0)
+    rel.masked_fill_(~full_mask.bool().cpu()[:, None, :], 0.0)
+    gone = ~steps.cpu()
+    rel.masked_fill_(gone[..., None], 0.0)
+    value.masked_fill_(gone, float("nan"))
+    delta.masked_fill_(gone, float("nan"))
+    return GenerationRelevanceResult(
+        sequences=seqs, attention_mask=full_mask, prompt_width=width, prompt_length=mask.sum(1),
+        token_relevance=rel, target=value, conservation_delta=delta, step_mask=steps.cpu(),
+        target_kind=target, contrast=alt is not None, batch_targets=k, backend=backend,
+    )
+
+
+def loop_reference(model, inputs, result: GenerationRelevanceResult, **kw) -> Dict[str, torch.Tensor]:
+    """What a per-step loop of :func:`pyattr.relevance` computes for ``result``'s tokens
+    (logit targets): ``{"token_relevance", "target"}`` shaped like the result's. For
+    tests and the benchmark's baseline (a)."""
+    seqs, mask, width = result.sequences, result.attention_mask, result.prompt_width
+    batch, generated, seq = result.token_relevance.shape
+    rel = torch.zeros(batch, generated, seq)
+    val = torch.zeros(batch, generated, dtype=torch.float64)
+    for t in range(generated):
+        cut = {"input_ids": seqs[:, : width + t], "attention_mask": mask[:, : width + t]}
+        r = relevance(model, cut, target=T.Logit(seqs[:, width + t]), **kw)
+        rel[:, t, : width + t] = r.token_relevance.float().cpu()
+        val[:, t] = r.target.double().cpu()
+    return {"token_relevance": rel, "target": val}
