@@ -33,10 +33,26 @@ def _command(name: str):
     return call
 
 
+def _rule_flags(p) -> None:
+    """The rule switches and the backend choice, shared by explain and generate."""
+    p.add_argument("--attention", choices=["frozen", "attnlrp", "off"], default="frozen", help="attention rule")
+    p.add_argument("--no-norm-rule", action="store_true", help="switch off the LN-rule")
+    p.add_argument("--no-activation-rule", action="store_true", help="switch off the Identity-rule")
+    p.add_argument("--no-gate-rule", action="store_true", help="switch off the Half-rule on gates")
+    p.add_argument("--no-routing-rule", action="store_true",
+                   help="mixture-of-experts models: let gradient flow through the routing weights")
+    p.add_argument(
+        "--backend",
+        default=None,
+        choices=["auto", "torch", "cpp", "cuda", "triton"],
+        help="force a backend (default: PYATTR_BACKEND, else auto)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="pyattr", description="Relevance attribution with fused LRP-rule kernels.")
     p.add_argument("--version", action="version", version=f"pyattr {__version__}")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{explain,patch,run,bench}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{explain,generate,patch,run,bench}")
     e = sub.add_parser(
         "explain",
         help="token relevance heatmap",
@@ -57,24 +73,38 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --image: where to write the relevance map over the image (default: <image stem>_relevance.png)")
     e.add_argument("--html", metavar="PATH", help="also write a self-contained HTML heatmap")
     e.add_argument("--json", action="store_true", help="print machine-readable JSON instead of the heatmap")
-    e.add_argument("--attention", choices=["frozen", "attnlrp", "off"], default="frozen", help="attention rule")
     e.add_argument(
         "--generic",
         action="store_true",
         help="--model of an architecture without a rule map: mount rules by module class",
     )
-    e.add_argument("--no-norm-rule", action="store_true", help="switch off the LN-rule")
-    e.add_argument("--no-activation-rule", action="store_true", help="switch off the Identity-rule")
-    e.add_argument("--no-gate-rule", action="store_true", help="switch off the Half-rule on gates")
-    e.add_argument("--no-routing-rule", action="store_true",
-                   help="mixture-of-experts models: let gradient flow through the routing weights")
-    e.add_argument(
-        "--backend",
-        default=None,
-        choices=["auto", "torch", "cpp", "cuda", "triton"],
-        help="force a backend (default: PYATTR_BACKEND, else auto)",
-    )
+    _rule_flags(e)
     e.set_defaults(func=_command("explain"))
+
+    g = sub.add_parser(
+        "generate",
+        help="relevance of every generated token over the prompt and the tokens before it",
+        description=(
+            "Generate a continuation (greedy) or take one (--continuation), and explain every generated "
+            "token's logit over its context with one forward and batched backwards. With no arguments: the "
+            "shipped toy induction decoder and a built-in prompt."
+        ),
+    )
+    g.add_argument("--text", help="the prompt")
+    g.add_argument("--model", type=model_dir,
+                   help="local Hugging Face causal-LM directory (default: the shipped toy induction decoder)")
+    g.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate (default 8)")
+    g.add_argument("--continuation", help="explain this continuation instead of generating (teacher-forced)")
+    g.add_argument("--target", choices=["logit", "logprob", "prob"], default="logit",
+                   help="what each step explains: the token's logit (default), log-probability or probability")
+    g.add_argument("--batch-targets", type=int, default=None,
+                   help="steps per batched backward (default: as many as fit 2 GiB)")
+    g.add_argument("--top", type=int, default=3, help="sources listed per generated token (default 3)")
+    g.add_argument("--html", metavar="PATH", help="write an interactive HTML page")
+    g.add_argument("--png", metavar="PATH", help="write the generated x context heatmap as PNG")
+    g.add_argument("--json", action="store_true", help="print machine-readable JSON instead")
+    _rule_flags(g)
+    g.set_defaults(func=_command("generate"))
 
     pa = sub.add_parser(
         "patch",
@@ -187,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "float32 on the CPU, 8 prompts; --quick: 44M, float32): "
                         "prompts/s, tokens/s, peak RSS, with and without checkpointing, 1 vs 2 torchrun processes")
     b.set_defaults(func=_command("bench"))
-    p.commands = {"explain": e, "patch": pa, "run": r, "bench": b}
+    p.commands = {"explain": e, "generate": g, "patch": pa, "run": r, "bench": b}
     return p
 
 

@@ -1,0 +1,185 @@
+"""``pyattr generate``: generate (or take) a continuation, explain every generated token
+over the context, and show it: the terminal (top sources per step), JSON, an interactive
+HTML page (hover or click a generated token to light up its sources; a matrix view), and
+a PNG heatmap (generated × context)."""
+
+from __future__ import annotations
+
+import html
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+from pyattr.apps.explain import ExplainError, _load
+from pyattr.apps.render import _display, _rgb, num
+from pyattr.integration.config import RelevanceRules
+
+DEFAULT_PROMPT = "sun cat red tree sun"
+
+
+@dataclass
+class GenerationReport:
+    model: str
+    tokens: List[str]             # every column of the (one-row) sequence, padding excluded
+    prompt_tokens: int            # how many of them are the prompt
+    generated_text: str
+    matrix: List[List[float]]     # (generated, tokens)
+    targets: List[float]
+    deltas: List[float]
+    target_kind: str
+    seconds: float
+    backend: str
+    batch_targets: int
+
+    def to_json(self) -> dict:
+        return {"model": self.model, "tokens": self.tokens, "prompt_tokens": self.prompt_tokens,
+                "generated_text": self.generated_text, "target": self.target_kind,
+                "target_values": self.targets, "conservation_delta": self.deltas,
+                "token_relevance": self.matrix, "wall_time_s": self.seconds, "backend": self.backend,
+                "batch_targets": self.batch_targets}
+
+    def top_sources(self, step: int, k: int = 3):
+        own = self.prompt_tokens + step
+        row = self.matrix[step][:own]
+        order = sorted(range(own), key=lambda i: -row[i])[:k]
+        return [(i, self.tokens[i], row[i]) for i in order]
+
+
+def run_generate(model_dir: Path, text: str, max_new_tokens: Optional[int], continuation: Optional[str],
+                 target: str, rules: RelevanceRules, batch_targets: Optional[int] = None) -> GenerationReport:
+    import pyattr
+
+    tok, model = _load(model_dir, causal=True)
+    tok.padding_side = "left"
+    enc = dict(tok([text], return_tensors="pt"))
+    kw = {}
+    if continuation is not None:
+        cont = tok([continuation], add_special_tokens=False, return_tensors="pt")["input_ids"]
+        if cont.shape[1] == 0:
+            raise ExplainError("--continuation has no tokens")
+        kw["continuation"] = cont
+    else:
+        kw["max_new_tokens"] = max_new_tokens
+    t0 = time.perf_counter()
+    r = pyattr.generation_relevance(model, enc, target=target, rules=rules, batch_targets=batch_targets, **kw)
+    seconds = time.perf_counter() - t0
+    steps = int(r.step_mask[0].sum())
+    cols = r.attention_mask[0].bool().nonzero()[:, 0]
+    first = int(cols[0])
+    tokens = tok.convert_ids_to_tokens(r.sequences[0, cols].tolist())
+    matrix = r.token_relevance[0, :steps][:, cols].tolist()
+    return GenerationReport(
+        model=str(model_dir), tokens=tokens, prompt_tokens=r.prompt_width - first,
+        generated_text=tok.decode(r.generated[0, :steps], skip_special_tokens=True),
+        matrix=matrix, targets=r.target[0, :steps].tolist(), deltas=r.conservation_delta[0, :steps].tolist(),
+        target_kind=target, seconds=seconds, backend=r.backend, batch_targets=r.batch_targets,
+    )
+
+
+def print_terminal(rep: GenerationReport, top: int = 3, console=None) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = console or Console(soft_wrap=True)
+    console.print(f"[bold]model[/bold]      {escape(rep.model)}")
+    console.print(f"[bold]prompt[/bold]     {escape(' '.join(_display(t) for t in rep.tokens[:rep.prompt_tokens]))}")
+    console.print(f"[bold]generated[/bold]  {escape(rep.generated_text)}")
+    t = Table(title=f"per generated token: its {rep.target_kind} and top {top} sources")
+    for c in ("step", "token", rep.target_kind, "conservation delta", "top sources (position 'token' relevance)"):
+        t.add_column(c)
+    for s in range(len(rep.matrix)):
+        src = ", ".join(f"{i} '{_display(w)}' {num(v, '+.3f')}" for i, w, v in rep.top_sources(s, top))
+        t.add_row(str(s), escape(_display(rep.tokens[rep.prompt_tokens + s])), num(rep.targets[s], "+.4f"),
+                  num(rep.deltas[s], "+.2e"), escape(src))
+    console.print(t)
+    console.print(f"wall time  {rep.seconds * 1e3:.1f} ms ({len(rep.matrix)} steps, {rep.batch_targets} per backward; "
+                  f"backend {rep.backend})")
+
+
+def to_html(rep: GenerationReport) -> str:
+    """One page: the text with each generated token clickable (hover or click lights up its
+    sources, red positive, blue negative, on that step's own scale), and the matrix view."""
+    data = json.dumps({"tokens": [_display(t) for t in rep.tokens], "prompt": rep.prompt_tokens,
+                       "matrix": rep.matrix, "targets": rep.targets})
+    scale = max((abs(v) for row in rep.matrix for v in row), default=1.0) or 1.0
+    head = "".join(f"<th>{html.escape(_display(t))}</th>" for t in rep.tokens)
+    rows = []
+    for s, row in enumerate(rep.matrix):
+        cells = "".join(
+            f'<td style="background:rgb{_rgb(v, scale)}" title="{num(v, "+.4f")}"></td>'
+            if i < rep.prompt_tokens + s else '<td class="na"></td>' for i, v in enumerate(row))
+        rows.append(f"<tr><th>{html.escape(_display(rep.tokens[rep.prompt_tokens + s]))}</th>{cells}</tr>")
+    return f"""<!DOCTYPE html>
+<html><head><meta charset="utf-8"><title>pyattr generate</title>
+<style>
+body {{ font-family: sans-serif; margin: 2em; max-width: 70em; }}
+.tok {{ padding: 0.1em 0.25em; border-radius: 3px; font-family: monospace; cursor: default; }}
+.gen {{ border-bottom: 2px solid #999; cursor: pointer; }}
+.gen.sel {{ outline: 2px solid black; }}
+table.m td {{ width: 1.4em; height: 1.2em; }} table.m td.na {{ background: #eee; }}
+table.m th {{ font: 11px monospace; padding: 0 0.3em; }}
+</style></head><body>
+<h1>Relevance of generated tokens</h1>
+<p>model <code>{html.escape(rep.model)}</code>; target: each generated token's {html.escape(rep.target_kind)}.
+Hover or click a generated (underlined) token: its sources light up (red positive, blue negative, scaled to the
+step's largest |relevance|).</p>
+<p id="text"></p>
+<p id="info">&nbsp;</p>
+<h2>Matrix: generated token (rows) × context (columns)</h2>
+<table class="m"><tr><th></th>{head}</tr>
+{"".join(rows)}
+</table>
+<script>
+const D = {data};
+const text = document.getElementById("text"), info = document.getElementById("info");
+const spans = D.tokens.map((t, i) => {{
+  const s = document.createElement("span");
+  s.className = "tok" + (i >= D.prompt ? " gen" : "");
+  s.textContent = t; text.appendChild(s); text.appendChild(document.createTextNode(" "));
+  if (i >= D.prompt) {{
+    s.addEventListener("mouseenter", () => show(i - D.prompt));
+    s.addEventListener("click", () => {{ spans.forEach(x => x.classList.remove("sel")); s.classList.add("sel"); show(i - D.prompt); }});
+  }}
+  return s;
+}});
+function colour(v, m) {{
+  const a = Math.max(-1, Math.min(1, v / m)), k = Math.round(255 * (1 - Math.abs(a)));
+  return a >= 0 ? `rgb(255,${{k}},${{k}})` : `rgb(${{k}},${{k}},255)`;
+}}
+function show(step) {{
+  const row = D.matrix[step], own = D.prompt + step;
+  const m = Math.max(1e-12, ...row.slice(0, own).map(Math.abs));
+  spans.forEach((s, i) => {{ s.style.background = i < own ? colour(row[i], m) : ""; s.title = i < own ? row[i].toFixed(4) : ""; }});
+  info.textContent = `step ${{step}}: '${{D.tokens[own]}}', target ${{D.targets[step].toFixed(4)}}`;
+}}
+</script>
+</body></html>
+"""
+
+
+def save_png(rep: GenerationReport, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    m = np.array(rep.matrix, dtype=float)
+    for s in range(m.shape[0]):
+        m[s, rep.prompt_tokens + s:] = np.nan
+    lim = np.nanmax(np.abs(m)) if np.isfinite(m).any() else 1.0
+    fig, ax = plt.subplots(figsize=(max(4, 0.4 * m.shape[1] + 1.5), max(2.5, 0.35 * m.shape[0] + 1.5)))
+    im = ax.imshow(m, cmap="bwr", vmin=-lim, vmax=lim, aspect="auto")
+    ax.set_xticks(range(m.shape[1]), [_display(t) for t in rep.tokens], rotation=90, fontsize=8)
+    ax.set_yticks(range(m.shape[0]), [_display(t) for t in rep.tokens[rep.prompt_tokens:]], fontsize=8)
+    ax.set_xlabel("context token")
+    ax.set_ylabel("generated token")
+    fig.colorbar(im, ax=ax, label=f"relevance of the {rep.target_kind}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
