@@ -110,7 +110,7 @@ def test_saved_attribution_documents_validate_and_bad_rows_are_named():
     from pyattr.bench import report
 
     for name in ("cpu_conservation", "cpu_ig_memory", "cpu_e2e_k_targets", "cpu_patching", "cpu_dataset",
-                 "cpu_dataset_quick", "cpu_faithfulness", "cpu_estimators"):
+                 "cpu_dataset_quick", "cpu_faithfulness", "cpu_estimators", "cpu_generation"):
         with open(RESULTS / f"{name}.json", encoding="utf-8") as f:
             doc = json.load(f)
         report.validate(doc)
@@ -121,8 +121,8 @@ def test_saved_attribution_documents_validate_and_bad_rows_are_named():
     with pytest.raises(ValueError, match=r"row 0 field 'peak_bytes'"):
         report.validate(bad)
     bad["kind"] = "speed"
-    with pytest.raises(ValueError, match=r"kind 'speed', expected one of \['micro', 'e2e', 'conservation', 'ig-memory', 'patching', 'estimators', "
-                                         r"'faithfulness', 'dataset'\]"):
+    with pytest.raises(ValueError, match=r"kind 'speed', expected one of \['micro', 'e2e', 'conservation', 'ig-memory', 'patching', 'generation', "
+                                         r"'estimators', 'faithfulness', 'dataset'\]"):
         report.validate(bad)
     bad["kind"] = "patching"
     bad["rows"] = [{"model": "m", "method": "atp", "variant": "atp", "node": "mlp", "nodes": 3, "pairs": 1,

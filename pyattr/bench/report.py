@@ -185,6 +185,8 @@ _ROW_NUMBERS = {
     "conservation": (("dtype", "impl", "layer"), ("median_rel_error", "max_rel_error")),
     "ig-memory": (("dtype", "device"), ("n_steps", "peak_bytes", "seconds", "abs_convergence_delta")),
     "patching": (("model", "method", "variant", "node"), ("nodes", "pairs", "seconds")),
+    "generation": (("variant", "model"), ("steps", "prompt", "seconds", "peak_rss_bytes", "peak_extra_bytes",
+                                          "time_over_loop", "time_over_inseq")),
     "estimators": (("model", "variant", "node"), ("pairs", "seconds")),
     "faithfulness": (("model", "method"), ("rows", "ms", "time_ratio_to_ig", "abpc_sem")),
     "dataset": (("config", "device", "dtype"), ("processes", "prompts", "tokens", "seconds", "prompts_per_s",

@@ -208,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--faithfulness", action="store_true",
                    help="ABPC (perturbation curves) and time of relevance, AttnLRP, LN-rule, gradient x input, IG "
                         "and random on MiniLM and the toy induction decoder, instead")
+    b.add_argument("--generation", action="store_true",
+                   help="explaining 16 / 64 / 256 generated tokens on the e2e Llama: the per-step loop, inseq "
+                        "input_x_gradient and generation_relevance (time, peak RSS), instead")
     b.add_argument("--estimators", action="store_true",
                    help="patching estimators (AtP, AtP*, RelP, EAP-IG) against exact patching and the known circuit "
                         "of the toy induction decoder, and their time on a 144-head model, instead")

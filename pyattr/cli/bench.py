@@ -37,9 +37,9 @@ def _check_args(args):
     if args.chunk < 1:
         raise UsageError(f"--chunk must be >= 1, got {args.chunk}")
     if sum(map(bool, (args.e2e, args.conservation, args.ig_memory, args.patching, args.dataset,
-                      args.faithfulness, args.estimators))) > 1:
-        raise UsageError("--e2e, --conservation, --ig-memory, --patching, --dataset, --faithfulness and "
-                         "--estimators are separate runs; pass one")
+                      args.faithfulness, args.estimators, args.generation))) > 1:
+        raise UsageError("--e2e, --conservation, --ig-memory, --patching, --dataset, --faithfulness, "
+                         "--estimators and --generation are separate runs; pass one")
     if args.png is not None and not args.faithfulness:
         raise UsageError("--png is the perturbation-curve plot of --faithfulness; pass --faithfulness")
     for flag, path in (("--json", args.json), ("--markdown", args.markdown), ("--png", args.png)):
@@ -102,6 +102,20 @@ def run(args) -> int:
         table = faithfulness.markdown(rows, cond)
         if args.png:
             faithfulness.plot(rows, args.png)
+    elif args.generation:
+        import pyattr.bench.generation as generation
+
+        if device.type != "cpu":
+            return fail("bench", "--generation runs on the CPU only (--device cpu)")
+        monitor = contention.start()
+        try:
+            rows = generation.run_all(quick=args.quick)
+        except e2e.E2EError as e:
+            return fail("bench", str(e), status=1)
+        cond = monitor.stop()
+        doc = report.document("generation", device, rows, contention=cond)
+        report.validate(doc)
+        table = generation.markdown(rows, cond)
     elif args.estimators:
         import pyattr.bench.estimators as estimators
 

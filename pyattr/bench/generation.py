@@ -1,0 +1,154 @@
+"""``pyattr bench --generation``: explaining every generated token, three ways, on the e2e
+Llama (8 layers, hidden 1024, float32, CPU), a 128-token prompt and 16 / 64 / 256
+teacher-forced tokens (the same random ids for all three):
+
+(a) ``loop``: the per-step loop of :func:`pyattr.relevance` (one forward and one backward
+    per step over its prefix), what a user writes without the batched path;
+(b) ``inseq``: inseq's ``input_x_gradient`` (attributed function the logit), which also
+    runs one forward and one backward per step;
+(c) ``batched``: :func:`pyattr.generation_relevance` (k steps per backward, default k).
+
+Each measurement runs in its own process, so its peak RSS is its own; ``peak_extra_bytes``
+is the peak minus the RSS after the model was built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+VARIANTS = ("loop", "inseq", "batched")
+STEPS = (16, 64, 256)
+PROMPT = 128
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def _word_tokenizer(vocab: int):
+    """A word-level tokenizer whose words are ``t0 … t{vocab-1}`` (inseq reads text)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"t{i}": i for i in range(vocab)}
+    tk = Tokenizer(models.WordLevel(vocab=words, unk_token="t0"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="t0", pad_token="t0", bos_token="t1",
+                                   eos_token="t2")
+
+
+def _model(layers: Optional[int], hidden: Optional[int]):
+    from pyattr.bench.e2e import build_model
+
+    if hidden is None:
+        return build_model("cpu", torch.float32, layers)[0]
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=4096, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers or 2,
+                      num_attention_heads=4, num_key_value_heads=4)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def measure(variant: str, steps: int, prompt: int = PROMPT, layers: Optional[int] = None,
+            hidden: Optional[int] = None, batch_targets: Optional[int] = None) -> Dict:
+    import pyattr
+
+    model = _model(layers, hidden)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (1, prompt), generator=g)
+    cont = torch.randint(3, vocab, (1, steps), generator=g)
+    # warm-up: one short call of the same path, so that one-time costs (the rule scope's
+    # first install, the extension's load, inseq's hooks) are not timed
+    if variant in ("batched", "loop"):
+        pyattr.generation_relevance(model, ids[:, :4], continuation=cont[:, :2])
+    base = _rss()
+    t0 = time.perf_counter()
+    k = None
+    if variant == "batched":
+        r = pyattr.generation_relevance(model, ids, continuation=cont, batch_targets=batch_targets)
+        k = r.batch_targets
+    elif variant == "loop":
+        from pyattr.targets import Logit
+
+        seq = torch.cat([ids, cont], 1)
+        for t in range(steps):
+            pyattr.relevance(model, seq[:, : prompt + t], target=Logit(cont[:, t]))
+    elif variant == "inseq":
+        import inseq
+
+        tok = _word_tokenizer(vocab)
+        im = inseq.load_model(model, "input_x_gradient", tokenizer=tok)
+        text = " ".join(f"t{i}" for i in ids[0].tolist())
+        full = text + " " + " ".join(f"t{i}" for i in cont[0].tolist())
+        im.attribute(" ".join(text.split()[:4]), generated_texts=" ".join(full.split()[:6]), attributed_fn="logit",
+                     show_progress=False, skip_special_tokens=False)
+        t0 = time.perf_counter()
+        im.attribute(text, generated_texts=full, attributed_fn="logit", show_progress=False,
+                     skip_special_tokens=False)
+    else:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    seconds = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"variant": variant, "steps": steps, "prompt": prompt, "seconds": seconds, "peak_rss_bytes": peak,
+            "peak_extra_bytes": max(0, peak - base), "batch_targets": k,
+            "model": f"Llama {model.config.num_hidden_layers} layers, hidden {model.config.hidden_size}, float32"}
+
+
+def run_all(quick: bool = False) -> List[Dict]:
+    from pyattr.bench.e2e import child_row
+
+    steps = (4, 8) if quick else STEPS
+    extra = ["--layers", "2", "--hidden", "128", "--prompt", "16"] if quick else []
+    rows = []
+    for n in steps:
+        for v in VARIANTS:
+            rows.append(child_row([sys.executable, "-m", "pyattr.bench.generation", "--variant", v, "--steps",
+                                   str(n), *extra], f"generation {v} {n} steps"))
+    for n in steps:
+        rs = {r["variant"]: r for r in rows if r["steps"] == n}
+        for r in rs.values():
+            r["time_over_loop"] = r["seconds"] / rs["loop"]["seconds"]
+            r["time_over_inseq"] = r["seconds"] / rs["inseq"]["seconds"]
+    return rows
+
+
+def markdown(rows: List[Dict], contention=None) -> str:
+    from pyattr.bench.report import conditions
+
+    lines = [f"Explaining every generated token: {rows[0]['model']}, {rows[0]['prompt']}-token prompt, CPU", "",
+             "| generated | method | time (s) | / loop (a) | / inseq (b) | peak RSS (MB) | peak over model (MB) | k |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    names = {"loop": "(a) loop of pyattr.relevance", "inseq": "(b) inseq input_x_gradient",
+             "batched": "(c) generation_relevance"}
+    for r in rows:
+        lines.append(f"| {r['steps']} | {names[r['variant']]} | {r['seconds']:.2f} | {r['time_over_loop']:.2f} | "
+                     f"{r['time_over_inseq']:.2f} | {r['peak_rss_bytes'] / 2**20:.0f} | "
+                     f"{r['peak_extra_bytes'] / 2**20:.0f} | {r['batch_targets'] or ''} |")
+    if contention is not None:
+        lines += ["", conditions(contention)]
+    return "\n".join(lines) + "\n"
+
+
+def _main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--variant", choices=VARIANTS, required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--prompt", type=int, default=PROMPT)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--hidden", type=int, default=None)
+    a = p.parse_args(argv)
+    print(json.dumps(measure(a.variant, a.steps, a.prompt, a.layers, a.hidden)))
+
+
+if __name__ == "__main__":
+    _main()
