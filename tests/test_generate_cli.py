@@ -1,0 +1,95 @@
+"""``pyattr generate``: JSON equal to the API, the HTML page's script run under node with a
+stand-in DOM (hover a generated token: its sources light up), the PNG, one-line errors."""
+
+import json
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from conftest import run_cli
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_default_run_json_equals_the_api():
+    r = run_cli("generate", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["generated_text"] == "cat red tree sun cat red tree sun"
+    assert doc["tokens"][:6] == ["<s>", "sun", "cat", "red", "tree", "sun"] and doc["prompt_tokens"] == 6
+    m = torch.tensor(doc["token_relevance"])
+    assert m.shape == (8, 14)
+    import pyattr
+    import pyattr.toy as toy
+
+    model, tok, _ = toy.load()
+    api = pyattr.generation_relevance(model, dict(tok(["sun cat red tree sun"], return_tensors="pt")), max_new_tokens=8)
+    torch.testing.assert_close(m, api.token_relevance[0])
+    assert doc["target_values"] == pytest.approx(api.target[0].tolist(), rel=1e-6)
+
+
+def test_terminal_lists_top_sources():
+    r = run_cli("generate", "--text", "dog owl fish bee dog", "--max-new-tokens", "2", "--top", "1")
+    assert r.returncode == 0, r.stderr
+    assert "generated  owl fish" in r.stdout
+    assert "2 'owl'" in r.stdout and "3 'fish'" in r.stdout  # each step's top source: the word it copies
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="node runs the page's script")
+def test_html_page_lights_up_the_sources_of_a_hovered_token(tmp_path):
+    out, png = tmp_path / "g.html", tmp_path / "g.png"
+    r = run_cli("generate", "--continuation", "cat red", "--html", out, "--png", png)
+    assert r.returncode == 0, r.stderr
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    page = out.read_text()
+    script = re.search(r"<script>(.*)</script>", page, re.S).group(1)
+    harness = """
+const made = [];
+function el() { return { children: [], style: {}, title: "", className: "", textContent: "", handlers: {},
+  classList: { set: new Set(), add(c) { this.set.add(c); }, remove(c) { this.set.delete(c); } },
+  appendChild(c) { this.children.push(c); }, addEventListener(e, f) { this.handlers[e] = f; } }; }
+const nodes = { text: el(), info: el() };
+global.document = { getElementById: id => nodes[id], createTextNode: t => ({ t }),
+  createElement: () => { const e = el(); made.push(e); return e; } };
+""" + script + """
+made[6].handlers.mouseenter();   // step 0: 'cat' (column 6)
+const first = made.map(s => s.style.background);
+made[7].handlers.click();        // step 1: 'red'
+console.log(JSON.stringify({ first, second: made.map(s => s.style.background),
+  classes: made.map(s => s.className), info: nodes.info.textContent, sel: [...made[7].classList.set] }));
+"""
+    js = tmp_path / "h.js"
+    js.write_text(harness)
+    res = subprocess.run(["node", str(js)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout)
+    assert got["classes"] == ["tok"] * 6 + ["tok gen"] * 2
+    # step 0 ('cat') sees columns 0-5; its largest source, the earlier 'cat' (column 2), is full red
+    assert got["first"][2] == "rgb(255,0,0)" and got["first"][6:] == ["", ""]
+    assert all(c.startswith("rgb(") for c in got["first"][:6])
+    assert got["second"][3] == "rgb(255,0,0)" and got["second"][7] == ""  # step 1: 'red' at column 3
+    assert got["info"].startswith("step 1: 'red', target ") and got["sel"] == ["sel"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--max-new-tokens", "0"), "--max-new-tokens must be >= 1, got 0"),
+    (("--max-new-tokens", "2", "--continuation", "cat"), "--max-new-tokens generates, --continuation explains"),
+    (("--model", "induction"), "--model needs --text (the prompt)"),
+    (("--text", "  "), "--text is empty"),
+    (("--html", "/nonexistent-dir/g.html"), "--html: cannot write '/nonexistent-dir/g.html': directory"),
+    (("--batch-targets", "0"), "--batch-targets must be >= 1, got 0"),
+    (("--continuation", "zzz-not-a-word"), ""),
+    (("--target", "loss"), "argument --target: invalid choice: 'loss'"),
+    (("--model", "/nonexistent-model", "--text", "x"), "model directory '/nonexistent-model' does not exist"),
+])
+def test_errors_are_one_line_with_status_2(args, message):
+    r = run_cli("generate", *args)
+    if args[0] == "--continuation":  # an unknown word is the tokenizer's <unk>: explained, not an error
+        assert r.returncode == 0, r.stderr
+        return
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("pyattr generate: error: ")
+    assert message in r.stderr
