@@ -95,6 +95,7 @@ def run(
     progress: bool = True,
     command: Optional[str] = None,
     generic: bool = False,
+    generate: Optional[int] = None,
 ) -> RunSummary:
     """Token relevance of every prompt of ``data`` for a causal LM's next-token logit,
     stored in ``out`` (see :mod:`pyattr.apps.run` for the layout and columns).
@@ -118,6 +119,13 @@ def run(
         command (str, optional): recorded in the manifest.
         generic (bool): structural rule installation for an architecture without a rule
             map (see :func:`pyattr.use_relevance_rules`). Default False.
+        generate (int, optional): generate this many tokens per prompt (greedy) and explain
+            each of them (:func:`pyattr.generation_relevance`): then ``tokens`` holds the
+            prompt and the generated tokens, ``generated_text`` the continuation, and
+            ``target_id`` / ``target_token`` / ``target`` / ``conservation_delta`` one entry
+            per generated token, ``token_relevance`` one list per generated token (the
+            relevance matrix, generated × tokens). Steps after an end-of-sequence token are
+            not stored.
 
     Returns:
         RunSummary for this rank.
@@ -136,6 +144,12 @@ def run(
 
     max_tokens_per_batch = core.check_count("max_tokens_per_batch", max_tokens_per_batch, allow_none=False)
     shard_size = core.check_count("shard_size", shard_size, allow_none=False)
+    try:
+        generate = core.check_count("generate", generate)
+    except ValueError as e:
+        raise RunError(str(e)) from None
+    if generate is not None and target is not None:
+        raise RunError("target: with generate, each generated token is its own target; drop the target field")
     rules = RelevanceRules.all() if rules is None else rules
     rank, world = _rank_world()
     prompts = read_prompts(data, text_field, target)  # a bad file fails before OUT is created
@@ -145,7 +159,7 @@ def run(
     lock = lock_output(out, rank)
     try:
         return _run_locked(model, prompts, data, out, tokenizer, text_field, target, rules, max_tokens_per_batch,
-                           shard_size, progress, command, rank, world, generic)
+                           shard_size, progress, command, rank, world, generic, generate)
     finally:
         lock.close()
 
@@ -163,15 +177,22 @@ def _check_model(model, rules, generic: bool) -> None:
 
 
 def _run_locked(model, prompts, data, out: Path, tokenizer, text_field, target, rules, max_tokens_per_batch,
-                shard_size, progress, command, rank, world, generic) -> RunSummary:
+                shard_size, progress, command, rank, world, generic, generate=None) -> RunSummary:
     from pyattr.methods.relevance import relevance as method
     from pyattr.targets import Logit
 
     relevance = functools.partial(method, generic=generic)
+    if generate is not None:
+        relevance = functools.partial(_generation_call, tokenizer=tokenizer, generate=generate)
 
     manifest = build_manifest(model, tokenizer, rules, text_field, target, data, command, world)
     manifest["data_sha256"] = fingerprint(prompts)
     manifest["max_tokens_per_batch"] = max_tokens_per_batch
+    manifest["generate"] = generate
+    if generate is not None:
+        from pyattr.apps.store import GENERATE_COLUMNS
+
+        manifest["columns"] = list(GENERATE_COLUMNS)
     check_manifest(out, manifest)
     for tmp in out.glob(f".part-{rank:05d}-*.tmp"):  # half-written by a killed run (this rank's lock is ours)
         tmp.unlink()
@@ -209,7 +230,7 @@ def _run_locked(model, prompts, data, out: Path, tokenizer, text_field, target, 
             by_id: Dict[str, dict] = {}
             for p in chunk:
                 if p.id in problems:
-                    by_id[p.id] = _error_row(p, problems[p.id])
+                    by_id[p.id] = _error_row(p, problems[p.id], 0.0, generate)
             ready = [p for p in chunk if p.id not in problems]
             bar.advance(len(chunk) - len(ready), 0)
             for batch in _batches(ready, encoded, max_tokens_per_batch, model):
@@ -217,10 +238,14 @@ def _run_locked(model, prompts, data, out: Path, tokenizer, text_field, target, 
                 results = _relevance_batch(relevance, Logit, model, pad, batch, encoded, targets, rules)
                 per = (time.perf_counter() - t0) / len(batch)
                 for p, res in zip(batch, results):
-                    by_id[p.id] = _error_row(p, res, per) if isinstance(res, str) else \
-                        {**res, "tokens": tokenizer.convert_ids_to_tokens(encoded[p.id]),
-                         "target_token": tokenizer.convert_ids_to_tokens([res["target_id"]])[0],
-                         "id": p.id, "text": p.text, "error": None, "seconds": per}
+                    if isinstance(res, str):
+                        by_id[p.id] = _error_row(p, res, per, generate)
+                    elif generate is not None:  # the generation call names its tokens itself
+                        by_id[p.id] = {**res, "id": p.id, "text": p.text, "error": None, "seconds": per}
+                    else:
+                        by_id[p.id] = {**res, "tokens": tokenizer.convert_ids_to_tokens(encoded[p.id]),
+                                       "target_token": tokenizer.convert_ids_to_tokens([res["target_id"]])[0],
+                                       "id": p.id, "text": p.text, "error": None, "seconds": per}
                 bar.advance(len(batch), sum(len(encoded[p.id]) for p in batch))
             rows = [{**by_id[p.id], "index": index[p.id]} for p in chunk]
             failed += sum(r["error"] is not None for r in rows)
@@ -289,9 +314,45 @@ def _target_id(tokenizer, target, model):
     return tid
 
 
-def _error_row(p: Prompt, error: str, seconds: float = 0.0) -> dict:
-    return {"id": p.id, "text": p.text, "tokens": None, "token_relevance": None, "target_id": None,
-            "target_token": None, "target": None, "conservation_delta": None, "error": error, "seconds": seconds}
+def _error_row(p: Prompt, error: str, seconds: float = 0.0, generate: Optional[int] = None) -> dict:
+    row = {"id": p.id, "text": p.text, "tokens": None, "token_relevance": None, "target_id": None,
+           "target_token": None, "target": None, "conservation_delta": None, "error": error, "seconds": seconds}
+    if generate is not None:
+        row["generated_text"] = None
+    return row
+
+
+def _generation_call(model, inputs, target=None, rules=None, *, tokenizer, generate: int):
+    """``generation_relevance`` on one batch, returned row by row (the stored columns)."""
+    from pyattr.methods.generation import generation_relevance
+
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    # generation appends on the right: the batch arrives right-padded, so turn it around
+    lengths = mask.sum(1)
+    width = ids.shape[1]
+    left = torch.zeros_like(ids)
+    lmask = torch.zeros_like(mask)
+    for i, n in enumerate(lengths.tolist()):
+        left[i, width - n:] = ids[i, :n]
+        lmask[i, width - n:] = 1
+    r = generation_relevance(model, {"input_ids": left, "attention_mask": lmask}, max_new_tokens=generate,
+                             rules=rules)
+    rows = []
+    for i in range(ids.shape[0]):
+        steps = int(r.step_mask[i].sum())
+        cols = r.attention_mask[i].bool().nonzero()[:, 0]
+        cols = cols[cols < r.prompt_width + steps]
+        gen = r.generated[i, :steps].tolist()
+        rows.append({
+            "tokens": tokenizer.convert_ids_to_tokens(r.sequences[i, cols].tolist()),
+            "generated_text": tokenizer.decode(gen, skip_special_tokens=True),
+            "token_relevance": [[float(v) for v in r.token_relevance[i, t, cols]] for t in range(steps)],
+            "target_id": gen,
+            "target_token": tokenizer.convert_ids_to_tokens(gen),
+            "target": r.target[i, :steps].tolist(),
+            "conservation_delta": r.conservation_delta[i, :steps].tolist(),
+        })
+    return rows
 
 
 def _batches(prompts: List[Prompt], encoded, budget: int, model=None):
@@ -339,6 +400,8 @@ def _call(relevance, Logit, model, pad, batch, encoded, targets, rules):
     if batch[0].id in targets:  # with a target field every prompt that runs has one
         target = Logit([targets[p.id] for p in batch])
     res = relevance(model, {"input_ids": ids, "attention_mask": mask}, target=target, rules=rules)
+    if isinstance(res, list):  # generate mode: the rows are made by _generation_call
+        return res
     out = []
     for i, s in enumerate(seqs):
         out.append({

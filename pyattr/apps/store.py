@@ -35,16 +35,31 @@ def next_seq(out: Path, rank: int) -> int:
     return max(seqs) + 1 if seqs else 0
 
 
+#: the columns of a run with ``generate``: the per-target columns hold one entry per
+#: generated token, ``token_relevance`` one list per generated token
+GENERATE_COLUMNS = ("id", "index", "text", "tokens", "generated_text", "token_relevance", "target_id", "target_token",
+                    "target", "conservation_delta", "error", "seconds")
+
+
 def write_shard(out: Path, rank: int, seq: int, rows: List[dict]) -> str:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    schema = pa.schema([
-        ("id", pa.string()), ("index", pa.int64()), ("text", pa.string()), ("tokens", pa.list_(pa.string())),
-        ("token_relevance", pa.list_(pa.float32())), ("target_id", pa.int64()), ("target_token", pa.string()),
-        ("target", pa.float64()),
-        ("conservation_delta", pa.float64()), ("error", pa.string()), ("seconds", pa.float64()),
-    ])
+    if rows and "generated_text" in rows[0]:
+        schema = pa.schema([
+            ("id", pa.string()), ("index", pa.int64()), ("text", pa.string()), ("tokens", pa.list_(pa.string())),
+            ("generated_text", pa.string()), ("token_relevance", pa.list_(pa.list_(pa.float32()))),
+            ("target_id", pa.list_(pa.int64())), ("target_token", pa.list_(pa.string())),
+            ("target", pa.list_(pa.float64())), ("conservation_delta", pa.list_(pa.float64())),
+            ("error", pa.string()), ("seconds", pa.float64()),
+        ])
+    else:
+        schema = pa.schema([
+            ("id", pa.string()), ("index", pa.int64()), ("text", pa.string()), ("tokens", pa.list_(pa.string())),
+            ("token_relevance", pa.list_(pa.float32())), ("target_id", pa.int64()), ("target_token", pa.string()),
+            ("target", pa.float64()),
+            ("conservation_delta", pa.float64()), ("error", pa.string()), ("seconds", pa.float64()),
+        ])
     table = pa.Table.from_pylist(rows, schema=schema)
     name = f"part-{rank:05d}-{seq:06d}.parquet"
     tmp = out / f".{name}.tmp"
@@ -98,7 +113,7 @@ def _device_map(model) -> Optional[Dict[str, str]]:
 # bfloat16 / float16 a row's numbers depend on its batch's padding by up to ~1 %, hence the
 # budget; in float32 by ~1e-7, and a smaller budget after running out of memory is fine)
 _SAME = ("model", "model_type", "rules", "dtype", "text_field", "target", "data", "data_sha256",
-         "max_tokens_per_batch")
+         "max_tokens_per_batch", "generate")
 
 
 def fingerprint(prompts: List[Prompt]) -> str:

@@ -157,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--rules", default="all",
                    help="all (default), attnlrp, none, or a comma list of normalization,activation,"
                         "multiplicative_gate,attention,routing")
+    r.add_argument("--generate", type=int, default=None, metavar="N",
+                   help="generate N tokens per prompt (greedy) and store each one's relevance over its context "
+                        "(the relevance matrix per row)")
     r.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="model dtype")
     r.add_argument("--max-tokens-per-batch", type=int, default=4096, help="rows x padded length per pass (default 4096)")
     r.add_argument("--shard-size", type=int, default=256, help="rows per Parquet shard (default 256)")

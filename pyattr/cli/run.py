@@ -161,6 +161,7 @@ def run(args) -> int:
             target=None if args.target == "top1" else args.target, rules=rules,
             max_tokens_per_batch=args.max_tokens_per_batch, shard_size=args.shard_size,
             command=" ".join(shlex.quote(a) for a in ["pyattr", *sys.argv[1:]]), generic=args.generic,
+            generate=args.generate,
         )
     except (ExplainError, RunError) as e:
         return fail("run", str(e).replace("Pass generic=True", "Pass --generic"))
