@@ -8,6 +8,9 @@ from pathlib import Path
 from pyattr.cli._common import UsageError, check_output_path, fail
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
+#: CPU runs whose module ``pyattr.bench.<name>`` has ``run_all(quick)`` and
+#: ``markdown(rows, contention)`` and whose JSON kind is the name
+SIMPLE_RUNS = ("faithfulness", "generation", "estimators")
 
 
 def parse_shapes(text: str):
@@ -89,44 +92,24 @@ def run(args) -> int:
     import pyattr.bench.report as report
 
     dtypes = [getattr(torch, n) for n in names]
-    if args.faithfulness:
-        import pyattr.bench.faithfulness as faithfulness
+    simple = next((k for k in SIMPLE_RUNS if getattr(args, k)), None)
+    if simple is not None:
+        import importlib
 
         if device.type != "cpu":
-            return fail("bench", "--faithfulness runs on the CPU only (--device cpu)")
-        monitor = contention.start()
-        rows = faithfulness.run_all(quick=args.quick)
-        cond = monitor.stop()
-        doc = report.document("faithfulness", device, rows, contention=cond)
-        report.validate(doc)
-        table = faithfulness.markdown(rows, cond)
-        if args.png:
-            faithfulness.plot(rows, args.png)
-    elif args.generation:
-        import pyattr.bench.generation as generation
-
-        if device.type != "cpu":
-            return fail("bench", "--generation runs on the CPU only (--device cpu)")
+            return fail("bench", f"--{simple} runs on the CPU only (--device cpu)")
+        module = importlib.import_module(f"pyattr.bench.{simple}")
         monitor = contention.start()
         try:
-            rows = generation.run_all(quick=args.quick)
-        except e2e.E2EError as e:
+            rows = module.run_all(quick=args.quick)
+        except e2e.E2EError as e:  # a measurement process failed
             return fail("bench", str(e), status=1)
         cond = monitor.stop()
-        doc = report.document("generation", device, rows, contention=cond)
+        doc = report.document(simple, device, rows, contention=cond)
         report.validate(doc)
-        table = generation.markdown(rows, cond)
-    elif args.estimators:
-        import pyattr.bench.estimators as estimators
-
-        if device.type != "cpu":
-            return fail("bench", "--estimators runs on the CPU only (--device cpu)")
-        monitor = contention.start()
-        rows = estimators.run_all(quick=args.quick)
-        cond = monitor.stop()
-        doc = report.document("estimators", device, rows, contention=cond)
-        report.validate(doc)
-        table = estimators.markdown(rows, cond)
+        table = module.markdown(rows, cond)
+        if args.png:
+            module.plot(rows, args.png)
     elif args.patching:
         import pyattr.bench.patching as patching
 
