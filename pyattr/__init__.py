@@ -75,8 +75,9 @@ def __dir__():
 
 
 if TYPE_CHECKING:  # what static tools see
-    from pyattr import ops, patching, rules, targets
+    from pyattr import evaluate, ops, patching, rules, targets
     from pyattr.apps.run import RunSummary, run
+    from pyattr.methods.generation import GenerationRelevanceResult, generation_relevance
     from pyattr.methods.capture import Captured, GradientCapture, capture
     from pyattr.methods.integrated_gradients import AttributionResult, integrated_gradients
     from pyattr.methods.layer_relevance import LayerRelevance, LayerRelevanceResult, layer_relevance

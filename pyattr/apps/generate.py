@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
-import torch
 
 from pyattr.apps.explain import ExplainError, _load
 from pyattr.apps.render import _display, _rgb, num
