@@ -122,7 +122,7 @@ def test_saved_attribution_documents_validate_and_bad_rows_are_named():
         report.validate(bad)
     bad["kind"] = "speed"
     with pytest.raises(ValueError, match=r"kind 'speed', expected one of \['micro', 'e2e', 'conservation', 'ig-memory', 'patching', 'generation', "
-                                         r"'estimators', 'faithfulness', 'dataset'\]"):
+                                         r"'long-context', 'estimators', 'faithfulness', 'dataset'\]"):
         report.validate(bad)
     bad["kind"] = "patching"
     bad["rows"] = [{"model": "m", "method": "atp", "variant": "atp", "node": "mlp", "nodes": 3, "pairs": 1,
@@ -197,3 +197,25 @@ def test_estimators_bench_quick_run(tmp_path):
     big = [r for r in doc["rows"] if r["model"].startswith("random Llama, 12 layers x 12 heads")]
     assert len(big) == 8 and all(r["speedup_vs_exact"] > 0 for r in big)
     assert "top-2 = exact" in p.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag, kind", [("--generation", "generation"), ("--long-context", "long-context")])
+def test_generation_benches_quick_run(tmp_path, flag, kind):
+    from pyattr.bench import report
+
+    out = tmp_path / "g.json"
+    p = run_cli("bench", flag, "--quick", "--json", out)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(out.read_text())
+    report.validate(doc)
+    assert doc["kind"] == kind
+    variants = {r["variant"] for r in doc["rows"]}
+    if kind == "generation":
+        assert variants == {"loop", "inseq", "batched"} and len(doc["rows"]) == 6
+        assert all(r["time_over_loop"] > 0 for r in doc["rows"])
+        assert "(c) generation_relevance" in p.stdout
+    else:
+        assert variants == {"pyattr", "plain", "eager"} and {r["context"] for r in doc["rows"]} == {256, 512}
+        assert all(r["bytes_per_1k"] == pytest.approx(r["peak_extra_bytes"] / (r["context"] / 1024))
+                   for r in doc["rows"])

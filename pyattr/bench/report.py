@@ -187,6 +187,8 @@ _ROW_NUMBERS = {
     "patching": (("model", "method", "variant", "node"), ("nodes", "pairs", "seconds")),
     "generation": (("variant", "model"), ("steps", "prompt", "seconds", "peak_rss_bytes", "peak_extra_bytes",
                                           "time_over_loop", "time_over_inseq")),
+    "long-context": (("variant", "model"), ("context", "generated", "seconds", "peak_rss_bytes", "peak_extra_bytes",
+                                            "bytes_per_1k")),
     "estimators": (("model", "variant", "node"), ("pairs", "seconds")),
     "faithfulness": (("model", "method"), ("rows", "ms", "time_ratio_to_ig", "abpc_sem")),
     "dataset": (("config", "device", "dtype"), ("processes", "prompts", "tokens", "seconds", "prompts_per_s",

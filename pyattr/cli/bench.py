@@ -10,7 +10,7 @@ from pyattr.cli._common import UsageError, check_output_path, fail
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 #: CPU runs whose module ``pyattr.bench.<name>`` has ``run_all(quick)`` and
 #: ``markdown(rows, contention)`` and whose JSON kind is the name
-SIMPLE_RUNS = ("faithfulness", "generation", "estimators")
+SIMPLE_RUNS = ("faithfulness", "generation", "long_context", "estimators")
 
 
 def parse_shapes(text: str):
@@ -40,9 +40,9 @@ def _check_args(args):
     if args.chunk < 1:
         raise UsageError(f"--chunk must be >= 1, got {args.chunk}")
     if sum(map(bool, (args.e2e, args.conservation, args.ig_memory, args.patching, args.dataset,
-                      args.faithfulness, args.estimators, args.generation))) > 1:
+                      args.faithfulness, args.estimators, args.generation, args.long_context))) > 1:
         raise UsageError("--e2e, --conservation, --ig-memory, --patching, --dataset, --faithfulness, "
-                         "--estimators and --generation are separate runs; pass one")
+                         "--estimators, --generation and --long-context are separate runs; pass one")
     if args.png is not None and not args.faithfulness:
         raise UsageError("--png is the perturbation-curve plot of --faithfulness; pass --faithfulness")
     for flag, path in (("--json", args.json), ("--markdown", args.markdown), ("--png", args.png)):
@@ -97,7 +97,7 @@ def run(args) -> int:
         import importlib
 
         if device.type != "cpu":
-            return fail("bench", f"--{simple} runs on the CPU only (--device cpu)")
+            return fail("bench", f"--{simple.replace('_', '-')} runs on the CPU only (--device cpu)")
         module = importlib.import_module(f"pyattr.bench.{simple}")
         monitor = contention.start()
         try:
@@ -105,7 +105,7 @@ def run(args) -> int:
         except e2e.E2EError as e:  # a measurement process failed
             return fail("bench", str(e), status=1)
         cond = monitor.stop()
-        doc = report.document(simple, device, rows, contention=cond)
+        doc = report.document(simple.replace("_", "-"), device, rows, contention=cond)
         report.validate(doc)
         table = module.markdown(rows, cond)
         if args.png:
