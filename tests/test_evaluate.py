@@ -149,5 +149,17 @@ def test_bad_arguments_name_what_was_expected(model, kw, err, message):
 def test_pad_perturbation_needs_a_pad_token():
     m = tiny_causal_lm("llama")
     m.config.pad_token_id = None
-    with pytest.raises(ValueError, match="pad"):
+    with pytest.raises(ValueError, match="perturbation='pad' needs a pad token: LlamaForCausalLM's config has no "
+                                         "pad_token_id; pass token_id="):
         E.perturbation_curve(m, IDS, torch.zeros(2, 6), perturbation="pad")
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"perturbation": "pad", "token_id": 1000}, "token_id must be in [0, 96) (config.vocab_size), got 1000"),
+    ({"perturbation": "mask", "token_id": -1}, "token_id must be in [0, 96) (config.vocab_size), got -1"),
+    ({"perturbation": "mask", "token_id": 3.7}, "token_id must be an int token id, got 3.7"),
+])
+def test_bad_token_ids(model, kw, message):
+    with pytest.raises(ValueError) as e:
+        E.perturbation_curve(model, IDS, torch.zeros(2, 6), **kw)
+    assert message in str(e.value)

@@ -77,7 +77,9 @@ console.log(JSON.stringify({ first, second: made.map(s => s.style.background),
 @pytest.mark.parametrize("args, message", [
     (("--max-new-tokens", "0"), "--max-new-tokens must be >= 1, got 0"),
     (("--max-new-tokens", "2", "--continuation", "cat"), "--max-new-tokens generates, --continuation explains"),
-    (("--model", "induction"), "--model needs --text (the prompt)"),
+    (("--model", "/tmp", ), "--model needs --text (the prompt); only the toy model has a built-in one"),
+    (("--model", ""), "--model is empty"),
+    (("--top", "0"), "--top must be >= 1, got 0"),
     (("--text", "  "), "--text is empty"),
     (("--html", "/nonexistent-dir/g.html"), "--html: cannot write '/nonexistent-dir/g.html': directory"),
     (("--batch-targets", "0"), "--batch-targets must be >= 1, got 0"),
@@ -93,3 +95,9 @@ def test_errors_are_one_line_with_status_2(args, message):
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("pyattr generate: error: ")
     assert message in r.stderr
+
+
+def test_model_induction_needs_no_text():
+    r = run_cli("generate", "--model", "induction", "--max-new-tokens", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["generated_text"] == "cat red"

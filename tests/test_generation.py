@@ -193,3 +193,56 @@ def test_right_padding_and_encoders_are_refused():
         r.span(3, 3)
     with pytest.raises(ValueError, match="aggregate\\('word'\\) needs tokenizer="):
         r.aggregate("word")
+
+
+def test_review_cases():
+    """From the adversarial review: end of sequence from generate_kwargs, the mask argument
+    winning as in relevance, a whole-sequence tensor baseline, ids outside the vocabulary,
+    non-finite outputs, the result helpers' edges."""
+    import numpy as np
+
+    model = tiny_causal_lm("llama")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    free = pyattr.generation_relevance(model, ids, max_new_tokens=4)
+    eos = int(free.generated[0, 1])
+    r = pyattr.generation_relevance(model, torch.tensor([[5, 6, 7, 8], [1, 2, 3, 4]]), max_new_tokens=4,
+                                    generate_kwargs={"eos_token_id": eos, "pad_token_id": 0})
+    assert r.step_mask[0].tolist()[:2] == [True, True] and not any(r.step_mask[0].tolist()[2:])
+    assert r.top_sources(3, row=0) == []
+    # the attention_mask argument wins over the mapping's, as in pyattr.relevance
+    enc = {"input_ids": torch.tensor([[0, 0, 7, 8]]), "attention_mask": torch.ones(1, 4, dtype=torch.long)}
+    masked = torch.tensor([[0, 0, 1, 1]])
+    a = pyattr.generation_relevance(model, enc, continuation=CONT[:1, :2], attention_mask=masked)
+    b = pyattr.generation_relevance(model, {"input_ids": enc["input_ids"], "attention_mask": masked},
+                                    continuation=CONT[:1, :2])
+    assert torch.equal(a.token_relevance, b.token_relevance)
+    # a tensor baseline covers prompt and continuation; each step sees its prefix of it
+    base = torch.randn(1, 9, 32, generator=torch.Generator().manual_seed(0))
+    r = pyattr.generation_relevance(model, ids, continuation=CONT[:1], baseline=base, batch_targets=2)
+    seq = torch.cat([ids, CONT[:1]], 1)
+    want = pyattr.relevance(model, seq[:, :6], target=pyattr.targets.Logit(CONT[:1, 2]), baseline=base[:, :6])
+    _close(r.token_relevance[0, 2, :6], want.token_relevance[0])
+    with pytest.raises(ValueError, match=r"a tensor baseline covers the whole sequence \(prompt and generated "
+                                         r"tokens, 9 positions\)"):
+        pyattr.generation_relevance(model, ids, continuation=CONT[:1], baseline=torch.zeros(1, 7, 32))
+    with pytest.raises(ValueError, match=r"inputs: token ids must be in \[0, 96\) \(config.vocab_size\), got \[600\]"):
+        pyattr.generation_relevance(model, torch.tensor([[5, 600]]), max_new_tokens=2)
+    assert free.top_sources(np.int64(1)) == free.top_sources(1)
+    with pytest.raises(IndexError, match=r"row must be an int in \[0, 1\), got 5"):
+        free.top_sources(0, row=5)
+    with pytest.raises(ValueError, match="non-empty list of"):
+        free.aggregate([])
+
+
+def test_non_finite_outputs_are_an_error_not_nan_relevance():
+    model = tiny_causal_lm("llama", dtype=torch.float64)
+    enc = {"input_ids": torch.tensor([[5, 6, 7, 8], [0, 9, 10, 11]]),
+           "attention_mask": torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])}
+    with torch.no_grad():
+        finite = bool(torch.isfinite(model(**enc).logits).all())
+    if finite:  # transformers' float64 eager attention gives NaN on left padding in 5.x; if fixed, results are finite
+        r = pyattr.generation_relevance(model, enc, continuation=CONT[:, :2])
+        assert bool(torch.isfinite(r.target).all())
+    else:
+        with pytest.raises(ValueError, match="the model's output is not finite"):
+            pyattr.generation_relevance(model, enc, continuation=CONT[:, :2])

@@ -93,6 +93,8 @@ def test_more_steps_converge_and_chunks_change_nothing(model64):
     ({"method": "ig", "alignment": torch.arange(6)}, "alignment: method='ig' interpolates the input embeddings"),
     ({"method": "ig", "rules": object()}, "rules: method='ig' uses the plain gradient"),
     ({"method": "eap"}, "method must be one of ('relp', 'atp', 'atp*', 'ig'), got 'eap'"),
+    ({"method": "ig", "attention_mask": torch.tensor([[1] * 6, [0] + [1] * 5])},
+     "method='ig' interpolates the input embeddings position by position, so they must have the same length and mask"),
 ])
 def test_bad_arguments(kw, message):
     model = tiny_causal_lm("llama")

@@ -10,6 +10,12 @@ from pyattr.cli._common import UsageError, check_output_path, fail
 from pyattr.cli.explain import rules_from_args
 
 
+def _toy_dir() -> Path:
+    from pyattr.toy import INDUCTION_DIR
+
+    return INDUCTION_DIR.resolve()
+
+
 def run(args) -> int:
     try:
         for flag, path in (("--html", args.html), ("--png", args.png)):
@@ -19,14 +25,16 @@ def run(args) -> int:
             raise UsageError("--max-new-tokens generates, --continuation explains given text; pass one")
         if args.max_new_tokens is not None and args.max_new_tokens < 1:
             raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        if args.top < 1:
+            raise UsageError(f"--top must be >= 1, got {args.top}")
+        if args.model is not None and not args.model.strip():
+            raise UsageError("--model is empty")
         if args.batch_targets is not None and args.batch_targets < 1:
             raise UsageError(f"--batch-targets must be >= 1, got {args.batch_targets}")
-        if args.model is None and args.text is None:
-            pass  # the toy model and its built-in prompt
-        elif args.text is not None and not args.text.strip():
+        if args.text is not None and not args.text.strip():
             raise UsageError("--text is empty")
-        elif args.text is None:
-            raise UsageError("--model needs --text (the prompt)")
+        if args.text is None and args.model is not None and Path(args.model).resolve() != _toy_dir():
+            raise UsageError("--model needs --text (the prompt); only the toy model has a built-in one")
     except UsageError as e:
         return fail("generate", str(e))
 

@@ -21,7 +21,6 @@ import pyattr.methods._core.groups as G
 import pyattr.targets as T
 from pyattr.integration.wrappers import unwrap
 from pyattr.methods._core.forward import evaluate_targets, run_model
-from pyattr.methods._core.baseline import pad_token_id
 
 ORDERS = ("morf", "lerf", "insertion")
 PERTURBATIONS = ("zero_embedding", "pad", "mask", "mean_embedding")
@@ -106,15 +105,28 @@ def perturbed_masks(relevance: torch.Tensor, real: torch.Tensor, order: str, ste
 
 
 def _replacement_id(model: nn.Module, perturbation: str, token_id) -> Optional[int]:
-    if perturbation == "pad":
-        return pad_token_id(model) if token_id is None else int(token_id)
-    if perturbation == "mask":
-        if token_id is None:
-            raise ValueError("perturbation='mask' needs token_id= (the tokenizer's mask_token_id)")
-        return int(token_id)
-    if token_id is not None:
+    if token_id is not None and perturbation not in ("pad", "mask"):
         raise ValueError(f"token_id is used by perturbation='pad' or 'mask', not {perturbation!r}")
-    return None
+    if perturbation == "mask" and token_id is None:
+        raise ValueError("perturbation='mask' needs token_id= (the tokenizer's mask_token_id)")
+    if perturbation == "pad" and token_id is None:
+        token_id = getattr(getattr(model, "config", None), "pad_token_id", None)
+        if token_id is None:
+            raise ValueError(f"perturbation='pad' needs a pad token: {type(model).__name__}'s config has no "
+                             "pad_token_id; pass token_id= (e.g. the tokenizer's pad or eos id)")
+    if token_id is None:
+        return None
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(token_id, bool) or not isinstance(token_id, (int, torch.Tensor)) or (
+            isinstance(token_id, torch.Tensor) and (token_id.dim() or token_id.is_floating_point())):
+        import numbers
+
+        if not (isinstance(token_id, numbers.Integral) and not isinstance(token_id, bool)):
+            raise ValueError(f"token_id must be an int token id, got {token_id!r}")
+    token_id = int(token_id)
+    if token_id < 0 or (isinstance(vocab, int) and token_id >= vocab):
+        raise ValueError(f"token_id must be in [0, {vocab}) (config.vocab_size), got {token_id}")
+    return token_id
 
 
 @torch.no_grad()

@@ -11,6 +11,7 @@ per chunk, and the backwards stay as long as the loop's.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -73,18 +74,35 @@ class GenerationRelevanceResult:
         """The generated (or given) token ids, LongTensor[batch, generated]."""
         return self.sequences[:, self.prompt_width:]
 
-    def _step(self, step: int) -> int:
+    def _step(self, step) -> int:
         g = self.token_relevance.shape[1]
-        if not isinstance(step, int) or isinstance(step, bool) or not -g <= step < g:
+        try:
+            i = None if isinstance(step, bool) else operator.index(step)
+        except TypeError:
+            i = None
+        if i is None or not -g <= i < g:
             raise IndexError(f"step must be an int in [-{g}, {g}), got {step!r}")
-        return step % g
+        return i % g
+
+    def _row(self, row) -> int:
+        b = self.token_relevance.shape[0]
+        try:
+            i = None if isinstance(row, bool) else operator.index(row)
+        except TypeError:
+            i = None
+        if i is None or not 0 <= i < b:
+            raise IndexError(f"row must be an int in [0, {b}), got {row!r}")
+        return i
 
     def top_sources(self, step: int, k: int = 5, row: int = 0) -> List[Tuple[int, int, float]]:
         """The ``k`` columns with the largest relevance for step ``step`` of row ``row``:
         ``[(column, token id, relevance), …]``, largest first (positive relevance first;
-        columns the step cannot see are never listed)."""
-        step = self._step(step)
+        columns the step cannot see are never listed; ``[]`` for a step that does not
+        exist, see ``step_mask``)."""
+        step, row = self._step(step), self._row(row)
         k = core.check_count("k", k, allow_none=False)
+        if not bool(self.step_mask[row, step]):
+            return []  # a step after the row's end of sequence (or its continuation) does not exist
         rel = self.token_relevance[row, step]
         visible = self.attention_mask[row, : self.prompt_width + step].bool()
         cols = visible.nonzero()[:, 0]
@@ -109,6 +127,7 @@ class GenerationRelevanceResult:
 
         Returns ``(labels, Tensor[generated, groups])``: the words (or ``"start:end"``).
         """
+        row = self._row(row)
         rel = self.token_relevance[row]
         if isinstance(by, str):
             if by != "word":
@@ -118,6 +137,8 @@ class GenerationRelevanceResult:
             return _words(self.sequences[row], self.attention_mask[row], rel, tokenizer)
         seq = rel.shape[-1]
         groups = list(by)
+        if not groups:
+            raise ValueError("aggregate: by must be 'word' or a non-empty list of (start, end) column ranges")
         for s, e in groups:
             if not (isinstance(s, int) and isinstance(e, int) and 0 <= s < e <= seq):
                 raise ValueError(f"aggregate: segment ({s!r}, {e!r}) is not a column range within [0, {seq}]")
@@ -160,7 +181,9 @@ def _as_batch(inputs, attention_mask) -> Tuple[torch.Tensor, torch.Tensor]:
     if isinstance(inputs, torch.Tensor):
         ids, mask = inputs, attention_mask
     elif hasattr(inputs, "keys") and "input_ids" in inputs:
-        ids, mask = inputs["input_ids"], inputs.get("attention_mask", attention_mask)
+        # as pyattr.relevance: an attention_mask argument wins over the mapping's
+        ids = inputs["input_ids"]
+        mask = attention_mask if attention_mask is not None else inputs.get("attention_mask")
     else:
         raise TypeError("inputs must be token ids (LongTensor[batch, seq]) or a tokenizer output with input_ids")
     if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32) or ids.dim() not in (1, 2):
@@ -181,9 +204,11 @@ def _as_batch(inputs, attention_mask) -> Tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def _eos_ids(model) -> List[int]:
+def _eos_ids(model, generate_kwargs: Optional[dict] = None) -> List[int]:
+    """The end-of-sequence ids generation stops at: the caller's ``generate_kwargs`` first,
+    then the model's generation config, then its config."""
     gc = getattr(model, "generation_config", None)
-    eos = getattr(gc, "eos_token_id", None)
+    eos = (generate_kwargs or {}).get("eos_token_id", getattr(gc, "eos_token_id", None))
     if eos is None:
         eos = getattr(getattr(model, "config", None), "eos_token_id", None)
     if eos is None:
@@ -197,14 +222,14 @@ def _generate(model, ids, mask, max_new_tokens: int, generate_kwargs: Optional[d
         raise ValueError("generate_kwargs: one sequence per prompt (num_beams 1, num_return_sequences 1)")
     if "pad_token_id" not in kw:
         pad = getattr(model.config, "pad_token_id", None)
-        eos = _eos_ids(model)
+        eos = _eos_ids(model, generate_kwargs)
         kw["pad_token_id"] = pad if pad is not None else (eos[0] if eos else 0)
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, **kw)
     out = out.sequences if hasattr(out, "sequences") else out
     gen = out[:, ids.shape[1]:]
     steps = torch.ones_like(gen, dtype=torch.bool)
-    eos = _eos_ids(model)
+    eos = _eos_ids(model, generate_kwargs)
     if eos and gen.shape[1]:
         is_eos = torch.isin(gen, torch.tensor(eos, device=gen.device))
         after = (is_eos.long().cumsum(1) - is_eos.long()) > 0  # strictly after the first EOS
@@ -260,6 +285,17 @@ def _step_target(kind: str, token: torch.Tensor, position: int, alt: Optional[to
     return T.LogProb(token, position, contrast=alt, prob=kind == "prob")
 
 
+def _cut_baseline(baseline, seq: int, length: int):
+    """A tensor baseline covers the whole sequence (prompt and generated tokens): each
+    chunk gets its first ``length`` positions."""
+    if not isinstance(baseline, torch.Tensor):
+        return baseline
+    if baseline.dim() < 2 or baseline.shape[-2] != seq:
+        raise ValueError(f"baseline of shape {tuple(baseline.shape)}: a tensor baseline covers the whole sequence "
+                         f"(prompt and generated tokens, {seq} positions): (batch, {seq}, hidden) or ({seq}, hidden)")
+    return baseline[..., :length, :]
+
+
 def default_batch_targets(model: nn.Module, batch: int, seq: int, generated: int, budget: int = DEFAULT_BUDGET) -> int:
     """Steps per batched backward: as many as fit ``budget`` bytes, each step's backward
     holding about 16 hidden-size vectors per position and layer in float32 (the rule
@@ -303,7 +339,8 @@ def generation_relevance(
             (log-probability, probability), inseq's contrastive attribution.
         rules (RelevanceRules, optional): as :func:`pyattr.relevance` (default all four
             rules; ``RelevanceRules()`` is gradient × input).
-        baseline: as :func:`pyattr.relevance`.
+        baseline: as :func:`pyattr.relevance`; a tensor baseline covers the whole sequence
+            (prompt and generated tokens): (batch, seq, hidden) or (seq, hidden).
         attention_mask (Tensor[batch, seq], optional): the prompt's mask, with ids.
         batch_targets (int, optional): steps per batched backward (default: as many as fit
             2 GiB, :func:`default_batch_targets`).
@@ -316,7 +353,8 @@ def generation_relevance(
         ValueError / TypeError: neither or both of ``max_new_tokens`` and ``continuation``;
             a model that cannot generate (not a causal LM); a right-padded prompt; an
             unknown ``target``; ``contrast`` or ``continuation`` of the wrong shape; bad
-            ``batch_targets``; everything :func:`pyattr.relevance` refuses.
+            ``batch_targets``; prompt ids outside the vocabulary; a non-finite model output
+            at a step; everything :func:`pyattr.relevance` refuses.
     """
     model = unwrap(model)
     if target not in TARGETS:
@@ -332,6 +370,10 @@ def generation_relevance(
                          "generation_relevance explains generated tokens")
     batch_targets = core.check_count("batch_targets", batch_targets)
     ids, mask = _as_batch(inputs, attention_mask)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(vocab, int) and bool(((ids < 0) | (ids >= vocab)).any()):
+        raise ValueError(f"inputs: token ids must be in [0, {vocab}) (config.vocab_size), got "
+                         f"{sorted(set(ids[(ids < 0) | (ids >= vocab)].tolist()))[:5]}")
     ids = ids.to(input_device(model))
     mask = mask.to(ids.device)
     batch, width = ids.shape
@@ -359,11 +401,18 @@ def generation_relevance(
         cut = {"input_ids": seqs[:, : last + 1], "attention_mask": full_mask[:, : last + 1]}
         tg = [_step_target(target, gen[:, t], -(last - (width + t - 1)) - 1, None if alt is None else alt[:, t])
               for t in range(t0, t1)]
-        r = relevance(model, cut, target=tg, rules=rules, baseline=baseline)
+        r = relevance(model, cut, target=tg, rules=rules, baseline=_cut_baseline(baseline, seq, last + 1))
         backend = r.backend
         rel[:, t0:t1, : last + 1] = r.token_relevance.transpose(0, 1).float().cpu()
         value[:, t0:t1] = r.target.transpose(0, 1).double().cpu()
         delta[:, t0:t1] = r.conservation_delta.transpose(0, 1).double().cpu()
+    bad = steps.cpu() & ~torch.isfinite(value)
+    if bool(bad.any()):
+        row, step = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(
+            f"the model's output is not finite (NaN or inf) at row {row}, step {step}: no relevance can be "
+            "computed there (transformers' eager attention in float64 gives NaN on left-padded rows; try "
+            "float32 or attn_implementation='sdpa')")
     # exact zeros: the step's own column and later, padding, and steps that do not exist
     cols = torch.arange(seq)
     own = width + torch.arange(generated)

@@ -129,7 +129,8 @@ def attribution_patching(
     sites = node_sites(model, node_list)
     flat = [s for n in node_list for s in sites[n]]
     caller = "attribution_patching"
-    pair = prepare_pair(model, clean, corrupt, alignment, attention_mask, corrupt_attention_mask, caller)
+    pair = prepare_pair(model, clean, corrupt, alignment, attention_mask, corrupt_attention_mask, caller,
+                        alignable=method != "ig")
     batch = pair.clean.input_ids.shape[0]
     tgts = metric_targets(metric, batch)
     star = method == "atp*" and "residual" in node_list

@@ -25,7 +25,9 @@ class Pair:
     valid: torch.Tensor    # (batch, seq) bool: a node exists (real clean token with a counterpart)
 
 
-def prepare_pair(model, clean, corrupt, alignment, clean_mask, corrupt_mask, caller) -> Pair:
+def prepare_pair(model, clean, corrupt, alignment, clean_mask, corrupt_mask, caller, alignable: bool = True) -> Pair:
+    """Clean and corrupt checked and lined up. ``alignable`` False (EAP-IG, which
+    interpolates position by position): clean and corrupt must line up as they are."""
     for name, value in (("clean", clean), ("corrupt", corrupt)):
         if core.is_pixels(value):
             raise TypeError(
@@ -47,6 +49,12 @@ def prepare_pair(model, clean, corrupt, alignment, clean_mask, corrupt_mask, cal
         raise ValueError(f"clean has {bc} rows and corrupt {bx}; patching pairs row i of clean with row i of corrupt")
     mc = torch.ones(bc, sc, dtype=torch.bool) if pc.attention_mask is None else pc.attention_mask.bool().cpu()
     mx = torch.ones(bx, sx, dtype=torch.bool) if px.attention_mask is None else px.attention_mask.bool().cpu()
+    if alignment is None and not alignable and (sc != sx or not torch.equal(mc, mx)):
+        raise ValueError(
+            "clean and corrupt differ in length or in their attention masks; method='ig' interpolates the input "
+            "embeddings position by position, so they must have the same length and mask (alignment= is not "
+            "possible there; method='atp' or 'relp' take alignment=)"
+        )
     if alignment is None:
         if sc != sx:
             raise ValueError(
