@@ -140,7 +140,7 @@ def test_patching_bench_rows_and_table():
     from pyattr import patching as P
     from pyattr import targets as T
     from pyattr.bench import patching as PB
-    from pyattr.integration.config import RelevanceRules as R
+    from pyattr.config import RelevanceRules as R
 
     model = tiny_causal_lm("llama")
     g = torch.Generator().manual_seed(0)

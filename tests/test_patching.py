@@ -8,7 +8,7 @@ import torch
 import pyattr
 from pyattr import patching as P
 from pyattr import targets as T
-from pyattr.integration.config import RelevanceRules
+from pyattr.config import RelevanceRules
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -21,7 +21,7 @@ import torch
 
 from pyattr.backends import available_backends
 import pyattr.apps.contention as _contention
-from pyattr.integration.config import RelevanceRules
+from pyattr.config import RelevanceRules
 from pyattr.rules import half_rule, ln_rule
 from pyattr.methods.relevance import relevance
 

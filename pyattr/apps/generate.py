@@ -15,7 +15,7 @@ from typing import List, Optional
 
 from pyattr.apps.explain import ExplainError, _load
 from pyattr.apps.render import _display, _rgb, num
-from pyattr.integration.config import RelevanceRules
+from pyattr.config import RelevanceRules
 
 DEFAULT_PROMPT = "sun cat red tree sun"
 

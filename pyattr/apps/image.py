@@ -18,7 +18,7 @@ from pyattr.backends import available_backends
 import pyattr.apps.contention as _contention
 from pyattr.apps.explain import (ExplainError, Explanation, Segment, _check_dir, _config_type, _offline,
                             one_row_explanation)
-from pyattr.integration.config import RelevanceRules
+from pyattr.config import RelevanceRules
 from pyattr.methods.relevance import relevance
 
 # each patch is drawn this many pixels wide at least, so that small inputs stay readable

@@ -58,7 +58,7 @@ from pyattr.apps.store import (
     write_json,
     write_shard,
 )
-from pyattr.integration.config import RelevanceRules
+from pyattr.config import RelevanceRules
 from pyattr.integration.wrappers import unwrap
 from pyattr.methods._core.inputs import input_device
 

@@ -24,7 +24,7 @@ NODES = ("residual", "attention", "heads", "mlp")
 
 def variants():
     """(name, attribution_patching keyword arguments)."""
-    from pyattr.integration.config import RelevanceRules as R
+    from pyattr.config import RelevanceRules as R
 
     return [
         ("atp", {"method": "atp"}),

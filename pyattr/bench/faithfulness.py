@@ -27,7 +27,7 @@ IG_STEPS = 32
 def methods() -> List[Tuple[str, Callable]]:
     """(name, f(model, inputs, target) → token relevance (batch, seq))."""
     import pyattr
-    from pyattr.integration.config import RelevanceRules as R
+    from pyattr.config import RelevanceRules as R
 
     def rel(rules):
         return lambda m, x, t: pyattr.relevance(m, x, t, rules=rules).token_relevance

@@ -52,7 +52,7 @@ def _model(attn: str, hidden: int = 512, layers: int = 4):
 
 def measure(variant: str, context: int, generated: int = GENERATED, hidden: int = 512, layers: int = 4) -> Dict:
     import pyattr
-    from pyattr.integration.config import RelevanceRules
+    from pyattr.config import RelevanceRules
 
     model = _model("eager" if variant == "eager" else "sdpa", hidden, layers)
     g = torch.Generator().manual_seed(0)

@@ -32,7 +32,7 @@ DATA = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "patching_p
 
 def variants():
     """(name, method, rules, metric normalisation a constant): what the bench compares."""
-    from pyattr.integration.config import RelevanceRules as R
+    from pyattr.config import RelevanceRules as R
     from pyattr.patching import PATCHING_RULES
 
     return [
@@ -137,7 +137,7 @@ def breakdown(limit: int = 0) -> Dict:
     Spearman elsewhere, and the share of the exact effects' variance at the replaced token."""
     import pyattr.patching as P
     import pyattr.targets as T
-    from pyattr.integration.config import RelevanceRules as R
+    from pyattr.config import RelevanceRules as R
 
     model, clean, corrupt, reference = _minilm_task(limit)
     nodes = ("residual", "mlp")

@@ -11,7 +11,7 @@ from pyattr.cli._common import UsageError, check_output_path, fail
 
 def rules_from_args(args):
     """The RelevanceRules the flags ask for; every field given, whatever the defaults."""
-    from pyattr.integration.config import RelevanceRules
+    from pyattr.config import RelevanceRules
 
     attention = {"frozen": "frozen", "attnlrp": "attnlrp", "off": False}[args.attention]
     return RelevanceRules(

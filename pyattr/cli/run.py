@@ -18,7 +18,7 @@ def parse_rules(text: str):
     """``all`` (default), ``attnlrp`` (all, AttnLRP attention), ``none``, or a comma list of
     normalization, activation, multiplicative_gate, attention (the AH-rule), routing
     (frozen mixture-of-experts routing)."""
-    from pyattr.integration.config import RelevanceRules
+    from pyattr.config import RelevanceRules
 
     if text == "all":
         return RelevanceRules.all()

@@ -1,6 +1,6 @@
 """Scoped rule installation on Hugging Face models."""
 
-from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
+from pyattr.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.integration.errors import RelevanceRuleConflictError, RelevanceRuleUnsupportedError
 from pyattr.integration.scope import use_relevance_rules
 

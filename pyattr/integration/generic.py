@@ -15,7 +15,7 @@ from torch import nn
 
 import pyattr.architectures as A
 from pyattr.activations import _kind_of_module
-from pyattr.integration.config import RelevanceRules
+from pyattr.config import RelevanceRules
 from pyattr.integration.forms import (
     GENERIC_GATED_FORM,
     body_matches,

@@ -12,7 +12,7 @@ from torch import nn
 
 import pyattr.architectures as A
 from pyattr.activations import Activation, _kind_of_module, forward_fn
-from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
+from pyattr.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.integration.errors import (
     RelevanceRuleConflictError,
     RelevanceRuleUnsupportedError,

@@ -11,7 +11,7 @@ from torch import nn
 import pyattr.architectures as A
 from pyattr.integration.attention import frozen_attention
 from pyattr.integration.checkpoint import checkpoints_bound
-from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
+from pyattr.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.integration.errors import RelevanceRuleUnsupportedError
 from pyattr.integration.forwards import Step
 from pyattr.integration.install import (

@@ -20,7 +20,7 @@ from torch import nn
 
 import pyattr.methods._core as core
 import pyattr.targets as T
-from pyattr.integration.config import RelevanceRules
+from pyattr.config import RelevanceRules
 from pyattr.integration.wrappers import unwrap
 from pyattr.methods._core.inputs import input_device
 from pyattr.methods.relevance import relevance

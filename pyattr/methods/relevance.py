@@ -14,7 +14,7 @@ import pyattr.methods._core as core
 import pyattr.methods._core.groups as G
 import pyattr.backends as backends
 import pyattr.targets as T
-from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
+from pyattr.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.integration.wrappers import unwrap
 from pyattr.methods._core.baseline import (
     baseline_forward,

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import pyattr.methods._core as core
-from pyattr.integration.config import RelevanceRules
+from pyattr.config import RelevanceRules
 from pyattr.integration.wrappers import unwrap
 import pyattr.patching.ig as IG
 from pyattr.patching.nodes import Site, check_nodes, node_sites

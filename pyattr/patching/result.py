@@ -7,7 +7,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from pyattr.integration.config import RelevanceRuleCoverage, RelevanceRules
+from pyattr.config import RelevanceRuleCoverage, RelevanceRules
 
 
 @dataclass

@@ -15,7 +15,7 @@ import pyattr.architectures as A
 import pyattr.methods._core.positions as P
 import pyattr.methods._core.readout as R
 import pyattr.methods._core.state as S
-from pyattr.integration.config import RelevanceRules
+from pyattr.config import RelevanceRules
 from pyattr.methods._core.passes import check_grad_mode, check_parameters_usable
 
 

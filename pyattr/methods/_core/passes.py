@@ -13,7 +13,7 @@ from torch import nn
 
 import pyattr.methods._core.state as S
 from pyattr.integration.checkpoint import CHECKPOINT_INNER, bind_checkpoint
-from pyattr.integration.config import RelevanceRules
+from pyattr.config import RelevanceRules
 from pyattr.integration.errors import RelevanceRuleConflictError
 from pyattr.integration.scope import use_relevance_rules
 
