@@ -211,6 +211,28 @@ def child_row(cmd: List[str], what: str) -> Dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def rss_bytes() -> int:
+    """This process's resident set size now (bytes)."""
+    import resource
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far (bytes)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def child_grid(module: str, flag: str, values, variants, extra: List[str], what: str) -> List[Dict]:
+    """One measurement process (``python -m MODULE --variant V FLAG X EXTRA``) per value
+    and variant, in that order: each row's peak RSS is its own process's."""
+    return [child_row([sys.executable, "-m", module, "--variant", v, flag, str(x), *extra], f"{what} {v} {x}")
+            for x in values for v in variants]
+
+
 def run_all(device: str, dtypes: List[torch.dtype], repeats: int, layers: int = None, progress=None,
             k: int = 8, seq: int = None, compiled: bool = False) -> List[Dict]:
     """Every variant per dtype; ``k`` targets for the k-target pair (0: skip the pair);

@@ -16,21 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
-import sys
 import time
 from typing import Dict, List, Optional
 
 import torch
 
+from pyattr.bench.e2e import child_grid, peak_rss_bytes, rss_bytes
+
 VARIANTS = ("loop", "inseq", "batched")
 STEPS = (16, 64, 256)
 PROMPT = 128
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
 
 
 def _word_tokenizer(vocab: int):
@@ -71,7 +66,7 @@ def measure(variant: str, steps: int, prompt: int = PROMPT, layers: Optional[int
     # first install, the extension's load, inseq's hooks) are not timed
     if variant in ("batched", "loop"):
         pyattr.generation_relevance(model, ids[:, :4], continuation=cont[:, :2])
-    base = _rss()
+    base = rss_bytes()
     t0 = time.perf_counter()
     k = None
     if variant == "batched":
@@ -98,22 +93,16 @@ def measure(variant: str, steps: int, prompt: int = PROMPT, layers: Optional[int
     else:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     seconds = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss_bytes()
     return {"variant": variant, "steps": steps, "prompt": prompt, "seconds": seconds, "peak_rss_bytes": peak,
             "peak_extra_bytes": max(0, peak - base), "batch_targets": k,
             "model": f"Llama {model.config.num_hidden_layers} layers, hidden {model.config.hidden_size}, float32"}
 
 
 def run_all(quick: bool = False) -> List[Dict]:
-    from pyattr.bench.e2e import child_row
-
     steps = (4, 8) if quick else STEPS
     extra = ["--layers", "2", "--hidden", "128", "--prompt", "16"] if quick else []
-    rows = []
-    for n in steps:
-        for v in VARIANTS:
-            rows.append(child_row([sys.executable, "-m", "pyattr.bench.generation", "--variant", v, "--steps",
-                                   str(n), *extra], f"generation {v} {n} steps"))
+    rows = child_grid("pyattr.bench.generation", "--steps", steps, VARIANTS, extra, "generation, steps:")
     for n in steps:
         rs = {r["variant"]: r for r in rows if r["steps"] == n}
         for r in rs.values():

@@ -19,21 +19,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
-import sys
 import time
 from typing import Dict, List
 
 import torch
 
+from pyattr.bench.e2e import child_grid, peak_rss_bytes, rss_bytes
+
 VARIANTS = ("pyattr", "plain", "eager")
 CONTEXTS = (1024, 2048, 4096)
 GENERATED = 16
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
 
 
 def _model(attn: str, hidden: int = 512, layers: int = 4):
@@ -58,7 +53,7 @@ def measure(variant: str, context: int, generated: int = GENERATED, hidden: int 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 32000, (1, context), generator=g)
     cont = torch.randint(3, 32000, (1, generated), generator=g)
-    base = _rss()
+    base = rss_bytes()
     t0 = time.perf_counter()
     if variant == "plain":
         seq = torch.cat([ids, cont], 1)
@@ -73,7 +68,7 @@ def measure(variant: str, context: int, generated: int = GENERATED, hidden: int 
     else:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     seconds = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss_bytes()
     extra = max(0, peak - base)
     return {"variant": variant, "context": context, "generated": generated, "seconds": seconds,
             "peak_rss_bytes": peak, "peak_extra_bytes": extra, "bytes_per_1k": extra / (context / 1024),
@@ -81,16 +76,9 @@ def measure(variant: str, context: int, generated: int = GENERATED, hidden: int 
 
 
 def run_all(quick: bool = False) -> List[Dict]:
-    from pyattr.bench.e2e import child_row
-
     contexts = (256, 512) if quick else CONTEXTS
     extra = ["--hidden", "128", "--layers", "2", "--generated", "4"] if quick else []
-    rows = []
-    for c in contexts:
-        for v in VARIANTS:
-            rows.append(child_row([sys.executable, "-m", "pyattr.bench.long_context", "--variant", v, "--context",
-                                   str(c), *extra], f"long-context {v} {c} tokens"))
-    return rows
+    return child_grid("pyattr.bench.long_context", "--context", contexts, VARIANTS, extra, "long-context, tokens:")
 
 
 def markdown(rows: List[Dict], contention=None) -> str:

@@ -76,23 +76,10 @@ class GenerationRelevanceResult:
 
     def _step(self, step) -> int:
         g = self.token_relevance.shape[1]
-        try:
-            i = None if isinstance(step, bool) else operator.index(step)
-        except TypeError:
-            i = None
-        if i is None or not -g <= i < g:
-            raise IndexError(f"step must be an int in [-{g}, {g}), got {step!r}")
-        return i % g
+        return _index(step, -g, g, "step") % g
 
     def _row(self, row) -> int:
-        b = self.token_relevance.shape[0]
-        try:
-            i = None if isinstance(row, bool) else operator.index(row)
-        except TypeError:
-            i = None
-        if i is None or not 0 <= i < b:
-            raise IndexError(f"row must be an int in [0, {b}), got {row!r}")
-        return i
+        return _index(row, 0, self.token_relevance.shape[0], "row")
 
     def top_sources(self, step: int, k: int = 5, row: int = 0) -> List[Tuple[int, int, float]]:
         """The ``k`` columns with the largest relevance for step ``step`` of row ``row``:
@@ -144,6 +131,17 @@ class GenerationRelevanceResult:
                 raise ValueError(f"aggregate: segment ({s!r}, {e!r}) is not a column range within [0, {seq}]")
         out = torch.stack([rel[:, s:e].sum(-1) for s, e in groups], -1)
         return [f"{s}:{e}" for s, e in groups], out
+
+
+def _index(value, lo: int, hi: int, name: str) -> int:
+    """An int (Python, NumPy or 0-d tensor; not a bool) in [lo, hi), else IndexError."""
+    try:
+        i = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        i = None
+    if i is None or not lo <= i < hi:
+        raise IndexError(f"{name} must be an int in [{lo}, {hi}), got {value!r}")
+    return i
 
 
 def _words(ids: torch.Tensor, mask: torch.Tensor, rel: torch.Tensor, tokenizer):
