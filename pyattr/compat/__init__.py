@@ -1,0 +1,1 @@
+"""Drop-ins for other libraries' users (``pyattr.compat.captum``)."""
