@@ -27,7 +27,7 @@ def test_rows_equal_the_per_step_loop_on_every_decoder(arch):
     ids, mask = pad_rows(ROWS, "left")
     enc = {"input_ids": ids, "attention_mask": mask}
     r = pyattr.generation_relevance(model, enc, continuation=CONT, batch_targets=2)
-    ref = loop_reference(model, enc, r)
+    ref = loop_reference(model, r.sequences, r.attention_mask, r.prompt_width)
     _close(r.token_relevance, ref["token_relevance"])
     _close(r.target, ref["target"])
     assert r.token_relevance.shape == (2, 5, 10) and r.batch_targets == 2
@@ -39,7 +39,7 @@ def test_generated_tokens_are_greedy_and_rows_match_the_loop():
     enc = dict(tok(["sun cat red tree sun", "dog owl fish bee ant dog owl"], padding=True, return_tensors="pt"))
     r = pyattr.generation_relevance(model, enc, max_new_tokens=6, batch_targets=4)
     assert tok.batch_decode(r.generated) == ["cat red tree sun cat red", "fish bee ant dog owl fish"]
-    ref = loop_reference(model, enc, r)
+    ref = loop_reference(model, r.sequences, r.attention_mask, r.prompt_width)
     _close(r.token_relevance, ref["token_relevance"])
     _close(r.target, ref["target"])
     # the default rules conserve: the relevance of each step sums to its logit

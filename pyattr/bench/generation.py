@@ -73,11 +73,9 @@ def measure(variant: str, steps: int, prompt: int = PROMPT, layers: Optional[int
         r = pyattr.generation_relevance(model, ids, continuation=cont, batch_targets=batch_targets)
         k = r.batch_targets
     elif variant == "loop":
-        from pyattr.targets import Logit
+        from pyattr.methods.generation import loop_reference
 
-        seq = torch.cat([ids, cont], 1)
-        for t in range(steps):
-            pyattr.relevance(model, seq[:, : prompt + t], target=Logit(cont[:, t]))
+        loop_reference(model, torch.cat([ids, cont], 1), None, prompt)
     elif variant == "inseq":
         import inseq
 

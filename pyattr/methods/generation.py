@@ -427,17 +427,22 @@ def generation_relevance(
     )
 
 
-def loop_reference(model, inputs, result: GenerationRelevanceResult, **kw) -> Dict[str, torch.Tensor]:
-    """What a per-step loop of :func:`pyattr.relevance` computes for ``result``'s tokens
-    (logit targets): ``{"token_relevance", "target"}`` shaped like the result's. For
-    tests and the benchmark's baseline (a)."""
-    seqs, mask, width = result.sequences, result.attention_mask, result.prompt_width
-    batch, generated, seq = result.token_relevance.shape
+def loop_reference(model, sequences: torch.Tensor, attention_mask: Optional[torch.Tensor], prompt_width: int,
+                   **kw) -> Dict[str, torch.Tensor]:
+    """What a per-step loop of :func:`pyattr.relevance` computes: for each column ``c ≥
+    prompt_width`` of ``sequences`` (batch, seq), the relevance of that token's logit over
+    the columns before it (one forward and one backward per step). ``kw`` go to
+    ``relevance``. Returns ``{"token_relevance" (batch, generated, seq), "target" (batch,
+    generated)}``, laid out as :class:`GenerationRelevanceResult`'s fields. The tests'
+    oracle and the benchmark's baseline (a)."""
+    batch, seq = sequences.shape
+    generated = seq - prompt_width
+    mask = torch.ones_like(sequences) if attention_mask is None else attention_mask
     rel = torch.zeros(batch, generated, seq)
     val = torch.zeros(batch, generated, dtype=torch.float64)
     for t in range(generated):
-        cut = {"input_ids": seqs[:, : width + t], "attention_mask": mask[:, : width + t]}
-        r = relevance(model, cut, target=T.Logit(seqs[:, width + t]), **kw)
-        rel[:, t, : width + t] = r.token_relevance.float().cpu()
+        cut = {"input_ids": sequences[:, : prompt_width + t], "attention_mask": mask[:, : prompt_width + t]}
+        r = relevance(model, cut, target=T.Logit(sequences[:, prompt_width + t]), **kw)
+        rel[:, t, : prompt_width + t] = r.token_relevance.float().cpu()
         val[:, t] = r.target.double().cpu()
     return {"token_relevance": rel, "target": val}
