@@ -1,6 +1,7 @@
 # Two entry points, each doing all set-up on a fresh machine:
 #   make demo   installs pyattr and runs `pyattr explain` on the bundled model
 #   make test   installs pyattr and runs the test suite (without the slow tier; make test-all: every tier)
+#   make docs   builds the documentation site into site/ (mkdocs, warnings as errors)
 # Both share one install (pyattr[demo,dev], editable, built against .venv's torch): the
 # second command reinstalls only when setup.py, pyproject.toml, MANIFEST.in, a file under
 # csrc/ or a build setting (PYATTR_FORCE_CUDA, PYATTR_CPU_CAPABILITY, TORCH_CUDA_ARCH_LIST,
@@ -49,7 +50,7 @@ for line in iter(sys.stdin.readline, ""):
 endef
 export SHOW
 
-.PHONY: demo test test-all install venv FORCE
+.PHONY: demo test test-all docs install venv FORCE
 
 $(VENV)/.torch-installed:
 	$(call step,creating $(VENV) with $(TORCH) (about a minute))
@@ -117,3 +118,9 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(call step,pytest: every tier (about 6 minutes on 2 cores))
 	$(PYTEST)
+
+# The documentation site (docs/, mkdocs.yml) into site/, warnings as errors; the tests
+# build it too (tests/test_docs.py), and run every code block of it.
+docs: $(STAMP)
+	$(call step,mkdocs build --strict into site/)
+	$(VENV)/bin/mkdocs build --strict

@@ -67,10 +67,12 @@ def activation_patching(
     clean and corrupt inputs give exactly 0). Runs without gradient and without rules,
     in eval mode.
 
+    ``model``, ``clean``, ``corrupt``, ``metric``, ``nodes``, ``sum_positions``,
+    ``alignment``, ``attention_mask`` and ``corrupt_attention_mask`` are as in
+    :func:`attribution_patching`; with ``sum_positions`` a node is patched at every
+    position at once.
+
     Args:
-        model, clean, corrupt, metric, nodes, sum_positions, alignment, attention_mask,
-            corrupt_attention_mask: as in :func:`attribution_patching`; with
-            ``sum_positions`` a node is patched at every position at once.
         batch_size (int, optional): patched runs per forward. Default 32.
         sample (int, optional): patch only this many ``"neurons"`` nodes per row, drawn
             uniformly without replacement (``seed``); the others hold NaN and

@@ -55,8 +55,9 @@ def attribution_patching(
         model (nn.Module): a Hugging Face model of a mapped architecture (llama, mistral,
             qwen2, qwen3, gemma, gemma2, gemma3_text, olmo2, phi3, gpt2, gpt_neox, bert,
             roberta, distilbert).
-        clean, corrupt (LongTensor[batch, seq] | Mapping): token ids or tokenizer outputs;
-            row i of ``corrupt`` is the counterfactual of row i of ``clean``.
+        clean (LongTensor[batch, seq] | Mapping): token ids or tokenizer outputs.
+        corrupt (LongTensor[batch, seq] | Mapping): as ``clean``; row i of ``corrupt`` is
+            the counterfactual of row i of ``clean``.
         metric: what the effects are measured on: a :mod:`pyattr.targets` target
             (``LogitDiff(a, b)``, ``Logit(id)``, ``Cosine(reference)``, ``ModuleOutput``) or
             a callable ``f(output) → Tensor[batch]`` that computes each row from that row
@@ -90,8 +91,10 @@ def attribution_patching(
             default 16).
         batch_size (int, optional): ``"ig"`` only: rows per forward of the ``steps × batch``
             interpolated rows (default: all in one).
-        attention_mask, corrupt_attention_mask (Tensor[batch, seq], optional): masks of
-            ``clean`` / ``corrupt`` when they are given as ids.
+        attention_mask (Tensor[batch, seq], optional): the mask of ``clean`` when it is
+            given as ids.
+        corrupt_attention_mask (Tensor[batch, seq], optional): the mask of ``corrupt``
+            when it is given as ids.
 
     Returns:
         PatchingResult: ``result[node]`` float32 ``(batch, layer, position[, head | neuron])``,
