@@ -14,7 +14,7 @@ from typing import List, Optional
 
 
 from pyattr.apps.explain import ExplainError, _load
-from pyattr.apps.render import _display, _rgb, num
+from pyattr.apps.render import LEGEND_CSS, _display, _rgb, legend_html, num
 from pyattr.config import RelevanceRules
 
 DEFAULT_PROMPT = "sun cat red tree sun"
@@ -102,7 +102,9 @@ def print_terminal(rep: GenerationReport, top: int = 3, console=None) -> None:
 
 def to_html(rep: GenerationReport) -> str:
     """One page: the text with each generated token clickable (hover or click lights up its
-    sources, red positive, blue negative, on that step's own scale), and the matrix view."""
+    sources, red positive, blue negative, on that step's own scale; the first step is shown
+    on load), a readout that names the value under the mouse (a context token of the shown
+    step, or a matrix cell), the matrix view, and a colour legend for each."""
     data = json.dumps({"tokens": [_display(t) for t in rep.tokens], "prompt": rep.prompt_tokens,
                        "matrix": rep.matrix, "targets": rep.targets})
     scale = max((abs(v) for row in rep.matrix for v in row), default=1.0) or 1.0
@@ -110,32 +112,49 @@ def to_html(rep: GenerationReport) -> str:
     rows = []
     for s, row in enumerate(rep.matrix):
         cells = "".join(
-            f'<td style="background:rgb{_rgb(v, scale)}" title="{num(v, "+.4f")}"></td>'
+            f'<td style="background:rgb{_rgb(v, scale)}" title="{num(v, "+.4f")}" data-s="{s}" data-i="{i}" '
+            f'data-v="{num(v, "+.4f")}"></td>'
             if i < rep.prompt_tokens + s else '<td class="na"></td>' for i, v in enumerate(row))
         rows.append(f"<tr><th>{html.escape(_display(rep.tokens[rep.prompt_tokens + s]))}</th>{cells}</tr>")
+    text_legend = legend_html("-max", "+max", "Text: each context token's relevance for the shown generated token "
+                              "(blue negative, red positive; full colour at that step's largest |relevance|)")
+    matrix_legend = legend_html(num(-scale, "+.4f"), num(scale, "+.4f"),
+                                "Matrix: relevance (blue negative, red positive; one scale for the whole matrix; "
+                                "grey: not in that step's context)", ids="legend-matrix")
     return f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>pyattr generate</title>
 <style>
-body {{ font-family: sans-serif; margin: 2em; max-width: 70em; }}
-.tok {{ padding: 0.1em 0.25em; border-radius: 3px; font-family: monospace; cursor: default; }}
-.gen {{ border-bottom: 2px solid #999; cursor: pointer; }}
-.gen.sel {{ outline: 2px solid black; }}
-table.m td {{ width: 1.4em; height: 1.2em; }} table.m td.na {{ background: #eee; }}
-table.m th {{ font: 11px monospace; padding: 0 0.3em; }}
-</style></head><body>
+body {{ font-family: sans-serif; margin: 2em; max-width: 70em; color: #111; font-size: 16px; }}
+#text {{ line-height: 2.2; }}
+.tok {{ padding: 0.15em 0.3em; border-radius: 3px; font-family: monospace; font-size: 15px; cursor: default; }}
+.tok:hover {{ outline: 2px solid #555; }}
+.gen {{ border-bottom: 3px solid #555; cursor: pointer; }}
+.gen.sel {{ font-weight: bold; }}
+#info {{ position: sticky; top: 0; z-index: 5; width: fit-content; background: #222; color: #fff;
+  font: 14px monospace; padding: 6px 10px; border-radius: 4px; }}
+table.m {{ border-collapse: separate; border-spacing: 2px; }}
+table.m td {{ width: 1.6em; height: 1.4em; border: 1px solid #ddd; }} table.m td.na {{ background: #ddd; }}
+table.m td[data-v]:hover {{ outline: 2px solid #111; }}
+table.m th {{ font: 13px monospace; padding: 0 0.3em; }}
+{LEGEND_CSS}</style></head><body>
 <h1>Relevance of generated tokens</h1>
 <p>model <code>{html.escape(rep.model)}</code>; target: each generated token's {html.escape(rep.target_kind)}.
 Hover or click a generated (underlined) token: its sources light up (red positive, blue negative, scaled to the
-step's largest |relevance|).</p>
+step's largest |relevance|; the token shown is framed, a clicked one bold); hover a context token or a matrix cell
+to read its value.</p>
 <p id="text"></p>
 <p id="info">&nbsp;</p>
+{text_legend}
 <h2>Matrix: generated token (rows) × context (columns)</h2>
-<table class="m"><tr><th></th>{head}</tr>
+<table class="m" id="matrix"><tr><th></th>{head}</tr>
 {"".join(rows)}
 </table>
+{matrix_legend}
 <script>
 const D = {data};
-const text = document.getElementById("text"), info = document.getElementById("info");
+const $ = id => document.getElementById(id);
+const text = $("text"), info = $("info");
+let current = 0;
 const spans = D.tokens.map((t, i) => {{
   const s = document.createElement("span");
   s.className = "tok" + (i >= D.prompt ? " gen" : "");
@@ -143,6 +162,8 @@ const spans = D.tokens.map((t, i) => {{
   if (i >= D.prompt) {{
     s.addEventListener("mouseenter", () => show(i - D.prompt));
     s.addEventListener("click", () => {{ spans.forEach(x => x.classList.remove("sel")); s.classList.add("sel"); show(i - D.prompt); }});
+  }} else {{
+    s.addEventListener("mouseenter", () => source(current, i));
   }}
   return s;
 }});
@@ -150,12 +171,34 @@ function colour(v, m) {{
   const a = Math.max(-1, Math.min(1, v / m)), k = Math.round(255 * (1 - Math.abs(a)));
   return a >= 0 ? `rgb(255,${{k}},${{k}})` : `rgb(${{k}},${{k}},255)`;
 }}
+function ink(v, m) {{ return v / m < -0.6 ? "#fff" : "#000"; }}  // white text on the deep blues
+function fmt(v) {{ const s = v.toFixed(4); return Number(s) === 0 ? (0).toFixed(4) : (v > 0 ? "+" : "") + s; }}
+function source(step, i) {{
+  const own = D.prompt + step;
+  info.textContent = i < own
+    ? `step ${{step}} '${{D.tokens[own]}}' <- '${{D.tokens[i]}}' (position ${{i}}): ${{fmt(D.matrix[step][i])}}`
+    : `'${{D.tokens[i]}}' (position ${{i}}) is not in the context of step ${{step}}`;
+}}
 function show(step) {{
+  current = step;
   const row = D.matrix[step], own = D.prompt + step;
   const m = Math.max(1e-12, ...row.slice(0, own).map(Math.abs));
-  spans.forEach((s, i) => {{ s.style.background = i < own ? colour(row[i], m) : ""; s.title = i < own ? row[i].toFixed(4) : ""; }});
+  spans.forEach((s, i) => {{
+    s.style.background = i < own ? colour(row[i], m) : "";
+    s.style.color = i < own ? ink(row[i], m) : "";
+    s.title = i < own ? row[i].toFixed(4) : "";
+    s.style.boxShadow = i === own ? "0 0 0 2px #111" : "";  // the generated token shown
+  }});
   info.textContent = `step ${{step}}: '${{D.tokens[own]}}', target ${{D.targets[step].toFixed(4)}}`;
+  const lo = $("legend-lo"), hi = $("legend-hi");
+  if (lo && hi) {{ lo.textContent = fmt(-m); hi.textContent = fmt(m); }}
 }}
+const M = $("matrix");
+if (M && M.addEventListener) M.addEventListener("mouseover", e => {{
+  const td = e.target.closest ? e.target.closest("td[data-s]") : null;
+  if (td) source(Number(td.getAttribute("data-s")), Number(td.getAttribute("data-i")));
+}});
+if (D.matrix.length) show(0);
 </script>
 </body></html>
 """

@@ -244,9 +244,12 @@ def figure(rep: PatchReport):
             im = ax.imshow(data.numpy(), cmap="RdBu_r", vmin=-lim, vmax=lim, aspect="auto", interpolation="nearest")
             ax.set_title(f"{m}: {n}" + (" (sampled)" if n == "neurons" and rep.sample(n) is not None else ""), fontsize=9)
             ax.set_xticks(range(len(rep.clean_tokens)))
-            ax.set_xticklabels(rep.clean_tokens, rotation=90, fontsize=6)
-            ax.set_ylabel("layer·head" if n == "heads" else "layer", fontsize=7)
-            ax.tick_params(axis="y", labelsize=6)
+            ax.set_xticklabels(rep.clean_tokens, rotation=90, fontsize=7)
+            ax.set_ylabel("layer·head" if n == "heads" else "layer", fontsize=8)
+            heads = rep.results[m]["heads"].shape[-1] if n == "heads" else 0
+            ticks = range(0, data.shape[0], max(1, -(-data.shape[0] // 16)))  # whole rows, 16 labels at most
+            ax.set_yticks(list(ticks))
+            ax.set_yticklabels([f"L{i // heads} H{i % heads}" if heads else str(i) for i in ticks], fontsize=7)
             fig.colorbar(im, ax=ax, fraction=0.046, pad=0.02)
     if scatter:
         ex = rep.results["exact"]
@@ -281,28 +284,55 @@ def to_png(rep: PatchReport) -> bytes:
     return buf.getvalue()
 
 
-def _cell(v: float, lim: float) -> str:
+def _cell(v: float, lim: float, where: str) -> str:
+    """One table cell: the effect printed and as its colour (red positive, blue negative,
+    full colour at ``lim``); ``where`` (method, node, row, token) for the hover readout."""
+    from pyattr.apps.render import _ink, _rgb, num
+
     if v != v:
-        return '<td class="na">·</td>'
-    a = min(abs(v) / lim, 1.0) if lim else 0.0
-    rgb = (255, int(255 * (1 - a)), int(255 * (1 - a))) if v > 0 else (int(255 * (1 - a)), int(255 * (1 - a)), 255)
-    return f'<td style="background:rgb{rgb}" title="{v:+.6f}">{v:+.3f}</td>'
+        return f'<td class="na" data-v="not measured" data-w="{where}">·</td>'
+    rgb = _rgb(v, lim or 1.0)
+    return (f'<td style="background:rgb{rgb};color:{_ink(rgb)}" title="{num(v, "+.6f")}" data-v="{num(v, "+.6f")}" '
+            f'data-w="{where}">{num(v, "+.3f")}</td>')
+
+
+# the hover readout: a box fixed to the window's lower right that names the hovered cell
+_READOUT_JS = """<script>
+(function () {
+  var out = document.getElementById("readout");
+  document.addEventListener("mouseover", function (e) {
+    var td = e.target.closest ? e.target.closest("td[data-v]") : null;
+    if (td) out.textContent = td.getAttribute("data-w") + ": " + td.getAttribute("data-v");
+  });
+})();
+</script>"""
 
 
 def to_html(rep: PatchReport) -> str:
     """A self-contained page: a table per method and node type (rows layers, or layer·head
-    for heads; columns the clean tokens; cells coloured by effect; neurons summed per
-    layer and position, over activation patching's sample when it took one), the
-    correlations, and the matplotlib figure embedded as a PNG."""
+    for heads; columns the clean tokens; cells coloured by effect, each table on its own
+    scale, with its legend; neurons summed per layer and position, over activation
+    patching's sample when it took one), a hover readout naming the cell under the mouse,
+    the correlations, and the matplotlib figure embedded as a PNG."""
+    from pyattr.apps.render import LEGEND_CSS, legend_html, num
+
     esc = html.escape
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>pyattr patch</title><style>"
-        "body{font-family:sans-serif;margin:1.5em}table{border-collapse:collapse;margin:0.5em 0 1.5em}"
-        "td,th{border:1px solid #ddd;padding:2px 5px;font-size:11px;text-align:right}"
-        "th{background:#f4f4f4}.na{color:#aaa}</style></head><body>",
+        "body{font-family:sans-serif;margin:1.5em;color:#111;font-size:15px}"
+        "table{border-collapse:collapse;margin:0.5em 0 0.5em}"
+        "td,th{border:1px solid #ccc;padding:3px 6px;font-size:13px;text-align:right}"
+        "td{font-family:monospace}td[data-v]:hover{outline:2px solid #111;outline-offset:-2px}"
+        "th{background:#f4f4f4}.na{color:#888}.panel{margin-bottom:1.8em}"
+        "#readout{position:fixed;right:1em;bottom:1em;background:#222;color:#fff;font:14px monospace;"
+        "padding:6px 10px;border-radius:4px;z-index:10;max-width:40em}"
+        "img.fig{max-width:100%}" + LEGEND_CSS + "</style></head><body>",
         f"<h2>pyattr patch</h2><p>model: {esc(rep.model)}<br>metric: {esc(rep.metric)}<br>"
         f"clean: {esc(' '.join(rep.clean_tokens))} (metric {float(rep.first.clean_metric[0]):+.6f})<br>"
         f"corrupt: {esc(' '.join(rep.corrupt_tokens))} (metric {float(rep.first.corrupt_metric[0]):+.6f})</p>",
+        "<div id='readout'>hover a cell for its value</div>",
+        "<p>Each cell: the change in the metric when that node is patched from the corrupt run into the clean "
+        "one (red: the metric goes up, blue: down). Every table has its own colour scale, shown under it.</p>",
     ]
     if rep.correlations:
         parts.append("<h3>Pearson / Spearman with activation patching</h3><table><tr><th>method</th>"
@@ -310,22 +340,30 @@ def to_html(rep: PatchReport) -> str:
         for m, by in rep.correlations.items():
             parts.append(f"<tr><th>{esc(m)}</th>" + "".join(f"<td>{_corr(by[n])}</td>" for n in rep.nodes) + "</tr>")
         parts.append("</table>")
+    k = 0
     for m, r in rep.results.items():
         for n in rep.nodes:
             data = rep.panel(m, n)
             lim = float(torch.nan_to_num(data).abs().max())
             heads = r["heads"].shape[-1] if n == "heads" else 0
-            parts.append(f"<h3>{esc(m)}: {esc(n)} ({rep.seconds[m] * 1000:.0f} ms)</h3><table><tr><th></th>"
-                         + "".join(f"<th>{esc(t)}</th>" for t in rep.clean_tokens) + "</tr>")
+            parts.append(f"<div class='panel'><h3>{esc(m)}: {esc(n)} ({rep.seconds[m] * 1000:.0f} ms)</h3>"
+                         "<table><tr><th></th>" + "".join(f"<th>{esc(t)}</th>" for t in rep.clean_tokens) + "</tr>")
             for i, row in enumerate(data.tolist()):
                 label = f"L{i // heads} H{i % heads}" if heads else f"layer {i}"
-                parts.append(f"<tr><th>{label}</th>" + "".join(_cell(v, lim) for v in row) + "</tr>")
-            parts.append("</table>")
+                cells = "".join(
+                    _cell(v, lim, esc(f"{m}: {n}, {label}, token {rep.clean_tokens[j]!r} (position {j})", quote=True))
+                    for j, v in enumerate(row))
+                parts.append(f"<tr><th>{label}</th>{cells}</tr>")
+            lo, hi = (num(-lim, "+.3g"), num(lim, "+.3g")) if lim else ("-1", "+1")
+            parts.append("</table>" + legend_html(lo, hi, f"{esc(m)}: {esc(n)} colour scale (effect)",
+                                                  ids=f"legend-{k}") + "</div>")
+            k += 1
     try:
         png = to_png(rep)
     except ImportError:
         parts.append("<p>(matplotlib is not installed: no figure)</p>")
     else:
-        parts.append(f"<img alt='heatmaps' src='data:image/png;base64,{base64.b64encode(png).decode()}'>")
+        parts.append(f"<img class='fig' alt='heatmaps' src='data:image/png;base64,{base64.b64encode(png).decode()}'>")
+    parts.append(_READOUT_JS)
     parts.append("</body></html>")
     return "\n".join(parts)

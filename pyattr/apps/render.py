@@ -20,6 +20,37 @@ def _rgb(v: float, scale: float) -> Tuple[int, int, int]:
     return (255, k, k) if a >= 0 else (k, k, 255)
 
 
+def _ink(rgb: Tuple[int, int, int]) -> str:
+    """Black or white text, whichever contrasts more with the background ``rgb`` (WCAG
+    relative luminance): white on the deep blues, black on everything else."""
+    def lin(c: int) -> float:
+        c = c / 255
+        return c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4
+
+    lum = 0.2126 * lin(rgb[0]) + 0.7152 * lin(rgb[1]) + 0.0722 * lin(rgb[2])
+    return "#000" if (lum + 0.05) / 0.05 >= 1.05 / (lum + 0.05) else "#fff"
+
+
+# The colour legend every HTML page carries (explain, image, patch, generate): a bar from
+# blue (negative) through white (zero) to red (positive), its end values, and a caption.
+LEGEND_CSS = """
+.legend { margin: 1em 0; font-size: 14px; color: #222; }
+.legend .lg-cap { margin-bottom: 0.3em; }
+.legend .lg-bar { width: 320px; height: 16px; border: 1px solid #666; border-radius: 2px; }
+.legend .lg-ticks { width: 322px; display: grid; grid-template-columns: 1fr auto 1fr; font: 13px monospace; margin-top: 2px; }
+.legend .lg-ticks span:last-child { text-align: right; }
+"""
+_BAR = "linear-gradient(to right, rgb(0,0,255), rgb(255,255,255), rgb(255,0,0))"
+
+
+def legend_html(lo: str, hi: str, caption: str, ids: str = "legend", bar: str = _BAR) -> str:
+    """A legend: ``caption`` over the colour bar, ``lo`` / 0 / ``hi`` under its ends and
+    middle; ``ids`` names the element (and its end labels ``ids-lo``, ``ids-hi``)."""
+    return (f'<div class="legend" id="{ids}"><div class="lg-cap">{caption}</div>'
+            f'<div class="lg-bar" style="background:{bar}"></div>'
+            f'<div class="lg-ticks"><span id="{ids}-lo">{lo}</span><span>0</span><span id="{ids}-hi">{hi}</span></div></div>')
+
+
 def _display(token: str) -> str:
     return token.replace("Ġ", " ").replace("▁", " ").replace("Ċ", "\\n")
 
@@ -104,51 +135,113 @@ def _print_grid(console, expl: Explanation, scale: float) -> None:
         console.print(line)
 
 
+def _png_size(data: bytes) -> Tuple[int, int]:
+    """(width, height) from a PNG's IHDR chunk ((0, 0) if it is not a PNG)."""
+    if data[:8] != b"\x89PNG\r\n\x1a\n":
+        return 0, 0
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
 def _image_html(expl: Explanation) -> str:
+    """Two panels of the same size: the relevance map (the PNG ``explain_image`` wrote,
+    drawn at least ~450 pixels wide, whole multiples, pixelated) and the patches as a plain
+    heatmap on the legend's colours (the image's own colours can hide the overlay's); each
+    under a grid of one cell per patch that shows the patch's value on hover."""
     import base64
 
     if not expl.image_png:
         return ""
     try:
         with open(expl.image_png, "rb") as f:
-            data = base64.b64encode(f.read()).decode("ascii")
+            raw = f.read()
     except OSError:
         return f"<p>relevance map: {html.escape(expl.image_png)}</p>"
-    cls = num(expl.segments[0].relevance[0], "+.5f") if expl.segments and expl.segments[0].relevance else "–"
-    return (f'<p><img alt="patch relevance" src="data:image/png;base64,{data}"></p>\n'
+    data = base64.b64encode(raw).decode("ascii")
+    rel = expl.segments[0].relevance if expl.segments else []
+    cls = num(rel[0], "+.5f") if rel else "–"
+    rows, cols = expl.patch_grid
+    patches = list(rel[1:1 + rows * cols])
+    peak = max((abs(v) for v in patches), default=0.0) or 1.0
+    w, h = _png_size(raw)
+    w, h = (w, h) if w and h else (64 * cols, 64 * rows)
+    k = max(1, round(450 / w)) if w < 450 else 1
+    w, h = w * k, h * k
+    grid = f"grid-template-columns:repeat({cols},1fr);grid-template-rows:repeat({rows},1fr)"
+    tips = [f"patch ({i // cols},{i % cols}): {num(v, '+.5f')}" for i, v in enumerate(patches)]
+    hover = "".join(f'<div class="patch" data-tip="{t}" title="{t}"></div>' for t in tips)
+    label = w / cols >= 64 and h / rows >= 24  # room to print each patch's value
+    heat = "".join(
+        f'<div class="patch" style="background:rgb{_rgb(v, peak)};color:{_ink(_rgb(v, peak))}" data-tip="{t}" '
+        f'title="{t}">{num(v, "+.3g") if label else ""}</div>' for v, t in zip(patches, tips))
+    legend = legend_html(num(-peak, "+.4f"), num(peak, "+.4f"),
+                         "Patch relevance: blue negative, white zero, red positive (full colour at the patches' "
+                         "largest |relevance|). Over the image the same hues are laid on with opacity growing with "
+                         "|relevance|. Hover a patch for its value.")
+    return (f'<div class="maps"><figure><div class="imgwrap" style="width:{w}px;height:{h}px">'
+            f'<img alt="patch relevance over the image" src="data:image/png;base64,{data}">'
+            f'<div class="grid" style="{grid}">{hover}</div></div><figcaption>over the image the model saw'
+            f'</figcaption></figure>\n<figure><div class="grid heat" style="width:{w}px;height:{h}px;{grid}">{heat}'
+            f"</div><figcaption>relevance per patch</figcaption></figure></div>\n{legend}\n"
             f"<p>[CLS] token relevance: {cls}</p>")
 
 
 def to_html(expl: Explanation) -> str:
+    """A self-contained page without scripts: the tokens coloured by relevance (hovering one
+    shows its value above it, CSS only), or for an image the patch map; a colour legend;
+    the numbers."""
     scale = _scale(expl)
 
     def spans(tokens: Iterable[str], rel: Iterable[float]) -> str:
         out = []
         for t, v in zip(tokens, rel):
-            r, g, b = _rgb(v, scale)
+            rgb = _rgb(v, scale)
             out.append(
-                f'<span class="tok" style="background:rgb({r},{g},{b})" '
-                f'title="{num(v, "+.5f")}">{html.escape(_display(t))}</span>'
+                f'<span class="tok" style="background:rgb{rgb};color:{_ink(rgb)}" '
+                f'data-v="{num(v, "+.5f")}" title="{num(v, "+.5f")}">{html.escape(_display(t))}</span>'
             )
         return " ".join(out)
 
+    image = expl.patch_grid is not None
     warning = expl.contention.warning if expl.contention is not None else None
-    warn_html = f" <strong>({html.escape(warning)})</strong>" if warning else ""
-    rows = _image_html(expl) if expl.patch_grid is not None else "\n".join(
-        f"<p><span class='lbl'>{i + 1}</span> {spans(s.tokens, s.relevance)}</p>"
-        for i, s in enumerate(expl.segments)
-    )
+    warn_html = f'<br><span class="warn">{html.escape(warning)}</span>' if warning else ""
+    if image:
+        body = _image_html(expl)
+    else:
+        body = "\n".join(f"<p class='seg'><span class='lbl'>{i + 1}</span> {spans(s.tokens, s.relevance)}</p>"
+                         for i, s in enumerate(expl.segments))
+        body += "\n" + legend_html(num(-scale, "+.4f"), num(scale, "+.4f"),
+                                   "Token relevance: blue negative, white zero, red positive "
+                                   "(full colour at the largest |relevance|). Hover a token for its value.")
     return f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>pyattr explain</title>
 <style>
-body {{ font-family: sans-serif; margin: 2em; max-width: 60em; }}
-.tok {{ padding: 0.1em 0.2em; border-radius: 3px; font-family: monospace; }}
-.lbl {{ color: #888; margin-right: 0.5em; }}
-td {{ padding: 0.1em 1em 0.1em 0; }}
-</style></head><body>
-<h1>{"Patch" if expl.patch_grid is not None else "Token"} relevance</h1>
+body {{ font-family: sans-serif; margin: 2em; max-width: 60em; color: #111; font-size: 16px; }}
+p.seg {{ line-height: 2.4; }}
+.tok {{ position: relative; padding: 0.15em 0.25em; border-radius: 3px; font-family: monospace; font-size: 15px; }}
+.tok:hover {{ outline: 2px solid #111; }}
+.tok:hover::after, .patch:hover::after {{ position: absolute; left: 50%; bottom: 100%; transform: translate(-50%, -6px);
+  background: #222; color: #fff; font: 13px monospace; padding: 2px 6px; border-radius: 3px; white-space: nowrap;
+  z-index: 10; pointer-events: none; }}
+.tok:hover::after {{ content: attr(data-v); }}
+.patch:hover::after {{ content: attr(data-tip); }}
+.lbl {{ color: #666; margin-right: 0.5em; }}
+.maps {{ display: flex; flex-wrap: wrap; gap: 2em; margin-top: 2em; }}
+.maps figure {{ margin: 0; }}
+.maps figcaption {{ font-size: 14px; color: #333; margin-top: 0.3em; }}
+.imgwrap {{ position: relative; }}
+.imgwrap img {{ display: block; width: 100%; height: 100%; image-rendering: pixelated; }}
+.imgwrap .grid {{ position: absolute; inset: 0; }}
+.grid {{ display: grid; }}
+.heat {{ border: 1px solid #999; }}
+.heat .patch {{ display: flex; align-items: center; justify-content: center; font: 13px monospace; }}
+.patch {{ position: relative; }}
+.patch:hover {{ outline: 2px solid #111; outline-offset: -2px; }}
+td {{ padding: 0.15em 1em 0.15em 0; vertical-align: top; }} td:first-child {{ white-space: nowrap; }}
+.warn {{ color: #8a4b00; font-size: 14px; }}
+{LEGEND_CSS}</style></head><body>
+<h1>{"Patch" if image else "Token"} relevance</h1>
 <p>{html.escape(expl.target_description)} — model <code>{html.escape(expl.model)}</code></p>
-{rows}
+{body}
 <table>
 <tr><td>target value</td><td>{num(expl.target, "+.6f")}</td></tr>
 <tr><td>relevance sum</td><td>{num(expl.relevance_sum, "+.6f")}</td></tr>
@@ -156,6 +249,6 @@ td {{ padding: 0.1em 1em 0.1em 0; }}
 <tr><td>wall time</td><td>{expl.wall_time_s * 1e3:.1f} ms{warn_html}</td></tr>
 <tr><td>backend</td><td>{html.escape(expl.backend)}</td></tr>
 </table>
-<p>Red: positive relevance, blue: negative; {"each block is one patch, opacity by |relevance| on the patches' scale" if expl.patch_grid is not None else "hover a token for its value"}.</p>
+<p>Red: positive relevance, blue: negative; {"each block is one patch, opacity by |relevance| on the patches' scale; hover a patch for its value" if image else "hover a token for its value"}.</p>
 </body></html>
 """
