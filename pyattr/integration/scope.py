@@ -19,6 +19,7 @@ from pyattr.integration.install import (
     release,
 )
 from pyattr.integration.planner import Planner, plan_known
+from pyattr.integration.quantized import quantized_input_gradients
 from pyattr.integration.wrappers import unwrap
 
 
@@ -66,6 +67,10 @@ def use_relevance_rules(
     Yields:
         RelevanceRuleCoverage: installed and skipped dotted paths.
 
+    Quantized models: torchao-quantized ``nn.Linear`` layers get an input gradient
+    (``dy`` times the dequantized weight) and bitsandbytes ``Linear4bit`` /
+    ``Linear8bitLt`` keep their own (:mod:`pyattr.integration.quantized`).
+
     Forwards stay bit-identical to the model's own. Patches are per instance, refcounted
     per (module, rule kind) across nested scopes, and removed on exit, exceptions included.
     With Hugging Face gradient checkpointing, a recomputed block runs with exactly the
@@ -75,6 +80,9 @@ def use_relevance_rules(
     Raises:
         RelevanceRuleUnsupportedError: unknown model type (without ``generic``), or a
             mount that is not of the expected form; raised before anything is patched.
+            Its subclass ``UnsupportedQuantizationError`` (also a ``NotImplementedError``):
+            a quantized layer that is neither torchao's nor bitsandbytes' (see
+            :mod:`pyattr.integration.quantized`).
         RelevanceRuleConflictError: a nested scope asks for another attention mode on the
             same module; a hook sits on an activation the gated rule bypasses; at run
             time, a forward hook replaces the output of a rule-carrying module.
@@ -88,12 +96,14 @@ def use_relevance_rules(
 
     available_backends()
     done: List[Step] = []
-    try:
-        for st in pl.steps:
-            acquire(st.module, st.path, st.kind, st.value, st.make_forward, st.check_output)
-            done.append(st)
-        with checkpoints_bound(model), frozen_attention(pl.frozen_attention):
-            yield pl.cov
-    finally:
-        for st in reversed(done):
-            release(st.module, st.kind)
+    # quantized linear layers get their input gradient first: the rules mount on top of it
+    with quantized_input_gradients(model):
+        try:
+            for st in pl.steps:
+                acquire(st.module, st.path, st.kind, st.value, st.make_forward, st.check_output)
+                done.append(st)
+            with checkpoints_bound(model), frozen_attention(pl.frozen_attention):
+                yield pl.cov
+        finally:
+            for st in reversed(done):
+                release(st.module, st.kind)
