@@ -1,10 +1,13 @@
 """The architecture table × the methods: every entry supports every method, or declares in
-its roles why it cannot (a role left None), and the method then refuses with that reason.
+its roles why it cannot (a role left None), and the method then refuses with that reason;
+the same for the entry structural discovery finds on each architecture's renamed twin
+(``generic=True``), whose refusals carry their reasons (``Arch.refusals``).
 Adding an architecture is one entry plus its tiny model here (XLM-RoBERTa, CamemBERT and
 Phi were added that way)."""
 
 import functools
 import math
+import re
 
 import pytest
 import torch
@@ -65,17 +68,20 @@ def _refusal(arch, method):
     return None
 
 
-def _run(arch, method):
-    m, inputs, target = _model(arch)
+def _run(arch, method, m=None, generic=False):
+    """``method`` on ``arch``'s tiny model (or on ``m``, its renamed twin, with ``generic``)."""
+    model, inputs, target = _model(arch)
+    m = model if m is None else m
     kind, _, arg = method.partition(":")
-    blocks = A.layer_paths(m, A.ARCHITECTURES[arch])
+    blocks = A.layer_paths(m, A.arch_of(m, generic))
+    g = dict(generic=True) if generic else {}
     if kind == "relevance":
-        return pyattr.relevance(m, inputs, target=target).token_relevance
+        return pyattr.relevance(m, inputs, target=target, **g).token_relevance
     if kind == "layer":
-        r = pyattr.layer_relevance(m, inputs, arg, target=target)
+        r = pyattr.layer_relevance(m, inputs, arg, target=target, **g)
         return torch.stack([r[p].relevance.sum() for p in r.paths])
     if kind == "integrated_gradients":
-        return pyattr.integrated_gradients(m, inputs, target=target, n_steps=2).attribution
+        return pyattr.integrated_gradients(m, inputs, target=target, n_steps=2, **g).attribution
     if kind == "capture":
         with pyattr.capture(m, blocks) as cap:
             out = m(input_ids=inputs) if inputs.dtype == torch.long else m(pixel_values=inputs)
@@ -86,10 +92,10 @@ def _run(arch, method):
     corrupt = inputs.flip(0)
     metric = target if callable(target) else pyattr.targets.Logit(target)
     if kind == "activation_patching":
-        return activation_patching(m, inputs, corrupt, metric, nodes="residual")["residual"]
+        return activation_patching(m, inputs, corrupt, metric, nodes="residual", **g)["residual"]
     if arg == "heads":
-        return attribution_patching(m, inputs, corrupt, metric, nodes="heads", method="atp")["heads"]
-    r = attribution_patching(m, inputs, corrupt, metric, nodes=("residual", "attention", "mlp"), method=arg)
+        return attribution_patching(m, inputs, corrupt, metric, nodes="heads", method="atp", **g)["heads"]
+    r = attribution_patching(m, inputs, corrupt, metric, nodes=("residual", "attention", "mlp"), method=arg, **g)
     return torch.stack([r[n].sum() for n in r.nodes])
 
 
@@ -129,3 +135,44 @@ def test_added_entries_forward_bit_identical_and_conserve(arch):
         r = pyattr.relevance(m, ids, target=5)
         assert float(r.conservation_delta.abs().max()) < 1e-6 * max(1.0, float(r.target.abs().max()))
         assert math.isfinite(float(r.target.sum()))
+
+
+# --------------------------------------------------------------------------- discovered entries
+
+#: the role each method needs beyond the blocks (``layers``), by the entry's field names
+ROLES = {"layer:attention": "attention_out", "layer:mlp": "mlp_out", "layer:neurons": "neurons",
+         "patching:relp": "mlp_out", "patching:atp": "mlp_out", "patching:atp*": "attention_core",
+         "patching:heads": "heads"}
+
+
+@functools.lru_cache(maxsize=None)
+def _twin(arch):
+    """``arch``'s tiny model under a model_type the table does not map: the same modules
+    and weights, seen only through structural discovery."""
+    import copy
+
+    m = copy.deepcopy(_model(arch)[0])
+    m.config.model_type = f"{arch}_twin"
+    assert A.model_type(m) not in A.ARCHITECTURES
+    return m, A.discover(m)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("arch", sorted(A.ARCHITECTURES))
+def test_every_discovered_entry_supports_every_method_or_declares_why_not(arch, method):
+    """The same matrix over the entries structural discovery finds (``generic=True``) on
+    each mapped architecture's renamed twin: a method runs, or refuses with the reason
+    the discovered entry declares for the role it needs."""
+    m, entry = _twin(arch)
+    roles = ["layers", ROLES.get(method)] + (["vision"] if arch in A.VISION else [])
+    why = next((entry.refusal(r) for r in roles if r and entry.refusal(r)), None)
+    if arch in A.VISION and (method.startswith("patching") or method == "activation_patching"):
+        with pytest.raises(TypeError, match="patching aligns token sequences"):
+            _run(arch, method, m, generic=True)
+        return
+    if why is not None:
+        with pytest.raises(ValueError, match=re.escape(why)):
+            _run(arch, method, m, generic=True)
+        return
+    out = _run(arch, method, m, generic=True)
+    assert bool(torch.isfinite(out).all()) and float(out.abs().sum()) > 0, (arch, method)

@@ -1,6 +1,9 @@
 """The architecture table (:mod:`pyattr.architectures.table`) and where its roles are in a
 model instance (:mod:`pyattr.architectures.paths`): what every method reads to find
-embeddings, blocks, norms, attention and MLP parts, heads and position conventions."""
+embeddings, blocks, norms, attention and MLP parts, heads and position conventions. For a
+model the table does not map, structural discovery (:mod:`pyattr.architectures.discover`,
+opted into with ``generic=True``) reads the same kind of entry off its module graph;
+:func:`arch_of` is the entry a method reads either way."""
 
 from pyattr.architectures.paths import (  # noqa: F401
     WRAPPER_PREFIX,
@@ -19,3 +22,4 @@ from pyattr.architectures.table import (  # noqa: F401
     Arch,
     FusedGatedForm,
 )
+from pyattr.architectures.discover import arch_of, discover, padding_idx_embeddings, require  # noqa: F401, I001 - after the table it reads

@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 class FusedGatedForm:
     """An MLP with one projection for both halves: ``a, b = proj(x).chunk(2)``, then
     ``down(drop(act(a) * b))`` (``drop`` optional). The whole body of its forward must
-    match ``pattern`` (see :func:`pyattr.integration.forms.flat_body`)."""
+    match ``pattern`` (see :func:`pyattr.architectures.forms.flat_body`)."""
 
     proj: str
     act: str
@@ -88,6 +88,17 @@ class Arch:
     moe_block: Optional[Tuple[str, str]] = None
     # the forward form of a fused gated MLP (mlp kind "gated_fused")
     fused_mlp: Optional[FusedGatedForm] = None
+    # (role, reason) for each role this entry declares it does not have, by field name: an
+    # entry found by structural discovery (:func:`pyattr.architectures.discover`) leaves
+    # such a role None and says why here; a method that needs it refuses with the reason
+    refusals: Tuple[Tuple[str, str], ...] = field(default=())
+    # a vision transformer: its inputs are pixel_values, cut into patches of
+    # config.patch_size, with a [CLS] token first
+    vision: bool = False
+
+    def refusal(self, role: str) -> Optional[str]:
+        """Why this entry has no ``role`` (a field name), or None when it declares none."""
+        return next((why for r, why in self.refusals if r == role), None)
 
 
 _LLAMA = Arch(
@@ -247,6 +258,7 @@ ARCHITECTURES = {
         entry=("layers.0", "hidden_states"),
         base_acts=("pooler.activation",),
         attention_out="attention", mlp_out="mlp", neurons=("mlp.fc2", "input"), heads="attention.o_proj",
+        vision=True,
     ),
     "distilbert": Arch(
         layers="transformer.layer",
@@ -269,7 +281,7 @@ ARCHITECTURES = {
 # one LayerNorm (pre_layrnorm) before the blocks, and the pooled [CLS] state another
 ARCHITECTURES["clip_vision_model"] = Arch(
     **{**ARCHITECTURES["clip_text_model"].__dict__, "outer_norms": ("pre_layrnorm", "post_layernorm"),
-       "entry": ("pre_layrnorm", "input")}
+       "entry": ("pre_layrnorm", "input"), "vision": True}
 )
 
 
@@ -306,4 +318,4 @@ ARCHITECTURES["phi"] = Arch(
 
 
 # vision transformers: their inputs are pixel_values, cut into patches of config.patch_size
-VISION = ("vit", "clip_vision_model")
+VISION = tuple(k for k, a in ARCHITECTURES.items() if a.vision)

@@ -3,58 +3,36 @@
 The planner reads the module graph instead of a map: attention by its q/k/v projections,
 norms by what they compute (:mod:`.structural`), gated MLPs by the form of their forward,
 activations by kind or name; whatever it cannot place is reported with the reason.
+
+It finds these with the finders of structural discovery
+(:mod:`pyattr.architectures.discover`), whose :class:`~pyattr.architectures.Arch` entry is
+what the methods read for the same model (entry point, layer shorthands, patching nodes
+and heads, AtP*'s attention core). The planner keeps its own walk over every module
+because an entry cannot say everything it places: norms of unknown classes mounted beside
+their own forward, gated MLPs under any attribute names, attention and activations
+outside the blocks, and what it leaves native, each with its reason.
 """
 
 from __future__ import annotations
-
-import re
-from typing import Optional, Tuple
 
 import torch
 from torch import nn
 
 import pyattr.architectures as A
 from pyattr.activations import _kind_of_module
-from pyattr.config import RelevanceRules
-from pyattr.integration.forms import (
-    GENERIC_GATED_FORM,
-    body_matches,
-    flat_body,
-    plain_fused_gated_forward,
+from pyattr.architectures.discover import (
+    ACT_CLASS,
+    ACT_NAMES,
+    fused_gated_form,
+    fused_qkv,
+    generic_gated_names,
+    is_norm_like,
+    multiplies,
+    qkv_names,
 )
+from pyattr.config import RelevanceRules
 from pyattr.integration.planner import Planner
 from pyattr.integration.structural import _eps, classify_norm, structural_norm_forward
-
-_QKV_NAMES = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("q_lin", "k_lin", "v_lin"))
-_FUSED_QKV = ("qkv_proj", "Wqkv", "c_attn", "query_key_value", "qkv")
-_ACT_NAMES = ("act", "act_fn", "activation_fn", "activation")
-
-
-def _generic_gated_names(mod: nn.Module) -> Optional[Tuple[str, str, str, str]]:
-    """(gate, up, down, act) when the module's whole forward is ``down(act(gate(x)) * up(x))``
-    under any attribute names."""
-    m = body_matches(type(mod).forward, GENERIC_GATED_FORM)
-    if m is None:
-        return None
-    names = (m["gate"], m["up"], m["down"], m["act"])
-    return names if all(isinstance(getattr(mod, n, None), nn.Module) for n in names) else None
-
-
-_ACT_CLASS = re.compile(r"(?i)(gelu|silu|swish|relu|tanh|sigmoid|activation)$")
-
-
-def _multiplies(parent: Optional[nn.Module], act: str) -> bool:
-    """The parent's forward multiplies the output of ``self.<act>(...)`` by something: a
-    gate the Half-rule would need, in a form not recognised."""
-    body = flat_body(type(parent).forward) if isinstance(parent, nn.Module) else None
-    if body is None:
-        return False
-    return any(f"self.{act}(" in st and "*" in st for st in body.split(";"))
-
-
-def _is_norm_like(mod: nn.Module) -> bool:
-    cls = type(mod).__name__
-    return isinstance(mod, nn.LayerNorm) or cls.endswith("Norm") or "LayerNorm" in cls or cls.endswith("RMSNorm")
 
 
 def plan_generic(model: nn.Module, rules: RelevanceRules) -> Planner:
@@ -78,23 +56,22 @@ def plan_generic(model: nn.Module, rules: RelevanceRules) -> Planner:
     modules = dict(model.named_modules())
     attention = []
     for name, mod in modules.items():
-        for q, k, v in _QKV_NAMES:
-            if all(isinstance(getattr(mod, n, None), nn.Module) for n in (q, k, v)):
-                attention.append((name, (q, k, v)))
-                break
+        names = qkv_names(mod)
+        if names:
+            attention.append((name, names))
     inside_attention = [n for n, _ in attention]
     gated, fused = {}, {}
     moe = [n for n, m in modules.items() if n and isinstance(getattr(m, "experts", None), nn.Module)]
     for name, mod in modules.items():
         if not name or any(name == b or name.startswith(b + ".") for b in moe):
             continue
-        names = _generic_gated_names(mod)
+        names = generic_gated_names(mod)
         if names:
             gated[name] = names
             pl.mounted.add(id(modules[A.join(name, names[3])]))
             continue
-        form = next((f for f in A.FUSED_GATED_FORMS if plain_fused_gated_forward(mod, f)), None)
-        if form is not None and all(isinstance(getattr(mod, n, None), nn.Module) for n in (form.proj, form.act, form.down)):
+        form = fused_gated_form(mod)
+        if form is not None:
             fused[name] = form
             pl.mounted.add(id(getattr(mod, form.act)))
     for name in moe:  # routing and 3-D experts need the library's forms: only the mapped MoE models have them
@@ -119,7 +96,7 @@ def plan_generic(model: nn.Module, rules: RelevanceRules) -> Planner:
         if name in fused:
             pl.gated_fused_mlp(name, fused[name])
             continue
-        if _is_norm_like(mod):
+        if is_norm_like(mod):
             if any(name.startswith(a + ".") for a in inside_attention):
                 pl.mounted.add(id(mod))
                 pl.cov._skip(name, "norm inside attention (a q/k norm), not a residual-stream norm: left native")
@@ -145,11 +122,11 @@ def plan_generic(model: nn.Module, rules: RelevanceRules) -> Planner:
             continue
         kind = _kind_of_module(mod)
         leaf = name.rsplit(".", 1)[-1]
-        act_like = leaf in _ACT_NAMES or bool(_ACT_CLASS.search(type(mod).__name__))
+        act_like = leaf in ACT_NAMES or bool(ACT_CLASS.search(type(mod).__name__))
         bare = not list(mod.children()) and not list(mod.parameters())
         if kind is not None or (act_like and bare):
             parent = name.rsplit(".", 1)[0] if "." in name else ""
-            if _multiplies(modules.get(parent), leaf):
+            if multiplies(modules.get(parent), leaf):
                 pl.mounted.add(id(mod))
                 pl.cov._skip(parent, f"generic: multiplies its activation {leaf!r} by another tensor in a form pyattr "
                                      "does not recognise (no Half-rule): left native, relevance is not conserved "
@@ -160,12 +137,11 @@ def plan_generic(model: nn.Module, rules: RelevanceRules) -> Planner:
             pl.mounted.add(id(mod))
             pl.cov._skip(name, f"generic: activation-like module with parameters or submodules ({type(mod).__name__}), "
                                "no known form: left native")
-        for f in _FUSED_QKV:
-            if isinstance(getattr(mod, f, None), nn.Linear) and name not in dict(attention):
-                pl.cov._skip(A.join(name, f), "generic: fused q/k/v projection whose split is unknown: left native")
+        qkv = fused_qkv(mod)  # an nn.Linear or GPT-2's Conv1D
+        if qkv and name not in dict(attention):
+            pl.cov._skip(A.join(name, qkv), "generic: fused q/k/v projection whose split is unknown: left native")
         if "Attention" in type(mod).__name__ and name not in dict(attention) and not any(
-                name.startswith(a + ".") for a in inside_attention) and not any(
-                isinstance(getattr(mod, f, None), nn.Linear) for f in _FUSED_QKV):
+                name.startswith(a + ".") for a in inside_attention) and not qkv:
             pl.cov._skip(name, "generic: attention without recognisable q/k/v projections: its pattern is not "
                                "frozen (no attention rule)")
     pl.skip_lookalikes()

@@ -12,16 +12,16 @@ from torch import nn
 
 import pyattr.architectures as A
 from pyattr.activations import Activation, _kind_of_module, forward_fn
-from pyattr.config import RelevanceRuleCoverage, RelevanceRules
-from pyattr.integration.errors import (
-    RelevanceRuleConflictError,
-    RelevanceRuleUnsupportedError,
-)
-from pyattr.integration.forms import (
+from pyattr.architectures.forms import (
     flat_body,
     plain_fused_gated_forward,
     plain_gated_forward,
     plain_gelu_head,
+)
+from pyattr.config import RelevanceRuleCoverage, RelevanceRules
+from pyattr.integration.errors import (
+    RelevanceRuleConflictError,
+    RelevanceRuleUnsupportedError,
 )
 from pyattr.integration.forwards import (
     ATTN_SCALES,

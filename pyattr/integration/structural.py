@@ -12,75 +12,15 @@ The value is ``native(x) + 0``: the native output, bit for bit (a ``-0.0`` may b
 ``+0.0``, which ``torch.equal`` counts as equal); the gradient is ``s``'s, the LN-rule's
 (RelP, arXiv 2508.21258, and AttnLRP, ICML 2024, Prop. 3.2: the normalising scale is a
 constant). The kind of norm and its effective weight are read off the module's outputs
-on probe inputs, not off its class name.
+on probe inputs, not off its class name (:func:`pyattr.architectures.forms.classify_norm`,
+which structural discovery reads too).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
-
 import torch
-from torch import nn
 
-
-def _eps(module: nn.Module) -> float:
-    for name in ("variance_epsilon", "eps", "epsilon"):
-        v = getattr(module, name, None)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            return float(v)
-    return 1e-5
-
-
-def _normalised(x: torch.Tensor, kind: str, eps: float) -> torch.Tensor:
-    if kind == "layer_norm":
-        c = x - x.mean(-1, keepdim=True)
-        return c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + eps)
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def classify_norm(module: nn.Module, hidden: int) -> Optional[Tuple[str, torch.Tensor]]:
-    """``(kind, weight)`` when ``module`` maps every row x to ``n(x)·w + b`` with ``n`` the
-    layer or RMS normalisation over its last dimension (``hidden``), else None.
-
-    Four random rows go through the module without gradient (in its parameters' dtype);
-    the per-column weight is fitted from the first two and must predict the others (0.1 %
-    in float32 / float64, 5 % in 16-bit dtypes). The weight returned is the module's own
-    1-D ``weight`` (plus Gemma's offset of 1 when that is what it computes) if it has one
-    of that size, else the fitted one (a parameter-free norm: ones)."""
-    p = next((t for t in module.parameters(recurse=False)), None)
-    dtype = p.dtype if p is not None and p.is_floating_point() else torch.float32
-    device = p.device if p is not None and p.device.type != "meta" else torch.device("cpu")
-    if device.type == "meta":
-        return None
-    g = torch.Generator().manual_seed(0)
-    x = (torch.randn(4, hidden, generator=g, dtype=torch.float64) * 2 + 0.3).to(device=device, dtype=dtype)
-    try:
-        with torch.no_grad():
-            y = module(x)
-    except Exception:  # noqa: BLE001 - a module that does not take one tensor is not a norm
-        return None
-    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
-        return None
-    tol = 5e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-3
-    xd, yd = x.double(), y.double()
-    for kind in ("layer_norm", "rms_norm"):
-        n = _normalised(xd, kind, _eps(module))
-        dn = n[0] - n[1]
-        w = (yd[0] - yd[1]) / torch.where(dn.abs() > 1e-6, dn, torch.ones_like(dn))
-        b = yd[0] - n[0] * w
-        pred = n * w + b
-        if kind == "rms_norm" and b.abs().max() > tol * (yd.abs().max() + 1e-12):
-            continue  # an RMS norm has no bias
-        if (pred - yd).abs().max() <= tol * (yd.abs().max() + 1e-12):
-            own = getattr(module, "weight", None)
-            if isinstance(own, torch.Tensor) and own.dim() == 1 and own.shape[0] == hidden:
-                for offset in (0.0, 1.0):
-                    cand = own.detach().double() + offset
-                    if (cand - w).abs().max() <= tol * (w.abs().max() + 1e-12):
-                        return kind, (own, offset)
-                return None  # a weight of the right size that is not what it multiplies by
-            return kind, (None, 0.0)
-    return None
+from pyattr.architectures.forms import _eps, _normalised, classify_norm  # noqa: F401 - the probe lives with discovery
 
 
 def structural_norm_forward(kind: str, weight_spec, eps: float):

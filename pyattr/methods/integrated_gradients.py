@@ -175,7 +175,9 @@ def integrated_gradients(
             tensor baseline is that layer's baseline activation (Captum issue 1132), so on
             Llama-style models layer IG there equals IG at the embeddings.
         attention_mask (Tensor[batch, seq], optional): 1 for real tokens.
-        generic (bool): structural rule installation for architectures without a rule map.
+        generic (bool): for an architecture without a rule map, structural rule installation
+            and the roles structural discovery reads off the module graph; the input is
+            where the discovered entry says the residual stream enters the blocks.
 
     Returns:
         AttributionResult: ``attribution``, ``token_attribution``, ``convergence_delta``
@@ -195,7 +197,7 @@ def integrated_gradients(
         raise ValueError("attribute_to_layer_input=True needs layer: without it the attribution is at the input embeddings")
     alphas, weights = path_points(method, n_steps)
     precheck_baseline(model, baseline, inputs)
-    prep = core.prepare(model, inputs, attention_mask, "integrated_gradients")
+    prep = core.prepare(model, inputs, attention_mask, "integrated_gradients", generic)
     batch = prep.input_ids.shape[0]
     tgts, several = T.normalize(target, batch)
     if several:

@@ -106,19 +106,28 @@ class _Layer:
     residual: bool = False
 
 
-def _blocks(model: nn.Module, shorthand: str):
-    """``(arch, block paths)`` of a mapped architecture (the table's roles name the parts)."""
+_ROLES = {"residual": "layers", "attention": "attention_out", "mlp": "mlp_out", "neurons": "neurons"}
+
+
+def _blocks(model: nn.Module, shorthand: str, generic: bool = False):
+    """``(arch, block paths)``: the roles that name the parts, from the table, or with
+    ``generic`` from structural discovery for an unmapped model (a role it could not find
+    is refused with its reason)."""
     mt = A.model_type(model)
-    arch = A.ARCHITECTURES.get(mt)
-    if arch is None or arch.attention_out is None:
+    arch = A.arch_of(model, generic)
+    if arch is None or (arch.attention_out is None and not arch.refusals):
         raise ValueError(
             f"layers: the shorthand {shorthand!r} needs a mapped architecture, and {type(model).__name__} "
-            f"(model_type {mt!r}) has none; pass dotted module paths instead"
+            f"(model_type {mt!r}) has none; pass dotted module paths instead, or generic=True to read its "
+            "roles off the module graph"
         )
+    A.require(arch, "layers", model, f"layers: the shorthand {shorthand!r}")
+    A.require(arch, _ROLES[shorthand], model, f"layers: the shorthand {shorthand!r}")
     return arch, A.layer_paths(model, arch)
 
 
-def expand_layers(model: nn.Module, layers, attribute_to_layer_input: bool = False) -> List[_Layer]:
+def expand_layers(model: nn.Module, layers, attribute_to_layer_input: bool = False,
+                  generic: bool = False) -> List[_Layer]:
     """Dotted paths and shorthands → the layers, in model order, each once.
 
     ``"residual"``: every block's input and the final norm's input (the residual stream);
@@ -134,7 +143,7 @@ def expand_layers(model: nn.Module, layers, attribute_to_layer_input: bool = Fal
     out: List[_Layer] = []
     for item in layers:
         if item in SHORTHANDS:
-            arch, blocks = _blocks(model, item)
+            arch, blocks = _blocks(model, item, generic)
             neurons, neurons_where = arch.neurons or (None, None)
             if item == "residual":
                 out += [_Layer(b, model.get_submodule(b), "input", True) for b in blocks]
@@ -205,7 +214,9 @@ def layer_relevance(
         internal_batch_size (int, optional): rows per forward/backward; results equal the
             unchunked run (per-row targets only).
         attention_mask (Tensor[batch, seq], optional): 1 for real tokens.
-        generic (bool): structural rule installation for architectures without a rule map.
+        generic (bool): for an architecture without a rule map, structural rule installation
+            and the roles structural discovery reads off the module graph; the layer shorthands
+            read the discovered entry's roles (:func:`pyattr.architectures.discover`).
 
     Returns:
         LayerRelevanceResult: ``result[path].activation / .gradient / .relevance``
@@ -224,9 +235,9 @@ def layer_relevance(
     core.check_grad_mode("layer_relevance")
     # the layers first: a shorthand on an unmapped model names itself, before the search
     # for the embedding entry (which such a model may not have) can fail less clearly
-    lays = expand_layers(model, layers, attribute_to_layer_input)
+    lays = expand_layers(model, layers, attribute_to_layer_input, generic)
     precheck_baseline(model, baseline, inputs)
-    prep = core.prepare(model, inputs, attention_mask, "layer_relevance")
+    prep = core.prepare(model, inputs, attention_mask, "layer_relevance", generic)
     batch = prep.input_ids.shape[0]
     tgts, several = T.normalize(target, batch)
     rules = core.rule_defaults(rules)

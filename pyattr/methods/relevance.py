@@ -125,7 +125,9 @@ def relevance(
         grad_outputs (Tensor, optional): the initial gradient, shaped like the target
             ((batch,), or (k, batch)); default ones (tdhook's ``init_attr_grads``).
         attention_mask (Tensor[batch, seq], optional): 1 for real tokens.
-        generic (bool): structural rule installation for architectures without a rule map.
+        generic (bool): for an architecture without a rule map, structural rule installation
+            and the roles structural discovery reads off the module graph; relevance is measured
+            where the discovered entry says the residual stream enters the blocks.
 
     Returns:
         RelevanceResult with ``token_relevance`` (batch, seq), ``relevance``
@@ -160,7 +162,7 @@ def relevance(
     """
     model = unwrap(model)
     precheck_baseline(model, baseline, inputs)
-    prep = core.prepare(model, inputs, attention_mask, "relevance")
+    prep = core.prepare(model, inputs, attention_mask, "relevance", generic)
     batch = prep.input_ids.shape[0]
     tgts, several = T.normalize(target, batch)
     rules = core.rule_defaults(rules)

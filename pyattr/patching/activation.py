@@ -57,6 +57,7 @@ def activation_patching(
     attention_mask: Optional[torch.Tensor] = None,
     corrupt_attention_mask: Optional[torch.Tensor] = None,
     progress: bool = True,
+    generic: bool = False,
 ) -> PatchingResult:
     """The exact effect of each single-node patch: ``metric(clean run with the node's
     activation taken from the corrupt run) − metric(clean run)`` (the ground truth that
@@ -80,6 +81,8 @@ def activation_patching(
             always patched in full.
         seed (int): seed of the neuron sample. Default 0.
         progress (bool): a transient progress bar on stderr (on a terminal, after ~1 s).
+        generic (bool): for an architecture without a rule map, the nodes structural
+            discovery reads off the module graph, as in :func:`attribution_patching`.
 
     Returns:
         PatchingResult with ``method="exact"``.
@@ -98,10 +101,11 @@ def activation_patching(
         raise ValueError(f"sample: a sample is taken of 'neurons' nodes only, and nodes={tuple(node_list)} has none")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {seed!r}")
-    sites = node_sites(model, node_list)
+    sites = node_sites(model, node_list, generic)
     flat = [s for n in node_list for s in sites[n]]
     caller = "activation_patching"
-    pair = prepare_pair(model, clean, corrupt, alignment, attention_mask, corrupt_attention_mask, caller)
+    pair = prepare_pair(model, clean, corrupt, alignment, attention_mask, corrupt_attention_mask, caller,
+                        generic=generic)
     batch, seq = pair.clean.input_ids.shape
     tgts = metric_targets(metric, batch)
     with torch.no_grad(), core.inference_state(model):

@@ -53,8 +53,10 @@ class AttentionCalls:
     """Records, per block, the attention module's call (args, kwargs), its first tensor
     input and the attention probabilities it returns."""
 
-    def __init__(self, model: nn.Module, blocks: List[str]):
-        arch = A.ARCHITECTURES.get(A.model_type(model))
+    def __init__(self, model: nn.Module, blocks: List[str], generic: bool = False):
+        arch = A.arch_of(model, generic)
+        if arch is not None:
+            A.require(arch, "attention_core", model, "method='atp*'")
         rel = arch.attention_core if arch is not None else None
         if rel is None:
             raise ValueError(

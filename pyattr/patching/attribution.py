@@ -44,6 +44,7 @@ def attribution_patching(
     corrupt_attention_mask: Optional[torch.Tensor] = None,
     steps: Optional[int] = None,
     batch_size: Optional[int] = None,
+    generic: bool = False,
 ) -> PatchingResult:
     """Estimated effect of patching each node from ``corrupt`` into ``clean``, for every
     node at once: ``(a_corrupt − a_clean) · ∂metric/∂a`` at the clean run.
@@ -95,6 +96,11 @@ def attribution_patching(
             given as ids.
         corrupt_attention_mask (Tensor[batch, seq], optional): the mask of ``corrupt``
             when it is given as ids.
+        generic (bool): for an architecture without a rule map, read the nodes (and
+            AtP*'s attention core) off the module graph with structural discovery
+            (:func:`pyattr.architectures.discover`), and install ``"relp"``'s rules
+            structurally; a node whose role discovery could not find is refused with the
+            reason. Default False.
 
     Returns:
         PatchingResult: ``result[node]`` float32 ``(batch, layer, position[, head | neuron])``,
@@ -129,20 +135,20 @@ def attribution_patching(
         rules = PATCHING_RULES if rules is None else rules
         if not isinstance(rules, RelevanceRules):
             raise TypeError(f"rules must be a RelevanceRules, got {type(rules).__name__}")
-    sites = node_sites(model, node_list)
+    sites = node_sites(model, node_list, generic)
     flat = [s for n in node_list for s in sites[n]]
     caller = "attribution_patching"
     pair = prepare_pair(model, clean, corrupt, alignment, attention_mask, corrupt_attention_mask, caller,
-                        alignable=method != "ig")
+                        alignable=method != "ig", generic=generic)
     batch = pair.clean.input_ids.shape[0]
     tgts = metric_targets(metric, batch)
     star = method == "atp*" and "residual" in node_list
     if star:
         from pyattr.patching.atp_star import AttentionCalls
 
-        attn_c = AttentionCalls(model, [s.path for s in sites["residual"]])
-        attn_x = AttentionCalls(model, [s.path for s in sites["residual"]])
-    with core.attribution_pass(model, rules, False, caller) as cov:
+        attn_c = AttentionCalls(model, [s.path for s in sites["residual"]], generic)
+        attn_x = AttentionCalls(model, [s.path for s in sites["residual"]], generic)
+    with core.attribution_pass(model, rules, generic, caller) as cov:
         with attn_c.recording() if star else contextlib.nullcontext():
             value, acts_c, fixed = recording_forward(model, pair.clean, tgts, flat, grad=True)
         if not value.requires_grad:

@@ -1,5 +1,6 @@
-"""The patching nodes of a mapped architecture (the table's roles), per block: residual
-stream, attention and MLP outputs, heads, neurons."""
+"""The patching nodes of an architecture (the table's roles, or with ``generic=True`` those
+structural discovery finds), per block: residual stream, attention and MLP outputs, heads,
+neurons."""
 
 from __future__ import annotations
 
@@ -46,16 +47,24 @@ def _n_heads(model: nn.Module) -> int:
     return n
 
 
-def node_sites(model: nn.Module, nodes: Sequence[str]) -> Dict[str, List[Site]]:
-    """Node type → its module in each block (in layer order)."""
+_ROLES = {"residual": "layers", "attention": "attention_out", "heads": "heads", "mlp": "mlp_out", "neurons": "neurons"}
+
+
+def node_sites(model: nn.Module, nodes: Sequence[str], generic: bool = False) -> Dict[str, List[Site]]:
+    """Node type → its module in each block (in layer order), by the roles of the table's
+    entry, or with ``generic`` of the entry structural discovery reads off an unmapped
+    model (a node whose role it could not find is refused with the reason)."""
     mt = A.model_type(model)
-    arch = A.ARCHITECTURES.get(mt)
-    if arch is None or arch.heads is None:
+    arch = A.arch_of(model, generic)
+    if arch is None or (arch.heads is None and not arch.refusals):
         supported = sorted(k for k, a in A.ARCHITECTURES.items() if a.heads is not None)
         raise ValueError(
             f"nodes: patching needs a mapped architecture to find the nodes, and {type(model).__name__} "
-            f"(model_type {mt!r}) has none; supported: {', '.join(supported)}"
+            f"(model_type {mt!r}) has none; supported: {', '.join(supported)}; or pass generic=True to read "
+            "the nodes off the module graph"
         )
+    for node in ["residual"] + list(nodes):
+        A.require(arch, _ROLES[node], model, f"nodes: {node!r}")
     blocks = A.layer_paths(model, arch)
     if arch.neurons is None and "neurons" in nodes:
         raise no_neurons(model, "nodes")

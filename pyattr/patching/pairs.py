@@ -25,7 +25,8 @@ class Pair:
     valid: torch.Tensor    # (batch, seq) bool: a node exists (real clean token with a counterpart)
 
 
-def prepare_pair(model, clean, corrupt, alignment, clean_mask, corrupt_mask, caller, alignable: bool = True) -> Pair:
+def prepare_pair(model, clean, corrupt, alignment, clean_mask, corrupt_mask, caller, alignable: bool = True,
+                 generic: bool = False) -> Pair:
     """Clean and corrupt checked and lined up. ``alignable`` False (EAP-IG, which
     interpolates position by position): clean and corrupt must line up as they are."""
     for name, value in (("clean", clean), ("corrupt", corrupt)):
@@ -34,8 +35,8 @@ def prepare_pair(model, clean, corrupt, alignment, clean_mask, corrupt_mask, cal
                 f"{caller}: {name} is an image (pixel_values); patching aligns token sequences, and "
                 "image inputs are supported by relevance(), layer_relevance() and integrated_gradients()"
             )
-    pc = core.prepare(model, clean, clean_mask, caller)
-    px = core.prepare(model, corrupt, corrupt_mask, caller)
+    pc = core.prepare(model, clean, clean_mask, caller, generic)
+    px = core.prepare(model, corrupt, corrupt_mask, caller, generic)
     for name, prep in (("clean", pc), ("corrupt", px)):
         if G.row_groups(model, prep) is not None:
             raise ValueError(

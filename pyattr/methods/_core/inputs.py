@@ -249,11 +249,15 @@ def _vision_config(model: nn.Module):
     return getattr(cfg, "vision_config", None) or cfg
 
 
-def patch_grid(model: nn.Module, pixel_values: torch.Tensor, caller: str):
-    """(rows, cols) of patches a ViT-style model cuts ``pixel_values`` into."""
+def patch_grid(model: nn.Module, pixel_values: torch.Tensor, caller: str, generic: bool = False):
+    """(rows, cols) of patches a ViT-style model cuts ``pixel_values`` into (a vision entry
+    of the table, or with ``generic`` a discovered one)."""
     cfg = _vision_config(model)
     p = getattr(cfg, "patch_size", None)
-    if p is None or A.model_type(model) not in A.VISION:
+    arch = A.arch_of(model, generic)
+    if arch is not None and p is not None:
+        A.require(arch, "vision", model, f"{caller}(): pixel_values inputs")
+    if p is None or arch is None or not arch.vision:
         raise ValueError(
             f"{caller}(): inputs are pixel_values, but {type(model).__name__} (model type "
             f"{A.model_type(model)!r}) is not a supported vision transformer; image inputs are "
@@ -269,16 +273,16 @@ def patch_grid(model: nn.Module, pixel_values: torch.Tensor, caller: str):
     return h // ph, w // pw
 
 
-def prepare(model: nn.Module, inputs, attention_mask, caller: str) -> Prepared:
+def prepare(model: nn.Module, inputs, attention_mask, caller: str, generic: bool = False) -> Prepared:
     check_grad_mode(caller)
     kwargs = normalise_inputs(inputs, attention_mask)
-    entry, where = entry_module(model)
+    entry, where = entry_module(model, generic)
     check_parameters_usable(model, caller)
     # inputs made under inference_mode elsewhere cannot enter a graph; small copies can
     kwargs = {k: (v.clone() if isinstance(v, torch.Tensor) and v.is_inference() else v) for k, v in kwargs.items()}
     if "pixel_values" in kwargs and "input_ids" not in kwargs:
         px = kwargs["pixel_values"]
-        rows, cols = patch_grid(model, px, caller)
+        rows, cols = patch_grid(model, px, caller, generic)
         layout = torch.full((px.shape[0], 1 + rows * cols), -1, dtype=torch.long, device=px.device)
         return Prepared(kwargs, layout, None, entry, where, (rows, cols))
     kwargs = padding_positions(model, kwargs)
@@ -308,11 +312,13 @@ def input_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def entry_module(model: nn.Module):
-    """``(module, "input" | "output")``: where the residual stream enters the first block."""
-    mt = A.model_type(model)
-    if mt in A.ARCHITECTURES:
-        path, _ = A.ARCHITECTURES[mt].entry
+def entry_module(model: nn.Module, generic: bool = False):
+    """``(module, "input" | "output")``: where the residual stream enters the first block,
+    by the entry the model's architecture declares (the table's, or with ``generic`` the
+    discovered one of an unmapped model); else the input embeddings' output."""
+    arch = A.arch_of(model, generic)
+    if arch is not None and arch.entry is not None:
+        path, _ = arch.entry
         mod = A.get_submodule(model, A.join(A.base_prefix(model), path))
         if mod is not None:
             return mod, "input"

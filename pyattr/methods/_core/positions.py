@@ -23,24 +23,16 @@ import pyattr.architectures as A
 import pyattr.methods._core.state as S
 
 
-def _embeddings_with_padding_idx(model: nn.Module) -> Optional[nn.Module]:
-    """The embeddings module that numbers positions from ``padding_idx + 1`` (RoBERTa's
-    ``create_position_ids_from_input_ids``), found by what it does, so unmapped models of
-    the family (XLM-RoBERTa, CamemBERT, …) are recognised as well."""
-    for m in model.modules():
-        if callable(getattr(m, "create_position_ids_from_input_ids", None)) and isinstance(
-                getattr(m, "padding_idx", None), int):
-            return m
-    return None
-
-
 def convention(model: nn.Module) -> Tuple[str, int]:
     """``("mask", 0)``: real tokens at ``0, 1, …``; ``("padding_idx", p)``: real tokens at
     ``p + 1, p + 2, …`` and padding at ``p`` (RoBERTa family). The architecture table
-    declares it (``Arch.positions``); unmapped models are recognised structurally."""
+    declares it (``Arch.positions``); an unmapped model is recognised structurally, as
+    discovery declares it (:func:`pyattr.architectures.discover.padding_idx_embeddings`),
+    whether or not the caller opted into ``generic`` (the convention decides only how ids
+    are numbered, and numbering them otherwise would change the model's own output)."""
     mt = A.model_type(getattr(model, "_orig_mod", model))
     arch = A.ARCHITECTURES.get(mt)
-    emb = _embeddings_with_padding_idx(model)
+    emb = A.padding_idx_embeddings(model)
     if (arch is not None and arch.positions == "padding_idx") or (arch is None and emb is not None):
         if emb is None:
             raise ValueError(f"{type(model).__name__}: no embeddings module with a padding_idx was found")

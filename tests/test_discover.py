@@ -1,0 +1,275 @@
+"""Structural discovery (:func:`pyattr.architectures.discover`): the :class:`Arch` entry of a
+model the table does not map, read off its module graph, which every method reads with
+``generic=True``.
+
+(a) On every mapped architecture, the discovered entry equals the table's on every role
+it claims to find, and declares exactly the refusals expected (with reasons); (b) on a
+renamed twin (same modules and weights, a model_type the table misses), ``generic=True``
+gives the mapped model's relevance, layer relevance and patching results; (c) on
+architectures the table does not map, the methods work through the discovered roles,
+and a role discovery could not find is refused naming the role and the reason. The
+matrix of discovered entries × methods is in test_architecture_table.py.
+"""
+
+import copy
+import dataclasses
+import re
+
+import pytest
+import torch
+
+import pyattr
+import pyattr.architectures as A
+from pyattr.patching import activation_patching, attribution_patching
+from test_architecture_table import _model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+#: the refusals discovery declares on the mapped architectures (all others: none)
+EXPECTED_REFUSALS = {
+    **{a: {"attention"} for a in ("phi3", "gpt2", "gpt_neox", "modernbert")},  # fused q|k|v: split unknown
+    **{a: {"neurons", "moe_block"} for a in ("mixtral", "qwen2_moe", "qwen3_moe")},
+}
+#: roles only the rule planner reads, which discovery does not look for
+PLANNER_ONLY = ("head_forward", "unruled_heads", "gated_extra")
+#: (arch, role): the table and discovery name different modules of the same tensor
+SAME_TENSOR = {("distilbert", "attention_out"), ("distilbert", "neurons")}
+#: the table leaves AtP* off there; discovery finds the eager attention module (the matrix runs it)
+CORE_ONLY_DISCOVERED = ("clip_text_model", "clip_vision_model", "vit", "distilbert", "modernbert")
+
+
+def _ids(batch=2, seq=6, seed=1):
+    return torch.randint(3, 96, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _tensor_at(model, inputs, module_path, where):
+    """The first tensor at a module's input or output on one forward."""
+    seen = {}
+    mod = model.get_submodule(module_path)
+
+    def hook(m, args, out):
+        t = args[0] if where == "input" else out
+        seen["t"] = (t[0] if isinstance(t, tuple) else t).detach().clone()
+
+    h = mod.register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            model(input_ids=inputs) if inputs.dtype == torch.long else model(pixel_values=inputs)
+    finally:
+        h.remove()
+    return seen["t"]
+
+
+@pytest.mark.parametrize("arch", sorted(A.ARCHITECTURES))
+def test_discovered_entry_equals_the_table_entry(arch):
+    m, inputs, _ = _model(arch)
+    table, found = A.ARCHITECTURES[arch], A.discover(m)
+    assert {r for r, _ in found.refusals} == EXPECTED_REFUSALS.get(arch, set()), found.refusals
+    assert all(isinstance(why, str) and len(why) > 20 for _, why in found.refusals)
+    prefix = A.base_prefix(m)
+    for f in dataclasses.fields(A.Arch):
+        if f.name in ("refusals",) + PLANNER_ONLY:
+            continue
+        d, t = getattr(found, f.name), getattr(table, f.name)
+        if found.refusal(f.name):
+            assert d is None, (f.name, d)
+            continue
+        if f.name in ("head_norms", "head_acts"):  # the table's, where this instance has the head
+            t = tuple(p for p in t if A.get_submodule(m, p) is not None)
+        if f.name == "base_acts":
+            t = tuple(p for p in t if A.get_submodule(m, A.join(prefix, p)) is not None)
+        if f.name == "attention_core" and t is None:
+            assert arch in CORE_ONLY_DISCOVERED and d == found.heads.rsplit(".", 1)[0], d
+            continue
+        if (arch, f.name) in SAME_TENSOR:
+            (dp, dw), (tp, tw) = ((d, "output"), (t, "output")) if f.name == "attention_out" else (d, t)
+            for b in A.layer_paths(m, table):
+                assert torch.equal(_tensor_at(m, inputs, f"{b}.{dp}", dw), _tensor_at(m, inputs, f"{b}.{tp}", tw))
+            continue
+        assert d == t, (f.name, d, t)
+
+
+def test_the_entry_a_method_reads():
+    llama = _model("llama")[0]
+    assert A.arch_of(llama) is A.ARCHITECTURES["llama"] and A.arch_of(llama, generic=True) is A.ARCHITECTURES["llama"]
+    twin = copy.deepcopy(llama)
+    twin.config.model_type = "llama_twin"
+    assert A.arch_of(twin) is None
+    assert A.arch_of(twin, generic=True) == dataclasses.replace(A.ARCHITECTURES["llama"])
+
+
+# --------------------------------------------------------------------------- (b) renamed twins
+
+
+def _twin(arch, dtype=torch.float64):
+    m = copy.deepcopy(_model(arch)[0]).to(dtype)
+    twin = copy.deepcopy(m)
+    twin.config.model_type = f"{arch}_twin"
+    return m, twin
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "olmo2", "phi", "bert"])
+def test_generic_on_a_renamed_twin_equals_the_mapped_model(arch):
+    m, twin = _twin(arch)
+    ids, target, metric = _ids(), 5, pyattr.targets.Logit(5)
+    ref, got = pyattr.relevance(m, ids, target=target), pyattr.relevance(twin, ids, target=target, generic=True)
+    assert torch.equal(got.relevance, ref.relevance) and torch.equal(got.token_relevance, ref.token_relevance)
+    layers = ["residual", "attention", "mlp", "neurons"]
+    ref = pyattr.layer_relevance(m, ids, layers, target=target)
+    got = pyattr.layer_relevance(twin, ids, layers, target=target, generic=True)
+    assert got.paths == ref.paths
+    for p in ref.paths:
+        assert torch.equal(got[p].relevance, ref[p].relevance), p
+    nodes = ("residual", "attention", "heads", "mlp", "neurons")
+    for method in ("relp", "atp*"):
+        ref = attribution_patching(m, ids, ids.flip(0), metric, nodes=nodes, method=method)
+        got = attribution_patching(twin, ids, ids.flip(0), metric, nodes=nodes, method=method, generic=True)
+        for n in nodes:
+            assert torch.equal(got[n], ref[n]), (method, n)
+    ref = activation_patching(m, ids[:1], ids[1:], metric, nodes=("residual", "heads"), progress=False)
+    got = activation_patching(twin, ids[:1], ids[1:], metric, nodes=("residual", "heads"), progress=False, generic=True)
+    assert torch.equal(got["heads"], ref["heads"]) and torch.equal(got["residual"], ref["residual"])
+
+
+def test_a_fused_qkv_projection_is_refused_with_its_reason_and_the_rest_matches():
+    """GPT-2's c_attn: discovery cannot read how it splits, so the attention rule is not
+    placed (reported); with the attention rule off the twin equals the mapped model."""
+    m, twin = _twin("gpt2")
+    assert "'attn.c_attn'" in A.discover(twin).refusal("attention")
+    rules = pyattr.RelevanceRules.all(attention=False)
+    ids = _ids()
+    ref = pyattr.relevance(m, ids, target=5, rules=rules)
+    got = pyattr.relevance(twin, ids, target=5, rules=rules, generic=True)
+    assert torch.equal(got.relevance, ref.relevance)
+    with pyattr.use_relevance_rules(twin, generic=True) as cov:
+        assert "fused q/k/v projection" in cov.reasons["transformer.h.0.attn.c_attn"]
+
+
+def test_without_generic_the_twin_is_refused():
+    _, twin = _twin("llama")
+    with pytest.raises(ValueError, match=r"shorthand 'mlp' needs a mapped architecture.*or generic=True"):
+        pyattr.layer_relevance(twin, _ids(), "mlp", target=5, rules=pyattr.RelevanceRules())
+    with pytest.raises(ValueError, match=r"patching needs a mapped architecture.*generic=True"):
+        attribution_patching(twin, _ids(), _ids(seed=2), pyattr.targets.Logit(5), method="atp")
+
+
+# --------------------------------------------------------------------------- (c) unmapped architectures
+
+COMMON = dict(vocab_size=96, num_hidden_layers=2, initializer_range=0.2, hidden_size=32, intermediate_size=48,
+              num_attention_heads=4, num_key_value_heads=2)
+
+
+def _unmapped(name, dtype=torch.float64, **extra):
+    import transformers as T
+
+    cfg = getattr(T, name)(**{**COMMON, **extra})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    m = T.AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
+    assert A.model_type(m) not in A.ARCHITECTURES
+    return m
+
+
+def test_unmapped_gqa_decoder_through_the_discovered_entry():
+    """Granite (GQA, bias-free): every shorthand, layer-wise conservation on the residual
+    stream, and per-head estimates that add up to the attention output's (o_proj is
+    linear and bias-free)."""
+    m = _unmapped("GraniteConfig")
+    ids = _ids(seq=7)
+    r = pyattr.layer_relevance(m, ids, ["residual", "attention", "mlp", "neurons"], target=5, generic=True)
+    assert r.paths == [f"model.layers.{i}{p}" for i in (0, 1) for p in ("", ".self_attn", ".mlp", ".mlp.down_proj")] + [
+        "model.norm"]
+    assert r["model.layers.0.mlp.down_proj"].where == "input" and r["model.layers.0.mlp.down_proj"].activation.shape[-1] == 48
+    for p in ("model.layers.0", "model.layers.1", "model.norm"):
+        assert (r[p].conservation_delta.abs() <= 1e-6 * r.target.abs()).all(), (p, r[p].conservation_delta)
+    e = attribution_patching(m, ids, ids.flip(0), pyattr.targets.Logit(5), nodes=("attention", "heads"), method="atp",
+                             generic=True)
+    assert e["heads"].shape == (2, 2, 7, 4)
+    torch.testing.assert_close(e["heads"].sum(-1), e["attention"], rtol=1e-5, atol=1e-6)
+
+
+def test_unmapped_block_without_an_mlp_module():
+    """OPT: fc1, the activation and fc2 are the block's own children, and its final norm is
+    registered before its blocks: the entry is the first block's input, not that norm."""
+    import transformers as T
+
+    cfg = T.OPTConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
+                      max_position_embeddings=32, word_embed_proj_dim=32, dropout=0.0)
+    torch.manual_seed(0)
+    m = T.OPTForCausalLM(cfg).to(torch.float64).eval()
+    found = A.discover(m)
+    assert found.entry == ("decoder.layers.0", "hidden_states") and found.outer_norms == ("decoder.final_layer_norm",)
+    assert (found.mlp, found.mlp_out, found.neurons) == (("act", "activation_fn"), "fc2", ("fc2", "input"))
+    ids = _ids()
+    rel = pyattr.relevance(m, ids, target=5, generic=True)
+    lay = pyattr.layer_relevance(m, ids, ["residual", "neurons"], target=5, generic=True)
+    torch.testing.assert_close(rel.token_relevance, lay["model.decoder.layers.0"].relevance.sum(-1),
+                               rtol=1e-5, atol=1e-7)
+    assert lay["model.decoder.layers.1.fc2"].activation.shape == (12, 64)  # OPT flattens the rows for its MLP
+
+
+def test_a_role_discovery_cannot_find_is_refused_naming_it():
+    """Each method that needs a role discovery declared missing raises ValueError with the
+    role and the reason: two stacks of blocks (T5), experts (OLMoE), an attention module
+    that does not return its probabilities; a gated MLP in an unknown form (Seed-OSS)
+    refuses only the MLP rule's role, and its contribution and hidden units still work."""
+    import transformers as T
+
+    t5 = T.T5ForConditionalGeneration(T.T5Config(vocab_size=96, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4))
+    with pytest.raises(ValueError, match=r"'residual': needs the 'layers' role.*T5ForConditionalGeneration.*2 stacks of "
+                                         r"blocks \('encoder.block', 'decoder.block'\)"):
+        pyattr.layer_relevance(t5, _ids(), "residual", generic=True)
+    with pytest.raises(ValueError, match=r"nodes: 'residual': needs the 'layers' role.*2 stacks of blocks"):
+        attribution_patching(t5, _ids(), _ids(seed=2), pyattr.targets.Logit(5), method="atp", generic=True)
+
+    base = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, head_dim=8)
+    olmoe = _unmapped("OlmoeConfig", torch.float32, **{**base, "intermediate_size": 24}, num_experts=4,
+                      num_experts_per_tok=2)
+    with pytest.raises(ValueError, match=r"'neurons': needs the 'neurons' role.*mixture-of-experts block 'mlp'"):
+        pyattr.layer_relevance(olmoe, _ids(), "neurons", target=5, generic=True)
+    with pytest.raises(ValueError, match=r"nodes: 'neurons': needs the 'neurons' role"):
+        attribution_patching(olmoe, _ids(), _ids(seed=2), pyattr.targets.Logit(5), nodes="neurons", method="atp",
+                             generic=True)
+    r = pyattr.layer_relevance(olmoe, _ids(), "mlp", target=5, generic=True)
+    assert r.paths == ["model.layers.0.mlp", "model.layers.1.mlp"]
+
+    seed = _unmapped("SeedOssConfig", attention_bias=False, **base)
+    assert "multiplies its activation" in A.discover(seed).refusal("mlp")
+    r = pyattr.layer_relevance(seed, _ids(), ["mlp", "neurons"], target=5, generic=True)
+    assert r.paths[:2] == ["model.layers.0.mlp", "model.layers.0.mlp.down_proj"]
+
+    _, twin = _twin("llama")
+    cls = type(twin.model.layers[0].self_attn)
+
+    class NoProbabilities(cls):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            return (out[0], None)
+
+    for layer in twin.model.layers:
+        layer.self_attn.__class__ = NoProbabilities
+    why = A.discover(twin).refusal("attention_core")
+    assert why.startswith("NoProbabilities.forward does not return (output, attention probabilities)")
+    with pytest.raises(ValueError, match=r"method='atp\*': needs the 'attention_core' role.*" + re.escape(why)):
+        attribution_patching(twin, _ids(), _ids(seed=2), pyattr.targets.Logit(5), method="atp*", generic=True)
+    r = attribution_patching(twin, _ids(), _ids(seed=2), pyattr.targets.Logit(5), nodes="heads", method="atp",
+                             generic=True)
+    assert r["heads"].shape == (2, 2, 6, 4)
+
+
+@pytest.mark.parametrize("name", ["CohereConfig", "OlmoConfig", "ArceeConfig", "GraniteConfig", "Olmo3Config"])
+def test_the_rule_planner_and_discovery_agree(name):
+    """``generic=True`` installs its rules where the discovered entry places the roles:
+    every residual-stream norm and q/k projection of every block, nothing refused."""
+    m = _unmapped(name)
+    found = A.discover(m)
+    assert not found.refusals, found.refusals
+    with pyattr.use_relevance_rules(m, generic=True) as cov:
+        for b in A.layer_paths(m, found):
+            for p in found.layer_norms:
+                assert f"{b}.{p}" in cov.by_kind["normalization"], p
+            for p in found.attention[1:3]:
+                assert f"{b}.{p}" in cov.by_kind["attention"], p
+            assert f"{b}.{found.attention[3]}" in cov.skipped  # v stays native under the AH-rule
+        for p in found.outer_norms:
+            assert A.join(A.base_prefix(m), p) in cov.by_kind["normalization"]
