@@ -100,3 +100,35 @@ def test_errors_are_one_line_with_status_2(args, message):
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("pyattr patch: error: ")
     assert message in r.stderr
+
+
+def test_unmapped_architecture_is_refused_naming_generic_or_runs_with_it(tmp_path):
+    """`pyattr patch --model DIR` of an architecture without a table entry is one line naming
+    --generic; with --generic the effects are the API's attribution_patching(generic=True)."""
+    import transformers as T
+
+    import pyattr.patching as P
+    import pyattr.targets as targets
+    from models import minilm
+
+    tok, _ = minilm()
+    cfg = T.CohereConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                         num_key_value_heads=2, num_hidden_layers=2, initializer_range=0.2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(cfg).eval()
+    d = tmp_path / "cohere"
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    args = ("patch", "--model", d, "--clean", "the cat sat", "--corrupt", "the dog sat", "--nodes", "heads,mlp")
+    r = run_cli(*args)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "CohereForCausalLM (model_type 'cohere')" in r.stderr and "pass --generic" in r.stderr, r.stderr
+    out = tmp_path / "p.json"
+    r = run_cli(*args, "--generic", "--json", out)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())["methods"]["relp"]["effects"]
+    api = P.attribution_patching(model, dict(tok("the cat sat", return_tensors="pt")),
+                                 dict(tok("the dog sat", return_tensors="pt")), targets.Logit(),
+                                 nodes=("heads", "mlp"), generic=True)
+    torch.testing.assert_close(torch.tensor(doc["heads"]), api["heads"][0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(torch.tensor(doc["mlp"]), api["mlp"][0], atol=1e-6, rtol=1e-5)

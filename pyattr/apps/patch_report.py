@@ -107,7 +107,8 @@ def _heads_panel(result) -> torch.Tensor:
 
 
 def run_patch(clean: Optional[str], corrupt: Optional[str], partner: Optional[str], model_dir: Optional[Path],
-              target: Optional[str], nodes: Sequence[str], methods: Sequence[str], sample: int) -> PatchReport:
+              target: Optional[str], nodes: Sequence[str], methods: Sequence[str], sample: int,
+              generic: bool = False) -> PatchReport:
     import pyattr.patching as P
     import pyattr.targets as T
 
@@ -152,9 +153,10 @@ def run_patch(clean: Optional[str], corrupt: Optional[str], partner: Optional[st
         t0 = time.perf_counter()
         if m == "exact":
             results[m] = P.activation_patching(model, dict(enc_c), dict(enc_x), metric, nodes=nodes,
-                                               sample=sample if "neurons" in nodes else None)
+                                               sample=sample if "neurons" in nodes else None, generic=generic)
         else:
-            results[m] = P.attribution_patching(model, dict(enc_c), dict(enc_x), metric, nodes=nodes, method=m)
+            results[m] = P.attribution_patching(model, dict(enc_c), dict(enc_x), metric, nodes=nodes, method=m,
+                                                generic=generic)
         seconds[m] = time.perf_counter() - t0
     rep = PatchReport(
         model="all-MiniLM-L6-v2 (bundled)" if not causal else str(path),

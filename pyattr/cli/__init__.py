@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "patching), or all: relp, atp "
                          "and exact with correlations (default relp)")
     pa.add_argument("--sample", type=int, default=200, help="exact: neurons patched, a random sample (default 200)")
+    pa.add_argument("--generic", action="store_true",
+                    help="--model of an architecture without a rule map: its roles (blocks, heads, MLP) found "
+                         "structurally, each role it cannot find refused with the reason")
     pa.add_argument("--top", type=int, default=10, help="nodes listed in the terminal (default 10)")
     pa.add_argument("--png", metavar="PATH", help="write layer x position heatmaps (and scatter plots) as PNG")
     pa.add_argument("--html", metavar="PATH", help="write a self-contained HTML page of the heatmaps")

@@ -38,14 +38,17 @@ def run(args) -> int:
         return fail("patch", str(e))
 
     from pyattr.apps.explain import ExplainError
+    from pyattr.integration.errors import RelevanceRuleUnsupportedError
     from pyattr.apps.patch_report import METHODS, print_terminal, run_patch, to_html, to_png
 
     methods = METHODS if args.method == "all" else (args.method,)
     try:
         rep = run_patch(args.clean, args.corrupt, args.pair, Path(args.model) if args.model else None,
-                        args.target, nodes, methods, args.sample)
+                        args.target, nodes, methods, args.sample, generic=args.generic)
     except ExplainError as e:
         return fail("patch", str(e))
+    except (ValueError, RelevanceRuleUnsupportedError) as e:  # an unmapped model, or a role it lacks
+        return fail("patch", str(e).replace("generic=True", "--generic"))
     try:
         if args.png:
             Path(args.png).write_bytes(to_png(rep))
