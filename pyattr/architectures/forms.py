@@ -7,6 +7,7 @@ on probe inputs (:func:`classify_norm`). Structural discovery
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import re
 import textwrap
@@ -41,7 +42,19 @@ def flat_body(fn) -> Optional[str]:
     """The body of a function, docstring dropped, statements joined by ";" and all
     whitespace removed (None if the source is unknown)."""
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+        code = inspect.unwrap(fn).__code__
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return _flat_body_of(code)
+
+
+@functools.lru_cache(maxsize=4096)
+def _flat_body_of(code) -> Optional[str]:
+    # Keyed by the code object: the planner and structural discovery ask for the same few
+    # forwards on every pass, and reading and parsing their source was most of a generic
+    # pass's time. A redefined or monkey-patched forward is another code object.
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(code)))
     except (OSError, TypeError, SyntaxError):
         return None
     func = tree.body[0] if tree.body and isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef)) else None
