@@ -19,7 +19,13 @@ PIP    := $(PY) -m pip install --no-input --disable-pip-version-check
 # package index into .venv by pip. The editable build of pyattr stays with pip, whose
 # verbose log this file reads.
 UV     := $(VENV)/bin/uv
-UVPIP  := $(UV) pip install --python $(PY)
+UVPIP  := $(UV) pip install --compile-bytecode --python $(PY)
+# Bytecode is compiled at install (uv's --compile-bytecode; compileall for pyattr and the
+# tests): where PYTHONDONTWRITEBYTECODE is set, as on the CI machines, no import writes a
+# .pyc, so without this every process (each pytest worker, each CLI subprocess a test
+# starts) compiled torch, transformers and pyattr from source again: make test took 149 s
+# on a fresh clone instead of 96 s.
+PYC    := $(PY) -m compileall -q -j 0
 STAMP  := $(VENV)/.pyattr-installed
 CONFIG := $(VENV)/.pyattr-build-settings
 LOG    := $(VENV)/pyattr-install.log
@@ -104,6 +110,7 @@ $(STAMP): $(VENV)/.torch-installed $(CONFIG) setup.py pyproject.toml MANIFEST.in
 	fi; \
 	wait $$deps || { echo "dependency install failed; the last 30 lines of $(DEPS_LOG):"; \
 	  tail -n 30 $(DEPS_LOG); exit 1; }
+	@$(PYC) pyattr
 	touch $@
 
 install: $(STAMP)
@@ -121,10 +128,12 @@ demo: $(STAMP)
 PYTEST := $(PY) -m pytest -q -n auto --dist loadfile
 test: $(STAMP)
 	$(call step,pytest without the slow tier (about 2 minutes on 2 cores))
+	@$(PYC) pyattr tests
 	$(PYTEST) -m "not slow"
 
 test-all: $(STAMP)
 	$(call step,pytest: every tier (about 6 minutes on 2 cores))
+	@$(PYC) pyattr tests
 	$(PYTEST)
 
 # The documentation site (docs/, mkdocs.yml) into site/, warnings as errors; the tests
