@@ -20,7 +20,7 @@ from torch import nn
 
 import pyattr.architectures as A
 from pyattr.activations import _kind_of_module
-from pyattr.architectures.discover import (
+from pyattr.architectures.blocks import (
     ACT_CLASS,
     ACT_NAMES,
     fused_gated_form,
