@@ -273,3 +273,130 @@ def test_the_rule_planner_and_discovery_agree(name):
             assert f"{b}.{found.attention[3]}" in cov.skipped  # v stays native under the AH-rule
         for p in found.outer_norms:
             assert A.join(A.base_prefix(m), p) in cov.by_kind["normalization"]
+
+
+# --------------------------------------------------------------------------- (d) review: wrong roles caught
+
+
+def _built(name, dtype=torch.float64, **cfg):
+    """An unmapped model from a config class of transformers, eager attention."""
+    import transformers as T
+
+    c = getattr(T, name)(**cfg)
+    c._attn_implementation = "eager"
+    torch.manual_seed(0)
+    auto = T.AutoModelForMaskedLM if name == "AlbertConfig" else T.AutoModelForCausalLM
+    m = auto.from_config(c).to(dtype).eval()
+    assert A.model_type(m) not in A.ARCHITECTURES
+    return m
+
+
+def _residual_steps(m, r):
+    """(block input, next block input) pairs of a layer_relevance result over 'residual'."""
+    blocks = A.layer_paths(m, A.discover(m))
+    return [(b, r[b].activation, r[n].activation) for b, n in zip(blocks, blocks[1:])]
+
+
+@pytest.mark.parametrize("name,cfg,attention_out", [
+    ("BloomConfig", dict(vocab_size=96, hidden_size=32, n_layer=3, n_head=4), "self_attention.dense"),
+    ("MptConfig", dict(vocab_size=96, d_model=32, n_layers=3, n_heads=4), "attn"),
+])
+def test_a_module_that_adds_the_residual_is_not_the_contribution(name, cfg, attention_out):
+    """BLOOM's attention and MLP and MPT's MLP take the residual stream as an argument and
+    add it inside: their output is the residual stream, not what they add to it. The
+    contributions are the output projections (before the add): on these pre-norm models
+    each block's input plus its attention and MLP contributions is the next block's input."""
+    m = _built(name, **cfg)
+    found = A.discover(m)
+    assert found.attention_out == attention_out and found.mlp_out == found.neurons[0], found
+    ids = _ids(seq=7)
+    r = pyattr.layer_relevance(m, ids, ["residual", "attention", "mlp"], target=5, rules=pyattr.RelevanceRules(),
+                               generic=True)
+    for b, x, nxt in _residual_steps(m, r):
+        step = r[f"{b}.{found.attention_out}"].activation + r[f"{b}.{found.mlp_out}"].activation
+        torch.testing.assert_close(x + step, nxt, rtol=1e-5, atol=1e-6)
+    e = attribution_patching(m, ids, ids.flip(0), pyattr.targets.Logit(5), nodes=("attention", "mlp"), method="atp",
+                             generic=True)
+    assert torch.isfinite(e["attention"]).all() and torch.isfinite(e["mlp"]).all()
+
+
+def test_bloom_attention_core_is_refused_with_its_reason():
+    """BLOOM's attention takes its ALiBi bias folded with the batch (batch × heads rows),
+    which AtP*'s per-row recomputation cannot split: refused, naming the role."""
+    m = _built("BloomConfig", vocab_size=96, hidden_size=32, n_layer=2, n_head=4)
+    assert "alibi" in A.discover(m).refusal("attention_core")
+    with pytest.raises(ValueError, match=r"method='atp\*': needs the 'attention_core' role.*alibi"):
+        attribution_patching(m, _ids(), _ids(seed=2), pyattr.targets.Logit(5), method="atp*", generic=True)
+
+
+def test_albert_post_norm_contributions():
+    """ALBERT (unshared groups): the attention module adds its input and applies the
+    residual LayerNorm inside, and the activation's module is the whole layer (attention
+    included): the contributions are the attention's dense projection and the MLP's
+    ffn_output, as a hand-written hook reads them."""
+    m = _built("AlbertConfig", vocab_size=96, hidden_size=32, embedding_size=16, intermediate_size=48,
+               num_hidden_layers=2, num_hidden_groups=2, num_attention_heads=4)
+    found = A.discover(m)
+    assert (found.attention_out, found.mlp_out) == ("albert_layers.0.attention.dense", "albert_layers.0.ffn_output")
+    ids = _ids()
+    r = pyattr.layer_relevance(m, ids, ["attention", "mlp"], target=5, rules=pyattr.RelevanceRules(), generic=True)
+    for i in range(2):
+        layer = f"albert.encoder.albert_layer_groups.{i}.albert_layers.0"
+        for role, sub in (("attention", "attention.dense"), ("mlp", "ffn_output")):
+            want = _tensor_at(m, ids, f"{layer}.{sub}", "output")
+            torch.testing.assert_close(r[f"{layer}.{sub}"].activation, want.float())
+
+
+def test_an_output_edited_in_place_downstream_is_refused():
+    """Falcon's parallel block adds the attention output into the MLP's output tensor in
+    place (``mlp_output += attention_output``): the recorded MLP activation would silently
+    be MLP + attention. layer_relevance and patching refuse, naming the layer."""
+    m = _built("FalconConfig", vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
+    ids = _ids()
+    with pytest.raises(ValueError, match=r"layers: 'transformer\.h\.0\.mlp'.*changed in place"):
+        pyattr.layer_relevance(m, ids, "mlp", target=5, rules=pyattr.RelevanceRules(), generic=True)
+    with pytest.raises(ValueError, match=r"nodes: 'transformer\.h\.0\.mlp'.*changed in place"):
+        attribution_patching(m, ids, ids.flip(0), pyattr.targets.Logit(5), nodes="mlp", method="atp", generic=True)
+    r = pyattr.layer_relevance(m, ids, ["residual", "attention"], target=5, rules=pyattr.RelevanceRules(), generic=True)
+    assert r.paths[0] == "transformer.h.0"
+
+
+def test_flattened_rows_are_refused_by_patching():
+    """OPT runs fc1 / fc2 on (batch·seq, hidden) rows: layer_relevance gives that shape, but
+    patching needs (batch, position, …) activations and says so instead of failing inside."""
+    import transformers as T
+
+    cfg = T.OPTConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
+                      max_position_embeddings=32, word_embed_proj_dim=32, dropout=0.0)
+    torch.manual_seed(0)
+    m = T.OPTForCausalLM(cfg).to(torch.float64).eval()
+    ids = _ids()
+    for node in ("mlp", "neurons"):
+        for method in ("atp", "ig"):
+            with pytest.raises(ValueError, match=r"nodes: 'model\.decoder\.layers\.0\.fc2' .*shape \(12, (32|64)\) at its "
+                                                 r"(output|input), not \(batch 2, position 6, …\)"):
+                attribution_patching(m, ids, ids.flip(0), pyattr.targets.Logit(5), nodes=node, method=method,
+                                     generic=True)
+        with pytest.raises(ValueError, match=r"nodes: 'model\.decoder\.layers\.0\.fc2' .*not \(batch 1, position 6"):
+            activation_patching(m, ids[:1], ids[1:], pyattr.targets.Logit(5), nodes=node, progress=False, generic=True)
+
+
+def test_a_layer_norm_subclass_with_its_own_forward_is_probed():
+    """Nemotron's LayerNorm1P is an nn.LayerNorm whose forward multiplies by (1 + w): the
+    LN-rule must use 1 + w (probed), not w. Nemotron without biases conserves."""
+    m = _built("NemotronConfig", **{**COMMON, "num_key_value_heads": 2})
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "layernorm" in name or name.endswith("norm.weight"):
+                p.normal_() if name.endswith("weight") else p.zero_()
+    found = A.discover(m)
+    assert (found.norm, found.offset) == ("layer_norm", 1.0)
+    r = pyattr.relevance(m, _ids(), target=5, generic=True)
+    assert (r.conservation_delta.abs() <= 1e-6 * r.target.abs()).all(), r.conservation_delta
+    n = m.model.layers[0].input_layernorm
+    x = torch.randn(3, 32, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(3, 32, dtype=torch.float64)
+    with pyattr.use_relevance_rules(m, pyattr.RelevanceRules(normalization=True), generic=True):
+        (gx,) = torch.autograd.grad(n(x), x, dy)
+    g = dy * (n.weight + 1) / (x.var(-1, unbiased=False, keepdim=True) + n.eps).sqrt()
+    torch.testing.assert_close(gx, g - g.mean(-1, keepdim=True))

@@ -8,6 +8,7 @@ norm- and activation-like modules) are shared with the ``generic=True`` rule pla
 
 from __future__ import annotations
 
+import inspect
 import re
 from typing import Dict, List, Optional, Tuple
 
@@ -57,6 +58,14 @@ def is_norm_like(mod: nn.Module) -> bool:
     return isinstance(mod, nn.LayerNorm) or cls.endswith("Norm") or "LayerNorm" in cls or cls.endswith("RMSNorm")
 
 
+def plain_layer_norm(mod: nn.Module) -> bool:
+    """An ``nn.LayerNorm`` over the last dimension computing ``nn.LayerNorm.forward`` (a
+    subclass with its own forward, such as Nemotron's ``(1 + w)`` LayerNorm1P, is probed
+    for what it computes instead)."""
+    return isinstance(mod, nn.LayerNorm) and len(mod.normalized_shape) == 1 and \
+        type(mod).forward is nn.LayerNorm.forward
+
+
 def is_activation_like(name: str, mod: nn.Module) -> bool:
     """A recognised activation kind, or a module named or classed like one."""
     return _kind_of_module(mod) is not None or name.rsplit(".", 1)[-1] in ACT_NAMES or bool(
@@ -91,6 +100,33 @@ def multiplies(parent: Optional[nn.Module], act: str) -> bool:
     return any(f"self.{act}(" in st and "*" in st for st in body.split(";"))
 
 
+def adds_residual(mod: nn.Module) -> Optional[str]:
+    """Why ``mod``'s output is the residual stream rather than what it adds to it, or None:
+    its forward takes the residual as an argument (BLOOM's attention and MLP, MPT's MLP:
+    ``dropout_add(out, residual)``) or adds its own input before returning (ALBERT's
+    attention: ``LayerNorm(hidden_states + out)``)."""
+    fn = type(mod).forward
+    try:
+        params = [p.name for p in inspect.signature(fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
+    except (TypeError, ValueError):
+        return None
+    res = next((n for n in params if "residual" in n.lower()), None)
+    if res is not None:
+        return f"{type(mod).__name__}.forward takes the residual stream ({res!r}) and adds it to what it returns"
+    body = flat_body(fn)
+    if not body or not params:
+        return None
+    x = re.escape(params[0])
+    for st in body.split(";"):  # until the input's name is rebound
+        if re.search(rf"(?<![\w.]){x}\+(?!=)|\+{x}(?![\w.(\[])", st):
+            return (f"{type(mod).__name__}.forward adds its input {params[0]!r} (the residual stream) to what it "
+                    "returns")
+        if re.match(rf"{x}(:[^=]+)?=(?!=)", st):
+            return None
+    return None
+
+
 def padding_idx_embeddings(model: nn.Module) -> Optional[nn.Module]:
     """The embeddings module that numbers positions from ``padding_idx + 1`` (RoBERTa's
     ``create_position_ids_from_input_ids``), found by what it does."""
@@ -99,6 +135,13 @@ def padding_idx_embeddings(model: nn.Module) -> Optional[nn.Module]:
                 getattr(m, "padding_idx", None), int):
             return m
     return None
+
+
+def _params(mod: nn.Module) -> Tuple[str, ...]:
+    try:
+        return tuple(inspect.signature(type(mod).forward).parameters)
+    except (TypeError, ValueError):
+        return ()
 
 
 def _io(mod: nn.Module) -> Optional[Tuple[int, int]]:
@@ -194,10 +237,16 @@ def _attention(mods: Dict[str, nn.Module], hidden, found, refused) -> Optional[s
         refused["heads"] = refused["attention_out"] = why
     else:
         found["heads"] = heads[0]
-        found["attention_out"] = path if heads[0].startswith(path + ".") else heads[0]
+        # the attention module's output is its contribution, unless it adds the residual
+        # inside (BLOOM, ALBERT): then the projection's, before the add
+        inner = heads[0].startswith(path + ".") and adds_residual(mod) is None
+        found["attention_out"] = path if inner else heads[0]
     body = flat_body(type(mod).forward)
     last = body.split(";")[-1] if body else ""
-    if _CORE_RETURN.fullmatch(last):
+    if "alibi" in _params(mod):
+        refused["attention_core"] = (f"{type(mod).__name__}.forward takes an ALiBi bias ('alibi') folded with the "
+                                     "batch (batch × heads rows), which AtP*'s per-row recomputation cannot split")
+    elif _CORE_RETURN.fullmatch(last):
         found["attention_core"] = path
     else:
         refused["attention_core"] = (f"{type(mod).__name__}.forward does not return (output, attention "
@@ -251,7 +300,11 @@ def _mlp(mods: Dict[str, nn.Module], attn: Optional[str], hidden, found, refused
     if down is None:
         refused["mlp_out"] = refused["neurons"] = f"the down projection of the MLP around {path!r} cannot be told apart"
         return
-    if parent and down.startswith(parent + "."):
+    if parent and down.startswith(parent + ".") and (adds_residual(mods[parent]) or _under(attn or "", [parent])):
+        # the activation's module adds the residual inside (BLOOM, MPT) or holds the
+        # attention too (ALBERT's layer): the contribution is the down projection's output
+        found["mlp_out"], found["neurons"] = down, (down, "input")
+    elif parent and down.startswith(parent + "."):
         found["mlp_out"], found["neurons"] = parent, (down, "input")
     elif parent:  # BERT's post-norm layout: the activation's module, then a dense projection beside it
         found["mlp_out"], found["neurons"] = down, (parent, "output")

@@ -48,6 +48,7 @@ from pyattr.architectures.blocks import (  # noqa: F401 - the finders, also read
     is_norm_like,
     multiplies,
     padding_idx_embeddings,
+    plain_layer_norm,
     qkv_names,
 )
 from pyattr.architectures.forms import classify_norm
@@ -70,7 +71,7 @@ def _paths(role: str, value) -> Tuple[str, ...]:
 
 
 def _norm_kind(mod: nn.Module, hidden: Optional[int]) -> Optional[Tuple[str, float]]:
-    if isinstance(mod, nn.LayerNorm) and len(mod.normalized_shape) == 1:
+    if plain_layer_norm(mod):
         return "layer_norm", 0.0
     got = classify_norm(mod, hidden) if isinstance(hidden, int) else None
     return None if got is None else (got[0], float(got[1][1]))

@@ -28,6 +28,7 @@ from pyattr.architectures.blocks import (
     generic_gated_names,
     is_norm_like,
     multiplies,
+    plain_layer_norm,
     qkv_names,
 )
 from pyattr.config import RelevanceRules
@@ -104,8 +105,7 @@ def plan_generic(model: nn.Module, rules: RelevanceRules) -> Planner:
             cls = type(mod).__name__
             w = getattr(mod, "weight", None)
             spans = isinstance(w, torch.Tensor) and w.dim() == 1 and (hidden is None or w.shape[0] == hidden)
-            if isinstance(mod, nn.LayerNorm) and len(mod.normalized_shape) == 1 and (
-                    hidden is None or mod.normalized_shape[0] == hidden):
+            if plain_layer_norm(mod) and (hidden is None or mod.normalized_shape[0] == hidden):
                 pl.norm(name, "layer_norm", 0.0)
             else:
                 # probed, whatever the class name says: an RMSNorm may compute x/r·(1 + w)

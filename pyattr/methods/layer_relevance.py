@@ -323,6 +323,7 @@ def _concat(parts: List[LayerRelevanceResult], several: bool) -> LayerRelevanceR
 def _layer_pass(model, prep, lays, tgts, several, rules, generic, baseline, grad_outputs) -> LayerRelevanceResult:
     store: dict = {}
     calls: List[List[torch.Tensor]] = [[] for _ in lays]
+    versions: List[int] = [0] * len(lays)  # an activation edited in place after its hook is not the layer's value
 
     def as_input(t):
         # parameters are frozen: a tensor before the entry needs a leaf to get a gradient;
@@ -333,6 +334,7 @@ def _layer_pass(model, prep, lays, tgts, several, rules, generic, baseline, grad
         def fn(t):
             t = as_input(t)
             calls[i].append(t)
+            versions[i] = t._version
             return t
 
         return fn
@@ -350,11 +352,17 @@ def _layer_pass(model, prep, lays, tgts, several, rules, generic, baseline, grad
             fwd = run_model(model, prep, tgts, store, keep_logits=head_free(model, [lay.module for lay in lays]))
         if not xs:
             raise RuntimeError("the embedding entry point was not reached during the forward pass")
-        for lay, c in zip(lays, calls):
+        for lay, c, v in zip(lays, calls, versions):
             if len(c) != 1:
                 raise ValueError(
                     f"layers: {lay.path!r} ran {len(c)} times in one forward pass; layer_relevance needs a "
                     "module that runs once (use pyattr.capture for every call)"
+                )
+            if c[0]._version != v:
+                raise ValueError(
+                    f"layers: {lay.path!r}: its {lay.where} was changed in place later in the forward pass (the "
+                    "calling code edits that tensor, e.g. `out += other`), so the recorded activation would not be "
+                    f"the module's {lay.where}; pick another layer (pyattr.capture records a copy of every call)"
                 )
         value, tid, fixed = evaluate_targets(tgts, fwd, several)
         go = check_grad_outputs(grad_outputs, value)

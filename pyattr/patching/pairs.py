@@ -112,11 +112,12 @@ def align(act: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _recording(sites: List[Site], store: List[Optional[torch.Tensor]], check: List[int]):
+def _recording(sites: List[Site], store: List[Optional[torch.Tensor]], check: List[int], versions: List[int]):
     def fn_for(i):
         def fn(t):
             check[i] += 1
             store[i] = t
+            versions[i] = t._version
             return None
 
         return fn
@@ -131,6 +132,21 @@ def _check_once(sites: List[Site], calls: List[int]) -> None:
             raise ValueError(f"nodes: {s.path!r} ran {c} times in one forward pass; patching needs modules that run once")
 
 
+def _check_recorded(sites: List[Site], store: List[torch.Tensor], versions: List[int], rows: tuple) -> None:
+    """Every recorded activation is per (row, position) and still the module's own value."""
+    for s, t, v in zip(sites, store, versions):
+        if tuple(t.shape[:2]) != rows or t.dim() < 3:
+            raise ValueError(
+                f"nodes: {s.path!r} gives a tensor of shape {tuple(t.shape)} at its {s.where}, not (batch {rows[0]}, "
+                f"position {rows[1]}, …): the model reshapes its rows there (e.g. flattens batch and positions), "
+                f"so the {s.node!r} node cannot be patched per position")
+        if t._version != v:
+            raise ValueError(
+                f"nodes: {s.path!r}: its {s.where} was changed in place later in the forward pass (the calling code "
+                "edits that tensor, e.g. `out += other`), so the recorded activation would not be the module's "
+                f"{s.where}; the {s.node!r} node cannot be read there")
+
+
 def recording_forward(model, prep: core.Prepared, tgts, sites: List[Site], grad: bool, metric: str = "required"):
     """One forward recording every site's activation: ``(metric value, activations, fixed
     targets)``.
@@ -143,10 +159,12 @@ def recording_forward(model, prep: core.Prepared, tgts, sites: List[Site], grad:
     store: List[Optional[torch.Tensor]] = [None] * len(sites)
     calls = [0] * len(sites)
     mods: dict = {}
-    with core.tap(prep.entry, prep.where, lambda t: leaf(t), once=True), _recording(sites, store, calls), \
+    versions: List[int] = [0] * len(sites)
+    with core.tap(prep.entry, prep.where, lambda t: leaf(t), once=True), _recording(sites, store, calls, versions), \
             core.record_modules(model, T.module_paths(tgts), mods):
         fwd = run_model(model, prep, tgts, mods)
     _check_once(sites, calls)
+    _check_recorded(sites, store, versions, tuple(prep.input_ids.shape[:2]))
     batch = prep.input_ids.shape[0]
     value, fixed = None, tgts
     if metric == "skip":
