@@ -400,3 +400,40 @@ def test_a_layer_norm_subclass_with_its_own_forward_is_probed():
         (gx,) = torch.autograd.grad(n(x), x, dy)
     g = dy * (n.weight + 1) / (x.var(-1, unbiased=False, keepdim=True) + n.eps).sqrt()
     torch.testing.assert_close(gx, g - g.mean(-1, keepdim=True))
+
+
+@pytest.mark.parametrize("name", ["DeiT", "ViTMAE"])
+def test_image_tokens_that_are_not_cls_then_patches_are_refused(name):
+    """DeiT adds a distillation token after [CLS], ViT-MAE keeps a random quarter of the
+    patches: the blocks' tokens are not [CLS] + the patches row by row, so relevance per
+    patch would be laid out on the wrong patches (or on random ones). Refused, naming the
+    token counts."""
+    import transformers as T
+
+    cfg = getattr(T, f"{name}Config")(image_size=32, patch_size=8, hidden_size=32, intermediate_size=48,
+                                      num_attention_heads=4, num_hidden_layers=2)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    m = getattr(T, f"{name}Model")(cfg).eval()
+    px = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    n = {"DeiT": 18, "ViTMAE": 5}[name]
+    for call in (lambda: pyattr.relevance(m, px, target=lambda o: o.last_hidden_state[:, 0, 1], generic=True),
+                 lambda: pyattr.layer_relevance(m, px, "residual", target=lambda o: o.last_hidden_state[:, 0, 1],
+                                                generic=True)):
+        with pytest.raises(ValueError, match=rf"inputs: .*{name}Model.* {n} tokens per image.*\[CLS\] \+ 4×4 patches"):
+            call()
+
+
+def test_inputs_run_position_first_are_refused():
+    """XLNet transposes its token ids to (position, batch) before the embeddings and runs
+    its blocks that way: on a square batch the relevance came back transposed with no
+    error. Refused, with and without generic."""
+    import transformers as T
+
+    cfg = T.XLNetConfig(vocab_size=96, d_model=32, d_inner=48, n_layer=2, n_head=4)
+    torch.manual_seed(0)
+    m = T.XLNetLMHeadModel(cfg).eval()
+    for ids in (_ids(batch=4, seq=4), _ids(batch=2, seq=6)):
+        for generic in (False, True):
+            with pytest.raises(ValueError, match=r"inputs: XLNetLMHeadModel .*\(position, batch"):
+                pyattr.relevance(m, ids, target=5, rules=pyattr.RelevanceRules(), generic=generic)

@@ -4,6 +4,7 @@ evaluated, and the (batched) backward."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import List, Optional
 
 import torch
@@ -13,6 +14,7 @@ import pyattr.methods._core.readout as R
 import pyattr.methods._core.state as S
 import pyattr.targets as T
 from pyattr.methods._core.inputs import Prepared, accepts
+from pyattr.methods._core.taps import tap
 
 
 def evaluate_targets(targets: List[T.Target], fwd: T.Forward, several: bool):
@@ -124,7 +126,7 @@ def run_model(model: nn.Module, prep: Prepared, targets, store: dict, kwargs: Op
     # modules' pretrained state: no forward sees what an earlier one left behind
     kwargs = S.fresh(kwargs)
     S.reset_rotary(model)
-    with R.first_real_token(model, prep.attention_mask):
+    with R.first_real_token(model, prep.attention_mask), entry_layout(model, prep):
         out = model(**kwargs)
     return T.Forward(out, prep.input_ids, prep.attention_mask, store, kept)
 
@@ -164,3 +166,54 @@ def head_free(model: nn.Module, modules) -> bool:
 
 def leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().requires_grad_(True)
+
+
+@contextlib.contextmanager
+def entry_layout(model: nn.Module, prep: Prepared):
+    """During a forward, check that the residual stream enters the blocks as (batch,
+    position, …) in the layout every method reads: one row per input row, one position per
+    token, and for an image [CLS] then its patches row by row. ValueError otherwise, before
+    a number is read: a model that runs its inputs position first (XLNet transposes its
+    token ids), adds tokens (DeiT's distillation token, DINOv2's registers) or drops
+    patches (ViT-MAE's random masking) would give relevance on the wrong tokens."""
+    batch, seq = (int(n) for n in prep.input_ids.shape[:2])
+    name = type(model).__name__
+
+    def entry(t):
+        if prep.patch_grid is not None and t.dim() >= 2 and t.shape[0] == batch and t.shape[1] != seq:
+            rows, cols = prep.patch_grid
+            raise ValueError(
+                f"inputs: the blocks of {name} see {t.shape[1]} tokens per image, but the patch layout ([CLS] + "
+                f"{rows}×{cols} patches) has {seq}: the model adds tokens (a distillation or register token) or "
+                "drops patches (random masking), so relevance per patch cannot be laid out on the image")
+        if t.dim() < 2 or tuple(t.shape[:2]) != (batch, seq):
+            raise ValueError(_position_first(name, tuple(t.shape), batch, seq))
+        return None
+
+    def ids(mod, args):
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        ref = prep.kwargs.get("input_ids")
+        if x is not None and isinstance(ref, torch.Tensor) and x.dim() == 2 and ref.dim() == 2 and \
+                x.shape == ref.shape[::-1] and not torch.equal(x, ref) and torch.equal(x, ref.transpose(0, 1)):
+            raise ValueError(_position_first(name, tuple(x.shape), batch, seq))
+
+    emb = None
+    if prep.patch_grid is None and isinstance(prep.kwargs.get("input_ids"), torch.Tensor):
+        try:
+            emb = model.get_input_embeddings()
+        except (AttributeError, NotImplementedError):
+            emb = None
+    handle = emb.register_forward_pre_hook(ids) if isinstance(emb, nn.Module) else None
+    try:
+        with tap(prep.entry, prep.where, entry, once=True):
+            yield
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def _position_first(name: str, shape: tuple, batch: int, seq: int) -> str:
+    how = "(position, batch, …)" if shape[:2] == (seq, batch) else "another layout"
+    return (f"inputs: {name} runs its inputs with shape {shape}, {how} rather than (batch {batch}, position {seq}, "
+            "…): pyattr reads the residual stream per row and position, and cannot lay out relevance for a model "
+            "that reorders them (XLNet runs position first)")
