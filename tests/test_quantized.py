@@ -352,3 +352,70 @@ def test_bitsandbytes(kind, fp_result, ids):
     # LLM.int8 rounds the activations too (straight-through gradient, bitsandbytes' own)
     assert _conserves(r, 2e-2 if kind == "8bit" else 1e-4)
     assert _agrees(r.token_relevance, fp_result.token_relevance, *((0.9, 0.999) if kind == "8bit" else (0.8, 0.98)))
+
+
+# --- review: more inputs ------------------------------------------------------------------
+
+def _leftovers(m):
+    return [n for n, mod in m.named_modules()
+            if any(k in mod.__dict__ for k in ("forward", "_pyattr_quantized", "_pyattr_rules"))]
+
+
+def test_refuses_pytorch_quantized_modules(fp, ids):
+    """torch.ao's dynamic quantization swaps nn.Linear for a module whose weight is packed
+    (``weight()`` a method) and whose kernel has no input gradient: relevance came back 0
+    everywhere with every rule on. Refused before anything is patched."""
+    m = torch.ao.quantization.quantize_dynamic(copy.deepcopy(fp), {nn.Linear}, dtype=torch.qint8)
+    with pytest.raises(UnsupportedQuantizationError, match=re.escape(
+            "'model.layers.0.self_attn.q_proj' (DynamicQuantizedLinear) is a PyTorch-quantized module "
+            "(torch.ao.quantization: packed weights, a kernel without an input gradient);")):
+        pyattr.relevance(m, ids)
+    with pytest.raises(UnsupportedQuantizationError):
+        pyattr.relevance(m, ids, rules=pyattr.RelevanceRules())
+    assert not _leftovers(m)
+
+
+class PackedLinear(nn.Module):
+    """A linear layer of an unknown library keeping its packed weight under another name (HQQ's W_q)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.register_buffer("W_q", torch.zeros(inner.out_features, inner.in_features // 2, dtype=torch.uint8))
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def test_refuses_integer_weights_under_any_name(fp, ids):
+    m = copy.deepcopy(fp)
+    m.model.layers[0].mlp.up_proj = PackedLinear(m.model.layers[0].mlp.up_proj)
+    with pytest.raises(UnsupportedQuantizationError, match=re.escape(
+            "'model.layers.0.mlp.up_proj' (PackedLinear) holds integer weights (W_q: torch.uint8")):
+        pyattr.relevance(m, ids)
+    assert not _leftovers(m)
+
+
+def test_quantized_inside_an_open_scope_is_refused_naming_the_order(fp, ids):
+    """The model quantized after a scope put its rules on the q/k projections: the rule
+    forward sits where the layer's own would be, so the quantized layer cannot be given its
+    gradient under it. Refused with what to do; the scopes still restore everything."""
+    m = copy.deepcopy(fp)
+    with pyattr.use_relevance_rules(m):
+        tq.quantize_(m, tq.Int8WeightOnlyConfig())
+        with pytest.raises(UnsupportedQuantizationError, match=r"'model\.layers\.0\.self_attn\.q_proj' \(Linear\) was "
+                                                               r"quantized inside an open use_relevance_rules scope"):
+            pyattr.relevance(m, ids)
+    assert not _leftovers(m)
+    r = pyattr.relevance(m, ids)
+    assert torch.isfinite(r.relevance).all()
+
+
+def test_layer_called_with_a_keyword_input():
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 8)
+    tq.quantize_(lin, tq.Int8DynamicActivationInt8WeightConfig())
+    x = torch.randn(3, 16, requires_grad=True)
+    with quantized_input_gradients(lin):
+        (gx,) = torch.autograd.grad(lin(input=x).sum(), x)
+    assert torch.equal(gx, torch.ones(3, 8) @ lin.weight.dequantize())

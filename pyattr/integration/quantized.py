@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from pyattr.integration.errors import RelevanceRuleConflictError, RelevanceRuleUnsupportedError
-from pyattr.integration.install import forward_slot
+from pyattr.integration.install import forward_slot, state_of
 
 #: ``quantization_config.quant_method`` values whose layers pyattr handles
 SUPPORTED_METHODS = ("torchao", "bitsandbytes")
@@ -112,17 +112,34 @@ def _is_plain_linear_forward(module: nn.Module) -> bool:
 
 
 def _integer_weight(module: nn.Module) -> Optional[str]:
-    """The name of a tensor attribute holding integer (packed) weights, if any."""
+    """The name of a tensor attribute holding integer (packed) weights, if any: a known
+    name, or in a linear-like module any 2-D integer parameter or buffer of its own
+    (HQQ's ``W_q``, Marlin's ``B``…)."""
     for name in ("qweight", "weight", "weight_packed", "w_q"):
         t = getattr(module, name, None)
         if isinstance(t, torch.Tensor) and not (t.is_floating_point() or t.is_complex()):
             return name
+    if "Linear" in type(module).__name__ or isinstance(getattr(module, "in_features", None), int):
+        own = (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False))
+        return next((n for n, t in own if t.dim() >= 2 and not (t.is_floating_point() or t.is_complex())
+                     and t.dtype != torch.bool), None)
     return None
+
+
+def _pytorch_quantized(module: nn.Module) -> bool:
+    """A module of PyTorch's own quantization (``torch.ao.quantization``: ``quantize_dynamic``,
+    ``convert``), or one holding a quantized tensor: packed weights and kernels without an
+    input gradient."""
+    where = type(module).__module__
+    if where.startswith(("torch.ao.nn.quantized", "torch.nn.quantized", "torch.ao.nn.intrinsic.quantized")):
+        return True
+    own = (*module.parameters(recurse=False), *module.buffers(recurse=False))
+    return any(t.is_quantized for t in own)
 
 
 def _unsupported(path: str, module: nn.Module, why: str) -> UnsupportedQuantizationError:
     return UnsupportedQuantizationError(
-        f"{path!r} ({type(module).__name__}) {why}; pyattr computes relevance through weight-quantized linear "
+        f"{path!r} ({module._get_name()}) {why}; pyattr computes relevance through weight-quantized linear "
         f"layers of {' and '.join(SUPPORTED_METHODS)} only (torchao: an nn.Linear whose weight is a torchao "
         "tensor subclass; bitsandbytes: Linear4bit, Linear8bitLt). Load the model with TorchAoConfig, "
         "BitsAndBytesConfig, or unquantized"
@@ -156,6 +173,11 @@ def quantized_linears(model: nn.Module) -> Dict[str, QuantizedLinear]:
     found: Dict[str, QuantizedLinear] = {}
     known = set()  # ids of the weights of the layers found: a wrapper's view of them (peft's LoRA) is no other layer
     modules = list(model.named_modules())
+    refused: Dict[str, UnsupportedQuantizationError] = {}  # the first in model order is raised
+    for path, mod in modules:
+        if _pytorch_quantized(mod):
+            raise _unsupported(path, mod, "is a PyTorch-quantized module (torch.ao.quantization: packed weights, a "
+                                          "kernel without an input gradient)")
     for path, mod in reversed(modules):  # every module after its children
         cls = type(mod)
         w = getattr(mod, "weight", None)
@@ -166,17 +188,26 @@ def quantized_linears(model: nn.Module) -> Dict[str, QuantizedLinear]:
             elif "Linear8bitLt" in names:
                 found[path] = QuantizedLinear(path, mod, "bitsandbytes", "Linear8bitLt", True, False)
             elif isinstance(mod, nn.Linear) or "Linear" in cls.__name__:
-                raise _unsupported(path, mod, "is a bitsandbytes layer other than Linear4bit / Linear8bitLt")
+                refused[path] = _unsupported(path, mod, "is a bitsandbytes layer other than Linear4bit / Linear8bitLt")
             known.add(id(w))
             continue
         if isinstance(mod, nn.Embedding) or (w is not None and id(w) in known):
             continue
         if isinstance(w, torch.Tensor) and _from(type(w), "torchao"):
             if not isinstance(mod, nn.Linear):
-                raise _unsupported(path, mod, f"holds a torchao {type(w).__name__} weight but is not an nn.Linear")
+                refused[path] = _unsupported(path, mod, f"holds a torchao {type(w).__name__} weight but is not an "
+                                                        "nn.Linear")
+                continue
+            if not isinstance(mod.__dict__.get(_MARK), _Patch) and state_of(mod) is not None:
+                refused[path] = _unsupported(
+                    path, mod, "was quantized inside an open use_relevance_rules scope: a rule forward already stands "
+                               "in for its own, and its input gradient cannot be placed under it. Quantize the model "
+                               "before entering the scope")
+                continue
             if not _is_plain_linear_forward(mod) and not isinstance(mod.__dict__.get(_MARK), _Patch):
-                raise _unsupported(path, mod, f"holds a torchao {type(w).__name__} weight but its forward is "
-                                              "not nn.Linear.forward, so its input gradient is not dy · W")
+                refused[path] = _unsupported(path, mod, f"holds a torchao {type(w).__name__} weight but its forward "
+                                                        "is not nn.Linear.forward, so its input gradient is not dy · W")
+                continue
             act = getattr(w, "act_quant_kwargs", None) is not None or \
                 getattr(w, "activation_quantization", None) is not None
             found[path] = QuantizedLinear(path, mod, "torchao", type(w).__name__, act, True)
@@ -185,8 +216,11 @@ def quantized_linears(model: nn.Module) -> Dict[str, QuantizedLinear]:
         name = _integer_weight(mod)
         if name is not None:
             t = getattr(mod, name)
-            raise _unsupported(path, mod, f"holds integer weights ({name}: {t.dtype}, a quantization "
-                                          f"pyattr does not know{'' if method is None else f', {method}'})")
+            refused[path] = _unsupported(path, mod, f"holds integer weights ({name}: {t.dtype}, a quantization "
+                                                    f"pyattr does not know{'' if method is None else f', {method}'})")
+    first = next((refused[path] for path, _ in modules if path in refused), None)
+    if first is not None:
+        raise first
     return {path: found[path] for path, _ in modules if path in found}
 
 
@@ -260,12 +294,15 @@ def _linear_forward(layer: QuantizedLinear, native: Callable) -> Callable:
     def weight():
         return dequantized_weight(layer)
 
-    def forward(x, *args, **kwargs):
+    def forward(*args, **kwargs):
+        # nn.Linear.forward(input): positional or by name
+        x = args[0] if len(args) == 1 and not kwargs else kwargs["input"] if not args and list(kwargs) == ["input"] \
+            else None
         bias = mod.bias
         needs = torch.is_grad_enabled() and isinstance(x, torch.Tensor) and (
             x.requires_grad or (bias is not None and bias.requires_grad))
-        if args or kwargs or not needs:
-            return native(x, *args, **kwargs)
+        if not needs:
+            return native(*args, **kwargs)
         return QuantizedLinearFunction.apply(x, bias, native, weight)
 
     return forward
