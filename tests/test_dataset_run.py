@@ -21,6 +21,14 @@ TEXTS = ["the cat sat on the mat", "a dog", "paris is the capital of france and 
          "one two three four five six seven", "hello", "the quick brown fox jumps over the lazy dog"]
 
 
+def _prompt(tok, text):
+    """The ids a run explains: the prompt without the [SEP] the tokenizer appends (the
+    next token of the prompt, as `pyattr explain` reads it)."""
+    from pyattr.apps.tokens import prompt_ids
+
+    return torch.tensor([prompt_ids(tok, text)])
+
+
 @pytest.fixture(scope="module")
 def lm(tmp_path_factory):
     from models import minilm
@@ -56,7 +64,7 @@ def test_store_reads_back_as_relevance_per_prompt_in_input_order(lm, tmp_path):
     assert list(df["text"]) == TEXTS and df["error"].isna().all()
     assert list(df["target_token"]) == tok.convert_ids_to_tokens([int(t) for t in df["target_id"]])
     for i, text in enumerate(TEXTS):
-        ids = tok(text, return_tensors="pt")["input_ids"]
+        ids = _prompt(tok, text)
         want = pyattr.relevance(model, ids)
         got = torch.tensor(list(df["token_relevance"][i]))
         torch.testing.assert_close(got, want.token_relevance[0], atol=1e-5, rtol=1e-4)
@@ -85,7 +93,7 @@ def test_csv_parquet_and_target_field(lm, tmp_path):
     the = tok.convert_tokens_to_ids("the")
     assert list(da["id"]) == ["p0", "p1", "p2"] and (da["target_id"] == the).all()
     assert list(da["target"]) == list(db["target"])
-    ids = tok(TEXTS[0], return_tensors="pt")["input_ids"]
+    ids = _prompt(tok, TEXTS[0])
     assert da["target"][0] == pytest.approx(float(pyattr.relevance(model, ids, target=the).target), abs=1e-5)
 
 
@@ -109,7 +117,7 @@ def test_bad_prompts_are_recorded_not_skipped(lm, tmp_path):
     assert errors[2] == "line 3: field 'text' missing"
     assert errors[3] == "line 4: not UTF-8 (byte 14)"
     assert errors[4].startswith("line 5: not JSON")
-    assert errors[5] == "42 tokens; the model reads at most 24"
+    assert errors[5] == "41 tokens; the model reads at most 24"  # [CLS] and 40 words
     assert errors[6] == "line 7: field 'text' not a string (int)"
     assert df["token_relevance"][1] is None and df["target"].isna()[1:].all()
 
@@ -229,7 +237,7 @@ def test_targets_are_tokens_unless_given_as_integers(lm, tmp_path):
     pyattr.run(model, data, tmp_path / "b", tokenizer=tok, target="answer")
     df = _read(tmp_path / "b")
     assert int(df["target_id"][0]) == 5  # a JSON number is an id
-    assert df["error"][1] == "target '--5' is 3 tokens, not one"
+    assert df["error"][1] == "target token '--5' is not in the vocabulary (it splits into 3 tokens, not one)"
     assert df["error"][2] == "line 3: target 1.5 is neither a token nor an integer id"
 
 
@@ -238,7 +246,7 @@ def test_an_id_never_collides_with_another_prompts_target(lm, tmp_path):
     rows = [{"id": "a", "text": "the cat sat"}, {"id": "a\0target", "text": "paris is the capital"}]
     pyattr.run(model, rows, tmp_path / "o", tokenizer=tok)
     df = _read(tmp_path / "o")
-    want = pyattr.relevance(model, tok("the cat sat", return_tensors="pt")["input_ids"])
+    want = pyattr.relevance(model, _prompt(tok, "the cat sat"))
     assert int(df["target_id"][0]) == int(want.target_ids[0])
 
 
@@ -310,7 +318,7 @@ def test_dataset_benchmark_configuration(tmp_path, monkeypatch):
     size = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=48, num_attention_heads=2,
                 num_key_value_heads=2, prompts=5, lo=8, hi=20, dtype="float32")
     model_dir, data, params = dataset.prepare(tmp_path, size)
-    lengths = [len(json.loads(line)["text"].split()) + 2 for line in data.read_text().splitlines()]
+    lengths = [len(json.loads(line)["text"].split()) + 1 for line in data.read_text().splitlines()]
     assert len(lengths) == 5 and all(8 <= n <= 20 for n in lengths) and params > 0
     row = dataset.run_config("1 process, checkpointing", model_dir, data, tmp_path / "out", size, "cpu", 1)
     assert row["prompts"] == 5 and row["tokens"] == sum(lengths) and row["processes"] == 1
@@ -345,7 +353,7 @@ def test_an_architecture_without_a_rule_map_is_one_error_or_runs_generic(tmp_pat
     assert r.returncode == 0, r.stderr
     df = _read(tmp_path / "o")
     assert df["error"].isna().all()
-    want = pyattr.relevance(model, tok(TEXTS[0], return_tensors="pt")["input_ids"], generic=True)
+    want = pyattr.relevance(model, _prompt(tok, TEXTS[0]), generic=True)
     torch.testing.assert_close(torch.tensor(list(df["token_relevance"][0])), want.token_relevance[0], rtol=1e-4, atol=1e-5)
     assert abs(df["conservation_delta"][0]) <= 1e-4 * abs(df["target"][0])
     with pytest.raises(RunError, match=r"model: model type 'cohere'"):

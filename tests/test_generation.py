@@ -225,7 +225,7 @@ def test_review_cases():
     with pytest.raises(ValueError, match=r"a tensor baseline covers the whole sequence \(prompt and generated "
                                          r"tokens, 9 positions\)"):
         pyattr.generation_relevance(model, ids, continuation=CONT[:1], baseline=torch.zeros(1, 7, 32))
-    with pytest.raises(ValueError, match=r"inputs: token ids must be in \[0, 96\) \(config.vocab_size\), got \[600\]"):
+    with pytest.raises(ValueError, match=r"inputs: token ids must be in \[0, 96\) \(the input embedding's rows, config.vocab_size\), got \[600\]"):
         pyattr.generation_relevance(model, torch.tensor([[5, 600]]), max_new_tokens=2)
     assert free.top_sources(np.int64(1)) == free.top_sources(1)
     with pytest.raises(IndexError, match=r"row must be an int in \[0, 1\), got 5"):

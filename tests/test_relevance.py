@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import pyattr
-from models import VOCAB, minilm
+from models import VOCAB, minilm, tiny_causal_lm
 from pyattr.rules import half_rule, ln_rule
 
 
@@ -175,3 +175,20 @@ def test_target_ids_beyond_int64(llama, target):
         target = np.array([2**64 - 1, 3], dtype=np.uint64)
     with pytest.raises(ValueError, match=r"target: token id -?\d+ is out of range for a token id"):
         pyattr.relevance(llama, torch.randint(0, VOCAB, (2, 6)), target=target)
+
+
+def test_token_ids_past_the_embedding_are_named_not_an_index_error():
+    """Reported: ids past the input embedding's rows failed inside the model with a bare
+    `IndexError: index out of range in self`; every method now names them."""
+    import pyattr.patching as P
+
+    model = tiny_causal_lm("llama")
+    ids = torch.tensor([[1, 2, VOCAB + 4]])
+    msg = rf"inputs: token ids must be in \[0, {VOCAB}\) \(the input embedding's rows, config.vocab_size\), got \[{VOCAB + 4}\]"
+    for call in (lambda: pyattr.relevance(model, ids, target=1),
+                 lambda: pyattr.layer_relevance(model, ids, "residual", target=1),
+                 lambda: pyattr.integrated_gradients(model, ids, target=1, n_steps=2),
+                 lambda: P.attribution_patching(model, ids, torch.tensor([[1, 2, 3]]), pyattr.targets.Logit(1)),
+                 lambda: pyattr.relevance(model, torch.tensor([[-1, 2]]), target=1)):
+        with pytest.raises(ValueError, match=msg.replace(str(VOCAB + 4), r"-?\d+")):
+            call()

@@ -22,6 +22,7 @@ import torch
 from pyattr.backends import available_backends
 import pyattr.apps.contention as _contention
 from pyattr.config import RelevanceRules
+from pyattr.apps.tokens import prompt_ids, target_token_id
 from pyattr.rules import half_rule, ln_rule
 from pyattr.methods.relevance import relevance
 
@@ -331,22 +332,10 @@ def explain_pair(
 
 
 def _target_id(tok, target: str, vocab_size: int) -> int:
-    vocab = tok.get_vocab()
-    if target in vocab:
-        tid = int(vocab[target])
-    else:
-        ids = tok.encode(target, add_special_tokens=False)
-        tid = int(ids[0]) if len(ids) == 1 else None
-    if tid is not None:
-        if tid >= vocab_size:
-            raise ExplainError(
-                f"target token {target!r} has id {tid}, outside the model's {vocab_size} output logits"
-            )
-        return tid
-    raise ExplainError(
-        f"target token {target!r} is not in the vocabulary"
-        + (f" (it splits into {len(ids)} tokens)" if len(ids) > 1 else "")
-    )
+    tid = target_token_id(tok, target, vocab_size)
+    if isinstance(tid, str):
+        raise ExplainError(tid)
+    return tid
 
 
 def explain_causal(
@@ -363,11 +352,7 @@ def explain_causal(
     rules = RelevanceRules.all() if rules is None else rules
     vocab_size = int(getattr(model.config, "vocab_size", 0) or len(tok))
     tid = _target_id(tok, target, vocab_size) if target is not None else None
-    enc = tok(text, return_tensors="pt")
-    ids = enc["input_ids"][0].tolist()
-    # The next token follows the prompt itself: drop end-of-text markers the tokenizer appends.
-    while len(ids) > 1 and ids[-1] in {tok.sep_token_id, tok.eos_token_id} - {None}:
-        ids.pop()
+    ids = prompt_ids(tok, text)
     if not ids or (len(ids) == 1 and ids[0] in set(tok.all_special_ids)):
         raise ExplainError("--text has no tokens the model can read after tokenisation")
     limit = _max_positions(model)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import List, Optional
 
 
+from pyattr.apps.tokens import prompt_ids
 from pyattr.apps.explain import ExplainError, _load
 from pyattr.apps.render import LEGEND_CSS, _display, _rgb, legend_html, num
 from pyattr.config import RelevanceRules
@@ -54,7 +55,10 @@ def run_generate(model_dir: Path, text: str, max_new_tokens: Optional[int], cont
 
     tok, model = _load(model_dir, causal=True)
     tok.padding_side = "left"
-    enc = dict(tok([text], return_tensors="pt"))
+    import torch
+
+    ids = torch.tensor([prompt_ids(tok, text)])
+    enc = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     kw = {}
     if continuation is not None:
         cont = tok([continuation], add_special_tokens=False, return_tensors="pt")["input_ids"]

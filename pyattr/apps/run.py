@@ -47,6 +47,7 @@ from torch import nn
 
 import pyattr.methods._core.positions as P
 from pyattr.apps.prompts import Prompt, RunError, read_prompts
+from pyattr.apps.tokens import prompt_ids, target_token_id
 from pyattr.apps.store import (
     MANIFEST,
     build_manifest,
@@ -274,7 +275,7 @@ def _encode(p: Prompt, tokenizer, model, limit, encoded, targets) -> Optional[st
     if not p.text.strip():
         return "empty text"
     try:
-        ids = tokenizer(p.text)["input_ids"]
+        ids = prompt_ids(tokenizer, p.text)
     except Exception as e:  # noqa: BLE001 - a tokenizer that refuses this text
         return f"the tokenizer refused the text ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
     if not ids:
@@ -282,36 +283,12 @@ def _encode(p: Prompt, tokenizer, model, limit, encoded, targets) -> Optional[st
     if limit is not None and len(ids) > limit:
         return f"{len(ids)} tokens; the model reads at most {limit}"
     if p.target is not None:
-        tid = _target_id(tokenizer, p.target, model)
+        tid = target_token_id(tokenizer, p.target, model.config.vocab_size)
         if isinstance(tid, str):
             return tid
         targets[p.id] = tid
     encoded[p.id] = ids
     return None
-
-
-def _target_id(tokenizer, target, model):
-    """A target token (a string: the vocabulary entry, else its single-token encoding, so
-    "5" is the token "5", never id 5) or an integer id (a JSON number, a Parquet integer)
-    → the id, or why it cannot be one."""
-    vocab = model.config.vocab_size
-    if isinstance(target, int):
-        tid = target
-    else:
-        v = tokenizer.get_vocab()
-        if target in v:
-            tid = int(v[target])
-        else:
-            try:
-                ids = tokenizer.encode(target, add_special_tokens=False)
-            except Exception as e:  # noqa: BLE001
-                return f"target {target!r}: the tokenizer refused it ({type(e).__name__})"
-            if len(ids) != 1:
-                return f"target {target!r} is {len(ids)} tokens, not one"
-            tid = int(ids[0])
-    if not 0 <= tid < vocab:
-        return f"target id {tid} is outside the model's {vocab} logits"
-    return tid
 
 
 def _error_row(p: Prompt, error: str, seconds: float = 0.0, generate: Optional[int] = None) -> dict:

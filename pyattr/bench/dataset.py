@@ -74,13 +74,14 @@ def prepare(workdir: Path, size: Dict, seed: int = 0):
     tok.save_pretrained(model_dir)
     params = sum(p.numel() for p in model.parameters())
     del model
-    # whole lowercase words: one token each, so a prompt of n words is n + 2 tokens ([CLS], [SEP])
+    # whole lowercase words: one token each, so a prompt of n words is n + 1 tokens: [CLS] and
+    # the words (a run drops the [SEP] the tokenizer appends: it explains the prompt's next token)
     words = [w for w in tok.get_vocab() if w.isalpha() and w.islower() and len(w) > 2]
     rng = random.Random(seed)
     data = workdir / "prompts.jsonl"
     with open(data, "w", encoding="utf-8") as f:
         for i in range(size["prompts"]):
-            n = rng.randint(size["lo"], size["hi"]) - 2
+            n = rng.randint(size["lo"], size["hi"]) - 1
             f.write(json.dumps({"id": f"p{i}", "text": " ".join(rng.choice(words) for _ in range(n))}) + "\n")
     return model_dir, data, params
 

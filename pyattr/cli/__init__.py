@@ -5,6 +5,7 @@ each imports torch, transformers and the rest of pyattr inside the command, so t
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from typing import List, NoReturn, Optional
@@ -233,7 +234,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _TorchaoEnumNotice(logging.Filter):
+    """torch 2.14 warns, on every import of torchao 0.18 (which transformers imports while
+    loading any model once torchao is installed), that registering Enum classes as pytree
+    constants is deprecated: two lines of another library's housekeeping at the top of every
+    command's output. Only that message is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "is an Enum subclass and is now natively supported" not in str(record.msg)
+
+
+_PYTREE_LOG = logging.getLogger("torch.utils._pytree")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    if not any(isinstance(f, _TorchaoEnumNotice) for f in _PYTREE_LOG.filters):
+        _PYTREE_LOG.addFilter(_TorchaoEnumNotice())
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # name the command whose arguments they are, as its other errors do

@@ -368,10 +368,7 @@ def generation_relevance(
                          "generation_relevance explains generated tokens")
     batch_targets = core.check_count("batch_targets", batch_targets)
     ids, mask = _as_batch(inputs, attention_mask)
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if isinstance(vocab, int) and bool(((ids < 0) | (ids >= vocab)).any()):
-        raise ValueError(f"inputs: token ids must be in [0, {vocab}) (config.vocab_size), got "
-                         f"{sorted(set(ids[(ids < 0) | (ids >= vocab)].tolist()))[:5]}")
+    core.check_token_ids(model, ids)
     ids = ids.to(input_device(model))
     mask = mask.to(ids.device)
     batch, width = ids.shape

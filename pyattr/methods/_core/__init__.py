@@ -4,5 +4,7 @@ the pass state, module taps, the forward and the backward. Each job is its own m
 this face names what the methods use."""
 
 from pyattr.methods._core.taps import ARG_KEYS, record_modules, resolve_module, tap, taps  # noqa: F401
-from pyattr.methods._core.inputs import Prepared, check_count, is_pixels, prepare, rule_defaults, select_rows  # noqa: F401
+from pyattr.methods._core.inputs import (  # noqa: F401
+    Prepared, check_count, check_token_ids, is_pixels, prepare, rule_defaults, select_rows,
+)
 from pyattr.methods._core.passes import SparseRowsHeadFunction, attribution_pass, check_grad_mode, inference_state, sparse_rows_head  # noqa: F401

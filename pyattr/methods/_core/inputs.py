@@ -292,7 +292,23 @@ def prepare(model: nn.Module, inputs, attention_mask, caller: str, generic: bool
         # copy of every layer's keys and values
         kwargs["use_cache"] = False
     ids = kwargs["input_ids"]
+    check_token_ids(model, ids)
     return Prepared(kwargs, ids, new_tokens(kwargs.get("attention_mask"), ids.shape[1]), entry, where)
+
+
+def check_token_ids(model: nn.Module, ids: torch.Tensor, name: str = "inputs") -> None:
+    """Token ids the input embedding has rows for, else a ValueError naming them (an id
+    past the table failed deep inside the model with ``IndexError: index out of range``)."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(emb, "num_embeddings", None)
+    if not isinstance(rows, int):
+        rows = getattr(getattr(model, "config", None), "vocab_size", None)
+    if not isinstance(rows, int) or ids.numel() == 0 or ids.is_floating_point():
+        return
+    bad = (ids < 0) | (ids >= rows)
+    if bool(bad.any()):
+        raise ValueError(f"{name}: token ids must be in [0, {rows}) (the input embedding's rows, config.vocab_size), "
+                         f"got {sorted(set(ids[bad].tolist()))[:5]}")
 
 
 def input_device(model: nn.Module) -> torch.device:
