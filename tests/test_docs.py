@@ -162,3 +162,12 @@ def test_site_builds_strict(tmp_path):
     public.discard("activation")  # pyattr.ops.activation is pyattr.rules.identity_rule, documented there
     missing = sorted(public - documented)
     assert not missing, f"public names without an API reference entry: {missing}"
+
+
+def test_command_line_reference_is_the_parsers_help():
+    """docs/reference/cli.md is generated from the parser; an option added, removed or
+    reworded without regenerating it fails here."""
+    from pyattr.cli.reference import markdown
+
+    page = (ROOT / "docs" / "reference" / "cli.md").read_text()
+    assert page == markdown(), "regenerate with: python -m pyattr.cli.reference > docs/reference/cli.md"

@@ -65,8 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--text", help="sentence to explain (first of the pair, or the causal-LM prompt)")
     e.add_argument("--pair", help="second sentence: explain the cosine similarity of the two mean-pooled embeddings (the bundled model, or --model DIR)")
     e.add_argument("--model", type=model_dir,
-                   help="local Hugging Face causal-LM directory, or 'induction' (the shipped toy induction decoder); "
-                        "explains the next-token logit")
+                   help="a local Hugging Face model directory (save_pretrained, tokenizer included), or "
+                        "'induction' (the shipped toy induction decoder): a causal LM explains the next-token "
+                        "logit of --text; with --pair, a sentence encoder explains the cosine of the two "
+                        "sentences; with --image, an image classifier explains a class logit")
     e.add_argument("--target", help="target token for --model (default: the top-1 prediction); with --image a class label or index")
     e.add_argument("--image", metavar="FILE",
                    help="image for --model DIR (an image classifier: ViT, CLIP): patch relevance of a class logit")

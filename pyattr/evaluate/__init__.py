@@ -1,4 +1,4 @@
-"""Is an explanation faithful? Perturbation curves and ABPC (DESIGN §9).
+"""Is an explanation faithful? Perturbation curves and ABPC.
 
     pyattr.evaluate.perturbation_curve(model, inputs, relevance, target, order="morf")
     pyattr.evaluate.abpc(model, inputs, relevance, target)   # AUC(LeRF) − AUC(MoRF), (batch,)

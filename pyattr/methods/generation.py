@@ -1,5 +1,5 @@
 """Relevance of generated text: every generated token's target explained over the prompt
-and the tokens generated before it (DESIGN §8).
+and the tokens generated before it.
 
 Steps run ``batch_targets`` at a time: one call of :func:`pyattr.relevance` on the
 sequence cut after the chunk's last target position, with the chunk's targets as k

@@ -144,7 +144,7 @@ def relevance(
     autograd for itself, so a call under ``torch.no_grad()`` returns the same result.
     Padded rows (``attention_mask``) equal the same row alone: position ids are counted
     along the mask in the model's own convention (see
-    :func:`pyattr._forward.padding_positions`), read-outs at position 0 ([CLS]) take each
+    ``pyattr.methods._core.inputs.padding_positions``), read-outs at position 0 ([CLS]) take each
     row's first real token (:mod:`pyattr.methods._core.readout`), and on a model whose forward depends
     on the longest position in the batch (dynamic-NTK RoPE, LongRoPE) rows run in groups
     of one rotary regime (:mod:`pyattr.methods._core.groups`). A key/value cache in the inputs
