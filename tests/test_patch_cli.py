@@ -132,3 +132,59 @@ def test_unmapped_architecture_is_refused_naming_generic_or_runs_with_it(tmp_pat
                                  nodes=("heads", "mlp"), generic=True)
     torch.testing.assert_close(torch.tensor(doc["heads"]), api["heads"][0], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(torch.tensor(doc["mlp"]), api["mlp"][0], atol=1e-6, rtol=1e-5)
+
+
+# --- review: --generic beyond --model --text ------------------------------------------------
+
+def _unmapped_dirs(tmp_path):
+    """An unmapped encoder (Electra) with the MiniLM tokenizer, and an unmapped image
+    classifier (BEiT) with an image processor, saved as directories."""
+    import numpy as np
+    import transformers as T
+    from PIL import Image
+
+    from models import minilm
+
+    tok, _ = minilm()
+    torch.manual_seed(0)
+    enc = T.ElectraModel(T.ElectraConfig(vocab_size=len(tok), hidden_size=32, embedding_size=32, intermediate_size=48,
+                                         num_attention_heads=4, num_hidden_layers=2)).eval()
+    enc.save_pretrained(tmp_path / "electra")
+    tok.save_pretrained(tmp_path / "electra")
+    cfg = T.BeitConfig(image_size=32, patch_size=8, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                       num_hidden_layers=2, num_labels=3, use_mean_pooling=False)
+    cfg._attn_implementation = "eager"
+    T.BeitForImageClassification(cfg).eval().save_pretrained(tmp_path / "beit")
+    T.BeitImageProcessor(size={"height": 32, "width": 32}, do_center_crop=False).save_pretrained(tmp_path / "beit")
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(tmp_path / "img.png")
+    return tok, enc
+
+
+def test_explain_generic_reaches_pairs_and_images(tmp_path):
+    """`explain --generic` was read for --model --text only: with --pair or --image the
+    unmapped model was refused with a message asking for --generic, which was given. Both
+    now run through the discovered entry, with the API's numbers."""
+    import transformers as T
+    from PIL import Image
+
+    import pyattr
+
+    tok, enc = _unmapped_dirs(tmp_path)
+    pair = ("explain", "--model", tmp_path / "electra", "--text", "the cat sat", "--pair", "a dog ran", "--json")
+    r = run_cli(*pair)
+    assert r.returncode == 2 and "--generic" in r.stderr, r.stderr
+    r = run_cli(*pair, "--generic")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["segments"][0]["tokens"][:2] == ["[CLS]", "the"]
+    image = ("explain", "--model", tmp_path / "beit", "--image", tmp_path / "img.png", "--png", tmp_path / "m.png",
+             "--json")
+    r = run_cli(*image)
+    assert r.returncode == 2 and "--generic" in r.stderr, r.stderr
+    r = run_cli(*image, "--generic")
+    assert r.returncode == 0, r.stderr
+    rel = json.loads(r.stdout)["segments"][0]["relevance"]
+    proc = T.BeitImageProcessor.from_pretrained(tmp_path / "beit")
+    m = T.BeitForImageClassification.from_pretrained(tmp_path / "beit").eval()
+    px = proc(images=Image.open(tmp_path / "img.png").convert("RGB"), return_tensors="pt")["pixel_values"]
+    api = pyattr.relevance(m, px, generic=True)
+    torch.testing.assert_close(torch.tensor(rel), api.token_relevance[0], rtol=1e-5, atol=1e-7)

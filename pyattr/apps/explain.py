@@ -281,9 +281,11 @@ def _check_tokens(name: str, n_tokens: int, model, tok) -> None:
 
 
 def explain_pair(
-    text_a: str, text_b: str, model_dir: Optional[Path] = None, rules: Optional[RelevanceRules] = None
+    text_a: str, text_b: str, model_dir: Optional[Path] = None, rules: Optional[RelevanceRules] = None,
+    generic: bool = False,
 ) -> Explanation:
-    """Relevance of each token of two sentences for their embeddings' cosine similarity."""
+    """Relevance of each token of two sentences for their embeddings' cosine similarity
+    (``generic``: an encoder without a rule map, through structural discovery)."""
     _check_text("--text", text_a)
     _check_text("--pair", text_b)
     monitor = _contention.start()  # the window spans the load too: long enough to measure
@@ -305,7 +307,7 @@ def explain_pair(
 
     available_backends()  # probe (imports, extension load) outside the timed pass
     t0 = time.perf_counter()
-    res = relevance(model, dict(enc), target=cosine, rules=rules)
+    res = relevance(model, dict(enc), target=cosine, rules=rules, generic=generic)
     wall = time.perf_counter() - t0
     cond = monitor.stop()
     segs = []

@@ -162,11 +162,13 @@ def explain_image(
     target: Optional[str] = None,
     rules: Optional[RelevanceRules] = None,
     png: Optional[Path] = None,
+    generic: bool = False,
 ) -> Explanation:
     """Relevance of each patch of an image (and its [CLS] token) for a class logit of an
     image classifier (top-1, or ``target``: a label or index); the patch map is written
     over the processed image to ``png`` (default: ``<image stem>_relevance.png`` in the
-    current directory).
+    current directory). ``generic``: a vision transformer without a rule map, through
+    structural discovery.
 
     Raises:
         ExplainError: unreadable image or model directory, a model that is not an image
@@ -182,7 +184,7 @@ def explain_image(
     available_backends()  # probe (imports, extension load) outside the timed pass
     t0 = time.perf_counter()
     try:
-        res = relevance(model, pixel_values, target=cid, rules=rules)
+        res = relevance(model, pixel_values, target=cid, rules=rules, generic=generic)
     except ValueError as e:
         if "doesn't match model" not in str(e):
             raise

@@ -56,10 +56,10 @@ def run(args) -> int:
                 from pyattr.apps.image import explain_image
 
                 expl = explain_image(Path(args.model), Path(args.image), args.target, rules_from_args(args),
-                                     png=Path(args.png) if args.png else None)
+                                     png=Path(args.png) if args.png else None, generic=args.generic)
             elif args.model is not None and args.pair is not None:  # any encoder (or decoder) directory
                 expl = explain_pair(args.text if args.text is not None else DEFAULT_PAIR[0], args.pair,
-                                    model_dir=Path(args.model), rules=rules_from_args(args))
+                                    model_dir=Path(args.model), rules=rules_from_args(args), generic=args.generic)
             elif args.model is not None:
                 expl = explain_causal(
                     Path(args.model),
@@ -74,8 +74,9 @@ def run(args) -> int:
                 expl = explain_pair(a, b, rules=rules_from_args(args))
     except ExplainError as e:
         return fail("explain", str(e))
-    except (RelevanceRuleUnsupportedError, RelevanceRuleConflictError) as e:
-        return fail("explain", str(e).replace("Pass generic=True", "Pass --generic"))
+    except (ValueError, RelevanceRuleUnsupportedError, RelevanceRuleConflictError) as e:  # incl. a role discovery lacks
+        return fail("explain", str(e).replace("Pass generic=True", "Pass --generic").replace("generic=True",
+                                                                                             "--generic"))
     if args.html:
         from pyattr.apps.render import to_html
 

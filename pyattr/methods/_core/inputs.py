@@ -258,10 +258,11 @@ def patch_grid(model: nn.Module, pixel_values: torch.Tensor, caller: str, generi
     if arch is not None and p is not None:
         A.require(arch, "vision", model, f"{caller}(): pixel_values inputs")
     if p is None or arch is None or not arch.vision:
+        hint = "" if p is None or generic else ", or pass generic=True to read an unmapped one off its module graph"
         raise ValueError(
             f"{caller}(): inputs are pixel_values, but {type(model).__name__} (model type "
             f"{A.model_type(model)!r}) is not a supported vision transformer; image inputs are "
-            f"supported for {sorted(A.VISION)}"
+            f"supported for {sorted(A.VISION)}{hint}"
         )
     ph, pw = (p, p) if isinstance(p, int) else tuple(p)
     h, w = pixel_values.shape[-2:]
