@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pyattr._repr import summary_repr
+
 from dataclasses import dataclass, field
 from typing import Dict, List, Union
 
@@ -99,6 +101,8 @@ class RelevanceRuleCoverage:
             enclosing scope still holds (nested scopes add rules, never remove them),
             with the kinds.
     """
+
+    __repr__ = summary_repr
 
     model_type: str
     installed: List[str] = field(default_factory=list)

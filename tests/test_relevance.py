@@ -192,3 +192,17 @@ def test_token_ids_past_the_embedding_are_named_not_an_index_error():
                  lambda: pyattr.relevance(model, torch.tensor([[-1, 2]]), target=1)):
         with pytest.raises(ValueError, match=msg.replace(str(VOCAB + 4), r"-?\d+")):
             call()
+
+
+def test_results_print_short():
+    """Reported: print() of a result dumped every tensor in full (about 1,400 lines for a
+    2-layer model's layer relevance). Results now print shapes and dtypes."""
+    model = tiny_causal_lm("llama")
+    ids = torch.tensor([[1, 2, 3, 4]])
+    res = pyattr.relevance(model, ids, target=1)
+    text = repr(res)
+    assert text.startswith("RelevanceResult(token_relevance=Tensor(1, 4) float32, relevance=Tensor(1, 4, ")
+    assert "tensor([" not in text and len(text.splitlines()) == 1
+    lr = pyattr.layer_relevance(model, ids, "residual", target=1)
+    assert len(repr(lr).splitlines()) == 1 and "'model.layers.0': …" in repr(lr)
+    assert repr(lr["model.layers.0"]).startswith("LayerRelevance(activation=Tensor(1, 4, ")

@@ -196,6 +196,8 @@ def print_terminal(rep: PatchReport, top: int = 10, console=None) -> None:
     first = rep.first
     console.print(f"model    {rep.model}")
     console.print(f"metric   {rep.metric}")
+    from pyattr.apps.render import num
+
     console.print(f"clean    {' '.join(rep.clean_tokens)}   metric {float(first.clean_metric[0]):+.6f}")
     console.print(f"corrupt  {' '.join(rep.corrupt_tokens)}   metric {float(first.corrupt_metric[0]):+.6f}")
     lead = "exact" if "exact" in rep.results else next(iter(rep.results))
@@ -206,7 +208,7 @@ def print_terminal(rep: PatchReport, top: int = 10, console=None) -> None:
         table.add_column(m, justify="right")
     for node, idx, _ in rep.results[lead].top(top):
         tokname = rep.clean_tokens[idx[1]] if idx[1] < len(rep.clean_tokens) else ""
-        vals = [f"{float(r[node][(0, *idx)]):+.5f}" for r in rep.results.values()]
+        vals = [num(float(r[node][(0, *idx)]), "+.5f") for r in rep.results.values()]
         table.add_row(_label(node, idx), tokname, *vals)
     console.print(table)
     if rep.correlations:

@@ -9,6 +9,8 @@ batched forward, so a row's whole curve costs ``(steps + 1) / batch_size`` forwa
 
 from __future__ import annotations
 
+from pyattr._repr import summary_repr
+
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Union
@@ -42,6 +44,8 @@ class PerturbationCurve:
             (trapezoid rule), in the target's units.
         order, perturbation (str): as called.
     """
+
+    __repr__ = summary_repr
 
     fractions: torch.Tensor
     values: torch.Tensor

@@ -11,6 +11,8 @@ per chunk, and the backwards stay as long as the loop's.
 
 from __future__ import annotations
 
+from pyattr._repr import summary_repr
+
 import operator
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -55,6 +57,8 @@ class GenerationRelevanceResult:
         batch_targets (int): steps per batched backward.
         backend (str): the backend that ran the rule backwards.
     """
+
+    __repr__ = summary_repr
 
     sequences: torch.Tensor
     attention_mask: torch.Tensor

@@ -10,6 +10,8 @@ is integrated along it with the chosen quadrature, ``multiply_by_inputs`` multip
 
 from __future__ import annotations
 
+from pyattr._repr import summary_repr
+
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -54,6 +56,8 @@ class AttributionResult:
         n_steps (int), method (str): the quadrature used.
         coverage (RelevanceRuleCoverage): what the rule scope installed and skipped.
     """
+
+    __repr__ = summary_repr
 
     attribution: torch.Tensor
     token_attribution: Optional[torch.Tensor]

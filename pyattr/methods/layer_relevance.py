@@ -10,6 +10,8 @@ the input of every block and of the final norm equals the target (layer-wise con
 
 from __future__ import annotations
 
+from pyattr._repr import summary_repr
+
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Union
 
@@ -58,6 +60,8 @@ class LayerRelevance:
         where (str): ``"output"`` or ``"input"``.
     """
 
+    __repr__ = summary_repr
+
     activation: torch.Tensor
     gradient: torch.Tensor
     relevance: torch.Tensor
@@ -75,6 +79,8 @@ class LayerRelevanceResult:
         target_ids (Tensor or None): token ids of logit targets.
         coverage (RelevanceRuleCoverage): what the rule scope installed and skipped.
     """
+
+    __repr__ = summary_repr
 
     layers: Dict[str, LayerRelevance]
     paths: List[str]

@@ -4,6 +4,8 @@ propagation, and ``input · grad`` at the embeddings is each input's relevance."
 
 from __future__ import annotations
 
+from pyattr._repr import summary_repr
+
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
@@ -56,6 +58,8 @@ class RelevanceResult:
             grid; ``token_relevance`` then holds the [CLS] token first and the patches row
             by row (see :meth:`patch_relevance`).
     """
+
+    __repr__ = summary_repr
 
     token_relevance: torch.Tensor
     relevance: torch.Tensor

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pyattr._repr import summary_repr
+
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -32,6 +34,8 @@ class PatchingResult:
         sampled (dict): node type → bool mask of the nodes patched, where a sample was taken.
         coverage (RelevanceRuleCoverage or None): what the rule scope installed (``"relp"``).
     """
+
+    __repr__ = summary_repr
 
     effects: Dict[str, torch.Tensor]
     dims: Dict[str, Tuple[str, ...]]
