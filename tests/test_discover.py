@@ -437,3 +437,27 @@ def test_inputs_run_position_first_are_refused():
         for generic in (False, True):
             with pytest.raises(ValueError, match=r"inputs: XLNetLMHeadModel .*\(position, batch"):
                 pyattr.relevance(m, ids, target=5, rules=pyattr.RelevanceRules(), generic=generic)
+
+
+def test_an_mlp_adding_its_aliased_input_is_not_the_contribution():
+    """An MLP that keeps its input under another name and adds it back (as Gemma 4's audio
+    feed-forward does: ``residual = hidden_states; …; hidden_states += residual``) returns
+    the residual stream: its contribution is the down projection's output."""
+    _, twin = _twin("llama")
+    cls = type(twin.model.layers[0].mlp)
+
+    class AddsItsInput(cls):
+        def forward(self, x):
+            residual = x
+            x = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+            return x + residual
+
+    for layer in twin.model.layers:
+        layer.mlp.__class__ = AddsItsInput
+    found = A.discover(twin)
+    assert (found.mlp_out, found.neurons) == ("mlp.down_proj", ("mlp.down_proj", "input")), found
+    ids = _ids()
+    r = pyattr.layer_relevance(twin, ids, "mlp", target=5, rules=pyattr.RelevanceRules(), generic=True)
+    assert r.paths == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+    torch.testing.assert_close(r["model.layers.0.mlp.down_proj"].activation,
+                               _tensor_at(twin, ids, "model.layers.0.mlp.down_proj", "output").float())

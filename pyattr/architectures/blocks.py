@@ -117,13 +117,16 @@ def adds_residual(mod: nn.Module) -> Optional[str]:
     body = flat_body(fn)
     if not body or not params:
         return None
-    x = re.escape(params[0])
-    for st in body.split(";"):  # until the input's name is rebound
-        if re.search(rf"(?<![\w.]){x}\+(?!=)|\+{x}(?![\w.(\[])", st):
+    names = {params[0]}  # the names holding the input: the parameter, and aliases (residual = hidden_states)
+    for st in body.split(";"):
+        if any(re.search(rf"(?<![\w.]){re.escape(n)}\+|\+=?{re.escape(n)}(?![\w.(\[])", st) for n in names):
             return (f"{type(mod).__name__}.forward adds its input {params[0]!r} (the residual stream) to what it "
                     "returns")
-        if re.match(rf"{x}(:[^=]+)?=(?!=)", st):
-            return None
+        bound = re.match(r"(\w+)(?::[^=]+)?=(?!=)(.*)", st)
+        if bound is not None:
+            (names.add if bound[2] in names else names.discard)(bound[1])
+            if not names:
+                return None
     return None
 
 
