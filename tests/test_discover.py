@@ -461,3 +461,14 @@ def test_an_mlp_adding_its_aliased_input_is_not_the_contribution():
     assert r.paths == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
     torch.testing.assert_close(r["model.layers.0.mlp.down_proj"].activation,
                                _tensor_at(twin, ids, "model.layers.0.mlp.down_proj", "output").float())
+
+
+def test_a_layer_norm_of_another_width_takes_the_ln_rule():
+    """ELECTRA's embeddings and generator head normalise over embedding_size, not the hidden
+    size: left native, the head's scale invariance took all relevance (conservation delta
+    100 % of the target). They carry the LN-rule now, and the model conserves."""
+    m = _built("ElectraConfig", vocab_size=96, hidden_size=32, embedding_size=16, intermediate_size=48,
+               num_hidden_layers=2, num_attention_heads=4, is_decoder=True)
+    r = pyattr.relevance(m, _ids(), target=5, generic=True)
+    assert {"electra.embeddings.LayerNorm", "generator_predictions.LayerNorm"} <= set(r.coverage.by_kind["normalization"])
+    assert (r.conservation_delta.abs() <= 1e-6 * r.target.abs()).all(), (r.conservation_delta, r.target)

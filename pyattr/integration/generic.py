@@ -42,8 +42,9 @@ def plan_generic(model: nn.Module, rules: RelevanceRules) -> Planner:
     - attention: a module with q/k/v projections (``q_proj``/``k_proj``/``v_proj``,
       ``query``/``key``/``value`` or ``q_lin``/``k_lin``/``v_lin``); a fused q|k|v
       projection is reported, not guessed at;
-    - norms: ``nn.LayerNorm`` and ``*RMSNorm`` spanning the hidden size, and any other
-      norm-like class recognised by what it computes (:mod:`.structural`); never one
+    - norms: ``nn.LayerNorm`` (spanning the hidden size, or any width outside attention:
+      ELECTRA's embedding-size norms) and ``*RMSNorm`` spanning the hidden size, and any
+      other norm-like class recognised by what it computes (:mod:`.structural`); never one
       inside an attention module (q/k norms get the qk-norm treatment or stay native);
     - gated MLPs: a forward ``down(act(gate(x)) * up(x))`` under any attribute names;
     - activations: recognised kinds anywhere, and activation modules of unknown kind
@@ -105,7 +106,10 @@ def plan_generic(model: nn.Module, rules: RelevanceRules) -> Planner:
             cls = type(mod).__name__
             w = getattr(mod, "weight", None)
             spans = isinstance(w, torch.Tensor) and w.dim() == 1 and (hidden is None or w.shape[0] == hidden)
-            if plain_layer_norm(mod) and (hidden is None or mod.normalized_shape[0] == hidden):
+            # a plain LayerNorm of another width (ELECTRA's and ALBERT's embedding-size norms)
+            # takes the LN-rule too, unless an attention module holds it (a per-head q/k norm)
+            narrow = not any(type(modules[p]).__name__.find("Attention") >= 0 for p in _ancestors(name, modules))
+            if plain_layer_norm(mod) and (hidden is None or mod.normalized_shape[0] == hidden or narrow):
                 pl.norm(name, "layer_norm", 0.0)
             else:
                 # probed, whatever the class name says: an RMSNorm may compute x/r·(1 + w)
@@ -146,3 +150,8 @@ def plan_generic(model: nn.Module, rules: RelevanceRules) -> Planner:
                                "frozen (no attention rule)")
     pl.skip_lookalikes()
     return pl
+
+
+def _ancestors(name: str, modules) -> list:
+    parts = name.split(".")
+    return [p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in modules]
