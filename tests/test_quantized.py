@@ -419,3 +419,20 @@ def test_layer_called_with_a_keyword_input():
     with quantized_input_gradients(lin):
         (gx,) = torch.autograd.grad(lin(input=x).sum(), x)
     assert torch.equal(gx, torch.ones(3, 8) @ lin.weight.dequantize())
+
+
+def test_offloaded_quantized_model(int8, ids, fp_result):
+    """Under accelerate's offload the torchao weight sits on ``meta`` between calls: the
+    backward must use the weight the forward multiplied by, not read the layer's weight
+    again (it read the meta placeholder: relevance off by 1e25 with no error)."""
+    from accelerate import cpu_offload
+
+    m = copy.deepcopy(int8)
+    cpu_offload(m, execution_device=torch.device("cpu"))
+    assert m.model.layers[0].mlp.up_proj.weight.device.type == "meta"
+    t = fp_result.target_ids
+    for rules in (pyattr.RelevanceRules(), None):
+        torch.testing.assert_close(pyattr.relevance(m, ids, target=t, rules=rules).relevance,
+                                   pyattr.relevance(int8, ids, target=t, rules=rules).relevance)
+    lin = m.model.layers[0].mlp.up_proj
+    assert "_pyattr_quantized" not in lin.__dict__ and lin.__dict__["_old_forward"].__func__ is nn.Linear.forward

@@ -224,14 +224,20 @@ def quantized_linears(model: nn.Module) -> Dict[str, QuantizedLinear]:
     return {path: found[path] for path, _ in modules if path in found}
 
 
-def dequantized_weight(layer: QuantizedLinear) -> torch.Tensor:
+def dequantized_weight(layer: QuantizedLinear, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The weight a torchao layer's forward multiplies by, ``Tensor[out, in]`` in the
-    weight's nominal dtype (``weight.dequantize()``).
+    weight's nominal dtype (``weight.dequantize()``); ``weight``: the one a forward call
+    used (default: the layer's weight now; under accelerate's offload that is a ``meta``
+    placeholder between calls).
 
     Raises:
         UnsupportedQuantizationError: the weight cannot be dequantized on its device.
     """
-    w = layer.module.weight
+    w = layer.module.weight if weight is None else weight
+    if w.device.type == "meta":
+        raise UnsupportedQuantizationError(
+            f"{layer.path!r}: the torchao {type(w).__name__} weight is on the meta device (offloaded), so its "
+            "input gradient cannot be computed; run the model with its weights loaded")
     try:
         return w.dequantize()
     except Exception as e:  # any failure of the subclass: say which layer
@@ -250,8 +256,8 @@ class QuantizedLinearFunction(torch.autograd.Function):
     Forward: ``run(x)``, the layer's native forward, so the output is bit-identical.
     Backward: ``dx = dy · W`` computed in ``dy``'s dtype and returned in ``x``'s;
     ``db = Σ dy`` over every dimension but the last, when the bias requires grad. ``W``
-    is dequantized in the backward and dropped after it: nothing is saved but the
-    layer. Differentiable again (``create_graph``) and batched (``is_grads_batched``)."""
+    is dequantized in the backward and dropped after it: nothing is saved but a reference
+    to the quantized weight the forward used. Differentiable again (``create_graph``) and batched (``is_grads_batched``)."""
 
     @staticmethod
     def forward(ctx, x, bias, run: Callable, weight: Callable):
@@ -291,9 +297,6 @@ class _Patch:
 def _linear_forward(layer: QuantizedLinear, native: Callable) -> Callable:
     mod = layer.module
 
-    def weight():
-        return dequantized_weight(layer)
-
     def forward(*args, **kwargs):
         # nn.Linear.forward(input): positional or by name
         x = args[0] if len(args) == 1 and not kwargs else kwargs["input"] if not args and list(kwargs) == ["input"] \
@@ -303,7 +306,10 @@ def _linear_forward(layer: QuantizedLinear, native: Callable) -> Callable:
             x.requires_grad or (bias is not None and bias.requires_grad))
         if not needs:
             return native(*args, **kwargs)
-        return QuantizedLinearFunction.apply(x, bias, native, weight)
+        # the weight this call multiplies by (under accelerate's offload, the one loaded for
+        # the call: the layer holds a meta placeholder again by the time of the backward)
+        w = mod.weight
+        return QuantizedLinearFunction.apply(x, bias, native, lambda: dequantized_weight(layer, w))
 
     return forward
 
