@@ -472,3 +472,14 @@ def test_a_layer_norm_of_another_width_takes_the_ln_rule():
     r = pyattr.relevance(m, _ids(), target=5, generic=True)
     assert {"electra.embeddings.LayerNorm", "generator_predictions.LayerNorm"} <= set(r.coverage.by_kind["normalization"])
     assert (r.conservation_delta.abs() <= 1e-6 * r.target.abs()).all(), (r.conservation_delta, r.target)
+
+
+def test_an_input_an_inplace_activation_edits_is_refused():
+    """A layer read at its input, where the module itself edits that tensor in place
+    (nn.ReLU(inplace=True)): the recorded input would be relu(x). Refused."""
+    _, twin = _twin("llama")
+    for layer in twin.model.layers:
+        layer.mlp.act_fn = torch.nn.ReLU(inplace=True)
+    with pytest.raises(ValueError, match=r"layers: 'model\.layers\.0\.mlp\.act_fn': its input was changed in place"):
+        pyattr.layer_relevance(twin, _ids(), "model.layers.0.mlp.act_fn", target=5, rules=pyattr.RelevanceRules(),
+                               attribute_to_layer_input=True)

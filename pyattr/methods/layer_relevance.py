@@ -366,9 +366,10 @@ def _layer_pass(model, prep, lays, tgts, several, rules, generic, baseline, grad
                 )
             if c[0]._version != v:
                 raise ValueError(
-                    f"layers: {lay.path!r}: its {lay.where} was changed in place later in the forward pass (the "
-                    "calling code edits that tensor, e.g. `out += other`), so the recorded activation would not be "
-                    f"the module's {lay.where}; pick another layer (pyattr.capture records a copy of every call)"
+                    f"layers: {lay.path!r}: its {lay.where} was changed in place later in the forward pass (code "
+                    "after the hook edits that tensor: `out += other`, an inplace activation), so the recorded "
+                    f"activation would not be the module's {lay.where}; pick another layer (pyattr.capture records a "
+                    "copy of every call)"
                 )
         value, tid, fixed = evaluate_targets(tgts, fwd, several)
         go = check_grad_outputs(grad_outputs, value)

@@ -142,9 +142,9 @@ def _check_recorded(sites: List[Site], store: List[torch.Tensor], versions: List
                 f"so the {s.node!r} node cannot be patched per position")
         if t._version != v:
             raise ValueError(
-                f"nodes: {s.path!r}: its {s.where} was changed in place later in the forward pass (the calling code "
-                "edits that tensor, e.g. `out += other`), so the recorded activation would not be the module's "
-                f"{s.where}; the {s.node!r} node cannot be read there")
+                f"nodes: {s.path!r}: its {s.where} was changed in place later in the forward pass (code after the "
+                "hook edits that tensor: `out += other`, an inplace activation), so the recorded activation would "
+                f"not be the module's {s.where}; the {s.node!r} node cannot be read there")
 
 
 def recording_forward(model, prep: core.Prepared, tgts, sites: List[Site], grad: bool, metric: str = "required"):
