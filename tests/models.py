@@ -1,6 +1,7 @@
 """Tiny random-initialised Hugging Face models (2 layers) for rule-scope tests."""
 
 import functools
+from typing import Optional
 
 import torch
 
@@ -186,3 +187,20 @@ class WordIdTokenizer:
 
     def convert_ids_to_tokens(self, ids):
         return [str(i) for i in ids]
+
+
+UNMAPPED_COMMON = dict(vocab_size=VOCAB, num_hidden_layers=2, initializer_range=0.2, hidden_size=32,
+                       intermediate_size=48, num_attention_heads=4, num_key_value_heads=2)
+
+
+def tiny_unmapped(config: str, dtype=torch.float64, attn: Optional[str] = "eager", **extra):
+    """A tiny random causal LM of a transformers architecture the table does not map
+    (``config``: the config class's name, e.g. ``"CohereConfig"``), seed 0; ``extra``
+    overrides the shared sizes. ``attn=None`` keeps transformers' default attention."""
+    import transformers as T
+
+    cfg = getattr(T, config)(**{**UNMAPPED_COMMON, **extra})
+    if attn is not None:
+        cfg._attn_implementation = attn
+    torch.manual_seed(0)
+    return T.AutoModelForCausalLM.from_config(cfg).to(dtype).eval()

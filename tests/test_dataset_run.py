@@ -333,15 +333,10 @@ def test_an_architecture_without_a_rule_map_is_one_error_or_runs_generic(tmp_pat
     """Reported: every row was stored with RelevanceRuleUnsupportedError (and never retried)
     and `--generic` did not exist. Now the run refuses before OUT exists, naming --generic;
     with it the rows are the generic relevance."""
-    import transformers as T
-
-    from models import minilm
+    from models import minilm, tiny_unmapped
 
     tok, _ = minilm()
-    cfg = T.CohereConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_attention_heads=4,
-                         num_key_value_heads=2, num_hidden_layers=2, initializer_range=0.2, pad_token_id=0)
-    torch.manual_seed(0)
-    model = T.AutoModelForCausalLM.from_config(cfg).eval()
+    model = tiny_unmapped("CohereConfig", torch.float32, attn=None, vocab_size=len(tok), pad_token_id=0)
     d = tmp_path / "cohere"
     model.save_pretrained(d)
     tok.save_pretrained(d)

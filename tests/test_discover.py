@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import pyattr
+from models import UNMAPPED_COMMON
 import pyattr.architectures as A
 from pyattr.patching import activation_patching, attribution_patching
 from test_architecture_table import _model
@@ -155,17 +156,10 @@ def test_without_generic_the_twin_is_refused():
 
 # --------------------------------------------------------------------------- (c) unmapped architectures
 
-COMMON = dict(vocab_size=96, num_hidden_layers=2, initializer_range=0.2, hidden_size=32, intermediate_size=48,
-              num_attention_heads=4, num_key_value_heads=2)
-
-
 def _unmapped(name, dtype=torch.float64, **extra):
-    import transformers as T
+    from models import tiny_unmapped
 
-    cfg = getattr(T, name)(**{**COMMON, **extra})
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    m = T.AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
+    m = tiny_unmapped(name, dtype, **extra)
     assert A.model_type(m) not in A.ARCHITECTURES
     return m
 
@@ -384,7 +378,7 @@ def test_flattened_rows_are_refused_by_patching():
 def test_a_layer_norm_subclass_with_its_own_forward_is_probed():
     """Nemotron's LayerNorm1P is an nn.LayerNorm whose forward multiplies by (1 + w): the
     LN-rule must use 1 + w (probed), not w. Nemotron without biases conserves."""
-    m = _built("NemotronConfig", **{**COMMON, "num_key_value_heads": 2})
+    m = _built("NemotronConfig", **{**UNMAPPED_COMMON, "num_key_value_heads": 2})
     with torch.no_grad():
         for name, p in m.named_parameters():
             if "layernorm" in name or name.endswith("norm.weight"):

@@ -10,21 +10,15 @@ import pytest
 import torch
 
 import pyattr
+from models import UNMAPPED_COMMON
 from pyattr.architectures import ARCHITECTURES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-COMMON = dict(vocab_size=96, num_hidden_layers=2, initializer_range=0.2, hidden_size=32, intermediate_size=48,
-              num_attention_heads=4, num_key_value_heads=2)
-
-
 def _model(name, dtype=torch.float64, **extra):
-    import transformers as T
+    from models import tiny_unmapped
 
-    cfg = getattr(T, name)(**{**COMMON, **extra})
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    return T.AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
+    return tiny_unmapped(name, dtype, **extra)
 
 
 UNMAPPED = ["CohereConfig", "OlmoConfig", "ArceeConfig", "GraniteConfig", "Olmo3Config"]
@@ -140,7 +134,7 @@ def test_reported_reasons_are_true():
     import transformers as T
 
     torch.manual_seed(0)
-    cfg = T.OlmoeConfig(**{**COMMON, "intermediate_size": 24}, num_experts=4, num_experts_per_tok=2, **base)
+    cfg = T.OlmoeConfig(**{**UNMAPPED_COMMON, "intermediate_size": 24}, num_experts=4, num_experts_per_tok=2, **base)
     olmoe = T.AutoModelForCausalLM.from_config(cfg).eval()
     with pyattr.use_relevance_rules(olmoe, generic=True) as cov:
         assert cov.reasons["model.layers.0.mlp"].startswith("generic: mixture-of-experts block (router and experts) not covered")

@@ -105,17 +105,12 @@ def test_errors_are_one_line_with_status_2(args, message):
 def test_unmapped_architecture_is_refused_naming_generic_or_runs_with_it(tmp_path):
     """`pyattr patch --model DIR` of an architecture without a table entry is one line naming
     --generic; with --generic the effects are the API's attribution_patching(generic=True)."""
-    import transformers as T
-
     import pyattr.patching as P
     import pyattr.targets as targets
-    from models import minilm
+    from models import minilm, tiny_unmapped
 
     tok, _ = minilm()
-    cfg = T.CohereConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_attention_heads=4,
-                         num_key_value_heads=2, num_hidden_layers=2, initializer_range=0.2, pad_token_id=0)
-    torch.manual_seed(0)
-    model = T.AutoModelForCausalLM.from_config(cfg).eval()
+    model = tiny_unmapped("CohereConfig", torch.float32, attn=None, vocab_size=len(tok), pad_token_id=0)
     d = tmp_path / "cohere"
     model.save_pretrained(d)
     tok.save_pretrained(d)

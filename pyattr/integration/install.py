@@ -24,7 +24,7 @@ from torch import nn
 from pyattr.integration.errors import RelevanceRuleConflictError
 
 _STATE = "_pyattr_rules"
-_MISSING = object()
+MISSING = object()  # an instance attribute that was absent
 
 
 def forward_slot(module: nn.Module) -> str:
@@ -46,7 +46,7 @@ class RuleState:
         self.counts: Dict[str, int] = {}
         self.values: Dict[str, object] = {}
         self.slot = forward_slot(module)
-        self.saved_forward = module.__dict__.get(self.slot, _MISSING)
+        self.saved_forward = module.__dict__.get(self.slot, MISSING)
         self.native: Callable = getattr(module, self.slot)
         self.hook = None
         self.patched: Optional[Callable] = None
@@ -174,14 +174,19 @@ def _unpatch(module: nn.Module, state: RuleState) -> None:
     """Give ``module`` back its own forward and drop the output check and the state."""
     if state.hook is not None:
         state.hook.remove()
-    slot = _where_patched(module, state)
-    if state.saved_forward is not _MISSING:
-        module.__dict__[slot] = state.saved_forward
+    restore_forward(module, _where_patched(module, state), state.saved_forward)
+    module.__dict__.pop(_STATE, None)
+
+
+def restore_forward(module: nn.Module, slot: str, saved) -> None:
+    """Put back what ``slot`` of the instance held before a patch: ``saved`` (``MISSING``
+    when the instance had none there, so the class's forward shows again)."""
+    if saved is not MISSING:
+        module.__dict__[slot] = saved
     elif slot == "_old_forward":  # the class's forward, where accelerate's wrapper calls it
         module.__dict__[slot] = types.MethodType(type(module).forward, module)
     else:
         module.__dict__.pop(slot, None)
-    module.__dict__.pop(_STATE, None)
 
 
 def has_hooks(module: nn.Module) -> bool:
@@ -244,7 +249,7 @@ def recomputing(modules: List[nn.Module], snap: list):
         st = state_of(m)
         if st is None:
             continue
-        suspended.append((m, st, m.__dict__.get(st.slot, _MISSING)))
+        suspended.append((m, st, m.__dict__.get(st.slot, MISSING)))
         _unpatch(m, st)
     held = []
     _local.recomputing = getattr(_local, "recomputing", 0) + 1
@@ -260,7 +265,7 @@ def recomputing(modules: List[nn.Module], snap: list):
             release(m, kind)
         for m, st, fwd in reversed(suspended):
             m.__dict__[_STATE] = st
-            if fwd is _MISSING:
+            if fwd is MISSING:
                 m.__dict__.pop(st.slot, None)
             else:
                 m.__dict__[st.slot] = fwd

@@ -33,7 +33,6 @@ the conservation delta instead of in relevance.
 from __future__ import annotations
 
 import contextlib
-import types
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, Optional
 
@@ -41,13 +40,12 @@ import torch
 from torch import nn
 
 from pyattr.integration.errors import RelevanceRuleConflictError, RelevanceRuleUnsupportedError
-from pyattr.integration.install import forward_slot, state_of
+from pyattr.integration.install import MISSING, forward_slot, restore_forward, state_of
 
 #: ``quantization_config.quant_method`` values whose layers pyattr handles
 SUPPORTED_METHODS = ("torchao", "bitsandbytes")
 
 _MARK = "_pyattr_quantized"
-_MISSING = object()
 
 
 class UnsupportedQuantizationError(RelevanceRuleUnsupportedError, NotImplementedError):
@@ -340,7 +338,7 @@ def quantized_input_gradients(model: nn.Module) -> Iterator[Dict[str, QuantizedL
             else:
                 slot = forward_slot(mod)
                 fwd = _linear_forward(layer, getattr(mod, slot))
-                rec = _Patch(slot, mod.__dict__.get(slot, _MISSING), fwd)
+                rec = _Patch(slot, mod.__dict__.get(slot, MISSING), fwd)
                 mod.__dict__[slot] = fwd
                 mod.__dict__[_MARK] = rec
             done.append(mod)
@@ -359,10 +357,5 @@ def _release(mod: nn.Module) -> None:
         return
     # accelerate may have moved the forward between ``forward`` and ``_old_forward``
     slot = next((s for s in (rec.slot, "_old_forward", "forward") if mod.__dict__.get(s) is rec.patched), rec.slot)
-    if rec.saved is not _MISSING:
-        mod.__dict__[slot] = rec.saved
-    elif slot == "_old_forward":  # the class's forward, where accelerate's wrapper calls it
-        mod.__dict__[slot] = types.MethodType(type(mod).forward, mod)
-    else:
-        mod.__dict__.pop(slot, None)
+    restore_forward(mod, slot, rec.saved)
     mod.__dict__.pop(_MARK, None)
