@@ -13,7 +13,7 @@ def prompt_ids(tokenizer, text: str) -> List[int]:
     ``</s>``). After such a marker the model would predict what follows the end of a text,
     not the prompt's next word. One id is always kept."""
     ids = list(tokenizer(text)["input_ids"])
-    end = {tokenizer.sep_token_id, tokenizer.eos_token_id} - {None}
+    end = {getattr(tokenizer, "sep_token_id", None), getattr(tokenizer, "eos_token_id", None)} - {None}
     while len(ids) > 1 and ids[-1] in end:
         ids.pop()
     return ids
@@ -41,10 +41,10 @@ def target_token_id(tokenizer, target: Union[str, int], vocab_size: int) -> Unio
             if len(ids) != 1:
                 return f"target token {target!r} is not in the vocabulary (it splits into {len(ids)} tokens, not one)"
             tid = int(ids[0])
-            unk = tokenizer.unk_token_id
+            unk = getattr(tokenizer, "unk_token_id", None)
             if unk is not None and tid == unk:
                 return (f"target token {target!r} is not in the vocabulary (the tokenizer maps it to its unknown "
-                        f"token {tokenizer.unk_token!r})")
+                        f"token {getattr(tokenizer, 'unk_token', None)!r})")
     if not 0 <= tid < vocab_size:
         return f"target token {target!r} has id {tid}, outside the model's {vocab_size} output logits"
     return tid
