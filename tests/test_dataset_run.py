@@ -143,7 +143,7 @@ def test_cli_errors_and_another_configuration(lm, tmp_path):
     r = run_cli("run", "--model", d, "--data", tmp_path / "nope.jsonl", "--out", tmp_path / "o")
     assert r.returncode == 2 and "--data: " in r.stderr and "is not a file" in r.stderr
     r = run_cli("run", "--model", d, "--data", data, "--out", tmp_path / "o")
-    assert r.returncode == 0 and "rank 0: 2 prompts stored (0 with an error), 0 already stored, 1 shards" in r.stdout
+    assert r.returncode == 0 and r.stdout.startswith("2 prompts stored (0 with an error), 0 already stored, 1 shard, ")
     r = run_cli("run", "--model", d, "--data", data, "--out", tmp_path / "o", "--rules", "none")
     assert r.returncode == 2 and "holds a run with another rules" in r.stderr
     r = run_cli("run", "--model", d, "--data", data, "--out", tmp_path / "o")

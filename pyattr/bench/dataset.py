@@ -45,7 +45,7 @@ SIZES = {
                   num_key_value_heads=8, prompts=32, lo=64, hi=256, dtype="float32"),
 }
 CONFIGS = ("1 process", "1 process, checkpointing", "2 processes")
-_RANK_LINE = re.compile(r"rank (\d+): (\d+) prompts stored .* ([0-9.]+) s -> ")
+_RANK_LINE = re.compile(r"(?:rank (\d+): )?(\d+) prompts stored .* ([0-9.]+) s -> ")  # no rank: one process
 
 
 def prepare(workdir: Path, size: Dict, seed: int = 0):
@@ -113,7 +113,7 @@ def run_config(config: str, model_dir: Path, data: Path, out: Path, size: Dict, 
     wall = time.perf_counter() - t0
     if code != 0:
         raise RuntimeError(f"{config}: `{' '.join(cmd)}` exited with {code}:\n{log[-2000:]}")
-    ranks = {int(m.group(1)): (int(m.group(2)), float(m.group(3))) for m in _RANK_LINE.finditer(log)}
+    ranks = {int(m.group(1) or 0): (int(m.group(2)), float(m.group(3))) for m in _RANK_LINE.finditer(log)}
     import pandas as pd
 
     df = pd.read_parquet(out)

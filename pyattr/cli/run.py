@@ -172,7 +172,8 @@ def run(args) -> int:
     finally:
         if world > 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    rank = int(os.environ.get("RANK", "0"))
-    print(f"rank {rank}: {summary.stored} prompts stored ({summary.failed} with an error), "
-          f"{summary.skipped} already stored, {len(summary.shards)} shards, {summary.seconds:.1f} s -> {out}")
+    who = f"rank {int(os.environ.get('RANK', '0'))}: " if world > 1 else ""  # one line per process under torchrun
+    shards = len(summary.shards)
+    print(f"{who}{summary.stored} prompts stored ({summary.failed} with an error), {summary.skipped} already "
+          f"stored, {shards} shard{'' if shards == 1 else 's'}, {summary.seconds:.1f} s -> {out}")
     return 0
