@@ -133,7 +133,7 @@ def plot(rows: List[Dict], path) -> None:
 
 
 def markdown(rows: List[Dict], contention=None) -> str:
-    from pyattr.bench.report import conditions
+    from pyattr.bench.report import with_conditions
 
     lines = [f"ABPC (AUC(LeRF) − AUC(MoRF), zeroed input embeddings, {STEPS} steps; larger is better) and time "
              "per method, one call over the batch", ""]
@@ -141,6 +141,4 @@ def markdown(rows: List[Dict], contention=None) -> str:
     for r in rows:
         lines.append(f"| {r['model']} ({r['rows']} rows) | {r['method']} | {r['abpc']:+.4f} ± {r['abpc_sem']:.4f} | "
                      f"{r['ms']:.1f} | {r['time_ratio_to_ig']:.3f} |")
-    if contention is not None:
-        lines += ["", conditions(contention)]
-    return "\n".join(lines) + "\n"
+    return with_conditions(lines, contention)

@@ -110,7 +110,7 @@ def run_all(quick: bool = False) -> List[Dict]:
 
 
 def markdown(rows: List[Dict], contention=None) -> str:
-    from pyattr.bench.report import conditions
+    from pyattr.bench.report import with_conditions
 
     lines = [f"Explaining every generated token: {rows[0]['model']}, {rows[0]['prompt']}-token prompt, CPU", "",
              "| generated | method | time (s) | / loop (a) | / inseq (b) | peak RSS (MB) | peak over model (MB) | k |",
@@ -121,9 +121,7 @@ def markdown(rows: List[Dict], contention=None) -> str:
         lines.append(f"| {r['steps']} | {names[r['variant']]} | {r['seconds']:.2f} | {r['time_over_loop']:.2f} | "
                      f"{r['time_over_inseq']:.2f} | {r['peak_rss_bytes'] / 2**20:.0f} | "
                      f"{r['peak_extra_bytes'] / 2**20:.0f} | {r['batch_targets'] or ''} |")
-    if contention is not None:
-        lines += ["", conditions(contention)]
-    return "\n".join(lines) + "\n"
+    return with_conditions(lines, contention)
 
 
 def _main(argv=None):

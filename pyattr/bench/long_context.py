@@ -82,7 +82,7 @@ def run_all(quick: bool = False) -> List[Dict]:
 
 
 def markdown(rows: List[Dict], contention=None) -> str:
-    from pyattr.bench.report import conditions
+    from pyattr.bench.report import with_conditions
 
     lines = [f"Peak memory of explaining {rows[0]['generated']} generated tokens after a long prompt: "
              f"{rows[0]['model']}, CPU", "",
@@ -93,9 +93,7 @@ def markdown(rows: List[Dict], contention=None) -> str:
     for r in rows:
         lines.append(f"| {r['context']} | {names[r['variant']]} | {r['seconds']:.1f} | {r['peak_rss_bytes'] / 2**20:.0f} "
                      f"| {r['peak_extra_bytes'] / 2**20:.0f} | {r['bytes_per_1k'] / 2**20:.0f} |")
-    if contention is not None:
-        lines += ["", conditions(contention)]
-    return "\n".join(lines) + "\n"
+    return with_conditions(lines, contention)
 
 
 def _main(argv=None):

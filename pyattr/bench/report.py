@@ -213,6 +213,14 @@ def _validate_contention(c) -> None:
         raise ValueError("benchmark JSON: contention 'oversubscribed', 'reasons' and 'warning' disagree")
 
 
+def with_conditions(lines, contention) -> str:
+    """A markdown table's lines, then the run's CPU conditions when they were measured, as
+    one text."""
+    if contention is not None:
+        lines = [*lines, "", conditions(contention)]
+    return "\n".join(lines) + "\n"
+
+
 def conditions(contention) -> str:
     """Markdown lines on the CPU conditions: a warning first when they ruin the timings."""
     if contention is None:
