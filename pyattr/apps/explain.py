@@ -254,21 +254,11 @@ def _check_text(name: str, text: Optional[str]) -> str:
 
 
 def _max_positions(model) -> Optional[int]:
-    """The longest input the model's position embeddings allow, if the config says: none
-    for dynamic-NTK RoPE (its frequencies are rescaled beyond ``max_position_embeddings``,
-    which is what it is for); ``padding_idx + 1`` fewer for the RoBERTa family, whose
-    positions start there."""
-    import pyattr.methods._core.positions as P
+    """The longest input the model reads (:func:`pyattr.methods._core.max_positions`, the
+    one definition every method checks against)."""
+    import pyattr.methods._core as core
 
-    if any("dynamic" in kind for kind, _ in P.batch_features(model)):
-        return None
-    cfg = getattr(model, "config", None)
-    for key in ("max_position_embeddings", "n_positions"):
-        v = getattr(cfg, key, None)
-        if isinstance(v, int) and v > 0:
-            kind, pad = P.convention(model)
-            return v - pad - 1 if kind == "padding_idx" else v
-    return None
+    return core.max_positions(model)
 
 
 def _check_tokens(name: str, n_tokens: int, model, tok) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pyattr._repr import summary_repr
 
+import copy
 import operator
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 import pyattr.methods._core as core
+import pyattr.methods._core.positions as P
 import pyattr.targets as T
 from pyattr.config import RelevanceRules
 from pyattr.integration.wrappers import unwrap
@@ -51,8 +53,10 @@ class GenerationRelevanceResult:
             the step does not exist).
         conservation_delta (Tensor[batch, generated], float64): target (or its change from
             the baseline) minus the row's relevance sum.
-        step_mask (BoolTensor[batch, generated]): steps that exist: up to and including a
-            row's first end-of-sequence token (generation), or the row's continuation length.
+        step_mask (BoolTensor[batch, generated]): steps that exist: up to and including the
+            step at which ``generate``'s own stopping criteria finished the row (an
+            end-of-sequence id, ``stop_strings``, a custom ``StoppingCriteria``, max time:
+            observed, not re-derived), or the row's continuation length.
         target_kind (str): ``"logit"``, ``"logprob"`` or ``"prob"``; ``contrast`` (bool).
         batch_targets (int): steps per batched backward.
         backend (str): the backend that ran the rule backwards.
@@ -207,9 +211,10 @@ def _as_batch(inputs, attention_mask) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def _eos_ids(model, generate_kwargs: Optional[dict] = None) -> List[int]:
-    """The end-of-sequence ids generation stops at: the caller's ``generate_kwargs`` first,
-    then the model's generation config, then its config."""
-    gc = getattr(model, "generation_config", None)
+    """An end-of-sequence id to pad finished rows with, where the caller names no pad: the
+    caller's ``generate_kwargs`` first, then the generation config, then the config. Only a
+    pad choice: which steps exist is observed (:class:`_StopRecord`), never read from it."""
+    gc = (generate_kwargs or {}).get("generation_config") or getattr(model, "generation_config", None)
     eos = (generate_kwargs or {}).get("eos_token_id", getattr(gc, "eos_token_id", None))
     if eos is None:
         eos = getattr(getattr(model, "config", None), "eos_token_id", None)
@@ -218,25 +223,95 @@ def _eos_ids(model, generate_kwargs: Optional[dict] = None) -> List[int]:
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
+class _StopRecord:
+    """What ``generate``'s own stopping criteria decided, step by step.
+
+    transformers builds one ``StoppingCriteriaList`` per call (``_get_stopping_criteria``:
+    max length, max time, the end-of-sequence ids of the generation config in force,
+    ``stop_strings``, the caller's ``stopping_criteria``) and calls it once after each
+    step on the sequences so far; a row it marks done is finished, and what the row gets
+    afterwards (pad tokens, or free tokens where no end-of-sequence criterion exists) is
+    filler. The record wraps that list for one call, so the steps kept are the ones
+    ``generate`` itself counted, whatever stopped it; pyattr never re-derives the stop
+    from the ids (issue 31: ``stop_strings``, custom criteria and a passed
+    ``GenerationConfig`` were explained as generated steps)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.done: List[torch.Tensor] = []
+
+    def __enter__(self):
+        from transformers import StoppingCriteriaList
+
+        build = getattr(type(self.model), "_get_stopping_criteria", None)
+        if not callable(build):
+            raise ValueError(
+                f"model: cannot observe where {type(self.model).__name__}.generate stops (its generation has no "
+                "transformers _get_stopping_criteria); pass continuation= with the generated tokens instead")
+        record = self.done
+
+        class Recorded(StoppingCriteriaList):
+            def __call__(self, input_ids, scores, **kwargs):
+                done = super().__call__(input_ids, scores, **kwargs)
+                record.append(torch.as_tensor(done).detach().to("cpu", torch.bool).reshape(-1).clone())
+                return done
+
+        def wrapped(*args, **kwargs):
+            return Recorded(build(self.model, *args, **kwargs))
+
+        self.had = "_get_stopping_criteria" in vars(self.model)
+        self.saved = vars(self.model).get("_get_stopping_criteria")
+        self.model._get_stopping_criteria = wrapped
+        return self
+
+    def __exit__(self, *exc):
+        if self.had:
+            self.model._get_stopping_criteria = self.saved
+        else:
+            del self.model._get_stopping_criteria
+        return False
+
+    def steps(self, batch: int, generated: int) -> torch.Tensor:
+        """BoolTensor[batch, generated]: step ``t`` exists where no earlier step finished the row."""
+        if generated and len(self.done) < generated:
+            raise ValueError(
+                f"model: {type(self.model).__name__}.generate produced {generated} steps but its stopping criteria "
+                f"were consulted {len(self.done)} times, so where each row stopped cannot be observed; pass "
+                "continuation= with the generated tokens instead")
+        steps = torch.ones(batch, generated, dtype=torch.bool)
+        if generated > 1:
+            done = torch.stack(self.done[: generated - 1], 1)  # (batch, generated - 1): done after step t
+            if done.shape[0] != batch:
+                raise ValueError(f"model: generate's stopping criteria saw {done.shape[0]} rows, the prompt has {batch}")
+            steps[:, 1:] = ~done.cumsum(1).bool()
+        return steps
+
+
 def _generate(model, ids, mask, max_new_tokens: int, generate_kwargs: Optional[dict]):
-    kw = {"max_new_tokens": max_new_tokens, "do_sample": False, **(generate_kwargs or {})}
-    if kw.get("num_return_sequences", 1) != 1 or kw.get("num_beams", 1) != 1:
+    kw = dict(generate_kwargs or {})
+    gc = kw.get("generation_config")
+    if gc is not None:  # the caller's config decides all but the length, which is ours
+        gc = copy.deepcopy(gc)
+        gc.max_new_tokens, gc.max_length = max_new_tokens, None
+        kw["generation_config"] = gc
+    else:
+        kw = {"max_new_tokens": max_new_tokens, "do_sample": False, **kw}
+    def setting(name):
+        v = kw.get(name, getattr(gc, name, None))
+        return 1 if v is None else v
+
+    if setting("num_return_sequences") != 1 or setting("num_beams") != 1:
         raise ValueError("generate_kwargs: one sequence per prompt (num_beams 1, num_return_sequences 1)")
-    if "pad_token_id" not in kw:
+    if "pad_token_id" not in kw and getattr(gc, "pad_token_id", None) is None:
+        # any id pads: the steps kept are the ones generate reports finished or not (_StopRecord)
         pad = getattr(model.config, "pad_token_id", None)
         eos = _eos_ids(model, generate_kwargs)
         kw["pad_token_id"] = pad if pad is not None else (eos[0] if eos else 0)
-    with torch.no_grad():
+    with torch.no_grad(), _StopRecord(model) as record:
         out = model.generate(input_ids=ids, attention_mask=mask, **kw)
     out = out.sequences if hasattr(out, "sequences") else out
     gen = out[:, ids.shape[1]:]
-    steps = torch.ones_like(gen, dtype=torch.bool)
-    eos = _eos_ids(model, generate_kwargs)
-    if eos and gen.shape[1]:
-        is_eos = torch.isin(gen, torch.tensor(eos, device=gen.device))
-        after = (is_eos.long().cumsum(1) - is_eos.long()) > 0  # strictly after the first EOS
-        steps = ~after
-    return gen, steps
+    return gen, record.steps(gen.shape[0], gen.shape[1]).to(gen.device)
 
 
 def _continuation(continuation, batch: int, device, pad: int):
@@ -345,7 +420,9 @@ def generation_relevance(
             (prompt and generated tokens): (batch, seq, hidden) or (seq, hidden).
         attention_mask (Tensor[batch, seq], optional): the prompt's mask, with ids.
         batch_targets (int, optional): steps per batched backward (default: as many as fit
-            2 GiB, :func:`default_batch_targets`).
+            2 GiB, :func:`default_batch_targets`). On a model whose forward depends on the
+            length it runs at (dynamic-NTK RoPE, LongRoPE) every step runs at its own length
+            and this is 1 whatever is asked: a longer cut would change the earlier values.
 
     Returns:
         GenerationRelevanceResult. Row ``t`` equals :func:`pyattr.relevance` on the
@@ -355,8 +432,10 @@ def generation_relevance(
         ValueError / TypeError: neither or both of ``max_new_tokens`` and ``continuation``;
             a model that cannot generate (not a causal LM); a right-padded prompt; an
             unknown ``target``; ``contrast`` or ``continuation`` of the wrong shape; bad
-            ``batch_targets``; prompt ids outside the vocabulary; a non-finite model output
-            at a step; everything :func:`pyattr.relevance` refuses.
+            ``batch_targets``; prompt ids outside the vocabulary; a prompt (plus
+            ``max_new_tokens``, or plus the continuation) longer than the model's position
+            table; a generation whose stopping criteria cannot be observed; a non-finite
+            model output at a step; everything :func:`pyattr.relevance` refuses.
     """
     model = unwrap(model)
     if target not in TARGETS:
@@ -376,12 +455,20 @@ def generation_relevance(
     ids = ids.to(input_device(model))
     mask = mask.to(ids.device)
     batch, width = ids.shape
+    prompt_lengths = mask.sum(1).tolist()
+    core.check_length(model, prompt_lengths)
     if continuation is None:
         max_new_tokens = core.check_count("max_new_tokens", max_new_tokens, allow_none=False)
+        # refused before generating: generate would carry the rows past the position table
+        core.check_length(model, [n + max_new_tokens for n in prompt_lengths], "inputs",
+                          f"prompt + max_new_tokens={max_new_tokens}")
         gen, steps = _generate(model, ids, mask, max_new_tokens, generate_kwargs)
     else:
         pad = getattr(model.config, "pad_token_id", None)
         gen, steps = _continuation(continuation, batch, ids.device, 0 if pad is None else int(pad))
+        core.check_token_ids(model, gen, "continuation")
+        core.check_length(model, [n + int(c) for n, c in zip(prompt_lengths, steps.sum(1).tolist())], "inputs",
+                          "prompt + continuation")
     generated = gen.shape[1]
     if generated == 0:
         raise ValueError("nothing to explain: the continuation is empty (or generation stopped at once)")
@@ -389,7 +476,13 @@ def generation_relevance(
     seqs = torch.cat([ids, gen], 1)
     full_mask = torch.cat([mask, torch.ones_like(gen)], 1)
     seq = seqs.shape[1]
-    k = batch_targets or default_batch_targets(model, batch, seq, generated)
+    if P.depends_on_batch(model):
+        # the forward depends on the length it runs at (dynamic-NTK, LongRoPE): a cut
+        # after a later step would change every earlier value, so each step runs at its
+        # own length, as the per-step loop does (issue 31)
+        k = 1
+    else:
+        k = batch_targets or default_batch_targets(model, batch, seq, generated)
     rel = torch.zeros(batch, generated, seq, dtype=torch.float32)
     value = torch.full((batch, generated), float("nan"), dtype=torch.float64)
     delta = torch.full((batch, generated), float("nan"), dtype=torch.float64)

@@ -294,6 +294,7 @@ def prepare(model: nn.Module, inputs, attention_mask, caller: str, generic: bool
         kwargs["use_cache"] = False
     ids = kwargs["input_ids"]
     check_token_ids(model, ids)
+    check_length(model, row_lengths(kwargs))
     return Prepared(kwargs, ids, new_tokens(kwargs.get("attention_mask"), ids.shape[1]), entry, where)
 
 
@@ -310,6 +311,54 @@ def check_token_ids(model: nn.Module, ids: torch.Tensor, name: str = "inputs") -
     if bool(bad.any()):
         raise ValueError(f"{name}: token ids must be in [0, {rows}) (the input embedding's rows, config.vocab_size), "
                          f"got {sorted(set(ids[bad].tolist()))[:5]}")
+
+
+def max_positions(model: nn.Module) -> Optional[int]:
+    """The longest input (real tokens plus cached positions) the model's position
+    embeddings allow, from its config (``max_position_embeddings`` / ``n_positions``):
+    ``padding_idx + 1`` fewer for the RoBERTa family, whose positions start there; None
+    where the config names no limit, and for dynamic-NTK RoPE (its frequencies are
+    rescaled beyond ``max_position_embeddings``, which is what it is for)."""
+    if any("dynamic" in kind for kind, _ in P.batch_features(model)):
+        return None
+    cfg = getattr(model, "config", None)
+    for key in ("max_position_embeddings", "n_positions"):
+        v = getattr(cfg, key, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            kind, pad = P.convention(model)
+            return v - pad - 1 if kind == "padding_idx" else v
+    return None
+
+
+def row_lengths(kwargs: dict) -> list:
+    """Per row, the positions the model reads: its real tokens (the attention mask, which
+    may span a cache) plus the cached positions the mask does not cover."""
+    ids = kwargs["input_ids"]
+    mask = kwargs.get("attention_mask")
+    past = S.cache_length(kwargs)
+    if mask is None:
+        return [ids.shape[1] + past] * ids.shape[0]
+    m = torch.as_tensor(mask)
+    extra = past if m.shape[-1] == ids.shape[1] else 0  # a mask over the cache counts it already
+    return [int(n) + extra for n in m.reshape(m.shape[0], -1).to(torch.long).sum(1).tolist()]
+
+
+def check_length(model: nn.Module, lengths, name: str = "inputs", what: str = "") -> None:
+    """A ValueError naming the longest row and the model's limit (:func:`max_positions`)
+    when some row reads more positions than the model has (past it, GPT-2 and BERT fail
+    deep inside with an IndexError or a tensor-size error, and rotary models return
+    numbers for positions they were never trained on). ``what`` describes the count (e.g.
+    "prompt + max_new_tokens")."""
+    limit = max_positions(model)
+    lengths = list(lengths)
+    if limit is None or not lengths:
+        return
+    longest = max(lengths)
+    if longest > limit:
+        row = lengths.index(longest)
+        detail = f" ({what})" if what else ""
+        raise ValueError(f"{name}: row {row} is {longest} positions long{detail}; {type(model).__name__} reads at "
+                         f"most {limit} (config.max_position_embeddings / n_positions)")
 
 
 def input_device(model: nn.Module) -> torch.device:

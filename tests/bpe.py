@@ -1,0 +1,37 @@
+"""A byte-level BPE tokenizer (GPT-2's scheme: ``Ġ`` marks a leading space, ``Ċ`` a line
+break) trained here on a small word list, and a tiny random GPT-2 over its vocabulary:
+the tokenizer family whose joint tokenization differs from tokenizing pieces apart."""
+
+from __future__ import annotations
+
+import torch
+
+WORDS = "sun cat red tree dog owl fish bee ant ship sea sky the a is on and user assistant".split()
+
+
+def byte_bpe_tokenizer():
+    """A GPT-2-style fast tokenizer (``<|endoftext|>`` bos/eos/pad) trained on :data:`WORDS`
+    in sentences, lines and chat turns; deterministic (no randomness in BPE training)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    corpus = [" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))]
+    corpus += ["\n".join(WORDS), "user: the cat\nassistant: the dog", "the ship\nthe sea"]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tk.train_from_iterator(corpus * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>", unk_token=None)
+
+
+def tiny_gpt2(tok, seed: int = 0, positions: int = 64):
+    """A random 2-layer GPT-2 over ``tok``'s vocabulary (float32, eval mode)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=len(tok), n_positions=positions, n_embd=32, n_layer=2, n_head=4,
+                     bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return GPT2LMHeadModel(cfg).eval()
