@@ -16,7 +16,8 @@ a block):
   residual-stream norms (by class, kind and offset probed by what they compute);
 - outside the blocks: outer norms (an outer norm registered before the blocks is the
   embedding norm and the ``entry``; else the first block's input), head and pooler norms
-  and activations, the position-id convention.
+  and activations, the position-id convention (observed: the model's embeddings run on
+  probe ids holding a pad token, :func:`~pyattr.architectures.blocks.observed_positions`).
 
 Every role it cannot find is left None and declared in ``Arch.refusals`` with the reason
 (a fused q/k/v projection whose split cannot be read from the graph, an MoE block whose
@@ -47,6 +48,7 @@ from pyattr.architectures.blocks import (  # noqa: F401 - the finders, also read
     is_activation_like,
     is_norm_like,
     multiplies,
+    observed_positions,
     padding_idx_embeddings,
     plain_layer_norm,
     qkv_names,
@@ -160,7 +162,9 @@ def discover(model: nn.Module) -> Arch:
         refused["norm"] = f"no blocks: {why}" if layers is None else "no norm over the hidden size was found"
     else:
         found["norm"], found["offset"] = next(iter(kinds.values()))
-    found["positions"] = "padding_idx" if padding_idx_embeddings(model) is not None else "mask"
+    seen = observed_positions(model)
+    found["positions"] = seen[0] if seen is not None else (
+        "padding_idx" if padding_idx_embeddings(model) is not None else "mask")
     vision, why = _vision(model, base)
     if why:
         refused["vision"] = why

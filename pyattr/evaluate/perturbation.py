@@ -20,6 +20,7 @@ from torch import nn
 
 import pyattr.methods._core as core
 import pyattr.methods._core.groups as G
+import pyattr.methods._core.positions as P
 import pyattr.targets as T
 from pyattr.integration.wrappers import unwrap
 from pyattr.methods._core.forward import evaluate_targets, run_model
@@ -143,7 +144,8 @@ def perturbation_curve(model: nn.Module, inputs, relevance, target=None, *, orde
     Args:
         model (nn.Module): a Hugging Face model pyattr supports (as :func:`pyattr.relevance`).
         inputs: token ids (LongTensor[batch, seq]), a tokenizer output, or ``pixel_values``
-            (``"zero_embedding"`` / ``"mean_embedding"`` only), as :func:`pyattr.relevance`.
+            (``"zero_embedding"`` / ``"mean_embedding"`` only: an image has no token ids to
+            replace), as :func:`pyattr.relevance`.
         relevance (Tensor[batch, seq] | RelevanceResult | AttributionResult): the explanation
             to score, one value per token (``token_relevance`` / ``token_attribution``);
             padding is never perturbed.
@@ -156,9 +158,18 @@ def perturbation_curve(model: nn.Module, inputs, relevance, target=None, *, orde
         perturbation: ``"zero_embedding"`` (the perturbed positions' vectors are set to 0
             where the embeddings enter the first block, the point relevance is measured at;
             AttnLRP's choice), ``"pad"`` (the token id becomes ``token_id``, default
-            ``config.pad_token_id``; attention mask and positions unchanged), ``"mask"``
-            (the id becomes ``token_id``, required) or ``"mean_embedding"`` (the input
-            embedding becomes the mean row of the embedding matrix).
+            ``config.pad_token_id``), ``"mask"`` (the id becomes ``token_id``, required) or
+            ``"mean_embedding"`` (the input embedding module's output at a perturbed token
+            becomes the mean of what that module outputs over every id of its table, scale
+            included: Gemma's √hidden; for an image, a perturbed patch's patch embedding
+            becomes the mean patch embedding of that image, its position embedding still
+            added, and [CLS], which holds nothing of the image, is not ranked or perturbed).
+            Whatever the perturbation, the attention mask, the positions and the position
+            the model pools its output from stay those of the unperturbed input: a
+            sequence classifier that pools at the last token that is not the pad token
+            (Llama's, GPT-2's, … with ``pad_token_id`` = eos) reads, at every level, the
+            position it read on the unperturbed input (observed on that forward), not the
+            one replacing a token by the pad id would move it to.
         steps (int): levels after level 0; fractions are ``j / steps``. Default 20.
         batch_size (int, optional): perturbed copies per forward (default 64).
         token_id (int, optional): see ``perturbation``.
@@ -189,28 +200,89 @@ def perturbation_curve(model: nn.Module, inputs, relevance, target=None, *, orde
         raise ValueError("target: a perturbation curve scores one target per row, got k targets per row")
     real = (prep.attention_mask.bool() if prep.attention_mask is not None
             else torch.ones(batch, seq, dtype=torch.bool, device=ids.device))
+    if perturbation == "mean_embedding" and prep.patch_grid is not None:
+        real = real.clone()
+        real[:, 0] = False  # [CLS]: a learned vector, no patch of the image to replace
     levels = perturbed_masks(rel, real, order, steps)
     values = torch.empty(batch, steps + 1, dtype=torch.float64)
     with core.inference_state(model):
         store: dict = {}
-        with core.record_modules(model, T.module_paths(tgts), store):
+        with core.record_modules(model, T.module_paths(tgts), store), P.observe_pooling(model) as pooled:
             fwd = run_model(model, prep, tgts, store)
+        pooled.read(fwd.output)
         _, _, fixed = evaluate_targets(tgts, fwd, False)
+        mean = _vocabulary_mean(model) if perturbation == "mean_embedding" and prep.patch_grid is None else None
         groups = G.row_groups(model, prep) or [torch.arange(batch)]
         for rows in groups:
             pairs = torch.cartesian_prod(rows, torch.arange(steps + 1)).reshape(-1, 2)
             for chunk in pairs.split(batch_size):
                 r, lv = chunk[:, 0], chunk[:, 1]
+                keep = None if pooled.index is None else pooled.index[r.to(pooled.index.device)]
                 out = _perturbed_values(model, prep, fixed, r, levels[r.to(ids.device), lv.to(ids.device)],
-                                        perturbation, replace_id)
+                                        perturbation, replace_id, mean, (pooled.head, keep))
                 values[r, lv] = out.double().cpu()
     fractions = torch.arange(steps + 1, dtype=torch.float64) / steps
     return PerturbationCurve(fractions, values, area(values, fractions), order, perturbation)
 
 
+#: token ids per call of the input embedding module while averaging its output over the table
+_MEAN_CHUNK = 8192
+
+
+def _vocabulary_mean(model: nn.Module) -> torch.Tensor:
+    """The mean of what the input embedding module outputs over every id of its table
+    (float64, (hidden,)): the module itself run on the ids, in chunks, so that a scale it
+    applies (Gemma's √hidden) or any other transform of its weight is in the mean."""
+    emb = model.get_input_embeddings()
+    rows = getattr(emb, "num_embeddings", None)
+    if not isinstance(rows, int):
+        w = getattr(emb, "weight", None)
+        rows = int(w.shape[0]) if isinstance(w, torch.Tensor) and w.dim() == 2 else None
+    if not isinstance(rows, int):
+        rows = getattr(getattr(model, "config", None), "vocab_size", None)
+    if not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"perturbation='mean_embedding' averages the input embedding over its table, and "
+                         f"{type(emb).__name__} names no number of rows (num_embeddings, weight, config.vocab_size)")
+    p = next(iter(emb.parameters()), None)
+    device = p.device if p is not None and p.device.type != "meta" else torch.device("cpu")
+    total = None
+    for start in range(0, rows, _MEAN_CHUNK):
+        out = emb(torch.arange(start, min(start + _MEAN_CHUNK, rows), device=device)[None])
+        part = out.reshape(-1, out.shape[-1]).double().sum(0)
+        total = part if total is None else total + part
+    return total / rows
+
+
+def _patch_mean_tap(emb: nn.Module, mask: torch.Tensor, grid):
+    """The tap of ``"mean_embedding"`` on an image: each perturbed patch's patch embedding
+    (the output of the input embedding module, ``mask`` over [CLS] + the patches) becomes
+    the mean patch embedding of its image."""
+    rows, cols = grid
+    patches = mask[:, 1:]
+
+    def fn(t):
+        if t.dim() == 3 and t.shape[1] == rows * cols:                  # (batch, patches, hidden): ViT
+            m = patches[..., None]
+            mean = t.double().mean(1, keepdim=True).to(t.dtype)
+        elif t.dim() == 4 and tuple(t.shape[-2:]) == (rows, cols):      # (batch, hidden, rows, cols): CLIP's Conv2d
+            m = patches.reshape(-1, 1, rows, cols)
+            mean = t.double().mean((-2, -1), keepdim=True).to(t.dtype)
+        else:
+            raise ValueError(
+                f"perturbation='mean_embedding': the input embedding module {type(emb).__name__} returns shape "
+                f"{tuple(t.shape)}, not one vector per patch of the {rows}×{cols} grid, so the perturbed patches "
+                "cannot be found in it; use 'zero_embedding'")
+        return torch.where(m.to(t.device), mean, t)
+
+    return core.tap(emb, "output", fn, once=True)
+
+
 def _perturbed_values(model, prep, targets, rows: torch.Tensor, mask: torch.Tensor, perturbation: str,
-                      replace_id: Optional[int]) -> torch.Tensor:
-    """The targets of rows ``rows`` with the tokens of ``mask`` (len(rows), seq) perturbed."""
+                      replace_id: Optional[int], mean: Optional[torch.Tensor] = None,
+                      pooled=(None, None)) -> torch.Tensor:
+    """The targets of rows ``rows`` with the tokens of ``mask`` (len(rows), seq) perturbed
+    (``mean``: the vocabulary mean of ``"mean_embedding"`` on tokens; ``pooled``: the head
+    and, per row, the position the unperturbed forward pooled from, kept)."""
     batch = prep.input_ids.shape[0]
     sub = core.select_rows(prep, rows.to(prep.input_ids.device))
     tg = [t.rows(rows, batch) for t in targets]
@@ -220,12 +292,15 @@ def _perturbed_values(model, prep, targets, rows: torch.Tensor, mask: torch.Tens
         tap = _no_tap()
     elif perturbation == "zero_embedding":
         tap = core.tap(sub.entry, sub.where, lambda t: t.masked_fill(mask[..., None], 0.0), once=True)
+    elif sub.patch_grid is not None:  # mean_embedding on an image
+        tap = _patch_mean_tap(model.get_input_embeddings(), mask, sub.patch_grid)
     else:  # mean_embedding
-        emb = model.get_input_embeddings()
-        mean = emb.weight.mean(0)
-        tap = core.tap(emb, "output", lambda t: torch.where(mask[..., None], mean.to(t.dtype), t), once=True)
+        tap = core.tap(model.get_input_embeddings(), "output",
+                       lambda t: torch.where(mask[..., None], mean.to(device=t.device, dtype=t.dtype), t), once=True)
     store: dict = {}
-    with tap, core.record_modules(model, T.module_paths(tg), store):
+    # the pooled position is kept after the targets' recording hooks: a target reading the
+    # head itself reads what it computed
+    with tap, core.record_modules(model, T.module_paths(tg), store), P.keep_pooled(*pooled):
         fwd = run_model(model, sub, tg, store, kwargs)
     value, _, _ = evaluate_targets(tg, fwd, False)
     return value
