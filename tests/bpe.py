@@ -35,3 +35,20 @@ def tiny_gpt2(tok, seed: int = 0, positions: int = 64):
     cfg = GPT2Config(vocab_size=len(tok), n_positions=positions, n_embd=32, n_layer=2, n_head=4,
                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     return GPT2LMHeadModel(cfg).eval()
+
+
+def save_bpe_gpt2(path, eos_appended: bool = False, seed: int = 0, positions: int = 64):
+    """A model directory for the command line: :func:`tiny_gpt2` and its byte-level BPE
+    tokenizer; ``eos_appended``: the tokenizer appends ``<|endoftext|>`` to every text
+    (as tokenizers with ``add_eos_token`` do)."""
+    from tokenizers.processors import TemplateProcessing
+
+    tok = byte_bpe_tokenizer()
+    if eos_appended:
+        eos = tok.eos_token_id
+        tok._tokenizer.post_processor = TemplateProcessing(single="$A <|endoftext|>", pair="$A $B <|endoftext|>",
+                                                           special_tokens=[("<|endoftext|>", eos)])
+    model = tiny_gpt2(tok, seed=seed, positions=positions)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

@@ -122,9 +122,11 @@ def test_unmapped_architecture_is_refused_naming_generic_or_runs_with_it(tmp_pat
     r = run_cli(*args, "--generic", "--json", out)
     assert r.returncode == 0, r.stderr
     doc = json.loads(out.read_text())["methods"]["relp"]["effects"]
-    api = P.attribution_patching(model, dict(tok("the cat sat", return_tensors="pt")),
-                                 dict(tok("the dog sat", return_tensors="pt")), targets.Logit(),
-                                 nodes=("heads", "mlp"), generic=True)
+    # a causal model's metric is the next token after the text: its ids without the [SEP] the
+    # tokenizer appends (the next token after [SEP] is what follows the end of a text)
+    ids = {w: torch.tensor([tok(f"the {w} sat")["input_ids"][:-1]]) for w in ("cat", "dog")}
+    assert tok.convert_ids_to_tokens(tok("the cat sat")["input_ids"])[-1] == "[SEP]"
+    api = P.attribution_patching(model, ids["cat"], ids["dog"], targets.Logit(), nodes=("heads", "mlp"), generic=True)
     torch.testing.assert_close(torch.tensor(doc["heads"]), api["heads"][0], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(torch.tensor(doc["mlp"]), api["mlp"][0], atol=1e-6, rtol=1e-5)
 

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import List, Optional
 
 
-from pyattr.apps.tokens import prompt_ids
-from pyattr.apps.explain import ExplainError, _load
+from pyattr.apps.tokens import continuation_ids, prompt_ids
+from pyattr.apps.explain import ExplainError, _load, _max_positions
 from pyattr.apps.render import LEGEND_CSS, _display, _rgb, legend_html, num
 from pyattr.config import RelevanceRules
 
@@ -57,15 +57,29 @@ def run_generate(model_dir: Path, text: str, max_new_tokens: Optional[int], cont
     tok.padding_side = "left"
     import torch
 
-    ids = torch.tensor([prompt_ids(tok, text)])
-    enc = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     kw = {}
     if continuation is not None:
-        cont = tok([continuation], add_special_tokens=False, return_tensors="pt")["input_ids"]
-        if cont.shape[1] == 0:
-            raise ExplainError("--continuation has no tokens")
-        kw["continuation"] = cont
+        # the joint text's tokens, split where the tokenizer's offsets put the join:
+        # tokenized apart, a byte-level BPE continuation loses its leading space
+        try:
+            prompt, cont = continuation_ids(tok, text, continuation)
+        except ValueError as e:
+            raise ExplainError(f"--{e}") from None
+        kw["continuation"] = torch.tensor([cont])
     else:
+        prompt = prompt_ids(tok, text)
+    limit = _max_positions(model)
+    if limit is not None:
+        if len(prompt) > limit:
+            raise ExplainError(f"--text is {len(prompt)} tokens long; the model reads at most {limit}")
+        more, what = (len(kw["continuation"][0]), "--continuation") if continuation is not None else \
+            (max_new_tokens, "--max-new-tokens")
+        if more is not None and len(prompt) + more > limit:
+            raise ExplainError(f"--text is {len(prompt)} tokens and {what} adds {more}: {len(prompt) + more} "
+                               f"positions; the model reads at most {limit}")
+    ids = torch.tensor([prompt])
+    enc = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if continuation is None:
         kw["max_new_tokens"] = max_new_tokens
     t0 = time.perf_counter()
     r = pyattr.generation_relevance(model, enc, target=target, rules=rules, batch_targets=batch_targets, **kw)

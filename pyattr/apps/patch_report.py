@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from pyattr.apps.explain import ExplainError, _check_text, _check_tokens, _load, bundled_model_dir, _tokens
+from pyattr.apps.tokens import prompt_ids
 
 DEFAULT_CLEAN = "A man is playing a guitar on stage."
 DEFAULT_CORRUPT = "A man is playing a ladder on stage."
@@ -121,8 +122,12 @@ def run_patch(clean: Optional[str], corrupt: Optional[str], partner: Optional[st
         from pyattr.patching.atp_star import use_eager
 
         use_eager(model)
-    enc_c = tok(clean, return_tensors="pt")
-    enc_x = tok(corrupt, return_tensors="pt")
+    if causal:  # the next token after the text, read as explain reads a prompt (no appended </s>)
+        enc_c = {"input_ids": torch.tensor([prompt_ids(tok, clean)])}
+        enc_x = {"input_ids": torch.tensor([prompt_ids(tok, corrupt)])}
+    else:  # a sentence embedding: the whole tokenization, as explain --pair reads it
+        enc_c = tok(clean, return_tensors="pt")
+        enc_x = tok(corrupt, return_tensors="pt")
     nc, nx = enc_c["input_ids"].shape[1], enc_x["input_ids"].shape[1]
     _check_tokens("--clean", nc, model, tok)
     _check_tokens("--corrupt", nx, model, tok)

@@ -219,7 +219,7 @@ def _run_locked(model, prompts, data, out: Path, tokenizer, text_field, target, 
     targets: Dict[str, int] = {}
     problems: Dict[str, str] = {}
     for p in todo:
-        err = _encode(p, tokenizer, model, limit, encoded, targets)
+        err = _encode(p, tokenizer, model, limit, encoded, targets, generate)
         if err is not None:
             problems[p.id] = err
     bar = _RunProgress(len(todo), sum(len(v) for v in encoded.values()), progress)
@@ -267,7 +267,7 @@ def _barrier(world: int) -> None:
         torch.distributed.barrier()
 
 
-def _encode(p: Prompt, tokenizer, model, limit, encoded, targets) -> Optional[str]:
+def _encode(p: Prompt, tokenizer, model, limit, encoded, targets, generate: Optional[int] = None) -> Optional[str]:
     """Tokenise a prompt into ``encoded`` (and its target id into ``targets``), or say why
     it cannot run."""
     if p.error is not None:
@@ -282,6 +282,8 @@ def _encode(p: Prompt, tokenizer, model, limit, encoded, targets) -> Optional[st
         return "no tokens after tokenisation"
     if limit is not None and len(ids) > limit:
         return f"{len(ids)} tokens; the model reads at most {limit}"
+    if limit is not None and generate is not None and len(ids) + generate > limit:
+        return f"{len(ids)} tokens and {generate} generated: {len(ids) + generate} positions; the model reads at most {limit}"
     if p.target is not None:
         tid = target_token_id(tokenizer, p.target, model.config.vocab_size)
         if isinstance(tid, str):

@@ -4,7 +4,7 @@ target token, so that the commands explain the same token for the same text."""
 
 from __future__ import annotations
 
-from typing import List, Union
+from typing import List, Tuple, Union
 
 
 def prompt_ids(tokenizer, text: str) -> List[int]:
@@ -48,3 +48,58 @@ def target_token_id(tokenizer, target: Union[str, int], vocab_size: int) -> Unio
     if not 0 <= tid < vocab_size:
         return f"target token {target!r} has id {tid}, outside the model's {vocab_size} output logits"
     return tid
+
+
+def continuation_ids(tokenizer, text: str, continuation: str) -> Tuple[List[int], List[int]]:
+    """The ids of a prompt and of a continuation that follows it, as the tokenizer reads
+    the joint text: ``text`` then ``continuation``, one space between them unless either
+    side already has whitespace at the join. Tokenized apart, a byte-level BPE tokenizer
+    (GPT-2, Llama 3, Qwen) reads the continuation's first word without its leading space
+    (``'owl'`` for the joint text's ``'Ġowl'``), another token with another logit.
+
+    The split is the tokenizer's own: its character offsets (a fast tokenizer) put each
+    token on the side where it starts; without offsets, the joint ids must begin with the
+    prompt's own ids. The end-of-text markers the tokenizer appends are dropped, as in
+    :func:`prompt_ids`.
+
+    Raises:
+        ValueError: the continuation has no tokens, or a token spans the join (the
+            tokenizer reads the end of the text and the start of the continuation as one
+            token, so no split gives the prompt and the continuation).
+    """
+    sep = "" if (not text or not continuation or text[-1].isspace() or continuation[0].isspace()) else " "
+    joint = text + sep + continuation
+    boundary = len(text)
+    try:
+        enc = tokenizer(joint, return_offsets_mapping=True, return_special_tokens_mask=True)
+        offsets = enc["offset_mapping"]
+    except (NotImplementedError, TypeError, ValueError, KeyError):
+        enc, offsets = tokenizer(joint, return_special_tokens_mask=True), None
+    ids = list(enc["input_ids"])
+    special = list(enc.get("special_tokens_mask") or [0] * len(ids))
+    while len(ids) > 1 and special[-1]:  # markers appended at the end of the joint text
+        ids.pop()
+        special.pop()
+        if offsets is not None:
+            offsets = offsets[: len(ids)]
+    if offsets is not None:
+        split = len(ids)
+        for i, ((start, end), sp) in enumerate(zip(offsets, special)):
+            if sp:
+                continue
+            if start >= boundary or (start < boundary and end > boundary and joint[start:boundary].isspace()):
+                split = i
+                break
+            if end > boundary:
+                raise ValueError(f"continuation: the tokenizer reads {joint[start:end]!r} across the end of the text "
+                                 "and the start of the continuation as one token; start the continuation at a word")
+    else:
+        alone = prompt_ids(tokenizer, text)
+        if ids[: len(alone)] != alone:
+            raise ValueError("continuation: the joint text's tokens do not begin with the text's own tokens (the "
+                             "tokenizer merges across the join); start the continuation at a word")
+        split = len(alone)
+    prompt, cont = ids[:split], ids[split:]
+    if not cont:
+        raise ValueError("continuation has no tokens")
+    return prompt, cont

@@ -116,8 +116,9 @@ class GenerationRelevanceResult:
     def aggregate(self, by: Union[str, Sequence[Tuple[int, int]]], tokenizer=None, row: int = 0):
         """Relevance summed over groups of columns, for each step of row ``row``.
 
-        ``by="word"``: words of the sequence, by the tokenizer's word markers (``Ġ``, ``▁``,
-        ``##``; a word-level tokenizer's tokens are words; needs ``tokenizer``). ``by`` a list of
+        ``by="word"``: words of the sequence as the tokenizer's own decoding spells it (runs
+        of non-whitespace characters; a line break or tab separates words as a space does;
+        a special token is a word of its own; needs ``tokenizer``). ``by`` a list of
         ``(start, end)`` column ranges: segments of the prompt (passages of a document).
 
         Returns ``(labels, Tensor[generated, groups])``: the words (or ``"start:end"``).
@@ -152,34 +153,72 @@ def _index(value, lo: int, hi: int, name: str) -> int:
     return i
 
 
+def _pieces(tokenizer, ids: List[int], window: int = 16) -> List[str]:
+    """Each token's characters in the tokenizer's own decoding of the run ``ids``: what
+    decoding it adds after the tokens before it (``window`` of them as context, enough for
+    a byte-level token that completes a multi-byte character or a SentencePiece space)."""
+    out = []
+    for i in range(len(ids)):
+        j = max(0, i - window)
+        before = tokenizer.decode(ids[j:i], skip_special_tokens=False, clean_up_tokenization_spaces=False) if i > j else ""
+        text = tokenizer.decode(ids[j:i + 1], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        k = 0
+        while k < min(len(before), len(text)) and before[k] == text[k]:
+            k += 1
+        out.append(text[k:] if i > j else text)
+    return out
+
+
 def _words(ids: torch.Tensor, mask: torch.Tensor, rel: torch.Tensor, tokenizer):
-    """Words by the tokenizer's own markers: byte-level BPE and SentencePiece mark a word's
-    first token (``Ġ``, ``▁``), WordPiece its continuations (``##``); a word-level
-    tokenizer's tokens are words. A special token is a word of its own."""
+    """Words as the tokenizer's own decoding spells the sequence: a word is a run of
+    non-whitespace characters; a token belongs to the word its first visible character is
+    in, a token of whitespace only (a byte-level ``Ċ`` line break) to the word after it;
+    a special token is a word of its own. Read from the decoded text, never from marker
+    characters (``Ġ``, ``▁``, ``##``), which miss line breaks and tabs (issue 31)."""
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
     cols = mask.bool().nonzero()[:, 0].tolist()
-    toks = tokenizer.convert_ids_to_tokens([int(ids[c]) for c in cols])
-    marked = any(t.startswith(("Ġ", "▁")) for t in toks)
-    pieces = any(t.startswith("##") for t in toks)
+    tok_ids = [int(ids[c]) for c in cols]
+    pieces: List[Optional[str]] = [None] * len(cols)
+    run: List[int] = []
+    for n in range(len(cols) + 1):  # decode each run between special tokens
+        if n < len(cols) and tok_ids[n] not in special:
+            run.append(n)
+            continue
+        for i, piece in zip(run, _pieces(tokenizer, [tok_ids[i] for i in run])):
+            pieces[i] = piece
+        run = []
+    groups: List[List[int]] = []   # column indices (into cols) per word
     labels: List[str] = []
-    starts: List[int] = []
-    prev_special = True
-    for c, tok in zip(cols, toks):
-        is_special = int(ids[c]) in special
-        if marked:
-            new = tok.startswith(("Ġ", "▁"))
-        elif pieces:
-            new = not tok.startswith("##")
+    pending: List[int] = []        # whitespace-only tokens waiting for the next word
+    open_word = False
+
+    def close_pending():
+        if pending:
+            if groups and open_word:
+                groups[-1].extend(pending)
+            else:
+                groups.append(list(pending))
+                labels.append("".join(pieces[i] for i in pending).strip() or pieces[pending[0]])
+            pending.clear()
+
+    for n, piece in enumerate(pieces):
+        if piece is None:  # a special token
+            close_pending()
+            groups.append([n])
+            labels.append(tokenizer.convert_ids_to_tokens([tok_ids[n]])[0])
+            open_word = False
+        elif not piece.strip():
+            pending.append(n)
+        elif open_word and not pending and not piece[0].isspace():
+            groups[-1].append(n)
+            labels[-1] += piece.strip()
         else:
-            new = True
-        if is_special or prev_special or new or not labels:
-            labels.append(tok.lstrip("Ġ▁"))
-            starts.append(c)
-        else:
-            labels[-1] += tok[2:] if pieces else tok
-        prev_special = is_special
-    bounds = starts[1:] + [cols[-1] + 1]
-    out = torch.stack([rel[:, s:e].sum(-1) for s, e in zip(starts, bounds)], -1)
+            groups.append(pending + [n])
+            labels.append(piece.strip())
+            pending = []
+            open_word = True
+    close_pending()
+    out = torch.stack([rel[:, [cols[i] for i in g]].sum(-1) for g in groups], -1)
     return labels, out
 
 
