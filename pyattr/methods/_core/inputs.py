@@ -294,7 +294,7 @@ def prepare(model: nn.Module, inputs, attention_mask, caller: str, generic: bool
         kwargs["use_cache"] = False
     ids = kwargs["input_ids"]
     check_token_ids(model, ids)
-    check_length(model, row_lengths(kwargs))
+    check_length(model, _read_lengths(kwargs))
     return Prepared(kwargs, ids, new_tokens(kwargs.get("attention_mask"), ids.shape[1]), entry, where)
 
 
@@ -330,7 +330,7 @@ def max_positions(model: nn.Module) -> Optional[int]:
     return None
 
 
-def row_lengths(kwargs: dict) -> list:
+def _read_lengths(kwargs: dict) -> list:
     """Per row, the positions the model reads: its real tokens (the attention mask, which
     may span a cache) plus the cached positions the mask does not cover."""
     ids = kwargs["input_ids"]
