@@ -125,3 +125,27 @@ def test_generate_refuses_a_prompt_that_generation_carries_past_the_limit(bpe_di
     r = run_cli("generate", "--model", str(bpe_dir), "--text", text, "--max-new-tokens", "8")
     assert r.returncode == 2, r.stdout
     assert "--text is 60 tokens and --max-new-tokens adds 8: 68 positions; the model reads at most 64" in r.stderr
+
+
+def test_a_target_word_is_the_token_that_follows_the_text(bpe_dir, tmp_path):
+    """On byte-level BPE the word after a prompt is 'Ġfish'; the vocabulary's bare 'fish'
+    (the word tokenized apart) is another token with another logit."""
+    from pyattr.apps.tokens import target_token_id
+
+    tok = AutoTokenizer.from_pretrained(bpe_dir)
+    text = "dog owl"
+    spaced = tok.convert_tokens_to_ids("Ġfish")
+    assert target_token_id(tok, "fish", len(tok), text) == spaced != tok.convert_tokens_to_ids("fish")
+    assert target_token_id(tok, "fish", len(tok)) == tok.convert_tokens_to_ids("fish")  # no text: the spelling
+    assert target_token_id(tok, "Ġfish", len(tok), text) == spaced  # a vocabulary spelling stays itself
+    e = run_cli("explain", "--model", str(bpe_dir), "--text", text, "--target", "fish", "--json")
+    assert e.returncode == 0, e.stderr
+    model = AutoModelForCausalLM.from_pretrained(bpe_dir).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([tok(text)["input_ids"]])).logits[0, -1]
+    assert json.loads(e.stdout)["target"] == pytest.approx(float(logits[spaced]), rel=1e-5)
+    r = run_cli("patch", "--model", str(bpe_dir), "--clean", text, "--corrupt", "dog cat", "--target", "fish",
+                "--nodes", "residual", "--json", str(tmp_path / "p.json"))
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "p.json").read_text())["clean_metric"] == pytest.approx(float(logits[spaced]),
+                                                                                         rel=1e-5)

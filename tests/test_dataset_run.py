@@ -237,7 +237,7 @@ def test_targets_are_tokens_unless_given_as_integers(lm, tmp_path):
     pyattr.run(model, data, tmp_path / "b", tokenizer=tok, target="answer")
     df = _read(tmp_path / "b")
     assert int(df["target_id"][0]) == 5  # a JSON number is an id
-    assert df["error"][1] == "target token '--5' is not in the vocabulary (it splits into 3 tokens, not one)"
+    assert df["error"][1] == "target token '--5' is not in the vocabulary (it splits into 3 tokens after the text, not one)"
     assert df["error"][2] == "line 3: target 1.5 is neither a token nor an integer id"
 
 

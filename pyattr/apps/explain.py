@@ -323,8 +323,9 @@ def explain_pair(
     )
 
 
-def _target_id(tok, target: str, vocab_size: int) -> int:
-    tid = target_token_id(tok, target, vocab_size)
+def _target_id(tok, target: str, vocab_size: int, text: Optional[str] = None) -> int:
+    """The id of the target token that follows ``text`` (:func:`pyattr.apps.tokens.target_token_id`)."""
+    tid = target_token_id(tok, target, vocab_size, text)
     if isinstance(tid, str):
         raise ExplainError(tid)
     return tid
@@ -343,7 +344,7 @@ def explain_causal(
     tok, model = _load(Path(model_dir), causal=True)
     rules = RelevanceRules.all() if rules is None else rules
     vocab_size = int(getattr(model.config, "vocab_size", 0) or len(tok))
-    tid = _target_id(tok, target, vocab_size) if target is not None else None
+    tid = _target_id(tok, target, vocab_size, text) if target is not None else None
     ids = prompt_ids(tok, text)
     if not ids or (len(ids) == 1 and ids[0] in set(tok.all_special_ids)):
         raise ExplainError("--text has no tokens the model can read after tokenisation")

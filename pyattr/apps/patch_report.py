@@ -140,7 +140,7 @@ def run_patch(clean: Optional[str], corrupt: Optional[str], partner: Optional[st
         if target is not None:
             from pyattr.apps.explain import _target_id
 
-            metric = T.Logit(_target_id(tok, target, model.config.vocab_size))
+            metric = T.Logit(_target_id(tok, target, model.config.vocab_size, clean))
             desc = f"logit of {target!r} at the last position"
         else:
             metric = T.Logit()

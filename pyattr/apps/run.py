@@ -285,7 +285,7 @@ def _encode(p: Prompt, tokenizer, model, limit, encoded, targets, generate: Opti
     if limit is not None and generate is not None and len(ids) + generate > limit:
         return f"{len(ids)} tokens and {generate} generated: {len(ids) + generate} positions; the model reads at most {limit}"
     if p.target is not None:
-        tid = target_token_id(tokenizer, p.target, model.config.vocab_size)
+        tid = target_token_id(tokenizer, p.target, model.config.vocab_size, p.text)
         if isinstance(tid, str):
             return tid
         targets[p.id] = tid

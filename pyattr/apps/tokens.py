@@ -4,7 +4,7 @@ target token, so that the commands explain the same token for the same text."""
 
 from __future__ import annotations
 
-from typing import List, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 
 def prompt_ids(tokenizer, text: str) -> List[int]:
@@ -19,32 +19,49 @@ def prompt_ids(tokenizer, text: str) -> List[int]:
     return ids
 
 
-def target_token_id(tokenizer, target: Union[str, int], vocab_size: int) -> Union[int, str]:
+def target_token_id(tokenizer, target: Union[str, int], vocab_size: int, text: Optional[str] = None
+                    ) -> Union[int, str]:
     """A target token → its id, or the reason it cannot be one (a string).
 
-    A string is the vocabulary entry of that spelling, else the one token the tokenizer
-    encodes it to (so ``"5"`` is the token "5", never id 5); a string the tokenizer maps to
-    its unknown token is not in the vocabulary (explaining ``<unk>`` instead would be a
-    silent wrong answer). An int (a JSON or Parquet number) is an id. The id must be one of
-    the model's ``vocab_size`` output logits."""
+    A string target is the token that follows ``text`` when the tokenizer reads the joint
+    text (:func:`continuation_ids`): on a byte-level BPE tokenizer the word after a prompt
+    is ``'ĠParis'``, not the vocabulary's bare ``'Paris'`` that tokenizing the word apart
+    gives. Without ``text`` (or when the joint text splits it into several tokens), a
+    string is the vocabulary entry of that spelling, else the one token the tokenizer
+    encodes it to (so ``"5"`` is the token "5", never id 5). A string the tokenizer maps
+    to its unknown token is not in the vocabulary (explaining ``<unk>`` instead would be
+    a silent wrong answer). An int (a JSON or Parquet number) is an id. The id must be one
+    of the model's ``vocab_size`` output logits."""
     if isinstance(target, int):
         tid = target
     else:
         vocab = tokenizer.get_vocab()
-        if target in vocab:
-            tid = int(vocab[target])
+        joint = None
+        if text is not None and target.strip():
+            try:
+                joint = continuation_ids(tokenizer, text, target)[1]
+            except Exception:  # noqa: BLE001 - no joint reading: the spelling alone decides below
+                joint = None
+        if joint is not None and len(joint) == 1:
+            ids = joint
+        elif target in vocab:
+            ids = [int(vocab[target])]
         else:
             try:
                 ids = tokenizer.encode(target, add_special_tokens=False)
             except Exception as e:  # noqa: BLE001 - a tokenizer that refuses this text
                 return f"target token {target!r}: the tokenizer refused it ({type(e).__name__})"
+            if joint is not None:
+                ids = joint
             if len(ids) != 1:
-                return f"target token {target!r} is not in the vocabulary (it splits into {len(ids)} tokens, not one)"
-            tid = int(ids[0])
-            unk = getattr(tokenizer, "unk_token_id", None)
-            if unk is not None and tid == unk:
-                return (f"target token {target!r} is not in the vocabulary (the tokenizer maps it to its unknown "
-                        f"token {getattr(tokenizer, 'unk_token', None)!r})")
+                where = " after the text" if joint is not None else ""
+                return (f"target token {target!r} is not in the vocabulary (it splits into {len(ids)} tokens{where}, "
+                        "not one)")
+        tid = int(ids[0])
+        unk = getattr(tokenizer, "unk_token_id", None)
+        if unk is not None and tid == unk and target != getattr(tokenizer, "unk_token", None):
+            return (f"target token {target!r} is not in the vocabulary (the tokenizer maps it to its unknown "
+                    f"token {getattr(tokenizer, 'unk_token', None)!r})")
     if not 0 <= tid < vocab_size:
         return f"target token {target!r} has id {tid}, outside the model's {vocab_size} output logits"
     return tid
