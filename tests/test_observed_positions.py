@@ -7,7 +7,12 @@ a) the position convention is observed on the model's own embeddings: MPNet and 
 b) a perturbation keeps the position a sequence classifier pools from (the last token that
    is not the pad token, with pad = eos) on the unperturbed input;
 c) ``"mean_embedding"`` inserts the mean of what the embedding module outputs (Gemma's
-   √hidden scale included); on an image, the mean patch embedding of that image.
+   √hidden scale included); on an image, the mean patch embedding of that image;
+d) a model that pools inside itself at a token of the ids (CLIP's text tower, both eos
+   conventions) keeps, under "pad" / "mask" and a "pad" baseline, the row it pooled on the
+   input (its projection follows); where that cannot be observed it is refused;
+e) a "pad" baseline of a sequence classifier is read where the input pooled (GPT-2's
+   learned positions make position 0 another function).
 """
 
 import pytest
@@ -417,3 +422,210 @@ def test_mean_embedding_of_an_image_is_its_mean_patch_embedding(kind):
             h.remove()
         torch.testing.assert_close(curve.values[:, j], want, atol=1e-9, rtol=1e-9)
     assert (curve.values[:, 4] - curve.values[:, 0]).abs().max() > 1e-6  # the patches were perturbed
+
+
+# --------------------------------------------------------------------------- d) pooled inside the model, from the ids
+#
+# CLIP's text tower pools inside its own forward: its pooler_output is the row of its
+# last_hidden_state at the first end-of-text token (eos_token_id), or, with the legacy
+# eos_token_id == 2 configs, at argmax(input_ids) (the end-of-text token is the highest id).
+# A "pad" / "mask" perturbation or a "pad" baseline that replaces that token would move it.
+# The oracle runs transformers' own tower on the replaced ids and reads its last_hidden_state
+# at the position transformers pooled the original ids from, then its own projection.
+
+EOT = VOCAB - 1  # the end-of-text token: the highest id, as in CLIP's vocabulary
+
+
+def _clip_text(cls_name, legacy):
+    """A tiny float64 CLIP text tower; ``legacy``: eos_token_id = 2 (pools at argmax(ids)),
+    pad id 1; else eos = pad = the end-of-text token (the checkpoints' recipe)."""
+    ids = dict(eos_token_id=2, pad_token_id=1, bos_token_id=0) if legacy else dict(
+        eos_token_id=EOT, pad_token_id=EOT, bos_token_id=EOT - 1)
+    cfg = T.CLIPTextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                           num_hidden_layers=2, max_position_embeddings=32, initializer_range=0.2, projection_dim=16,
+                           **ids)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return getattr(T, cls_name)(cfg).double().eval()
+
+
+def _clip_batch(seed):
+    """Two rows <bos> tokens <eot>, right-padded with <eot> (CLIP's tokenizer pads with it)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.cat([torch.tensor([EOT - 1]), torch.randint(3, EOT - 2, (n,), generator=g), torch.tensor([EOT])])
+            for n in (3, 6)]
+    return pad_rows(rows, "right", pad_id=EOT)
+
+
+def _clip_pooled_at(model, ids):
+    """Where transformers' tower pools each row of ``ids``, by its own rule (the first
+    eos_token_id, or argmax(ids) with eos_token_id == 2), checked against its pooler_output."""
+    eos = model.config.eos_token_id
+    at = ids.argmax(-1) if eos == 2 else (ids == eos).int().argmax(-1)
+    tower = getattr(model, "text_model", model)
+    with torch.no_grad():
+        out = tower(input_ids=ids)
+    torch.testing.assert_close(out.pooler_output, out.last_hidden_state[torch.arange(ids.shape[0]), at],
+                               atol=0, rtol=0)
+    return at
+
+
+def _clip_oracle(model, ids, mask, at, w):
+    """transformers' tower on ``ids``, its last_hidden_state read at ``at``, its projection
+    (CLIPTextModelWithProjection), dotted with ``w``."""
+    tower = getattr(model, "text_model", model)
+    with torch.no_grad():
+        h = tower(input_ids=ids, attention_mask=mask).last_hidden_state[torch.arange(ids.shape[0]), at]
+        if hasattr(model, "text_projection"):
+            h = model.text_projection(h)
+    return (h @ w).double()
+
+
+def _clip_target(model):
+    w = torch.randn(16 if hasattr(model, "text_projection") else 32, generator=torch.Generator().manual_seed(2),
+                    dtype=torch.float64)
+    if hasattr(model, "text_projection"):
+        return w, lambda out: out.text_embeds @ w
+    return w, lambda out: out.pooler_output @ w
+
+
+CLIP_CASES = [(c, legacy) for c in ("CLIPTextModel", "CLIPTextModelWithProjection") for legacy in (False, True)]
+
+
+@pytest.mark.parametrize("cls_name,legacy", CLIP_CASES)
+@pytest.mark.parametrize("perturbation", ["pad", "mask"])
+def test_clip_text_perturbation_keeps_the_end_of_text_position(cls_name, legacy, perturbation):
+    m = _clip_text(cls_name, legacy)
+    ids, mask = _clip_batch(11)
+    at = _clip_pooled_at(m, ids)
+    # "mask": an id above every real token, so under argmax pooling it would draw the pool to itself
+    token = EOT if perturbation == "mask" else None
+    replaced = m.config.pad_token_id if token is None else token
+    w, target = _clip_target(m)
+    g = torch.Generator().manual_seed(3)
+    rel = torch.randn(ids.shape, generator=g, dtype=torch.float64)
+    rel[torch.arange(2), at] = 10.0  # the end-of-text token ranked first: replaced at the first level
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    moved = []
+    for order in ("morf", "lerf", "insertion"):
+        curve = E.perturbation_curve(m, inputs, rel, target, order=order, perturbation=perturbation, token_id=token,
+                                     steps=3)
+        levels = perturbed_masks(rel, mask.bool(), order, 3)
+        for j in range(4):
+            perturbed = ids.masked_fill(levels[:, j], replaced)
+            want = _clip_oracle(m, perturbed, mask, at, w)
+            torch.testing.assert_close(curve.values[:, j], want, atol=1e-9, rtol=1e-9)
+            with torch.no_grad():  # transformers left alone pools where it finds the token now
+                moved.append((target(m(input_ids=perturbed, attention_mask=mask)).double() - want).abs().max())
+    assert max(moved) > 1e-3  # some level moved transformers' own pooled position: the kept one matters
+
+
+@pytest.mark.parametrize("cls_name,legacy", CLIP_CASES)
+def test_clip_text_pad_baseline_is_read_at_the_inputs_end_of_text_position(cls_name, legacy):
+    m = _clip_text(cls_name, legacy)
+    ids, mask = _clip_batch(12)
+    at = _clip_pooled_at(m, ids)
+    w, target = _clip_target(m)
+    base_ids = torch.full_like(ids, m.config.pad_token_id)
+    want = _clip_oracle(m, base_ids, mask, at, w)
+    with torch.no_grad():  # transformers alone pools the all-pad row at position 0
+        own = target(m(input_ids=base_ids, attention_mask=mask)).double()
+    assert (own - want).abs().max() > 1e-3
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    r = pyattr.relevance(m, inputs, target=target, rules=PLAIN, baseline="pad")
+    torch.testing.assert_close(r.baseline_target, want, atol=1e-9, rtol=1e-9)
+    ig = pyattr.integrated_gradients(m, inputs, target=target, baseline="pad", n_steps=32)
+    torch.testing.assert_close(ig.baseline_target, want, atol=1e-9, rtol=1e-9)
+    # every point of the path pools at the input's position, f(x₀) too: the path's integral closes
+    assert (ig.convergence_delta.abs() <= 1e-5 * (ig.target - want).abs()).all(), ig.convergence_delta
+    layer = ("text_model." if hasattr(m, "text_projection") else "") + "encoder.layers.1"
+    lr = pyattr.layer_relevance(m, inputs, [layer], target=target, rules=PLAIN, baseline="pad")
+    torch.testing.assert_close(lr.baseline_target, want, atol=1e-9, rtol=1e-9)
+
+
+def test_clip_text_unobservable_pooling_is_refused():
+    """With return_dict=False the tower returns a tuple: no pooler_output to observe where it
+    pooled, and its forward pools at a token it finds in the ids: "pad" / "mask" refused,
+    naming the perturbation; "zero_embedding" leaves the ids, and the pooled position, as
+    they are."""
+    m = _clip_text("CLIPTextModel", False)
+    ids, mask = _clip_batch(13)
+    w = torch.randn(32, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    inputs = {"input_ids": ids, "attention_mask": mask, "return_dict": False}
+    rel = torch.randn(ids.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"perturbation='pad' replaces token ids, and CLIPTextModel pools its output "
+                                         r"at a token it finds in the ids.*cannot be observed"):
+        E.perturbation_curve(m, inputs, rel, lambda out: out[1] @ w, perturbation="pad", steps=2)
+    with pytest.raises(ValueError, match=r"baseline='pad' replaces token ids, and CLIPTextModel pools"):
+        pyattr.relevance(m, inputs, target=lambda out: out[1] @ w, rules=PLAIN, baseline="pad")
+    curve = E.perturbation_curve(m, inputs, rel, lambda out: out[1] @ w, steps=2)
+    with torch.no_grad():
+        own = (m(input_ids=ids, attention_mask=mask).pooler_output @ w).double()
+    torch.testing.assert_close(curve.values[:, 0], own, atol=1e-9, rtol=1e-9)
+
+
+# --------------------------------------------------------------------------- e) "pad" baselines of sequence classifiers
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_pad_baseline_of_a_sequence_classifier_is_read_at_the_inputs_pooled_position(arch):
+    """pad = eos: the all-pad baseline has no non-pad token, so transformers reads it at
+    position 0; GPT-2's learned absolute positions make its states there another vector than
+    at the input's last real token, where every point of a path from it pools. pyattr reads
+    f(baseline) there."""
+    m = _classifier(arch)
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():  # a trained pad row (Llama's padding_idx row starts at 0: an ill-conditioned baseline)
+        emb = m.get_input_embeddings().weight
+        emb[EOS] = 0.2 * torch.randn(emb.shape[1], generator=g, dtype=emb.dtype)
+    rows = [torch.randint(3, VOCAB, (n,), generator=g) for n in (6, 4)]
+    ids, mask = pad_rows(rows, "right", pad_id=EOS)
+    pooled_at = mask.sum(1) - 1
+    base_ids = torch.full_like(ids, EOS)
+    want = _pooled_oracle(m, base_ids, mask, None, pooled_at, 1)
+    with torch.no_grad():
+        own = m(input_ids=base_ids, attention_mask=mask).logits[:, 1].double()
+    if arch == "gpt2":
+        assert (own - want).abs().max() > 1e-3  # position 0 is another function of the pad token
+    else:  # rotary positions only: every position of an all-pad row holds the same states (up to the
+        # float32 softmax of transformers' eager attention)
+        torch.testing.assert_close(own, want, atol=1e-6, rtol=1e-6)
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    r = pyattr.relevance(m, inputs, target=1, rules=PLAIN, baseline="pad")
+    torch.testing.assert_close(r.baseline_target, want, atol=1e-9, rtol=1e-9)
+    ig = pyattr.integrated_gradients(m, inputs, target=1, baseline="pad", n_steps=32)
+    torch.testing.assert_close(ig.baseline_target, want, atol=1e-9, rtol=1e-9)
+    assert (ig.convergence_delta.abs() <= 1e-4 * (ig.target - want).abs()).all(), ig.convergence_delta
+    for i, row in enumerate(rows):  # the padded row gives what the row alone gives
+        alone = pyattr.relevance(m, row[None], target=1, rules=PLAIN, baseline="pad")
+        torch.testing.assert_close(r.baseline_target[i], alone.baseline_target[0], atol=1e-9, rtol=1e-9)
+
+
+def test_pad_baseline_of_a_left_padded_classifier_is_still_refused():
+    m = _classifier("gpt2")
+    ids, mask = pad_rows([[5, 6, 7], [5, 6, 7, 8, 9]], "left", pad_id=EOS)
+    with pytest.raises(ValueError, match=r"baseline: 'pad' on a batch that pads row 0 on the left"):
+        pyattr.relevance(m, {"input_ids": ids, "attention_mask": mask}, target=1, rules=PLAIN, baseline="pad")
+
+
+def test_gpt2_left_padded_pad_perturbation_keeps_the_pooled_position():
+    """Learned absolute positions and left padding: each level pools at the last column
+    (the input's last real token), at the row's own positions."""
+    m = _classifier("gpt2")
+    g = torch.Generator().manual_seed(10)
+    rows = [torch.randint(3, VOCAB, (n,), generator=g) for n in (6, 3)]
+    ids, mask = pad_rows(rows, "left", pad_id=EOS)
+    pos = (mask.cumsum(-1) - 1).clamp_min(0) * mask
+    pooled_at = torch.full((2,), ids.shape[1] - 1)
+    rel = torch.randn(ids.shape, generator=g, dtype=torch.float64)
+    rel[:, -1] = 10.0  # the pooled token first
+    curve = E.perturbation_curve(m, {"input_ids": ids, "attention_mask": mask}, rel, Logit(2), order="morf",
+                                 perturbation="pad", steps=3)
+    levels = perturbed_masks(rel, mask.bool(), "morf", 3)
+    for j in range(4):
+        want = _pooled_oracle(m, ids.masked_fill(levels[:, j], EOS), mask, pos, pooled_at, 2)
+        torch.testing.assert_close(curve.values[:, j], want, atol=1e-9, rtol=1e-9)
+    for i, row in enumerate(rows):  # the padded row gives what the row alone gives
+        alone = E.perturbation_curve(m, row[None], rel[i:i + 1, mask[i].bool()], Logit(2), order="morf",
+                                     perturbation="pad", steps=3)
+        torch.testing.assert_close(curve.values[i], alone.values[0], atol=1e-9, rtol=1e-9)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pyattr._repr import summary_repr
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Union
@@ -169,7 +170,11 @@ def perturbation_curve(model: nn.Module, inputs, relevance, target=None, *, orde
             sequence classifier that pools at the last token that is not the pad token
             (Llama's, GPT-2's, … with ``pad_token_id`` = eos) reads, at every level, the
             position it read on the unperturbed input (observed on that forward), not the
-            one replacing a token by the pad id would move it to.
+            one replacing a token by the pad id would move it to; likewise a model that
+            pools inside itself at a token of the ids (CLIP's text tower: its
+            ``pooler_output`` is the row of ``last_hidden_state`` at the first end-of-text
+            token, or at ``argmax(input_ids)`` with the legacy ``eos_token_id == 2``) keeps
+            the row it took on the unperturbed input, and ``text_embeds`` projects that row.
         steps (int): levels after level 0; fractions are ``j / steps``. Default 20.
         batch_size (int, optional): perturbed copies per forward (default 64).
         token_id (int, optional): see ``perturbation``.
@@ -182,7 +187,11 @@ def perturbation_curve(model: nn.Module, inputs, relevance, target=None, *, orde
     Raises:
         ValueError / TypeError: unknown order or perturbation, ``steps`` < 1, relevance of
             another shape or with NaN / inf, k targets per row, ``"pad"`` without a pad
-            token, ``"mask"`` without ``token_id``, ``"pad"`` / ``"mask"`` on image inputs.
+            token, ``"mask"`` without ``token_id``, ``"pad"`` / ``"mask"`` on image inputs;
+            ``"pad"`` / ``"mask"`` where the position the model pools from cannot be
+            observed (a pooled output found at several identical positions; a model whose
+            forward pools at a token of the ids, run more than once or returning no
+            ``last_hidden_state`` / ``pooler_output``).
     """
     steps = _check(order, perturbation, steps)
     batch_size = core.check_count("batch_size", batch_size) or DEFAULT_BATCH
@@ -207,9 +216,15 @@ def perturbation_curve(model: nn.Module, inputs, relevance, target=None, *, orde
     values = torch.empty(batch, steps + 1, dtype=torch.float64)
     with core.inference_state(model):
         store: dict = {}
-        with core.record_modules(model, T.module_paths(tgts), store), P.observe_pooling(model) as pooled:
+        # where the model pools from, when it chooses it from the ids (a sequence classifier's
+        # last non-pad token, CLIP's first end-of-text token) is observed on the unperturbed
+        # input and kept at every level; a perturbation that leaves the ids as they are
+        # leaves it where it is
+        observe = P.observe_pooling(model, poolers=True) if replace_id is not None else contextlib.nullcontext()
+        with core.record_modules(model, T.module_paths(tgts), store), observe as pooled:
             fwd = run_model(model, prep, tgts, store)
-        pooled.read(fwd.output)
+        if pooled is not None:
+            pooled.read(fwd.output).refuse_unseen(f"perturbation={perturbation!r}")
         _, _, fixed = evaluate_targets(tgts, fwd, False)
         mean = _vocabulary_mean(model) if perturbation == "mean_embedding" and prep.patch_grid is None else None
         groups = G.row_groups(model, prep) or [torch.arange(batch)]
@@ -217,9 +232,9 @@ def perturbation_curve(model: nn.Module, inputs, relevance, target=None, *, orde
             pairs = torch.cartesian_prod(rows, torch.arange(steps + 1)).reshape(-1, 2)
             for chunk in pairs.split(batch_size):
                 r, lv = chunk[:, 0], chunk[:, 1]
-                keep = None if pooled.index is None else pooled.index[r.to(pooled.index.device)]
+                keep = contextlib.nullcontext() if pooled is None else pooled.keep(r)
                 out = _perturbed_values(model, prep, fixed, r, levels[r.to(ids.device), lv.to(ids.device)],
-                                        perturbation, replace_id, mean, (pooled.head, keep))
+                                        perturbation, replace_id, mean, keep)
                 values[r, lv] = out.double().cpu()
     fractions = torch.arange(steps + 1, dtype=torch.float64) / steps
     return PerturbationCurve(fractions, values, area(values, fractions), order, perturbation)
@@ -279,10 +294,11 @@ def _patch_mean_tap(emb: nn.Module, mask: torch.Tensor, grid):
 
 def _perturbed_values(model, prep, targets, rows: torch.Tensor, mask: torch.Tensor, perturbation: str,
                       replace_id: Optional[int], mean: Optional[torch.Tensor] = None,
-                      pooled=(None, None)) -> torch.Tensor:
+                      keep=None) -> torch.Tensor:
     """The targets of rows ``rows`` with the tokens of ``mask`` (len(rows), seq) perturbed
-    (``mean``: the vocabulary mean of ``"mean_embedding"`` on tokens; ``pooled``: the head
-    and, per row, the position the unperturbed forward pooled from, kept)."""
+    (``mean``: the vocabulary mean of ``"mean_embedding"`` on tokens; ``keep``: a context
+    in which the model pools these rows where the unperturbed forward pooled them,
+    :meth:`pyattr.methods._core.positions.PooledPositions.keep`)."""
     batch = prep.input_ids.shape[0]
     sub = core.select_rows(prep, rows.to(prep.input_ids.device))
     tg = [t.rows(rows, batch) for t in targets]
@@ -300,7 +316,7 @@ def _perturbed_values(model, prep, targets, rows: torch.Tensor, mask: torch.Tens
     store: dict = {}
     # the pooled position is kept after the targets' recording hooks: a target reading the
     # head itself reads what it computed
-    with tap, core.record_modules(model, T.module_paths(tg), store), P.keep_pooled(*pooled):
+    with tap, core.record_modules(model, T.module_paths(tg), store), (keep or contextlib.nullcontext()):
         fwd = run_model(model, sub, tg, store, kwargs)
     value, _, _ = evaluate_targets(tg, fwd, False)
     return value

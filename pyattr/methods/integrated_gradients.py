@@ -150,7 +150,10 @@ def integrated_gradients(
             ids chosen by ``None`` (top-1) are fixed at the input.
         baseline: ``"zeros"`` (default; ``None`` is the same, as in Captum), ``"pad"``
             (the pad token's embedding at every position, run through the model: needs
-            ``model.config.pad_token_id``) or a tensor shaped like the embeddings,
+            ``model.config.pad_token_id``; where the model picks the position it pools
+            from out of the ids, a sequence classifier's last non-pad token or CLIP's
+            first end-of-text token, f(baseline) is read where the input pooled, as every
+            point of the path is) or a tensor shaped like the embeddings,
             (batch, seq, hidden) or (seq, hidden). A
             zero embedding is ill-conditioned on RMSNorm models (the gradient near 0
             explodes, so the delta converges slowly): prefer ``"pad"`` there.

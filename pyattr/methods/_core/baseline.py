@@ -3,11 +3,13 @@ at the baseline input."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import List, Optional, Union
 
 import torch
 from torch import nn
 
+import pyattr.methods._core.positions as P
 import pyattr.methods._core.readout as R
 import pyattr.targets as T
 from pyattr.methods._core.forward import evaluate_targets, head_free, run_model
@@ -72,11 +74,52 @@ def baseline_forward(model, prep: Prepared, baseline, x: torch.Tensor, targets, 
     every module, those before the entry included, sees the baseline input;
     ``"zeros"`` and tensors replace the embeddings where they enter the first block, so
     a module in ``extra_pairs`` that runs before that point cannot see them: ValueError.
+
+    Where the model chooses from the ids the position it pools from (a decoder sequence
+    classifier's last non-pad token, CLIP's first end-of-text token), the all-pad ids of
+    ``"pad"`` would move it (to position 0: the all-pad row has no non-pad token, and its
+    first token is the end-of-text token where pad = eos); f(x₀) is the model pooled where it
+    pooled the input, which is where every point of a path from x₀ to x pools (they run on
+    the input's ids). That position is observed on a forward of the input
+    (:func:`pyattr.methods._core.positions.observe_pooling`), run only when the baseline's
+    own forward shows the model pools, and kept in a second baseline forward.
     """
+    pad = isinstance(baseline, str) and baseline == "pad"
+    if pad:
+        R.check_pad_baseline(model, prep.attention_mask, "baseline")
+    x0, value, acts, seen, out = _at_baseline(model, prep, baseline, x, targets, extra_pairs, extra_names,
+                                              P.observe_pooling(model, poolers=True) if pad else None)
+    if seen is not None and seen.detect(out):
+        kept = _observed_input_pooling(model, prep, targets, extra_pairs)
+        x0, value, acts, _, _ = _at_baseline(model, prep, baseline, x, targets, extra_pairs, extra_names, None,
+                                             kept.keep())
+    return x0, value, acts
+
+
+def _observed_input_pooling(model, prep: Prepared, targets, extra_pairs) -> P.PooledPositions:
+    """Where the model pools each row of the input itself (a forward on its own ids, no
+    gradient); ValueError where that cannot be observed."""
+    with torch.no_grad(), P.observe_pooling(model, poolers=True) as kept:
+        fwd = run_model(model, prep, targets, {}, keep_logits=head_free(model, [m for m, _ in extra_pairs]))
+    kept.read(fwd.output).refuse_unseen("baseline='pad'")
+    if not kept.found:
+        raise ValueError(
+            f"baseline='pad' replaces every token id by the pad id, and {type(model).__name__} pools the baseline's "
+            "output from a position it chooses from the ids, but where it pools the input itself could not be "
+            "observed (its output is not one position of its head's output, nor a pooler_output one row of its "
+            "last_hidden_state), so f(baseline) cannot be read where the input is; pass baseline='zeros' or a tensor")
+    return kept
+
+
+def _at_baseline(model, prep: Prepared, baseline, x: torch.Tensor, targets, extra_pairs, extra_names, observe=None,
+                 keep=None):
+    """One forward at the baseline; ``observe``: an :func:`observe_pooling` context to run it
+    in (the :class:`PooledPositions` it filled is returned, and the model's output);
+    ``keep``: a context keeping the input's pooled positions, entered after the recording
+    hooks (a layer or target on the head records what it computed)."""
     kwargs = dict(prep.kwargs)
     seen: dict = {}
     if isinstance(baseline, str) and baseline == "pad":
-        R.check_pad_baseline(model, prep.attention_mask, "baseline")
         kwargs["input_ids"] = torch.full_like(prep.input_ids, pad_token_id(model))
         replace = None
     else:
@@ -99,8 +142,10 @@ def baseline_forward(model, prep: Prepared, baseline, x: torch.Tensor, targets, 
         return fn
 
     store: dict = {}
+    pooled = None
     with torch.no_grad(), tap(prep.entry, prep.where, entry_fn, once=True), taps(extra_pairs, fn_for), \
-            record_modules(model, T.module_paths(targets), store):
+            record_modules(model, T.module_paths(targets), store), \
+            (observe or contextlib.nullcontext()) as pooled, (keep or contextlib.nullcontext()):
         fwd = run_model(model, prep, targets, store, kwargs,
                         keep_logits=head_free(model, [m for m, _ in extra_pairs]))
         value, _, _ = evaluate_targets(targets, fwd, len(targets) > 1)
@@ -113,4 +158,4 @@ def baseline_forward(model, prep: Prepared, baseline, x: torch.Tensor, targets, 
             + ("a later layer (image inputs have no pad token)" if prep.patch_grid is not None else
                "baseline='pad' (the pad token runs through every module) or a later layer")
         )
-    return seen["x0"], value.detach().double(), acts
+    return seen["x0"], value.detach().double(), acts, pooled, fwd.output

@@ -13,10 +13,15 @@ alone:
   dynamic-NTK frequencies and LongRoPE's long or short factors from ``max(position_ids)``
   over the whole batch, so a short row beside a long one is another function.
 
-A third decides what a perturbed input is compared at: **the position a sequence
-classifier pools from** (transformers' decoder classifiers read the last token that is not
-the pad token, found in the ids), observed on a forward (:func:`observe_pooling`) and kept
-on other ids (:func:`keep_pooled`).
+A third decides what a perturbed input or a ``"pad"`` baseline is compared at: **the
+position the model pools from**, where it chooses it from the ids: transformers' decoder
+sequence classifiers read their head's output at the last token that is not the pad token;
+CLIP's text tower returns as ``pooler_output`` the row of its ``last_hidden_state`` at the
+first end-of-text token (``argmax(input_ids)`` with the legacy ``eos_token_id == 2``). Both
+are observed on a forward of the unperturbed input (:func:`observe_pooling`: which row of
+the head's per-position output the model's output is, which row of ``last_hidden_state``
+the ``pooler_output`` is) and kept on other ids (:meth:`PooledPositions.keep`), so that
+replacing a token by the pad or eos id does not move them.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from torch import nn
 
 import pyattr.architectures as A
 from pyattr.architectures.blocks import observed_positions
+import pyattr.methods._core.readout as R
 import pyattr.methods._core.state as S
 
 
@@ -190,55 +196,179 @@ def _first_tensor(out):
     return None
 
 
+def _model_levels(model: nn.Module) -> List[nn.Module]:
+    """The model and every model inside it (a transformers ``PreTrainedModel``: a base model,
+    a tower such as CLIP's ``text_model``), in registration order: the modules whose output
+    can carry a ``pooler_output``."""
+    model = getattr(model, "_orig_mod", model)
+    return [model] + [m for m in model.modules()
+                      if m is not model and hasattr(type(m), "base_model_prefix") and hasattr(m, "config")]
+
+
+_READS_IDS: Dict[type, bool] = {}
+
+
+def _reads_ids(mod: nn.Module) -> bool:
+    """``mod``'s own forward pools at a token it finds in the ids (CLIP's text tower: the
+    first end-of-text token, or ``argmax(input_ids)``): the fail-closed guard where the pooled
+    position cannot be observed, read off the source once per class."""
+    cls = type(mod)
+    if cls not in _READS_IDS:
+        _READS_IDS[cls] = bool(R._READS_EOS.search(R._source(cls.forward)))
+    return _READS_IDS[cls]
+
+
+def _pooler_pair(out):
+    """``(last_hidden_state, pooler_output)`` of a module output carrying both as tensors
+    of shapes (batch, seq, hidden) and (batch, hidden), else None."""
+    lhs = getattr(out, "last_hidden_state", None)
+    po = getattr(out, "pooler_output", None)
+    if (isinstance(lhs, torch.Tensor) and isinstance(po, torch.Tensor) and lhs.dim() == 3 and po.dim() == 2
+            and lhs.shape[0] == po.shape[0] and lhs.shape[2] == po.shape[1]):
+        return lhs, po
+    return None
+
+
+def _matches(per_position: torch.Tensor, pooled: torch.Tensor):
+    """``same`` (batch, seq): position s of row b of ``per_position`` (batch, seq, …) equals
+    row b of ``pooled`` (batch, …) exactly; ``finite`` (batch,): row b of ``pooled`` is
+    finite; ``copy``: every finite row (and at least one) is found at some position."""
+    same = (per_position == pooled[:, None]).reshape(per_position.shape[0], per_position.shape[1], -1).all(-1)
+    finite = torch.isfinite(pooled.reshape(pooled.shape[0], -1)).all(-1)
+    copy = bool(finite.any()) and bool(same[finite].any(1).all())
+    return same, finite, copy
+
+
+def _one_position(mod: nn.Module, same: torch.Tensor, finite: torch.Tensor, what: str) -> torch.Tensor:
+    """The position each finite row was found at (-1 for the others); ValueError where a row
+    is found at several (identical) positions, so the one the model chose cannot be told."""
+    several = ((same.sum(1) > 1) & finite).nonzero()
+    if several.numel():
+        row = int(several[0, 0])
+        at = same[row].nonzero()[:, 0].tolist()
+        raise ValueError(
+            f"{type(mod).__name__}: {what} of row {row} is its per-position output at each of positions {at} (they "
+            "are identical), so the position the model pooled from cannot be told; replacing token ids could move it")
+    index = same.to(torch.int8).argmax(1)
+    return torch.where(finite, index, torch.full_like(index, -1))
+
+
 class PooledPositions:
     """Where, per row, a model's output was pooled from: :func:`observe_pooling` fills it
-    during one forward. ``head`` is the module outside the base model whose per-position
-    output (batch, seq, …) the model's output (batch, …) is a row of, ``index``
-    (LongTensor[batch]) the position each row's output was taken at (-1 for a row whose
-    output is not finite, which cannot be matched); both None when the
-    output is not pooled from a per-position head output (a language model's logits, a
-    head that pools inside itself at a fixed position)."""
+    during one forward and :meth:`read` reads it after.
+
+    ``head`` is the module outside the base model whose per-position output (batch, seq, …)
+    the model's output (batch, …) is a row of, ``index`` (LongTensor[batch]) the position
+    each row's output was taken at (-1 for a row whose output is not finite, which cannot be
+    matched); both None when the output is not pooled from a per-position head output (a
+    language model's logits, a head that pools inside itself at a fixed position).
+
+    ``poolers`` (observed with ``poolers=True``): ``(module, index)`` for each model inside
+    the model (CLIP's text tower) whose ``pooler_output`` is, in every row, one row of its own
+    ``last_hidden_state``: the position it was taken at (-1 for a non-finite row).
+    ``unseen``: the models whose pooled position could not be observed (called more than
+    once, an output without ``last_hidden_state`` / ``pooler_output`` of a model whose own
+    forward pools at a token it finds in the ids), one line each."""
 
     def __init__(self):
         self.head: Optional[nn.Module] = None
         self.index: Optional[torch.Tensor] = None
+        self.poolers: List[Tuple[nn.Module, torch.Tensor]] = []
+        self.unseen: List[str] = []
         self._outs: List[Tuple[nn.Module, torch.Tensor]] = []
+        self._calls: Dict[nn.Module, list] = {}
 
-    def read(self, model_output) -> "PooledPositions":
-        """Match the recorded head outputs against ``model_output`` (its ``logits``)."""
+    @property
+    def found(self) -> bool:
+        """A pooled position was observed (a head's or a pooler's)."""
+        return self.head is not None or bool(self.poolers)
+
+    def _head_candidates(self, model_output):
         pooled = _first_tensor(model_output)
         outs, self._outs = self._outs, []
         if pooled is None or pooled.dim() < 1:
-            return self
+            return
         for mod, o in reversed(outs):  # the head nearest the output first
             if o.dim() != pooled.dim() + 1 or o.shape[0] != pooled.shape[0] or o.shape[2:] != pooled.shape[1:]:
                 continue
-            same = (o == pooled[:, None]).reshape(o.shape[0], o.shape[1], -1).all(-1)   # (batch, seq)
+            same, finite, copy = _matches(o, pooled)
             # a row whose output is not finite (NaN) cannot be matched: it keeps whatever the
             # model pools (index -1)
-            finite = torch.isfinite(pooled.reshape(pooled.shape[0], -1)).all(-1)
-            if not bool(finite.any()) or not bool(same[finite].any(1).all()):
+            if copy:
+                yield mod, same, finite
+
+    def _pooler_candidates(self):
+        calls, self._calls = self._calls, {}
+        for mod, got in calls.items():
+            pairs = [p for p in got if p is not None]
+            matched = [_matches(*p) for p in pairs]
+            if len(got) == 1 and matched and matched[0][2]:
+                same, finite, _ = matched[0]
+                yield mod, same, finite, None
                 continue
-            several = ((same.sum(1) > 1) & finite).nonzero()
-            if several.numel():
-                row = int(several[0, 0])
-                at = same[row].nonzero()[:, 0].tolist()
-                raise ValueError(
-                    f"{type(mod).__name__}: the model's output of row {row} is its per-position output at each of "
-                    f"positions {at} (they are identical), so the position the model pooled from cannot be told; "
-                    "perturbing the input could move it")
-            index = same.to(torch.int8).argmax(1)
-            self.head, self.index = mod, torch.where(finite, index, torch.full_like(index, -1))
-            return self
+            if any(m[2] for m in matched) or _reads_ids(mod):
+                why = (f"it ran {len(got)} times in one forward" if len(got) > 1 else
+                       "its output carries no last_hidden_state and pooler_output to observe it on" if not pairs else
+                       "its pooler_output is not a row of its last_hidden_state")
+                yield mod, None, None, (f"{type(mod).__name__} pools its output at a token it finds in the ids, and "
+                                        f"where it pooled cannot be observed ({why})")
+
+    def read(self, model_output) -> "PooledPositions":
+        """Match the recorded head outputs against ``model_output`` (its ``logits``) and each
+        recorded ``pooler_output`` against its ``last_hidden_state``; ValueError where a row
+        is found at several identical positions."""
+        for mod, same, finite in self._head_candidates(model_output):
+            self.head, self.index = mod, _one_position(mod, same, finite, "the model's output")
+            break
+        for mod, same, finite, why in self._pooler_candidates():
+            if why is not None:
+                self.unseen.append(why)
+            else:
+                self.poolers.append((mod, _one_position(mod, same, finite, "its pooler_output")))
         return self
+
+    def detect(self, model_output) -> bool:
+        """Whether ``model_output`` was pooled at all: it is a row of a head's per-position
+        output, or a ``pooler_output`` is a row of its ``last_hidden_state``, at one position or
+        several (an all-pad input gives identical rows); or where the model pooled cannot be
+        observed. Nothing is raised, nothing kept."""
+        heads = any(True for _ in self._head_candidates(model_output))
+        poolers = any(True for _ in self._pooler_candidates())
+        return heads or poolers
+
+    def refuse_unseen(self, what: str) -> None:
+        """ValueError naming ``what`` (the perturbation, the baseline) where a model inside the
+        model pools at a token of the ids and where it pooled could not be observed."""
+        if self.unseen:
+            raise ValueError(
+                f"{what} replaces token ids, and {self.unseen[0]}: replacing a token could move the position it pools "
+                "from, which pyattr cannot keep. Use a perturbation / baseline that leaves the ids as they are "
+                "('zero_embedding', 'mean_embedding'; baseline='zeros' or a tensor)")
+
+    @contextlib.contextmanager
+    def keep(self, rows: Optional[torch.Tensor] = None):
+        """During the block, every pooled position observed (the head's, each pooler's) is
+        kept: the forward of rows ``rows`` of the observed batch (all of them when None) pools
+        where the observed forward pooled, whatever its ids."""
+        def pick(index):
+            return index if rows is None else index[rows.to(index.device)]
+
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(keep_pooled(self.head, None if self.index is None else pick(self.index)))
+            for mod, index in self.poolers:
+                stack.enter_context(keep_pooler(mod, pick(index)))
+            yield
 
 
 @contextlib.contextmanager
-def observe_pooling(model: nn.Module):
-    """During the block, the output of every module outside the base model is recorded;
-    after the forward, ``.read(output)`` of the :class:`PooledPositions` yielded finds the
-    head and the position each row was pooled from (what transformers' sequence
-    classifiers decide from the ids: the last token that is not the pad token)."""
+def observe_pooling(model: nn.Module, poolers: bool = False):
+    """During the block, the output of every module outside the base model is recorded
+    (and with ``poolers``, the ``last_hidden_state`` and ``pooler_output`` of every model
+    inside the model); after the forward, ``.read(output)`` of the :class:`PooledPositions`
+    yielded finds the head and the position each row was pooled from (what transformers'
+    sequence classifiers decide from the ids: the last token that is not the pad token),
+    and the row of ``last_hidden_state`` each pooler output is (CLIP's text tower: its first
+    end-of-text token)."""
     got = PooledPositions()
     mods = _outside_base(model)
 
@@ -247,12 +377,50 @@ def observe_pooling(model: nn.Module):
         if t is not None and t.dim() >= 3:
             got._outs.append((mod, t.detach()))
 
+    def pooler_hook(mod, args, out):
+        pair = _pooler_pair(out)
+        got._calls.setdefault(mod, []).append(None if pair is None else tuple(t.detach() for t in pair))
+
     handles = [m.register_forward_hook(hook) for m in mods]
+    if poolers:
+        handles += [m.register_forward_hook(pooler_hook) for m in _model_levels(model)]
     try:
         yield got
     finally:
         for h in handles:
             h.remove()
+
+
+@contextlib.contextmanager
+def keep_pooler(module: nn.Module, index: torch.Tensor):
+    """During the block, ``module``'s ``pooler_output`` is the row of its own
+    ``last_hidden_state`` at ``index`` (LongTensor[batch]; a row at -1 is left as it is):
+    the position it pooled from on another input (:func:`observe_pooling` with
+    ``poolers=True``). The output is a new object; what the module computed is not changed
+    in place, and what runs after it (a projection: CLIP's ``text_embeds``) reads the kept
+    row."""
+
+    def hook(mod, args, out):
+        pair = _pooler_pair(out)
+        if pair is None or pair[0].shape[0] != index.shape[0]:
+            raise ValueError(f"{type(mod).__name__}: its output no longer carries last_hidden_state and pooler_output "
+                             "with one row per input row; cannot keep the position it pooled from")
+        lhs, po = pair
+        at = index.to(lhs.device)
+        rows = torch.arange(lhs.shape[0], device=lhs.device)
+        kept = torch.where((at >= 0)[:, None], lhs[rows, at.clamp_min(0)], po)
+        try:
+            new = type(out)(**{**dict(out.items()), "pooler_output": kept})
+        except Exception:  # an output class that cannot be rebuilt from its fields
+            new = out
+            new["pooler_output"] = kept
+        return new
+
+    h = module.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        h.remove()
 
 
 @contextlib.contextmanager
