@@ -1,6 +1,7 @@
 # Two entry points, each doing all set-up on a fresh machine:
 #   make demo   installs pyattr and runs `pyattr explain` on the bundled model
-#   make test   installs pyattr and runs the test suite (without the slow tier; make test-all: every tier)
+#   make test   installs pyattr and runs the test suite (without the slow tier; make test-slow: only
+#               the slow tier; make test-all: every tier at once)
 #   make docs   builds the documentation site into site/ (mkdocs, warnings as errors)
 # Both share one install (pyattr[demo,dev], editable, built against .venv's torch): the
 # second command reinstalls only when setup.py, pyproject.toml, MANIFEST.in, a file under
@@ -66,7 +67,7 @@ for line in iter(sys.stdin.readline, ""):
 endef
 export SHOW
 
-.PHONY: demo test test-all docs install venv FORCE
+.PHONY: demo test test-slow test-all docs install venv FORCE
 
 $(VENV)/.torch-installed:
 	$(call step,creating $(VENV) with $(TORCH) (about 30 s))
@@ -124,14 +125,21 @@ demo: $(STAMP)
 # pytest's exit status fails make on any failure and on exit 5 (no tests collected).
 # Two tiers (tests/conftest.py): `make test` leaves out what is marked slow (torch.compile,
 # subprocess and benchmark-harness runs, Triton kernels under the CPU interpreter);
-# `make test-all` runs everything and is what CI runs. pytest-xdist spreads the tests over
-# the cores, one intra-op thread per worker, a test file per worker (the README tests share
-# one working directory across the file).
+# `make test-slow` runs only what `make test` leaves out, and `make test-all` both at once.
+# CI (.ci/run) runs `make test`, the README's command as written, then `make test-slow`:
+# every test once. pytest-xdist spreads the tests over the cores, one intra-op thread per
+# worker, a test file per worker (the README tests share one working directory across the
+# file). No test's numbers depend on the order (tests/conftest.py seeds each test).
 PYTEST := $(PY) -m pytest -q -n auto --dist loadfile
 test: $(STAMP)
 	$(call step,pytest without the slow tier (about 2 minutes on 2 cores))
 	@$(PYC) pyattr tests
 	$(PYTEST) -m "not slow"
+
+test-slow: $(STAMP)
+	$(call step,pytest: only the slow tier (about 4 minutes on 2 cores))
+	@$(PYC) pyattr tests
+	$(PYTEST) -m slow
 
 test-all: $(STAMP)
 	$(call step,pytest: every tier (about 6 minutes on 2 cores))

@@ -1,3 +1,4 @@
+import functools
 import os
 
 # Without a GPU the Triton kernels run under Triton's interpreter on CPU tensors; the flag
@@ -22,10 +23,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tiers: ``make test`` runs every test not marked ``slow``; ``make test-all`` (CI) runs
-    them all. Besides the tests marked in their files (torch.compile, subprocess runs,
-    benchmark harness runs), every case of a Triton kernel on CPU tensors is slow: it runs
-    in Triton's Python interpreter (about 83 s of the suite's 416 s, one process)."""
+    """Tiers: ``make test`` runs every test not marked ``slow``, ``make test-slow`` the rest
+    (CI runs the two), ``make test-all`` them all. Besides the tests marked in their files
+    (torch.compile, subprocess runs, benchmark harness runs), every case of a Triton kernel
+    on CPU tensors is slow: it runs in Triton's Python interpreter (about 83 s of the
+    suite's 416 s, one process)."""
     slow = pytest.mark.slow
     for item in items:
         if "triton" in item.nodeid.lower() and not torch.cuda.is_available():
@@ -65,7 +67,49 @@ def assert_close(actual, expected, dtype):
 @pytest.fixture(autouse=True)
 def _no_env_backend(monkeypatch):
     monkeypatch.delenv("PYATTR_BACKEND", raising=False)
-    torch.manual_seed(0)
+
+
+SEED = 0
+
+
+@pytest.fixture(autouse=True)
+def _seed_rngs():
+    """Every test starts from the same state of torch's, Python's and NumPy's global
+    random generators (torch's seeds every CUDA device's too), whatever ran before it in
+    the process: what a test draws in its body and its function-scoped fixtures (autouse
+    fixtures run first within their scope) depends on the test alone, never on the order.
+    Module- and session-scoped fixtures are built before this runs and seed themselves
+    (tests/models.py's builders do); builders cached across tests leave the state as they
+    found it (``keeps_rng_state``)."""
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(SEED)  # also every CUDA device's generator
+    random.seed(SEED)
+    np.random.seed(SEED)
+
+
+def keeps_rng_state(builder):
+    """For a builder cached across tests, under its cache (``@functools.lru_cache`` then
+    ``@keeps_rng_state``): the call that builds (the first, in whichever test runs first)
+    leaves torch's, Python's and NumPy's global generators as it found them, as the cached
+    calls do, so what a test draws after it does not depend on the order."""
+    import random
+
+    import numpy as np
+
+    @functools.wraps(builder)
+    def build(*args, **kwargs):
+        py, npy = random.getstate(), np.random.get_state()
+        try:
+            with torch.random.fork_rng(devices=[]):
+                return builder(*args, **kwargs)
+        finally:
+            random.setstate(py)
+            np.random.set_state(npy)
+
+    return build
 
 
 @pytest.fixture(scope="module")

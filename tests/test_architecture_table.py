@@ -15,6 +15,7 @@ import torch
 import pyattr
 import pyattr.architectures as A
 from pyattr.patching import activation_patching, attribution_patching
+from conftest import keeps_rng_state
 from models import TEXT_ARCHS, VOCAB, tiny_causal_lm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -24,6 +25,7 @@ METHODS = ("relevance", "layer:residual", "layer:attention", "layer:mlp", "layer
 
 
 @functools.lru_cache(maxsize=None)
+@keeps_rng_state
 def _model(arch):
     """A tiny model of ``arch`` with eager attention (AtP* reads the probabilities), its
     inputs and a target."""

@@ -7,7 +7,7 @@ there, with ``./my-llama`` a tiny random Llama that carries the bundled MiniLM's
 (``path/to/vit`` and ``./my-vit`` tiny random ViT classifiers with their image processor,
 ``photo.png`` a random image). The python blocks of every page run first, so they leave
 ``prompts.jsonl`` and ``results`` there as a user's session would. The README's ``make``
-block is its two commands, which CI itself runs (`.ci/run` calls `make test-all`).
+block is its two commands, which CI itself runs (`.ci/run` calls `make test`, then `make test-slow`).
 """
 
 import re

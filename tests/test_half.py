@@ -35,7 +35,7 @@ def test_half_rule_broadcasts_like_mul():
     torch.testing.assert_close(dv, (0.5 * dy * u).sum((0, 2)).reshape(4, 1))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, derandomize=True)  # the same 40 examples every run
 @given(
     st.lists(st.floats(-1e3, 1e3), min_size=1, max_size=16),
     st.lists(st.floats(-1e3, 1e3), min_size=1, max_size=16),

@@ -17,6 +17,7 @@ import pyattr
 from pyattr import RelevanceRules, targets
 import pyattr.architectures as A
 from pyattr.patching import attribution_patching
+from conftest import keeps_rng_state
 from models import ENCODERS, TEXT_ARCHS, VOCAB, tiny_causal_lm, tiny_rope_scaled
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -31,6 +32,7 @@ def test_text_architectures_cover_the_table():
 
 
 @functools.lru_cache(maxsize=None)
+@keeps_rng_state
 def _model(arch):
     return tiny_rope_scaled(arch) if arch in ROPE else tiny_causal_lm(arch)
 

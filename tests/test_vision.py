@@ -462,9 +462,9 @@ def test_text_on_an_image_model_points_to_image(image_dirs):
 
 
 @pytest.mark.parametrize("bad, exc, msg", [
-    (torch.randn(1, 1, 3, 32, 32), ValueError, r"pixel_values must have shape \(batch, channels, height, width\)"),
+    (torch.randn(1, 1, 3, 32, 32, generator=torch.Generator().manual_seed(0)), ValueError, r"pixel_values must have shape \(batch, channels, height, width\)"),
     (torch.zeros(3, 32, 32, dtype=torch.uint8), TypeError, "pixel_values must be a floating tensor"),
-    (torch.randn(2, 32), TypeError, r"got torch.float32 \(images go in as pixel_values"),
+    (torch.randn(2, 32, generator=torch.Generator().manual_seed(1)), TypeError, r"got torch.float32 \(images go in as pixel_values"),
 ])
 def test_tensor_inputs_that_are_neither_ids_nor_an_image(bad, exc, msg):
     with pytest.raises(exc, match=msg):

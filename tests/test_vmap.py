@@ -15,7 +15,7 @@ import pyattr
 from pyattr.ops import activation, gated_activation, layer_norm, rms_norm
 from pyattr.rules import half_rule, identity_rule, ln_rule, ln_rule_grad, scale_gradient
 
-from conftest import TOL, cpu_backends
+from conftest import TOL, cpu_backends, keeps_rng_state
 
 FALLBACK = "There is a performance drop"
 OPS = ("identity_backward", "half_backward", "gated_backward", "layer_norm_backward", "rms_norm_backward")
@@ -269,6 +269,7 @@ def test_vmap_over_norm_weights(backend_name):
 # --- end to end: k targets of a model in one batched backward ----------------------------
 
 @functools.lru_cache(maxsize=None)
+@keeps_rng_state
 def _model(arch, attn):
     from models import tiny_causal_lm
 
