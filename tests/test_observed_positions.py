@@ -24,7 +24,7 @@ import pyattr.evaluate.perturbation as PT
 import pyattr.methods._core.positions as P
 from models import TEXT_ARCHS, VOCAB, _cfg, pad_rows, tiny_causal_lm
 from pyattr import RelevanceRules
-from pyattr.architectures import blocks as B
+from pyattr.architectures import position_probe as B
 from pyattr.evaluate.perturbation import perturbed_masks
 from pyattr.targets import Logit, ModuleOutput
 

@@ -17,7 +17,7 @@ a block):
 - outside the blocks: outer norms (an outer norm registered before the blocks is the
   embedding norm and the ``entry``; else the first block's input), head and pooler norms
   and activations, the position-id convention (observed: the model's embeddings run on
-  probe ids holding a pad token, :func:`~pyattr.architectures.blocks.observed_positions`).
+  probe ids holding a pad token, :func:`~pyattr.architectures.position_probe.observed_positions`).
 
 Every role it cannot find is left None and declared in ``Arch.refusals`` with the reason
 (a fused q/k/v projection whose split cannot be read from the graph, an MoE block whose
@@ -48,12 +48,11 @@ from pyattr.architectures.blocks import (  # noqa: F401 - the finders, also read
     is_activation_like,
     is_norm_like,
     multiplies,
-    observed_positions,
-    padding_idx_embeddings,
     plain_layer_norm,
     qkv_names,
 )
 from pyattr.architectures.forms import classify_norm
+from pyattr.architectures.position_probe import observed_positions, padding_idx_embeddings
 from pyattr.architectures.paths import base_prefix, get_submodule, join, model_type
 from pyattr.architectures.table import ARCHITECTURES, Arch
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from pyattr._repr import summary_repr
 
-import copy
 import operator
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -23,6 +22,8 @@ from torch import nn
 
 import pyattr.methods._core as core
 import pyattr.methods._core.positions as P
+from pyattr.methods._core.generate import generate
+from pyattr.methods._core.words import words
 import pyattr.targets as T
 from pyattr.config import RelevanceRules
 from pyattr.integration.wrappers import unwrap
@@ -130,7 +131,7 @@ class GenerationRelevanceResult:
                 raise ValueError(f"aggregate: by must be 'word' or a list of (start, end) column ranges, got {by!r}")
             if tokenizer is None:
                 raise ValueError("aggregate('word') needs tokenizer= (to read where words start)")
-            return _words(self.sequences[row], self.attention_mask[row], rel, tokenizer)
+            return words(self.sequences[row], self.attention_mask[row], rel, tokenizer)
         seq = rel.shape[-1]
         groups = list(by)
         if not groups:
@@ -151,75 +152,6 @@ def _index(value, lo: int, hi: int, name: str) -> int:
     if i is None or not lo <= i < hi:
         raise IndexError(f"{name} must be an int in [{lo}, {hi}), got {value!r}")
     return i
-
-
-def _pieces(tokenizer, ids: List[int], window: int = 16) -> List[str]:
-    """Each token's characters in the tokenizer's own decoding of the run ``ids``: what
-    decoding it adds after the tokens before it (``window`` of them as context, enough for
-    a byte-level token that completes a multi-byte character or a SentencePiece space)."""
-    out = []
-    for i in range(len(ids)):
-        j = max(0, i - window)
-        before = tokenizer.decode(ids[j:i], skip_special_tokens=False, clean_up_tokenization_spaces=False) if i > j else ""
-        text = tokenizer.decode(ids[j:i + 1], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        k = 0
-        while k < min(len(before), len(text)) and before[k] == text[k]:
-            k += 1
-        out.append(text[k:] if i > j else text)
-    return out
-
-
-def _words(ids: torch.Tensor, mask: torch.Tensor, rel: torch.Tensor, tokenizer):
-    """Words as the tokenizer's own decoding spells the sequence: a word is a run of
-    non-whitespace characters; a token belongs to the word its first visible character is
-    in, a token of whitespace only (a byte-level ``Ċ`` line break) to the word after it;
-    a special token is a word of its own. Read from the decoded text, never from marker
-    characters (``Ġ``, ``▁``, ``##``), which miss line breaks and tabs (issue 31)."""
-    special = set(getattr(tokenizer, "all_special_ids", []) or [])
-    cols = mask.bool().nonzero()[:, 0].tolist()
-    tok_ids = [int(ids[c]) for c in cols]
-    pieces: List[Optional[str]] = [None] * len(cols)
-    run: List[int] = []
-    for n in range(len(cols) + 1):  # decode each run between special tokens
-        if n < len(cols) and tok_ids[n] not in special:
-            run.append(n)
-            continue
-        for i, piece in zip(run, _pieces(tokenizer, [tok_ids[i] for i in run])):
-            pieces[i] = piece
-        run = []
-    groups: List[List[int]] = []   # column indices (into cols) per word
-    labels: List[str] = []
-    pending: List[int] = []        # whitespace-only tokens waiting for the next word
-    open_word = False
-
-    def close_pending():
-        if pending:
-            if groups and open_word:
-                groups[-1].extend(pending)
-            else:
-                groups.append(list(pending))
-                labels.append("".join(pieces[i] for i in pending).strip() or pieces[pending[0]])
-            pending.clear()
-
-    for n, piece in enumerate(pieces):
-        if piece is None:  # a special token
-            close_pending()
-            groups.append([n])
-            labels.append(tokenizer.convert_ids_to_tokens([tok_ids[n]])[0])
-            open_word = False
-        elif not piece.strip():
-            pending.append(n)
-        elif open_word and not pending and not piece[0].isspace():
-            groups[-1].append(n)
-            labels[-1] += piece.strip()
-        else:
-            groups.append(pending + [n])
-            labels.append(piece.strip())
-            pending = []
-            open_word = True
-    close_pending()
-    out = torch.stack([rel[:, [cols[i] for i in g]].sum(-1) for g in groups], -1)
-    return labels, out
 
 
 def _as_batch(inputs, attention_mask) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -247,110 +179,6 @@ def _as_batch(inputs, attention_mask) -> Tuple[torch.Tensor, torch.Tensor]:
         raise ValueError("inputs: the prompt must be left-padded (each row's real tokens end at the last column), "
                          "as for model.generate; use tokenizer(..., padding_side='left')")
     return ids, mask
-
-
-def _eos_ids(model, generate_kwargs: Optional[dict] = None) -> List[int]:
-    """An end-of-sequence id to pad finished rows with, where the caller names no pad: the
-    caller's ``generate_kwargs`` first, then the generation config, then the config. Only a
-    pad choice: which steps exist is observed (:class:`_StopRecord`), never read from it."""
-    gc = (generate_kwargs or {}).get("generation_config") or getattr(model, "generation_config", None)
-    eos = (generate_kwargs or {}).get("eos_token_id", getattr(gc, "eos_token_id", None))
-    if eos is None:
-        eos = getattr(getattr(model, "config", None), "eos_token_id", None)
-    if eos is None:
-        return []
-    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
-
-
-class _StopRecord:
-    """What ``generate``'s own stopping criteria decided, step by step.
-
-    transformers builds one ``StoppingCriteriaList`` per call (``_get_stopping_criteria``:
-    max length, max time, the end-of-sequence ids of the generation config in force,
-    ``stop_strings``, the caller's ``stopping_criteria``) and calls it once after each
-    step on the sequences so far; a row it marks done is finished, and what the row gets
-    afterwards (pad tokens, or free tokens where no end-of-sequence criterion exists) is
-    filler. The record wraps that list for one call, so the steps kept are the ones
-    ``generate`` itself counted, whatever stopped it; pyattr never re-derives the stop
-    from the ids (issue 31: ``stop_strings``, custom criteria and a passed
-    ``GenerationConfig`` were explained as generated steps)."""
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-        self.done: List[torch.Tensor] = []
-
-    def __enter__(self):
-        from transformers import StoppingCriteriaList
-
-        build = getattr(type(self.model), "_get_stopping_criteria", None)
-        if not callable(build):
-            raise ValueError(
-                f"model: cannot observe where {type(self.model).__name__}.generate stops (its generation has no "
-                "transformers _get_stopping_criteria); pass continuation= with the generated tokens instead")
-        record = self.done
-
-        class Recorded(StoppingCriteriaList):
-            def __call__(self, input_ids, scores, **kwargs):
-                done = super().__call__(input_ids, scores, **kwargs)
-                record.append(torch.as_tensor(done).detach().to("cpu", torch.bool).reshape(-1).clone())
-                return done
-
-        def wrapped(*args, **kwargs):
-            return Recorded(build(self.model, *args, **kwargs))
-
-        self.had = "_get_stopping_criteria" in vars(self.model)
-        self.saved = vars(self.model).get("_get_stopping_criteria")
-        self.model._get_stopping_criteria = wrapped
-        return self
-
-    def __exit__(self, *exc):
-        if self.had:
-            self.model._get_stopping_criteria = self.saved
-        else:
-            del self.model._get_stopping_criteria
-        return False
-
-    def steps(self, batch: int, generated: int) -> torch.Tensor:
-        """BoolTensor[batch, generated]: step ``t`` exists where no earlier step finished the row."""
-        if generated and len(self.done) < generated:
-            raise ValueError(
-                f"model: {type(self.model).__name__}.generate produced {generated} steps but its stopping criteria "
-                f"were consulted {len(self.done)} times, so where each row stopped cannot be observed; pass "
-                "continuation= with the generated tokens instead")
-        steps = torch.ones(batch, generated, dtype=torch.bool)
-        if generated > 1:
-            done = torch.stack(self.done[: generated - 1], 1)  # (batch, generated - 1): done after step t
-            if done.shape[0] != batch:
-                raise ValueError(f"model: generate's stopping criteria saw {done.shape[0]} rows, the prompt has {batch}")
-            steps[:, 1:] = ~done.cumsum(1).bool()
-        return steps
-
-
-def _generate(model, ids, mask, max_new_tokens: int, generate_kwargs: Optional[dict]):
-    kw = dict(generate_kwargs or {})
-    gc = kw.get("generation_config")
-    if gc is not None:  # the caller's config decides all but the length, which is ours
-        gc = copy.deepcopy(gc)
-        gc.max_new_tokens, gc.max_length = max_new_tokens, None
-        kw["generation_config"] = gc
-    else:
-        kw = {"max_new_tokens": max_new_tokens, "do_sample": False, **kw}
-    def setting(name):
-        v = kw.get(name, getattr(gc, name, None))
-        return 1 if v is None else v
-
-    if setting("num_return_sequences") != 1 or setting("num_beams") != 1:
-        raise ValueError("generate_kwargs: one sequence per prompt (num_beams 1, num_return_sequences 1)")
-    if "pad_token_id" not in kw and getattr(gc, "pad_token_id", None) is None:
-        # any id pads: the steps kept are the ones generate reports finished or not (_StopRecord)
-        pad = getattr(model.config, "pad_token_id", None)
-        eos = _eos_ids(model, generate_kwargs)
-        kw["pad_token_id"] = pad if pad is not None else (eos[0] if eos else 0)
-    with torch.no_grad(), _StopRecord(model) as record:
-        out = model.generate(input_ids=ids, attention_mask=mask, **kw)
-    out = out.sequences if hasattr(out, "sequences") else out
-    gen = out[:, ids.shape[1]:]
-    return gen, record.steps(gen.shape[0], gen.shape[1]).to(gen.device)
 
 
 def _continuation(continuation, batch: int, device, pad: int):
@@ -501,7 +329,7 @@ def generation_relevance(
         # refused before generating: generate would carry the rows past the position table
         core.check_length(model, [n + max_new_tokens for n in prompt_lengths], "inputs",
                           f"prompt + max_new_tokens={max_new_tokens}")
-        gen, steps = _generate(model, ids, mask, max_new_tokens, generate_kwargs)
+        gen, steps = generate(model, ids, mask, max_new_tokens, generate_kwargs)
     else:
         pad = getattr(model.config, "pad_token_id", None)
         gen, steps = _continuation(continuation, batch, ids.device, 0 if pad is None else int(pad))

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 import pyattr.architectures as A
-from pyattr.architectures.blocks import observed_positions
+from pyattr.architectures.position_probe import observed_positions
 import pyattr.methods._core.readout as R
 import pyattr.methods._core.state as S
 
@@ -42,12 +42,12 @@ def convention(model: nn.Module) -> Tuple[str, int]:
     """``("mask", 0)``: real tokens at ``0, 1, …``; ``("padding_idx", p)``: real tokens at
     ``p + 1, p + 2, …`` and padding at ``p`` (RoBERTa family, MPNet, ESM, Longformer, LUKE,
     …). Observed on the model's own embeddings, run on probe ids holding a pad token
-    (:func:`pyattr.architectures.blocks.observed_positions`: the indices its position table
+    (:func:`pyattr.architectures.position_probe.observed_positions`: the indices its position table
     gets), mapped or not and whether or not the caller opted into ``generic`` (the
     convention decides only how ids are numbered, and numbering them otherwise would change
     the model's own output). Where the embeddings cannot be run on a probe, the table's
     declaration (``Arch.positions``), else the embeddings' source
-    (:func:`pyattr.architectures.blocks.padding_idx_embeddings`)."""
+    (:func:`pyattr.architectures.position_probe.padding_idx_embeddings`)."""
     inner = getattr(model, "_orig_mod", model)
     seen = observed_positions(inner)
     if seen is not None:

@@ -1,0 +1,120 @@
+"""What ``model.generate`` produced: the generated ids, and which steps exist, observed
+from the stopping criteria ``generate`` itself builds and consults (DESIGN §10), never
+re-derived from the ids."""
+
+from __future__ import annotations
+
+import copy
+from typing import List, Optional, Tuple
+
+import torch
+from torch import nn
+
+
+def _eos_ids(model, generate_kwargs: Optional[dict] = None) -> List[int]:
+    """An end-of-sequence id to pad finished rows with, where the caller names no pad: the
+    caller's ``generate_kwargs`` first, then the generation config, then the config. Only a
+    pad choice: which steps exist is observed (:class:`_StopRecord`), never read from it."""
+    gc = (generate_kwargs or {}).get("generation_config") or getattr(model, "generation_config", None)
+    eos = (generate_kwargs or {}).get("eos_token_id", getattr(gc, "eos_token_id", None))
+    if eos is None:
+        eos = getattr(getattr(model, "config", None), "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+class _StopRecord:
+    """What ``generate``'s own stopping criteria decided, step by step.
+
+    transformers builds one ``StoppingCriteriaList`` per call (``_get_stopping_criteria``:
+    max length, max time, the end-of-sequence ids of the generation config in force,
+    ``stop_strings``, the caller's ``stopping_criteria``) and calls it once after each
+    step on the sequences so far; a row it marks done is finished, and what the row gets
+    afterwards (pad tokens, or free tokens where no end-of-sequence criterion exists) is
+    filler. The record wraps that list for one call, so the steps kept are the ones
+    ``generate`` itself counted, whatever stopped it; pyattr never re-derives the stop
+    from the ids (issue 31: ``stop_strings``, custom criteria and a passed
+    ``GenerationConfig`` were explained as generated steps)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.done: List[torch.Tensor] = []
+
+    def __enter__(self):
+        from transformers import StoppingCriteriaList
+
+        build = getattr(type(self.model), "_get_stopping_criteria", None)
+        if not callable(build):
+            raise ValueError(
+                f"model: cannot observe where {type(self.model).__name__}.generate stops (its generation has no "
+                "transformers _get_stopping_criteria); pass continuation= with the generated tokens instead")
+        record = self.done
+
+        class Recorded(StoppingCriteriaList):
+            def __call__(self, input_ids, scores, **kwargs):
+                done = super().__call__(input_ids, scores, **kwargs)
+                record.append(torch.as_tensor(done).detach().to("cpu", torch.bool).reshape(-1).clone())
+                return done
+
+        def wrapped(*args, **kwargs):
+            return Recorded(build(self.model, *args, **kwargs))
+
+        self.had = "_get_stopping_criteria" in vars(self.model)
+        self.saved = vars(self.model).get("_get_stopping_criteria")
+        self.model._get_stopping_criteria = wrapped
+        return self
+
+    def __exit__(self, *exc):
+        if self.had:
+            self.model._get_stopping_criteria = self.saved
+        else:
+            del self.model._get_stopping_criteria
+        return False
+
+    def steps(self, batch: int, generated: int) -> torch.Tensor:
+        """BoolTensor[batch, generated]: step ``t`` exists where no earlier step finished the row."""
+        if generated and len(self.done) < generated:
+            raise ValueError(
+                f"model: {type(self.model).__name__}.generate produced {generated} steps but its stopping criteria "
+                f"were consulted {len(self.done)} times, so where each row stopped cannot be observed; pass "
+                "continuation= with the generated tokens instead")
+        steps = torch.ones(batch, generated, dtype=torch.bool)
+        if generated > 1:
+            done = torch.stack(self.done[: generated - 1], 1)  # (batch, generated - 1): done after step t
+            if done.shape[0] != batch:
+                raise ValueError(f"model: generate's stopping criteria saw {done.shape[0]} rows, the prompt has {batch}")
+            steps[:, 1:] = ~done.cumsum(1).bool()
+        return steps
+
+
+def generate(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int,
+             generate_kwargs: Optional[dict]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``model.generate`` on left-padded ``ids`` (greedy unless ``generate_kwargs`` say
+    otherwise; one sequence per prompt): the generated ids (batch, generated) and which
+    steps exist (BoolTensor, the same shape), as ``generate``'s own stopping criteria
+    decided (:class:`_StopRecord`)."""
+    kw = dict(generate_kwargs or {})
+    gc = kw.get("generation_config")
+    if gc is not None:  # the caller's config decides all but the length, which is ours
+        gc = copy.deepcopy(gc)
+        gc.max_new_tokens, gc.max_length = max_new_tokens, None
+        kw["generation_config"] = gc
+    else:
+        kw = {"max_new_tokens": max_new_tokens, "do_sample": False, **kw}
+    def setting(name):
+        v = kw.get(name, getattr(gc, name, None))
+        return 1 if v is None else v
+
+    if setting("num_return_sequences") != 1 or setting("num_beams") != 1:
+        raise ValueError("generate_kwargs: one sequence per prompt (num_beams 1, num_return_sequences 1)")
+    if "pad_token_id" not in kw and getattr(gc, "pad_token_id", None) is None:
+        # any id pads: the steps kept are the ones generate reports finished or not (_StopRecord)
+        pad = getattr(model.config, "pad_token_id", None)
+        eos = _eos_ids(model, generate_kwargs)
+        kw["pad_token_id"] = pad if pad is not None else (eos[0] if eos else 0)
+    with torch.no_grad(), _StopRecord(model) as record:
+        out = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    out = out.sequences if hasattr(out, "sequences") else out
+    gen = out[:, ids.shape[1]:]
+    return gen, record.steps(gen.shape[0], gen.shape[1]).to(gen.device)
