@@ -34,6 +34,10 @@ constexpr double kInvSqrt2 = 0.70710678118654752440084436210485;
 constexpr double kQuickGeluAlpha = 1.702;
 constexpr double kGeluTanhCoef = 0.044715;
 constexpr double kInvSqrt2Pi = 0.39894228040143267793994605993438;
+// act'(x) of SiLU, GELU and QuickGELU is exactly 1 (x > 0) or +-0 (x < 0) in float and
+// double beyond this |x|; the derivatives clamp x to it, so that +-inf give the limits
+// (1 and 0) instead of inf * 0 = NaN (pyattr/activations.py, derivative).
+constexpr double kDerivativeSaturated = 1.0e4;
 
 // float and double overloads that exist in host and device code alike
 PYATTR_HD float exp_(float x) { return ::expf(x); }
@@ -66,16 +70,22 @@ PYATTR_HD T phi_scalar(Act a, T x) {
   }
 }
 
-// act(x), the native forward value in the accumulation type.
+// act(x) in the accumulation type: x * phi(x); ReLU is relu itself (NaN stays NaN,
+// relu(-0) = -0, as torch.relu gives).
 template <typename T>
 PYATTR_HD T act_scalar(Act a, T x) {
-  if (a == Act::ReLU) return x != x ? x : (x > T(0) ? x : T(0));
+  if (a == Act::ReLU) return x < T(0) ? T(0) : x;
   return x * phi_scalar(a, x);
 }
 
-// act'(x), the ordinary derivative (used when the Identity-rule is switched off).
+// act'(x), the ordinary derivative (used when the Identity-rule is switched off); the
+// limits 1 and 0 at +-inf.
 template <typename T>
 PYATTR_HD T dact_scalar(Act a, T x) {
+  if (a == Act::SiLU || a == Act::GELU || a == Act::QuickGELU) {
+    const T lim = T(kDerivativeSaturated);
+    x = x != x ? x : (x < -lim ? -lim : (x > lim ? lim : x));
+  }
   switch (a) {
     case Act::SiLU: {
       T s = sigmoid_(x);

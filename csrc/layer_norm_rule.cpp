@@ -10,6 +10,8 @@
 // Saved for backward: x, weight, mean and rstd (one value each per row).
 #include <Python.h>
 
+#include <limits>
+
 #include <ATen/ATen.h>
 #include <ATen/LegacyBatchedTensorImpl.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -39,7 +41,15 @@ Triple reference_backward(const at::Tensor& x, const at::Tensor& w, double eps, 
                           bool need_b) {
   const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const at::Tensor x32 = x.to(acc), dy32 = dy.to(acc);
-  const at::Tensor mu = x32.mean(-1, true);
+  // row_mean: K + mean(x - K), K the row's first value; where that is not finite,
+  // K + mean((x - K) * 2^-64) / 2^-64; NaN where neither is finite
+  const at::Tensor k = x32.narrow(-1, 0, std::min<int64_t>(1, x32.size(-1)));
+  const at::Tensor d = x32 - k;
+  const at::Tensor shifted = k + d.mean(-1, true);
+  const double scale = 5.42101086242752217e-20;  // 2^-64
+  const at::Tensor big = k + (d * scale).mean(-1, true) / scale;
+  const at::Tensor mu = at::where(at::isfinite(shifted), shifted,
+                                  at::where(at::isfinite(big), big, std::numeric_limits<double>::quiet_NaN()));
   const at::Tensor xc = x32 - mu;
   const at::Tensor rstd = at::rsqrt((xc * xc).mean(-1, true) + eps);
   const at::Tensor g = w.defined() ? dy32 * w.to(acc) * rstd : dy32 * rstd;

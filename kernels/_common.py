@@ -62,29 +62,37 @@ def phi(x, ACT: tl.constexpr):
 
 @triton.jit
 def act_(x, ACT: tl.constexpr):
+    """act(x) = x·φ(x); ReLU is relu itself (NaN stays NaN, relu(−0) = −0 as torch.relu)."""
     if ACT == 4:
-        r = tl.where(x > 0, x, 0.0).to(x.dtype)
-        return tl.where(x != x, x, r)
+        return tl.where(x < 0, 0.0, x).to(x.dtype)
     return x * phi(x, ACT)
+
+
+# act'(x) of SiLU, GELU and QuickGELU is exactly 1 or ±0 beyond this |x| (float32 and
+# float64); x is clamped to it so that ±inf give the limits 1 and 0, never inf·0
+DERIVATIVE_SATURATED = tl.constexpr(1.0e4)
 
 
 @triton.jit
 def dact(x, ACT: tl.constexpr):
-    """act'(x), for the gated kernel with the Identity-rule off."""
+    """act'(x), for the gated kernel with the Identity-rule off; the limits 1 and 0 at ±inf."""
     if ACT == 0:
-        s = tl.sigmoid(x)
-        r = s * (1.0 + x * (1.0 - s))
+        xs = tl.minimum(tl.maximum(x, -DERIVATIVE_SATURATED), DERIVATIVE_SATURATED)
+        s = tl.sigmoid(xs)
+        r = s * (1.0 + xs * (1.0 - s))
     elif ACT == 1:
         xc = tl.minimum(tl.maximum(x, -10.0), 10.0)
-        r = 0.5 * (1.0 + tl.math.erf(xc * 0.7071067811865476)) + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
+        xs = tl.minimum(tl.maximum(x, -DERIVATIVE_SATURATED), DERIVATIVE_SATURATED)
+        r = 0.5 * (1.0 + tl.math.erf(xc * 0.7071067811865476)) + xs * 0.3989422804014327 * tl.exp(-0.5 * xs * xs)
     elif ACT == 2:
         xc = tl.minimum(tl.maximum(x, -10.0), 10.0)
         t = tanh_(0.7978845608028654 * (xc + 0.044715 * xc * xc * xc))
         dinner = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * xc * xc)
         r = 0.5 * (1.0 + t) + 0.5 * xc * (1.0 - t * t) * dinner
     elif ACT == 3:
-        s = tl.sigmoid(1.702 * x)
-        r = s + 1.702 * (x * (s * (1.0 - s)))
+        xs = tl.minimum(tl.maximum(x, -DERIVATIVE_SATURATED), DERIVATIVE_SATURATED)
+        s = tl.sigmoid(1.702 * xs)
+        r = s + 1.702 * (xs * (s * (1.0 - s)))
     else:
         r = tl.where(x > 0, 1.0, 0.0).to(x.dtype)
     return tl.where(x != x, x, r)

@@ -13,7 +13,12 @@ then an additive mask (any strides; broadcast dimensions have stride 0), then ca
 (query i sees keys j ≤ i). m and l are kept apart rather than as ``m + log l``: a row
 whose keys are all masked with a large finite value (eager attention's ``finfo.min``)
 has ``m`` so large that ``log l`` would vanish in the sum, and its uniform pattern would
-come out as ones. A row with every key masked to −inf has ``m = −inf`` and adds nothing.
+come out as ones. A row with every key masked to −inf has ``m = −inf`` and adds nothing;
+a row with a NaN score has ``m = NaN`` and a row with +inf ``l = NaN``, so its P is NaN
+except at causally hidden keys (0 in every row), as in
+``pyattr.backends.reference.attention_dv_reference``. Causal blocks skip the query rows
+before a key block, unless dO is not finite somewhere (a flag computed on the device):
+then those rows' P = 0 meets it as 0·inf = NaN, as the full product does.
 Float32 products run at IEEE precision (no TF32). Offsets are int64; the head dimension
 is masked (64, 80, 128, any size).
 """
@@ -67,7 +72,10 @@ def _attention_row_stats(Q, K, M, ROWMAX, ROWSUM, Lq, Lk, H, G, D,
         k = tl.load(K + b * sk0 + hk * sk1 + kj[:, None].to(tl.int64) * sk2 + dd[None, :] * sk3,
                     mask=(kj[:, None] < Lk) & (dd[None, :] < D), other=0.0).to(ACC)
         s = _scores(q, k, qi, kj, Lq, Lk, M, m_off, sm2, sm3, scaling, softcap, HAS_MASK, HAS_SOFTCAP, CAUSAL)
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # a NaN score makes the row's maximum NaN, and it stays NaN (whatever NaN rule the
+        # max and maximum of this target follow)
+        nan_row = (tl.max((s != s).to(tl.int32), axis=1) > 0) | (m_i != m_i)
+        m_new = tl.where(nan_row, float("nan"), tl.maximum(m_i, tl.max(s, axis=1)))
         safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp(m_i - safe) + tl.sum(tl.exp(s - safe[:, None]), axis=1)
         m_i = m_new
@@ -76,7 +84,7 @@ def _attention_row_stats(Q, K, M, ROWMAX, ROWSUM, Lq, Lk, H, G, D,
 
 
 @triton.jit
-def _attention_dv(Q, K, DO, M, ROWMAX, ROWSUM, DV, Lq, Lk, H, Hkv, G, D, Dv,
+def _attention_dv(Q, K, DO, M, ROWMAX, ROWSUM, DV, FULL, Lq, Lk, H, Hkv, G, D, Dv,
                   sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, so0, so1, so2, so3, sm0, sm1, sm2, sm3,
                   scaling, softcap, HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr,
                   ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -92,8 +100,8 @@ def _attention_dv(Q, K, DO, M, ROWMAX, ROWSUM, DV, Lq, Lk, H, Hkv, G, D, Dv,
                 mask=(kj[:, None] < Lk) & (dd[None, :] < D), other=0.0).to(ACC)
     acc = tl.zeros([BLOCK_N, BLOCK_DV], dtype=ACC)
     start = 0
-    if CAUSAL:  # rows before the block's first key never see it
-        start = (pn * BLOCK_N) // BLOCK_M * BLOCK_M
+    if CAUSAL:  # rows before the block's first key never see it (unless dO is not finite)
+        start = tl.where(tl.load(FULL) != 0, 0, (pn * BLOCK_N) // BLOCK_M * BLOCK_M)
     for g in range(0, G):
         h = hk * G + g
         m_off = b * sm0 + h * sm1
@@ -108,6 +116,8 @@ def _attention_dv(Q, K, DO, M, ROWMAX, ROWSUM, DV, Lq, Lk, H, Hkv, G, D, Dv,
             none = mx == float("-inf")
             p = tl.exp(s - tl.where(none, 0.0, mx)[:, None]) / tl.where(none, 1.0, sm)[:, None]
             p = tl.where(none[:, None], 0.0, p)
+            if CAUSAL:  # hidden keys: 0 in every row, a NaN row's too
+                p = tl.where(kj[None, :] <= qi[:, None], p, 0.0)
             do = tl.load(DO + b * so0 + h * so1 + qi[:, None].to(tl.int64) * so2 + de[None, :] * so3,
                          mask=rows & (de[None, :] < Dv), other=0.0).to(ACC)
             acc += tl.dot(tl.trans(p), do, input_precision="ieee")
@@ -148,7 +158,9 @@ def attention_dv(q, k, dout, mask, scaling: float, softcap, causal: bool) -> tor
         launch(_attention_row_stats)[(triton.cdiv(lq, bm), b * h)](
             q, k, m_arg, rowmax, rowsum, lq, lk, h, h // hkv, d, *q.stride(), *k.stride(), *ms, float(scaling), cap,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, **flags)
+    # causal: whether dO has a value that is not finite (on the device, no sync)
+    full = (~torch.isfinite(dout)).any().to(torch.int32).reshape(1) if causal else rowmax
     launch(_attention_dv)[(triton.cdiv(lk, bn), b * hkv)](
-        q, k, dout, m_arg, rowmax, rowsum, dv, lq, lk, h, hkv, h // hkv, d, dv_dim, *q.stride(), *k.stride(), *dout.stride(), *ms,
+        q, k, dout, m_arg, rowmax, rowsum, dv, full, lq, lk, h, hkv, h // hkv, d, dv_dim, *q.stride(), *k.stride(), *dout.stride(), *ms,
         float(scaling), cap, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, BLOCK_DV=block_dv, **flags)
     return dv

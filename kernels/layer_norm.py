@@ -10,6 +10,9 @@ import triton.language as tl
 from pyattr.kernels._common import acc_dtype, launch, row_configs
 
 
+OVERFLOW_SCALE = tl.constexpr(2.0 ** -64)
+
+
 def num_row_chunks(rows: int, need_params: bool) -> int:
     # shape-only, so parameter gradients are bit-reproducible
     return max(1, min(rows, 256)) if need_params else max(rows, 1)
@@ -25,11 +28,22 @@ def _layer_norm_backward(X, DY, W, DX, PW, PB, R, H, chunks, eps, HAS_W: tl.cons
     cols = tl.arange(0, BLOCK)
     for r in range(r0, r1):
         base = r * H
+        # the row mean of pyattr.backends.reference.row_mean: K + Σ(x − K)/H (K the row's
+        # first value: exact for a constant row), else (not finite) K + Σ((x − K)·2⁻⁶⁴)/H
+        # scaled back (a finite row near the type's max), else NaN
+        k0 = tl.load(X + base).to(ACC)
         s = tl.zeros([BLOCK], dtype=ACC)
+        s2 = tl.zeros([BLOCK], dtype=ACC)
         for j in range(0, H, BLOCK):
             m = j + cols < H
-            s += tl.load(X + base + j + cols, mask=m, other=0.0).to(ACC)
-        mean = tl.sum(s, axis=0) / H
+            xv = tl.load(X + base + j + cols, mask=m, other=0.0).to(ACC)
+            d = tl.where(m, xv - k0, 0.0)
+            s += d
+            s2 += d * OVERFLOW_SCALE
+        shifted = k0 + tl.sum(s, axis=0) / H
+        big = k0 + tl.sum(s2, axis=0) / H / OVERFLOW_SCALE
+        big = tl.where((big == big) & (tl.abs(big) < float("inf")), big, float("nan"))
+        mean = tl.where((shifted == shifted) & (tl.abs(shifted) < float("inf")), shifted, big)
         q = tl.zeros([BLOCK], dtype=ACC)
         for j in range(0, H, BLOCK):
             m = j + cols < H
@@ -49,10 +63,10 @@ def _layer_norm_backward(X, DY, W, DX, PW, PB, R, H, chunks, eps, HAS_W: tl.cons
             dy = tl.load(DY + base + j + cols, mask=m, other=0.0).to(ACC)
             w = tl.load(W + j + cols, mask=m, other=0.0).to(ACC) if HAS_W else 1.0
             tl.store(DX + base + j + cols, (dy * w * rstd - gmean).to(DX.dtype.element_ty), mask=m)
-            if NEED_W:
-                xh = (tl.load(X + base + j + cols, mask=m, other=0.0).to(ACC) - mean) * rstd
+            if NEED_W:  # dy·(x − μ)·rstd, in this order on every backend
+                xc = tl.load(X + base + j + cols, mask=m, other=0.0).to(ACC) - mean
                 p = PW + c * H + j + cols
-                tl.store(p, tl.load(p, mask=m, other=0.0) + dy * xh, mask=m)
+                tl.store(p, tl.load(p, mask=m, other=0.0) + dy * xc * rstd, mask=m)
             if NEED_B:
                 p = PB + c * H + j + cols
                 tl.store(p, tl.load(p, mask=m, other=0.0) + dy, mask=m)

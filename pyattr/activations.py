@@ -13,6 +13,14 @@ transformer MLPs φ has a closed form that needs no division and is exact at ``x
 =============  ==========================================================
 
 Any other callable falls back to ``act(x) / x`` with ``φ(0) = zero_limit``.
+
+Edge values (the one answer every backend gives, tests/test_edge_values.py): φ(NaN) = NaN;
+φ(±0) = φ(subnormal) = ½ (ReLU: 1[x > 0]); φ(+inf) = 1 and φ(−inf) = 0 (the limits). In a
+backward, ``act(x)`` is :func:`act_value`: ``x·φ(x)`` for the smooth kinds, so act(+inf) =
++inf and act(−inf) = −inf·0 = NaN (the native forward's value too; PyTorch's own float32
+GELU gives NaN at +inf and overflows above ``finfo.max / 2``, the closed form gives the
+mathematical value); ReLU's own ``relu`` (relu(−0) = −0). The ordinary derivative
+:func:`derivative` takes its limits at ±inf (1 and 0) where PyTorch's gives NaN.
 """
 
 from __future__ import annotations
@@ -266,11 +274,31 @@ def _second_derivative_at_zero(act: Activation, like: torch.Tensor) -> torch.Ten
     return torch.zeros_like(like).detach() if d2 is None else d2.detach()
 
 
+def act_value(x32: torch.Tensor, act: Activation) -> torch.Tensor:
+    """``act(x)`` as the rule backwards use it (the Half-rule's ``du = ½·dh·act(g)``), on a
+    float32/float64 tensor: ``x·φ(x)`` in closed form for the smooth kinds (the compiled
+    kernels compute the same product), ``relu`` for ReLU, the callable for custom ones."""
+    k = act.kind
+    if k == "custom":
+        return act.eval_custom(x32)
+    if k == "relu":
+        return F.relu(x32)
+    return x32 * phi(x32, act)
+
+
+# act'(x) of SiLU, GELU and QuickGELU is exactly 1 (x > 0) or ±0 (x < 0) in float32 and
+# float64 beyond this |x|; clamping x to it keeps x·(1 − σ) and x·pdf from being inf·0 at ±inf.
+_DERIVATIVE_SATURATED = 1.0e4
+
+
 def derivative(x32: torch.Tensor, act: Activation) -> torch.Tensor:
-    """Ordinary derivative act'(x), used when the Identity-rule is switched off."""
+    """Ordinary derivative act'(x), used when the Identity-rule is switched off. At ±inf it
+    is the limit (1 and 0), where PyTorch's own derivative gives NaN."""
     k = act.kind
     # Products are ordered so that a saturated factor (s·(1−s) = 0) meets x before any
     # constant can overflow it: huge finite x gives the native 0/1, never inf·0.
+    if k in ("silu", "gelu", "quick_gelu"):
+        x32 = torch.clamp(x32, -_DERIVATIVE_SATURATED, _DERIVATIVE_SATURATED)  # NaN stays NaN
     if k == "silu":
         s = torch.sigmoid(x32)
         return s * (1.0 + x32 * (1.0 - s))

@@ -86,19 +86,27 @@ inline V phi_vec(Act a, const V& x) {
   }
 }
 
+// act(x) = x * phi(x); ReLU is relu itself: 0 where x < 0, x elsewhere (NaN stays NaN and
+// relu(-0) = -0, as torch.relu gives).
 template <typename V>
 inline V act_vec(Act a, const V& x) {
-  if (a == Act::ReLU) {
-    V r = V::blendv(V(0), x, x > V(0));
-    return V::blendv(r, x, x != x);
-  }
+  if (a == Act::ReLU) return V::blendv(x, V(0), x < V(0));
   return x * phi_vec(a, x);
 }
 
+// x clamped to +-kDerivativeSaturated (NaN kept): act'(x) is exactly 1 or +-0 beyond it.
 template <typename V>
-inline V dact_vec(Act a, const V& x) {
+inline V saturate_vec(const V& x) {
+  using S = typename V::value_type;
+  return at::vec::minimum(at::vec::maximum(x, V(S(-kDerivativeSaturated))), V(S(kDerivativeSaturated)));
+}
+
+template <typename V>
+inline V dact_vec(Act a, const V& x_in) {
   using S = typename V::value_type;
   const V one(1), half(0.5);
+  // SiLU, GELU and QuickGELU take their limits at +-inf (1 and 0), never inf * 0
+  const V x = a == Act::SiLU || a == Act::GELU || a == Act::QuickGELU ? saturate_vec(x_in) : x_in;
   switch (a) {
     case Act::SiLU: {
       V s = sigmoid_vec(x);

@@ -12,7 +12,9 @@
 #include <optional>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/all.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/isfinite.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/Dispatch.h>
@@ -36,7 +38,9 @@ inline at::vec::Vectorized<A> vexp(const at::vec::Vectorized<A>& x) {
 }
 
 // One score row in place: scale (and softcap), mask, keys >= limit dropped, softmax.
-// A row whose keys are all masked becomes 0 (no contribution), as in PyTorch's SDPA.
+// A row whose keys are all masked becomes 0 (no contribution), as in PyTorch's SDPA; a
+// row with a NaN or +inf score is NaN (softmax's own answer) except at keys >= limit
+// (pyattr/backends/reference.py, attention_dv_reference).
 template <typename A>
 void softmax_row(A* row, int64_t kend, int64_t limit, A scaling, std::optional<A> softcap, const A* mrow,
                  int64_t mstride) {
@@ -49,10 +53,15 @@ void softmax_row(A* row, int64_t kend, int64_t limit, A scaling, std::optional<A
     if (softcap) v = std::tanh(v / *softcap) * *softcap;
     if (mrow) v += mrow[j * mstride];
     row[j] = v;
-    mx = v > mx ? v : mx;
+    mx = (v > mx || v != v) ? v : mx;  // a NaN stays the maximum
   }
-  if (!(mx > ninf)) {  // every key masked (or NaN)
+  if (mx == ninf) {  // every key masked
     std::fill(row, row + kend, A(0));
+    return;
+  }
+  if (mx != mx || mx == -ninf) {  // NaN, or exp(inf - inf): the whole row
+    std::fill(row, row + limit, std::numeric_limits<A>::quiet_NaN());
+    std::fill(row + limit, row + kend, A(0));
     return;
   }
   A sum = 0;
@@ -109,6 +118,9 @@ at::Tensor attention_dv(const at::Tensor& q_in, const at::Tensor& k_in, const at
     mask = m.narrow(3, 0, Lk).to(acc).expand({B, H, Lq, Lk});  // strided view: broadcast dims have stride 0
   }
   const int64_t G = H / Hkv;
+  // causal: a block of rows skips the keys after its last row (P = 0 there), unless dO
+  // has a value that is not finite, which meets those zeros as 0 * inf = NaN
+  const bool skip_hidden = causal && at::isfinite(dout).all().item<bool>();
   const int64_t nblk = (Lq + kBlockRows - 1) / kBlockRows;
   const int64_t heads = B * Hkv;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
@@ -129,7 +141,7 @@ at::Tensor attention_dv(const at::Tensor& q_in, const at::Tensor& k_in, const at
         const at::Tensor kmat = k[b][hk];                                      // (Lk, D)
         for (int64_t blk = sp * nblk / splits; blk < (sp + 1) * nblk / splits; ++blk) {
           const int64_t s = blk * kBlockRows, n = std::min(kBlockRows, Lq - s);
-          const int64_t kend = causal ? std::min(Lk, s + n) : Lk;
+          const int64_t kend = skip_hidden ? std::min(Lk, s + n) : Lk;
           at::Tensor S = scores.narrow(0, 0, G * n * kend).view({G * n, kend});
           const at::Tensor kt = kmat.narrow(0, 0, kend).t();
           for (int64_t g = 0; g < G; ++g) {

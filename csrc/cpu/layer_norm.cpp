@@ -2,6 +2,7 @@
 //   g = dy * w / sigma,  dx = g - mean(g);  dw = sum dy * xhat,  db = sum dy.
 // mu and sigma are recomputed from x in the same pass over each row.
 #include <cmath>
+#include <limits>
 
 #include <ATen/Dispatch.h>
 #include "kernels.h"
@@ -13,6 +14,28 @@
 namespace pyattr::cpu {
 
 namespace {
+
+// The row mean as every LayerNorm backward recomputes it (pyattr/backends/reference.py,
+// row_mean): K + sum(x - K)/H with K the row's first value, so a constant row has exactly
+// its value as mean (variance 0, as the native forward's Welford statistics); where that
+// sum overflows, K + (sum((x - K) * 2^-64)/H) / 2^-64 (exact scaling): finite while every
+// x - K is, as the native statistics are; NaN where that is not finite either (a value
+// that is not finite, or values more than the type's max apart: NaN statistics natively).
+template <typename T>
+inline acc_t<T> row_mean(const T* xr, int64_t H) {
+  using A = acc_t<T>;
+  using V = AccVec<T>;
+  const A k = A(xr[0]);
+  const V vk(k);
+  const A mean = k + row_sum<T>(H, [&](int64_t j) { return load_acc<T>(xr + j) - vk; },
+                                [&](int64_t j) { return A(xr[j]) - k; }) / A(H);
+  if (std::isfinite(mean)) return mean;
+  const A scale = A(5.42101086242752217e-20);  // 2^-64
+  const V vs(scale);
+  const A big = k + row_sum<T>(H, [&](int64_t j) { return (load_acc<T>(xr + j) - vk) * vs; },
+                               [&](int64_t j) { return (A(xr[j]) - k) * scale; }) / A(H) / scale;
+  return std::isfinite(big) ? big : std::numeric_limits<A>::quiet_NaN();
+}
 
 // mean_in / rstd_in: the forward's per-row statistics (one value per row), or undefined
 // to recompute them from x.
@@ -59,8 +82,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_impl(
         mean = MS[r];
         rstd = RS[r];
       } else {
-        mean = row_sum<T>(H, [&](int64_t j) { return load_acc<T>(xr + j); },
-                          [&](int64_t j) { return A(xr[j]); }) / A(H);
+        mean = row_mean<T>(xr, H);
         const V vm0(mean);
         const A var = row_sum<T>(
                           H, [&](int64_t j) { V d = load_acc<T>(xr + j) - vm0; return d * d; },

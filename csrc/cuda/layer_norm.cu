@@ -21,9 +21,22 @@ __global__ void layer_norm_backward_kernel(const T* __restrict__ X, const T* __r
   for (int64_t r = r0; r < r1; ++r) {
     const T* xr = X + r * H;
     const T* dr = DY + r * H;
-    A s = 0;
-    for (int64_t j = threadIdx.x; j < H; j += blockDim.x) s += static_cast<A>(xr[j]);
-    const A mean = block_sum(s, shared) / A(H);
+    // the row mean of pyattr/backends/reference.py (row_mean): K + sum(x - K)/H, K the
+    // row's first value (exact for a constant row); where not finite,
+    // K + sum((x - K) * 2^-64)/H / 2^-64 (a finite row near the type's max), else NaN
+    const A k = static_cast<A>(xr[0]);
+    const A scale = A(5.42101086242752217e-20);  // 2^-64
+    A s = 0, s2 = 0;
+    for (int64_t j = threadIdx.x; j < H; j += blockDim.x) {
+      const A d = static_cast<A>(xr[j]) - k;
+      s += d;
+      s2 += d * scale;
+    }
+    A mean = k + block_sum(s, shared) / A(H);
+    if (!isfinite(mean)) {  // the same value in every thread: the whole block branches
+      const A big = k + block_sum(s2, shared) / A(H) / scale;
+      mean = isfinite(big) ? big : A(NAN);
+    }
     A q = 0;
     for (int64_t j = threadIdx.x; j < H; j += blockDim.x) {
       const A d = static_cast<A>(xr[j]) - mean;

@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from pyattr.activations import Activation, derivative, phi
+from pyattr.activations import Activation, act_value, derivative, phi
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -60,16 +60,38 @@ def gated_backward(
     g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor, act: Activation, identity: bool, half: bool
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``dg = s·dh·u·φ(g)`` (or ``act'(g)`` without the Identity-rule), ``du = s·dh·act(g)``,
-    with ``s = ½`` under the Half-rule and 1 otherwise."""
+    with ``s = ½`` under the Half-rule and 1 otherwise; ``act(g)`` is
+    :func:`pyattr.activations.act_value` (``g·φ(g)``, as in the compiled kernels)."""
     g32, u32, dh32 = _up(g), _up(u), _up(dh)
     s = 0.5 if half else 1.0
     local = phi(g32, act) if identity else derivative(g32, act)
     dg = s * dh32 * u32 * local
-    du = s * dh32 * act.native(g32)
+    du = s * dh32 * act_value(g32, act)
     return dg.to(g.dtype), du.to(u.dtype)
 
 
 # --- layer_norm -------------------------------------------------------------------------
+
+# 2^-64: scales the differences of a row whose sum overflows (its largest are above
+# finfo.max / hidden) so that the sum fits, exactly (a power of two); the differences it
+# flushes are far below those.
+_OVERFLOW_SCALE = 2.0 ** -64
+
+
+def row_mean(x32: torch.Tensor) -> torch.Tensor:
+    """Mean over the last dimension as every LayerNorm backward recomputes it:
+    ``K + Σ(x − K)/H`` with ``K`` the row's first value, so that a constant row has exactly
+    its value as mean and variance 0, as the native forward's (Welford) statistics have.
+    Where that sum overflows, ``K + (Σ(x − K)·2⁻⁶⁴/H)·2⁶⁴``: finite while every ``x − K``
+    is, as the native statistics are (rows of ±1e38 in float32); NaN where that is not
+    finite either: a row with a value that is not finite, or whose values are more than
+    ``finfo.max`` apart (the native statistics are NaN there too)."""
+    k = x32[..., :1]
+    d = x32 - k
+    mu = k + d.mean(-1, keepdim=True)
+    big = k + (d * _OVERFLOW_SCALE).mean(-1, keepdim=True) / _OVERFLOW_SCALE
+    return torch.where(torch.isfinite(mu), mu, torch.where(torch.isfinite(big), big, float("nan")))
+
 
 def layer_norm_backward(
     x: torch.Tensor,
@@ -82,9 +104,10 @@ def layer_norm_backward(
     """LN-rule backward for LayerNorm: σ constant, μ differentiable.
 
     ``g = dy·w/σ``, ``dx = g − mean(g)``; ``dw = Σ dy·x̂``, ``db = Σ dy`` over all rows.
+    μ is :func:`row_mean` (exact for constant rows, no overflow for huge finite ones).
     """
     x32, dy32 = _up(x), _up(dy)
-    mu = x32.mean(-1, keepdim=True)
+    mu = row_mean(x32)
     xc = x32 - mu
     var = (xc * xc).mean(-1, keepdim=True)
     rstd = torch.rsqrt(var + eps)
@@ -124,16 +147,15 @@ def rms_norm_backward(
     need_dweight: bool,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """LN-rule backward for RMSNorm: ``dx = dy·w_eff/r``, ``w_eff = offset + w``;
-    ``dw = Σ dy·x/r`` (ordinary)."""
+    ``dw = Σ dy·x/r`` (ordinary). Both as ``(dy/r)·w_eff`` and ``(dy/r)·x``, the order of
+    the compiled kernels (it decides where a huge dy overflows)."""
     x32, dy32 = _up(x), _up(dy)
     rinv = torch.rsqrt((x32 * x32).mean(-1, keepdim=True) + eps)
-    if weight is None:
-        dx = dy32 * rinv
-    else:
-        dx = dy32 * (offset + _up(weight)) * rinv
+    d = dy32 * rinv
+    dx = d if weight is None else d * (offset + _up(weight))
     dw = None
     if need_dweight:
-        dw = (dy32 * x32 * rinv).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        dw = (d * x32).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
     return dx.to(x.dtype), dw
 
 
@@ -171,8 +193,13 @@ def attention_dv_reference(q, k, dout, mask, scaling: float, softcap: Optional[f
             ``tanh(s / c) · c`` on the scores. causal (bool): query i sees keys j ≤ i.
 
     Returns:
-        Tensor[batch, kv_heads, kv_len, v_dim] in float32 (float64 for float64 inputs);
-        a query row whose keys are all masked contributes nothing.
+        Tensor[batch, kv_heads, kv_len, v_dim] in float32 (float64 for float64 inputs).
+
+    Edge values (the answer of every backend): a query row whose keys are all masked
+    (every score −inf) has P = 0; a NaN or +inf score makes its row of P NaN (softmax's
+    own answer), except at keys the causal mask hides, where P is 0 in every row. dV is
+    the IEEE product Pᵀ·dO over every query row, so a non-finite dO meets P = 0 as
+    0·inf = NaN, also at the keys that blocks after the causal diagonal skip.
     """
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
@@ -200,10 +227,18 @@ def attention_dv_reference(q, k, dout, mask, scaling: float, softcap: Optional[f
         if causal:
             later = torch.arange(kend, device=q.device) > torch.arange(s, e, device=q.device).unsqueeze(1)
             scores = scores.masked_fill(later, float("-inf"))
-        p = torch.softmax(scores, dim=-1).nan_to_num(nan=0.0)  # all-masked rows: NaN → 0
+        p = torch.softmax(scores, dim=-1)
+        # all keys masked: no contribution (softmax gives NaN); NaN rows stay NaN
+        p = p.masked_fill((scores == float("-inf")).all(-1, keepdim=True), 0.0)
+        if causal:  # hidden keys: 0 in every row (a NaN row's softmax is NaN there too)
+            p = p.masked_fill(later, 0.0)
         p = p.view(b, hkv, g * n, kend)
-        part = torch.matmul(p.transpose(-1, -2), do[:, :, :, s:e].reshape(b, hkv, g * n, -1))
+        dob = do[:, :, :, s:e]
+        part = torch.matmul(p.transpose(-1, -2), dob.reshape(b, hkv, g * n, -1))
         if kend < lk:  # out of place (vmap and double backward record it)
-            part = torch.cat([part, part.new_zeros(b, hkv, lk - kend, part.shape[-1])], dim=2)
+            # keys no row of the block sees: Σ 0·dO over the block's rows (0, or NaN where
+            # a dO is not finite), as the full product gives
+            tail = (dob * 0.0).sum((2, 3)).unsqueeze(2).expand(b, hkv, lk - kend, part.shape[-1])
+            part = torch.cat([part, tail.to(part.dtype)], dim=2)
         dv = part if dv is None else dv + part
     return dv

@@ -33,7 +33,10 @@ class ScaleGradientFunction(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         c = ctx.scale
         if isinstance(c, torch.Tensor):
-            return sum_to(dy * c.to(dy.dtype), dy.shape), None
+            # in float32 for 16-bit gradients (float64 stays), as a float scale is: a scale
+            # beyond float16's range is not rounded to inf first (0·c stays 0, not NaN)
+            acc = torch.float64 if dy.dtype == torch.float64 else torch.float32
+            return sum_to((dy.to(acc) * c.to(acc)).to(dy.dtype), dy.shape), None
         return dy * c, None
 
 
