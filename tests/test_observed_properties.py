@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import pyattr
 import pyattr.evaluate as E
 import pyattr.targets as T
+from conftest import keeps_rng_state
 from models import ENCODERS, TEXT_ARCHS, VOCAB, pad_rows, tiny_causal_lm, tiny_rope_scaled
 from pyattr.methods.generation import loop_reference
 
@@ -27,6 +28,7 @@ DECODERS = tuple(a for a in TEXT_ARCHS if a not in ENCODERS)
 
 
 @functools.lru_cache(maxsize=None)
+@keeps_rng_state
 def _model(arch):
     return tiny_rope_scaled(arch) if arch in ROPE else tiny_causal_lm(arch)
 
