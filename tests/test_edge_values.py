@@ -76,9 +76,11 @@ NATIVE = {
 }
 
 
-def skip_unsupported(name, dtype):
-    if name == "triton" and dtype == torch.bfloat16 and INTERPRETED:
-        pytest.skip("Triton's interpreter truncates bfloat16 and flushes its subnormals on load")
+#: every backend with every dtype, but Triton's interpreter (CPU) truncates bfloat16 and
+#: flushes its subnormals on load: that pair is not generated there (never a skip counted
+#: as a pass); on a GPU it runs
+BACKEND_DTYPES = [(n, d) for n in BACKENDS for d in DTYPES
+                  if not (n == "triton" and d == torch.bfloat16 and INTERPRETED)]
 
 
 def acc(dtype):
@@ -200,11 +202,9 @@ def _on(name, fn, inputs, grad_out):
 
 # --- identity_rule -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", BACKENDS)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name,dtype", BACKEND_DTYPES)
 @pytest.mark.parametrize("kind", list(ACTS))
 def test_identity_rule_edges(name, kind, dtype):
-    skip_unsupported(name, dtype)
     x, dy = grid(act_edges(dtype), factors(dtype))
     fn = lambda t: identity_rule(t, ACTS[kind])  # noqa: E731
     y, (dx,) = _on(name, fn, [x], dy)
@@ -220,12 +220,10 @@ def test_identity_rule_edges(name, kind, dtype):
 RULES = [(True, True), (True, False), (False, True), (False, False)]
 
 
-@pytest.mark.parametrize("name", BACKENDS)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name,dtype", BACKEND_DTYPES)
 @pytest.mark.parametrize("kind", list(ACTS))
 @pytest.mark.parametrize("identity,half", RULES)
 def test_gated_activation_edges(name, kind, dtype, identity, half):
-    skip_unsupported(name, dtype)
     g, u, dh = grid(act_edges(dtype), factors(dtype), factors(dtype))
     fn = lambda gg, uu: gated_activation(gg, uu, ACTS[kind], identity=identity, half=half)  # noqa: E731
     h, (dg, du) = _on(name, fn, [g, u], dh)
@@ -255,10 +253,8 @@ def test_gated_gelu_at_plus_inf_is_inf_not_nan():
 
 # --- half_rule, ln_rule, scale_gradient --------------------------------------------------
 
-@pytest.mark.parametrize("name", BACKENDS)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name,dtype", BACKEND_DTYPES)
 def test_half_rule_edges(name, dtype):
-    skip_unsupported(name, dtype)
     u, v, dy = grid(factors(dtype), factors(dtype), factors(dtype))
     y, (du, dv) = _on(name, half_rule, [u, v], dy)
     assert_bits(y, u * v)
@@ -413,11 +409,9 @@ def _norm_cases(dtype, eps):
     }
 
 
-@pytest.mark.parametrize("name", BACKENDS)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name,dtype", BACKEND_DTYPES)
 @pytest.mark.parametrize("eps", [1e-5, 0.0])
 def test_norm_rules_edges(name, dtype, eps):
-    skip_unsupported(name, dtype)
     x, dy, names = norm_rows(dtype)
     for case, (fn, params, native) in _norm_cases(dtype, eps).items():
         y, grads = _on(name, fn, [x, *params], dy)
