@@ -9,17 +9,24 @@ import torch
 WORDS = "sun cat red tree dog owl fish bee ant ship sea sky the a is on and user assistant".split()
 
 
-def byte_bpe_tokenizer():
+def byte_bpe_tokenizer(punctuation_with_line_breaks: bool = False):
     """A GPT-2-style fast tokenizer (``<|endoftext|>`` bos/eos/pad) trained on :data:`WORDS`
-    in sentences, lines and chat turns; deterministic (no randomness in BPE training)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    in sentences, lines and chat turns; deterministic (no randomness in BPE training).
+    ``punctuation_with_line_breaks``: a pre-tokenizer that keeps a full stop and the line
+    breaks after it in one token, as Llama 3's vocabulary has ``'.ĊĊ'``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if punctuation_with_line_breaks:
+        tk.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(r"[.]\n+| ?[a-zA-Z]+|\s+"), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tk.decoder = decoders.ByteLevel()
     corpus = [" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))]
-    corpus += ["\n".join(WORDS), "user: the cat\nassistant: the dog", "the ship\nthe sea"]
+    corpus += ["\n".join(WORDS), "user: the cat\nassistant: the dog", "the ship\nthe sea",
+               "the cat.\n\nthe dog.\nthe owl.\n\n"]
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tk.train_from_iterator(corpus * 4, trainer)

@@ -124,7 +124,10 @@ def test_generate_refuses_a_prompt_that_generation_carries_past_the_limit(bpe_di
     text = " ".join(["the cat"] * 30)  # 60 tokens + 8 generated > 64
     r = run_cli("generate", "--model", str(bpe_dir), "--text", text, "--max-new-tokens", "8")
     assert r.returncode == 2, r.stdout
-    assert "--text is 60 tokens and --max-new-tokens adds 8: 68 positions; the model reads at most 64" in r.stderr
+    assert ("--text is 60 tokens and --max-new-tokens adds 8: the model would read 67 positions (all but the last "
+            "token); it reads at most 64") in r.stderr
+    ok = run_cli("generate", "--model", str(bpe_dir), "--text", text, "--max-new-tokens", "5", "--json")
+    assert ok.returncode == 0, ok.stderr  # 60 + 5 - 1 = 64 positions read: exactly the limit
 
 
 def test_a_target_word_is_the_token_that_follows_the_text(bpe_dir, tmp_path):
@@ -149,3 +152,58 @@ def test_a_target_word_is_the_token_that_follows_the_text(bpe_dir, tmp_path):
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "p.json").read_text())["clean_metric"] == pytest.approx(float(logits[spaced]),
                                                                                          rel=1e-5)
+
+
+@pytest.mark.parametrize("text, cont, joint", [
+    ("the cat", ", the owl", "the cat, the owl"),         # punctuation follows without a space
+    ("the cat is on the sea", ".", "the cat is on the sea."),
+    ("我喜欢", "猫", "我喜欢猫"),                           # a script written without spaces
+    ("the owl", "fish", "the owl fish"),
+    ("the owl\n", "fish", "the owl\nfish"),
+])
+def test_the_joint_text_is_the_one_a_writer_would_type(text, cont, joint):
+    tok = byte_bpe_tokenizer()
+    p, c = continuation_ids(tok, text, cont)
+    assert tok.decode(p + c) == joint
+    assert p + c == tok(joint)["input_ids"]  # the tokenizer's own reading of it
+
+
+def test_only_the_markers_the_tokenizer_appends_are_dropped(eos_dir):
+    """A marker the user typed is part of the prompt in every command; the one the
+    tokenizer appends covers no character of the text (its offsets are empty)."""
+    from pyattr.apps.tokens import prompt_ids
+
+    tok = AutoTokenizer.from_pretrained(eos_dir)
+    eos = tok.eos_token_id
+    assert prompt_ids(tok, "the cat") == tok("the cat")["input_ids"][:-1]
+    typed = prompt_ids(tok, "the cat<|endoftext|>")
+    assert typed[-1] == eos and typed == tok("the cat<|endoftext|>")["input_ids"][:-1]
+    assert continuation_ids(tok, "the cat<|endoftext|>", "owl")[0] == typed
+
+
+def test_words_of_multi_byte_characters_and_punctuation_with_line_breaks():
+    """A character split across byte-level tokens is one character of one word; a token
+    that ends in a line break ('.ĊĊ' in Llama 3's vocabulary) ends its word."""
+    from pyattr.methods._core.words import words
+
+    tok = byte_bpe_tokenizer()
+    for text in ["café owl", "the 🐟 fish", "猫 the 喜欢", "a  b\tc\n\nd", "user: the ship\nassistant: the"]:
+        ids = torch.tensor(tok(text)["input_ids"])
+        rel = torch.randn(3, len(ids), generator=torch.Generator().manual_seed(0))
+        labels, agg = words(ids, torch.ones_like(ids), rel, tok)
+        assert labels == text.split(), (text, labels)
+        torch.testing.assert_close(agg.sum(-1), rel.sum(-1))
+    tok = byte_bpe_tokenizer(punctuation_with_line_breaks=True)
+    text = "the cat.\n\nthe dog.\nthe owl"
+    ids = tok(text)["input_ids"]
+    assert any(t.startswith(".") and t.endswith("Ċ") for t in tok.convert_ids_to_tokens(ids))
+    ids = torch.tensor(ids)
+    labels, _ = words(ids, torch.ones_like(ids), torch.zeros(1, len(ids)), tok)
+    assert labels == text.split()
+
+
+def test_patch_reads_a_one_word_prompt_of_an_eos_appending_tokenizer(eos_dir, tmp_path):
+    r = run_cli("patch", "--model", str(eos_dir), "--clean", "the", "--corrupt", "a", "--nodes", "residual",
+                "--json", str(tmp_path / "p.json"))
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "p.json").read_text())["clean_tokens"] == ["the"]

@@ -100,7 +100,10 @@ def test_stop_strings_on_a_byte_level_bpe_tokenizer():
             p.mul_(4)  # a varied greedy continuation
     enc = dict(tok(["the cat is on the", "dog owl"], return_tensors="pt", padding=True))
     free = pyattr.generation_relevance(model, enc, max_new_tokens=8, generate_kwargs={"eos_token_id": None})
-    stop = "sun"
+    text = [tok.decode(g) for g in free.generated]
+    # a stop string row 1 generates at a middle step and row 0 never does
+    stop = next(w for t in range(2, 7) if (w := tok.decode(free.generated[1, t:t + 1]).strip()).isalnum()
+                and w not in text[0] and w not in tok.decode(free.generated[1, :t]))
     r = pyattr.generation_relevance(model, enc, max_new_tokens=8,
                                     generate_kwargs={"stop_strings": [stop], "tokenizer": tok})
     prompt = [enc["input_ids"][i][enc["attention_mask"][i].bool()].tolist() for i in range(2)]
@@ -151,10 +154,59 @@ def test_a_prompt_longer_than_the_model_reads_is_refused():
     with pytest.raises(ValueError, match=msg):
         pyattr.relevance(model, ids)
     short = ids[:, : limit - 2]
-    with pytest.raises(ValueError, match=rf"row 0 is {limit + 2} positions long \(prompt \+ max_new_tokens=4\); "
-                                         rf"GPT2LMHeadModel reads at most {limit}"):
+    # the model reads every token but the last one generated: limit - 2 + 4 - 1 = limit + 1
+    with pytest.raises(ValueError, match=rf"row 0 is {limit + 1} positions long \(prompt \+ max_new_tokens=4 - 1: "
+                                         rf"the last generated token is not read\); GPT2LMHeadModel reads at most {limit}"):
         pyattr.generation_relevance(model, short, max_new_tokens=4)
-    with pytest.raises(ValueError, match=rf"row 0 is {limit + 1} positions long \(prompt \+ continuation\)"):
-        pyattr.generation_relevance(model, short, continuation=torch.tensor([[5, 6, 7]]))
-    ok = pyattr.generation_relevance(model, short, max_new_tokens=2)  # exactly the limit
-    assert ok.sequences.shape[1] == limit
+    with pytest.raises(ValueError, match=rf"row 0 is {limit + 1} positions long \(prompt \+ continuation - 1"):
+        pyattr.generation_relevance(model, short, continuation=torch.tensor([[5, 6, 7, 8]]))
+    ok = pyattr.generation_relevance(model, short, max_new_tokens=3)  # reads exactly the limit
+    assert ok.sequences.shape[1] == limit + 1
+    with torch.no_grad():  # its last target is transformers' own logit at the last position it has
+        logits = model(ok.sequences[:, :limit]).logits[0, -1]
+    assert float(ok.target[0, -1]) == pytest.approx(float(logits[ok.sequences[0, limit]]), rel=1e-5)
+
+
+def test_the_generation_config_in_force_is_read():
+    """The model's saved generation config decides the pad (so sequences are what
+    generate produced) and is checked for beams."""
+    model, tok, enc = _toy()
+    red = tok.convert_tokens_to_ids("red")
+    model.generation_config.eos_token_id = red
+    model.generation_config.pad_token_id = 3
+    r = pyattr.generation_relevance(model, enc, max_new_tokens=6)
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=6, do_sample=False)[:, enc["input_ids"].shape[1]:]
+    assert torch.equal(r.generated, out) and int(out[0, -1]) == 3
+    assert r.step_mask[0].tolist() == [True, True, False, False, False, False]
+    model.generation_config.num_beams = 3
+    with pytest.raises(ValueError, match=r"one sequence per prompt .* the generation in force has num_beams=3"):
+        pyattr.generation_relevance(model, enc, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_new_tokens": 3}, "generate_kwargs: max_new_tokens is given by max_new_tokens= of generation_relevance"),
+    ({"max_length": 9}, "generate_kwargs: max_length is given by max_new_tokens= of generation_relevance"),
+    ({"generation_config": GenerationConfig(max_new_tokens=3)},
+     "the GenerationConfig says max_new_tokens=3, the argument max_new_tokens=6; give one length"),
+    ({"prompt_lookup_num_tokens": 2}, "generate_kwargs: prompt_lookup_num_tokens (assisted / prompt-lookup"),
+])
+def test_generate_kwargs_that_would_change_what_is_explained_are_refused(kwargs, message):
+    model, tok, enc = _toy()
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        pyattr.generation_relevance(model, enc, max_new_tokens=6, generate_kwargs=kwargs)
+
+
+def test_assisted_decoding_is_refused_and_the_model_left_as_it_was():
+    model, tok, enc = _toy()
+    with pytest.raises(ValueError, match=r"generate_kwargs: assistant_model \(assisted / prompt-lookup decoding"):
+        pyattr.generation_relevance(model, enc, max_new_tokens=4, generate_kwargs={"assistant_model": model})
+    assert "_get_stopping_criteria" not in vars(model)
+
+
+def test_a_compiled_model_generates_through_its_module():
+    model, tok, enc = _toy()
+    free = pyattr.generation_relevance(model, enc, max_new_tokens=3)
+    r = pyattr.generation_relevance(torch.compile(model, backend="eager"), enc, max_new_tokens=3)
+    assert torch.equal(r.generated, free.generated)
+    _close(r.token_relevance, free.token_relevance)

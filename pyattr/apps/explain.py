@@ -261,6 +261,17 @@ def _max_positions(model) -> Optional[int]:
     return core.max_positions(model)
 
 
+def check_prompt(name: str, ids: List[int], model, tok) -> None:
+    """A causal prompt's ids (:func:`pyattr.apps.tokens.prompt_ids`, the appended end-of-text
+    markers already dropped): at least one token that is not special, and no longer than
+    the model reads."""
+    if not ids or all(i in set(tok.all_special_ids) for i in ids):
+        raise ExplainError(f"{name} has no tokens the model can read after tokenisation")
+    limit = _max_positions(model)
+    if limit is not None and len(ids) > limit:
+        raise ExplainError(f"{name} is {len(ids)} tokens long; the model reads at most {limit}")
+
+
 def _check_tokens(name: str, n_tokens: int, model, tok) -> None:
     n_special = tok.num_special_tokens_to_add() if hasattr(tok, "num_special_tokens_to_add") else 0
     if n_tokens <= n_special:
@@ -346,11 +357,7 @@ def explain_causal(
     vocab_size = int(getattr(model.config, "vocab_size", 0) or len(tok))
     tid = _target_id(tok, target, vocab_size, text) if target is not None else None
     ids = prompt_ids(tok, text)
-    if not ids or (len(ids) == 1 and ids[0] in set(tok.all_special_ids)):
-        raise ExplainError("--text has no tokens the model can read after tokenisation")
-    limit = _max_positions(model)
-    if limit is not None and len(ids) > limit:
-        raise ExplainError(f"--text is {len(ids)} tokens long; the model reads at most {limit}")
+    check_prompt("--text", ids, model, tok)
     enc = {"input_ids": torch.tensor([ids])}
     available_backends()  # probe (imports, extension load) outside the timed pass
     t0 = time.perf_counter()

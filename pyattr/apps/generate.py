@@ -74,9 +74,10 @@ def run_generate(model_dir: Path, text: str, max_new_tokens: Optional[int], cont
             raise ExplainError(f"--text is {len(prompt)} tokens long; the model reads at most {limit}")
         more, what = (len(kw["continuation"][0]), "--continuation") if continuation is not None else \
             (max_new_tokens, "--max-new-tokens")
-        if more is not None and len(prompt) + more > limit:
-            raise ExplainError(f"--text is {len(prompt)} tokens and {what} adds {more}: {len(prompt) + more} "
-                               f"positions; the model reads at most {limit}")
+        # the model reads every token but the last one generated
+        if more is not None and len(prompt) + more - 1 > limit:
+            raise ExplainError(f"--text is {len(prompt)} tokens and {what} adds {more}: the model would read "
+                               f"{len(prompt) + more - 1} positions (all but the last token); it reads at most {limit}")
     ids = torch.tensor([prompt])
     enc = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     if continuation is None:

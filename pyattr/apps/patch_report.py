@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from pyattr.apps.explain import ExplainError, _check_text, _check_tokens, _load, bundled_model_dir, _tokens
+from pyattr.apps.explain import ExplainError, _check_text, _check_tokens, _load, bundled_model_dir, _tokens, check_prompt
 from pyattr.apps.tokens import prompt_ids
 
 DEFAULT_CLEAN = "A man is playing a guitar on stage."
@@ -129,8 +129,12 @@ def run_patch(clean: Optional[str], corrupt: Optional[str], partner: Optional[st
         enc_c = tok(clean, return_tensors="pt")
         enc_x = tok(corrupt, return_tensors="pt")
     nc, nx = enc_c["input_ids"].shape[1], enc_x["input_ids"].shape[1]
-    _check_tokens("--clean", nc, model, tok)
-    _check_tokens("--corrupt", nx, model, tok)
+    if causal:  # prompt ids: the appended markers are already gone
+        check_prompt("--clean", enc_c["input_ids"][0].tolist(), model, tok)
+        check_prompt("--corrupt", enc_x["input_ids"][0].tolist(), model, tok)
+    else:
+        _check_tokens("--clean", nc, model, tok)
+        _check_tokens("--corrupt", nx, model, tok)
     if nc != nx:
         raise ExplainError(
             f"--clean is {nc} tokens and --corrupt {nx}; patching pairs position p with position p, so the "

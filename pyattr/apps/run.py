@@ -282,8 +282,9 @@ def _encode(p: Prompt, tokenizer, model, limit, encoded, targets, generate: Opti
         return "no tokens after tokenisation"
     if limit is not None and len(ids) > limit:
         return f"{len(ids)} tokens; the model reads at most {limit}"
-    if limit is not None and generate is not None and len(ids) + generate > limit:
-        return f"{len(ids)} tokens and {generate} generated: {len(ids) + generate} positions; the model reads at most {limit}"
+    if limit is not None and generate is not None and len(ids) + generate - 1 > limit:
+        return (f"{len(ids)} tokens and {generate} generated: the model would read {len(ids) + generate - 1} positions "
+                f"(all but the last token); it reads at most {limit}")
     if p.target is not None:
         tid = target_token_id(tokenizer, p.target, model.config.vocab_size, p.text)
         if isinstance(tid, str):

@@ -4,19 +4,45 @@ target token, so that the commands explain the same token for the same text."""
 
 from __future__ import annotations
 
+import unicodedata
 from typing import List, Optional, Tuple, Union
+
+
+def _encode(tokenizer, text: str):
+    """``(ids, appended)``: the tokenizer's ids of ``text`` and, per id, whether the
+    tokenizer added it (a special token covering no character of the text: a ``[SEP]`` or
+    an ``</s>`` it appends; a marker the user typed covers its characters), and the
+    offsets (None for a tokenizer without them)."""
+    try:
+        enc = tokenizer(text, return_offsets_mapping=True, return_special_tokens_mask=True)
+        offsets = [tuple(o) for o in enc["offset_mapping"]]
+    except (NotImplementedError, TypeError, ValueError, KeyError):
+        enc, offsets = tokenizer(text), None
+    ids = list(enc["input_ids"])
+    special = enc.get("special_tokens_mask") if hasattr(enc, "get") else None
+    if offsets is not None and special is not None:
+        appended = [bool(sp) and e <= s for sp, (s, e) in zip(special, offsets)]
+    else:  # no offsets: the end-of-text ids are taken as appended
+        end = {getattr(tokenizer, "sep_token_id", None), getattr(tokenizer, "eos_token_id", None)} - {None}
+        appended = [i in end for i in ids]
+    return ids, appended, offsets
+
+
+def _drop_appended_end(ids, appended, offsets):
+    """Without the markers the tokenizer appended at the end (one id is always kept)."""
+    n = len(ids)
+    while n > 1 and appended[n - 1]:
+        n -= 1
+    return ids[:n], appended[:n], (None if offsets is None else offsets[:n])
 
 
 def prompt_ids(tokenizer, text: str) -> List[int]:
     """The ids of a prompt whose next token is explained or generated: the tokenizer's ids
     without the end-of-text markers it appends (a BERT-style tokenizer's ``[SEP]``, an
     ``</s>``). After such a marker the model would predict what follows the end of a text,
-    not the prompt's next word. One id is always kept."""
-    ids = list(tokenizer(text)["input_ids"])
-    end = {getattr(tokenizer, "sep_token_id", None), getattr(tokenizer, "eos_token_id", None)} - {None}
-    while len(ids) > 1 and ids[-1] in end:
-        ids.pop()
-    return ids
+    not the prompt's next word. A marker the user typed in the text stays: the tokenizer's
+    offsets tell the two apart. One id is always kept."""
+    return _drop_appended_end(*_encode(tokenizer, text))[0]
 
 
 def target_token_id(tokenizer, target: Union[str, int], vocab_size: int, text: Optional[str] = None
@@ -67,10 +93,26 @@ def target_token_id(tokenizer, target: Union[str, int], vocab_size: int, text: O
     return tid
 
 
+def _separator(text: str, continuation: str) -> str:
+    """What joins a text and the words that follow it: one space, except where either side
+    has whitespace at the join, before closing or other punctuation (``.``, ``,``, ``)``),
+    and between characters of scripts written without spaces (Chinese, Japanese: wide
+    characters)."""
+    if not text or not continuation or text[-1].isspace() or continuation[0].isspace():
+        return ""
+    first = continuation[0]
+    if unicodedata.category(first) in ("Po", "Pe", "Pf", "Pd"):
+        return ""
+    if unicodedata.east_asian_width(first) in ("W", "F") or unicodedata.east_asian_width(text[-1]) in ("W", "F"):
+        return ""
+    return " "
+
+
 def continuation_ids(tokenizer, text: str, continuation: str) -> Tuple[List[int], List[int]]:
     """The ids of a prompt and of a continuation that follows it, as the tokenizer reads
     the joint text: ``text`` then ``continuation``, one space between them unless either
-    side already has whitespace at the join. Tokenized apart, a byte-level BPE tokenizer
+    side already has whitespace at the join, the continuation starts with punctuation, or
+    a side is a script written without spaces (:func:`_separator`). Tokenized apart, a byte-level BPE tokenizer
     (GPT-2, Llama 3, Qwen) reads the continuation's first word without its leading space
     (``'owl'`` for the joint text's ``'Ġowl'``), another token with another logit.
 
@@ -84,21 +126,11 @@ def continuation_ids(tokenizer, text: str, continuation: str) -> Tuple[List[int]
             tokenizer reads the end of the text and the start of the continuation as one
             token, so no split gives the prompt and the continuation).
     """
-    sep = "" if (not text or not continuation or text[-1].isspace() or continuation[0].isspace()) else " "
+    sep = _separator(text, continuation)
     joint = text + sep + continuation
     boundary = len(text)
-    try:
-        enc = tokenizer(joint, return_offsets_mapping=True, return_special_tokens_mask=True)
-        offsets = enc["offset_mapping"]
-    except (NotImplementedError, TypeError, ValueError, KeyError):
-        enc, offsets = tokenizer(joint, return_special_tokens_mask=True), None
-    ids = list(enc["input_ids"])
-    special = list(enc.get("special_tokens_mask") or [0] * len(ids))
-    while len(ids) > 1 and special[-1]:  # markers appended at the end of the joint text
-        ids.pop()
-        special.pop()
-        if offsets is not None:
-            offsets = offsets[: len(ids)]
+    ids, appended, offsets = _drop_appended_end(*_encode(tokenizer, joint))
+    special = appended
     if offsets is not None:
         split = len(ids)
         for i, ((start, end), sp) in enumerate(zip(offsets, special)):

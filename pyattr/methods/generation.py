@@ -327,15 +327,16 @@ def generation_relevance(
     if continuation is None:
         max_new_tokens = core.check_count("max_new_tokens", max_new_tokens, allow_none=False)
         # refused before generating: generate would carry the rows past the position table
-        core.check_length(model, [n + max_new_tokens for n in prompt_lengths], "inputs",
-                          f"prompt + max_new_tokens={max_new_tokens}")
+        # (the model reads every token but the last one generated)
+        core.check_length(model, [n + max_new_tokens - 1 for n in prompt_lengths], "inputs",
+                          f"prompt + max_new_tokens={max_new_tokens} - 1: the last generated token is not read")
         gen, steps = generate(model, ids, mask, max_new_tokens, generate_kwargs)
     else:
         pad = getattr(model.config, "pad_token_id", None)
         gen, steps = _continuation(continuation, batch, ids.device, 0 if pad is None else int(pad))
         core.check_token_ids(model, gen, "continuation")
-        core.check_length(model, [n + int(c) for n, c in zip(prompt_lengths, steps.sum(1).tolist())], "inputs",
-                          "prompt + continuation")
+        core.check_length(model, [n + int(c) - 1 for n, c in zip(prompt_lengths, steps.sum(1).tolist())], "inputs",
+                          "prompt + continuation - 1: the last token is not read")
     generated = gen.shape[1]
     if generated == 0:
         raise ValueError("nothing to explain: the continuation is empty (or generation stopped at once)")

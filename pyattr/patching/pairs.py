@@ -35,8 +35,8 @@ def prepare_pair(model, clean, corrupt, alignment, clean_mask, corrupt_mask, cal
                 f"{caller}: {name} is an image (pixel_values); patching aligns token sequences, and "
                 "image inputs are supported by relevance(), layer_relevance() and integrated_gradients()"
             )
-    pc = core.prepare(model, clean, clean_mask, caller, generic)
-    px = core.prepare(model, corrupt, corrupt_mask, caller, generic)
+    pc = core.prepare(model, clean, clean_mask, caller, generic, name="clean")
+    px = core.prepare(model, corrupt, corrupt_mask, caller, generic, name="corrupt")
     for name, prep in (("clean", pc), ("corrupt", px)):
         if G.row_groups(model, prep) is not None:
             raise ValueError(

@@ -58,8 +58,13 @@ class _StopRecord:
                 return done
 
         def wrapped(*args, **kwargs):
-            return Recorded(build(self.model, *args, **kwargs))
+            built = build(self.model, *args, **kwargs)
+            if self.built:  # a nested generate (a draft model that is this model): not the call explained
+                return built
+            self.built = True
+            return Recorded(built)
 
+        self.built = False
         self.had = "_get_stopping_criteria" in vars(self.model)
         self.saved = vars(self.model).get("_get_stopping_criteria")
         self.model._get_stopping_criteria = wrapped
@@ -88,27 +93,60 @@ class _StopRecord:
         return steps
 
 
+#: generation modes whose loop adds several tokens per consultation of the stopping
+#: criteria (assisted and prompt-lookup decoding): where a row stopped cannot be read back
+_MULTI_TOKEN = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+
+
 def generate(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int,
              generate_kwargs: Optional[dict]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``model.generate`` on left-padded ``ids`` (greedy unless ``generate_kwargs`` say
-    otherwise; one sequence per prompt): the generated ids (batch, generated) and which
-    steps exist (BoolTensor, the same shape), as ``generate``'s own stopping criteria
-    decided (:class:`_StopRecord`)."""
+    """``model.generate`` on left-padded ``ids`` (greedy unless ``generate_kwargs`` or the
+    model's generation config say otherwise; one sequence per prompt): the generated ids
+    (batch, generated) and which steps exist (BoolTensor, the same shape), as
+    ``generate``'s own stopping criteria decided (:class:`_StopRecord`).
+
+    Raises:
+        ValueError: a length in ``generate_kwargs`` (``max_new_tokens`` / ``max_length``, or a
+            passed ``GenerationConfig`` whose ``max_new_tokens`` differs from the argument):
+            the argument decides how many steps are generated and checked; beams or several
+            sequences per prompt, from the arguments or the model's generation config;
+            assisted or prompt-lookup decoding.
+    """
+    model = getattr(model, "_orig_mod", model)  # torch.compile: generate on the module itself
     kw = dict(generate_kwargs or {})
+    for key in ("max_new_tokens", "max_length"):
+        if key in kw:
+            raise ValueError(f"generate_kwargs: {key} is given by max_new_tokens= of generation_relevance "
+                             f"(the steps explained and checked against the model's length); drop it from "
+                             "generate_kwargs")
     gc = kw.get("generation_config")
     if gc is not None:  # the caller's config decides all but the length, which is ours
+        if getattr(gc, "max_new_tokens", None) not in (None, max_new_tokens):
+            raise ValueError(f"generate_kwargs: the GenerationConfig says max_new_tokens={gc.max_new_tokens}, "
+                             f"the argument max_new_tokens={max_new_tokens}; give one length")
         gc = copy.deepcopy(gc)
         gc.max_new_tokens, gc.max_length = max_new_tokens, None
         kw["generation_config"] = gc
     else:
         kw = {"max_new_tokens": max_new_tokens, "do_sample": False, **kw}
+    # what generate will use: the arguments, then the passed config, then the model's own
+    effective = gc if gc is not None else getattr(model, "generation_config", None)
+
     def setting(name):
-        v = kw.get(name, getattr(gc, name, None))
+        v = kw.get(name, getattr(effective, name, None))
         return 1 if v is None else v
 
     if setting("num_return_sequences") != 1 or setting("num_beams") != 1:
-        raise ValueError("generate_kwargs: one sequence per prompt (num_beams 1, num_return_sequences 1)")
-    if "pad_token_id" not in kw and getattr(gc, "pad_token_id", None) is None:
+        raise ValueError(f"generate_kwargs: one sequence per prompt (num_beams 1, num_return_sequences 1); the "
+                         f"generation in force has num_beams={setting('num_beams')}, num_return_sequences="
+                         f"{setting('num_return_sequences')} (pass them in generate_kwargs to override the model's "
+                         "generation config)")
+    multi = [k for k in _MULTI_TOKEN if kw.get(k, getattr(effective, k, None)) not in (None, False)]
+    if multi:
+        raise ValueError(f"generate_kwargs: {multi[0]} (assisted / prompt-lookup decoding adds several tokens per "
+                         "step, so where each row stopped cannot be observed); generate without it, or pass "
+                         "continuation= with the generated tokens")
+    if "pad_token_id" not in kw and getattr(effective, "pad_token_id", None) is None:
         # any id pads: the steps kept are the ones generate reports finished or not (_StopRecord)
         pad = getattr(model.config, "pad_token_id", None)
         eos = _eos_ids(model, generate_kwargs)

@@ -274,7 +274,8 @@ def patch_grid(model: nn.Module, pixel_values: torch.Tensor, caller: str, generi
     return h // ph, w // pw
 
 
-def prepare(model: nn.Module, inputs, attention_mask, caller: str, generic: bool = False) -> Prepared:
+def prepare(model: nn.Module, inputs, attention_mask, caller: str, generic: bool = False,
+            name: str = "inputs") -> Prepared:
     check_grad_mode(caller)
     kwargs = normalise_inputs(inputs, attention_mask)
     entry, where = entry_module(model, generic)
@@ -293,8 +294,9 @@ def prepare(model: nn.Module, inputs, attention_mask, caller: str, generic: bool
         # copy of every layer's keys and values
         kwargs["use_cache"] = False
     ids = kwargs["input_ids"]
-    check_token_ids(model, ids)
-    check_length(model, _read_lengths(kwargs))
+    check_token_ids(model, ids, name)
+    kwargs = _fit_positions(model, kwargs)
+    check_length(model, _read_lengths(model, kwargs), name)
     return Prepared(kwargs, ids, new_tokens(kwargs.get("attention_mask"), ids.shape[1]), entry, where)
 
 
@@ -313,12 +315,33 @@ def check_token_ids(model: nn.Module, ids: torch.Tensor, name: str = "inputs") -
                          f"got {sorted(set(ids[bad].tolist()))[:5]}")
 
 
+def _rope_extension(cfg) -> Optional[int]:
+    """The length a scaled rotary embedding is configured for (YaRN, linear, Llama 3,
+    LongRoPE): ``factor`` × the original context, where the config names a factor."""
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
+    if not isinstance(params, dict):
+        return None
+    sets = [v for v in params.values() if isinstance(v, dict)] or [params]  # per layer type, or one
+    best = None
+    for ps in sets:
+        factor = ps.get("factor")
+        if ps.get("rope_type", ps.get("type")) in (None, "default") or not isinstance(factor, (int, float)):
+            continue
+        base = ps.get("original_max_position_embeddings") or getattr(cfg, "original_max_position_embeddings", None) \
+            or getattr(cfg, "max_position_embeddings", None)
+        if isinstance(base, int) and factor > 1:
+            best = max(best or 0, int(base * factor))
+    return best
+
+
 def max_positions(model: nn.Module) -> Optional[int]:
     """The longest input (real tokens plus cached positions) the model's position
     embeddings allow, from its config (``max_position_embeddings`` / ``n_positions``):
-    ``padding_idx + 1`` fewer for the RoBERTa family, whose positions start there; None
-    where the config names no limit, and for dynamic-NTK RoPE (its frequencies are
-    rescaled beyond ``max_position_embeddings``, which is what it is for)."""
+    ``padding_idx + 1`` fewer for the RoBERTa family, whose positions start there; for a
+    scaled rotary embedding the longer of that and ``factor`` × the original context (a
+    YaRN-extended Qwen 2.5 keeps ``max_position_embeddings`` at the original 32k); None where
+    the config names no limit, and for dynamic-NTK RoPE (its frequencies are rescaled
+    beyond ``max_position_embeddings``, which is what it is for)."""
     if any("dynamic" in kind for kind, _ in P.batch_features(model)):
         return None
     cfg = getattr(model, "config", None)
@@ -326,21 +349,43 @@ def max_positions(model: nn.Module) -> Optional[int]:
         v = getattr(cfg, key, None)
         if isinstance(v, int) and not isinstance(v, bool) and v > 0:
             kind, pad = P.convention(model)
-            return v - pad - 1 if kind == "padding_idx" else v
+            if kind == "padding_idx":
+                return v - pad - 1
+            return max(v, _rope_extension(cfg) or 0)
     return None
 
 
-def _read_lengths(kwargs: dict) -> list:
-    """Per row, the positions the model reads: its real tokens (the attention mask, which
-    may span a cache) plus the cached positions the mask does not cover."""
+def _read_lengths(model: nn.Module, kwargs: dict) -> list:
+    """Per row, the positions the model reads: counted from the position ids it is given
+    (from ``padding_idx + 1`` in the RoBERTa family), else every column plus the cache (a
+    forward without position ids numbers the columns, padding included), else, for a
+    model that numbers positions from the ids itself, its real tokens."""
     ids = kwargs["input_ids"]
-    mask = kwargs.get("attention_mask")
     past = S.cache_length(kwargs)
-    if mask is None:
-        return [ids.shape[1] + past] * ids.shape[0]
-    m = torch.as_tensor(mask)
-    extra = past if m.shape[-1] == ids.shape[1] else 0  # a mask over the cache counts it already
-    return [int(n) + extra for n in m.reshape(m.shape[0], -1).to(torch.long).sum(1).tolist()]
+    kind, pad = P.convention(model)
+    pos = kwargs.get("position_ids")
+    if isinstance(pos, torch.Tensor) and pos.numel():
+        top = pos.reshape(-1, pos.shape[-1]).max(-1).values + 1 - (pad + 1 if kind == "padding_idx" else 0)
+        top = top.tolist()
+        return top * ids.shape[0] if len(top) == 1 else top
+    mask = kwargs.get("attention_mask")
+    if kind == "padding_idx" and mask is not None:
+        m = torch.as_tensor(mask)
+        return [int(n) for n in m.reshape(m.shape[0], -1).to(torch.long).sum(1).tolist()]
+    return [ids.shape[1] + past] * ids.shape[0]
+
+
+def _fit_positions(model: nn.Module, kwargs: dict) -> dict:
+    """Right padding past the position table with real tokens inside it: position ids
+    counted along the mask (padding at the pad position), so the pad columns read no
+    position the table lacks and each row gets what it gets alone."""
+    limit = max_positions(model)
+    mask = kwargs.get("attention_mask")
+    if limit is None or mask is None or "position_ids" in kwargs or not accepts(model, "position_ids"):
+        return kwargs
+    if max(_read_lengths(model, kwargs)) <= limit or mask.shape[-1] != kwargs["input_ids"].shape[1]:
+        return kwargs
+    return {**kwargs, "position_ids": P.position_ids(model, mask, S.cache_length(kwargs))}
 
 
 def check_length(model: nn.Module, lengths, name: str = "inputs", what: str = "") -> None:

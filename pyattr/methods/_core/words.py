@@ -9,28 +9,51 @@ from typing import List, Optional
 import torch
 
 
+def _stable(text: str) -> str:
+    """Decoded text without the replacement characters a byte-level decoding ends with
+    while a multi-byte character is still incomplete (the next token completes it)."""
+    return text.rstrip("\ufffd")
+
+
 def _pieces(tokenizer, ids: List[int], window: int = 16) -> List[str]:
     """Each token's characters in the tokenizer's own decoding of the run ``ids``: what
     decoding it adds after the tokens before it (``window`` of them as context, enough for
-    a byte-level token that completes a multi-byte character or a SentencePiece space)."""
+    a byte-level token that completes a multi-byte character or a SentencePiece space).
+    A token that holds only part of a character adds nothing (``""``); the token that
+    completes the character adds all of it."""
     out = []
     for i in range(len(ids)):
         j = max(0, i - window)
-        before = tokenizer.decode(ids[j:i], skip_special_tokens=False, clean_up_tokenization_spaces=False) if i > j else ""
-        text = tokenizer.decode(ids[j:i + 1], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        def dec(seq):
+            return _stable(tokenizer.decode(seq, skip_special_tokens=False, clean_up_tokenization_spaces=False))
+        before = dec(ids[j:i]) if i > j else ""
+        text = dec(ids[j:i + 1])
         k = 0
         while k < min(len(before), len(text)) and before[k] == text[k]:
             k += 1
-        out.append(text[k:] if i > j else text)
+        out.append(text[k:])
     return out
+
+
+def _flush(waiting: List[int], groups: List[List[int]], labels: List[str], pieces) -> List[int]:
+    """Tokens still waiting for a next word when none follows (a special token or the end):
+    with the word before them, or a group of their own at the start."""
+    if waiting:
+        if groups:
+            groups[-1].extend(waiting)
+        else:
+            groups.append(list(waiting))
+            labels.append("".join(pieces[i] or "" for i in waiting))
+    return []
 
 
 def words(ids: torch.Tensor, mask: torch.Tensor, rel: torch.Tensor, tokenizer):
     """Words as the tokenizer's own decoding spells the sequence: a word is a run of
     non-whitespace characters; a token belongs to the word its first visible character is
-    in, a token of whitespace only (a byte-level ``Ċ`` line break) to the word after it;
-    a special token is a word of its own. Read from the decoded text, never from marker
-    characters (``Ġ``, ``▁``, ``##``), which miss line breaks and tabs (issue 31)."""
+    in; a token of whitespace only (a byte-level ``Ċ`` line break) belongs to the word
+    after it, and a token that holds only part of a character to the token that completes
+    it; a token whose text ends in whitespace (``'.ĊĊ'``) ends its word; a special token is
+    a word of its own. Returns ``(labels, Tensor[generated, words])``."""
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
     cols = mask.bool().nonzero()[:, 0].tolist()
     tok_ids = [int(ids[c]) for c in cols]
@@ -43,36 +66,32 @@ def words(ids: torch.Tensor, mask: torch.Tensor, rel: torch.Tensor, tokenizer):
         for i, piece in zip(run, _pieces(tokenizer, [tok_ids[i] for i in run])):
             pieces[i] = piece
         run = []
-    groups: List[List[int]] = []   # column indices (into cols) per word
+    groups: List[List[int]] = []   # indices into cols, per word
     labels: List[str] = []
-    pending: List[int] = []        # whitespace-only tokens waiting for the next word
-    open_word = False
-
-    def close_pending():
-        if pending:
-            if groups and open_word:
-                groups[-1].extend(pending)
-            else:
-                groups.append(list(pending))
-                labels.append("".join(pieces[i] for i in pending).strip() or pieces[pending[0]])
-            pending.clear()
-
+    waiting: List[int] = []        # tokens (whitespace, partial characters) placed with the next token
+    open_word = False              # the last group is a word the next token may continue
     for n, piece in enumerate(pieces):
         if piece is None:  # a special token
-            close_pending()
+            waiting = _flush(waiting, groups, labels, pieces)
             groups.append([n])
             labels.append(tokenizer.convert_ids_to_tokens([tok_ids[n]])[0])
             open_word = False
-        elif not piece.strip():
-            pending.append(n)
-        elif open_word and not pending and not piece[0].isspace():
-            groups[-1].append(n)
+            continue
+        if not piece:  # part of a character: goes where the token completing it goes
+            waiting.append(n)
+            continue
+        if not piece.strip():  # whitespace only: ends the word, joins the next one
+            waiting.append(n)
+            open_word = False
+            continue
+        if open_word and not piece[0].isspace():
+            groups[-1].extend(waiting + [n])
             labels[-1] += piece.strip()
         else:
-            groups.append(pending + [n])
+            groups.append(waiting + [n])
             labels.append(piece.strip())
-            pending = []
-            open_word = True
-    close_pending()
+        waiting = []
+        open_word = not piece[-1].isspace()
+    _flush(waiting, groups, labels, pieces)
     out = torch.stack([rel[:, [cols[i] for i in g]].sum(-1) for g in groups], -1)
     return labels, out
