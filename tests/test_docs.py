@@ -5,8 +5,9 @@ Python blocks run in a fresh namespace each, all in one working directory where
 ``path/to/llama`` is a tiny random Llama; command-line blocks run each ``pyattr ...`` line
 there, with ``./my-llama`` a tiny random Llama that carries the bundled MiniLM's tokenizer
 (``path/to/vit`` and ``./my-vit`` tiny random ViT classifiers with their image processor,
-``photo.png`` a random image). The python blocks of every page run first, so they leave
-``prompts.jsonl`` and ``results`` there as a user's session would. The README's ``make``
+``photo.png`` a random image). The python blocks of every page run once when that directory
+is made, so they leave ``prompts.jsonl`` and ``results`` there as a user's session would,
+whatever order the tests run in. The README's ``make``
 block is its two commands, which CI itself runs (`.ci/run` calls `make test`, then `make test-slow`).
 """
 
@@ -69,6 +70,18 @@ def workdir(tmp_path_factory):
     save_tiny_vit(d / "path" / "to" / "vit")
     save_tiny_vit(d / "my-vit")
     save_image(d / "photo.png")
+    # a user's session: every python block once, in the nav's order, before any test, so
+    # the command lines find the files the blocks write (prompts.jsonl, results) whatever
+    # order the tests run in (each block's own test runs it again: they are idempotent)
+    import os
+
+    here = os.getcwd()
+    os.chdir(d)
+    try:
+        for path, index, code in _blocks("python"):
+            exec(compile(code, f"{_name(path)} block {index}", "exec"), {"__name__": "__docs__"})
+    finally:
+        os.chdir(here)
     return d
 
 
