@@ -48,18 +48,20 @@ void softmax_row(A* row, int64_t kend, int64_t limit, A scaling, std::optional<A
   constexpr int64_t W = V::size();
   const A ninf = -std::numeric_limits<A>::infinity();
   A mx = ninf;
+  bool nan = false;  // tracked apart, so the max stays a plain (vectorizable) max
   for (int64_t j = 0; j < limit; ++j) {
     A v = row[j] * scaling;
     if (softcap) v = std::tanh(v / *softcap) * *softcap;
     if (mrow) v += mrow[j * mstride];
     row[j] = v;
-    mx = (v > mx || v != v) ? v : mx;  // a NaN stays the maximum
+    mx = v > mx ? v : mx;
+    nan |= v != v;
   }
-  if (mx == ninf) {  // every key masked
+  if (!nan && mx == ninf) {  // every key masked
     std::fill(row, row + kend, A(0));
     return;
   }
-  if (mx != mx || mx == -ninf) {  // NaN, or exp(inf - inf): the whole row
+  if (nan || mx == -ninf) {  // NaN, or exp(inf - inf): the whole row
     std::fill(row, row + limit, std::numeric_limits<A>::quiet_NaN());
     std::fill(row + limit, row + kend, A(0));
     return;

@@ -66,7 +66,9 @@ def gated_backward(
     s = 0.5 if half else 1.0
     local = phi(g32, act) if identity else derivative(g32, act)
     dg = s * dh32 * u32 * local
-    du = s * dh32 * act_value(g32, act)
+    # act(g) = g·φ(g): with the Identity-rule φ is at hand (one evaluation, not two)
+    value = g32 * local if identity and act.kind not in ("custom", "relu") else act_value(g32, act)
+    du = s * dh32 * value
     return dg.to(g.dtype), du.to(u.dtype)
 
 
@@ -228,10 +230,11 @@ def attention_dv_reference(q, k, dout, mask, scaling: float, softcap: Optional[f
             later = torch.arange(kend, device=q.device) > torch.arange(s, e, device=q.device).unsqueeze(1)
             scores = scores.masked_fill(later, float("-inf"))
         p = torch.softmax(scores, dim=-1)
-        # all keys masked: no contribution (softmax gives NaN); NaN rows stay NaN
-        p = p.masked_fill((scores == float("-inf")).all(-1, keepdim=True), 0.0)
-        if causal:  # hidden keys: 0 in every row (a NaN row's softmax is NaN there too)
-            p = p.masked_fill(later, 0.0)
+        # all keys masked (the row's max is -inf; a NaN row's is NaN): no contribution, where
+        # softmax gives NaN; causal hidden keys: 0 in every row, NaN rows included. One fill
+        # for both (the reduction reads the scores once, no full-size boolean of their own)
+        zero = scores.amax(-1, keepdim=True) == float("-inf")
+        p = p.masked_fill(later | zero if causal else zero, 0.0)
         p = p.view(b, hkv, g * n, kend)
         dob = do[:, :, :, s:e]
         part = torch.matmul(p.transpose(-1, -2), dob.reshape(b, hkv, g * n, -1))
