@@ -509,7 +509,7 @@ def test_explain_pair_with_a_left_padding_tokenizer(tmp_path):
 def test_run_reads_beyond_max_positions_with_dynamic_ntk_and_roberta_limit(tmp_path):
     import pandas as pd
 
-    from pyattr.apps.explain import _max_positions
+    from pyattr.methods._core import max_positions as _max_positions
 
     assert _max_positions(tiny_rope_scaled("dynamic")) is None  # rescaled beyond max_position_embeddings
     assert _max_positions(tiny_causal_lm("roberta")) == 64 - 1 - 1  # positions start at padding_idx + 1

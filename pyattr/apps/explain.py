@@ -21,6 +21,7 @@ import torch
 
 from pyattr.backends import available_backends
 import pyattr.apps.contention as _contention
+import pyattr.methods._core as core
 from pyattr.config import RelevanceRules
 from pyattr.apps.tokens import prompt_ids, target_token_id
 from pyattr.rules import half_rule, ln_rule
@@ -253,21 +254,13 @@ def _check_text(name: str, text: Optional[str]) -> str:
     return text
 
 
-def _max_positions(model) -> Optional[int]:
-    """The longest input the model reads (:func:`pyattr.methods._core.max_positions`, the
-    one definition every method checks against)."""
-    import pyattr.methods._core as core
-
-    return core.max_positions(model)
-
-
 def check_prompt(name: str, ids: List[int], model, tok) -> None:
     """A causal prompt's ids (:func:`pyattr.apps.tokens.prompt_ids`, the appended end-of-text
     markers already dropped): at least one token that is not special, and no longer than
     the model reads."""
     if not ids or all(i in set(tok.all_special_ids) for i in ids):
         raise ExplainError(f"{name} has no tokens the model can read after tokenisation")
-    limit = _max_positions(model)
+    limit = core.max_positions(model)
     if limit is not None and len(ids) > limit:
         raise ExplainError(f"{name} is {len(ids)} tokens long; the model reads at most {limit}")
 
@@ -276,7 +269,7 @@ def _check_tokens(name: str, n_tokens: int, model, tok) -> None:
     n_special = tok.num_special_tokens_to_add() if hasattr(tok, "num_special_tokens_to_add") else 0
     if n_tokens <= n_special:
         raise ExplainError(f"{name} has no tokens the model can read after tokenisation")
-    limit = _max_positions(model)
+    limit = core.max_positions(model)
     if limit is not None and n_tokens > limit:
         raise ExplainError(f"{name} is {n_tokens} tokens long; the model reads at most {limit}")
 

@@ -14,7 +14,8 @@ from typing import List, Optional
 
 
 from pyattr.apps.tokens import continuation_ids, prompt_ids
-from pyattr.apps.explain import ExplainError, _load, _max_positions
+import pyattr.methods._core as core
+from pyattr.apps.explain import ExplainError, _load, check_prompt
 from pyattr.apps.render import LEGEND_CSS, _display, _rgb, legend_html, num
 from pyattr.config import RelevanceRules
 
@@ -68,16 +69,14 @@ def run_generate(model_dir: Path, text: str, max_new_tokens: Optional[int], cont
         kw["continuation"] = torch.tensor([cont])
     else:
         prompt = prompt_ids(tok, text)
-    limit = _max_positions(model)
-    if limit is not None:
-        if len(prompt) > limit:
-            raise ExplainError(f"--text is {len(prompt)} tokens long; the model reads at most {limit}")
-        more, what = (len(kw["continuation"][0]), "--continuation") if continuation is not None else \
-            (max_new_tokens, "--max-new-tokens")
-        # the model reads every token but the last one generated
-        if more is not None and len(prompt) + more - 1 > limit:
-            raise ExplainError(f"--text is {len(prompt)} tokens and {what} adds {more}: the model would read "
-                               f"{len(prompt) + more - 1} positions (all but the last token); it reads at most {limit}")
+    check_prompt("--text", prompt, model, tok)
+    limit = core.max_positions(model)
+    more, what = (len(kw["continuation"][0]), "--continuation") if continuation is not None else \
+        (max_new_tokens, "--max-new-tokens")
+    # the model reads every token but the last one generated
+    if limit is not None and more is not None and len(prompt) + more - 1 > limit:
+        raise ExplainError(f"--text is {len(prompt)} tokens and {what} adds {more}: the model would read "
+                           f"{len(prompt) + more - 1} positions (all but the last token); it reads at most {limit}")
     ids = torch.tensor([prompt])
     enc = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     if continuation is None:

@@ -45,6 +45,7 @@ from typing import Dict, List, Optional, Sequence, Union
 import torch
 from torch import nn
 
+import pyattr.methods._core as core
 import pyattr.methods._core.positions as P
 from pyattr.apps.prompts import Prompt, RunError, read_prompts
 from pyattr.apps.tokens import prompt_ids, target_token_id
@@ -141,7 +142,6 @@ def run(
     token is stored with its ``error``; the run goes on.
     """
     model = unwrap(model)
-    import pyattr.methods._core as core
 
     max_tokens_per_batch = core.check_count("max_tokens_per_batch", max_tokens_per_batch, allow_none=False)
     shard_size = core.check_count("shard_size", shard_size, allow_none=False)
@@ -210,9 +210,7 @@ def _run_locked(model, prompts, data, out: Path, tokenizer, text_field, target, 
     shards: List[str] = []
     seq = next_seq(out, rank)
     failed = 0
-    from pyattr.apps.explain import _max_positions
-
-    limit = _max_positions(model)
+    limit = core.max_positions(model)
     # any id pads (the attention mask hides it); GPT-2 style tokenizers have no pad token
     pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
     encoded: Dict[str, List[int]] = {}
