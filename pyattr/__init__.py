@@ -5,6 +5,7 @@ See the README for the rule math and the methods. Public API::
     from pyattr.rules import ln_rule, ln_rule_grad, identity_rule, half_rule, scale_gradient
     pyattr.ops.layer_norm / rms_norm / activation / gated_activation
     pyattr.use_relevance_rules(model, pyattr.RelevanceRules(...))
+    pyattr.audit(model, inputs, generic=True)   # where relevance leaks, per module
     pyattr.relevance(model, inputs, target=...)
     pyattr.layer_relevance(model, inputs, layers, target=...)
     pyattr.integrated_gradients(model, inputs, target=..., baseline="zeros")
@@ -54,6 +55,9 @@ _EXPORTS = {
     "use_relevance_rules": "pyattr.integration",
     "RelevanceRuleConflictError": "pyattr.integration",
     "RelevanceRuleUnsupportedError": "pyattr.integration",
+    "PartialRelevanceWarning": "pyattr.integration",
+    "audit": "pyattr.methods.audit",
+    "RelevanceAudit": "pyattr.integration.audit",
 }
 _SUBMODULES = ("evaluate", "ops", "patching", "rules", "targets")
 
@@ -82,7 +86,10 @@ if TYPE_CHECKING:  # what static tools see
     from pyattr.methods.integrated_gradients import AttributionResult, integrated_gradients
     from pyattr.methods.layer_relevance import LayerRelevance, LayerRelevanceResult, layer_relevance
     from pyattr.backends import BackendUnavailableError, available_backends, backend
+    from pyattr.integration.audit import RelevanceAudit
+    from pyattr.methods.audit import audit
     from pyattr.integration import (
+        PartialRelevanceWarning,
         RelevanceRuleConflictError,
         RelevanceRuleCoverage,
         RelevanceRules,

@@ -142,8 +142,13 @@ def test_a_fused_qkv_projection_is_refused_with_its_reason_and_the_rest_matches(
     ref = pyattr.relevance(m, ids, target=5, rules=rules)
     got = pyattr.relevance(twin, ids, target=5, rules=rules, generic=True)
     assert torch.equal(got.relevance, ref.relevance)
-    with pyattr.use_relevance_rules(twin, generic=True) as cov:
-        assert "fused q/k/v projection" in cov.reasons["transformer.h.0.attn.c_attn"]
+    # with the attention rule asked for, the loss in the unruled softmax is measured and refused
+    with pytest.raises(pyattr.RelevanceRuleUnsupportedError,
+                       match=r"'transformer.h.0.attn.c_attn' \(Conv1D\) loses [-0-9.e]+: generic: fused q/k/v projection"):
+        pyattr.relevance(twin, ids, target=5, generic=True)
+    with pytest.warns(pyattr.PartialRelevanceWarning, match="fused q/k/v projection"):
+        with pyattr.use_relevance_rules(twin, generic="partial") as cov:
+            assert "fused q/k/v projection" in cov.reasons["transformer.h.0.attn.c_attn"]
 
 
 def test_without_generic_the_twin_is_refused():
@@ -224,7 +229,10 @@ def test_a_role_discovery_cannot_find_is_refused_naming_it():
     with pytest.raises(ValueError, match=r"nodes: 'neurons': needs the 'neurons' role"):
         attribution_patching(olmoe, _ids(), _ids(seed=2), pyattr.targets.Logit(5), nodes="neurons", method="atp",
                              generic=True)
-    r = pyattr.layer_relevance(olmoe, _ids(), "mlp", target=5, generic=True)
+    with pytest.raises(pyattr.RelevanceRuleUnsupportedError, match=r"'model.layers.0.mlp' \(OlmoeSparseMoeBlock\)"):
+        pyattr.layer_relevance(olmoe, _ids(), "mlp", target=5, generic=True)  # the experts carry no rule
+    with pytest.warns(pyattr.PartialRelevanceWarning, match="mixture-of-experts"):
+        r = pyattr.layer_relevance(olmoe, _ids(), "mlp", target=5, generic="partial")
     assert r.paths == ["model.layers.0.mlp", "model.layers.1.mlp"]
 
     seed = _unmapped("SeedOssConfig", attention_bias=False, **base)

@@ -83,12 +83,21 @@ def test_qk_norms_inside_attention_are_never_residual_norms():
 
 
 def test_what_cannot_be_classified_is_reported():
-    """Apertus' xIELU activation has parameters (no known form): reported, left native."""
+    """Apertus' xIELU activation has parameters (no known form): left native with the
+    reason, and since the probe measures relevance lost there, generic=True refuses,
+    naming the module, its class and the reason; generic="partial" runs and warns."""
     m = _model("ApertusConfig")
-    with pyattr.use_relevance_rules(m, generic=True) as cov:
-        p = "model.layers.0.mlp.act_fn"
-        assert p in cov.skipped and p not in cov.installed
-        assert cov.reasons[p].startswith("generic: activation-like module with parameters")
+    with pytest.raises(pyattr.RelevanceRuleUnsupportedError,
+                       match=r"'model.layers.0.mlp.act_fn' \(XIELUActivation\) loses [-0-9.e]+: generic: "
+                             r"activation-like module with parameters .* Pass generic='partial'"):
+        with pyattr.use_relevance_rules(m, generic=True):
+            pass
+    with pytest.warns(pyattr.PartialRelevanceWarning, match=r"'model.layers.1.mlp.act_fn' \(XIELUActivation\)") as w:
+        with pyattr.use_relevance_rules(m, generic="partial") as cov:
+            p = "model.layers.0.mlp.act_fn"
+            assert p in cov.skipped and p not in cov.installed
+            assert cov.reasons[p].startswith("generic: activation-like module with parameters")
+    assert w[0].filename == __file__  # the warning points at the caller's line
 
 
 def test_rms_norm_offset_is_probed_not_guessed_from_the_class_name():
@@ -136,6 +145,10 @@ def test_reported_reasons_are_true():
     torch.manual_seed(0)
     cfg = T.OlmoeConfig(**{**UNMAPPED_COMMON, "intermediate_size": 24}, num_experts=4, num_experts_per_tok=2, **base)
     olmoe = T.AutoModelForCausalLM.from_config(cfg).eval()
-    with pyattr.use_relevance_rules(olmoe, generic=True) as cov:
-        assert cov.reasons["model.layers.0.mlp"].startswith("generic: mixture-of-experts block (router and experts) not covered")
+    with pytest.raises(pyattr.RelevanceRuleUnsupportedError,
+                       match=r"'model.layers.0.mlp' \(OlmoeSparseMoeBlock\) loses [-0-9.e]+: generic: mixture-of-experts"):
+        pyattr.relevance(olmoe, _ids(), generic=True)
+    with pytest.warns(pyattr.PartialRelevanceWarning, match="mixture-of-experts block"):
+        with pyattr.use_relevance_rules(olmoe, generic="partial") as cov:
+            assert cov.reasons["model.layers.0.mlp"].startswith("generic: mixture-of-experts block (router and experts) not covered")
         assert not any(p.startswith("model.layers.0.mlp.") for p in cov.installed)

@@ -2,6 +2,7 @@
 
 from pyattr.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.integration.errors import RelevanceRuleConflictError, RelevanceRuleUnsupportedError
+from pyattr.integration.plan_check import PartialRelevanceWarning
 from pyattr.integration.scope import use_relevance_rules
 
 __all__ = [
@@ -10,4 +11,5 @@ __all__ = [
     "use_relevance_rules",
     "RelevanceRuleConflictError",
     "RelevanceRuleUnsupportedError",
+    "PartialRelevanceWarning",
 ]

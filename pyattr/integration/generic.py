@@ -77,6 +77,7 @@ def plan_generic(model: nn.Module, rules: RelevanceRules) -> Planner:
             fused[name] = form
             pl.mounted.add(id(getattr(mod, form.act)))
     for name in moe:  # routing and 3-D experts need the library's forms: only the mapped MoE models have them
+        pl.native.append(modules[name])
         for sub, m in modules.items():
             if sub == name or sub.startswith(name + "."):
                 pl.mounted.add(id(m))
@@ -143,9 +144,10 @@ def plan_generic(model: nn.Module, rules: RelevanceRules) -> Planner:
                                "no known form: left native")
         qkv = fused_qkv(mod)  # an nn.Linear or GPT-2's Conv1D
         if qkv and name not in dict(attention):
-            pl.cov._skip(A.join(name, qkv), "generic: fused q/k/v projection whose split is unknown: left native")
+            pl.cov._skip(A.join(name, qkv), "attention rule off" if not rules.attention else
+                         "generic: fused q/k/v projection whose split is unknown: left native")
         if "Attention" in type(mod).__name__ and name not in dict(attention) and not any(
-                name.startswith(a + ".") for a in inside_attention) and not qkv:
+                name.startswith(a + ".") or a.startswith(name + ".") for a in inside_attention) and not qkv:
             pl.cov._skip(name, "generic: attention without recognisable q/k/v projections: its pattern is not "
                                "frozen (no attention rule)")
     pl.skip_lookalikes()

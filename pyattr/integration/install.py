@@ -24,6 +24,15 @@ from torch import nn
 from pyattr.integration.errors import RelevanceRuleConflictError
 
 _STATE = "_pyattr_rules"
+# open scopes running functional rules (pyattr.integration.functional); while any is open a
+# rule forward counts its depth, so that those rules leave what pyattr's own forwards compute
+FUNCTIONAL_SCOPES = [0]
+_rule_forward = threading.local()
+
+
+def in_rule_forward() -> bool:
+    """True while a rule forward pyattr installed is running (in this thread)."""
+    return getattr(_rule_forward, "depth", 0) > 0
 MISSING = object()  # an instance attribute that was absent
 
 
@@ -115,7 +124,14 @@ def acquire(
                 # an activation-checkpoint recomputation, during a backward, of a forward
                 # that ran without rules: it must run as it did then
                 return state.native(*args, **kwargs)
-            out = fwd(*args, **kwargs)
+            if FUNCTIONAL_SCOPES[0]:  # a generic scope's functional rules stay out of a rule forward
+                _rule_forward.depth = getattr(_rule_forward, "depth", 0) + 1
+                try:
+                    out = fwd(*args, **kwargs)
+                finally:
+                    _rule_forward.depth -= 1
+            else:
+                out = fwd(*args, **kwargs)
             if check_output and not torch.compiler.is_compiling():
                 state.expected_out = id(out)
                 # keep the check last, after hooks registered inside the scope too

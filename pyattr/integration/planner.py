@@ -60,6 +60,9 @@ class Planner:
         self.generic = model_type == "generic"
         # attention modules under the AH-rule: their core runs the dV-only backward
         self.frozen_attention: List[nn.Module] = []
+        # modules left native on purpose (q/k norms under the AH-rule, a generic MoE block):
+        # a generic scope's functional rules stay out of them too
+        self.native: List[nn.Module] = []
 
     def need(self, path: str) -> nn.Module:
         mod = A.get_submodule(self.model, path)
@@ -360,6 +363,7 @@ class Planner:
                 continue
             self.mounted.add(id(mod))
             if self.rules.attention != "attnlrp":
+                self.native.append(mod)
                 why = "AH-rule: no gradient reaches q/k" if self.rules.attention else "attention rule off"
                 self.cov._skip(path, f"q/k norm left native ({why}; the LN-rule applies here under attnlrp)")
                 continue

@@ -18,6 +18,8 @@ from pyattr.integration.install import (
     acquire,
     release,
 )
+from pyattr.integration.functional import functional_rules
+from pyattr.integration.plan_check import check, check_mode
 from pyattr.integration.planner import Planner, plan_known
 from pyattr.integration.quantized import quantized_input_gradients
 from pyattr.integration.wrappers import unwrap
@@ -61,8 +63,14 @@ def use_relevance_rules(
             (TransformerLens' defaults: ``RelevanceRules(normalization=True)`` is the
             LN-rule alone). Default (``None``): ``RelevanceRules.all()``, the four rules
             with the AH-rule.
-        generic (bool): for an architecture without a rule map, install the rules
-            structurally (:func:`pyattr.integration.generic.plan_generic`) instead of raising. Default: False.
+        generic (bool | "partial"): for an architecture without a rule map, install the
+            rules structurally (:func:`pyattr.integration.generic.plan_generic`, with the
+            functional rules of :mod:`pyattr.integration.functional`) instead of raising.
+            The plan is checked first on a probe (:mod:`pyattr.integration.plan_check`):
+            relevance lost where no rule was placed raises; a loss the plan declares
+            raises too unless ``generic="partial"``, which warns
+            (:class:`~pyattr.integration.plan_check.PartialRelevanceWarning`) with the
+            measured gap. Default: False.
 
     Yields:
         RelevanceRuleCoverage: installed and skipped dotted paths.
@@ -78,8 +86,10 @@ def use_relevance_rules(
     :func:`checkpoints_bound`).
 
     Raises:
-        RelevanceRuleUnsupportedError: unknown model type (without ``generic``), or a
-            mount that is not of the expected form; raised before anything is patched.
+        RelevanceRuleUnsupportedError: unknown model type (without ``generic``), a
+            mount that is not of the expected form, or (``generic``) a plan the probe
+            shows losing relevance; raised before anything is patched.
+        ValueError: ``generic`` is not False, True or ``"partial"``.
             Its subclass ``UnsupportedQuantizationError`` (also a ``NotImplementedError``):
             a quantized layer that is neither torchao's nor bitsandbytes' (see
             :mod:`pyattr.integration.quantized`).
@@ -89,7 +99,19 @@ def use_relevance_rules(
     """
     model = unwrap(model)
     rules = RelevanceRules.all() if rules is None else rules
-    pl = plan(model, rules, generic)
+    generic = check_mode(generic)
+    pl = plan(model, rules, bool(generic))
+    if pl.generic and rules.any():
+        # fail closed: the structural plan is checked on a probe before it answers
+        check(model, rules, generic, installed, lambda m, r: plan(m, r, True))
+    with installed(model, pl):
+        yield pl.cov
+
+
+@contextlib.contextmanager
+def installed(model: nn.Module, pl: Planner) -> Iterator[None]:
+    """The steps of ``pl`` installed on ``model`` for the ``with`` block (and, for a
+    generic plan, the functional rules around its forward)."""
     # probe the backends (load the extension, register its ops) now, not first inside a
     # graph torch.compile traces, where the one-time registration cannot run
     from pyattr.backends import available_backends
@@ -102,8 +124,15 @@ def use_relevance_rules(
             for st in pl.steps:
                 acquire(st.module, st.path, st.kind, st.value, st.make_forward, st.check_output)
                 done.append(st)
-            with checkpoints_bound(model), frozen_attention(pl.frozen_attention):
-                yield pl.cov
+            with checkpoints_bound(model), frozen_attention(pl.frozen_attention), \
+                    (functional_rules(model, pl.rules, _roots(model), pl.native) if pl.generic else contextlib.nullcontext()):
+                yield
         finally:
             for st in reversed(done):
                 release(st.module, st.kind)
+
+
+def _roots(model: nn.Module) -> tuple:
+    """The base model, which callers may run alone (``model.model(...)``)."""
+    base = A.get_submodule(model, A.base_prefix(model))
+    return (base,) if isinstance(base, nn.Module) and base is not model else ()
