@@ -96,8 +96,8 @@ class ModuleGap:
     relevance_in: float
     relevance_out: float
     bias_relevance: float
-    gap: float
-    own_gap: float
+    gap: float  # relevance in + the biases inside it − relevance out
+    own_gap: float  # the gap of its own forward code: gap minus its submodules' gaps
     scale: float
     leak: bool
     note: Optional[str] = None
@@ -115,7 +115,8 @@ class RelevanceAudit:
         entry_relevance (float): Σ x·∂̃ at the entry (the embeddings' output or the first
             norm's input: where relevance methods read it).
         bias_relevance (float): Σ b·∂̃b over the biases after the entry.
-        gap (float): target − entry relevance − bias relevance (0 when conserved).
+        gap (float): entry relevance + bias relevance − target (0 when conserved): the
+            sum of every module's own gap, with their sign (relevance in + bias − out).
         tolerance (float): the relative own-gap tolerance used (by the model's dtype).
     """
 
@@ -186,8 +187,15 @@ class ModuleAudit:
         self.flags: list = []
         self.names = {id(m): n for n, m in model.named_modules()}
         self.classes = {n: type(m).__name__ for n, m in model.named_modules()}
-        self.biases = [(n.rsplit(".", 1)[0] if "." in n else "", p) for n, p in model.named_parameters()
-                       if "bias" in n.rsplit(".", 1)[-1] and p.is_floating_point()]
+        # a bias held by several modules (a head's decoder.bias tied to predictions.bias)
+        # belongs to the deepest holder: the module whose forward adds it
+        holders: Dict[int, tuple] = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            if "bias" in n.rsplit(".", 1)[-1] and p.is_floating_point():
+                owner = n.rsplit(".", 1)[0] if "." in n else ""
+                if id(p) not in holders or owner.count(".") > holders[id(p)][0].count("."):
+                    holders[id(p)] = (owner, p)
+        self.biases = list(holders.values())
 
     def __enter__(self) -> "ModuleAudit":
         for name, mod in self.model.named_modules():
@@ -318,16 +326,21 @@ class ModuleAudit:
                 if row is not None:
                     row["bias"] = row.get("bias", 0.0) + s
                     row["mass"] += m
-        for r in rows.values():
-            r["gap"] = r["in"] + r.get("bias", 0.0) - r["out"]
+        # own gap = (in − out) + own biases − Σ children's (in − out): a child's biases are
+        # sources inside it, so its (in − out) is what the parent sees of it
         parent_of = {}
         for c in self.calls:
             if c.parent is not None and c.parent.path != c.path:
                 parent_of.setdefault(c.path, c.parent.path)
+        subtree = {p: r.get("bias", 0.0) for p, r in rows.items()}
+        for path in sorted(parent_of, key=lambda p: -p.count(".")):
+            subtree[parent_of[path]] = subtree.get(parent_of[path], 0.0) + subtree.get(path, 0.0)
+        for path, r in rows.items():
+            r["gap"] = r["in"] + subtree.get(path, 0.0) - r["out"]
         for path, parent in parent_of.items():
             if path in self.absorbed:
                 continue
-            rows[parent]["child"] += rows[path]["gap"]
+            rows[parent]["child"] += rows[path]["in"] - rows[path]["out"]
             rows[parent]["child_mass"] += rows[path]["mass"]
         tol = tolerance(next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32))
         floor = 1e-12 * max(abs(target), 1e-300)
@@ -335,7 +348,7 @@ class ModuleAudit:
         for path, r in rows.items():
             if r["mass"] == 0.0 and r["child_mass"] == 0.0:
                 continue  # not on the relevance's path
-            own = r["gap"] - r["child"]
+            own = r["in"] - r["out"] + r.get("bias", 0.0) - r["child"]
             scale = r["mass"] + r["child_mass"]
             note = self.exempt.get(path)
             leak = (path not in self.absorbed and note is None and math.isfinite(own)
@@ -344,4 +357,4 @@ class ModuleAudit:
                 note = "a rule scales its gradient; counted in the attention module"
             out.append(ModuleGap(path, self.classes.get(path, "?"), r["calls"], r["in"], r["out"], r.get("bias", 0.0),
                                  r["gap"], own, scale, bool(leak), note))
-        return RelevanceAudit(out, target, entry, bias_total, target - entry - bias_total, tol, sorted(set(stale)))
+        return RelevanceAudit(out, target, entry, bias_total, entry + bias_total - target, tol, sorted(set(stale)))

@@ -21,10 +21,11 @@ architectures are not probed: their table is the plan, and their tests its check
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 import weakref
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 from torch import nn
@@ -269,8 +270,23 @@ def _caller_level() -> int:
     return level
 
 
+_UNCHECKED = [0]
+
+
+@contextlib.contextmanager
+def unchecked() -> Iterator[None]:
+    """For :func:`pyattr.audit`, which measures the plan itself: no plan check inside."""
+    _UNCHECKED[0] += 1
+    try:
+        yield
+    finally:
+        _UNCHECKED[0] -= 1
+
+
 def check(model: nn.Module, rules: RelevanceRules, generic, installed: Callable, plan: Callable) -> None:
     """Raise or warn per the verdict (see the module docstring)."""
+    if _UNCHECKED[0]:
+        return
     v = verdict(model, rules, installed, plan)
     if v[0] == "undeclared":
         raise RelevanceRuleUnsupportedError(v[1])

@@ -19,6 +19,7 @@ import pyattr.methods._core as core
 import pyattr.targets as T
 from pyattr.config import RelevanceRules
 from pyattr.integration.audit import ModuleAudit, RelevanceAudit, bypassed_activations
+from pyattr.integration.plan_check import unchecked
 from pyattr.integration.wrappers import unwrap
 from pyattr.methods._core.forward import evaluate_targets, leaf, run_model
 
@@ -37,8 +38,8 @@ def audit(model: nn.Module, inputs, target=None, rules: Optional[RelevanceRules]
             k targets are audited one call each). Default: each row's top-1 next token.
         rules (RelevanceRules, optional): default ``RelevanceRules.all()``.
         attention_mask (Tensor[batch, seq], optional).
-        generic (bool | "partial"): as for :func:`pyattr.use_relevance_rules`. The plan
-            check runs first: to audit a plan that check refuses, pass ``"partial"``.
+        generic (bool | "partial"): as for :func:`pyattr.use_relevance_rules`, without
+            its plan check: the audit is how to see what that check would refuse.
 
     Returns:
         RelevanceAudit: ``.modules`` (one :class:`~pyattr.integration.audit.ModuleGap`
@@ -58,7 +59,7 @@ def audit(model: nn.Module, inputs, target=None, rules: Optional[RelevanceRules]
     if several:
         raise ValueError("target: audit explains one target per row; audit each of the k targets in its own call")
     rules = core.rule_defaults(rules)
-    with core.attribution_pass(model, rules, generic, "audit") as cov:
+    with unchecked(), core.attribution_pass(model, rules, generic, "audit") as cov:
         absorbed = list(cov.by_kind.get("attention", []))
         exempt = {}
         if rules.attention == "attnlrp":

@@ -171,6 +171,7 @@ def sparse_rows_head(model: nn.Module):
         h = args[0] if args else None
         if (not torch.is_grad_enabled() or not isinstance(h, torch.Tensor) or not h.requires_grad
                 or mod.weight.requires_grad or mod.weight.device != h.device or not isinstance(out, torch.Tensor)
+                or (mod.bias is not None and mod.bias.requires_grad)
                 or out.shape[:-1] != h.shape[:-1]):
             return None
         return SparseRowsHeadFunction.apply(h, out.detach(), mod.weight)
