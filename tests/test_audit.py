@@ -94,3 +94,21 @@ def test_generic_mode_is_validated():
     m = tiny_unmapped("GraniteConfig")
     with pytest.raises(ValueError, match=r"generic must be False, True or 'partial'.*got 'yes'"):
         pyattr.relevance(m, _ids(), generic="yes")
+
+
+def test_a_declared_missing_entry_is_honoured_and_models_without_embeddings_are_refused():
+    """FNet: discovery finds no blocks, so no entry; the raw word embeddings are not where the
+    residual stream starts, and pyattr refuses instead of reading relevance there. ResNet has
+    no input embeddings at all (transformers raises NotImplementedError): a ValueError."""
+    import transformers as T
+
+    fnet = T.FNetForMaskedLM(T.FNetConfig(hidden_size=32, num_hidden_layers=2, intermediate_size=48, vocab_size=96,
+                                          max_position_embeddings=64)).eval()
+    for rules in (None, pyattr.RelevanceRules()):
+        with pytest.raises(ValueError, match=r"needs the 'entry' role.*FNetForMaskedLM.*no blocks"):
+            pyattr.relevance(fnet, _ids(1, 6), rules=rules, generic=True)
+    resnet = T.ResNetForImageClassification(T.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                                                           num_labels=3)).eval()
+    with pytest.raises(ValueError, match=r"'entry' role.*ResNetForImageClassification"):
+        pyattr.relevance(resnet, torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0)),
+                         rules=pyattr.RelevanceRules(), generic=True)

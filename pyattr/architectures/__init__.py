@@ -9,6 +9,7 @@ from pyattr.architectures.paths import (  # noqa: F401
     WRAPPER_PREFIX,
     base_prefix,
     get_submodule,
+    input_embeddings,
     join,
     layer_paths,
     model_type,

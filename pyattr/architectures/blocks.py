@@ -21,7 +21,7 @@ from pyattr.architectures.forms import (
     body_matches,
     flat_body,
 )
-from pyattr.architectures.paths import get_submodule, join
+from pyattr.architectures.paths import get_submodule, input_embeddings, join
 from pyattr.architectures.table import (
     FUSED_GATED_FORMS,
     FusedGatedForm,
@@ -165,7 +165,7 @@ def _hidden(model: nn.Module) -> Optional[int]:
     h = getattr(getattr(model, "config", None), "hidden_size", None)
     if isinstance(h, int):
         return h
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    emb = input_embeddings(model)
     h = getattr(emb, "embedding_dim", None)
     return h if isinstance(h, int) else None
 

@@ -53,7 +53,7 @@ from pyattr.architectures.blocks import (  # noqa: F401 - the finders, also read
 )
 from pyattr.architectures.forms import classify_norm
 from pyattr.architectures.position_probe import observed_positions, padding_idx_embeddings
-from pyattr.architectures.paths import base_prefix, get_submodule, join, model_type
+from pyattr.architectures.paths import base_prefix, get_submodule, input_embeddings, join, model_type
 from pyattr.architectures.table import ARCHITECTURES, Arch
 
 
@@ -84,7 +84,7 @@ def _entry(model: nn.Module, base: nn.Module, outer: List[str], layers: str) -> 
     embedding / pre-blocks norm: BERT's ``embeddings.LayerNorm``, CLIP's ``pre_layrnorm``),
     else the first block's input. OPT registers its final norm before its blocks: not one."""
     order = {n: i for i, (n, _) in enumerate(base.named_modules())}
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    emb = input_embeddings(model)
     emb_path = next((n for n, m in base.named_modules() if emb is not None and m is emb), None)
     home = emb_path.rsplit(".", 1)[0] if emb_path and "." in emb_path else None
     if home is not None and _under(layers, [home]):

@@ -71,3 +71,16 @@ def no_neurons(model: nn.Module, arg: str) -> ValueError:
         "each expert (rows of 3-D weights), not to a position, so there is no 'neurons' layer. Use "
         "'mlp' (each sparse block's output) or dotted module paths"
     )
+
+
+def input_embeddings(model):
+    """``model.get_input_embeddings()``, or None where the model has none: no such method,
+    or transformers' default raising NotImplementedError (vision backbones: ResNet,
+    MobileNet, PVT, SegFormer)."""
+    get = getattr(model, "get_input_embeddings", None)
+    if not callable(get):
+        return None
+    try:
+        return get()
+    except (NotImplementedError, AttributeError):
+        return None

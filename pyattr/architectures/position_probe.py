@@ -15,6 +15,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from pyattr.architectures.paths import input_embeddings
+
 from pyattr.architectures.forms import flat_body
 
 
@@ -149,11 +151,7 @@ def observed_positions(model: nn.Module) -> Optional[Tuple[str, int]]:
     padded row and a pad baseline keep the row's own positions): ValueError when they do
     not."""
     model = getattr(model, "_orig_mod", model)
-    get = getattr(model, "get_input_embeddings", None)
-    try:
-        emb = get() if callable(get) else None
-    except (NotImplementedError, AttributeError):
-        emb = None
+    emb = input_embeddings(model)
     if not isinstance(emb, nn.Module):
         return None
     owner = next((m for m in model.modules() if any(c is emb for c in m.children())), None)

@@ -70,7 +70,7 @@ def probe_inputs(model: nn.Module) -> dict:
     p = next((t for t in model.parameters() if t.device.type != "meta"), None)
     device = p.device if p is not None else torch.device("cpu")
     if main == "input_ids":
-        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        emb = A.input_embeddings(model)
         vocab = getattr(emb, "num_embeddings", None) or getattr(cfg, "vocab_size", None) or getattr(
             getattr(cfg, "text_config", None), "vocab_size", None)
         if not isinstance(vocab, int) or vocab < 2:
@@ -100,10 +100,7 @@ def _entry(model: nn.Module) -> Tuple[nn.Module, str]:
         mod = A.get_submodule(model, A.join(A.base_prefix(model), arch.entry[0]))
         if isinstance(mod, nn.Module):
             return mod, "input"
-    try:
-        emb = model.get_input_embeddings()
-    except (AttributeError, NotImplementedError):
-        emb = None
+    emb = A.input_embeddings(model)
     if not isinstance(emb, nn.Module):
         # pixels: relevance enters at the first module the probe's pixels flow into
         raise RelevanceRuleUnsupportedError(

@@ -10,6 +10,7 @@ from typing import List, Optional
 import torch
 from torch import nn
 
+import pyattr.architectures as A
 import pyattr.methods._core.readout as R
 import pyattr.methods._core.state as S
 import pyattr.targets as T
@@ -199,10 +200,7 @@ def entry_layout(model: nn.Module, prep: Prepared):
 
     emb = None
     if prep.patch_grid is None and isinstance(prep.kwargs.get("input_ids"), torch.Tensor):
-        try:
-            emb = model.get_input_embeddings()
-        except (AttributeError, NotImplementedError):
-            emb = None
+        emb = A.input_embeddings(model)
     handle = emb.register_forward_pre_hook(ids) if isinstance(emb, nn.Module) else None
     try:
         with tap(prep.entry, prep.where, entry, once=True):

@@ -303,7 +303,7 @@ def prepare(model: nn.Module, inputs, attention_mask, caller: str, generic: bool
 def check_token_ids(model: nn.Module, ids: torch.Tensor, name: str = "inputs") -> None:
     """Token ids the input embedding has rows for, else a ValueError naming them (an id
     past the table failed deep inside the model with ``IndexError: index out of range``)."""
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    emb = A.input_embeddings(model)
     rows = getattr(emb, "num_embeddings", None)
     if not isinstance(rows, int):
         rows = getattr(getattr(model, "config", None), "vocab_size", None)
@@ -410,7 +410,7 @@ def input_device(model: nn.Module) -> torch.device:
     """Where token ids go: the input embedding's device. Under an accelerate hook (a
     ``device_map`` or ``cpu_offload``) that is the hook's execution device, since the
     weight itself may sit on ``meta`` between calls."""
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    emb = A.input_embeddings(model)
     dev = getattr(getattr(emb, "_hf_hook", None), "execution_device", None)
     if dev is not None:
         return torch.device(dev)
@@ -433,9 +433,15 @@ def entry_module(model: nn.Module, generic: bool = False):
         mod = A.get_submodule(model, A.join(A.base_prefix(model), path))
         if mod is not None:
             return mod, "input"
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if emb is None:
-        raise ValueError("cannot find where the input embeddings enter the model")
+    if arch is not None and arch.refusal("entry") is not None and A.model_type(model) not in A.ARCHITECTURES:
+        # discovery declared no entry: the raw word embeddings are not where the residual
+        # stream starts (position embeddings added later would act as biases)
+        A.require(arch, "entry", model, "inputs")
+    emb = A.input_embeddings(model)  # None on a vision backbone without token embeddings (ResNet, …)
+    if not isinstance(emb, nn.Module):
+        raise ValueError(f"inputs: cannot find where the input embeddings enter {type(model).__name__}: it has no "
+                         "input embeddings (get_input_embeddings) and no entry the architecture table or structural "
+                         "discovery declares")
     return emb, "output"
 
 
