@@ -202,7 +202,9 @@ def _declared(path: str, reasons: Dict[str, str]) -> Optional[str]:
 
 def verdict(model: nn.Module, rules: RelevanceRules, installed: Callable, plan: Callable) -> tuple:
     """``("ok",)`` | ``("undeclared", message)`` | ``("declared", message)`` for ``model``."""
-    key = (dataclasses.astuple(probe_rules(rules)), sum(1 for _ in model.modules()))
+    # the modules themselves are part of the key: a module swapped in (same count or not)
+    # is another plan
+    key = (dataclasses.astuple(probe_rules(rules)), tuple((id(m), type(m)) for m in model.modules()))
     kept = _VERDICTS.setdefault(model, {})
     if key in kept:
         return kept[key]
