@@ -437,6 +437,15 @@ def plan_known(model: nn.Module, rules: RelevanceRules, model_type: str) -> Plan
         path = A.join(prefix, p)
         if isinstance(A.get_submodule(model, path), nn.Module):
             pl.activation(path, None)
+    cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    if rules.any() and isinstance(cap, (int, float)) and cap and isinstance(head, nn.Module):
+        # Gemma 2's logits are cap·tanh(logits/cap), computed in the model's own forward
+        # where no rule reaches: declared, so that the loss is not silent
+        path = next(n for n, m in model.named_modules() if m is head)
+        pl.cov._skip(path, f"final_logit_softcapping={cap}: the logits pass cap·tanh(logits/cap) in the model's own "
+                           "forward, which no rule reaches: relevance is not conserved through it (|Δ| grows with "
+                           "|logit|/cap)")
     for p, cls in arch.unruled_heads:
         mod = A.get_submodule(model, p)
         if isinstance(mod, nn.Module) and type(mod).__name__ == cls:

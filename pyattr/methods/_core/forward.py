@@ -102,6 +102,17 @@ def _runs_compiled_backward(value: torch.Tensor) -> bool:
     return False
 
 
+def _lm_head(model: nn.Module) -> bool:
+    """The model's logits come from a language-model head (its output embeddings), one row
+    per kept position: a sequence-classification model that takes ``logits_to_keep`` too
+    (BioGPT's) pools its per-position scores afterwards, and a cut would break the pooling."""
+    get = getattr(model, "get_output_embeddings", None)
+    try:
+        return isinstance(get() if callable(get) else None, nn.Module)
+    except (NotImplementedError, AttributeError):
+        return False
+
+
 def run_model(model: nn.Module, prep: Prepared, targets, store: dict, kwargs: Optional[dict] = None,
               keep_logits: bool = False) -> T.Forward:
     """``model(**kwargs)`` → what the targets read.
@@ -119,7 +130,7 @@ def run_model(model: nn.Module, prep: Prepared, targets, store: dict, kwargs: Op
     kept = T.logit_positions(targets, prep.input_ids, prep.attention_mask) if keep_logits else None
     # with labels, the model's own loss would compare the kept logits with every label
     if (kept is not None and "logits_to_keep" not in kwargs and "labels" not in kwargs
-            and accepts(model, "logits_to_keep", by_name=True)):
+            and accepts(model, "logits_to_keep", by_name=True) and _lm_head(model)):
         kwargs = {**kwargs, "logits_to_keep": kept.to(prep.input_ids.device)}
     else:
         kept = None
