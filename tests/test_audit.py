@@ -112,3 +112,24 @@ def test_a_declared_missing_entry_is_honoured_and_models_without_embeddings_are_
     with pytest.raises(ValueError, match=r"'entry' role.*ResNetForImageClassification"):
         pyattr.relevance(resnet, torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0)),
                          rules=pyattr.RelevanceRules(), generic=True)
+
+
+def test_left_padding_is_refused_where_the_forward_does_not_name_position_ids():
+    """BartForCausalLM's forward takes **kwargs but no position_ids: ids passed there vanish,
+    so a left-padded row would see shifted positions. Refused; right padding still works."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    cfg = T.BartConfig(vocab_size=96, d_model=32, encoder_layers=1, decoder_layers=2, encoder_attention_heads=4,
+                       decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48, max_position_embeddings=64)
+    m = T.BartForCausalLM(cfg).eval()
+    ids = _ids(2, 6)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    with pytest.raises(ValueError, match=r"pads some rows on the left, but BartForCausalLM.forward takes no position_ids"):
+        pyattr.relevance(m, {"input_ids": ids, "attention_mask": mask}, rules=pyattr.RelevanceRules())
+    right = torch.ones_like(ids)
+    right[0, -2:] = 0
+    r = pyattr.relevance(m, {"input_ids": ids, "attention_mask": right}, target=[5, 5], rules=pyattr.RelevanceRules())
+    alone = pyattr.relevance(m, ids[:1, :4], target=[5], rules=pyattr.RelevanceRules())
+    torch.testing.assert_close(r.token_relevance[0, :4], alone.token_relevance[0], rtol=1e-4, atol=1e-6)

@@ -184,7 +184,7 @@ def padding_positions(model: nn.Module, kwargs: dict) -> dict:
     past = S.cache_length(kwargs)
     kind, _ = P.convention(model)
     if mask is None:
-        if kind != "padding_idx" or past or "position_ids" in kwargs or not accepts(model, "position_ids"):
+        if kind != "padding_idx" or past or "position_ids" in kwargs or not accepts(model, "position_ids", by_name=True):
             return kwargs
         ids = kwargs["input_ids"]
         return {**kwargs, "position_ids": P.position_ids(model, torch.ones_like(ids))}
@@ -206,7 +206,7 @@ def padding_positions(model: nn.Module, kwargs: dict) -> dict:
     seq = kwargs["input_ids"].shape[1]
     if m.shape[1] != seq:  # the mask spans the cache: count along all of it
         pos = P.position_ids(model, m)[:, -seq:]
-        if bool((m == 0).any()) and not accepts(model, "position_ids"):
+        if bool((m == 0).any()) and not accepts(model, "position_ids", by_name=True):
             raise ValueError(
                 f"attention_mask pads the cached positions, but {type(model).__name__}.forward takes no position_ids, "
                 "so the new tokens would see shifted positions")
@@ -217,7 +217,7 @@ def padding_positions(model: nn.Module, kwargs: dict) -> dict:
     aligned = torch.equal((m.cumsum(-1) - 1).clamp_min(0) * m, torch.arange(m.shape[1], device=m.device).expand_as(m) * m)
     if aligned and not always:
         return kwargs
-    if not accepts(model, "position_ids"):
+    if not accepts(model, "position_ids", by_name=True):
         if not aligned:
             raise ValueError(
                 f"attention_mask pads some rows on the left, but {type(model).__name__}.forward takes no "
@@ -381,7 +381,7 @@ def _fit_positions(model: nn.Module, kwargs: dict) -> dict:
     position the table lacks and each row gets what it gets alone."""
     limit = max_positions(model)
     mask = kwargs.get("attention_mask")
-    if limit is None or mask is None or "position_ids" in kwargs or not accepts(model, "position_ids"):
+    if limit is None or mask is None or "position_ids" in kwargs or not accepts(model, "position_ids", by_name=True):
         return kwargs
     if max(_read_lengths(model, kwargs)) <= limit or mask.shape[-1] != kwargs["input_ids"].shape[1]:
         return kwargs
