@@ -54,7 +54,8 @@ def test_norms_of_unknown_classes_are_recognised_by_what_they_compute():
     cohere, olmo = _model("CohereConfig"), _model("OlmoConfig")
     kind, (w, offset) = classify_norm(cohere.model.layers[0].input_layernorm, 32)
     assert kind == "layer_norm" and w is cohere.model.layers[0].input_layernorm.weight and offset == 0.0
-    assert classify_norm(olmo.model.norm, 32) == ("layer_norm", (None, 0.0))
+    kind, (w, offset) = classify_norm(olmo.model.norm, 32)  # parameter-free: its fitted scale, ones
+    assert kind == "layer_norm" and w.dim() == 0 and abs(float(w) - 1.0) < 1e-6 and offset == 0.0
     with pyattr.use_relevance_rules(cohere, generic=True) as cov:
         assert "model.layers.0.input_layernorm" in cov.by_kind["normalization"]
         x = torch.randn(2, 5, 32, dtype=torch.float64, requires_grad=True)

@@ -53,9 +53,27 @@ def fused_qkv(mod: nn.Module) -> Optional[str]:
     return next((f for f in FUSED_QKV if isinstance(getattr(mod, f, None), nn.Module)), None)
 
 
+# a norm on the query or key path (per head or over the projection's width), by its name:
+# q_norm / k_norm (Qwen3, OLMo 2), query_norm / key_norm, q_layernorm / k_layernorm
+# (Persimmon), q_ln / k_ln, norm_q / norm_k, q_a_layernorm (MLA's query down-projection)
+QK_NORM = re.compile(r"(?i)^(?:(?:q|k|query|key)(?:_a)?_?(?:norm|layernorm|layer_norm|ln|rmsnorm)|(?:norm|ln)_?(?:q|k))$")
+
+
+def is_qk_norm(name: str) -> bool:
+    """``name`` (a module path) names a norm of the query or key path (:data:`QK_NORM`):
+    any other norm inside an attention module (ALBERT's post-LN over the residual stream,
+    DiffLlama's group norm and BitNet's ``attn_sub_norm`` on the attention output, Gemma 4's
+    ``v_norm`` on the values) lies on the path relevance takes and needs the LN-rule."""
+    return bool(QK_NORM.match(name.rsplit(".", 1)[-1]))
+
+
 def is_norm_like(mod: nn.Module) -> bool:
+    """An ``nn.LayerNorm``, a class named ``…Norm``, or a leaf class with "LayerNorm" in its
+    name (``LayerNorm1P``); not a container named after its model (RoBERTa-PreLayerNorm's
+    ``RobertaPreLayerNormEmbeddings`` and ``…Layer`` hold the norms, they are not ones)."""
     cls = type(mod).__name__
-    return isinstance(mod, nn.LayerNorm) or cls.endswith("Norm") or "LayerNorm" in cls or cls.endswith("RMSNorm")
+    return isinstance(mod, nn.LayerNorm) or cls.endswith("Norm") or (
+        "LayerNorm" in cls and not list(mod.children()))
 
 
 def plain_layer_norm(mod: nn.Module) -> bool:
@@ -191,7 +209,27 @@ def _layers(base: nn.Module) -> Tuple[Optional[str], str]:
     if len(found) > 1:
         return None, (f"{len(found)} stacks of blocks ({', '.join(map(repr, found))}): an encoder-decoder or several "
                       "towers, and which one carries the residual stream cannot be read from the module graph")
+    owner = base.get_submodule(found[0].rsplit(".", 1)[0]) if "." in found[0] else base
+    fn = autograd_function(owner)
+    if fn is not None:
+        return None, (f"{type(owner).__name__}.forward runs its blocks {found[0]!r} inside the custom autograd Function "
+                      f"{fn} (reversible residual layers, as Reformer's: its backward recomputes the blocks and forms "
+                      "their gradients itself), so the rules' modified backward never runs there")
     return found[0], ""
+
+
+def autograd_function(mod: nn.Module) -> Optional[str]:
+    """The name of a ``torch.autograd.Function`` that ``mod``'s forward applies (``X.apply(``),
+    or None."""
+    body = flat_body(type(mod).forward)
+    if not body:
+        return None
+    scope = vars(inspect.getmodule(type(mod)) or object)
+    for name in re.findall(r"(?<![\w.])(\w+)\.apply\(", body):
+        obj = scope.get(name)
+        if isinstance(obj, type) and issubclass(obj, torch.autograd.Function):
+            return name
+    return None
 
 
 def _attention(mods: Dict[str, nn.Module], hidden, found, refused) -> Optional[str]:
@@ -216,7 +254,8 @@ def _attention(mods: Dict[str, nn.Module], hidden, found, refused) -> Optional[s
         refused["attention"] = (f"fused q|k|v projection {join(path, names)!r}: how it splits into q, k and v (thirds, "
                                 "per head, or GQA widths) cannot be read from the module graph, so no attention rule "
                                 "is placed on it")
-    found["qk_norms"] = tuple(n for n, m in mods.items() if n.startswith(path + ".") and is_norm_like(m))
+    found["qk_norms"] = tuple(n for n, m in mods.items() if n.startswith(path + ".") and is_norm_like(m)
+                              and is_qk_norm(n))
     parent = path.rsplit(".", 1)[0] if "." in path else ""
     inside = [join(path, o) for o in _O_NAMES]
     # BERT: q/k/v in attention.self, the projection in attention.output.dense
@@ -324,8 +363,9 @@ def _block(block: nn.Module, hidden: Optional[int]) -> Tuple[Dict[str, object], 
     found: Dict[str, object] = {}
     refused: Dict[str, str] = {}
     attn = _attention(mods, hidden, found, refused)
-    found["layer_norms"] = tuple(n for n, m in mods.items() if n and is_norm_like(m) and not _under(n, [attn])
-                                 and _spans(m, hidden))
+    # a norm inside attention that is not a q/k norm (ALBERT's post-LN) is on the residual path
+    found["layer_norms"] = tuple(n for n, m in mods.items() if n and is_norm_like(m)
+                                 and not (_under(n, [attn]) and is_qk_norm(n)) and _spans(m, hidden))
     _mlp(mods, attn, hidden, found, refused)
     return found, refused
 

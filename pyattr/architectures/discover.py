@@ -96,6 +96,24 @@ def _entry(model: nn.Module, base: nn.Module, outer: List[str], layers: str) -> 
     return join(layers, "0"), "hidden_states"
 
 
+STREAM_KEYS = ("hc_mult", "hc_count", "num_residual_streams", "num_hyper_connections")
+
+
+def _streams(model: nn.Module) -> Optional[str]:
+    """Why the residual stream is not one tensor (batch, position, hidden), or None: a config
+    declaring several streams (hyper-connections: DeepSeek-V4's and GLM-5's ``hc_mult``,
+    Qwen4's ``hc_count``), whose blocks carry hidden states (batch, position, n, hidden)."""
+    cfg = getattr(model, "config", None)
+    for c in (cfg, getattr(cfg, "text_config", None)):
+        for k in STREAM_KEYS:
+            n = getattr(c, k, None) if c is not None else None
+            if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+                return (f"several residual streams: config.{k} = {n} (hyper-connections), so the blocks carry hidden "
+                        f"states shaped (batch, position, {n}, hidden), mixed by learned weights, and relevance per "
+                        "token (one residual stream per position) cannot be read off them")
+    return None
+
+
 def _vision(model: nn.Module, base: nn.Module) -> Tuple[bool, Optional[str]]:
     """A vision transformer (a ``patch_size`` in its config, a Conv2d patch embedding and
     a [CLS] token, which the patch layout puts first); or why not, when it has patches."""
@@ -139,7 +157,10 @@ def discover(model: nn.Module) -> Arch:
     outer = [n for n, m in base.named_modules() if n and is_norm_like(m) and _spans(m, hidden)
              and not _under(n, [layers])] if layers is not None else []
     found["outer_norms"] = tuple(outer)
-    if layers is not None:
+    streams = _streams(model)
+    if streams is not None:
+        refused["entry"] = streams
+    elif layers is not None:
         found["entry"] = _entry(model, base, outer, layers)
     outside = [(n, m) for n, m in model.named_modules() if prefix and n and not _under(n, [prefix])]
     found["head_norms"] = tuple(n for n, m in outside if is_norm_like(m) and _spans(m, hidden))

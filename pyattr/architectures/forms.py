@@ -109,15 +109,34 @@ def _normalised(x: torch.Tensor, kind: str, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def classify_norm(module: nn.Module, hidden: int) -> Optional[Tuple[str, torch.Tensor]]:
-    """``(kind, weight)`` when ``module`` maps every row x to ``n(x)·w + b`` with ``n`` the
-    layer or RMS normalisation over its last dimension (``hidden``), else None.
+def norm_width(module: nn.Module, hidden: Optional[int]) -> Optional[int]:
+    """The width a norm normalises: its own 1-D weight's, else its ``normalized_shape``
+    (``nn.RMSNorm`` without a weight), else ``hidden``."""
+    own = getattr(module, "weight", None)
+    if isinstance(own, torch.Tensor) and own.dim() == 1:
+        return int(own.shape[0])
+    shape = getattr(module, "normalized_shape", None)
+    if isinstance(shape, (tuple, list)) and len(shape) == 1:
+        return int(shape[0])
+    return hidden if isinstance(hidden, int) else None
 
-    Four random rows go through the module without gradient (in its parameters' dtype);
-    the per-column weight is fitted from the first two and must predict the others (0.1 %
-    in float32 / float64, 5 % in 16-bit dtypes). The weight returned is the module's own
-    1-D ``weight`` (plus Gemma's offset of 1 when that is what it computes) if it has one
-    of that size, else the fitted one (a parameter-free norm: ones)."""
+
+def classify_norm(module: nn.Module, hidden: Optional[int]) -> Optional[Tuple[str, Tuple[Optional[torch.Tensor], float]]]:
+    """``(kind, (weight, offset))`` when ``module`` maps every row x to ``n(x)·w + b`` with
+    ``n`` the layer or RMS normalisation over its last dimension, else None.
+
+    The probe width is the module's own (:func:`norm_width`: its 1-D weight's, its
+    ``normalized_shape``), else ``hidden``. Four random rows go through the module without
+    gradient (in its parameters' dtype); the per-column weight is fitted from the first two
+    and must predict the others (0.1 % in float32 / float64, 5 % in 16-bit dtypes). The
+    weight returned is the module's own 1-D ``weight`` (with Gemma's offset of 1 when that
+    is what it computes) if it has one of that size; else the fitted one, a plain tensor:
+    the true scale of a parameter-free norm (ones for x/rms; 1/√n for an L2 norm
+    x/‖x‖ = x/rms · 1/√n), a 0-d tensor when it is the same in every column (such a norm
+    is applied at any width)."""
+    hidden = norm_width(module, hidden)
+    if hidden is None:
+        return None
     p = next((t for t in module.parameters(recurse=False)), None)
     dtype = p.dtype if p is not None and p.is_floating_point() else torch.float32
     device = p.device if p is not None and p.device.type != "meta" else torch.device("cpu")
@@ -150,5 +169,6 @@ def classify_norm(module: nn.Module, hidden: int) -> Optional[Tuple[str, torch.T
                     if (cand - w).abs().max() <= tol * (w.abs().max() + 1e-12):
                         return kind, (own, offset)
                 return None  # a weight of the right size that is not what it multiplies by
-            return kind, (None, 0.0)
+            uniform = (w - w.mean()).abs().max() <= tol * (w.abs().max() + 1e-12)
+            return kind, ((w.mean() if uniform else w).to(dtype), 0.0)
     return None

@@ -27,11 +27,13 @@ from pyattr.architectures.blocks import (
     fused_qkv,
     generic_gated_names,
     is_norm_like,
+    is_qk_norm,
     multiplies,
     plain_layer_norm,
     qkv_names,
 )
 from pyattr.config import RelevanceRules
+from pyattr.integration.errors import RelevanceRuleUnsupportedError
 from pyattr.integration.planner import Planner
 from pyattr.integration.structural import _eps, classify_norm, structural_norm_forward
 
@@ -44,8 +46,11 @@ def plan_generic(model: nn.Module, rules: RelevanceRules) -> Planner:
       projection is reported, not guessed at;
     - norms: ``nn.LayerNorm`` (spanning the hidden size, or any width outside attention:
       ELECTRA's embedding-size norms) and ``*RMSNorm`` spanning the hidden size, and any
-      other norm-like class recognised by what it computes (:mod:`.structural`); never one
-      inside an attention module (q/k norms get the qk-norm treatment or stay native);
+      other norm-like class recognised by what it computes (:mod:`.structural`); inside an
+      attention module, a norm of the q or k path (by its name,
+      :func:`~pyattr.architectures.blocks.is_qk_norm`) gets the q/k-norm treatment (the
+      LN-rule under AttnLRP, else native), any other (a post-LN over the residual stream, a
+      norm of the values or of the attention output) the LN-rule as a residual norm;
     - gated MLPs: a forward ``down(act(gate(x)) * up(x))`` under any attribute names;
     - activations: recognised kinds anywhere, and activation modules of unknown kind
       (``act``, ``act_fn``, ``activation_fn``, ``activation``) under the Identity-rule's
@@ -85,9 +90,17 @@ def plan_generic(model: nn.Module, rules: RelevanceRules) -> Planner:
                            "left native, relevance is not conserved through it")
     for name, (q, k, v) in attention:
         mod = modules[name]
+        for proj in (q, k, v):
+            why = projection_problem(getattr(mod, proj))
+            if why is not None and rules.attention:
+                raise RelevanceRuleUnsupportedError(
+                    f"generic: {A.join(name, proj)!r} ({type(getattr(mod, proj)).__name__}) {why}: the attention rule "
+                    "scales the gradient of a q/k/v projection's output tensor, so no attention rule can be placed on "
+                    f"{name!r}")
         pl.attention(name, ("separate", q, k, v))
         qk = [A.join(name, n) for n in ("q_norm", "k_norm") if isinstance(getattr(mod, n, None), nn.Module)]
-        qk = [p for p in qk if type(modules[p]).__name__.endswith("RMSNorm")]
+        qk = [p for p in qk if type(modules[p]).__name__.endswith("RMSNorm")
+              and isinstance(getattr(modules[p], "weight", None), torch.Tensor)]
         if qk:
             pl.qk_norms(qk, "rms_norm", 1.0 if "Gemma" in type(modules[qk[0]]).__name__ else 0.0)
     for name, mod in modules.items():
@@ -100,17 +113,20 @@ def plan_generic(model: nn.Module, rules: RelevanceRules) -> Planner:
             pl.gated_fused_mlp(name, fused[name])
             continue
         if is_norm_like(mod):
-            if any(name.startswith(a + ".") for a in inside_attention):
+            inside = any(name.startswith(a + ".") for a in inside_attention)
+            if inside and is_qk_norm(name) and rules.attention != "attnlrp":
+                # on the q/k path: under the AH-rule no gradient reaches it (and with the
+                # attention rule off the softmax's native gradient is the caller's choice)
                 pl.mounted.add(id(mod))
                 pl.cov._skip(name, "norm inside attention (a q/k norm), not a residual-stream norm: left native")
                 continue
+            # any other norm inside attention (ALBERT's post-LN, DiffLlama's group norm,
+            # BitNet's attn_sub_norm, Gemma 4's v_norm) lies on the path relevance takes:
+            # the LN-rule, as a residual norm (and a q/k norm under AttnLRP)
             cls = type(mod).__name__
             w = getattr(mod, "weight", None)
             spans = isinstance(w, torch.Tensor) and w.dim() == 1 and (hidden is None or w.shape[0] == hidden)
-            # a plain LayerNorm of another width (ELECTRA's and ALBERT's embedding-size norms)
-            # takes the LN-rule too, unless an attention module holds it (a per-head q/k norm)
-            narrow = not any(type(modules[p]).__name__.find("Attention") >= 0 for p in _ancestors(name, modules))
-            if plain_layer_norm(mod) and (hidden is None or mod.normalized_shape[0] == hidden or narrow):
+            if plain_layer_norm(mod):  # any width: ELECTRA's and ALBERT's embedding-size norms, per-head norms
                 pl.norm(name, "layer_norm", 0.0)
             else:
                 # probed, whatever the class name says: an RMSNorm may compute x/r·(1 + w)
@@ -154,6 +170,28 @@ def plan_generic(model: nn.Module, rules: RelevanceRules) -> Planner:
     return pl
 
 
-def _ancestors(name: str, modules) -> list:
-    parts = name.split(".")
-    return [p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in modules]
+
+def projection_problem(mod: nn.Module):
+    """Why ``mod`` is not a q/k/v projection the attention rule can wrap (a map returning one
+    tensor of the input's leading shape), or None. A plain ``nn.Linear`` is one; any other
+    module is run once on two random rows of its ``in_features`` (I-BERT's QuantLinear
+    returns ``(output, scaling_factor)``)."""
+    if isinstance(mod, nn.Linear) and type(mod).forward is nn.Linear.forward:
+        return None
+    width = getattr(mod, "in_features", None)
+    w = getattr(mod, "weight", None)
+    if not isinstance(width, int) and isinstance(w, torch.Tensor) and w.dim() == 2:
+        width = int(w.shape[1])
+    p = next(iter(mod.parameters()), None)
+    if not isinstance(width, int) or p is None or p.device.type == "meta" or not p.is_floating_point():
+        return None  # nothing to probe it with: the rule's own check reads its output
+    try:
+        with torch.no_grad():
+            out = mod(torch.zeros(2, width, dtype=p.dtype, device=p.device))
+    except Exception as e:  # noqa: BLE001 - a projection that does not take one tensor
+        return f"does not map one tensor of width {width} ({type(e).__name__}: {e})"
+    if not isinstance(out, torch.Tensor):
+        return f"returns a {type(out).__name__}, not a tensor (not a plain linear map)"
+    if out.shape[:-1] != (2,):
+        return f"maps a ({2}, {width}) input to {tuple(out.shape)}"
+    return None

@@ -25,8 +25,16 @@ from pyattr.architectures.forms import _eps, _normalised, classify_norm  # noqa:
 
 def structural_norm_forward(kind: str, weight_spec, eps: float):
     """The make_forward of a norm recognised by :func:`classify_norm`: its own forward's
-    value, the LN-rule's gradient (see the module docstring)."""
+    value, the LN-rule's gradient (see the module docstring).
+
+    ``weight_spec`` is ``(weight, offset)``: the module's own weight (kept differentiable:
+    its native gradient), or the fitted scale of a parameter-free norm (a constant). The
+    normalising scale is read off the native output per row, ``c = ⟨y − b, t⟩ / ⟨t, t⟩``
+    with ``t = n(x)·w`` (held constant): exactly the norm's own (an L2 norm's x/‖x‖ as
+    much as an RMS norm's x/rms, whatever its epsilon or reduction), so that
+    ``Σ x·∂ = Σ (y − b)·dy``: conservation under the LN-rule. Saves ``x``."""
     own, offset = weight_spec
+    fitted = isinstance(own, torch.Tensor) and not isinstance(own, torch.nn.Parameter)
 
     def make(module, state):
         native = state.native
@@ -40,11 +48,18 @@ def structural_norm_forward(kind: str, weight_spec, eps: float):
                 s = c * torch.rsqrt(c.detach().pow(2).mean(-1, keepdim=True) + eps)
             else:
                 s = x32 * torch.rsqrt(x32.detach().pow(2).mean(-1, keepdim=True) + eps)
-            if own is not None:  # not detached: the weight keeps its native gradient n(x)·dy
-                s = s * (own.to(acc) + offset)
+            if own is not None:  # the own weight not detached: it keeps its native gradient n(x)·dy
+                s = s * ((own.detach() if fitted else own).to(device=s.device, dtype=acc) + offset)
             bias = getattr(module, "bias", None)
-            if isinstance(bias, torch.Tensor) and bias.shape == s.shape[-1:]:
-                s = s + bias.to(acc)
+            b = bias.to(acc) if isinstance(bias, torch.Tensor) and bias.shape == s.shape[-1:] else None
+            if isinstance(y, torch.Tensor) and y.shape == s.shape:
+                t = s.detach()
+                num = ((y.detach().to(acc) - (0 if b is None else b.detach())) * t).sum(-1, keepdim=True)
+                den = t.pow(2).sum(-1, keepdim=True)
+                s = s * torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)),
+                                    torch.ones_like(den))
+            if b is not None:
+                s = s + b
             s = s.to(y.dtype)
             return y.detach() + (s - s.detach())
 

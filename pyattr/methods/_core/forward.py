@@ -200,6 +200,11 @@ def entry_layout(model: nn.Module, prep: Prepared):
                 "drops patches (random masking), so relevance per patch cannot be laid out on the image")
         if t.dim() < 2 or tuple(t.shape[:2]) != (batch, seq):
             raise ValueError(_position_first(name, tuple(t.shape), batch, seq))
+        if t.dim() > 3:
+            raise ValueError(
+                f"inputs: the blocks of {name} carry hidden states shaped {tuple(t.shape)}, (batch, position, "
+                f"{', '.join(map(str, t.shape[2:-1]))}, hidden): several residual streams (hyper-connections), which "
+                "relevance per token (one residual stream per position) cannot describe")
         return None
 
     def ids(mod, args):
