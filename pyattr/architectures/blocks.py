@@ -226,6 +226,7 @@ def autograd_function(mod: nn.Module) -> Optional[str]:
         return None
     scope = vars(inspect.getmodule(type(mod)) or object)
     for name in re.findall(r"(?<![\w.])(\w+)\.apply\(", body):
+        name = name[len("return"):] if name.startswith("return") and name not in scope else name  # whitespace gone
         obj = scope.get(name)
         if isinstance(obj, type) and issubclass(obj, torch.autograd.Function):
             return name

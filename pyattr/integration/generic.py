@@ -130,7 +130,7 @@ def plan_generic(model: nn.Module, rules: RelevanceRules) -> Planner:
                 pl.norm(name, "layer_norm", 0.0)
             else:
                 # probed, whatever the class name says: an RMSNorm may compute x/r·(1 + w)
-                found = classify_norm(mod, hidden) if isinstance(hidden, int) else None
+                found = classify_norm(mod, hidden)  # at its own width, else the hidden size
                 if found is not None and found[0] == "rms_norm" and spans and found[1][0] is w:
                     pl.norm(name, "rms_norm", found[1][1])
                     continue
