@@ -14,7 +14,7 @@ sees those calls on tensors that carry gradient and gives each the rule of its f
 - **LN-rule** (RelP, arXiv 2508.21258; AttnLRP Prop. 3.2): a normalising statistic
   (``rsqrt``, ``sqrt``, ``reciprocal``, ``norm``, ``var``, ``std`` of a path tensor, and
   ``F.normalize``'s denominator) is a constant where it multiplies or divides.
-- **Gates** (sigmoid, softplus, exp, and tanh where it multiplies): a gate factor is a
+- **Gates** (sigmoid, softplus, exp, erf, and tanh where it multiplies): a gate factor is a
   constant where it multiplies another path tensor, as the AH-rule holds an attention
   pattern constant; so ``x·σ(x)`` written by hand gets SiLU's Identity-rule exactly.
 - **Half-rule** (AttnLRP Eq. 12) on any other product of two path tensors:
@@ -56,7 +56,9 @@ _SILU = (F.silu,)
 _RELU = (F.relu, torch.relu, torch.Tensor.relu)
 _TANH = (torch.tanh, torch.Tensor.tanh, F.tanh)
 _MISH = (F.mish,)
-_GATES = (torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid, F.softplus, torch.exp, torch.Tensor.exp)
+# erf: GELU written out as x·½(1 + erf(x/√2)) (ESM's gelu) is then GELU's Identity-rule
+_GATES = (torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid, F.softplus, torch.exp, torch.Tensor.exp, torch.erf,
+          torch.Tensor.erf)
 _STATS = (torch.rsqrt, torch.Tensor.rsqrt, torch.sqrt, torch.Tensor.sqrt, torch.reciprocal, torch.Tensor.reciprocal,
           torch.norm, torch.Tensor.norm, torch.linalg.vector_norm, torch.linalg.norm, torch.var, torch.Tensor.var,
           torch.std, torch.Tensor.std)

@@ -260,7 +260,7 @@ def _integrated(model, prep, tgts, baseline, grad_outputs, pairs, layer, rules, 
             value, tid, fixed = evaluate_targets(tgts, fwd, False)
         del fwd, store
         if "x" not in seen:
-            raise RuntimeError("the embedding entry point was not reached during the forward pass")
+            raise core.entry_not_reached(model, prep)
         if value.dim() != 1:
             raise ValueError("target: integrated_gradients needs one target value per row, got a scalar")
         go = check_grad_outputs(grad_outputs, value)

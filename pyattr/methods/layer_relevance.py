@@ -357,7 +357,7 @@ def _layer_pass(model, prep, lays, tgts, several, rules, generic, baseline, grad
                 core.record_modules(model, T.module_paths(tgts), store):
             fwd = run_model(model, prep, tgts, store, keep_logits=head_free(model, [lay.module for lay in lays]))
         if not xs:
-            raise RuntimeError("the embedding entry point was not reached during the forward pass")
+            raise core.entry_not_reached(model, prep)
         for lay, c, v in zip(lays, calls, versions):
             if len(c) != 1:
                 raise ValueError(

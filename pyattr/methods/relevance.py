@@ -197,7 +197,7 @@ def _relevance(model, prep: core.Prepared, tgts, several: bool, rules: Relevance
         with core.tap(prep.entry, prep.where, entry_fn, once=True), core.record_modules(model, T.module_paths(tgts), store):
             fwd = run_model(model, prep, tgts, store, keep_logits=True)
         if not xs:
-            raise RuntimeError("the embedding entry point was not reached during the forward pass")
+            raise core.entry_not_reached(model, prep)
         x = xs[0]
         value, tid, fixed = evaluate_targets(tgts, fwd, several)
         go = check_grad_outputs(grad_outputs, value)

@@ -5,6 +5,7 @@ this face names what the methods use."""
 
 from pyattr.methods._core.taps import ARG_KEYS, record_modules, resolve_module, tap, taps  # noqa: F401
 from pyattr.methods._core.inputs import (  # noqa: F401
-    Prepared, check_count, check_length, check_token_ids, is_pixels, max_positions, prepare, rule_defaults, select_rows,
+    Prepared, check_count, check_length, check_token_ids, entry_not_reached, is_pixels, max_positions, prepare, rule_defaults,
+    select_rows,
 )
 from pyattr.methods._core.passes import SparseRowsHeadFunction, attribution_pass, check_grad_mode, inference_state, sparse_rows_head  # noqa: F401

@@ -445,6 +445,15 @@ def entry_module(model: nn.Module, generic: bool = False):
     return emb, "output"
 
 
+def entry_not_reached(model: nn.Module, prep) -> ValueError:
+    """The refusal when the module where relevance is read never ran in the forward (an
+    entry read off the graph that the model's forward does not take)."""
+    name = next((n for n, m in model.named_modules() if m is prep.entry), "?")
+    return ValueError(f"inputs: the entry {name!r} ({type(prep.entry).__name__}, its {prep.where}) where relevance is "
+                      f"read was not reached during {type(model).__name__}'s forward pass, so no relevance can be "
+                      "read there")
+
+
 def rule_defaults(rules: Optional[RelevanceRules]) -> RelevanceRules:
     return RelevanceRules.all() if rules is None else rules
 
