@@ -1,9 +1,13 @@
-"""A small trained decoder whose mechanism is known: ground truth for explanations.
+"""Small trained models whose mechanism is known: ground truth for explanations.
 
 ``load()`` returns a 2-layer Llama trained (``python -m pyattr.toy.train``) to continue a
 repeated segment of words by induction, its tokenizer, and its circuit (two previous-token
 heads in layer 0, two induction heads in layer 1; ``circuit.json``, found by
 :mod:`pyattr.toy.circuit`). It ships in the package (about 0.4 MB) and loads offline.
+
+``load_squares()`` returns a 2-layer ViT image classifier trained (``python -m
+pyattr.toy.vision``) to name the colour of the one square in a 32 × 32 image, and its image
+processor: the evidence for its class is the patches the square covers (about 0.1 MB).
 """
 
 from __future__ import annotations
@@ -15,6 +19,11 @@ from pathlib import Path
 INDUCTION_DIR = Path(__file__).resolve().parent / "induction"
 #: The name ``pyattr explain / patch / generate --model`` accept for it.
 INDUCTION_NAME = "induction"
+#: The directory of the shipped image classifier (``save_pretrained`` layout plus its
+#: ``preprocessor_config.json``).
+SQUARES_DIR = Path(__file__).resolve().parent / "squares"
+#: The name ``pyattr explain --model`` accepts for it.
+SQUARES_NAME = "squares"
 
 
 def load(path=None):
@@ -28,3 +37,15 @@ def load(path=None):
     tok = AutoTokenizer.from_pretrained(path)
     circuit = json.loads((path / "circuit.json").read_text())
     return model, tok, circuit
+
+
+def load_squares(path=None):
+    """(model, image processor) of the toy image classifier (classes red, green, blue: the
+    colour of the one square in the image; see :mod:`pyattr.toy.vision`), model in eval
+    mode, float32. ``path``: a directory written by ``python -m pyattr.toy.vision``
+    (default: the shipped one)."""
+    from transformers import AutoImageProcessor, ViTForImageClassification
+
+    path = Path(path) if path is not None else SQUARES_DIR
+    model = ViTForImageClassification.from_pretrained(path).eval()
+    return model, AutoImageProcessor.from_pretrained(path)
