@@ -19,6 +19,7 @@ See the README for the rule math and the methods. Public API::
     pyattr.toy.load()   # the trained induction decoder with its known circuit
     pyattr.run(model, "prompts.jsonl", "results/", tokenizer=tok)   # Parquet shards + manifest
     pyattr.available_backends(), pyattr.backend("torch")
+    result.save("r.safetensors"); pyattr.load("r.safetensors")   # any result; no pickle
 
 The names below load on first use (PEP 562), so that ``import pyattr`` and the command
 line's ``--help`` / ``--version`` do not import torch.
@@ -58,6 +59,7 @@ _EXPORTS = {
     "PartialRelevanceWarning": "pyattr.integration",
     "audit": "pyattr.methods.audit",
     "RelevanceAudit": "pyattr.integration.audit",
+    "load": "pyattr.results.store",
 }
 _SUBMODULES = ("evaluate", "ops", "patching", "rules", "targets")
 
@@ -88,6 +90,7 @@ if TYPE_CHECKING:  # what static tools see
     from pyattr.backends import BackendUnavailableError, available_backends, backend
     from pyattr.integration.audit import RelevanceAudit
     from pyattr.methods.audit import audit
+    from pyattr.results.store import load
     from pyattr.integration import (
         PartialRelevanceWarning,
         RelevanceRuleConflictError,

@@ -10,6 +10,7 @@ batched forward, so a row's whole curve costs ``(steps + 1) / batch_size`` forwa
 from __future__ import annotations
 
 from pyattr._repr import summary_repr
+from pyattr.results import ResultViews
 
 import contextlib
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 import pyattr.methods._core as core
+import pyattr.methods._core.text as text
 import pyattr.methods._core.groups as G
 import pyattr.methods._core.positions as P
 import pyattr.targets as T
@@ -33,7 +35,7 @@ DEFAULT_BATCH = 64
 
 
 @dataclass
-class PerturbationCurve:
+class PerturbationCurve(ResultViews):
     """Output of :func:`perturbation_curve`.
 
     Attributes:
@@ -55,8 +57,12 @@ class PerturbationCurve:
     order: str
     perturbation: str
 
-    def plot(self, path: Union[str, Path], labels: Optional[List[str]] = None, title: Optional[str] = None) -> None:
-        """Write the curves (one line per row, their mean in black) as a PNG at ``path``."""
+    def plot(self, path: Union[str, Path, None] = None, labels: Optional[List[str]] = None,
+             title: Optional[str] = None):
+        """The curves (one line per row, their mean in black): with ``path``, written as a
+        PNG there (returns None); without, a matplotlib figure (as every result's ``plot()``)."""
+        if path is None:
+            return ResultViews.plot(self)
         plot_curves([self], path, labels=labels, title=title)
 
 
@@ -135,11 +141,12 @@ def _replacement_id(model: nn.Module, perturbation: str, token_id) -> Optional[i
     return token_id
 
 
+@text.text_inputs("perturbation_curve")
 @torch.no_grad()
 def perturbation_curve(model: nn.Module, inputs, relevance, target=None, *, order: str = "morf",
                        perturbation: str = "zero_embedding", steps: int = 20, batch_size: Optional[int] = None,
-                       token_id: Optional[int] = None, attention_mask: Optional[torch.Tensor] = None
-                       ) -> PerturbationCurve:
+                       token_id: Optional[int] = None, attention_mask: Optional[torch.Tensor] = None,
+                       tokenizer=None) -> PerturbationCurve:
     """The target as the tokens are perturbed in the order of their relevance.
 
     Args:

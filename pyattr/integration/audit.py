@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from pyattr._repr import summary_repr
+from pyattr.results import ResultViews
 from pyattr.integration.install import state_of
 
 # relative tolerance of an own gap to the relevance mass it is measured over, by dtype:
@@ -106,7 +107,7 @@ class ModuleGap:
 
 
 @dataclass
-class RelevanceAudit:
+class RelevanceAudit(ResultViews):
     """A conservation audit (see :mod:`pyattr.integration.audit`).
 
     Attributes:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import pyattr.methods._core as core
+import pyattr.methods._core.text as text
 import pyattr.targets as T
 from pyattr.config import RelevanceRules
 from pyattr.integration.audit import ModuleAudit, RelevanceAudit, bypassed_activations
@@ -24,8 +25,9 @@ from pyattr.integration.wrappers import unwrap
 from pyattr.methods._core.forward import evaluate_targets, leaf, run_model
 
 
+@text.text_inputs("audit")
 def audit(model: nn.Module, inputs, target=None, rules: Optional[RelevanceRules] = None, *,
-          attention_mask: Optional[torch.Tensor] = None, generic=False) -> RelevanceAudit:
+          attention_mask: Optional[torch.Tensor] = None, generic=False, tokenizer=None) -> RelevanceAudit:
     """Per-module relevance balance of one relevance pass (AttnLRP, ICML 2024, §3.1: every
     rule conserves, so a module whose own gap is not rounding computes a nonlinearity
     without its rule).

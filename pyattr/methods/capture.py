@@ -23,6 +23,7 @@ from torch import nn
 import pyattr.architectures as A
 import pyattr.backends._vmap as _vmap
 from pyattr.integration.wrappers import unwrap
+from pyattr.results import ResultViews
 
 GradEdit = Callable[[torch.Tensor], torch.Tensor]
 
@@ -107,7 +108,7 @@ def _resolve(model: nn.Module, path: str) -> nn.Module:
 # --- records ------------------------------------------------------------------------------
 
 
-class Captured:
+class Captured(ResultViews):
     """What :func:`capture` recorded for one module path.
 
     Each call of the module inside the scope is one *call* (index ``i`` in call order,
@@ -185,8 +186,20 @@ class Captured:
     def __repr__(self) -> str:
         return f"Captured({self.path!r}, calls={len(self.outputs)}, passes={len(self.call_grads)})"
 
+    # save / load (pyattr.results.store): the records, without the hooks' bookkeeping
+    def _pyattr_state(self) -> dict:
+        return {"path": self.path, "outputs": self.outputs, "inputs": self._inputs,
+                "record_inputs": self._record_inputs, "entries": [list(e) for e in self._entries]}
 
-class GradientCapture(Mapping):
+    @classmethod
+    def _pyattr_restore(cls, state: dict) -> "Captured":
+        out = cls(state["path"], state["record_inputs"])
+        out.outputs, out._inputs = list(state["outputs"]), list(state["inputs"])
+        out._entries = [tuple(e) for e in state["entries"]]
+        return out
+
+
+class GradientCapture(ResultViews, Mapping):
     """The scope :func:`capture` returns: a read-only mapping ``path -> Captured``.
 
     Hooks are registered on ``__enter__`` and every one of them (module forward hooks,
@@ -232,6 +245,16 @@ class GradientCapture(Mapping):
     @property
     def paths(self) -> List[str]:
         return list(self._records)
+
+    def _pyattr_state(self) -> dict:
+        return {"records": self._records, "inputs": self._inputs}
+
+    @classmethod
+    def _pyattr_restore(cls, state: dict) -> "GradientCapture":
+        out = cls.__new__(cls)  # the records alone: no model, no hooks, not enterable
+        out._records, out._inputs = dict(state["records"]), state["inputs"]
+        out._modules, out._edits, out._handles, out._entered = {}, {}, [], True
+        return out
 
     def __repr__(self) -> str:
         return f"GradientCapture({list(self._records.values())})"

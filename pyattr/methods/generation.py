@@ -12,6 +12,7 @@ per chunk, and the backwards stay as long as the loop's.
 from __future__ import annotations
 
 from pyattr._repr import summary_repr
+from pyattr.results import ResultViews
 
 import operator
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 import pyattr.methods._core as core
+import pyattr.methods._core.text as text
 import pyattr.methods._core.positions as P
 from pyattr.methods._core.generate import generate
 from pyattr.methods._core.words import words
@@ -37,7 +39,7 @@ DEFAULT_BUDGET = 2 << 30
 
 
 @dataclass
-class GenerationRelevanceResult:
+class GenerationRelevanceResult(ResultViews):
     """Output of :func:`generation_relevance`.
 
     Attributes:
@@ -77,6 +79,7 @@ class GenerationRelevanceResult:
     contrast: bool
     batch_targets: int
     backend: str
+    tokens: Optional[List[List[Optional[str]]]] = None
 
     @property
     def generated(self) -> torch.Tensor:
@@ -251,6 +254,8 @@ def default_batch_targets(model: nn.Module, batch: int, seq: int, generated: int
     return max(1, min(generated, budget // per))
 
 
+@text.text_inputs("generation_relevance", target=None, left=True,
+                   tokens_of=lambda r: (r.sequences, r.attention_mask))
 def generation_relevance(
     model: nn.Module,
     inputs,
@@ -264,6 +269,7 @@ def generation_relevance(
     baseline=None,
     attention_mask: Optional[torch.Tensor] = None,
     batch_targets: Optional[int] = None,
+    tokenizer=None,
 ) -> GenerationRelevanceResult:
     """Relevance of every generated token over the prompt and the tokens before it.
 

@@ -11,6 +11,7 @@ is integrated along it with the chosen quadrature, ``multiply_by_inputs`` multip
 from __future__ import annotations
 
 from pyattr._repr import summary_repr
+from pyattr.results import ResultViews
 
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 import pyattr.methods._core as core
+import pyattr.methods._core.text as text
 import pyattr.methods._core.groups as G
 import pyattr.targets as T
 from pyattr.config import RelevanceRuleCoverage, RelevanceRules
@@ -41,7 +43,7 @@ METHODS = ("gausslegendre", "riemann_left", "riemann_right", "riemann_middle", "
 
 
 @dataclass
-class AttributionResult:
+class AttributionResult(ResultViews):
     """Output of :func:`integrated_gradients`.
 
     Attributes:
@@ -68,6 +70,8 @@ class AttributionResult:
     n_steps: int
     method: str
     coverage: RelevanceRuleCoverage
+    tokens: Optional[List[List[Optional[str]]]] = None
+    target_tokens: Optional[list] = None
 
 
 def gauss_legendre(n: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -119,6 +123,7 @@ def path_points(method: str, n_steps: int) -> Tuple[List[float], List[float]]:
     return [(i + offset) / n for i in range(n)], [1 / n] * n
 
 
+@text.text_inputs("integrated_gradients")
 def integrated_gradients(
     model: nn.Module,
     inputs,
@@ -135,6 +140,7 @@ def integrated_gradients(
     attribute_to_layer_input: bool = False,
     attention_mask: Optional[torch.Tensor] = None,
     generic: bool = False,
+    tokenizer=None,
 ) -> AttributionResult:
     """Integrated gradients of ``target`` at the input embeddings (or at ``layer``).
 

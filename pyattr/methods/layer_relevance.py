@@ -11,6 +11,7 @@ the input of every block and of the final norm equals the target (layer-wise con
 from __future__ import annotations
 
 from pyattr._repr import summary_repr
+from pyattr.results import ResultViews
 
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Union
@@ -20,6 +21,7 @@ from torch import nn
 
 import pyattr.architectures as A
 import pyattr.methods._core as core
+import pyattr.methods._core.text as text
 import pyattr.methods._core.groups as G
 import pyattr.targets as T
 from pyattr.architectures.paths import no_neurons
@@ -70,7 +72,7 @@ class LayerRelevance:
 
 
 @dataclass
-class LayerRelevanceResult:
+class LayerRelevanceResult(ResultViews):
     """Output of :func:`layer_relevance`: ``result[path]`` is a :class:`LayerRelevance`.
 
     Attributes:
@@ -88,6 +90,8 @@ class LayerRelevanceResult:
     target_ids: Optional[torch.Tensor]
     coverage: RelevanceRuleCoverage
     baseline_target: Optional[torch.Tensor] = None
+    tokens: Optional[List[List[Optional[str]]]] = None
+    target_tokens: Optional[list] = None
 
     def __getitem__(self, path: str) -> LayerRelevance:
         if path not in self.layers:
@@ -181,6 +185,7 @@ def expand_layers(model: nn.Module, layers, attribute_to_layer_input: bool = Fal
     return sorted(seen.values(), key=lambda lay: (order.get(lay.path, 0), lay.where == "output"))
 
 
+@text.text_inputs("layer_relevance")
 def layer_relevance(
     model: nn.Module,
     inputs,
@@ -194,6 +199,7 @@ def layer_relevance(
     internal_batch_size: Optional[int] = None,
     attention_mask: Optional[torch.Tensor] = None,
     generic: bool = False,
+    tokenizer=None,
 ) -> LayerRelevanceResult:
     """Activation, gradient and relevance of ``target`` at each of ``layers``.
 

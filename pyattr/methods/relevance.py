@@ -5,6 +5,7 @@ propagation, and ``input · grad`` at the embeddings is each input's relevance."
 from __future__ import annotations
 
 from pyattr._repr import summary_repr
+from pyattr.results import ResultViews
 
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple, Union
@@ -14,6 +15,7 @@ from torch import nn
 
 import pyattr.methods._core as core
 import pyattr.methods._core.groups as G
+import pyattr.methods._core.text as text
 import pyattr.backends as backends
 import pyattr.targets as T
 from pyattr.config import RelevanceRuleCoverage, RelevanceRules
@@ -35,7 +37,7 @@ Target = Union[None, int, Sequence[int], torch.Tensor, Callable, T.Target, Seque
 
 
 @dataclass
-class RelevanceResult:
+class RelevanceResult(ResultViews):
     """Output of :func:`relevance`.
 
     With k targets per row (``target`` a ``LongTensor[batch, k]`` or a list of k target
@@ -70,6 +72,8 @@ class RelevanceResult:
     backend: str
     baseline_target: Optional[torch.Tensor] = None
     patch_grid: Optional[Tuple[int, int]] = None
+    tokens: Optional[List[List[Optional[str]]]] = None
+    target_tokens: Optional[list] = None
 
     def patch_relevance(self) -> torch.Tensor:
         """Relevance per image patch, ``Tensor[..., batch, rows, cols]`` (float32): the
@@ -85,6 +89,7 @@ class RelevanceResult:
         return self.token_relevance[..., 1:].reshape(*self.token_relevance.shape[:-1], rows, cols)
 
 
+@text.text_inputs("relevance")
 def relevance(
     model: nn.Module,
     inputs,
@@ -95,6 +100,7 @@ def relevance(
     grad_outputs=None,
     attention_mask: Optional[torch.Tensor] = None,
     generic: bool = False,
+    tokenizer=None,
 ) -> RelevanceResult:
     """Relevance of each input token for ``target``: gradient × input under the rules.
 
@@ -103,10 +109,14 @@ def relevance(
     word, position and token-type embeddings before the first LayerNorm for BERT.
 
     Args:
-        model (nn.Module): a supported Hugging Face model (see :func:`use_relevance_rules`).
-        inputs (LongTensor[batch, seq] | FloatTensor[batch, channels, height, width] | Mapping):
-            token ids, or a tokenizer output (``input_ids``, optional ``attention_mask`` and
-            other model kwargs); for vision transformers (ViT, CLIP's vision tower) the
+        model (nn.Module | str): a supported Hugging Face model (see :func:`use_relevance_rules`),
+            or its name: a hub id (``"gpt2"``, loaded with ``from_pretrained`` and its
+            tokenizer), a local directory, or a bundled model (``"induction"``, ``"minilm"``).
+        inputs (str | list[str] | LongTensor[batch, seq] | FloatTensor[batch, channels, height, width] | Mapping):
+            a text or a list of texts (with ``tokenizer``: a causal LM reads each as a prompt,
+            without the end-of-text markers its tokenizer appends; rows of different lengths
+            padded on the tokenizer's ``padding_side``), token ids, or a tokenizer output
+            (``input_ids``, optional ``attention_mask`` and other model kwargs); for vision transformers (ViT, CLIP's vision tower) the
             ``pixel_values`` or an image processor's output. An image's relevance is
             measured at the patch embeddings as the first block sees them ([CLS] token and
             position embeddings added): one value per token, [CLS] first.
@@ -118,9 +128,15 @@ def relevance(
             ``f(output) -> Tensor[]`` or ``Tensor[batch]``. k targets per row: a
             ``LongTensor[batch, k]`` or a list of k target objects, explained with one
             forward and one batched backward (``is_grads_batched``); every result field
-            gains a leading ``k`` dimension. Default: None.
-        rules (RelevanceRules, optional): Default: ``RelevanceRules.all()``, the four rules
-            with AH-rule attention (``RelevanceRules()`` is every rule off: plain gradients).
+            gains a leading ``k`` dimension. A word (``"Paris"``, with ``tokenizer``): the
+            logit of the word's first token as the tokenizer reads it after each row's
+            text; a ValueError if the word is several tokens there (explain a continuation
+            token by token with :func:`pyattr.generation_relevance`); one word per row as a
+            list; for a classifier, a label of ``config.label2id``. Default: None.
+        rules (RelevanceRules | str, optional): Default: ``RelevanceRules.all()``, the four
+            rules with AH-rule attention (``RelevanceRules()`` is every rule off: plain
+            gradients). Shorthands: ``"all"``, ``"attnlrp"`` (AttnLRP attention), ``"ln"``
+            (the LN-rule alone), ``"none"``.
         baseline: ``None``, ``"zeros"``, ``"pad"`` (the pad token's embedding at every
             position; needs ``model.config.pad_token_id``) or a tensor shaped like the
             embeddings (batch, seq, hidden) or (seq, hidden). Relevance becomes
@@ -132,6 +148,9 @@ def relevance(
         generic (bool): for an architecture without a rule map, structural rule installation
             and the roles structural discovery reads off the module graph; relevance is measured
             where the discovered entry says the residual stream enters the blocks.
+        tokenizer (optional): the model's Hugging Face tokenizer: reads text inputs and word
+            targets, and fills the result's ``tokens`` (each token as a string) and
+            ``target_tokens``.
 
     Returns:
         RelevanceResult with ``token_relevance`` (batch, seq), ``relevance``

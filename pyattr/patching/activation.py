@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import pyattr.methods._core as core
+import pyattr.methods._core.text as text
 import pyattr.targets as T
 from pyattr.integration.wrappers import unwrap
 from pyattr.methods._core.forward import evaluate_targets, run_model
@@ -42,6 +43,7 @@ def _width_slice(site: Site, width: int, unit: int) -> slice:
     return slice(unit, unit + 1)
 
 
+@text.text_inputs("activation_patching", inputs=("clean", "corrupt"), target=None)
 def activation_patching(
     model: nn.Module,
     clean,
@@ -58,6 +60,7 @@ def activation_patching(
     corrupt_attention_mask: Optional[torch.Tensor] = None,
     progress: bool = True,
     generic: bool = False,
+    tokenizer=None,
 ) -> PatchingResult:
     """The exact effect of each single-node patch: ``metric(clean run with the node's
     activation taken from the corrupt run) − metric(clean run)`` (the ground truth that

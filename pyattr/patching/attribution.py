@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import pyattr.methods._core as core
+import pyattr.methods._core.text as text
 from pyattr.config import RelevanceRules
 from pyattr.integration.wrappers import unwrap
 import pyattr.patching.ig as IG
@@ -29,6 +30,7 @@ METHODS = ("relp", "atp", "atp*", "ig")
 PATCHING_RULES = RelevanceRules(normalization=True)
 
 
+@text.text_inputs("attribution_patching", inputs=("clean", "corrupt"), target=None)
 def attribution_patching(
     model: nn.Module,
     clean,
@@ -45,6 +47,7 @@ def attribution_patching(
     steps: Optional[int] = None,
     batch_size: Optional[int] = None,
     generic: bool = False,
+    tokenizer=None,
 ) -> PatchingResult:
     """Estimated effect of patching each node from ``corrupt`` into ``clean``, for every
     node at once: ``(a_corrupt − a_clean) · ∂metric/∂a`` at the clean run.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pyattr._repr import summary_repr
+from pyattr.results import ResultViews
 
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
@@ -13,7 +14,7 @@ from pyattr.config import RelevanceRuleCoverage, RelevanceRules
 
 
 @dataclass
-class PatchingResult:
+class PatchingResult(ResultViews):
     """Effects of patching each node from the corrupt run into the clean run.
 
     ``result[node]`` is a float32 tensor of shape ``(batch, layer, position)``, with a last
@@ -45,6 +46,7 @@ class PatchingResult:
     rules: Optional[RelevanceRules] = None
     sampled: Dict[str, torch.Tensor] = field(default_factory=dict)
     coverage: Optional[RelevanceRuleCoverage] = None
+    tokens: Optional[List[List[Optional[str]]]] = None
 
     @property
     def nodes(self) -> List[str]:

@@ -1,0 +1,367 @@
+"""Text in, words out (DESIGN §11): strings and a tokenizer instead of token ids, a word as
+the target, ``rules=`` shorthands, a model named by a hub id or a bundled name, and the
+tokens of the explained inputs as strings on the result.
+
+What the tokenizer decides is read back from it (observe, don't re-derive): the ids of a
+text are the tokenizer's own, a word target is the first token of the word as the
+tokenizer reads it after the text (:func:`pyattr.apps.tokens.continuation_ids`), and
+each token's string is what the tokenizer's own decoding adds for it
+(:func:`pyattr.methods._core.words._pieces`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from pyattr.config import RelevanceRules
+
+#: ``rules=`` shorthands, as the command line's ``--rules`` reads them
+RULE_SHORTHANDS = ("all", "attnlrp", "ln", "none")
+
+
+def rules_from(rules, name: str = "rules") -> Optional[RelevanceRules]:
+    """``None`` / a :class:`RelevanceRules` unchanged; ``"all"`` (the four rules, AH-rule
+    attention), ``"attnlrp"`` (the four rules, AttnLRP attention), ``"ln"`` (the LN-rule
+    alone), ``"none"`` (every rule off: plain gradient × input).
+
+    Raises:
+        ValueError: an unknown shorthand. TypeError: neither a string nor RelevanceRules.
+    """
+    if rules is None or isinstance(rules, RelevanceRules):
+        return rules
+    if isinstance(rules, str):
+        key = rules.strip().lower()
+        if key == "all":
+            return RelevanceRules.all()
+        if key == "attnlrp":
+            return RelevanceRules.all("attnlrp")
+        if key == "ln":
+            return RelevanceRules(normalization=True)
+        if key == "none":
+            return RelevanceRules()
+        raise ValueError(f"{name}: expected a RelevanceRules or one of {', '.join(map(repr, RULE_SHORTHANDS))}, "
+                         f"got {rules!r}")
+    raise TypeError(f"{name} must be a RelevanceRules or one of {', '.join(map(repr, RULE_SHORTHANDS))}, "
+                    f"got {type(rules).__name__}")
+
+
+def is_text(inputs) -> bool:
+    """A string, or a non-empty list / tuple of strings."""
+    return isinstance(inputs, str) or (isinstance(inputs, (list, tuple)) and len(inputs) > 0
+                                       and all(isinstance(t, str) for t in inputs))
+
+
+def _causal(model: nn.Module) -> bool:
+    """Whether the model predicts a next token (a causal LM: transformers' ``can_generate``
+    and an output embedding), so that a text is a prompt whose next token is explained."""
+    can = getattr(model, "can_generate", None)
+    try:
+        gen = bool(can()) if callable(can) else False
+    except Exception:  # noqa: BLE001 - a model whose can_generate fails cannot generate
+        gen = False
+    cfg = getattr(model, "config", None)
+    return gen and not getattr(cfg, "is_encoder_decoder", False)
+
+
+def encode(tokenizer, texts: Sequence[str], model: nn.Module, caller: str, *, left: Optional[bool] = None) -> dict:
+    """``{"input_ids", "attention_mask"}`` of ``texts``: the tokenizer's ids of each text;
+    for a causal LM without the end-of-text markers the tokenizer appends (a prompt whose
+    next token is explained, :func:`pyattr.apps.tokens.prompt_ids`). Rows of different
+    lengths are padded on the tokenizer's ``padding_side`` (``left`` overrides it: a
+    prompt to generate from is left-padded); the pad id is the tokenizer's, else its
+    end-of-text id, else 0 (masked out either way)."""
+    from pyattr.apps.tokens import _encode
+
+    if tokenizer is None:
+        raise ValueError(f"{caller}(): inputs are text; pass tokenizer= (the model's tokenizer) to read them")
+    causal = _causal(model)
+    rows = []
+    for i, text in enumerate(texts):
+        if not text.strip():
+            raise ValueError(f"inputs: text {i} is empty")
+        if causal:
+            from pyattr.apps.tokens import prompt_ids
+
+            ids = prompt_ids(tokenizer, text)
+        else:
+            ids = _encode(tokenizer, text)[0]
+        if not ids:
+            raise ValueError(f"inputs: text {i} has no tokens after tokenisation")
+        rows.append([int(t) for t in ids])
+    width = max(len(r) for r in rows)
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(tokenizer, "eos_token_id", None)
+    pad = 0 if pad is None else int(pad)
+    on_left = (getattr(tokenizer, "padding_side", "right") == "left") if left is None else left
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        sl = slice(width - len(r), width) if on_left else slice(0, len(r))
+        ids[i, sl] = torch.tensor(r, dtype=torch.long)
+        mask[i, sl] = 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _row_texts(tokenizer, ids: torch.Tensor, mask: Optional[torch.Tensor]) -> List[str]:
+    """Each row's real tokens decoded (the text a word target continues, for id inputs)."""
+    out = []
+    for r in range(ids.shape[0]):
+        row = ids[r] if mask is None else ids[r][mask[r].bool()]
+        out.append(tokenizer.decode([int(t) for t in row], skip_special_tokens=True,
+                                    clean_up_tokenization_spaces=False))
+    return out
+
+
+def _vocab_size(model: nn.Module) -> Optional[int]:
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if head is not None and getattr(head, "weight", None) is not None:
+        return int(head.weight.shape[0])
+    return None
+
+
+def word_target(model: nn.Module, tokenizer, word: str, texts: List[str], name: str = "target"):
+    """A word → one token id per row: the first token of ``word`` as the tokenizer reads it
+    after each row's text (a causal LM's next-token logit), or a class label of
+    ``config.label2id`` (a classifier).
+
+    Raises:
+        ValueError: the word is several tokens after the text (explain each with
+            :func:`pyattr.generation_relevance` and ``continuation=``), not in the
+            vocabulary, or the model has neither a language-model head nor that label.
+    """
+    from pyattr.apps.tokens import target_token_id
+
+    cfg = getattr(model, "config", None)
+    labels = getattr(cfg, "label2id", None) or {}
+    if word in labels and not _causal(model):
+        return [int(labels[word])] * len(texts)
+    vocab = _vocab_size(model) if _causal(model) else None
+    if vocab is None:
+        named = sorted(labels) if labels else []
+        have = f"; its labels are {named}" if named else ""
+        raise ValueError(f"{name}={word!r}: a word names a next-token logit or a class label, but "
+                         f"{type(model).__name__} has no language-model head{have}")
+    if tokenizer is None:
+        raise ValueError(f"{name}={word!r}: a word target needs tokenizer= to read it")
+    ids = []
+    for text in texts:
+        tid = target_token_id(tokenizer, word, vocab, text=text)
+        if isinstance(tid, str):
+            if "splits into" in tid:
+                tid += ("; to explain each token of a continuation, use pyattr.generation_relevance(model, text, "
+                        "continuation=..., tokenizer=tok)")
+            raise ValueError(f"{name}: {tid}")
+        ids.append(int(tid))
+    return ids
+
+
+def token_strings(tokenizer, ids: torch.Tensor, mask: Optional[torch.Tensor] = None) -> List[List[Optional[str]]]:
+    """Per row, every column's token as a string: what the tokenizer's own decoding of the
+    row adds for that token (``" Paris"``; a byte of a multi-byte character adds ``""``,
+    the token that completes it the whole character); special and pad tokens by their
+    vocabulary name (``"[CLS]"``, ``"<s>"``); None at padding (``mask`` 0)."""
+    from pyattr.methods._core.words import _pieces
+
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    out = []
+    ids2 = ids.reshape(-1, ids.shape[-1])
+    for r in range(ids2.shape[0]):
+        row = [int(t) for t in ids2[r]]
+        real = [True] * len(row) if mask is None else [bool(m) for m in mask.reshape(-1, ids.shape[-1])[r]]
+        strings: List[Optional[str]] = [None] * len(row)
+        run: List[int] = []
+        for c in range(len(row) + 1):
+            if c < len(row) and real[c] and row[c] not in special and row[c] >= 0:
+                run.append(c)
+                continue
+            for j, piece in zip(run, _pieces(tokenizer, [row[j] for j in run])):
+                strings[j] = piece
+            run = []
+            if c < len(row):
+                strings[c] = None if not real[c] or row[c] < 0 else (tokenizer.convert_ids_to_tokens([row[c]])[0] or "")
+        out.append(strings)
+    return out
+
+
+@dataclass
+class TextCall:
+    """A call with its text read: the model, the token inputs and target the method
+    takes, and the tokenizer whose strings the result's ``tokens`` hold."""
+
+    model: nn.Module
+    inputs: object
+    target: object
+    rules: Optional[RelevanceRules]
+    tokenizer: object
+    texts: Optional[List[str]] = None
+
+
+def resolve(model, inputs, tokenizer, caller: str, *, target=None, rules=None, left: Optional[bool] = None,
+            word_target_ok: bool = True) -> TextCall:
+    """Read a call's text: ``model`` a hub id / bundled name / directory (loaded with its
+    tokenizer, :func:`pyattr.methods._core.hub.load_named`), ``inputs`` a string or list
+    of strings (``tokenizer=`` needed), ``target`` a word or list of words (one per row),
+    ``rules`` a shorthand. Everything else passes through unchanged."""
+    if isinstance(model, (str,)) or hasattr(model, "__fspath__"):
+        from pyattr.methods._core.hub import load_named
+
+        model, loaded = load_named(model, caller)
+        tokenizer = loaded if tokenizer is None else tokenizer
+    if tokenizer is not None and not callable(tokenizer):
+        raise TypeError(f"tokenizer must be a Hugging Face tokenizer (callable), got {type(tokenizer).__name__}")
+    rules = rules_from(rules)
+    texts = None
+    if is_text(inputs):
+        texts = [inputs] if isinstance(inputs, str) else list(inputs)
+        inputs = encode(tokenizer, texts, model, caller, left=left)
+    elif isinstance(inputs, (list, tuple)) and inputs and any(isinstance(t, str) for t in inputs):
+        raise TypeError("inputs: a list of texts must hold only strings")
+    if word_target_ok and (isinstance(target, str) or (isinstance(target, (list, tuple)) and target
+                                                       and all(isinstance(t, str) for t in target))):
+        if texts is None:
+            ids, mask = _ids_and_mask(inputs)
+            if ids is None:
+                raise ValueError(f"target={target!r}: a word target needs text or token-id inputs")
+            if tokenizer is None:
+                raise ValueError(f"target={target!r}: a word target needs tokenizer= to read it")
+            row_texts = _row_texts(tokenizer, ids, mask)
+        else:
+            row_texts = texts
+        if isinstance(target, str):
+            target = word_target(model, tokenizer, target, row_texts)
+        else:
+            if len(target) != len(row_texts):
+                raise ValueError(f"target: {len(target)} words for {len(row_texts)} input rows (one word per row)")
+            target = [word_target(model, tokenizer, w, [t])[0] for w, t in zip(target, row_texts)]
+    return TextCall(model, inputs, target, rules, tokenizer, texts)
+
+
+def _ids_and_mask(inputs):
+    if isinstance(inputs, torch.Tensor) and not inputs.is_floating_point():
+        ids = inputs if inputs.dim() == 2 else inputs.reshape(1, -1)
+        return ids, None
+    if hasattr(inputs, "keys") and "input_ids" in inputs:
+        ids = inputs["input_ids"]
+        ids = ids if ids.dim() == 2 else ids.reshape(1, -1)
+        mask = inputs.get("attention_mask") if hasattr(inputs, "get") else None
+        return ids, (None if mask is None else mask.reshape(ids.shape))
+    return None, None
+
+
+def attach_tokens(result, tokenizer, ids: Optional[torch.Tensor], mask: Optional[torch.Tensor] = None):
+    """Set ``result.tokens`` to the strings of ``ids`` (where a tokenizer was given) and
+    return the result."""
+    if tokenizer is not None and ids is not None and not ids.is_floating_point() and hasattr(result, "tokens"):
+        result.tokens = token_strings(tokenizer, ids.detach().cpu(), None if mask is None else mask.detach().cpu())
+    return result
+
+
+def finish(result, call: TextCall, ids: Optional[torch.Tensor], mask: Optional[torch.Tensor] = None):
+    """The result with ``tokens`` (and ``target_tokens`` for token-id targets) as strings,
+    where the call has a tokenizer; returned unchanged otherwise."""
+    tok = call.tokenizer
+    if tok is None:
+        return result
+    attach_tokens(result, tok, ids, mask)
+    tids = getattr(result, "target_ids", None)
+    if hasattr(result, "target_tokens") and isinstance(tids, torch.Tensor) and tids.numel():
+        flat = [int(t) for t in tids.reshape(-1)]
+        words = [tok.decode([t], skip_special_tokens=False, clean_up_tokenization_spaces=False) for t in flat]
+        shape = tuple(tids.shape)
+        if len(shape) == 0:
+            result.target_tokens = words[0]
+        elif len(shape) == 1:
+            result.target_tokens = words
+        else:
+            result.target_tokens = [words[i * shape[1]:(i + 1) * shape[1]] for i in range(shape[0])]
+    return result
+
+
+def _pad_rows(rows: List[List[int]], tokenizer, left: bool) -> dict:
+    width = max(len(r) for r in rows)
+    pad = getattr(tokenizer, "pad_token_id", None)
+    pad = getattr(tokenizer, "eos_token_id", None) if pad is None else pad
+    pad = 0 if pad is None else int(pad)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        sl = slice(width - len(r), width) if left else slice(0, len(r))
+        ids[i, sl] = torch.tensor(r, dtype=torch.long)
+        mask[i, sl] = 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def prompt_and_continuation(tokenizer, texts: List[str], continuation) -> tuple:
+    """``(inputs, continuation ids)`` of prompts and text continuations as the tokenizer
+    reads each joint text (:func:`pyattr.apps.tokens.continuation_ids`): the prompts
+    left-padded, one id list per row for the continuations."""
+    from pyattr.apps.tokens import continuation_ids
+
+    conts = [continuation] * len(texts) if isinstance(continuation, str) else list(continuation)
+    if len(conts) != len(texts):
+        raise ValueError(f"continuation: {len(conts)} texts for {len(texts)} prompts (one per prompt)")
+    prompts, ids = [], []
+    for text, cont in zip(texts, conts):
+        try:
+            p, c = continuation_ids(tokenizer, text, cont)
+        except ValueError as e:
+            raise ValueError(f"continuation {cont!r}: {e}") from None
+        prompts.append([int(t) for t in p])
+        ids.append([int(t) for t in c])
+    return _pad_rows(prompts, tokenizer, left=True), ids
+
+
+def text_inputs(caller: str, *, inputs: Sequence[str] = ("inputs",), target: Optional[str] = "target",
+                left: Optional[bool] = None, tokens_of=None):
+    """Decorate a method whose signature has ``model``, the ``inputs`` arguments named,
+    ``tokenizer`` (and ``target`` / ``rules`` where named): text, a word target, a rules
+    shorthand and a model name are read (:func:`resolve`) before the method runs, and the
+    result gets ``tokens`` from the first inputs argument's ids (``tokens_of(result)`` →
+    ``(ids, mask)`` where the result holds other ids, e.g. a generated sequence)."""
+    import functools
+    import inspect
+
+    def deco(fn):
+        sig = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            bound = sig.bind(*args, **kwargs)
+            a = bound.arguments
+            cont = a.get("continuation")
+            text_cont = (cont is not None and is_text(cont) and is_text(a.get(inputs[0])))
+            if text_cont:  # prompts and continuations tokenized together (generation)
+                if a.get("tokenizer") is None and not isinstance(a["model"], str):
+                    raise ValueError(f"{caller}(): a text continuation needs tokenizer=")
+            call = resolve(a["model"], a[inputs[0]] if not text_cont else None, a.get("tokenizer"), caller,
+                           target=a.get(target) if target else None, rules=a.get("rules"), left=left,
+                           word_target_ok=target is not None)
+            if text_cont:
+                texts = [a[inputs[0]]] if isinstance(a[inputs[0]], str) else list(a[inputs[0]])
+                call.inputs, a["continuation"] = prompt_and_continuation(call.tokenizer, texts, cont)
+                call.texts = texts
+            a["model"], a[inputs[0]] = call.model, call.inputs
+            if "tokenizer" in sig.parameters:
+                a["tokenizer"] = call.tokenizer
+            if target and target in sig.parameters:
+                a[target] = call.target
+            if "rules" in sig.parameters:
+                a["rules"] = call.rules
+            for name in inputs[1:]:
+                if is_text(a.get(name)):
+                    a[name] = encode(call.tokenizer, [a[name]] if isinstance(a[name], str) else list(a[name]),
+                                     call.model, caller, left=left)
+            result = fn(*bound.args, **bound.kwargs)
+            ids, mask = tokens_of(result) if tokens_of is not None else _ids_and_mask(call.inputs)
+            if mask is None and isinstance(a.get("attention_mask"), torch.Tensor) and ids is not None:
+                mask = a["attention_mask"].reshape(ids.shape)
+            return finish(result, call, ids, mask)
+
+        return wrapper
+
+    return deco

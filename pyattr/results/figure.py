@@ -1,0 +1,139 @@
+"""Panels as a matplotlib figure (``plot()``): token heatmaps and matrices in the
+diverging blue–white–red map with a colour bar centred on 0 (NaN cells grey), curves as
+lines; and as a pandas DataFrame (``to_pandas()``) and plain text (``show()`` outside a
+notebook)."""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from typing import List
+
+from pyattr.results.panels import Curves, Matrix, Table, Tokens, flat, label, scale
+
+
+def _cmap():
+    from matplotlib.colors import LinearSegmentedColormap
+
+    cmap = LinearSegmentedColormap.from_list("pyattr", [(0, 0, 1), (1, 1, 1), (1, 0, 0)])
+    cmap.set_bad("#cccccc")
+    return cmap
+
+
+def figure(panels: List, heading: str):
+    """A ``matplotlib.figure.Figure`` with one axes per panel (at most 12)."""
+    import matplotlib
+
+    if matplotlib.get_backend().lower() not in ("agg",) and not _interactive():
+        matplotlib.use("Agg")
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    panels = [p for p in panels if not isinstance(p, Table)][:12]
+    if not panels:
+        raise ValueError("plot(): this result has nothing to draw (only tables; use to_pandas())")
+    heights = [max(1.6, 0.35 * len(p.rows) + 1.2) if isinstance(p, Matrix) else 3.0 if isinstance(p, Curves) else 1.6
+               for p in panels]
+    widths = [max(6.0, 0.5 * len(p.cols) + 2) if isinstance(p, Matrix) else
+              max(6.0, 0.55 * sum(lab is not None for lab in p.labels) + 2) if isinstance(p, Tokens) else 6.0
+              for p in panels]
+    fig = Figure(figsize=(min(max(widths), 24), sum(heights) + 0.6), layout="constrained")
+    axes = fig.subplots(len(panels), 1, squeeze=False, height_ratios=heights)[:, 0]
+    fig.suptitle(heading)
+    cmap = _cmap()
+    for ax, p in zip(axes, panels):
+        if isinstance(p, Curves):
+            for y, name in zip(p.ys, p.names):
+                ax.plot(p.x, y, color="black" if name == "mean" else None, lw=2 if name == "mean" else 1, label=name)
+            ax.set_xlabel(p.x_name)
+            ax.set_ylabel(p.y_name)
+            ax.legend(fontsize=7)
+        else:
+            s = scale(flat(p))
+            if isinstance(p, Tokens):
+                keep = [i for i, lab in enumerate(p.labels) if lab is not None]
+                data = np.array([[p.values[i] for i in keep]], dtype=float)
+                ticks, yt = [label(p.labels[i]) for i in keep], []
+            else:
+                data = np.array([[math.nan if v is None else v for v in row] for row in p.values], dtype=float)
+                ticks, yt = [label(c) for c in p.cols], [label(r) for r in p.rows]
+            im = ax.imshow(np.ma.masked_invalid(data), cmap=cmap, vmin=-s, vmax=s, aspect="auto")
+            ax.set_xticks(range(len(ticks)), ticks, rotation=90 if len(ticks) > 6 else 0, fontsize=8)
+            ax.set_yticks(range(len(yt)), yt, fontsize=8)
+            if isinstance(p, Matrix):
+                ax.set_xlabel(p.col_name)
+                ax.set_ylabel(p.row_name)
+            fig.colorbar(im, ax=ax, label=p.value_name, shrink=0.9)
+        ax.set_title(textwrap.fill(p.title, 100), fontsize=9)
+    return fig
+
+
+def _interactive() -> bool:
+    import sys
+
+    return "ipykernel" in sys.modules
+
+
+def dataframe(panels: List):
+    """Every panel's cells as rows of one long table: ``panel``, then the panel's own
+    coordinates (``position``/``token``, row/column, series/x) and value; NaN cells left out."""
+    import pandas as pd
+
+    frames = []
+    for n, p in enumerate(panels):
+        if isinstance(p, Tokens):
+            rows = [(n, p.title, i, lab, v) for i, (lab, v) in enumerate(zip(p.labels, p.values)) if lab is not None]
+            frames.append(pd.DataFrame(rows, columns=["panel", "title", "position", "token", p.value_name]))
+        elif isinstance(p, Matrix):
+            rows = [(n, p.title, i, r, j, c, v) for i, (r, vals) in enumerate(zip(p.rows, p.values))
+                    for j, (c, v) in enumerate(zip(p.cols, vals)) if v is not None and not math.isnan(v)]
+            frames.append(pd.DataFrame(rows, columns=["panel", "title", f"{p.row_name}_index", p.row_name,
+                                                      f"{p.col_name}_index", p.col_name, p.value_name]))
+        elif isinstance(p, Curves):
+            rows = [(n, p.title, name, x, v) for y, name in zip(p.ys, p.names) for x, v in zip(p.x, y)]
+            frames.append(pd.DataFrame(rows, columns=["panel", "title", "series", p.x_name, p.y_name]))
+        elif isinstance(p, Table):
+            df = pd.DataFrame(p.rows, columns=p.columns)
+            df.insert(0, "title", p.title)
+            df.insert(0, "panel", n)
+            frames.append(df)
+    if not frames:
+        return pd.DataFrame()
+    if len(frames) == 1:
+        return frames[0]
+    return pd.concat(frames, ignore_index=True, sort=False)
+
+
+def text(panels: List, heading: str, width: int = 100) -> str:
+    """Plain text: token panels as ``token(value)`` runs, matrices and tables as rows."""
+    from pyattr.apps.render import num
+
+    out = [heading]
+    for p in panels:
+        out.append("")
+        out.append(p.title)
+        if isinstance(p, Tokens):
+            line = ""
+            for lab, v in zip(p.labels, p.values):
+                if lab is None:
+                    continue
+                piece = f"{label(lab)}({num(v, '+.3g')}) "
+                if len(line) + len(piece) > width:
+                    out.append("  " + line.rstrip())
+                    line = ""
+                line += piece
+            out.append("  " + line.rstrip())
+        elif isinstance(p, Matrix):
+            cols = [label(c)[:8] for c in p.cols][:16]
+            out.append("  " + " " * 12 + " ".join(f"{c:>8}" for c in cols) + (" …" if len(p.cols) > 16 else ""))
+            for r, vals in list(zip(p.rows, p.values))[:24]:
+                cells = " ".join("       ·" if v is None or math.isnan(v) else f"{num(v, '8.2g'):>8}" for v in vals[:16])
+                out.append(f"  {label(r)[:12]:>12}" + cells)
+        elif isinstance(p, Curves):
+            for y, name in zip(p.ys, p.names):
+                out.append(f"  {name}: " + " ".join(num(v, ".3g") for v in y))
+        elif isinstance(p, Table):
+            out.append("  " + " | ".join(p.columns))
+            for r in p.rows[:40]:
+                out.append("  " + " | ".join(num(v, ".4g") if isinstance(v, float) else str(v) for v in r))
+    return "\n".join(out)
