@@ -16,8 +16,7 @@ def _cmap():
     from matplotlib.colors import LinearSegmentedColormap
 
     cmap = LinearSegmentedColormap.from_list("pyattr", [(0, 0, 1), (1, 1, 1), (1, 0, 0)])
-    cmap.set_bad("#cccccc")
-    return cmap
+    return cmap.with_extremes(bad="#cccccc")
 
 
 def figure(panels: List, heading: str):

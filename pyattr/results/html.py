@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import html
 import math
-from itertools import count
+import hashlib
 from typing import Iterable
 
 from pyattr.apps.render import LEGEND_CSS, _ink, _rgb, legend_html, num
@@ -28,20 +28,16 @@ _CSS = """
   text-align: left; }
 """ + LEGEND_CSS.replace(".legend", ".pyattr-result .legend")
 
-_ids = count()
-
-
 def _cell_style(v: float, s: float) -> str:
     rgb = _rgb(v, s)
     return f"background: rgb{rgb}; color: {_ink(rgb)}"
 
 
-def _legend(s: float, what: str) -> str:
-    return legend_html(num(-s, ".3g"), num(s, ".3g"), html.escape(f"{what}: blue negative, red positive"),
-                       ids=f"pyattr-legend-{next(_ids)}")
+def _legend(s: float, what: str, ids: str) -> str:
+    return legend_html(num(-s, ".3g"), num(s, ".3g"), html.escape(f"{what}: blue negative, red positive"), ids=ids)
 
 
-def _tokens(p: Tokens) -> str:
+def _tokens(p: Tokens, ids: str) -> str:
     s = scale(flat(p))
     spans = []
     for i, (lab, v) in enumerate(zip(p.labels, p.values)):
@@ -49,10 +45,10 @@ def _tokens(p: Tokens) -> str:
             continue
         tip = html.escape(f"position {i} · {lab!r} · {p.value_name} {num(v, '+.4g')}", quote=True)
         spans.append(f'<span class="tok" style="{_cell_style(v, s)}" title="{tip}">{html.escape(label(lab))}</span>')
-    return f"<h4>{html.escape(p.title)}</h4><div>{''.join(spans)}</div>{_legend(s, p.value_name)}"
+    return f"<h4>{html.escape(p.title)}</h4><div>{''.join(spans)}</div>{_legend(s, p.value_name, ids)}"
 
 
-def _matrix(p: Matrix) -> str:
+def _matrix(p: Matrix, ids: str) -> str:
     s = scale(flat(p))
     head = "".join(f"<th>{html.escape(label(c))}</th>" for c in p.cols)
     body = []
@@ -68,7 +64,7 @@ def _matrix(p: Matrix) -> str:
         body.append(f"<tr><th>{html.escape(label(r))}</th>{''.join(cells)}</tr>")
     corner = html.escape(f"{p.row_name} \\ {p.col_name}")
     return (f"<h4>{html.escape(p.title)}</h4><div class='scroll'><table class='grid'><tr><th>{corner}</th>{head}"
-            f"</tr>{''.join(body)}</table></div>{_legend(s, p.value_name)}")
+            f"</tr>{''.join(body)}</table></div>{_legend(s, p.value_name, ids)}")
 
 
 _COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
@@ -130,12 +126,16 @@ def _table(p: Table, limit: int = 200) -> str:
 
 def render(panels: Iterable, heading: str, notes: Iterable[str] = ()) -> str:
     """One ``<div>`` (with its own ``<style>``) holding every panel."""
+    panels = list(panels)
+    # element ids unique per view (several results on one notebook page) and the same for
+    # the same result (a saved and reloaded result renders identically)
+    key = hashlib.sha1("\x00".join([heading] + [p.title for p in panels]).encode()).hexdigest()[:10]
     parts = []
-    for p in panels:
+    for i, p in enumerate(panels):
         if isinstance(p, Tokens):
-            parts.append(_tokens(p))
+            parts.append(_tokens(p, f"pyattr-{key}-{i}"))
         elif isinstance(p, Matrix):
-            parts.append(_matrix(p))
+            parts.append(_matrix(p, f"pyattr-{key}-{i}"))
         elif isinstance(p, Curves):
             parts.append(_curves(p))
         elif isinstance(p, Table):

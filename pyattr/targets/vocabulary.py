@@ -44,7 +44,8 @@ def normalize(target, batch: int) -> Tuple[List[Target], bool]:
     if target is None:
         return [Logit(None)], False
     if isinstance(target, (bool, str, bytes, float)):
-        raise TypeError(f"target must be None, a token id, a list of ids, a target object or a callable, got {type(target).__name__}")
+        raise TypeError(f"target must be None, a token id, a list of ids, a word (with tokenizer=), a target object or a "
+                        f"callable, got {type(target).__name__}")
     if isinstance(target, (list, tuple)) and target and all(isinstance(t, Target) or (callable(t) and not isinstance(t, torch.Tensor)) for t in target):
         return [t if isinstance(t, Target) else _Callable(t) for t in target], True
     if isinstance(target, (list, tuple)) and any(isinstance(t, Target) for t in target):
@@ -60,7 +61,8 @@ def normalize(target, batch: int) -> Tuple[List[Target], bool]:
     if type(target).__module__ == "numpy" and getattr(target, "ndim", 0) == 2 and target.shape[1] > 1:
         return normalize(torch.as_tensor(target), batch)
     if not (is_int(target) or isinstance(target, (Sequence, torch.Tensor)) or type(target).__module__ == "numpy"):
-        raise TypeError(f"target must be None, a token id, a list of ids, a target object or a callable, got {type(target).__name__}")
+        raise TypeError(f"target must be None, a token id, a list of ids, a word (with tokenizer=), a target object or a "
+                        f"callable, got {type(target).__name__}")
     token_ids(target, batch)  # raise now, before any forward pass
     return [Logit(target)], False
 

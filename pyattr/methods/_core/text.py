@@ -136,18 +136,21 @@ def word_target(model: nn.Module, tokenizer, word: str, texts: List[str], name: 
     """
     from pyattr.apps.tokens import target_token_id
 
-    cfg = getattr(model, "config", None)
-    labels = getattr(cfg, "label2id", None) or {}
-    if word in labels and not _causal(model):
-        return [int(labels[word])] * len(texts)
+    labels = getattr(getattr(model, "config", None), "label2id", None) or {}
     vocab = _vocab_size(model) if _causal(model) else None
+    if vocab is None and tokenizer is None:
+        raise TypeError(f"{name} must be None, a token id, a list of ids, a word (with tokenizer=), a target object or "
+                        f"a callable, got str {word!r} without a tokenizer")
     if vocab is None:
-        named = sorted(labels) if labels else []
+        # transformers names every config's labels LABEL_0, LABEL_1 by default: only a
+        # checkpoint's own names are worth listing
+        named = sorted(w for w in labels if not (w.startswith("LABEL_") and w[6:].isdigit()))
         have = f"; its labels are {named}" if named else ""
         raise ValueError(f"{name}={word!r}: a word names a next-token logit or a class label, but "
                          f"{type(model).__name__} has no language-model head{have}")
     if tokenizer is None:
-        raise ValueError(f"{name}={word!r}: a word target needs tokenizer= to read it")
+        raise TypeError(f"{name} must be None, a token id, a list of ids, a word (with tokenizer=), a target object or "
+                        f"a callable, got str {word!r} without a tokenizer")
     ids = []
     for text in texts:
         tid = target_token_id(tokenizer, word, vocab, text=text)
@@ -223,22 +226,27 @@ def resolve(model, inputs, tokenizer, caller: str, *, target=None, rules=None, l
         raise TypeError("inputs: a list of texts must hold only strings")
     if word_target_ok and (isinstance(target, str) or (isinstance(target, (list, tuple)) and target
                                                        and all(isinstance(t, str) for t in target))):
-        if texts is None:
-            ids, mask = _ids_and_mask(inputs)
-            if ids is None:
-                raise ValueError(f"target={target!r}: a word target needs text or token-id inputs")
-            if tokenizer is None:
-                raise ValueError(f"target={target!r}: a word target needs tokenizer= to read it")
-            row_texts = _row_texts(tokenizer, ids, mask)
-        else:
-            row_texts = texts
-        if isinstance(target, str):
-            target = word_target(model, tokenizer, target, row_texts)
-        else:
-            if len(target) != len(row_texts):
-                raise ValueError(f"target: {len(target)} words for {len(row_texts)} input rows (one word per row)")
-            target = [word_target(model, tokenizer, w, [t])[0] for w, t in zip(target, row_texts)]
+        target = _word_targets(model, tokenizer, target, inputs, texts)
     return TextCall(model, inputs, target, rules, tokenizer, texts)
+
+
+def _word_targets(model, tokenizer, target, inputs, texts):
+    """A word or one word per row → a class id (a classifier's label) or one token id per row."""
+    words = [target] if isinstance(target, str) else list(target)
+    labels = getattr(getattr(model, "config", None), "label2id", None) or {}
+    if not _causal(model) and all(w in labels for w in words):
+        ids = [int(labels[w]) for w in words]
+        return ids[0] if isinstance(target, str) else ids
+    if texts is None:
+        ids, mask = _ids_and_mask(inputs)
+        if ids is None:
+            raise ValueError(f"target={target!r}: a word target needs text or token-id inputs")
+        texts = _row_texts(tokenizer, ids, mask) if tokenizer is not None else [""] * ids.shape[0]
+    if isinstance(target, str):
+        return word_target(model, tokenizer, target, texts)
+    if len(words) != len(texts):
+        raise ValueError(f"target: {len(words)} words for {len(texts)} input rows (one word per row)")
+    return [word_target(model, tokenizer, w, [t])[0] for w, t in zip(words, texts)]
 
 
 def _ids_and_mask(inputs):
