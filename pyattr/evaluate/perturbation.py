@@ -186,6 +186,11 @@ def perturbation_curve(model: nn.Module, inputs, relevance, target=None, *, orde
         batch_size (int, optional): perturbed copies per forward (default 64).
         token_id (int, optional): see ``perturbation``.
         attention_mask (Tensor[batch, seq], optional): 1 for real tokens.
+        tokenizer (optional): the model's Hugging Face tokenizer, for text inputs, a word
+            ``target`` (as :func:`pyattr.relevance`), and the result's ``tokens`` (each
+            token as a string). ``model`` may be a hub id, a directory or a bundled
+            name, and ``rules`` a shorthand (``"all"``, ``"attnlrp"``, ``"ln"``,
+            ``"none"``), as for :func:`pyattr.relevance`.
 
     Returns:
         PerturbationCurve (``fractions`` (steps + 1,), ``values`` (batch, steps + 1),

@@ -42,6 +42,11 @@ def audit(model: nn.Module, inputs, target=None, rules: Optional[RelevanceRules]
         attention_mask (Tensor[batch, seq], optional).
         generic (bool | "partial"): as for :func:`pyattr.use_relevance_rules`, without
             its plan check: the audit is how to see what that check would refuse.
+        tokenizer (optional): the model's Hugging Face tokenizer, for text inputs, a word
+            ``target`` (as :func:`pyattr.relevance`), and the result's ``tokens`` (each
+            token as a string). ``model`` may be a hub id, a directory or a bundled
+            name, and ``rules`` a shorthand (``"all"``, ``"attnlrp"``, ``"ln"``,
+            ``"none"``), as for :func:`pyattr.relevance`.
 
     Returns:
         RelevanceAudit: ``.modules`` (one :class:`~pyattr.integration.audit.ModuleGap`

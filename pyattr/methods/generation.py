@@ -296,6 +296,13 @@ def generation_relevance(
             2 GiB, :func:`default_batch_targets`). On a model whose forward depends on the
             length it runs at (dynamic-NTK RoPE, LongRoPE) every step runs at its own length
             and this is 1 whatever is asked: a longer cut would change the earlier values.
+        tokenizer (optional): the model's Hugging Face tokenizer, for text inputs and
+            the result's ``tokens`` (each token as a string). Prompts as text (a string
+            or list of strings) are left-padded and read without the end-of-text markers
+            the tokenizer appends; ``continuation`` may be text too (one string, or one
+            per prompt), tokenized with its prompt as one joint text. ``model`` may be a
+            hub id, a directory or a bundled name, and ``rules`` a shorthand (``"all"``,
+            ``"attnlrp"``, ``"ln"``, ``"none"``), as for :func:`pyattr.relevance`.
 
     Returns:
         GenerationRelevanceResult. Row ``t`` equals :func:`pyattr.relevance` on the

@@ -191,6 +191,11 @@ def integrated_gradients(
         generic (bool): for an architecture without a rule map, structural rule installation
             and the roles structural discovery reads off the module graph; the input is
             where the discovered entry says the residual stream enters the blocks.
+        tokenizer (optional): the model's Hugging Face tokenizer, for text inputs, a word
+            ``target`` (as :func:`pyattr.relevance`), and the result's ``tokens`` (each
+            token as a string). ``model`` may be a hub id, a directory or a bundled
+            name, and ``rules`` a shorthand (``"all"``, ``"attnlrp"``, ``"ln"``,
+            ``"none"``), as for :func:`pyattr.relevance`.
 
     Returns:
         AttributionResult: ``attribution``, ``token_attribution``, ``convergence_delta``

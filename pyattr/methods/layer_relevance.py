@@ -229,6 +229,11 @@ def layer_relevance(
         generic (bool): for an architecture without a rule map, structural rule installation
             and the roles structural discovery reads off the module graph; the layer shorthands
             read the discovered entry's roles (:func:`pyattr.architectures.discover`).
+        tokenizer (optional): the model's Hugging Face tokenizer, for text inputs, a word
+            ``target`` (as :func:`pyattr.relevance`), and the result's ``tokens`` (each
+            token as a string). ``model`` may be a hub id, a directory or a bundled
+            name, and ``rules`` a shorthand (``"all"``, ``"attnlrp"``, ``"ln"``,
+            ``"none"``), as for :func:`pyattr.relevance`.
 
     Returns:
         LayerRelevanceResult: ``result[path].activation / .gradient / .relevance``

@@ -86,6 +86,11 @@ def activation_patching(
         progress (bool): a transient progress bar on stderr (on a terminal, after ~1 s).
         generic (bool): for an architecture without a rule map, the nodes structural
             discovery reads off the module graph, as in :func:`attribution_patching`.
+        tokenizer (optional): the model's Hugging Face tokenizer, for text inputs and
+            the result's ``tokens`` (each token as a string). ``clean`` and ``corrupt``
+            may be texts. ``model`` may be a hub id, a directory or a bundled name, and
+            ``rules`` a shorthand (``"all"``, ``"attnlrp"``, ``"ln"``, ``"none"``), as
+            for :func:`pyattr.relevance`.
 
     Returns:
         PatchingResult with ``method="exact"``.

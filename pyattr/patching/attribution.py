@@ -104,6 +104,11 @@ def attribution_patching(
             (:func:`pyattr.architectures.discover`), and install ``"relp"``'s rules
             structurally; a node whose role discovery could not find is refused with the
             reason. Default False.
+        tokenizer (optional): the model's Hugging Face tokenizer, for text inputs and
+            the result's ``tokens`` (each token as a string). ``clean`` and ``corrupt``
+            may be texts. ``model`` may be a hub id, a directory or a bundled name, and
+            ``rules`` a shorthand (``"all"``, ``"attnlrp"``, ``"ln"``, ``"none"``), as
+            for :func:`pyattr.relevance`.
 
     Returns:
         PatchingResult: ``result[node]`` float32 ``(batch, layer, position[, head | neuron])``,

@@ -21,8 +21,10 @@ def _cmap():
 
 def figure(panels: List, heading: str):
     """A ``matplotlib.figure.Figure`` with one axes per panel (at most 12)."""
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("plot() draws with matplotlib, which is not installed (pip install matplotlib)") from None
     if matplotlib.get_backend().lower() not in ("agg",) and not _interactive():
         matplotlib.use("Agg")
     import numpy as np
@@ -76,8 +78,10 @@ def _interactive() -> bool:
 def dataframe(panels: List):
     """Every panel's cells as rows of one long table: ``panel``, then the panel's own
     coordinates (``position``/``token``, row/column, series/x) and value; NaN cells left out."""
-    import pandas as pd
-
+    try:
+        import pandas as pd
+    except ImportError:
+        raise ImportError("to_pandas() needs pandas, which is not installed (pip install pandas)") from None
     frames = []
     for n, p in enumerate(panels):
         if isinstance(p, Tokens):
