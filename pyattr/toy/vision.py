@@ -44,10 +44,10 @@ def draw(generator: torch.Generator, count: int) -> Tuple[torch.Tensor, torch.Te
     """``count`` images of the task.
 
     Returns:
-        images (ByteTensor[count, 3, 32, 32]): RGB, grey noise in [60, 190] and one square.
-        labels (LongTensor[count]): the square's colour, an index into ``LABELS``.
-        boxes (LongTensor[count, 4]): each square's ``(top, left, bottom, right)``, in
-            pixels, bottom and right exclusive.
+        ``(images, labels, boxes)``: ``images`` ByteTensor[count, 3, 32, 32], RGB, grey
+        noise in [60, 190] and one square; ``labels`` LongTensor[count], the square's
+        colour as an index into ``LABELS``; ``boxes`` LongTensor[count, 4], each square's
+        ``(top, left, bottom, right)`` in pixels, bottom and right exclusive.
     """
     grey = torch.randint(60, 191, (count, 1, SIZE, SIZE), generator=generator)
     images = grey.expand(count, 3, SIZE, SIZE).clone()
