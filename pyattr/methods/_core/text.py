@@ -237,6 +237,8 @@ def _word_targets(model, tokenizer, target, inputs, texts):
     if not _causal(model) and all(w in labels for w in words):
         ids = [int(labels[w]) for w in words]
         return ids[0] if isinstance(target, str) else ids
+    if not _causal(model):  # no next token to name: the error says what the model has
+        word_target(model, tokenizer, next(w for w in words if w not in labels), [])
     if texts is None:
         ids, mask = _ids_and_mask(inputs)
         if ids is None:
