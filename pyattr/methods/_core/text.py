@@ -138,9 +138,6 @@ def word_target(model: nn.Module, tokenizer, word: str, texts: List[str], name: 
 
     labels = getattr(getattr(model, "config", None), "label2id", None) or {}
     vocab = _vocab_size(model) if _causal(model) else None
-    if vocab is None and tokenizer is None:
-        raise TypeError(f"{name} must be None, a token id, a list of ids, a word (with tokenizer=), a target object or "
-                        f"a callable, got str {word!r} without a tokenizer")
     if vocab is None:
         # transformers names every config's labels LABEL_0, LABEL_1 by default: only a
         # checkpoint's own names are worth listing
