@@ -50,7 +50,7 @@ def test_no_negative_zero_anywhere():
     term, page, js = _terminal(expl), to_html(expl), json.dumps(expl.to_json())
     for text in (term, page, js):
         assert not NEG_ZERO.search(text), NEG_ZERO.search(text)
-    assert "'hi'=0.0000" in term and "'there'=0.0000" in term and "'x'=+0.3000" in term
+    assert "2 'x' +0.3000, 0 'hi' 0.0000, 1 'there' 0.0000" in term
     assert "target value       0.000000" in term and "conservation delta 0.000e+00" in term
     assert json.loads(js)["segments"][0]["relevance"] == [-1e-9, 0.0, 0.3]
     assert str(json.loads(js)["conservation_delta"]) == "0.0"

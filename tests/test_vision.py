@@ -368,13 +368,16 @@ def test_cli_image_run(kind, image_dirs, tmp_path):
     assert len(rel) == 17 and j["segments"][0]["tokens"][:2] == ["[CLS]", "patch(0,0)"]
     assert abs(j["conservation_delta"]) <= 1e-4 * abs(j["target"])
     assert j["target_description"].endswith(", top-1)")
-    # the map: 4 × 4 blocks of 8 pixels, drawn twice as large (at least 16 pixels a patch)
+    # the map: a figure (title, the image, the overlay, a colour bar); the overlay's box is in
+    # the PNG's text chunk: 4 × 4 blocks of 8 pixels drawn 6 times as large (the map at least
+    # 192 pixels a side)
     im = PIL.open(out)
-    assert im.size == (64, 64) and im.mode == "RGB"
-    arr = np.asarray(im).astype(int)
+    x, y, w, h = map(int, im.info["pyattr-overlay"].split(","))
+    assert (w, h) == (192, 192) and im.mode == "RGB" and im.size[0] > x + w and im.size[1] > y + h
+    arr = np.asarray(im).astype(int)[y:y + h, x:x + w]
     patches = np.array(rel[1:]).reshape(4, 4)
     r, c = np.unravel_index(np.abs(patches).argmax(), patches.shape)
-    block = arr[16 * r:16 * r + 16, 16 * c:16 * c + 16]
+    block = arr[48 * r:48 * r + 48, 48 * c:48 * c + 48]
     red_minus_blue = block[..., 0].mean() - block[..., 2].mean()
     assert (red_minus_blue > 0) == (patches[r, c] > 0)
     # the same number from the Python API on the processed image

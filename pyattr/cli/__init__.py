@@ -14,12 +14,34 @@ from pyattr._version import __version__
 from pyattr.cli._common import model_dir
 
 
+#: Where the documentation is: every ``--help`` ends with it.
+DOCS = ("documentation: docs/index.md of the pyattr source, a tutorial per task (make docs builds the site)\n"
+        "every command and option: docs/reference/cli.md")
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse with the errors every pyattr command gives: one line on stderr
-    (``pyattr explain: error: ...``), exit status 2, no usage block."""
+    (``pyattr explain: error: ...``), exit status 2, no usage block. The epilog (examples
+    and the documentation link) is printed as written, not re-wrapped."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
+
+    def format_help(self) -> str:
+        epilog, self.epilog = self.epilog, None
+        try:
+            text = super().format_help()
+        finally:
+            self.epilog = epilog
+        return text + (f"\n{epilog.rstrip()}\n" if epilog else "")
+
+
+def _epilog(*examples) -> str:
+    """``examples:`` (pairs of a command line and what it does) and the documentation link."""
+    lines = ["examples:"]
+    for cmd, what in examples:
+        lines += [f"  {cmd}", f"      {what}"]
+    return "\n".join(lines + ["", DOCS])
 
 
 def _command(name: str):
@@ -51,7 +73,18 @@ def _rule_flags(p) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="pyattr", description="Relevance attribution with fused LRP-rule kernels.")
+    p = OneLineParser(
+        prog="pyattr", description="Relevance attribution with fused LRP-rule kernels.",
+        epilog=_epilog(
+            ("pyattr explain", "token relevance of the bundled MiniLM for a built-in sentence pair's similarity"),
+            ("pyattr explain --model induction --text 'sun cat red tree sun'",
+             "the next-token logit of the bundled toy decoder, token by token"),
+            ("pyattr explain --model gpt2 --text 'The capital of France is' --html gpt2.html",
+             "a Hugging Face Hub model (downloaded once), with an HTML heatmap"),
+            ("pyattr generate --png gen.png", "every generated token of the toy decoder over its context"),
+            ("pyattr patch --model induction --clean 'sun cat red tree sun' --corrupt 'sun dog red tree sun'",
+             "which layers and heads carry the toy decoder's prediction"),
+        ))
     p.add_argument("--version", action="version", version=f"pyattr {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="{explain,generate,patch,run,bench}")
     e = sub.add_parser(
@@ -61,17 +94,29 @@ def build_parser() -> argparse.ArgumentParser:
             "Explain a model output token by token. With no arguments: the bundled all-MiniLM-L6-v2 "
             "and the cosine similarity of a built-in sentence pair."
         ),
+        epilog=_epilog(
+            ("pyattr explain --text 'A man plays guitar.' --pair 'Someone makes music.'",
+             "the bundled MiniLM: the two sentences' cosine similarity"),
+            ("pyattr explain --model induction --text 'sun cat red tree sun' --target cat",
+             "the bundled toy decoder: the logit of 'cat' after the text"),
+            ("pyattr explain --model gpt2 --text 'The capital of France is' --html out.html",
+             "a Hugging Face Hub id, or a local directory: --model ./my-model"),
+            ("pyattr explain --model squares --image square.png --png map.png",
+             "an image classifier: patch relevance drawn over the image"),
+        ),
     )
     e.add_argument("--text", help="sentence to explain (first of the pair, or the causal-LM prompt)")
     e.add_argument("--pair", help="second sentence: explain the cosine similarity of the two mean-pooled embeddings (the bundled model, or --model DIR)")
     e.add_argument("--model", type=model_dir,
-                   help="a local Hugging Face model directory (save_pretrained, tokenizer included), or "
-                        "'induction' (the shipped toy induction decoder): a causal LM explains the next-token "
+                   help="a local Hugging Face model directory (save_pretrained, tokenizer included), a Hugging Face "
+                        "Hub id (gpt2, org/name; downloaded once), or a bundled model: 'minilm', 'induction' (the "
+                        "toy induction decoder), 'squares' (the toy image classifier): a causal LM explains the next-token "
                         "logit of --text; with --pair, a sentence encoder explains the cosine of the two "
                         "sentences; with --image, an image classifier explains a class logit")
     e.add_argument("--target", help="target token for --model (default: the top-1 prediction); with --image a class label or index")
     e.add_argument("--image", metavar="FILE",
-                   help="image for --model DIR (an image classifier: ViT, CLIP): patch relevance of a class logit")
+                   help="image for --model (an image classifier: ViT, CLIP, or 'squares'): patch relevance of a "
+                        "class logit")
     e.add_argument("--png", metavar="PATH",
                    help="with --image: where to write the relevance map over the image (default: <image stem>_relevance.png)")
     e.add_argument("--html", metavar="PATH", help="also write a self-contained HTML heatmap")
@@ -92,10 +137,17 @@ def build_parser() -> argparse.ArgumentParser:
             "token's logit over its context with one forward and batched backwards. With no arguments: the "
             "shipped toy induction decoder and a built-in prompt."
         ),
+        epilog=_epilog(
+            ("pyattr generate --text 'dog owl fish bee dog' --max-new-tokens 4 --html gen.html",
+             "the bundled toy decoder: generate 4 tokens and explain each"),
+            ("pyattr generate --model gpt2 --text 'The capital of France is' --continuation ' Paris.' --png gen.png",
+             "a given continuation, teacher-forced, as a generated x context heatmap"),
+        ),
     )
     g.add_argument("--text", help="the prompt")
     g.add_argument("--model", type=model_dir,
-                   help="local Hugging Face causal-LM directory (default: the shipped toy induction decoder)")
+                   help="a causal LM: a local Hugging Face directory, a Hugging Face Hub id, or 'induction' (the "
+                        "default: the shipped toy induction decoder)")
     g.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate (default 8)")
     g.add_argument("--continuation", help="explain this continuation instead of generating (teacher-forced)")
     g.add_argument("--target", choices=["logit", "logprob", "prob"], default="logit",
@@ -119,14 +171,20 @@ def build_parser() -> argparse.ArgumentParser:
             "arguments: the bundled all-MiniLM-L6-v2 and a built-in sentence pair, metric the cosine "
             "similarity with a partner sentence."
         ),
+        epilog=_epilog(
+            ("pyattr patch --method all --png patch.png",
+             "the bundled MiniLM: RelP, AtP and activation patching side by side"),
+            ("pyattr patch --model induction --clean 'sun cat red tree sun' --corrupt 'sun dog red tree sun' "
+             "--html patch.html", "the bundled toy decoder's next-token logit"),
+        ),
     )
     pa.add_argument("--clean", help="the clean text")
     pa.add_argument("--corrupt", help="the corrupt text (same number of tokens)")
     pa.add_argument("--pair", help="partner sentence of the cosine metric (sentence-embedding model; default: "
                                    "the built-in partner sentence)")
     pa.add_argument("--model", type=model_dir,
-                    help="local Hugging Face causal-LM directory, or 'induction' (the shipped toy induction "
-                         "decoder); metric: the next-token logit")
+                    help="a causal LM: a local Hugging Face directory, a Hugging Face Hub id, or 'induction' (the "
+                         "shipped toy induction decoder); metric: the next-token logit")
     pa.add_argument("--target", help="target token for --model (default: the clean run's top-1 prediction)")
     pa.add_argument("--nodes", default="residual,attention,heads,mlp",
                     help="comma-separated: residual,attention,heads,mlp,neurons (default: all but neurons)")
@@ -153,9 +211,16 @@ def build_parser() -> argparse.ArgumentParser:
             "pandas.read_parquet(OUT)). Rerunning the same command resumes. Under torchrun each rank "
             "takes every N-th prompt."
         ),
+        epilog=_epilog(
+            ("pyattr run --model induction --data prompts.jsonl --out results",
+             "every prompt's token relevance into results/ (rerun to resume)"),
+            ("torchrun --nproc-per-node 2 -m pyattr run --model ./my-model --data prompts.csv --out results "
+             "--device cuda", "two processes, one GPU each"),
+        ),
     )
     r.add_argument("--model", required=True, type=model_dir,
-                   help="local Hugging Face causal-LM directory (with its tokenizer), or 'induction'")
+                   help="a causal LM: a local Hugging Face directory (with its tokenizer), a Hugging Face Hub id, "
+                        "or 'induction'")
     r.add_argument("--data", required=True, help="prompts: .jsonl (one object per line), .csv or .parquet")
     r.add_argument("--out", required=True, help="results directory (created; an existing run is resumed)")
     r.add_argument("--text-field", default="text", help="the field holding each prompt (default: text)")
@@ -190,6 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
             "Kernel microbenchmarks (native autograd, the unfused rules, and every pyattr backend, "
             "the torch reference included), or the end-to-end relevance run with --e2e. The output "
             "says when the CPU was oversubscribed (timings unreliable)."
+        ),
+        epilog=_epilog(
+            ("pyattr bench --quick", "every kernel on small shapes (under a minute on 2 CPU cores)"),
+            ("pyattr bench --e2e --markdown e2e.md", "the end-to-end relevance run on a random Llama"),
         ),
     )
     b.add_argument("--quick", action="store_true", help="small shapes and few repeats (under a minute on 2 CPU cores)")
@@ -237,21 +306,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class _TorchaoEnumNotice(logging.Filter):
-    """torch 2.14 warns, on every import of torchao 0.18 (which transformers imports while
-    loading any model once torchao is installed), that registering Enum classes as pytree
-    constants is deprecated: two lines of another library's housekeeping at the top of every
-    command's output. Only that message is dropped."""
+    """The notices torchao's import prints (transformers imports torchao while loading any
+    model once it is installed): another library's housekeeping at the top of every
+    command's output. Dropped, and only they:
+
+    * torch 2.14 warns, on every import of torchao 0.18, that registering Enum classes as
+      pytree constants is deprecated;
+    * torchao's ``__init__`` warns that it skips its C++ extensions (a torch older than it
+      wants, or ``TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1``) or that one failed to load (a
+      torch newer than its build): pyattr's own kernels do not use them."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "is an Enum subclass and is now natively supported" not in str(record.msg)
+        msg = str(record.msg)
+        if "is an Enum subclass and is now natively supported" in msg:
+            return False
+        return not (record.name == "torchao" and msg.startswith(("Skipping import of cpp extensions",
+                                                                  "Failed to load")))
 
 
-_PYTREE_LOG = logging.getLogger("torch.utils._pytree")
+# the loggers those notices come from
+_NOTICE_LOGS = (logging.getLogger("torch.utils._pytree"), logging.getLogger("torchao"))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    if not any(isinstance(f, _TorchaoEnumNotice) for f in _PYTREE_LOG.filters):
-        _PYTREE_LOG.addFilter(_TorchaoEnumNotice())
+    for log in _NOTICE_LOGS:
+        if not any(isinstance(f, _TorchaoEnumNotice) for f in log.filters):
+            log.addFilter(_TorchaoEnumNotice())
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # name the command whose arguments they are, as its other errors do
@@ -279,4 +359,4 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
 
 
-__all__ = ["main", "build_parser", "OneLineParser"]
+__all__ = ["main", "build_parser", "OneLineParser", "DOCS"]

@@ -51,10 +51,36 @@ def check_output_path(flag: str, path: str) -> None:
 
 
 def model_dir(value: str) -> str:
-    """``--model``: a directory, or ``induction`` for the shipped toy induction decoder
-    (:mod:`pyattr.toy`) when no directory of that name exists here."""
-    from pyattr.toy import INDUCTION_DIR, INDUCTION_NAME
-
-    if value == INDUCTION_NAME and not Path(value).exists():
-        return str(INDUCTION_DIR)
+    """``--model``: a local directory, a bundled name (``minilm``, ``induction``, ``squares``)
+    or a Hugging Face Hub id, kept as given; :func:`pyattr.hub.resolve` decides which when
+    the command runs (a directory of the same name wins)."""
     return value
+
+
+def is_toy(value) -> bool:
+    """Whether ``--model`` is the bundled toy induction decoder (by name or by its path)."""
+    if value is None:
+        return False
+    from pyattr.hub import ModelLoadError, resolve
+
+    try:
+        return resolve(value).label == "induction (bundled)"
+    except (ModelLoadError, TypeError):
+        return False
+
+
+def check_model(value) -> None:
+    """Raise :class:`UsageError` when ``--model`` names a directory that does not exist
+    (with close matches: "did you mean"), is not a directory or has no config.json: before
+    torch is imported, so that a typo fails in milliseconds. Hub ids are checked when
+    loaded."""
+    if value is None:
+        return
+    from pyattr.hub import ModelLoadError, check_dir, resolve
+
+    try:
+        src = resolve(value)
+        if src.local:
+            check_dir(Path(src.location), src.name)
+    except ModelLoadError as e:
+        raise UsageError(str(e)) from None

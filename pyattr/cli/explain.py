@@ -6,7 +6,7 @@ import contextlib
 import json
 from pathlib import Path
 
-from pyattr.cli._common import UsageError, check_output_path, fail
+from pyattr.cli._common import UsageError, check_model, check_output_path, fail, is_toy
 
 
 def rules_from_args(args):
@@ -21,6 +21,18 @@ def rules_from_args(args):
         attention=attention,
         routing=not args.no_routing_rule,
     )
+
+
+def default_text(model) -> str:
+    """The prompt explained when ``--text`` is not given: the toy decoder's own kind of
+    text for the toy decoder (its vocabulary has no English), else a sentence."""
+    if is_toy(model):
+        from pyattr.apps.generate import DEFAULT_PROMPT
+
+        return DEFAULT_PROMPT
+    from pyattr.apps.explain import DEFAULT_TEXT
+
+    return DEFAULT_TEXT
 
 
 def run(args) -> int:
@@ -41,11 +53,12 @@ def run(args) -> int:
             raise UsageError("--png is the relevance map of --image; give --image FILE")
         if args.png is not None:
             check_output_path("--png", args.png)
+        check_model(args.model)
     except UsageError as e:
         return fail("explain", str(e))
 
     from pyattr.backends import backend as use_backend
-    from pyattr.apps.explain import DEFAULT_PAIR, DEFAULT_TEXT, ExplainError, explain_causal, explain_pair
+    from pyattr.apps.explain import DEFAULT_PAIR, ExplainError, explain_causal, explain_pair
     from pyattr.integration.errors import RelevanceRuleConflictError, RelevanceRuleUnsupportedError
 
     # --backend wins; without it PYATTR_BACKEND (or auto) applies, as in the Python API
@@ -55,15 +68,15 @@ def run(args) -> int:
             if args.image is not None:
                 from pyattr.apps.image import explain_image
 
-                expl = explain_image(Path(args.model), Path(args.image), args.target, rules_from_args(args),
+                expl = explain_image(args.model, Path(args.image), args.target, rules_from_args(args),
                                      png=Path(args.png) if args.png else None, generic=args.generic)
             elif args.model is not None and args.pair is not None:  # any encoder (or decoder) directory
                 expl = explain_pair(args.text if args.text is not None else DEFAULT_PAIR[0], args.pair,
-                                    model_dir=Path(args.model), rules=rules_from_args(args), generic=args.generic)
+                                    model_dir=args.model, rules=rules_from_args(args), generic=args.generic)
             elif args.model is not None:
                 expl = explain_causal(
-                    Path(args.model),
-                    args.text if args.text is not None else DEFAULT_TEXT,
+                    args.model,
+                    args.text if args.text is not None else default_text(args.model),
                     args.target,
                     rules_from_args(args),
                     generic=args.generic,

@@ -6,14 +6,8 @@ import contextlib
 import json
 from pathlib import Path
 
-from pyattr.cli._common import UsageError, check_output_path, fail
+from pyattr.cli._common import UsageError, check_model, check_output_path, fail, is_toy
 from pyattr.cli.explain import rules_from_args
-
-
-def _toy_dir() -> Path:
-    from pyattr.toy import INDUCTION_DIR
-
-    return INDUCTION_DIR.resolve()
 
 
 def run(args) -> int:
@@ -33,8 +27,9 @@ def run(args) -> int:
             raise UsageError(f"--batch-targets must be >= 1, got {args.batch_targets}")
         if args.text is not None and not args.text.strip():
             raise UsageError("--text is empty")
-        if args.text is None and args.model is not None and Path(args.model).resolve() != _toy_dir():
+        if args.text is None and args.model is not None and not is_toy(args.model):
             raise UsageError("--model needs --text (the prompt); only the toy model has a built-in one")
+        check_model(args.model)
     except UsageError as e:
         return fail("generate", str(e))
 
@@ -44,7 +39,7 @@ def run(args) -> int:
     from pyattr.toy import INDUCTION_DIR
 
     scope = use_backend(args.backend) if args.backend else contextlib.nullcontext()
-    model_dir = Path(args.model) if args.model else INDUCTION_DIR
+    model_dir = args.model if args.model else INDUCTION_DIR
     new = args.max_new_tokens if args.continuation is not None or args.max_new_tokens is not None else 8
     try:
         with scope:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pyattr.cli._common import UsageError, check_output_path, fail
+from pyattr.cli._common import UsageError, check_model, check_output_path, fail
 
 NODE_TYPES = ("residual", "attention", "heads", "mlp", "neurons")
 
@@ -34,6 +34,7 @@ def run(args) -> int:
         if args.sample < 1:
             raise UsageError(f"--sample must be >= 1, got {args.sample}")
         nodes = _nodes(args.nodes)
+        check_model(args.model)
     except UsageError as e:
         return fail("patch", str(e))
 
@@ -43,7 +44,7 @@ def run(args) -> int:
 
     methods = METHODS if args.method == "all" else (args.method,)
     try:
-        rep = run_patch(args.clean, args.corrupt, args.pair, Path(args.model) if args.model else None,
+        rep = run_patch(args.clean, args.corrupt, args.pair, args.model,
                         args.target, nodes, methods, args.sample, generic=args.generic)
     except ExplainError as e:
         return fail("patch", str(e))

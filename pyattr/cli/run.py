@@ -9,7 +9,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from pyattr.cli._common import UsageError, fail
+from pyattr.cli._common import UsageError, check_model, fail
 
 _RULE_FIELDS = ("normalization", "activation", "multiplicative_gate", "attention", "routing")
 
@@ -123,6 +123,7 @@ def run(args) -> int:
                 "rank would do so over the same devices: run one process with --device-map, or "
                 "give each rank its own device with --device cuda"
             )
+        check_model(args.model)
     except UsageError as e:
         return fail("run", str(e))
 
@@ -142,7 +143,7 @@ def run(args) -> int:
             return fail("run", f"--device-map / --max-memory name GPU {gpu_indices(placement)[0]!r}, "
                                "but no CUDA device is visible to torch")
         dtype = getattr(torch, args.dtype)
-        tok, model = _load(Path(args.model), causal=True, dtype=dtype, placement=placement)
+        tok, model = _load(args.model, causal=True, dtype=dtype, placement=placement)
         if args.gradient_checkpointing:
             if not getattr(model, "supports_gradient_checkpointing", False):
                 raise ExplainError(f"--gradient-checkpointing: {type(model).__name__} does not support it")
