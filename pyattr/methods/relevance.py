@@ -166,11 +166,10 @@ def relevance(
     pass; both are restored afterwards, also when the call fails. The pass enables
     autograd for itself, so a call under ``torch.no_grad()`` returns the same result.
     Padded rows (``attention_mask``) equal the same row alone: position ids are counted
-    along the mask in the model's own convention (see
-    ``pyattr.methods._core.inputs.padding_positions``), read-outs at position 0 ([CLS]) take each
-    row's first real token (:mod:`pyattr.methods._core.readout`), and on a model whose forward depends
-    on the longest position in the batch (dynamic-NTK RoPE, LongRoPE) rows run in groups
-    of one rotary regime (:mod:`pyattr.methods._core.groups`). A key/value cache in the inputs
+    along the mask in the model's own convention, read-outs at position 0 ([CLS]) take each
+    row's first real token, and on a model whose forward depends on the longest position in
+    the batch (dynamic-NTK RoPE, LongRoPE) rows run in groups of one rotary regime. A
+    key/value cache in the inputs
     (``past_key_values`` / ``cache``, with a mask over cache + new tokens or none) is
     copied for every forward, so the call leaves it unchanged and a second call gives the
     same result.
