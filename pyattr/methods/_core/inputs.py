@@ -455,6 +455,9 @@ def entry_not_reached(model: nn.Module, prep) -> ValueError:
 
 
 def rule_defaults(rules: Optional[RelevanceRules]) -> RelevanceRules:
+    if rules is not None and not isinstance(rules, RelevanceRules):
+        raise TypeError("rules must be a RelevanceRules or one of 'all', 'attnlrp', 'ln', 'none', got "
+                        f"{type(rules).__name__}")
     return RelevanceRules.all() if rules is None else rules
 
 
