@@ -1,11 +1,23 @@
 """Build for pyattr.
 
-Packages: ``pyattr`` and ``kernels/`` shipped as ``pyattr.kernels``. The C++/CUDA
-extension ``pyattr._C`` is built from ``csrc/`` with ``torch.utils.cpp_extension`` and
-ninja (DESIGN §5); install with ``--no-build-isolation`` so it is built against the torch
-that will run it. MANIFEST.in puts every source and header of ``csrc/`` in the sdist.
+Packages: ``pyattr`` and ``kernels/`` shipped as ``pyattr.kernels``; the C++/CUDA sources
+of ``csrc/`` ship in every wheel as ``pyattr/_csrc`` (MANIFEST.in puts them in the sdist).
+
+The extension ``pyattr._C`` is compiled here, with ``torch.utils.cpp_extension`` and
+ninja (DESIGN §5), only when torch is importable while building: ``pip install
+--no-build-isolation`` (``make install`` does that), so that it is built against the torch
+that will run it, and ``_C_build.json`` beside it names that torch. With build isolation
+(a plain ``pip install``) the build environment has no torch, the wheel is pure Python,
+and pyattr compiles the shipped sources against the user's torch on first use
+(``pyattr.backends.build``), which leaves the user's torch in place.
+
+The flags live in ``pyattr/backends/build.py`` (one set for both routes), read here by
+file path so that nothing of pyattr is imported.
 
 Environment:
+  PYATTR_BUILD_EXT       0: never compile here (a pure-Python wheel even with torch);
+                         1: compile, and fail when torch is not importable.
+                         Unset: compile when torch is importable.
   PYATTR_FORCE_CUDA      1: build the CUDA kernels even without a GPU (CI does, so a CUDA
                          compile or link error fails there); 0: never. Unset: only when
                          torch sees a GPU (and nvcc is found).
@@ -14,135 +26,101 @@ Environment:
   PYATTR_CPU_CAPABILITY  AVX2 or DEFAULT caps the CPU vector width
 """
 
-import glob
+import importlib.util
 import os
 import shutil
 import sys
 import time
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py as _build_py
 
 _ROOT = os.path.dirname(os.path.abspath(__file__))
 
+
+def _build_module():
+    spec = importlib.util.spec_from_file_location(
+        "_pyattr_build", os.path.join(_ROOT, "pyattr", "backends", "build.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+B = _build_module()
 packages = find_packages(include=["pyattr", "pyattr.*"]) + ["pyattr.kernels"]
-ext_modules, cmdclass = [], {}
-
-cpu_sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
-
-
-def cpu_flags():
-    """The widest at::vec code path the build machine has (AVX-512, else AVX2/FMA, else
-    the portable one): the extension is built from source on the machine that runs it.
-    PYATTR_CPU_CAPABILITY=AVX2 or DEFAULT caps it."""
-    # at::parallel_for is header code over OpenMP: without -fopenmp it runs on one thread.
-    # The process already holds torch's libgomp.so.1, which the extension then shares.
-    # -ffp-contract=off: no silent FMA contraction, so g - mean(g) of a one-element row is
-    # exactly 0 and results match the reference's rounding.
-    # -g0: Python's CFLAGS add -g, which doubles the compile time of the at::vec-heavy
-    # files (debug info changes no generated code). -Wno-unknown-pragmas: torch's vec
-    # headers use `#pragma unroll`, one warning per header per file under -Wall.
-    flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-g0", "-Wno-unknown-pragmas"]
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
-    except OSError:
-        info = ""
-    level = os.environ.get("PYATTR_CPU_CAPABILITY", "").upper()
-    has = lambda *f: all(f" {x}" in info for x in f)  # noqa: E731
-    if level in ("", "AVX512") and has("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"):
-        flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
-        flags += ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
-    elif level in ("", "AVX2", "AVX512") and has("avx2", "fma"):
-        flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
-    else:
-        flags += ["-DCPU_CAPABILITY=DEFAULT"]
-    return flags
-
-
-def _cuda_home_hint():
-    """Point CUDA_HOME at a full toolkit when `nvcc` on PATH is a wrapper outside it
-    (e.g. /usr/local/bin/nvcc with the toolkit in /usr/local/cuda); torch would otherwise
-    look for libcudart next to the wrapper."""
-    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
-        return
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        return
-    home = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
-    if not os.path.exists(os.path.join(home, "lib64")) and os.path.exists("/usr/local/cuda/lib64"):
-        os.environ["CUDA_HOME"] = "/usr/local/cuda"
-
-
-def _nvidia_include_dirs():
-    """CUDA headers that ship in the nvidia-* wheels torch depends on."""
-    try:
-        import nvidia
-    except ImportError:
-        return []
-    dirs = []
-    for base in getattr(nvidia, "__path__", []):
-        dirs += sorted(glob.glob(os.path.join(base, "cu*", "include")))
-    return dirs
-
-
-def _jobs():
-    """MAX_JOBS, else the cores this process may use (ninja's own default is cores + 2)."""
-    jobs = os.environ.get("MAX_JOBS", "")
-    if not jobs.isdigit() or int(jobs) < 1:
-        try:
-            jobs = str(len(os.sched_getaffinity(0)))
-        except (AttributeError, OSError):
-            jobs = str(os.cpu_count() or 1)
-        os.environ["MAX_JOBS"] = jobs  # read by torch's ninja build
-    return int(jobs)
+ext_modules = []
 
 
 def _say(msg):
     print(f"pyattr build: {msg}", file=sys.stderr, flush=True)
 
 
-def _want_cuda(torch, cuda_sources):
-    """(build the CUDA kernels?, why). PYATTR_FORCE_CUDA=1 forces them (CI: a CUDA compile
-    or link error fails without a GPU), =0 leaves them out; otherwise they are built only
-    when torch sees a GPU, since a machine without one can never run them."""
-    force = os.environ.get("PYATTR_FORCE_CUDA", "")
-    if not cuda_sources:
-        return False, "no CUDA sources"
-    if force == "1":
-        return True, "PYATTR_FORCE_CUDA=1"
-    if force == "0":
-        return False, "PYATTR_FORCE_CUDA=0"
-    if torch.version.cuda is None:
-        return False, f"torch {torch.__version__} is built without CUDA"
-    if not torch.cuda.is_available():
-        return False, "no GPU visible (PYATTR_FORCE_CUDA=1 builds them anyway)"
-    from torch.utils.cpp_extension import CUDA_HOME
+class _BuildPy(_build_py):
+    """Copies csrc/ into the wheel as pyattr/_csrc (every source and header), for the
+    first-use compile. An editable install reads csrc/ of the checkout instead."""
 
-    if CUDA_HOME is None or shutil.which("nvcc") is None:
-        return False, "a GPU is visible but nvcc / CUDA_HOME is not found"
-    return True, "a GPU is visible"
+    def run(self):
+        super().run()
+        if getattr(self, "editable_mode", False):
+            return
+        src = os.path.join(_ROOT, "csrc")
+        dst = os.path.join(self.build_lib, "pyattr", "_csrc")
+        n = 0
+        for d, _, files in os.walk(src):
+            for f in sorted(files):
+                if f.endswith(B.SOURCE_SUFFIXES):
+                    rel = os.path.relpath(os.path.join(d, f), src)
+                    os.makedirs(os.path.dirname(os.path.join(dst, rel)), exist_ok=True)
+                    shutil.copyfile(os.path.join(d, f), os.path.join(dst, rel))
+                    n += 1
+        _say(f"{n} C++/CUDA sources shipped as pyattr/_csrc")
 
 
-if cpu_sources:
-    _cuda_home_hint()
+cmdclass = {"build_py": _BuildPy}
+
+
+def _torch_or_why():
+    """(torch, "") when the extension is compiled here, else (None, why not)."""
+    want = os.environ.get("PYATTR_BUILD_EXT", "").strip()
+    if want == "0":
+        return None, "PYATTR_BUILD_EXT=0"
+    try:
+        import torch
+    except ImportError as e:
+        if want == "1":
+            raise SystemExit(f"pyattr build: PYATTR_BUILD_EXT=1 but torch is not importable ({e}); "
+                             "install torch first and build with --no-build-isolation")
+        return None, ("torch is not importable in the build environment (build isolation); "
+                      "the wheel is pure Python and pyattr compiles pyattr._C against the "
+                      "installed torch on first use")
+    return torch, ""
+
+
+cpu_sources, cuda_sources = B.sources(os.path.join(_ROOT, "csrc"))
+cpu_sources = [os.path.relpath(p, _ROOT) for p in cpu_sources]
+cuda_sources = [os.path.relpath(p, _ROOT) for p in cuda_sources]
+torch, why_not = _torch_or_why() if cpu_sources else (None, "no C++ sources")
+if torch is None:
+    _say(f"pyattr._C is not compiled here: {why_not}")
+
+if torch is not None:
+    B.cuda_home_hint()
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
-    import torch
 
-    cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
-    with_cuda, why = _want_cuda(torch, cuda_sources)
+    with_cuda, why = B.want_cuda(torch, cuda_sources)
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
     if with_cuda:
         ext = CUDAExtension(
             "pyattr._C",
             cpu_sources + cuda_sources,
             define_macros=[("PYATTR_WITH_CUDA", "1")],
-            include_dirs=_nvidia_include_dirs(),
-            extra_compile_args={"cxx": cpu_flags(), "nvcc": ["-O3"]},
+            include_dirs=B.nvidia_include_dirs(),
+            extra_compile_args={"cxx": B.cpu_flags(), "nvcc": ["-O3"]},
             extra_link_args=["-fopenmp"],
         )
     else:
         ext = CppExtension(
-            "pyattr._C", cpu_sources, extra_compile_args={"cxx": cpu_flags()}, extra_link_args=["-fopenmp"]
+            "pyattr._C", cpu_sources, extra_compile_args={"cxx": B.cpu_flags()}, extra_link_args=["-fopenmp"]
         )
     ext_modules = [ext]
 
@@ -156,19 +134,27 @@ if cpu_sources:
                 self.build_temp = os.path.join(_ROOT, "build", "temp-editable")
 
         def build_extensions(self):
-            jobs = _jobs()
+            jobs = B.jobs()
             what = f"{len(cpu_sources)} C++ files"
             if with_cuda:
                 arch = os.environ["TORCH_CUDA_ARCH_LIST"]
                 what += f" + {len(cuda_sources)} CUDA files (arch {arch}; several minutes)"
             _say(f"CUDA kernels {'on' if with_cuda else 'off'}: {why}")
-            _say(f"compiling pyattr._C from {what} with {jobs} parallel job(s) (MAX_JOBS); "
-                 "ninja prints [n/N] as each file finishes and skips files already built")
+            _say(f"compiling pyattr._C from {what} against torch {torch.__version__} with {jobs} "
+                 "parallel job(s) (MAX_JOBS); ninja prints [n/N] as each file finishes and skips "
+                 "files already built")
             t0 = time.monotonic()
             super().build_extensions()
-            _say(f"pyattr._C built in {time.monotonic() - t0:.0f} s")
+            seconds = time.monotonic() - t0
+            # beside the library: the torch it is built against, checked before it is imported
+            where = {os.path.dirname(self.get_ext_fullpath("pyattr._C"))}
+            if self.inplace or getattr(self, "editable_mode", False):  # the library is copied to pyattr/
+                where.add(os.path.join(_ROOT, "pyattr"))
+            for d in where:
+                B.write_info(os.path.join(d, B.INFO_NAME), torch, with_cuda)
+            _say(f"pyattr._C built in {seconds:.0f} s")
 
-    cmdclass = {"build_ext": _BuildExt}
+    cmdclass["build_ext"] = _BuildExt
 
 setup(
     packages=packages,

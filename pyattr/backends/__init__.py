@@ -49,7 +49,10 @@ def _probe_torch() -> BackendStatus:
 
 
 def _probe_extension():
-    """``(pyattr._C or None, why not)``: :func:`pyattr.backends.extension.load`."""
+    """``(pyattr._C or None, why not)``: :func:`pyattr.backends.extension.load`, which
+    takes the pyattr._C built at install when it matches this torch, else compiles the
+    C++ sources on first use into a cache (once per torch version), else prints one
+    line saying why the kernels are off and how to get them."""
     return extension.load()
 
 
@@ -59,7 +62,7 @@ def _probe_cpp() -> BackendStatus:
         return BackendStatus("cpp", False, why)
     if not hasattr(torch.ops.pyattr, "identity_backward"):
         return BackendStatus("cpp", False, "pyattr._C loaded but registers no CPU kernels")
-    return BackendStatus("cpp", True, "pyattr._C CPU kernels", ("cpu",))
+    return BackendStatus("cpp", True, f"pyattr._C CPU kernels ({extension.ORIGIN})", ("cpu",))
 
 
 def _probe_cuda() -> BackendStatus:
