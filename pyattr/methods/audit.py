@@ -39,7 +39,7 @@ def audit(model: nn.Module, inputs, target=None, rules: Optional[RelevanceRules]
         target: one target per row, as for :func:`pyattr.relevance` (a single target:
             k targets are audited one call each). Default: each row's top-1 next token.
         rules (RelevanceRules, optional): default ``RelevanceRules.all()``.
-        attention_mask (Tensor[batch, seq], optional).
+        attention_mask (Tensor[batch, seq], optional): 1 for real tokens, 0 for padding.
         generic (bool | "partial"): as for :func:`pyattr.use_relevance_rules`, without
             its plan check: the audit is how to see what that check would refuse.
         tokenizer (optional): the model's Hugging Face tokenizer, for text inputs, a word
