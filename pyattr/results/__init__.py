@@ -13,10 +13,10 @@ class ResultViews:
     """Views shared by the result classes. ``tokens`` (list of lists of str, one per batch
     row and column; None at padding) is set where the call was given a tokenizer."""
 
-    def _panels(self):
-        from pyattr.results.layouts import panels
+    def _panels(self, limit="default"):
+        from pyattr.results.layouts import MAX_ROWS, panels
 
-        return panels(self)
+        return panels(self, MAX_ROWS if limit == "default" else limit)
 
     def _heading(self) -> str:
         return f"{type(self).__name__}" + (f" · backend {self.backend}" if getattr(self, "backend", None) else "")
@@ -63,11 +63,12 @@ class ResultViews:
         return figure(self._panels(), self._heading())
 
     def to_pandas(self):
-        """Every drawn cell as one row of a long ``pandas.DataFrame``: the panel, its
-        coordinates (position and token; layer and token; step and token; …) and the value."""
+        """Every cell as one row of a long ``pandas.DataFrame``: the panel, its coordinates
+        (position and token; layer and token; step and token; …) and the value. Every batch
+        row is in it, also those the views leave out (they draw the first 8)."""
         from pyattr.results.figure import dataframe
 
-        return dataframe(self._panels())
+        return dataframe(self._panels(None))
 
     def save(self, path) -> str:
         """Write the result to ``path`` (safetensors: tensors, with every other field as

@@ -9,14 +9,14 @@ import math
 import textwrap
 from typing import List
 
-from pyattr.results.panels import Curves, Matrix, Table, Tokens, flat, label, scale
+from pyattr.results.panels import Curves, Matrix, Note, Table, Tokens, flat, is_nan, label, scale
 
 
 def _cmap():
     from matplotlib.colors import LinearSegmentedColormap
 
     cmap = LinearSegmentedColormap.from_list("pyattr", [(0, 0, 1), (1, 1, 1), (1, 0, 0)])
-    return cmap.with_extremes(bad="#cccccc")
+    return cmap.with_extremes(bad="#cccccc", under=(0, 0, 1), over=(1, 0, 0))  # ±inf saturate
 
 
 def figure(panels: List, heading: str):
@@ -25,14 +25,17 @@ def figure(panels: List, heading: str):
         import matplotlib
     except ImportError:
         raise ImportError("plot() draws with matplotlib, which is not installed (pip install matplotlib)") from None
-    if matplotlib.get_backend().lower() not in ("agg",) and not _interactive():
-        matplotlib.use("Agg")
+    del matplotlib  # the figure is built without pyplot: the user's backend is left as it is
     import numpy as np
     from matplotlib.figure import Figure
 
-    panels = [p for p in panels if not isinstance(p, Table)][:12]
+    notes = [p.text for p in panels if isinstance(p, Note)]
+    drawable = [p for p in panels if not isinstance(p, (Table, Note))]
+    panels = drawable[:12]
     if not panels:
         raise ValueError("plot(): this result has nothing to draw (only tables; use to_pandas())")
+    if len(drawable) > len(panels):
+        notes.append(f"the first {len(panels)} of {len(drawable)} panels are drawn; to_pandas() holds them all")
     heights = [max(1.6, 0.35 * len(p.rows) + 1.2) if isinstance(p, Matrix) else 3.0 if isinstance(p, Curves) else 1.6
                for p in panels]
     widths = [max(6.0, 0.5 * len(p.cols) + 2) if isinstance(p, Matrix) else
@@ -40,33 +43,47 @@ def figure(panels: List, heading: str):
               for p in panels]
     fig = Figure(figsize=(min(max(widths), 24), sum(heights) + 0.6), layout="constrained")
     axes = fig.subplots(len(panels), 1, squeeze=False, height_ratios=heights)[:, 0]
-    fig.suptitle(heading)
+    fig.suptitle(_plain("\n".join([heading] + [textwrap.fill(n, 110) for n in notes])), fontsize=10 if notes else None)
     cmap = _cmap()
     for ax, p in zip(axes, panels):
         if isinstance(p, Curves):
             for y, name in zip(p.ys, p.names):
-                ax.plot(p.x, y, color="black" if name == "mean" else None, lw=2 if name == "mean" else 1, label=name)
-            ax.set_xlabel(p.x_name)
-            ax.set_ylabel(p.y_name)
+                ax.plot(p.x, y, color="black" if name == "mean" else None, lw=2 if name == "mean" else 1,
+                        label=_plain(name))
+            ax.set_xlabel(_plain(p.x_name))
+            ax.set_ylabel(_plain(p.y_name))
             ax.legend(fontsize=7)
         else:
             s = scale(flat(p))
             if isinstance(p, Tokens):
                 keep = [i for i, lab in enumerate(p.labels) if lab is not None]
-                data = np.array([[p.values[i] for i in keep]], dtype=float)
-                ticks, yt = [label(p.labels[i]) for i in keep], []
+                cells = [[p.values[i] for i in keep]]
+                ticks, yt = [_plain(label(p.labels[i])) for i in keep], []
             else:
-                data = np.array([[math.nan if v is None else v for v in row] for row in p.values], dtype=float)
-                ticks, yt = [label(c) for c in p.cols], [label(r) for r in p.rows]
-            im = ax.imshow(np.ma.masked_invalid(data), cmap=cmap, vmin=-s, vmax=s, aspect="auto")
+                cells = p.values
+                ticks, yt = [_plain(label(c)) for c in p.cols], [_plain(label(r)) for r in p.rows]
+            data = np.array([[math.nan if v is None else v for v in row] for row in cells], dtype=float)
+            # grey where a cell does not apply (None) or is NaN, the NaN cells labelled; ±inf
+            # take the scale's end colours
+            im = ax.imshow(np.ma.masked_where(np.isnan(data), data), cmap=cmap, vmin=-s, vmax=s, aspect="auto")
+            for i, row in enumerate(cells):
+                for j, v in enumerate(row):
+                    if is_nan(v):
+                        ax.text(j, i, "nan", ha="center", va="center", fontsize=7)
             ax.set_xticks(range(len(ticks)), ticks, rotation=90 if len(ticks) > 6 else 0, fontsize=8)
             ax.set_yticks(range(len(yt)), yt, fontsize=8)
             if isinstance(p, Matrix):
-                ax.set_xlabel(p.col_name)
-                ax.set_ylabel(p.row_name)
-            fig.colorbar(im, ax=ax, label=p.value_name, shrink=0.9)
-        ax.set_title(textwrap.fill(p.title, 100), fontsize=9)
+                ax.set_xlabel(_plain(p.col_name))
+                ax.set_ylabel(_plain(p.row_name))
+            fig.colorbar(im, ax=ax, label=_plain(p.value_name), shrink=0.9)
+        ax.set_title(_plain(textwrap.fill(p.title, 100)), fontsize=9)
     return fig
+
+
+def _plain(s: str) -> str:
+    """Text drawn as written: a ``$`` would start matplotlib's mathtext (a token ``"$$"``
+    failed to draw, ``"$x$"`` was drawn as an italic x)."""
+    return str(s).replace("$", r"\$")
 
 
 def _interactive() -> bool:
@@ -77,7 +94,8 @@ def _interactive() -> bool:
 
 def dataframe(panels: List):
     """Every panel's cells as rows of one long table: ``panel``, then the panel's own
-    coordinates (``position``/``token``, row/column, series/x) and value; NaN cells left out."""
+    coordinates (``position``/``token``, row/column, series/x) and value; cells that do not
+    apply (None: after a generation step) left out, NaN values kept as NaN."""
     try:
         import pandas as pd
     except ImportError:
@@ -89,7 +107,7 @@ def dataframe(panels: List):
             frames.append(pd.DataFrame(rows, columns=["panel", "title", "position", "token", p.value_name]))
         elif isinstance(p, Matrix):
             rows = [(n, p.title, i, r, j, c, v) for i, (r, vals) in enumerate(zip(p.rows, p.values))
-                    for j, (c, v) in enumerate(zip(p.cols, vals)) if v is not None and not math.isnan(v)]
+                    for j, (c, v) in enumerate(zip(p.cols, vals)) if v is not None]
             frames.append(pd.DataFrame(rows, columns=["panel", "title", f"{p.row_name}_index", p.row_name,
                                                       f"{p.col_name}_index", p.col_name, p.value_name]))
         elif isinstance(p, Curves):
@@ -113,6 +131,9 @@ def text(panels: List, heading: str, width: int = 100) -> str:
 
     out = [heading]
     for p in panels:
+        if isinstance(p, Note):
+            out.append(p.text)
+            continue
         out.append("")
         out.append(p.title)
         if isinstance(p, Tokens):
@@ -130,7 +151,7 @@ def text(panels: List, heading: str, width: int = 100) -> str:
             cols = [label(c)[:8] for c in p.cols][:16]
             out.append("  " + " " * 12 + " ".join(f"{c:>8}" for c in cols) + (" …" if len(p.cols) > 16 else ""))
             for r, vals in list(zip(p.rows, p.values))[:24]:
-                cells = " ".join("       ·" if v is None or math.isnan(v) else f"{num(v, '8.2g'):>8}" for v in vals[:16])
+                cells = " ".join("       ·" if v is None else f"{num(v, '8.2g'):>8}" for v in vals[:16])
                 out.append(f"  {label(r)[:12]:>12}" + cells)
         elif isinstance(p, Curves):
             for y, name in zip(p.ys, p.names):

@@ -10,7 +10,7 @@ import hashlib
 from typing import Iterable
 
 from pyattr.apps.render import LEGEND_CSS, _ink, _rgb, legend_html, num
-from pyattr.results.panels import Curves, Matrix, Table, Tokens, flat, label, scale
+from pyattr.results.panels import Curves, Matrix, Note, Table, Tokens, flat, is_nan, label, scale
 
 _CSS = """
 .pyattr-result { font-family: system-ui, sans-serif; font-size: 14px; color: #222; max-width: 100%; }
@@ -22,6 +22,8 @@ _CSS = """
 .pyattr-result table.grid td, .pyattr-result table.grid th { padding: 2px 4px; border: 1px solid #eee;
   text-align: right; white-space: pre; }
 .pyattr-result table.grid th { background: #f6f6f6; font-weight: normal; }
+.pyattr-result .note { margin: 0.4em 0; color: #555; font-style: italic; }
+.pyattr-result .tok.nan, .pyattr-result td.nan { background: #888; color: #fff; }
 .pyattr-result td.na { background: repeating-linear-gradient(45deg, #ddd, #ddd 3px, #f4f4f4 3px, #f4f4f4 6px); }
 .pyattr-result table.plain { border-collapse: collapse; font: 12px monospace; }
 .pyattr-result table.plain td, .pyattr-result table.plain th { padding: 2px 8px; border-bottom: 1px solid #eee;
@@ -44,6 +46,9 @@ def _tokens(p: Tokens, ids: str) -> str:
         if lab is None:
             continue
         tip = html.escape(f"position {i} · {lab!r} · {p.value_name} {num(v, '+.4g')}", quote=True)
+        if is_nan(v):  # the result's own NaN: grey, never a colour of the scale
+            spans.append(f'<span class="tok nan" title="{tip}">{html.escape(label(lab))}</span>')
+            continue
         spans.append(f'<span class="tok" style="{_cell_style(v, s)}" title="{tip}">{html.escape(label(lab))}</span>')
     return f"<h4>{html.escape(p.title)}</h4><div>{''.join(spans)}</div>{_legend(s, p.value_name, ids)}"
 
@@ -55,8 +60,12 @@ def _matrix(p: Matrix, ids: str) -> str:
     for r, row in zip(p.rows, p.values):
         cells = []
         for c, v in zip(p.cols, row):
-            if v is None or math.isnan(v):
+            if v is None:
                 cells.append(f'<td class="na" title="{html.escape(f"{r} · {c}: not applicable", quote=True)}"></td>')
+                continue
+            if is_nan(v):
+                tip = html.escape(f"{p.row_name} {r} · {p.col_name} {label(c)!r} · {p.value_name} nan", quote=True)
+                cells.append(f'<td class="nan" title="{tip}">nan</td>')
                 continue
             tip = html.escape(f"{p.row_name} {r} · {p.col_name} {label(c)!r} · {p.value_name} {num(v, '+.4g')}",
                               quote=True)
@@ -73,7 +82,7 @@ _COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#
 def _curves(p: Curves, width: int = 420, height: int = 240) -> str:
     xs = [float(x) for x in p.x]
     ys = [[float(v) for v in y] for y in p.ys]
-    vals = [v for y in ys for v in y if not math.isnan(v)]
+    vals = [v for y in ys for v in y if math.isfinite(v)]  # NaN / inf points are left out of the lines
     lo, hi = (min(vals), max(vals)) if vals else (0.0, 1.0)
     if hi == lo:
         lo, hi = lo - 1, hi + 1
@@ -87,11 +96,11 @@ def _curves(p: Curves, width: int = 420, height: int = 240) -> str:
     lines = []
     for i, (y, name) in enumerate(zip(ys, p.names)):
         colour = "#000" if name == "mean" else _COLOURS[i % len(_COLOURS)]
-        pts = " ".join(f"{a:.1f},{b:.1f}" for a, b in (px(x, v) for x, v in zip(xs, y) if not math.isnan(v)))
+        pts = " ".join(f"{a:.1f},{b:.1f}" for a, b in (px(x, v) for x, v in zip(xs, y) if math.isfinite(v)))
         lines.append(f'<polyline fill="none" stroke="{colour}" stroke-width="{2 if name == "mean" else 1.2}" '
                      f'points="{pts}"><title>{html.escape(name)}</title></polyline>')
         for x, v in zip(xs, y):
-            if not math.isnan(v):
+            if math.isfinite(v):
                 a, b = px(x, v)
                 tip = html.escape(f"{name}: {p.x_name} {num(x, '.3g')}, {p.y_name} {num(v, '.4g')}")
                 lines.append(f'<circle cx="{a:.1f}" cy="{b:.1f}" r="2.5" fill="{colour}"><title>{tip}</title></circle>')
@@ -104,8 +113,12 @@ def _curves(p: Curves, width: int = 420, height: int = 240) -> str:
             f'<text x="{m - 4}" y="{height - m}" text-anchor="end" font-size="10">{num(lo, ".3g")}</text>'
             f'<text x="{m}" y="{height - m + 14}" text-anchor="middle" font-size="10">{num(x0, ".3g")}</text>'
             f'<text x="{width - m}" y="{height - m + 14}" text-anchor="middle" font-size="10">{num(x1, ".3g")}</text>')
+    def named(n, y):
+        bad = [num(v, "g") for v in y if not math.isfinite(v)]
+        return n + (f" ({len(bad)} points not drawn: {', '.join(sorted(set(bad)))})" if bad else "")
+
     key = " ".join(f'<span style="color:{"#000" if n == "mean" else _COLOURS[i % len(_COLOURS)]}">■ '
-                   f'{html.escape(n)}</span>' for i, n in enumerate(p.names))
+                   f'{html.escape(named(n, y))}</span>' for i, (n, y) in enumerate(zip(p.names, ys)))
     return (f"<h4>{html.escape(p.title)}</h4><svg width='{width}' height='{height}' role='img'>{axes}{''.join(lines)}"
             f"</svg><div>{key}</div>")
 
@@ -129,10 +142,13 @@ def render(panels: Iterable, heading: str, notes: Iterable[str] = ()) -> str:
     panels = list(panels)
     # element ids unique per view (several results on one notebook page) and the same for
     # the same result (a saved and reloaded result renders identically)
-    key = hashlib.sha1("\x00".join([heading] + [p.title for p in panels]).encode()).hexdigest()[:10]
+    key = hashlib.sha1("\x00".join([heading] + [getattr(p, "title", None) or getattr(p, "text", "")
+                                                 for p in panels]).encode()).hexdigest()[:10]
     parts = []
     for i, p in enumerate(panels):
-        if isinstance(p, Tokens):
+        if isinstance(p, Note):
+            parts.append(f"<div class='note'>{html.escape(p.text)}</div>")
+        elif isinstance(p, Tokens):
             parts.append(_tokens(p, f"pyattr-{key}-{i}"))
         elif isinstance(p, Matrix):
             parts.append(_matrix(p, f"pyattr-{key}-{i}"))

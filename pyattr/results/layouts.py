@@ -1,6 +1,7 @@
 """How each result lays itself out as panels (:mod:`pyattr.results.panels`): one function
 per result class, chosen by class name. At most :data:`MAX_ROWS` batch rows (and target
-sets) are drawn; ``to_pandas()`` and the tensors hold every row."""
+sets) are drawn, and the view says so (a :class:`~pyattr.results.panels.Note`); ``to_pandas()``
+lays out every row (``panels(result, None)``), as the tensors hold them."""
 
 from __future__ import annotations
 
@@ -10,9 +11,20 @@ from typing import List, Optional
 import torch
 
 from pyattr.apps.render import num
-from pyattr.results.panels import Curves, Matrix, Table, Tokens
+from pyattr.results.panels import Curves, Matrix, Note, Table, Tokens
 
 MAX_ROWS = 8
+
+
+def _left_out(shown: int, total: int, what: str = "rows") -> List:
+    """A note where the view draws fewer than all: ``[]`` otherwise."""
+    if shown >= total:
+        return []
+    return [Note(f"the first {shown} of {total} {what} are drawn; to_pandas() and the tensors hold all {total}")]
+
+
+def _take(items: list, limit: Optional[int]) -> list:
+    return items if limit is None else items[:limit]
 
 
 def _labels(result, row: int, seq: int) -> List[Optional[str]]:
@@ -48,12 +60,17 @@ def _rows_k(values: torch.Tensor, base_dim: int):
     """``(k or None, row)`` pairs of a per-token tensor with ``base_dim`` dims (k leading)."""
     ks = [None] if values.dim() == base_dim else list(range(values.shape[0]))
     batch = values.shape[-base_dim]
-    return [(k, r) for k in ks for r in range(batch)][:MAX_ROWS]
+    return [(k, r) for k in ks for r in range(batch)]
 
 
-def _token_panels(result, values: torch.Tensor, name: str, delta_name: str, delta) -> List:
+def _what(values: torch.Tensor, base_dim: int) -> str:
+    return "rows" if values.dim() == base_dim else "(target set, row) pairs"
+
+
+def _token_panels(result, values: torch.Tensor, name: str, delta_name: str, delta, limit) -> List:
     panels = []
-    for k, r in _rows_k(values, 2):
+    pairs = _rows_k(values, 2)
+    for k, r in _take(pairs, limit):
         v = values[k] if k is not None else values
         v = v[r].double().tolist()
         target = _value(result.target, k, r)
@@ -62,33 +79,35 @@ def _token_panels(result, values: torch.Tensor, name: str, delta_name: str, delt
             f" · target{_target_word(result, k, r)} = {num(target, '.4g')} · Σ {name} = {num(sum(v), '.4g')}" + \
             (f" · {delta_name} {num(d, '.3g')}" if d is not None else "")
         panels.append(Tokens(title, _labels(result, r, len(v)), v, name))
-    return panels
+    return _left_out(len(panels), len(pairs), _what(values, 2)) + panels
 
 
-def relevance(result) -> List:
+def relevance(result, limit=MAX_ROWS) -> List:
     if result.patch_grid is not None:
         grid = result.patch_relevance()
         out = []
-        for k, r in _rows_k(grid, 3):
+        pairs = _rows_k(grid, 3)
+        for k, r in _take(pairs, limit):
             g = (grid[k] if k is not None else grid)[r].double()
             out.append(Matrix(f"row {r} · image patches (the [CLS] token left out) · target"
                               f"{_target_word(result, k, r)} = {num(_value(result.target, k, r), '.4g')}",
                               [str(i) for i in range(g.shape[0])], [str(j) for j in range(g.shape[1])], g.tolist(),
                               "patch row", "patch column"))
-        return out
-    return _token_panels(result, result.token_relevance, "relevance", "conservation delta", result.conservation_delta)
+        return _left_out(len(out), len(pairs), _what(grid, 3)) + out
+    return _token_panels(result, result.token_relevance, "relevance", "conservation delta", result.conservation_delta,
+                         limit)
 
 
-def attribution(result) -> List:
+def attribution(result, limit=MAX_ROWS) -> List:
     if result.token_attribution is not None:
         return _token_panels(result, result.token_attribution, "attribution", "convergence delta",
-                             result.convergence_delta)
+                             result.convergence_delta, limit)
     a = result.attribution
     return [Table("attribution (not per token: see .attribution)", ["shape", "sum"],
                   [[str(tuple(a.shape)), float(a.double().sum())]])]
 
 
-def layer_relevance(result) -> List:
+def layer_relevance(result, limit=MAX_ROWS) -> List:
     panels = []
     first = next(iter(result.layers.values()), None)
     if first is None:
@@ -97,10 +116,11 @@ def layer_relevance(result) -> List:
     base = rel0.dim() - (1 if result.target.dim() > 1 else 0)
     ks = [None] if result.target.dim() <= 1 else list(range(result.target.shape[0]))
     batch = rel0.shape[1 if ks[0] is not None else 0]
+    total = len(ks) * batch
     for k in ks:
         for r in range(batch):
-            if len(panels) >= MAX_ROWS:
-                return panels
+            if limit is not None and len(panels) >= limit:
+                return _left_out(len(panels), total, "rows" if ks[0] is None else "(target set, row) pairs") + panels
             rows, vals = [], []
             seq = None
             for path in result.paths:
@@ -121,10 +141,11 @@ def layer_relevance(result) -> List:
     return panels
 
 
-def generation(result) -> List:
+def generation(result, limit=MAX_ROWS) -> List:
     panels = []
     width = result.prompt_width
-    for r in range(min(result.sequences.shape[0], MAX_ROWS)):
+    batch = result.sequences.shape[0]
+    for r in _take(list(range(batch)), limit):
         labels = _labels(result, r, result.sequences.shape[1])
         real = result.attention_mask[r].bool().tolist()
         cols = [j for j in range(len(labels)) if real[j]]
@@ -134,20 +155,23 @@ def generation(result) -> List:
                 continue
             own = width + t
             rel = result.token_relevance[r, t].double().tolist()
-            vals.append([rel[j] if j < own else math.nan for j in cols])
+            vals.append([rel[j] if j < own else None for j in cols])  # None: not in the step's context
             rows.append(f"{t}: {labels[own] if labels[own] is not None else ''}")
         panels.append(Matrix(f"row {r} · each generated token (rows) over its context (columns; cells after "
                              f"the step are not in its context) · target {result.target_kind}",
                              rows, [labels[j] for j in cols], vals, "step", "token"))
-    return panels
+    return _left_out(len(panels), batch) + panels
 
 
-def patching(result) -> List:
-    panels = []
+def patching(result, limit=MAX_ROWS) -> List:
+    panels, notes = [], []
     labels = getattr(result, "tokens", None)
+    per_node = None if limit is None else (limit if len(result.effects) == 1 else min(limit, 2))
     for node, eff in result.effects.items():
         names = result.dims[node]
-        for r in range(min(eff.shape[0], MAX_ROWS if len(result.effects) == 1 else 2)):
+        rows = _take(list(range(eff.shape[0])), per_node)
+        notes += [Note(f"{node}: {n.text}") for n in _left_out(len(rows), eff.shape[0])]
+        for r in rows:
             e = eff[r].double()
             if "position" in names and ("head" in names or "neuron" in names):
                 e = torch.nansum(e, dim=1)
@@ -166,26 +190,41 @@ def patching(result) -> List:
             else:
                 e = e[:, None]
                 cols_name, cols, what = "effect", [node], ""
-            if e.shape[1] > 512:
-                continue  # too wide to draw (neurons): to_pandas and the tensor hold it
+            if e.shape[1] > 512 and limit is not None:
+                if r == rows[0]:
+                    notes.append(Note(f"{node}: {e.shape[1]} {cols_name} columns, too many to draw; to_pandas() and "
+                                      f".effects[{node!r}] hold them"))
+                continue
             panels.append(Matrix(f"row {r} · {node} ({result.method}) {what} · clean metric "
                                  f"{num(float(result.clean_metric[r]), '.4g')}, corrupt "
                                  f"{num(float(result.corrupt_metric[r]), '.4g')}",
-                                 [str(i) for i in range(e.shape[0])], cols, e.tolist(), "layer", cols_name, "effect"))
-    return panels
+                                 [str(i) for i in range(e.shape[0])], cols, _cells(e, node in result.sampled),
+                                 "layer", cols_name, "effect"))
+    return notes + panels
 
 
-def perturbation(result) -> List:
-    ys = [row.tolist() for row in result.values[:MAX_ROWS]]
-    names = [f"row {i} (AUC {num(float(a), '.4g')})" for i, a in enumerate(result.auc[:MAX_ROWS])]
-    if result.values.shape[0] > 1:
+def _cells(e: torch.Tensor, sampled: bool) -> list:
+    """A matrix's values; in a sampled node's effects NaN marks the nodes not patched
+    (not applicable: None), elsewhere a NaN is the result's own and stays NaN."""
+    rows = e.tolist()
+    if not sampled:
+        return rows
+    return [[None if isinstance(v, float) and math.isnan(v) else v for v in row] for row in rows]
+
+
+def perturbation(result, limit=MAX_ROWS) -> List:
+    n = result.values.shape[0]
+    shown = n if limit is None else min(n, limit)
+    ys = [row.tolist() for row in result.values[:shown]]
+    names = [f"row {i} (AUC {num(float(a), '.4g')})" for i, a in enumerate(result.auc[:shown])]
+    if n > 1:
         ys.append(result.values.mean(0).tolist())
-        names.append("mean")
-    return [Curves(f"{result.order} ({result.perturbation})", result.fractions.tolist(), ys, names,
+        names.append("mean")  # over every row, drawn or not
+    return _left_out(shown, n) + [Curves(f"{result.order} ({result.perturbation})", result.fractions.tolist(), ys, names,
                    "fraction perturbed" if result.order != "insertion" else "fraction restored", "target")]
 
 
-def captured(result) -> List:
+def captured(result, limit=MAX_ROWS) -> List:
     rows = []
     for i, out in enumerate(result.outputs):
         t = out if isinstance(out, torch.Tensor) else None
@@ -198,20 +237,21 @@ def captured(result) -> List:
     grad = result.grad
     if grad is not None and grad.dim() == 3 and grad.is_floating_point():
         norms = grad.double().norm(dim=-1)
-        for r in range(min(norms.shape[0], MAX_ROWS)):
+        out += _left_out(len(_take(list(range(norms.shape[0])), limit)), norms.shape[0])
+        for r in _take(list(range(norms.shape[0])), limit):
             out.append(Tokens(f"{result.path} · row {r} · norm of the latest gradient per position",
                               [f"#{i}" for i in range(norms.shape[1])], norms[r].tolist(), "gradient norm"))
     return out
 
 
-def gradient_capture(result) -> List:
+def gradient_capture(result, limit=MAX_ROWS) -> List:
     out = []
     for path in result.paths:
-        out.extend(captured(result[path]))
+        out.extend(captured(result[path], limit))
     return out
 
 
-def audit(result) -> List:
+def audit(result, limit=MAX_ROWS) -> List:
     rows = [[m.path, m.cls, m.calls, m.relevance_in, m.relevance_out, m.bias_relevance, m.own_gap,
              "leak" if m.leak else ""] for m in result.modules]
     return [Table(f"per-module conservation audit · target {num(float(result.target), '.4g')} · "
@@ -232,5 +272,7 @@ LAYOUTS = {
 }
 
 
-def panels(result) -> List:
-    return LAYOUTS[type(result).__name__](result)
+def panels(result, limit: Optional[int] = MAX_ROWS) -> List:
+    """The result's panels: at most ``limit`` batch rows (with a note saying how many are
+    left out); ``limit=None``: every row, every panel (``to_pandas()``)."""
+    return LAYOUTS[type(result).__name__](result, limit)

@@ -2,11 +2,13 @@
 panels (a token heatmap, a matrix, curves, a table), and one renderer per medium (HTML
 for notebooks, matplotlib for ``plot()``, text for the terminal, a DataFrame for
 ``to_pandas()``) draws every panel kind. A cell that does not apply (a context position
-after the step it would explain, padding) is NaN: drawn grey, left out of tables."""
+after the step it would explain, padding) is None: drawn hatched, left out of tables; a
+value that is NaN is the result's own (a NaN relevance) and is drawn and listed as NaN."""
 
 from __future__ import annotations
 
 import math
+import unicodedata
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
@@ -55,12 +57,26 @@ class Table:
     rows: List[list] = field(default_factory=list)
 
 
+@dataclass
+class Note:
+    """A line of text about the view (what it leaves out: rows past the first few, panels too
+    wide to draw); drawn above the panels, not a table row."""
+
+    text: str
+
+
 def finite(values: Sequence[float]) -> List[float]:
-    return [v for v in values if v is not None and not math.isnan(v)]
+    return [v for v in values if v is not None and math.isfinite(v)]
+
+
+def is_nan(v) -> bool:
+    """A value that is NaN (not None: None is a cell that does not apply)."""
+    return isinstance(v, float) and math.isnan(v)
 
 
 def scale(values: Sequence[float]) -> float:
-    """The colour scale's end: the largest |value| (1 where every value is 0)."""
+    """The colour scale's end: the largest finite |value| (1 where every value is 0 or
+    none is finite; ±inf then saturate the colour, NaN is drawn apart)."""
     m = max((abs(v) for v in finite(values)), default=0.0)
     return m if m > 0 else 1.0
 
@@ -73,11 +89,30 @@ def flat(panel) -> List[float]:
     return []
 
 
+_SHOWN = {"\n": "⏎", "\t": "⇥", "\r": "␍"}
+#: bidirectional controls: they would reorder the text drawn after them (escaped everywhere)
+_BIDI = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069\u200e\u200f\u061c")
+
+
+def _char(ch: str) -> str:
+    if ch in _SHOWN:
+        return _SHOWN[ch]
+    if unicodedata.category(ch) == "Cc" or ch in _BIDI:  # control characters (a terminal's escape codes)
+        return f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}"
+    return ch
+
+
 def label(text: Optional[str]) -> str:
-    """A token string for display: whitespace made visible where it is the whole token."""
+    """A token string for display: line breaks, tabs and control characters always visible
+    (``⏎``, ``⇥``, ``␍``, ``\\x1b``: never a terminal escape sequence or a carriage return
+    that overwrites the line), bidirectional controls escaped; a token of whitespace or
+    zero-width characters only shown by symbols (``␣`` for each space of any width,
+    ``\\u200b`` for a zero-width one)."""
     if text is None:
         return ""
     if text == "":
         return "∅"
-    shown = text.replace("\n", "⏎").replace("\t", "⇥")
-    return shown if shown.strip() else shown.replace(" ", "␣")
+    shown = "".join(_char(ch) for ch in text)
+    if any(not (ch.isspace() or unicodedata.category(ch) == "Cf") for ch in shown):
+        return shown
+    return "".join("␣" if ch.isspace() else f"\\u{ord(ch):04x}" for ch in shown)

@@ -11,7 +11,7 @@ import importlib
 import json
 import math
 import os
-from dataclasses import fields, is_dataclass
+from dataclasses import MISSING, fields, is_dataclass
 from typing import Any, Dict
 
 import torch
@@ -78,9 +78,12 @@ def save(result, path) -> str:
     missing) and return the path written."""
     from safetensors.torch import save_file
 
-    path = os.fspath(path)
-    if not path.endswith(".safetensors"):
-        path += ".safetensors"
+    given = os.path.expanduser(os.fspath(path))
+    if os.path.isdir(given):
+        raise ValueError(f"save(): {given!r} is a directory; pass a file path (e.g. {os.path.join(given, 'result')!r})")
+    path = given if given.endswith(".safetensors") else given + ".safetensors"
+    if os.path.isdir(path):
+        raise ValueError(f"save(): {path!r} is a directory; pass a file path")
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise ValueError(f"save(): directory {parent!r} does not exist")
@@ -92,8 +95,16 @@ def save(result, path) -> str:
 
 def _loadable(name: str):
     if name not in LOADABLE:
-        raise ValueError(f"load(): the file asks for class {name!r}, which is not a pyattr result type")
+        raise _Refused(f"load(): the file asks for class {name!r}, which is not a pyattr result type")
     return name.split(":")
+
+
+class _Malformed(ValueError):
+    """A file whose metadata does not describe what ``save()`` writes."""
+
+
+class _Refused(ValueError):
+    """A file that asks for what :func:`load` does not build (its message is the whole error)."""
 
 
 def _decode(v, tensors):
@@ -102,7 +113,10 @@ def _decode(v, tensors):
     if not isinstance(v, dict):
         return v
     if "__tensor__" in v:
-        return tensors[v["__tensor__"]]
+        key = v["__tensor__"]
+        if not isinstance(key, str) or key not in tensors:
+            raise _Malformed(f"its metadata refers to tensor {key!r}, which the file does not hold")
+        return tensors[key]
     if "__tuple__" in v:
         return tuple(_decode(x, tensors) for x in v["__tuple__"])
     if "__dict__" in v:
@@ -117,13 +131,21 @@ def _decode(v, tensors):
         module, cls = _loadable(name)
         kind = getattr(importlib.import_module(module), cls)
         values = {k: _decode(x, tensors) for k, x in v["fields"].items()}
+        declared = {f.name for f in fields(kind)}
+        unknown = sorted(set(values) - declared)
+        if unknown:  # only the class's own fields: a file cannot set other attributes (methods)
+            raise _Malformed(f"it gives {cls} fields it does not have: {unknown}")
         known = {f.name for f in fields(kind) if f.init}
+        missing = sorted(f.name for f in fields(kind) if f.init and f.name not in values
+                         and f.default is MISSING and f.default_factory is MISSING)
+        if missing:
+            raise _Malformed(f"it lacks fields of {cls}: {missing}")
         obj = kind(**{k: x for k, x in values.items() if k in known})
         for k, x in values.items():  # fields that are not constructor arguments
             if k not in known:
                 object.__setattr__(obj, k, x)
         return obj
-    raise ValueError("load(): malformed file (an object without a known tag)")
+    raise _Refused("load(): malformed file (an object without a known tag)")
 
 
 def load(path):
@@ -135,7 +157,7 @@ def load(path):
     """
     from safetensors import safe_open
 
-    path = os.fspath(path)
+    path = os.path.expanduser(os.fspath(path))
     if not os.path.exists(path) and os.path.exists(path + ".safetensors"):
         path += ".safetensors"
     if not os.path.isfile(path):
@@ -147,5 +169,24 @@ def load(path):
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
         raise ValueError(f"load(): {path!r} is not a safetensors file ({type(e).__name__}: {e})") from None
     if meta.get("format") != FORMAT or "pyattr" not in meta:
-        raise ValueError(f"load(): {path!r} is a safetensors file but not a pyattr result (save() writes those)")
-    return _decode(json.loads(meta["pyattr"]), tensors)
+        found = meta.get("format")
+        other = f" (its format is {found!r}; this pyattr reads {FORMAT!r})" if str(found).startswith("pyattr-result") \
+            else ""
+        raise ValueError(f"load(): {path!r} is a safetensors file but not a pyattr result (save() writes those){other}")
+    try:
+        doc = json.loads(meta["pyattr"])
+    except ValueError as e:
+        raise ValueError(f"load(): {path!r}: its pyattr metadata is not valid JSON ({e}); the file was changed after "
+                         "save()") from None
+    if not isinstance(doc, dict) or not ("__dataclass__" in doc or "__state__" in doc):
+        raise ValueError(f"load(): {path!r}: its pyattr metadata holds no result object; the file was changed after "
+                         "save()")
+    try:
+        return _decode(doc, tensors)
+    except _Malformed as e:
+        raise ValueError(f"load(): {path!r}: {e}; the file was changed after save()") from None
+    except _Refused:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+        raise ValueError(f"load(): {path!r}: malformed pyattr metadata ({type(e).__name__}: {e}); the file was "
+                         "changed after save()") from None

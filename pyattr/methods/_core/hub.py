@@ -31,6 +31,13 @@ def bundled(name: str):
     return None
 
 
+def _path_like(text: str) -> bool:
+    """Whether ``text`` can only be a file-system path: a hub id is ``name`` or ``org/name``
+    (no leading ``/``, ``.`` or ``~``, no backslash, at most one ``/``)."""
+    return (text.startswith(("/", "./", "../", "~", ".\\", "..\\")) or text in (".", "..") or "\\" in text
+            or text.count("/") > 1 or os.path.isabs(text))
+
+
 def _model_class(config):
     import transformers
 
@@ -54,8 +61,26 @@ def load_named(name, caller: str = "pyattr") -> Tuple[nn.Module, object]:
         from transformers import AutoConfig, AutoTokenizer
     except ImportError:
         raise ValueError(f"{caller}(): a model given by name needs transformers (pip install 'pyattr[hf]')") from None
+    if not isinstance(name, (str, os.PathLike)):
+        raise TypeError(f"model must be a loaded model, a hub id, a directory or a bundled name, got "
+                        f"{type(name).__name__}")
     text = os.fspath(name)
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    if not text.strip():
+        raise ValueError("model: an empty name; pass a loaded model, a hub id ('org/name'), a directory or a "
+                         "bundled name ('minilm', 'induction', 'squares')")
     path = bundled(text)
+    if path is None and (isinstance(name, os.PathLike) or _path_like(text)):
+        # a path, not a hub id ('name' or 'org/name'): it is read from disk, the hub is not tried
+        where = Path(os.path.expanduser(text))
+        if where.is_file():
+            raise ValueError(f"model: {text!r} is a file; pass the directory that holds the model (config.json and "
+                             "the weights)")
+        if not where.is_dir():
+            raise ValueError(f"model: directory {text!r} does not exist (a path, so the Hugging Face hub was not "
+                             "tried)")
+        text = str(where)
     local = path is not None or Path(text).is_dir()
     source = str(path) if path is not None else text
     if local and not (Path(source) / "config.json").is_file():
@@ -64,6 +89,10 @@ def load_named(name, caller: str = "pyattr") -> Tuple[nn.Module, object]:
     try:
         config = AutoConfig.from_pretrained(source, local_files_only=local)
     except (OSError, ValueError) as e:
+        if local:
+            why = " ".join(str(e).split())[:300]
+            raise ValueError(f"model: directory {source!r}: its config.json could not be read ({type(e).__name__}: "
+                             f"{why})") from None
         offline = os.environ.get("HF_HUB_OFFLINE") == "1" or "offline" in str(e).lower() or \
             "connect" in str(e).lower() or "resolve" in str(e).lower()
         why = " ".join(str(e).split())[:300]

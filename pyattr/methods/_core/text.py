@@ -27,10 +27,12 @@ def rules_from(rules, name: str = "rules") -> Optional[RelevanceRules]:
     attention), ``"attnlrp"`` (the four rules, AttnLRP attention), ``"ln"`` (the LN-rule
     alone), ``"none"`` (every rule off: plain gradient × input).
 
+    Anything else is returned as given, for the method to check (:func:`pyattr.methods._core.inputs.rule_defaults`).
+
     Raises:
-        ValueError: an unknown shorthand. TypeError: neither a string nor RelevanceRules.
+        ValueError: an unknown shorthand.
     """
-    if rules is None or isinstance(rules, RelevanceRules):
+    if not isinstance(rules, str):  # RelevanceRules, None, or what the method itself refuses
         return rules
     if isinstance(rules, str):
         key = rules.strip().lower()
@@ -44,8 +46,6 @@ def rules_from(rules, name: str = "rules") -> Optional[RelevanceRules]:
             return RelevanceRules()
         raise ValueError(f"{name}: expected a RelevanceRules or one of {', '.join(map(repr, RULE_SHORTHANDS))}, "
                          f"got {rules!r}")
-    raise TypeError(f"{name} must be a RelevanceRules or one of {', '.join(map(repr, RULE_SHORTHANDS))}, "
-                    f"got {type(rules).__name__}")
 
 
 def is_text(inputs) -> bool:
@@ -66,13 +66,14 @@ def _causal(model: nn.Module) -> bool:
     return gen and not getattr(cfg, "is_encoder_decoder", False)
 
 
-def encode(tokenizer, texts: Sequence[str], model: nn.Module, caller: str, *, left: Optional[bool] = None) -> dict:
+def encode(tokenizer, texts: Sequence[str], model: nn.Module, caller: str, *, left: Optional[bool] = None,
+           name: str = "inputs") -> dict:
     """``{"input_ids", "attention_mask"}`` of ``texts``: the tokenizer's ids of each text;
     for a causal LM without the end-of-text markers the tokenizer appends (a prompt whose
     next token is explained, :func:`pyattr.apps.tokens.prompt_ids`). Rows of different
     lengths are padded on the tokenizer's ``padding_side`` (``left`` overrides it: a
     prompt to generate from is left-padded); the pad id is the tokenizer's, else its
-    end-of-text id, else 0 (masked out either way)."""
+    end-of-text id, else 0 (masked out either way). Errors name the argument ``name``."""
     from pyattr.apps.tokens import _encode
 
     if tokenizer is None:
@@ -81,7 +82,7 @@ def encode(tokenizer, texts: Sequence[str], model: nn.Module, caller: str, *, le
     rows = []
     for i, text in enumerate(texts):
         if not text.strip():
-            raise ValueError(f"inputs: text {i} is empty")
+            raise ValueError(f"{name}: text {i} is empty")
         if causal:
             from pyattr.apps.tokens import prompt_ids
 
@@ -89,8 +90,9 @@ def encode(tokenizer, texts: Sequence[str], model: nn.Module, caller: str, *, le
         else:
             ids = _encode(tokenizer, text)[0]
         if not ids:
-            raise ValueError(f"inputs: text {i} has no tokens after tokenisation")
+            raise ValueError(f"{name}: text {i} has no tokens after tokenisation")
         rows.append([int(t) for t in ids])
+    _check_vocabulary(model, tokenizer, rows, name)
     width = max(len(r) for r in rows)
     pad = getattr(tokenizer, "pad_token_id", None)
     if pad is None:
@@ -104,6 +106,26 @@ def encode(tokenizer, texts: Sequence[str], model: nn.Module, caller: str, *, le
         ids[i, sl] = torch.tensor(r, dtype=torch.long)
         mask[i, sl] = 1
     return {"input_ids": ids, "attention_mask": mask}
+
+
+def _embedding_rows(model: nn.Module) -> Optional[int]:
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        emb = get() if callable(get) else None
+    except (NotImplementedError, AttributeError):
+        emb = None
+    rows = getattr(emb, "num_embeddings", None)
+    return rows if isinstance(rows, int) else None
+
+
+def _check_vocabulary(model: nn.Module, tokenizer, rows: List[List[int]], name: str) -> None:
+    """A text's ids must be rows of the model's input embedding: an id past them means the
+    tokenizer is not the model's (read as ids, the text would name other tokens)."""
+    n = _embedding_rows(model)
+    top = max((max(r) for r in rows if r), default=-1)
+    if n is not None and top >= n:
+        raise ValueError(f"{name}: the tokenizer reads the text as ids up to {top}, but {type(model).__name__}'s input "
+                         f"embedding has {n} rows (ids 0..{n - 1}); is tokenizer= this model's tokenizer?")
 
 
 def _row_texts(tokenizer, ids: torch.Tensor, mask: Optional[torch.Tensor]) -> List[str]:
@@ -148,6 +170,8 @@ def word_target(model: nn.Module, tokenizer, word: str, texts: List[str], name: 
     if tokenizer is None:
         raise TypeError(f"{name} must be None, a token id, a list of ids, a word (with tokenizer=), a target object or "
                         f"a callable, got str {word!r} without a tokenizer")
+    if not word.strip():
+        raise ValueError(f"{name}: the word is empty ({word!r}); a word target names a token, e.g. {name}='Paris'")
     ids = []
     for text in texts:
         tid = target_token_id(tokenizer, word, vocab, text=text)
@@ -202,14 +226,16 @@ class TextCall:
 
 
 def resolve(model, inputs, tokenizer, caller: str, *, target=None, rules=None, left: Optional[bool] = None,
-            word_target_ok: bool = True) -> TextCall:
+            word_target_ok: bool = True, inputs_name: str = "inputs") -> TextCall:
     """Read a call's text: ``model`` a hub id / bundled name / directory (loaded with its
     tokenizer, :func:`pyattr.methods._core.hub.load_named`), ``inputs`` a string or list
     of strings (``tokenizer=`` needed), ``target`` a word or list of words (one per row),
     ``rules`` a shorthand. Everything else passes through unchanged."""
+    named = None
     if isinstance(model, (str,)) or hasattr(model, "__fspath__"):
         from pyattr.methods._core.hub import load_named
 
+        named = model
         model, loaded = load_named(model, caller)
         tokenizer = loaded if tokenizer is None else tokenizer
     if tokenizer is not None and not callable(tokenizer):
@@ -217,10 +243,18 @@ def resolve(model, inputs, tokenizer, caller: str, *, target=None, rules=None, l
     rules = rules_from(rules)
     texts = None
     if is_text(inputs):
+        if tokenizer is None and named is not None:
+            raise ValueError(f"{caller}(): inputs are text, but the model {str(named)!r} came without a tokenizer "
+                             f"({type(model).__name__}); pass tokenizer=, or the inputs the model reads "
+                             "(pixel_values for an image model)")
         texts = [inputs] if isinstance(inputs, str) else list(inputs)
-        inputs = encode(tokenizer, texts, model, caller, left=left)
+        inputs = encode(tokenizer, texts, model, caller, left=left, name=inputs_name)
     elif isinstance(inputs, (list, tuple)) and inputs and any(isinstance(t, str) for t in inputs):
-        raise TypeError("inputs: a list of texts must hold only strings")
+        raise TypeError(f"{inputs_name}: a list of texts must hold only strings")
+    if word_target_ok and isinstance(target, (list, tuple)) and any(isinstance(t, str) for t in target) \
+            and not all(isinstance(t, str) for t in target):
+        raise TypeError(f"target: a list mixes words and other targets ({list(target)!r}); give one word per row "
+                        "or one token id per row, not both")
     if word_target_ok and (isinstance(target, str) or (isinstance(target, (list, tuple)) and target
                                                        and all(isinstance(t, str) for t in target))):
         target = _word_targets(model, tokenizer, target, inputs, texts)
@@ -233,6 +267,9 @@ def _word_targets(model, tokenizer, target, inputs, texts):
     labels = getattr(getattr(model, "config", None), "label2id", None) or {}
     if not _causal(model) and all(w in labels for w in words):
         ids = [int(labels[w]) for w in words]
+        rows = _batch(inputs)
+        if not isinstance(target, str) and rows is not None and len(ids) != rows:
+            raise ValueError(f"target: {len(ids)} labels for {rows} input rows (one label per row)")
         return ids[0] if isinstance(target, str) else ids
     if not _causal(model):  # no next token to name: the error says what the model has
         word_target(model, tokenizer, next(w for w in words if w not in labels), [])
@@ -248,6 +285,17 @@ def _word_targets(model, tokenizer, target, inputs, texts):
     return [word_target(model, tokenizer, w, [t])[0] for w, t in zip(words, texts)]
 
 
+def _batch(inputs) -> Optional[int]:
+    """The number of rows of token ids or pixel values (a tensor or a mapping), else None."""
+    x = inputs
+    if hasattr(inputs, "keys"):
+        x = next((inputs[k] for k in ("input_ids", "pixel_values", "inputs_embeds") if k in inputs), None)
+    if isinstance(x, torch.Tensor) and x.dim() >= 1:
+        floating = x.is_floating_point()
+        return int(x.shape[0]) if x.dim() >= (2 if not floating else 3) else 1
+    return None
+
+
 def _ids_and_mask(inputs):
     if isinstance(inputs, torch.Tensor) and not inputs.is_floating_point():
         ids = inputs if inputs.dim() == 2 else inputs.reshape(1, -1)
@@ -256,8 +304,17 @@ def _ids_and_mask(inputs):
         ids = inputs["input_ids"]
         ids = ids if ids.dim() == 2 else ids.reshape(1, -1)
         mask = inputs.get("attention_mask") if hasattr(inputs, "get") else None
-        return ids, (None if mask is None else mask.reshape(ids.shape))
+        return ids, _new_tokens(mask, ids)
     return None, None
+
+
+def _new_tokens(mask, ids: torch.Tensor) -> Optional[torch.Tensor]:
+    """The part of ``mask`` over the new tokens ``ids`` (a mask over a key/value cache and
+    the new tokens has more columns: the new tokens are the last ones)."""
+    if not isinstance(mask, torch.Tensor) or not mask.numel() or mask.numel() % ids.shape[0]:
+        return None
+    mask = mask.reshape(ids.shape[0], -1)
+    return mask[:, -ids.shape[1]:] if mask.shape[1] >= ids.shape[1] else None
 
 
 def attach_tokens(result, tokenizer, ids: Optional[torch.Tensor], mask: Optional[torch.Tensor] = None):
@@ -313,7 +370,9 @@ def prompt_and_continuation(tokenizer, texts: List[str], continuation) -> tuple:
     if len(conts) != len(texts):
         raise ValueError(f"continuation: {len(conts)} texts for {len(texts)} prompts (one per prompt)")
     prompts, ids = [], []
-    for text, cont in zip(texts, conts):
+    for i, (text, cont) in enumerate(zip(texts, conts)):
+        if not text.strip():
+            raise ValueError(f"inputs: text {i} is empty")
         try:
             p, c = continuation_ids(tokenizer, text, cont)
         except ValueError as e:
@@ -341,16 +400,34 @@ def text_inputs(caller: str, *, inputs: Sequence[str] = ("inputs",), target: Opt
             bound = sig.bind(*args, **kwargs)
             a = bound.arguments
             cont = a.get("continuation")
+            for i, name in enumerate(inputs):  # a text's mask is the tokenizer's
+                mask_name = "attention_mask" if i == 0 else f"{name}_attention_mask"
+                if is_text(a.get(name)) and a.get(mask_name) is not None:
+                    raise ValueError(f"{mask_name}: the {name} argument is text, whose attention mask the tokenizer "
+                                     f"gives; pass {mask_name}= only with token ids")
+            if isinstance(cont, (list, tuple)) and any(isinstance(c, str) for c in cont) and not is_text(cont):
+                raise TypeError(f"continuation: a list mixes texts and token ids ({list(cont)!r}); give one text per "
+                                "prompt or one id list per prompt, not both")
+            if cont is not None and is_text(cont) and not is_text(a.get(inputs[0])):
+                raise ValueError(f"continuation: a text continuation is tokenized together with its prompt, so "
+                                 f"{inputs[0]} must be text too (got {type(a.get(inputs[0])).__name__}); pass the "
+                                 "prompt as a string, or the continuation as token ids")
             text_cont = (cont is not None and is_text(cont) and is_text(a.get(inputs[0])))
+            named = isinstance(a["model"], str) or hasattr(a["model"], "__fspath__")
             if text_cont:  # prompts and continuations tokenized together (generation)
-                if a.get("tokenizer") is None and not isinstance(a["model"], str):
+                if a.get("tokenizer") is None and not named:
                     raise ValueError(f"{caller}(): a text continuation needs tokenizer=")
             call = resolve(a["model"], a[inputs[0]] if not text_cont else None, a.get("tokenizer"), caller,
                            target=a.get(target) if target else None, rules=a.get("rules"), left=left,
-                           word_target_ok=target is not None)
+                           word_target_ok=target is not None, inputs_name=inputs[0])
             if text_cont:
+                if call.tokenizer is None:
+                    raise ValueError(f"{caller}(): a text continuation needs tokenizer= (the model "
+                                     f"{str(a['model'])!r} came without one)")
                 texts = [a[inputs[0]]] if isinstance(a[inputs[0]], str) else list(a[inputs[0]])
                 call.inputs, a["continuation"] = prompt_and_continuation(call.tokenizer, texts, cont)
+                real = [r[m.bool()].tolist() for r, m in zip(call.inputs["input_ids"], call.inputs["attention_mask"])]
+                _check_vocabulary(call.model, call.tokenizer, real + a["continuation"], inputs[0])
                 call.texts = texts
             a["model"], a[inputs[0]] = call.model, call.inputs
             if "tokenizer" in sig.parameters:
@@ -362,11 +439,13 @@ def text_inputs(caller: str, *, inputs: Sequence[str] = ("inputs",), target: Opt
             for name in inputs[1:]:
                 if is_text(a.get(name)):
                     a[name] = encode(call.tokenizer, [a[name]] if isinstance(a[name], str) else list(a[name]),
-                                     call.model, caller, left=left)
+                                     call.model, caller, left=left, name=name)
             result = fn(*bound.args, **bound.kwargs)
+            if call.tokenizer is None:
+                return result
             ids, mask = tokens_of(result) if tokens_of is not None else _ids_and_mask(call.inputs)
-            if mask is None and isinstance(a.get("attention_mask"), torch.Tensor) and ids is not None:
-                mask = a["attention_mask"].reshape(ids.shape)
+            if mask is None and ids is not None:
+                mask = _new_tokens(a.get("attention_mask"), ids)
             return finish(result, call, ids, mask)
 
         return wrapper
