@@ -279,11 +279,28 @@ def _hub_preflight(repo_id: str) -> None:
                                   "cache") from None
     except errors.HfHubHTTPError as e:
         status = getattr(getattr(e, "response", None), "status_code", None)
-        raise _hub_error(repo_id, f"the hub answered {status or 'with an error'}"
-                                  f" ({_one_line(e, 200)})") from None
+        said = getattr(e, "server_message", None)
+        raise _hub_error(repo_id, f"the hub answered HTTP {status or '?'} for its config.json"
+                                  + (f" ({_one_line(said, 200)})" if said else "")) from None
     except Exception as e:  # no network, DNS, refused connection, timeout
         raise _hub_error(repo_id, f"the hub could not be reached ({type(e).__name__}: {_one_line(e, 200)}) "
                                   f"and {repo_id!r} is not in the local Hugging Face cache") from None
+
+
+def check_source(name_or_path) -> Source:
+    """What :func:`load_pretrained` checks before it imports transformers or torch: a
+    directory exists and holds a config.json; a hub id is in the cache or the hub has it
+    (one request). Returns where the name points.
+
+    Raises:
+        ModelLoadError: as :func:`load_pretrained`.
+    """
+    src = resolve(name_or_path)
+    if src.local:
+        check_dir(Path(src.location), src.name)
+    else:
+        _hub_preflight(src.location)
+    return src
 
 
 # --- loading ----------------------------------------------------------------------------

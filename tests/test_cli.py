@@ -202,3 +202,29 @@ def test_explain_run_and_generate_read_a_prompt_alike(tmp_path):
     row = pd.read_parquet(tmp_path / "out").iloc[0]
     assert list(row["tokens"]) == explained["segments"][0]["tokens"] and row["tokens"][-1] == "is"
     assert row["target"] == pytest.approx(explained["target"], abs=1e-5)
+
+
+def test_the_toy_decoder_is_named_induction_bundled_in_every_output(tmp_path):
+    """By name or by its install path, the toy decoder shows as ``induction (bundled)`` in
+    the JSON, the HTML page and the terminal of explain, generate and patch, never as its
+    install path; with no --text, explain reads the toy's own kind of prompt."""
+    from pyattr.toy import INDUCTION_DIR
+
+    for given in ("induction", str(INDUCTION_DIR)):
+        page = tmp_path / "e.html"
+        out = json.loads(run("explain", "--model", given, "--html", page, "--json").stdout)
+        assert out["model"] == "induction (bundled)"
+        assert out["segments"][0]["tokens"] == ["<s>", "sun", "cat", "red", "tree", "sun"]
+        html = page.read_text()
+        assert "model <code>induction (bundled)</code>" in html and str(INDUCTION_DIR) not in html
+    term = run("explain", "--model", "induction").stdout
+    assert term.startswith("model   induction (bundled)\n") and str(INDUCTION_DIR) not in term
+    gen_page = tmp_path / "g.html"
+    gen = json.loads(run("generate", "--max-new-tokens", "1", "--html", gen_page, "--json").stdout)
+    assert gen["model"] == "induction (bundled)" and "<code>induction (bundled)</code>" in gen_page.read_text()
+    assert run("generate", "--max-new-tokens", "1").stdout.startswith("model      induction (bundled)\n")
+    pj = tmp_path / "p.json"
+    p = run("patch", "--model", str(INDUCTION_DIR), "--clean", "sun cat red", "--corrupt", "sun dog red",
+            "--nodes", "residual", "--method", "atp", "--json", pj)
+    assert p.stdout.startswith("model    induction (bundled)\n") and json.loads(pj.read_text())["model"] == \
+        "induction (bundled)"

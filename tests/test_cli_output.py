@@ -176,3 +176,72 @@ def test_measured_window_overrides_a_trailing_load_average():
     machine; a measured window with no other process busy is not oversubscribed."""
     assert contention.judge(2, 2, 2, 2.3, 0.1).reasons == []
     assert contention.judge(2, 2, 2, 2.3, None).reasons == ["load average 2.30 above the 2 CPUs of the machine"]
+
+
+# --- the terminal heatmap: legend and top tokens with positions ------------------------------
+
+def test_terminal_legend_in_a_pipe_and_on_a_terminal():
+    from rich.console import Console
+
+    expl = _expl(segments=[Segment("t", ["a", "b", "c"], [0.25, -0.5, 0.1])])
+    assert "\nlegend  blue -0.5000 … white 0 … red +0.5000  (full colour at the tokens' largest |relevance|)\n" \
+        in _terminal(expl)
+    buf = io.StringIO()
+    print_terminal(expl, Console(file=buf, width=300, force_terminal=True, color_system="truecolor"))
+    line = next(ln for ln in buf.getvalue().splitlines() if ln.startswith("legend"))
+    # a bar of 17 cells from full blue through white to full red, the values at its ends
+    cells = re.findall(r"\x1b\[48;2;(\d+);(\d+);(\d+)m \x1b\[0m", line)
+    assert len(cells) == 17 and cells[0] == ("0", "0", "255") and cells[8] == ("255", "255", "255")
+    assert cells[-1] == ("255", "0", "0")
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", line)
+    assert plain == ("legend  -0.5000" + " " * 19 + "+0.5000  blue negative, white zero, red positive (full colour "
+                     "at the tokens' largest |relevance|)")
+
+
+def test_top_tokens_carry_their_positions():
+    one = _expl(segments=[Segment("t", ["<s>", "sun", "cat", "sun"], [0.1, 0.9, 13.5, -0.4])])
+    assert ("top tokens by |relevance| (position 'token' relevance): 2 'cat' +13.5000, 1 'sun' +0.9000, "
+            "3 'sun' -0.4000, 0 '<s>' +0.1000") in _terminal(one)
+    pair = _expl(mode="pair", segments=[Segment("a", ["[CLS]", "guitar"], [0.0, 0.155]),
+                                        Segment("b", ["[CLS]", "a", "guitar"], [0.01, 0.0, 0.129])])
+    assert ("top tokens by |relevance| (sentence:position 'token' relevance): 1:1 'guitar' +0.1550, "
+            "2:2 'guitar' +0.1290, 2:0 '[CLS]' +0.0100, 1:0 '[CLS]' 0.0000, 2:1 'a' 0.0000") in _terminal(pair)
+    image = _expl(mode="image", patch_grid=(1, 2),
+                  segments=[Segment("img.png", ["[CLS]", "patch(0,0)", "patch(0,1)"], [0.2, -0.7, 0.3])])
+    text = _terminal(image)
+    assert "top patches by |relevance|: patch(0,0) -0.7000, patch(0,1) +0.3000, [CLS] +0.2000" in text
+    assert "legend  blue -0.7000 … white 0 … red +0.7000  (full colour at the patches' largest |relevance|)" in text
+
+
+def test_cli_top_tokens_of_the_toy_decoder():
+    out = _run("explain", "--model", "induction")  # the toy's own prompt when --text is not given
+    # <s> is -0.16165: its last digit depends on the thread count
+    assert re.search(r"top tokens by \|relevance\| \(position 'token' relevance\): 2 'cat' \+13\.4901, 1 'sun' "
+                     r"\+0\.9342, 5 'sun' -0\.3953, 0 '<s>' -0\.161[67], 3 'red' \+0\.0151\n", out), out
+
+
+# --- torchao's import notices ----------------------------------------------------------------
+
+def test_torchao_import_notices_are_not_printed(tmp_path):
+    """torchao's import logs that it skips its C++ extensions where the torch is not the one
+    it wants (forced here with TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1), and torch 2.14 that
+    its Enum constants are deprecated; transformers imports torchao while loading any
+    model. A command prints neither; a plain import of torchao prints both."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1", HF_HUB_OFFLINE="1")
+    plain = subprocess.run([sys.executable, "-c", "import torchao"], capture_output=True, text=True, env=env,
+                           timeout=300)
+    assert "Skipping import of cpp extensions due to TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1" in plain.stderr
+    assert "is an Enum subclass and is now natively supported" in plain.stderr
+    r = subprocess.run([sys.executable, "-m", "pyattr", "explain", "--model", "induction", "--json"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert json.loads(r.stdout)["model"] == "induction (bundled)"
+    # and the command's model load does import torchao (the notices had something to drop)
+    loaded = subprocess.run([sys.executable, "-c", "import sys, pyattr.hub; pyattr.hub.load_pretrained('induction', "
+                             "causal=True); print('torchao' in sys.modules)"],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert loaded.stdout.strip() == "True", loaded.stderr
+    assert "Skipping import of cpp extensions" in loaded.stderr

@@ -152,3 +152,68 @@ def test_later_arguments_are_checked_without_leaving_the_probe_file(tmp_path):
     r = probe("bench", "--json", str(out), "--ops", "nope")
     assert r["code"] == 2 and r["stderr"].startswith("pyattr bench: error: --ops: unknown op(s) ['nope']")
     assert not out.exists()
+
+
+# --- --help: examples and the documentation ----------------------------------------------
+
+def _examples(text):
+    """The example command lines of a help text's ``examples:`` block."""
+    block = text.split("\nexamples:\n", 1)[1].split("\n\n", 1)[0]
+    return [line.strip() for line in block.splitlines() if line.startswith("  ") and not line.startswith("      ")]
+
+
+@pytest.mark.parametrize("command", [None, "explain", "generate", "patch", "run", "bench"])
+def test_help_shows_examples_and_the_docs_without_torch(command):
+    from pyattr.cli import DOCS
+
+    r = probe(*([command] if command else []), "--help")
+    assert r["code"] == 0 and r["torch"] is False and r["transformers"] is False
+    out = r["stdout"]
+    assert out.rstrip().endswith(DOCS) and "\nexamples:\n" in out
+    assert DOCS == ("documentation: docs/index.md of the pyattr source, a tutorial per task (make docs builds the "
+                    "site)\nevery command and option: docs/reference/cli.md")
+    examples = _examples(out)
+    assert len(examples) >= 2
+    import shlex
+
+    from pyattr.cli import build_parser
+
+    for line in examples:  # every example parses (the torchrun one: its pyattr part)
+        words = shlex.split(line)
+        words = words[words.index("pyattr") + 1:]
+        assert words[0] == (command or words[0])
+        build_parser().parse_args(words)
+
+
+@pytest.mark.parametrize("line", [
+    "pyattr explain --model induction --text 'sun cat red tree sun' --target cat",
+    "pyattr patch --model induction --clean 'sun cat red tree sun' --corrupt 'sun dog red tree sun' --html patch.html",
+])
+def test_help_examples_run(line, tmp_path, monkeypatch):
+    import shlex
+
+    from conftest import run_cli
+
+    helps = "".join(probe(c, "--help")["stdout"] for c in ("explain", "patch"))
+    assert line in _examples(helps)
+    monkeypatch.chdir(tmp_path)
+    r = run_cli(*shlex.split(line)[1:])
+    assert r.returncode == 0, r.stderr
+    assert "induction (bundled)" in r.stdout
+
+
+def test_a_missing_model_directory_fails_before_torch_with_did_you_mean(tmp_path):
+    (tmp_path / "my-llama").mkdir()
+    (tmp_path / "my-llama" / "config.json").write_text("{}")
+    for cmd, rest in (("explain", ()), ("generate", ("--text", "x")), ("patch", ())):
+        r = probe(cmd, "--model", str(tmp_path / "my-lama"), *rest)
+        assert r["code"] == 2 and r["torch"] is False and r["transformers"] is False
+        assert r["stderr"] == (f"pyattr {cmd}: error: model directory {str(tmp_path / 'my-lama')!r} does not exist; "
+                               f"did you mean {str(tmp_path / 'my-llama')!r}?\n")
+    r = probe("explain", "--model", str(tmp_path))
+    assert r["code"] == 2 and r["torch"] is False
+    assert r["stderr"] == f"pyattr explain: error: model directory {str(tmp_path)!r} has no config.json\n"
+    # a hub id offline and not cached: said at once, before torch
+    r = probe("explain", "--model", "pyattr-test/not-cached")
+    assert r["code"] == 2 and r["torch"] is False
+    assert "so it was looked up on the Hugging Face Hub: offline mode is on (HF_HUB_OFFLINE=1)" in r["stderr"]

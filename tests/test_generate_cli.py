@@ -101,3 +101,41 @@ def test_model_induction_needs_no_text():
     r = run_cli("generate", "--model", "induction", "--max-new-tokens", "2", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["generated_text"] == "cat red"
+
+
+def test_png_draws_out_of_context_cells_grey_as_the_page():
+    """In the PNG as on the page, a cell outside its step's context (the generated token
+    itself and what follows) is grey, not white: white is a relevance of zero."""
+    import numpy as np
+    from matplotlib.colors import to_rgba
+
+    from pyattr.apps.generate import OUT_OF_CONTEXT, figure, run_generate, to_html
+    from pyattr.config import RelevanceRules
+
+    rep = run_generate("induction", "sun cat red tree sun", 3, None, "logit", RelevanceRules.all())
+    assert rep.model == "induction (bundled)" and rep.prompt_tokens == 6 and len(rep.tokens) == 9
+    fig = figure(rep)
+    ax = fig.axes[0]
+    im = ax.images[0]
+    outside = [[i >= rep.prompt_tokens + s for i in range(len(rep.tokens))] for s in range(3)]
+    assert np.ma.getmaskarray(im.get_array()).tolist() == outside
+    assert OUT_OF_CONTEXT == "#dddddd" and im.cmap.get_bad().tolist() == list(to_rgba(OUT_OF_CONTEXT))
+    lim = max(abs(v) for s, row in enumerate(rep.matrix) for v in row[:rep.prompt_tokens + s])
+    assert im.get_clim() == pytest.approx((-lim, lim))
+    fig.canvas.draw()
+    buf = np.asarray(fig.canvas.buffer_rgba())
+
+    def pixel(row, col):
+        x, y = ax.transData.transform((col, row))
+        return tuple(int(v) for v in buf[int(round(buf.shape[0] - y)), int(round(x))][:3])
+
+    assert pixel(0, 8) == pixel(0, 6) == pixel(2, 8) == (221, 221, 221)  # outside: grey
+    # the matrix's largest |relevance|: full colour (the scale is the whole matrix's)
+    v, s, i = max((abs(v), s, i) for s, row in enumerate(rep.matrix) for i, v in enumerate(row[:6 + s]))
+    assert pixel(s, i) == ((255, 0, 0) if rep.matrix[s][i] > 0 else (0, 0, 255))
+    page = to_html(rep)
+    assert "table.m td.na { background: #dddddd; }" in page
+    assert page.count('<td class="na"></td>') == sum(map(sum, outside))
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)

@@ -185,3 +185,30 @@ def test_explain_generic_reaches_pairs_and_images(tmp_path):
     px = proc(images=Image.open(tmp_path / "img.png").convert("RGB"), return_tensors="pt")["pixel_values"]
     api = pyattr.relevance(m, px, generic=True)
     torch.testing.assert_close(torch.tensor(rel), api.token_relevance[0], rtol=1e-5, atol=1e-7)
+
+
+def test_png_panels_of_a_node_type_share_one_scale():
+    """The PNG's panels of one node type (one column) are on one colour scale, the largest
+    |effect| over the methods, stated in each title with the panel's own largest."""
+    import matplotlib.pyplot as plt
+
+    from pyattr.apps.patch_report import figure, run_patch, shared_limits
+
+    rep = run_patch("sun cat red tree sun", "sun dog red tree sun", None, "induction", None, ["residual", "heads"],
+                    ("relp", "atp", "exact"), 10)
+    assert rep.model == "induction (bundled)"
+    lims = shared_limits(rep)
+    for n in rep.nodes:
+        own = {m: float(torch.nan_to_num(rep.panel(m, n)).abs().max()) for m in rep.results}
+        assert lims[n] == max(own.values()) > 0
+    fig = figure(rep)
+    axes = [ax for ax in fig.axes if ax.images and ax.get_title()]
+    assert len(axes) == 3 * 2
+    for ax in axes:
+        m, n = ax.get_title().split("\n")[0].split(": ")
+        own = float(torch.nan_to_num(rep.panel(m, n)).abs().max())
+        assert ax.images[0].get_clim() == pytest.approx((-lims[n], lims[n]))
+        assert ax.get_title() == f"{m}: {n}\ncolour ±{lims[n]:.3g} (the column's), max here {own:.3g}"
+    assert "the panels of a column share one colour scale (±limit in each title)" in \
+        " ".join(fig._suptitle.get_text().split())
+    plt.close(fig)

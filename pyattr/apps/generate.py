@@ -151,7 +151,7 @@ body {{ font-family: sans-serif; margin: 2em; max-width: 70em; color: #111; font
 #info {{ position: sticky; top: 0; z-index: 5; width: fit-content; background: #222; color: #fff;
   font: 14px monospace; padding: 6px 10px; border-radius: 4px; }}
 table.m {{ border-collapse: separate; border-spacing: 2px; }}
-table.m td {{ width: 1.6em; height: 1.4em; border: 1px solid #ddd; }} table.m td.na {{ background: #ddd; }}
+table.m td {{ width: 1.6em; height: 1.4em; border: 1px solid #ddd; }} table.m td.na {{ background: {OUT_OF_CONTEXT}; }}
 table.m td[data-v]:hover {{ outline: 2px solid #111; }}
 table.m th {{ font: 13px monospace; padding: 0 0.3em; }}
 {LEGEND_CSS}</style></head><body>
@@ -226,23 +226,23 @@ if (D.matrix.length) show(0);
 OUT_OF_CONTEXT = "#dddddd"
 
 
-def save_png(rep: GenerationReport, path) -> None:
-    """The generated × context heatmap: the page's matrix view (one colour scale, blue
-    negative, white zero, red positive, out-of-context cells grey) with a colour bar."""
+def figure(rep: GenerationReport):
+    """The generated × context heatmap as a matplotlib figure: the page's matrix view (one
+    colour scale, blue negative, white zero, red positive, cells outside a step's context
+    grey as on the page) with a colour bar."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    m = np.array(rep.matrix, dtype=float)
+    m = np.array(rep.matrix, dtype=float).reshape(len(rep.matrix), len(rep.tokens))
     for s in range(m.shape[0]):
         m[s, rep.prompt_tokens + s:] = np.nan
     lim = float(np.nanmax(np.abs(m))) if np.isfinite(m).any() else 0.0
     lim = lim or 1.0
-    # the HTML page's colours: blue, white, red on one scale for the whole matrix, and the
-    # cells outside a step's context (the token itself and what follows) grey, not white
-    # (white is a relevance of zero)
+    # white is a relevance of zero: the cells outside a step's context (the token itself
+    # and what follows) are grey, as on the page
     cmap = matplotlib.colormaps["bwr"].with_extremes(bad=OUT_OF_CONTEXT)
     fig, ax = plt.subplots(figsize=(max(4.5, 0.4 * m.shape[1] + 2), max(3, 0.35 * m.shape[0] + 2)))
     im = ax.imshow(np.ma.masked_invalid(m), cmap=cmap, vmin=-lim, vmax=lim, aspect="auto",
@@ -254,5 +254,13 @@ def save_png(rep: GenerationReport, path) -> None:
     ax.set_title(f"{rep.model}: each generated token's {rep.target_kind} over its context", fontsize=9)
     fig.colorbar(im, ax=ax, label=f"relevance of the {rep.target_kind} (±{lim:.3g})")
     fig.tight_layout()
+    return fig
+
+
+def save_png(rep: GenerationReport, path) -> None:
+    """:func:`figure` written to ``path`` as PNG (120 dpi)."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(rep)
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -71,16 +71,14 @@ def is_toy(value) -> bool:
 
 def check_model(value) -> None:
     """Raise :class:`UsageError` when ``--model`` names a directory that does not exist
-    (with close matches: "did you mean"), is not a directory or has no config.json: before
-    torch is imported, so that a typo fails in milliseconds. Hub ids are checked when
-    loaded."""
+    (with close matches: "did you mean"), is not a directory or has no config.json, or a
+    hub id the hub cannot give (offline and not in the cache, unreachable, not found,
+    gated): before torch is imported, so that a typo fails in a moment."""
     if value is None:
         return
-    from pyattr.hub import ModelLoadError, check_dir, resolve
+    from pyattr.hub import ModelLoadError, check_source
 
     try:
-        src = resolve(value)
-        if src.local:
-            check_dir(Path(src.location), src.name)
+        check_source(value)
     except ModelLoadError as e:
         raise UsageError(str(e)) from None
