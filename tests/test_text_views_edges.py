@@ -85,14 +85,21 @@ def test_a_tokenizer_of_another_model_is_named(toy, bpe):
         pyattr.generation_relevance(model, "the cat", continuation="sea", tokenizer=btok)
 
 
-@pytest.mark.parametrize("word", ["", " ", "\n"])
-def test_an_empty_word_target(toy, word):
+def test_an_empty_word_target(toy, bpe):
     # before: "it splits into 0 tokens, not one; to explain each token of a continuation, use
     # pyattr.generation_relevance" (there is no continuation to explain)
     tok, model = toy
-    with pytest.raises(ValueError, match=rf"^target: the word is empty \({re.escape(repr(word))}\); a word target "
-                                         r"names a token, e.g. target='Paris'$"):
-        pyattr.relevance(model, TEXT, target=word, tokenizer=tok)
+    with pytest.raises(ValueError, match=r"^target: the word is empty \(''\); a word target names a token, "
+                                         r"e.g. target='Paris'$"):
+        pyattr.relevance(model, TEXT, target="", tokenizer=tok)
+    for word in (" ", "\n"):
+        with pytest.raises(ValueError, match=rf"^target: the tokenizer reads the word {re.escape(repr(word))} as no "
+                                             r"token; a word target names a token, e.g. target='Paris'$"):
+            pyattr.relevance(model, TEXT, target=word, tokenizer=tok)
+    # guard: where the tokenizer has a token for it (byte-level 'Ċ'), a line break is a target
+    btok, bmodel = bpe
+    r = pyattr.relevance(bmodel, "the cat", target="\n", tokenizer=btok)
+    assert btok.convert_ids_to_tokens([int(r.target_ids[0])]) == ["Ċ"]
 
 
 def test_a_target_list_mixing_words_and_ids(toy):
@@ -101,6 +108,10 @@ def test_a_target_list_mixing_words_and_ids(toy):
     with pytest.raises(TypeError, match=r"^target: a list mixes words and other targets \(\['owl', 5\]\); give one "
                                         r"word per row or one token id per row, not both$"):
         pyattr.relevance(model, [TEXT, "red blue red"], target=["owl", 5], tokenizer=tok)
+    # before: torch's "too many dimensions 'str'"
+    with pytest.raises(TypeError, match=r"^target: words in nested lists \(\[\['owl', 'fox'\]\]\) are not read; give one "
+                                        r"word per row, or k targets per row as token ids \(LongTensor\[batch, k\]\)$"):
+        pyattr.relevance(model, TEXT, target=[["owl", "fox"]], tokenizer=tok)
 
 
 def test_class_labels_one_per_row(toy):

@@ -170,12 +170,15 @@ def word_target(model: nn.Module, tokenizer, word: str, texts: List[str], name: 
     if tokenizer is None:
         raise TypeError(f"{name} must be None, a token id, a list of ids, a word (with tokenizer=), a target object or "
                         f"a callable, got str {word!r} without a tokenizer")
-    if not word.strip():
-        raise ValueError(f"{name}: the word is empty ({word!r}); a word target names a token, e.g. {name}='Paris'")
+    if not word:
+        raise ValueError(f"{name}: the word is empty (''); a word target names a token, e.g. {name}='Paris'")
     ids = []
     for text in texts:
         tid = target_token_id(tokenizer, word, vocab, text=text)
         if isinstance(tid, str):
+            if "splits into 0 tokens" in tid:  # whitespace the tokenizer drops (a byte-level one keeps '\n')
+                raise ValueError(f"{name}: the tokenizer reads the word {word!r} as no token; a word target names a "
+                                 f"token, e.g. {name}='Paris'")
             if "splits into" in tid:
                 tid += ("; to explain each token of a continuation, use pyattr.generation_relevance(model, text, "
                         "continuation=..., tokenizer=tok)")
@@ -251,6 +254,10 @@ def resolve(model, inputs, tokenizer, caller: str, *, target=None, rules=None, l
         inputs = encode(tokenizer, texts, model, caller, left=left, name=inputs_name)
     elif isinstance(inputs, (list, tuple)) and inputs and any(isinstance(t, str) for t in inputs):
         raise TypeError(f"{inputs_name}: a list of texts must hold only strings")
+    if word_target_ok and isinstance(target, (list, tuple)) and any(
+            isinstance(t, (list, tuple)) and any(isinstance(w, str) for w in t) for t in target):
+        raise TypeError(f"target: words in nested lists ({list(target)!r}) are not read; give one word per row, or "
+                        "k targets per row as token ids (LongTensor[batch, k])")
     if word_target_ok and isinstance(target, (list, tuple)) and any(isinstance(t, str) for t in target) \
             and not all(isinstance(t, str) for t in target):
         raise TypeError(f"target: a list mixes words and other targets ({list(target)!r}); give one word per row "
