@@ -61,7 +61,7 @@ _EXPORTS = {
     "RelevanceAudit": "pyattr.integration.audit",
     "load": "pyattr.results.store",
 }
-_SUBMODULES = ("evaluate", "ops", "patching", "rules", "targets")
+_SUBMODULES = ("evaluate", "ops", "patching", "rules", "targets", "toy")
 
 __all__ = [*_SUBMODULES, *_EXPORTS]
 
@@ -81,7 +81,7 @@ def __dir__():
 
 
 if TYPE_CHECKING:  # what static tools see
-    from pyattr import evaluate, ops, patching, rules, targets
+    from pyattr import evaluate, ops, patching, rules, targets, toy
     from pyattr.apps.run import RunSummary, run
     from pyattr.methods.generation import GenerationRelevanceResult, generation_relevance
     from pyattr.methods.capture import Captured, GradientCapture, capture
