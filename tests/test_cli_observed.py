@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import pyattr
 from bpe import byte_bpe_tokenizer, save_bpe_gpt2, tiny_gpt2
 from conftest import run_cli
-from pyattr.apps.tokens import continuation_ids
+from pyattr.methods._core.tokens import continuation_ids
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -133,7 +133,7 @@ def test_generate_refuses_a_prompt_that_generation_carries_past_the_limit(bpe_di
 def test_a_target_word_is_the_token_that_follows_the_text(bpe_dir, tmp_path):
     """On byte-level BPE the word after a prompt is 'Ġfish'; the vocabulary's bare 'fish'
     (the word tokenized apart) is another token with another logit."""
-    from pyattr.apps.tokens import target_token_id
+    from pyattr.methods._core.tokens import target_token_id
 
     tok = AutoTokenizer.from_pretrained(bpe_dir)
     text = "dog owl"
@@ -171,7 +171,7 @@ def test_the_joint_text_is_the_one_a_writer_would_type(text, cont, joint):
 def test_only_the_markers_the_tokenizer_appends_are_dropped(eos_dir):
     """A marker the user typed is part of the prompt in every command; the one the
     tokenizer appends covers no character of the text (its offsets are empty)."""
-    from pyattr.apps.tokens import prompt_ids
+    from pyattr.methods._core.tokens import prompt_ids
 
     tok = AutoTokenizer.from_pretrained(eos_dir)
     eos = tok.eos_token_id

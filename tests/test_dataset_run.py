@@ -24,7 +24,7 @@ TEXTS = ["the cat sat on the mat", "a dog", "paris is the capital of france and 
 def _prompt(tok, text):
     """The ids a run explains: the prompt without the [SEP] the tokenizer appends (the
     next token of the prompt, as `pyattr explain` reads it)."""
-    from pyattr.apps.tokens import prompt_ids
+    from pyattr.methods._core.tokens import prompt_ids
 
     return torch.tensor([prompt_ids(tok, text)])
 

@@ -24,7 +24,7 @@ from pyattr.backends import available_backends
 import pyattr.apps.contention as _contention
 import pyattr.methods._core as core
 from pyattr.config import RelevanceRules
-from pyattr.apps.tokens import prompt_ids, target_token_id
+from pyattr.methods._core.tokens import prompt_ids, target_token_id
 from pyattr.rules import half_rule, ln_rule
 from pyattr.methods.relevance import relevance
 
@@ -218,7 +218,7 @@ def _check_text(name: str, text: Optional[str]) -> str:
 
 
 def check_prompt(name: str, ids: List[int], model, tok) -> None:
-    """A causal prompt's ids (:func:`pyattr.apps.tokens.prompt_ids`, the appended end-of-text
+    """A causal prompt's ids (:func:`pyattr.methods._core.tokens.prompt_ids`, the appended end-of-text
     markers already dropped): at least one token that is not special, and no longer than
     the model reads."""
     if not ids or all(i in set(tok.all_special_ids) for i in ids):
@@ -291,7 +291,7 @@ def explain_pair(
 
 
 def _target_id(tok, target: str, vocab_size: int, text: Optional[str] = None) -> int:
-    """The id of the target token that follows ``text`` (:func:`pyattr.apps.tokens.target_token_id`)."""
+    """The id of the target token that follows ``text`` (:func:`pyattr.methods._core.tokens.target_token_id`)."""
     tid = target_token_id(tok, target, vocab_size, text)
     if isinstance(tid, str):
         raise ExplainError(tid)

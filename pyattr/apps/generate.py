@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import List, Optional
 
 
-from pyattr.apps.tokens import continuation_ids, prompt_ids
+from pyattr.methods._core.tokens import continuation_ids, prompt_ids
 import pyattr.methods._core as core
 from pyattr.apps.explain import ExplainError, _load, check_prompt, model_label
 from pyattr.apps.render import LEGEND_CSS, _display, _rgb, legend_html, num
@@ -52,7 +52,7 @@ class GenerationReport:
 
 def run_generate(model_dir: Path, text: str, max_new_tokens: Optional[int], continuation: Optional[str],
                  target: str, rules: RelevanceRules, batch_targets: Optional[int] = None) -> GenerationReport:
-    import pyattr
+    from pyattr.methods.generation import generation_relevance
 
     tok, model = _load(model_dir, causal=True)
     tok.padding_side = "left"
@@ -82,7 +82,7 @@ def run_generate(model_dir: Path, text: str, max_new_tokens: Optional[int], cont
     if continuation is None:
         kw["max_new_tokens"] = max_new_tokens
     t0 = time.perf_counter()
-    r = pyattr.generation_relevance(model, enc, target=target, rules=rules, batch_targets=batch_targets, **kw)
+    r = generation_relevance(model, enc, target=target, rules=rules, batch_targets=batch_targets, **kw)
     seconds = time.perf_counter() - t0
     steps = int(r.step_mask[0].sum())
     cols = r.attention_mask[0].bool().nonzero()[:, 0]

@@ -16,7 +16,7 @@ import torch
 
 from pyattr.apps.explain import (ExplainError, _check_text, _check_tokens, _load, bundled_model_dir, _tokens, check_prompt,
                                  model_label)
-from pyattr.apps.tokens import prompt_ids
+from pyattr.methods._core.tokens import prompt_ids
 
 DEFAULT_CLEAN = "A man is playing a guitar on stage."
 DEFAULT_CORRUPT = "A man is playing a ladder on stage."

@@ -48,7 +48,7 @@ from torch import nn
 import pyattr.methods._core as core
 import pyattr.methods._core.positions as P
 from pyattr.apps.prompts import Prompt, RunError, read_prompts
-from pyattr.apps.tokens import prompt_ids, target_token_id
+from pyattr.methods._core.tokens import prompt_ids, target_token_id
 from pyattr.apps.store import (
     MANIFEST,
     build_manifest,

@@ -29,6 +29,7 @@ def figure(panels: List, heading: str):
     import numpy as np
     from matplotlib.figure import Figure
 
+    _notebook_png()
     notes = [p.text for p in panels if isinstance(p, Note)]
     drawable = [p for p in panels if not isinstance(p, (Table, Note))]
     panels = drawable[:12]
@@ -86,6 +87,38 @@ def _plain(s: str) -> str:
     return str(s).replace("$", r"\$")
 
 
+def _notebook_png() -> None:
+    """In IPython (a notebook kernel), show a figure that is a cell's value as a PNG.
+
+    IPython registers its PNG formatter for matplotlib figures only when pyplot's inline
+    backend starts; ``plot()`` builds its figure without pyplot, so until the notebook
+    imports pyplot the cell would print ``<Figure size 600x220 with 2 Axes>`` and no
+    picture. A format the user chose (inline backend, ``%config InlineBackend``) stays."""
+    import sys
+
+    if "IPython" not in sys.modules:
+        return
+    try:
+        from IPython import get_ipython
+        from IPython.core.pylabtools import print_figure
+        from matplotlib.figure import Figure
+    except ImportError:
+        return
+    ip = get_ipython()
+    if ip is None or getattr(ip, "display_formatter", None) is None:
+        return
+    formatters = ip.display_formatter.formatters
+    for f in formatters.values():
+        try:
+            f.lookup_by_type(Figure)
+            return  # some format is registered for figures already
+        except KeyError:
+            continue
+    png = formatters.get("image/png")
+    if png is not None:
+        png.for_type(Figure, lambda fig: print_figure(fig, "png"))
+
+
 def _interactive() -> bool:
     import sys
 
@@ -127,7 +160,7 @@ def dataframe(panels: List):
 
 def text(panels: List, heading: str, width: int = 100) -> str:
     """Plain text: token panels as ``token(value)`` runs, matrices and tables as rows."""
-    from pyattr.apps.render import num
+    from pyattr.results.colours import num
 
     out = [heading]
     for p in panels:
@@ -148,11 +181,14 @@ def text(panels: List, heading: str, width: int = 100) -> str:
                 line += piece
             out.append("  " + line.rstrip())
         elif isinstance(p, Matrix):
+            # row labels as wide as the longest (up to 24 characters, cut on the left so that
+            # "model.layers.0" and "model.layers.1" stay apart), one space before each cell
+            w = min(max((len(label(r)) for r in p.rows), default=0), 24)
             cols = [label(c)[:8] for c in p.cols][:16]
-            out.append("  " + " " * 12 + " ".join(f"{c:>8}" for c in cols) + (" …" if len(p.cols) > 16 else ""))
+            out.append("  " + " " * w + "".join(f" {c:>8}" for c in cols) + (" …" if len(p.cols) > 16 else ""))
             for r, vals in list(zip(p.rows, p.values))[:24]:
-                cells = " ".join("       ·" if v is None else f"{num(v, '8.2g'):>8}" for v in vals[:16])
-                out.append(f"  {label(r)[:12]:>12}" + cells)
+                cells = "".join("        ·" if v is None else f" {num(v, '8.2g'):>8}" for v in vals[:16])
+                out.append(f"  {label(r)[-w:] if w else '':>{w}}" + cells)
         elif isinstance(p, Curves):
             for y, name in zip(p.ys, p.names):
                 out.append(f"  {name}: " + " ".join(num(v, ".3g") for v in y))

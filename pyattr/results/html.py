@@ -1,6 +1,6 @@
 """Panels as self-contained HTML (a notebook's ``_repr_html_``, ``save_html``): inline
 styles and SVG only, no script and no network, the colours and legend of the command
-line's pages (:mod:`pyattr.apps.render`), every value on hover."""
+line's pages (:mod:`pyattr.results.colours`), every value on hover."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import math
 import hashlib
 from typing import Iterable
 
-from pyattr.apps.render import LEGEND_CSS, _ink, _rgb, legend_html, num
+from pyattr.results.colours import LEGEND_CSS, _ink, _rgb, legend_html, num
 from pyattr.results.panels import Curves, Matrix, Note, Table, Tokens, flat, is_nan, label, scale
 
 _CSS = """
@@ -36,7 +36,8 @@ def _cell_style(v: float, s: float) -> str:
 
 
 def _legend(s: float, what: str, ids: str) -> str:
-    return legend_html(num(-s, ".3g"), num(s, ".3g"), html.escape(f"{what}: blue negative, red positive"), ids=ids)
+    # the ends signed, as the command line's pages write them ("-13.6", "0", "+13.6")
+    return legend_html(num(-s, ".3g"), num(s, "+.3g"), html.escape(f"{what}: blue negative, red positive"), ids=ids)
 
 
 def _tokens(p: Tokens, ids: str) -> str:

@@ -10,7 +10,7 @@ from typing import List, Optional
 
 import torch
 
-from pyattr.apps.render import num
+from pyattr.results.colours import num
 from pyattr.results.panels import Curves, Matrix, Note, Table, Tokens
 
 MAX_ROWS = 8

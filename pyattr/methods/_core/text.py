@@ -4,7 +4,7 @@ tokens of the explained inputs as strings on the result.
 
 What the tokenizer decides is read back from it (observe, don't re-derive): the ids of a
 text are the tokenizer's own, a word target is the first token of the word as the
-tokenizer reads it after the text (:func:`pyattr.apps.tokens.continuation_ids`), and
+tokenizer reads it after the text (:func:`pyattr.methods._core.tokens.continuation_ids`), and
 each token's string is what the tokenizer's own decoding adds for it
 (:func:`pyattr.methods._core.words._pieces`)."""
 
@@ -70,11 +70,11 @@ def encode(tokenizer, texts: Sequence[str], model: nn.Module, caller: str, *, le
            name: str = "inputs") -> dict:
     """``{"input_ids", "attention_mask"}`` of ``texts``: the tokenizer's ids of each text;
     for a causal LM without the end-of-text markers the tokenizer appends (a prompt whose
-    next token is explained, :func:`pyattr.apps.tokens.prompt_ids`). Rows of different
+    next token is explained, :func:`pyattr.methods._core.tokens.prompt_ids`). Rows of different
     lengths are padded on the tokenizer's ``padding_side`` (``left`` overrides it: a
     prompt to generate from is left-padded); the pad id is the tokenizer's, else its
     end-of-text id, else 0 (masked out either way). Errors name the argument ``name``."""
-    from pyattr.apps.tokens import _encode
+    from pyattr.methods._core.tokens import _encode
 
     if tokenizer is None:
         raise ValueError(f"{caller}(): inputs are text; pass tokenizer= (the model's tokenizer) to read them")
@@ -84,7 +84,7 @@ def encode(tokenizer, texts: Sequence[str], model: nn.Module, caller: str, *, le
         if not text.strip():
             raise ValueError(f"{name}: text {i} is empty")
         if causal:
-            from pyattr.apps.tokens import prompt_ids
+            from pyattr.methods._core.tokens import prompt_ids
 
             ids = prompt_ids(tokenizer, text)
         else:
@@ -156,7 +156,7 @@ def word_target(model: nn.Module, tokenizer, word: str, texts: List[str], name: 
             :func:`pyattr.generation_relevance` and ``continuation=``), not in the
             vocabulary, or the model has neither a language-model head nor that label.
     """
-    from pyattr.apps.tokens import target_token_id
+    from pyattr.methods._core.tokens import target_token_id
 
     labels = getattr(getattr(model, "config", None), "label2id", None) or {}
     vocab = _vocab_size(model) if _causal(model) else None
@@ -369,9 +369,9 @@ def _pad_rows(rows: List[List[int]], tokenizer, left: bool) -> dict:
 
 def prompt_and_continuation(tokenizer, texts: List[str], continuation) -> tuple:
     """``(inputs, continuation ids)`` of prompts and text continuations as the tokenizer
-    reads each joint text (:func:`pyattr.apps.tokens.continuation_ids`): the prompts
+    reads each joint text (:func:`pyattr.methods._core.tokens.continuation_ids`): the prompts
     left-padded, one id list per row for the continuations."""
-    from pyattr.apps.tokens import continuation_ids
+    from pyattr.methods._core.tokens import continuation_ids
 
     conts = [continuation] * len(texts) if isinstance(continuation, str) else list(continuation)
     if len(conts) != len(texts):

@@ -1,4 +1,5 @@
-"""Text to token ids for the applications that explain a next token (``pyattr explain``,
+"""Text to token ids, one reading for the Python methods (text inputs, word targets) and the
+command line's applications that explain a next token (``pyattr explain``,
 ``pyattr generate``, ``pyattr patch``, ``pyattr run``): one reading of a prompt and of a
 target token, so that the commands explain the same token for the same text."""
 
