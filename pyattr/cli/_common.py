@@ -57,16 +57,23 @@ def model_dir(value: str) -> str:
     return value
 
 
-def is_toy(value) -> bool:
-    """Whether ``--model`` is the bundled toy induction decoder (by name or by its path)."""
+def bundled_name(value):
+    """The bundled model ``--model`` names, by name or by its install path (``"minilm"``,
+    ``"induction"``, ``"squares"``), else None."""
     if value is None:
-        return False
-    from pyattr.hub import ModelLoadError, resolve
+        return None
+    from pyattr.hub import BUNDLED, ModelLoadError, resolve
 
     try:
-        return resolve(value).label == "induction (bundled)"
+        label = resolve(value).label
     except (ModelLoadError, TypeError):
-        return False
+        return None
+    return next((b.name for b in BUNDLED if b.label == label), None)
+
+
+def is_toy(value) -> bool:
+    """Whether ``--model`` is the bundled toy induction decoder (by name or by its path)."""
+    return bundled_name(value) == "induction"
 
 
 def check_model(value) -> None:

@@ -6,7 +6,7 @@ import contextlib
 import json
 from pathlib import Path
 
-from pyattr.cli._common import UsageError, check_model, check_output_path, fail, is_toy
+from pyattr.cli._common import UsageError, bundled_name, check_model, check_output_path, fail, is_toy
 
 
 def rules_from_args(args):
@@ -45,6 +45,9 @@ def run(args) -> int:
                              "pair's cosine similarity (drop one of them)")
         if args.model is None and args.target is not None:
             raise UsageError("--target needs --model (a causal LM directory)")
+        if args.target is not None and args.image is None and bundled_name(args.model) == "minilm":
+            raise UsageError("--target is a next-token logit of a causal LM; the bundled MiniLM is a sentence "
+                             "encoder, explained on a pair's cosine similarity (drop --target)")
         if args.image is not None and args.model is None:
             raise UsageError("--image needs --model DIR (an image classifier directory)")
         if args.image is not None and (args.text is not None or args.pair is not None):
@@ -70,8 +73,11 @@ def run(args) -> int:
 
                 expl = explain_image(args.model, Path(args.image), args.target, rules_from_args(args),
                                      png=Path(args.png) if args.png else None, generic=args.generic)
-            elif args.model is not None and args.pair is not None:  # any encoder (or decoder) directory
-                expl = explain_pair(args.text if args.text is not None else DEFAULT_PAIR[0], args.pair,
+            elif args.model is not None and (args.pair is not None or bundled_name(args.model) == "minilm"):
+                # any encoder (or decoder); the bundled sentence encoder explains a pair, the
+                # built-in one where none is given
+                expl = explain_pair(args.text if args.text is not None else DEFAULT_PAIR[0],
+                                    args.pair if args.pair is not None else DEFAULT_PAIR[1],
                                     model_dir=args.model, rules=rules_from_args(args), generic=args.generic)
             elif args.model is not None:
                 expl = explain_causal(
