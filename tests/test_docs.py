@@ -55,7 +55,8 @@ def _load_mkdocs():
     return yaml.safe_load(MKDOCS.read_text())
 
 
-DOC_PAGES = [ROOT / "docs" / p for p in _nav_pages(_load_mkdocs()["nav"])]
+# the notebooks' pages are made from docs/notebooks/*.ipynb at build time (tests/test_notebooks.py runs them)
+DOC_PAGES = [ROOT / "docs" / p for p in _nav_pages(_load_mkdocs()["nav"]) if not p.startswith("notebooks/")]
 FILES = [README, *DOC_PAGES]
 
 _FENCE = re.compile(r"```(\w*)\n(.*?)```", re.S)
