@@ -130,11 +130,27 @@ def want_cuda(torch, cuda_sources) -> tuple:
     if not torch.cuda.is_available():
         return False, "no GPU visible (PYATTR_FORCE_CUDA=1 builds them anyway)"
     cuda_home_hint()
-    from torch.utils.cpp_extension import CUDA_HOME
-
+    CUDA_HOME = _cpp_extension().CUDA_HOME
     if CUDA_HOME is None or shutil.which("nvcc") is None:
         return False, "a GPU is visible but nvcc / CUDA_HOME is not found"
     return True, "a GPU is visible"
+
+
+def _cpp_extension():
+    """``torch.utils.cpp_extension``, imported without the line it logs or prints (by
+    torch version) about where it looks for CUDA, which the user need not see."""
+    import io
+    import logging
+
+    log = logging.getLogger("torch.utils.cpp_extension")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            from torch.utils import cpp_extension
+    finally:
+        log.setLevel(level)
+    return cpp_extension
 
 
 def sources(src: Path) -> tuple:
@@ -330,17 +346,9 @@ def _exclusive(path: Path):
 
 
 def _compile_locked(plan: Plan, torch):
-    import logging
     import warnings
 
-    # importing cpp_extension logs where it looks for CUDA (a line the user need not see)
-    log = logging.getLogger("torch.utils.cpp_extension")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        from torch.utils import cpp_extension
-    finally:
-        log.setLevel(level)
+    cpp_extension = _cpp_extension()
     old_path = os.environ.get("PATH")
     os.environ["PATH"] = tool_path()
     if plan.with_cuda:

@@ -19,7 +19,7 @@ on the tensors' data), so there they are ``custom_op``s with the fake implementa
 from __future__ import annotations
 
 import importlib
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -37,7 +37,10 @@ gated_forward = reference.gated_forward
 
 # --- the custom ops ---------------------------------------------------------------------
 
-# traceable operators over compiled kernels; opaque ones (explicit fakes) under the interpreter
+# traceable operators over compiled kernels; opaque ones (explicit fakes) under the interpreter.
+# Their return annotations are builtin tuple[...]: torch 2.6 evaluates the (string, under
+# `from __future__ import annotations`) annotation in its own namespace, which has Tensor
+# and Optional but not typing.Tuple
 # kernels/ is shipped as pyattr.kernels (a package_dir mapping), loaded here by name
 INTERPRET = importlib.import_module("pyattr.kernels._common").INTERPRET
 TRACEABLE = not INTERPRET
@@ -56,14 +59,14 @@ def _identity_op(x: Tensor, dy: Tensor, act: str) -> Tensor:
 
 
 @_operator("pyattr_triton::half_backward")
-def _half_op(u: Tensor, v: Tensor, dy: Tensor) -> Tuple[Tensor, Tensor]:
+def _half_op(u: Tensor, v: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
     half = importlib.import_module("pyattr.kernels.half")
 
     return half.half_backward(u, v, dy)
 
 
 @_operator("pyattr_triton::gated_backward")
-def _gated_op(gate: Tensor, up: Tensor, dh: Tensor, act: str, identity: bool, half: bool) -> Tuple[Tensor, Tensor]:
+def _gated_op(gate: Tensor, up: Tensor, dh: Tensor, act: str, identity: bool, half: bool) -> tuple[Tensor, Tensor]:
     gated = importlib.import_module("pyattr.kernels.gated")
 
     return gated.gated_backward(gate, up, dh, act, identity, half)
@@ -76,7 +79,7 @@ def _or_empty(t: Optional[Tensor], like: Tensor) -> Tensor:
 @_operator("pyattr_triton::layer_norm_backward")
 def _layer_norm_op(
     x: Tensor, weight: Optional[Tensor], eps: float, dy: Tensor, need_dweight: bool, need_dbias: bool
-) -> Tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     layer_norm = importlib.import_module("pyattr.kernels.layer_norm")
 
     dx, dw, db = layer_norm.layer_norm_backward(x, weight, eps, dy, need_dweight, need_dbias)
@@ -86,7 +89,7 @@ def _layer_norm_op(
 @_operator("pyattr_triton::rms_norm_backward")
 def _rms_norm_op(
     x: Tensor, weight: Optional[Tensor], eps: float, offset: float, dy: Tensor, need_dweight: bool
-) -> Tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor]:
     rms_norm = importlib.import_module("pyattr.kernels.rms_norm")
 
     dx, dw = rms_norm.rms_norm_backward(x, weight, eps, offset, dy, need_dweight)
