@@ -136,7 +136,7 @@ def test_html_is_self_contained_with_tokens_legend_and_hover(results):
         assert f">{tok}</span>" in page
     v = float(r.token_relevance[0, 3])
     assert f"position 3 · &#x27; owl&#x27; · relevance {v:+.4g}" in page
-    assert "target &#x27;owl&#x27;" in page or "target 'owl'" in page
+    assert "target &#x27; owl&#x27;" in page
     # padding (None) is not drawn
     assert page.count('class="tok"') == sum(t is not None for row in r.tokens for t in row)
 
@@ -189,9 +189,19 @@ def test_show_prints_text_outside_a_notebook(results, capsys):
     results["relevance"].show()
     out = capsys.readouterr().out
     assert out.startswith("RelevanceResult · backend ")
-    assert "owl(" in out and "row 1 · target 'blue'" in out
+    assert "owl(" in out and "row 1 · target ' blue'" in out
 
 
 def test_table_only_results_refuse_to_plot(results):
     with pytest.raises(ValueError, match=r"^plot\(\): this result has nothing to draw \(only tables; use to_pandas\(\)\)$"):
         results["audit"].plot()
+
+
+def test_rows_of_one_result_share_one_colour_scale(results):
+    import re
+
+    r = results["relevance"]
+    page = r._repr_html_()
+    ends = re.findall(r'id="pyattr-[0-9a-f]+-\d+-hi">([^<]+)<', page)
+    top = float(r.token_relevance.abs().max())
+    assert len(ends) == 2 and ends[0] == ends[1] and abs(float(ends[0]) - top) <= 0.05 * top

@@ -36,7 +36,7 @@ def test_text_equals_ids_and_tokens_are_the_decoding(toy):
     assert torch.equal(by_text.target, by_ids.target)
     assert by_text.tokens == [["<s>", "cat", " dog", " owl", " fox", " cat", " dog"]]
     assert by_ids.tokens is None  # no tokenizer given: no strings
-    assert by_text.target_tokens == [tok.decode([int(by_text.target_ids[0])])]
+    assert by_text.target_tokens == [" owl"]  # the target as the decoding spells it after the text
 
 
 def test_word_target_is_the_next_token_of_the_joint_text(toy):
@@ -197,6 +197,7 @@ def test_class_label_target_on_an_image_classifier():
     by_label = pyattr.relevance(model, pixels, target="red")
     by_id = pyattr.relevance(model, pixels, target=red)
     assert torch.equal(by_label.token_relevance, by_id.token_relevance)
+    assert by_label.target_tokens == ["red", "red"] and by_id.target_tokens == ["red", "red"]  # config.id2label
     by_name = pyattr.relevance("squares", pixels, target=["red", "blue"])
     assert torch.equal(by_name.token_relevance[0], by_id.token_relevance[0])
     with pytest.raises(ValueError, match=r"^target='purple': a word names a next-token logit or a class label, but "

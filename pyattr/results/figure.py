@@ -9,7 +9,7 @@ import math
 import textwrap
 from typing import List
 
-from pyattr.results.panels import Curves, Matrix, Note, Table, Tokens, flat, is_nan, label, scale
+from pyattr.results.panels import Curves, Matrix, Note, Table, Tokens, is_nan, label, scale_of
 
 
 def _cmap():
@@ -55,7 +55,7 @@ def figure(panels: List, heading: str):
             ax.set_ylabel(_plain(p.y_name))
             ax.legend(fontsize=7)
         else:
-            s = scale(flat(p))
+            s = scale_of(p)
             if isinstance(p, Tokens):
                 keep = [i for i, lab in enumerate(p.labels) if lab is not None]
                 cells = [[p.values[i] for i in keep]]

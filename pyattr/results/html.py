@@ -10,7 +10,7 @@ import hashlib
 from typing import Iterable
 
 from pyattr.results.colours import LEGEND_CSS, _ink, _rgb, legend_html, num
-from pyattr.results.panels import Curves, Matrix, Note, Table, Tokens, flat, is_nan, label, scale
+from pyattr.results.panels import Curves, Matrix, Note, Table, Tokens, is_nan, label, scale_of
 
 _CSS = """
 .pyattr-result { font-family: system-ui, sans-serif; font-size: 14px; color: #222; max-width: 100%; }
@@ -41,7 +41,7 @@ def _legend(s: float, what: str, ids: str) -> str:
 
 
 def _tokens(p: Tokens, ids: str) -> str:
-    s = scale(flat(p))
+    s = scale_of(p)
     spans = []
     for i, (lab, v) in enumerate(zip(p.labels, p.values)):
         if lab is None:
@@ -55,7 +55,7 @@ def _tokens(p: Tokens, ids: str) -> str:
 
 
 def _matrix(p: Matrix, ids: str) -> str:
-    s = scale(flat(p))
+    s = scale_of(p)
     head = "".join(f"<th>{html.escape(label(c))}</th>" for c in p.cols)
     body = []
     for r, row in zip(p.rows, p.values):

@@ -11,7 +11,7 @@ from typing import List, Optional
 import torch
 
 from pyattr.results.colours import num
-from pyattr.results.panels import Curves, Matrix, Note, Table, Tokens
+from pyattr.results.panels import Curves, Matrix, Note, Table, Tokens, share_scale
 
 MAX_ROWS = 8
 
@@ -170,6 +170,7 @@ def patching(result, limit=MAX_ROWS) -> List:
     for node, eff in result.effects.items():
         names = result.dims[node]
         rows = _take(list(range(eff.shape[0])), per_node)
+        first = len(panels)
         notes += [Note(f"{node}: {n.text}") for n in _left_out(len(rows), eff.shape[0])]
         for r in rows:
             e = eff[r].double()
@@ -200,6 +201,7 @@ def patching(result, limit=MAX_ROWS) -> List:
                                  f"{num(float(result.corrupt_metric[r]), '.4g')}",
                                  [str(i) for i in range(e.shape[0])], cols, _cells(e, node in result.sampled),
                                  "layer", cols_name, "effect"))
+        share_scale(panels[first:])  # rows of one node type on one scale; node types differ in size
     return notes + panels
 
 
@@ -275,4 +277,7 @@ LAYOUTS = {
 def panels(result, limit: Optional[int] = MAX_ROWS) -> List:
     """The result's panels: at most ``limit`` batch rows (with a note saying how many are
     left out); ``limit=None``: every row, every panel (``to_pandas()``)."""
-    return LAYOUTS[type(result).__name__](result, limit)
+    out = LAYOUTS[type(result).__name__](result, limit)
+    if type(result).__name__ not in ("PatchingResult", "GradientCapture"):
+        share_scale(out)  # every row of one result on one colour scale, so rows compare by colour
+    return out

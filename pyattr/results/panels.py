@@ -21,6 +21,7 @@ class Tokens:
     labels: List[Optional[str]]
     values: List[float]
     value_name: str = "relevance"
+    scale: Optional[float] = None  # the colour scale's end; None: this panel's largest |value|
 
 
 @dataclass
@@ -34,6 +35,7 @@ class Matrix:
     row_name: str = "row"
     col_name: str = "column"
     value_name: str = "relevance"
+    scale: Optional[float] = None  # the colour scale's end; None: this panel's largest |value|
 
 
 @dataclass
@@ -116,3 +118,17 @@ def label(text: Optional[str]) -> str:
     if any(not (ch.isspace() or unicodedata.category(ch) == "Cf") for ch in shown):
         return shown
     return "".join("␣" if ch.isspace() else f"\\u{ord(ch):04x}" for ch in shown)
+
+
+def share_scale(panels) -> None:
+    """One colour scale for every heatmap panel given (the largest |value| over all of
+    them), so that rows of one result compare by colour: a row with a small target is
+    pale, not as saturated as a row with a large one."""
+    heat = [p for p in panels if isinstance(p, (Tokens, Matrix))]
+    common = scale([v for p in heat for v in flat(p)])
+    for p in heat:
+        p.scale = common
+
+
+def scale_of(p) -> float:
+    return p.scale if p.scale is not None else scale(flat(p))

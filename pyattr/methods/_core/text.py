@@ -334,22 +334,48 @@ def attach_tokens(result, tokenizer, ids: Optional[torch.Tensor], mask: Optional
 
 def finish(result, call: TextCall, ids: Optional[torch.Tensor], mask: Optional[torch.Tensor] = None):
     """The result with ``tokens`` (and ``target_tokens`` for token-id targets) as strings,
-    where the call has a tokenizer; returned unchanged otherwise."""
+    where the call has a tokenizer; a classifier's class names in ``target_tokens``."""
     tok = call.tokenizer
     if tok is None:
-        return result
+        return _class_names(result, call.model)
     attach_tokens(result, tok, ids, mask)
     tids = getattr(result, "target_ids", None)
-    if hasattr(result, "target_tokens") and isinstance(tids, torch.Tensor) and tids.numel():
-        flat = [int(t) for t in tids.reshape(-1)]
-        words = [tok.decode([t], skip_special_tokens=False, clean_up_tokenization_spaces=False) for t in flat]
-        shape = tuple(tids.shape)
-        if len(shape) == 0:
-            result.target_tokens = words[0]
-        elif len(shape) == 1:
-            result.target_tokens = words
-        else:
-            result.target_tokens = [words[i * shape[1]:(i + 1) * shape[1]] for i in range(shape[0])]
+    if not (hasattr(result, "target_tokens") and isinstance(tids, torch.Tensor) and tids.numel()):
+        return result
+    if not _causal(call.model):
+        return _class_names(result, call.model)
+    from pyattr.methods._core.words import _pieces
+
+    # the target token as the tokenizer's decoding spells it after the row's text (' owl',
+    # not the bare 'owl' decoding the id alone gives a SentencePiece vocabulary)
+    rows = ids.reshape(-1, ids.shape[-1]) if ids is not None else None
+    real = None if mask is None or rows is None else mask.reshape(rows.shape).bool()
+
+    def word(tid: int, row: int) -> str:
+        before = [] if rows is None or row >= rows.shape[0] else \
+            [int(t) for t in (rows[row] if real is None else rows[row][real[row]])][-8:]
+        return _pieces(tok, before + [tid])[-1]
+
+    if tids.dim() == 0:
+        result.target_tokens = word(int(tids), 0)
+    elif tids.dim() == 1:
+        result.target_tokens = [word(int(t), r) for r, t in enumerate(tids.tolist())]
+    else:
+        result.target_tokens = [[word(int(t), r) for r, t in enumerate(k)] for k in tids.tolist()]
+    return result
+
+
+def _class_names(result, model):
+    """``target_tokens`` of a classifier's class ids: the names of ``config.id2label``
+    (none where they are transformers' defaults, ``LABEL_0``…)."""
+    tids = getattr(result, "target_ids", None)
+    names = getattr(getattr(model, "config", None), "id2label", None) or {}
+    if not (hasattr(result, "target_tokens") and isinstance(tids, torch.Tensor) and tids.numel() and names) \
+            or _causal(model) or all(str(v).startswith("LABEL_") for v in names.values()):
+        return result
+    name = lambda t: str(names.get(int(t), names.get(str(int(t)), int(t))))  # noqa: E731
+    result.target_tokens = name(tids) if tids.dim() == 0 else [name(t) for t in tids.tolist()] if tids.dim() == 1 \
+        else [[name(t) for t in k] for k in tids.tolist()]
     return result
 
 
@@ -449,7 +475,7 @@ def text_inputs(caller: str, *, inputs: Sequence[str] = ("inputs",), target: Opt
                                      call.model, caller, left=left, name=name)
             result = fn(*bound.args, **bound.kwargs)
             if call.tokenizer is None:
-                return result
+                return _class_names(result, call.model)
             ids, mask = tokens_of(result) if tokens_of is not None else _ids_and_mask(call.inputs)
             if mask is None and ids is not None:
                 mask = _new_tokens(a.get("attention_mask"), ids)
