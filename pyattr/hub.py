@@ -31,9 +31,10 @@ if TYPE_CHECKING:  # torch is imported when a model is loaded: resolving a name 
 __all__ = ["load_pretrained", "ModelLoadError"]
 
 
-class ModelLoadError(OSError):
+class ModelLoadError(OSError, ValueError):
     """A model that cannot be loaded: the message says what was tried, what failed and
-    what to pass instead."""
+    what to pass instead. An ``OSError`` (as transformers' loading errors) and a
+    ``ValueError`` (a bad ``model`` argument to a Python method)."""
 
 
 # --- the bundled models ---------------------------------------------------------------
@@ -141,7 +142,8 @@ def resolve(name_or_path) -> Source:
         ModelLoadError: an empty name.
         TypeError: not a string or path.
     """
-    if isinstance(name_or_path, os.PathLike):
+    is_path = isinstance(name_or_path, os.PathLike)  # a Path is a directory, never a hub id
+    if is_path:
         name_or_path = os.fspath(name_or_path)
     if not isinstance(name_or_path, str):
         raise TypeError(f"a model name is a string or a path, not {type(name_or_path).__name__}")
@@ -155,7 +157,7 @@ def resolve(name_or_path) -> Source:
     b = _bundled(text)
     if b is not None:
         return Source(text, "bundled", str(b.where()), b.label)
-    if _is_hub_id(text):
+    if _is_hub_id(text) and not is_path:
         return Source(text, "hub", text, text)
     return Source(text, "dir", str(path), str(path))
 
@@ -383,7 +385,9 @@ def _load_local(src: Source, causal, dtype, placement):
     what = f"model directory {str(path)!r}"
     has_tokenizer = any((path / f).exists() for f in TOKENIZER_FILES)
     image = (path / "preprocessor_config.json").is_file()
-    if not has_tokenizer and not (causal is None and image):
+    # causal=None (a Python method's model name): a checkpoint without a tokenizer still
+    # loads (token ids in, or tokenizer= given), the method says where text needs one
+    if not has_tokenizer and causal is not None:
         if image:
             raise ModelLoadError(
                 f"{what} holds an image model (preprocessor_config.json, no tokenizer): "

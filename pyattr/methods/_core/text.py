@@ -231,15 +231,15 @@ class TextCall:
 def resolve(model, inputs, tokenizer, caller: str, *, target=None, rules=None, left: Optional[bool] = None,
             word_target_ok: bool = True, inputs_name: str = "inputs") -> TextCall:
     """Read a call's text: ``model`` a hub id / bundled name / directory (loaded with its
-    tokenizer, :func:`pyattr.methods._core.hub.load_named`), ``inputs`` a string or list
+    tokenizer, :func:`pyattr.hub.load_pretrained`), ``inputs`` a string or list
     of strings (``tokenizer=`` needed), ``target`` a word or list of words (one per row),
     ``rules`` a shorthand. Everything else passes through unchanged."""
     named = None
     if isinstance(model, (str,)) or hasattr(model, "__fspath__"):
-        from pyattr.methods._core.hub import load_named
+        from pyattr.hub import load_pretrained
 
         named = model
-        model, loaded = load_named(model, caller)
+        loaded, model = load_pretrained(model, causal=None)  # the checkpoint's own class, its head included
         tokenizer = loaded if tokenizer is None else tokenizer
     if tokenizer is not None and not callable(tokenizer):
         raise TypeError(f"tokenizer must be a Hugging Face tokenizer (callable), got {type(tokenizer).__name__}")
