@@ -138,7 +138,7 @@ def _offline():
 def bundled_model_dir() -> Path:
     """The directory of the bundled all-MiniLM-L6-v2."""
     try:
-        return _hub._minilm_dir()
+        return next(b for b in _hub.BUNDLED if b.name == "minilm").where()
     except _hub.ModelLoadError as e:
         raise ExplainError(str(e)) from None
 
