@@ -291,9 +291,9 @@ def _import(library: Path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     sys.modules["pyattr._C"] = mod
-    import pyattr
-
-    pyattr._C = mod
+    # the package's attribute, as an import of pyattr._C would set it (through sys.modules:
+    # importing pyattr here would make the backends import the package root)
+    sys.modules["pyattr"]._C = mod
     return mod
 
 
