@@ -246,3 +246,15 @@ def graph_names(t) -> set:
         names.add(type(fn).__name__)
         todo.extend(f for f, _ in fn.next_functions)
     return names
+
+
+@pytest.fixture(scope="module")
+def toy():
+    """``(tokenizer, model)`` of the bundled toy induction decoder (float32, eval mode)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import pyattr.toy
+
+    tok = AutoTokenizer.from_pretrained(pyattr.toy.INDUCTION_DIR)
+    model = AutoModelForCausalLM.from_pretrained(pyattr.toy.INDUCTION_DIR).eval()
+    return tok, model

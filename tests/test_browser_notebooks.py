@@ -141,25 +141,8 @@ def test_notebook_views(browser, artifacts, tmp_path, name):
         p.finish(artifacts, f"notebook-{name}-{k}")
 
 
-HOOK = '''
-import importlib.util
-from pathlib import Path
-
-
-def _notebook_pages(docs_dir):
-    spec = importlib.util.spec_from_file_location("notebook_render", Path(docs_dir) / "notebooks" / "render.py")
-    render = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(render)
-    return render.pages(docs_dir)
-
-
-def on_files(files, config):
-    from mkdocs.structure.files import File
-
-    for uri, text in _notebook_pages(config["docs_dir"]).items():
-        files.append(File.generated(config, uri, content=text))
-    return files
-'''
+# the site's own hooks (mkdocs_hooks.py: notebooks made into pages, Sphinx roles shown short)
+HOOK = (Path(__file__).resolve().parents[1] / "mkdocs_hooks.py").read_text()
 
 
 @pytest.fixture(scope="module")

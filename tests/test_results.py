@@ -20,15 +20,6 @@ TEXT = "cat dog owl fox cat dog"
 
 
 @pytest.fixture(scope="module")
-def toy():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(pyattr.toy.INDUCTION_DIR)
-    model = AutoModelForCausalLM.from_pretrained(pyattr.toy.INDUCTION_DIR).eval()
-    return tok, model
-
-
-@pytest.fixture(scope="module")
 def results(toy):
     tok, model = toy
     torch.manual_seed(0)

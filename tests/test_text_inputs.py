@@ -15,15 +15,6 @@ from pyattr.patching import activation_patching, attribution_patching
 TEXT = "cat dog owl fox cat dog"
 
 
-@pytest.fixture(scope="module")
-def toy():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(pyattr.toy.INDUCTION_DIR)
-    model = AutoModelForCausalLM.from_pretrained(pyattr.toy.INDUCTION_DIR).eval()
-    return tok, model
-
-
 def _ids(tok, text):
     return torch.tensor([tok(text)["input_ids"]])
 

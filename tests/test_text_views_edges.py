@@ -25,15 +25,6 @@ TEXT = "cat dog owl fox cat dog"
 
 
 @pytest.fixture(scope="module")
-def toy():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(pyattr.toy.INDUCTION_DIR)
-    model = AutoModelForCausalLM.from_pretrained(pyattr.toy.INDUCTION_DIR).eval()
-    return tok, model
-
-
-@pytest.fixture(scope="module")
 def bpe():
     from tests.bpe import byte_bpe_tokenizer, tiny_gpt2
 

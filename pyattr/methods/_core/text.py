@@ -93,19 +93,7 @@ def encode(tokenizer, texts: Sequence[str], model: nn.Module, caller: str, *, le
             raise ValueError(f"{name}: text {i} has no tokens after tokenisation")
         rows.append([int(t) for t in ids])
     _check_vocabulary(model, tokenizer, rows, name)
-    width = max(len(r) for r in rows)
-    pad = getattr(tokenizer, "pad_token_id", None)
-    if pad is None:
-        pad = getattr(tokenizer, "eos_token_id", None)
-    pad = 0 if pad is None else int(pad)
-    on_left = (getattr(tokenizer, "padding_side", "right") == "left") if left is None else left
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        sl = slice(width - len(r), width) if on_left else slice(0, len(r))
-        ids[i, sl] = torch.tensor(r, dtype=torch.long)
-        mask[i, sl] = 1
-    return {"input_ids": ids, "attention_mask": mask}
+    return _pad_rows(rows, tokenizer, (getattr(tokenizer, "padding_side", "right") == "left") if left is None else left)
 
 
 def _embedding_rows(model: nn.Module) -> Optional[int]:
@@ -380,6 +368,8 @@ def _class_names(result, model):
 
 
 def _pad_rows(rows: List[List[int]], tokenizer, left: bool) -> dict:
+    """Id rows padded to one width (on the left or the right) with their attention mask;
+    the pad id is the tokenizer's, else its end-of-text id, else 0 (masked out either way)."""
     width = max(len(r) for r in rows)
     pad = getattr(tokenizer, "pad_token_id", None)
     pad = getattr(tokenizer, "eos_token_id", None) if pad is None else pad
