@@ -139,7 +139,7 @@ def test_cli_errors_and_another_configuration(lm, tmp_path):
     d, tok, model = lm
     data = _jsonl(tmp_path / "p.jsonl", [{"text": t} for t in TEXTS[:2]])
     r = run_cli("run", "--model", d, "--data", data, "--out", tmp_path / "o", "--rules", "bogus")
-    assert r.returncode == 2 and "pyattr run: error: --rules: expected all, attnlrp, none" in r.stderr
+    assert r.returncode == 2 and "pyattr run: error: --rules: expected all, attnlrp, ln, none" in r.stderr
     r = run_cli("run", "--model", d, "--data", tmp_path / "nope.jsonl", "--out", tmp_path / "o")
     assert r.returncode == 2 and "--data: " in r.stderr and "is not a file" in r.stderr
     r = run_cli("run", "--model", d, "--data", data, "--out", tmp_path / "o")

@@ -32,7 +32,7 @@ def _open_image(path: Path, channels: int = 3):
     try:
         from PIL import Image, UnidentifiedImageError
     except ImportError:
-        raise ExplainError("--image needs Pillow (pip install -e '.[demo]')") from None
+        raise ExplainError("--image needs Pillow (pip install pillow)") from None
     if not path.is_file():
         raise ExplainError(f"image {str(path)!r} does not exist or is not a file")
     try:

@@ -60,7 +60,7 @@ def run(args) -> int:
     except OSError as e:
         return fail("patch", f"cannot write the output: {e.strerror or e}")
     except ImportError:
-        return fail("patch", "--png needs matplotlib (pip install -e '.[demo]')")
+        return fail("patch", "--png needs matplotlib (pip install matplotlib)")
     print_terminal(rep, top=args.top)
     for flag, path in (("heatmaps", args.png), ("page", args.html), ("JSON", args.json)):
         if path:

@@ -15,21 +15,19 @@ _RULE_FIELDS = ("normalization", "activation", "multiplicative_gate", "attention
 
 
 def parse_rules(text: str):
-    """``all`` (default), ``attnlrp`` (all, AttnLRP attention), ``none``, or a comma list of
+    """``all`` (default), ``attnlrp`` (all, AttnLRP attention), ``ln`` (the LN-rule alone),
+    ``none`` — the shorthands the Python methods' ``rules=`` takes — or a comma list of
     normalization, activation, multiplicative_gate, attention (the AH-rule), routing
     (frozen mixture-of-experts routing)."""
     from pyattr.config import RelevanceRules
+    from pyattr.methods._core.text import RULE_SHORTHANDS, rules_from
 
-    if text == "all":
-        return RelevanceRules.all()
-    if text == "attnlrp":
-        return RelevanceRules.all("attnlrp")
-    if text == "none":
-        return RelevanceRules()
+    if text.strip().lower() in RULE_SHORTHANDS:
+        return rules_from(text)
     names = [n.strip() for n in text.split(",") if n.strip()]
     bad = [n for n in names if n not in _RULE_FIELDS]
     if bad or not names:
-        raise UsageError(f"--rules: expected all, attnlrp, none or a comma list of {', '.join(_RULE_FIELDS)}; got {text!r}")
+        raise UsageError(f"--rules: expected all, attnlrp, ln, none or a comma list of {', '.join(_RULE_FIELDS)}; got {text!r}")
     return RelevanceRules(**{n: True for n in names})
 
 

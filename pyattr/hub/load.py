@@ -34,7 +34,7 @@ def _import_transformers():
     try:
         import transformers
     except ImportError:
-        raise ModelLoadError("transformers is not installed (pip install -e '.[hf]')") from None
+        raise ModelLoadError("transformers is not installed (install pyattr with its hf extra: pip install '.[hf]' in a checkout, or pip install transformers)") from None
     _quiet_transformers()
     return transformers
 

