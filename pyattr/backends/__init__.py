@@ -88,6 +88,12 @@ def _probe_triton() -> BackendStatus:
     if not getattr(kernels, "KERNELS_READY", False):
         return BackendStatus("triton", False, "pyattr.kernels ships no Triton kernels yet")
     interp = os.environ.get("TRITON_INTERPRET") == "1"
+    version = getattr(triton, "__version__", "0")
+    if interp and tuple(int(p) if p.isdigit() else 0 for p in version.split(".")[:2]) < (3, 3):
+        # its interpreter builds the autotuner through the GPU driver and passes the
+        # configs' warp-specialisation fields to the kernel (torch 2.6 ships Triton 3.2)
+        return BackendStatus("triton", False, f"Triton {version}'s interpreter cannot run pyattr's autotuned "
+                             "kernels (Triton 3.3 or newer can; on a GPU, without TRITON_INTERPRET, this one can)")
     if not torch.cuda.is_available() and not interp:
         return BackendStatus("triton", False, "no CUDA device (set TRITON_INTERPRET=1 to run on CPU)")
     return BackendStatus("triton", True, "Triton kernels", ("cuda", "cpu") if interp else ("cuda",))
