@@ -200,7 +200,7 @@ def test_kernel_displays_a_result_and_round_trips_it(tmp_path):
     assert view.startswith("<div class='pyattr-result'>") and "<script" not in view
     toks = ["red", " blue", " king", " frog", " red", " blue"]
     assert re.findall(r'<span class="tok"[^>]*>(.*?)</span>', view) == ["&lt;s&gt;"] + [htmlmod.escape(t) for t in toks]
-    assert "target &#x27;king&#x27;" in view or "target 'king'" in view
+    assert "target &#x27; king&#x27;" in view  # the target as the tokenizer spells it after the text
     report = json.loads(out.cells[2].outputs[0].text)
     assert report["class"] == "RelevanceResult" and report["tokens"] and report["html"]
     assert report["arrays"] == dict.fromkeys(report["arrays"], True)
