@@ -339,3 +339,22 @@ def test_a_pyattr_C_imported_before_the_probe_is_named_by_where_it_lies(tmp_path
     installed = type(sys)("pyattr._C")
     installed.__file__ = str(tmp_path / "site-packages" / "pyattr" / f"_C.{HERE}-x86_64-linux-gnu.so")
     assert extension._origin(installed, torch) == "built at install"
+
+
+def test_an_interpreter_that_cannot_run_the_kernels_turns_the_triton_backend_off(monkeypatch):
+    """torch 2.6 ships Triton 3.2, torch 2.7 Triton 3.3: neither's interpreter runs the
+    autotuned kernels without a GPU. The Triton here (a newer one) can."""
+    triton = pytest.importorskip("triton")
+    real = triton.__version__
+    assert backends._interpreter_problem(triton) == ""
+    monkeypatch.setattr(triton, "__version__", "3.2.0")
+    assert backends._interpreter_problem(triton) == (
+        "Triton 3.2.0's interpreter cannot run pyattr's autotuned kernels (a newer Triton can; "
+        "on a GPU without TRITON_INTERPRET this one can)")
+    monkeypatch.setattr(triton, "__version__", real)
+    monkeypatch.delitem(sys.modules, "pyattr.kernels.identity")
+    monkeypatch.setattr(triton, "autotune", lambda **kw: (_ for _ in ()).throw(
+        RuntimeError("0 active drivers ([]). There should only be one.")))
+    assert backends._interpreter_problem(triton) == (
+        f"Triton {real}'s autotuner needs a GPU driver, even under TRITON_INTERPRET (0 active drivers ([]). "
+        "There should only be one.); a newer Triton runs pyattr's kernels on the CPU")

@@ -76,6 +76,23 @@ def _probe_cuda() -> BackendStatus:
     return BackendStatus("cuda", True, "pyattr._C CUDA kernels", ("cuda",))
 
 
+def _interpreter_problem(triton) -> str:
+    """Why Triton's interpreter (TRITON_INTERPRET=1) cannot run pyattr's kernels here, or
+    "": Triton 3.2 (torch 2.6's) passes the configs' warp-specialisation fields to the
+    kernels, and the autotuner of Triton 3.2 and 3.3 (torch 2.7's) asks the GPU driver for
+    a benchmark function as it is built, which fails without a GPU."""
+    version = getattr(triton, "__version__", "0")
+    if tuple(int(p) if p.isdigit() else 0 for p in version.split(".")[:2]) < (3, 3):
+        return (f"Triton {version}'s interpreter cannot run pyattr's autotuned kernels (a newer Triton can; "
+                "on a GPU without TRITON_INTERPRET this one can)")
+    try:
+        importlib.import_module("pyattr.kernels.identity")  # decorating its kernel builds an autotuner
+    except RuntimeError as e:
+        return (f"Triton {version}'s autotuner needs a GPU driver, even under TRITON_INTERPRET ({e}); "
+                "a newer Triton runs pyattr's kernels on the CPU")
+    return ""
+
+
 def _probe_triton() -> BackendStatus:
     try:
         import triton  # noqa: F401
@@ -88,12 +105,9 @@ def _probe_triton() -> BackendStatus:
     if not getattr(kernels, "KERNELS_READY", False):
         return BackendStatus("triton", False, "pyattr.kernels ships no Triton kernels yet")
     interp = os.environ.get("TRITON_INTERPRET") == "1"
-    version = getattr(triton, "__version__", "0")
-    if interp and tuple(int(p) if p.isdigit() else 0 for p in version.split(".")[:2]) < (3, 3):
-        # its interpreter builds the autotuner through the GPU driver and passes the
-        # configs' warp-specialisation fields to the kernel (torch 2.6 ships Triton 3.2)
-        return BackendStatus("triton", False, f"Triton {version}'s interpreter cannot run pyattr's autotuned "
-                             "kernels (Triton 3.3 or newer can; on a GPU, without TRITON_INTERPRET, this one can)")
+    why = _interpreter_problem(triton) if interp else ""
+    if why:
+        return BackendStatus("triton", False, why)
     if not torch.cuda.is_available() and not interp:
         return BackendStatus("triton", False, "no CUDA device (set TRITON_INTERPRET=1 to run on CPU)")
     return BackendStatus("triton", True, "Triton kernels", ("cuda", "cpu") if interp else ("cuda",))

@@ -27,7 +27,14 @@ import os
 import sys
 from pathlib import Path
 
-import pyattr.backends.build as build
+
+def _build():
+    """:mod:`pyattr.backends.build`, imported when first needed: importing it with the
+    package would make ``python -m pyattr.backends.build`` warn that it is already loaded."""
+    import pyattr.backends.build as build
+
+    return build
+
 
 NOTICE = "pyattr: the C++ kernels are off, running on the torch backend: {why}. To get them: {how}."
 
@@ -67,6 +74,7 @@ def check_installed(library: Path, torch) -> str:
     may): its ``_C_build.json`` names another torch, or is missing. A library built
     against another torch can import without an error and run with another ABI (one
     built for torch 2.14.1 imports under 2.15.0), so without that file it is not tried."""
+    build = _build()
     info_path = Path(library).parent / build.INFO_NAME
     try:
         info = json.loads(info_path.read_text())
@@ -80,6 +88,7 @@ def check_installed(library: Path, torch) -> str:
 
 def _origin(mod, torch) -> str:
     """Where a pyattr._C that is already imported came from: the first-use cache or the install."""
+    build = _build()
     path = Path(getattr(mod, "__file__", "") or ".").resolve()
     if path.parent.parent == (build.cache_root() / "ext").resolve():
         return f"compiled on first use for torch {torch.__version__}, {path.parent}"
@@ -89,6 +98,7 @@ def _origin(mod, torch) -> str:
 def _find():
     """``(module, origin, why, how)``: pyattr._C and where it came from, or None with why
     it is not there and how to get it."""
+    build = _build()
     import torch
 
     loaded = sys.modules.get("pyattr._C")
