@@ -258,3 +258,27 @@ def toy():
     tok = AutoTokenizer.from_pretrained(pyattr.toy.INDUCTION_DIR)
     model = AutoModelForCausalLM.from_pretrained(pyattr.toy.INDUCTION_DIR).eval()
     return tok, model
+
+
+def need_torchao(module: bool = False):
+    """torchao, or a skip saying why not: torchao 0.18 (the dev extra's) imports only under
+    torch 2.10 or newer, and pyattr's floor is 2.6. CI sets PYATTR_REQUIRE_TORCHAO=1, where a
+    missing torchao fails instead. ``module``: called at a test file's import (skips it all)."""
+    import os
+
+    try:
+        import torchao  # noqa: F401
+    except ImportError as e:
+        why = f"torchao cannot be imported under torch {torch.__version__} ({type(e).__name__}: {e})"
+        if os.environ.get("PYATTR_REQUIRE_TORCHAO") == "1":
+            pytest.fail(f"PYATTR_REQUIRE_TORCHAO=1 but {why}")
+        pytest.skip(why, allow_module_level=module)
+
+
+def node_name(fn) -> str:
+    """An autograd node's name: ``fn.name()``, or its class name where torch (2.6) refuses
+    ``name()`` on a Python Function's node."""
+    try:
+        return fn.name()
+    except RuntimeError:
+        return type(fn).__name__

@@ -230,6 +230,10 @@ def test_torchao_import_notices_are_not_printed(tmp_path):
     import subprocess
     import sys
 
+    from conftest import need_torchao
+
+    need_torchao()
+
     env = dict(os.environ, TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1", HF_HUB_OFFLINE="1")
     plain = subprocess.run([sys.executable, "-c", "import torchao"], capture_output=True, text=True, env=env,
                            timeout=300)

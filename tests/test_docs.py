@@ -223,6 +223,11 @@ def test_every_doc_page_is_in_the_nav():
 
 @pytest.mark.parametrize("path,index,code", _blocks("python"), ids=[f"{_name(p)}#{i}" for p, i, _ in _blocks("python")])
 def test_python_block_runs_and_prints_the_page(path, index, code, session):
+    if any("torchao" in c for lang, c in BLOCKS[path] if lang == "python"):
+        # the quantized page: torchao imports only under torch 2.10 or newer
+        from conftest import need_torchao
+
+        need_torchao()
     printed, error = session[(path, index)]
     assert error is None, error
     shown = OUTPUTS[path].get(index)

@@ -409,6 +409,16 @@ def _norm_cases(dtype, eps):
     }
 
 
+def _native_layer_norm_overflows(dtype) -> bool:
+    """Whether this torch's native layer_norm gives NaN for a row whose squares overflow
+    (torch 2.6 to 2.8 do; later ones give the finite answer). A node that reads the native
+    forward's statistics (the cpp backend's) then gives NaN in that row, where the forward
+    itself is NaN too; observed here, not assumed from a version."""
+    x = torch.zeros(1, 8, dtype=dtype)
+    x[0, 5] = torch.finfo(dtype).max / 4  # one value whose square overflows, as norm_rows' x[5] rows
+    return bool(torch.isnan(F.layer_norm(x, (8,))).any())
+
+
 @pytest.mark.parametrize("name,dtype", BACKEND_DTYPES)
 @pytest.mark.parametrize("eps", [1e-5, 0.0])
 def test_norm_rules_edges(name, dtype, eps):
@@ -417,9 +427,15 @@ def test_norm_rules_edges(name, dtype, eps):
         y, grads = _on(name, fn, [x, *params], dy)
         assert_bits(y, native(x).detach())
         _, ref = _on("torch", fn, [x, *params], dy)
+        keep = None
+        if case.startswith("layer_norm") and _native_layer_norm_overflows(dtype):
+            keep = torch.isfinite(y.detach()).all(-1)  # rows whose native forward is NaN: undefined there
         for got, expected in zip(grads, ref):
+            if keep is not None and got.dim() == 2:
+                got, expected = got[keep], expected[keep]
             try:
-                assert_norm_close(got, expected, dtype, names if got.dim() == 2 else None)
+                rows = [n for n, k in zip(names, keep.tolist()) if k] if keep is not None else names
+                assert_norm_close(got, expected, dtype, rows if got.dim() == 2 else None)
             except AssertionError as e:
                 raise AssertionError(f"{case}: {e}") from None
 

@@ -10,6 +10,7 @@ refused.
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -238,9 +239,12 @@ def test_reentrant_checkpointing_behind_an_unknown_wrapper_is_a_clear_error():
     if not hasattr(model, "activation_checkpointing_enable"):
         pytest.skip("transformers < 5 has no offload option for activation checkpointing")
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True}, offload=True)
-    with pytest.raises(RuntimeError, match=r"relevance\(\): the model checkpoints with use_reentrant=True through a "
-                                           r"function pyattr cannot switch"):
+    with pytest.raises(RuntimeError) as err:
         pyattr.relevance(model, _ids())
+    if "pin_memory allocator" in str(err.value):  # CPU-only torch 2.6: offloaded checkpointing pins memory
+        pytest.skip(f"this torch cannot pin memory, which transformers' offloaded checkpointing needs ({err.value})")
+    assert re.search(r"relevance\(\): the model checkpoints with use_reentrant=True through a function pyattr "
+                     r"cannot switch", str(err.value)), str(err.value)
 
 
 @pytest.mark.parametrize("content, args, message", [
