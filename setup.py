@@ -159,7 +159,8 @@ if torch is not None:
 setup(
     packages=packages,
     package_dir={"pyattr.kernels": "kernels"},
-    package_data={"pyattr.toy": ["induction/*.json", "induction/*.safetensors", "squares/*.json",
+    package_data={"pyattr.toy": ["induction/*.json", "induction/*.safetensors", "induction_b/*.json",
+                                 "induction_b/*.safetensors", "squares/*.json",
                                  "squares/*.safetensors"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -17,6 +17,10 @@ from pathlib import Path
 
 #: The directory of the shipped model (``save_pretrained`` layout plus ``circuit.json``).
 INDUCTION_DIR = Path(__file__).resolve().parent / "induction"
+#: A second induction decoder, the same architecture and task trained independently
+#: (``python -m pyattr.toy.train DIR --seed 1``): what a result on one trained model
+#: cannot owe to its particular weights is checked on both (``toy.load(toy.INDUCTION_B_DIR)``).
+INDUCTION_B_DIR = Path(__file__).resolve().parent / "induction_b"
 #: The name ``pyattr explain / patch / generate --model`` accept for it.
 INDUCTION_NAME = "induction"
 #: The directory of the shipped image classifier (``save_pretrained`` layout plus its
@@ -29,7 +33,7 @@ SQUARES_NAME = "squares"
 def load(path=None):
     """(model, tokenizer, circuit) of the toy induction decoder, model in eval mode, float32,
     eager attention. ``path``: a directory written by ``python -m pyattr.toy.train``
-    (default: the shipped one)."""
+    (default: the shipped one; ``INDUCTION_B_DIR`` the second one)."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     path = Path(path) if path is not None else INDUCTION_DIR

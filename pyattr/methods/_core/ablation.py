@@ -1,0 +1,122 @@
+"""Source ablations as batched forwards, and the linear surrogates fit on them.
+
+A keep-mask ``m ∈ {0, 1}^S`` over a prompt's ``S`` sources gives the prompt with every
+dropped source's tokens taken out (ContextCite, Cohen-Wang et al. 2024, §2: a source is
+ablated by removing it from the context), the response appended after it. Its value is the
+response's log-probability under the model, summed per response span.
+
+The ablated prompts are right-padded: under a causal mask no real token attends to a pad
+after it, and every kept token keeps the position the model gives it in the ablated text,
+so the values are the model's own for each ablated text, whatever its position encoding.
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import torch
+from torch import nn
+
+
+def ablated_rows(prompt: Sequence[int], ranges: Sequence[Tuple[int, int]], response: Sequence[int],
+                 masks: torch.Tensor) -> List[List[int]]:
+    """One id list per keep-mask row: ``prompt`` without the dropped sources, then ``response``."""
+    drop = torch.zeros(masks.shape[0], len(prompt), dtype=torch.bool)
+    for s, (a, b) in enumerate(ranges):
+        drop[:, a:b] |= ~masks[:, s].bool()[:, None]
+    ids = torch.as_tensor(list(prompt))
+    return [ids[~d].tolist() + list(response) for d in drop]
+
+
+@torch.no_grad()
+def response_logprobs(model: nn.Module, prompt: Sequence[int], ranges: Sequence[Tuple[int, int]],
+                      response: Sequence[int], masks: torch.Tensor, spans: Sequence[Tuple[int, int]],
+                      batch_size: int = 64) -> torch.Tensor:
+    """The response's log-probability (float64, natural log) per keep-mask and span.
+
+    Args:
+        prompt: the prompt's token ids; ranges: each source's ``(start, end)`` in it.
+        response: the response's token ids (at least one).
+        masks (BoolTensor[n, S]): keep-masks, one row per ablation.
+        spans: ``(start, end)`` ranges of response tokens.
+        batch_size: ablated prompts per forward.
+
+    Returns:
+        Tensor[n, len(spans)], float64.
+    """
+    rows = ablated_rows(prompt, ranges, response, masks)
+    device = next(model.parameters()).device
+    r = len(response)
+    out = torch.empty(len(rows), len(spans), dtype=torch.float64)
+    resp = torch.as_tensor(list(response), device=device)
+    pad = 0
+    for lo in range(0, len(rows), batch_size):
+        chunk = rows[lo:lo + batch_size]
+        width = max(len(x) for x in chunk)
+        ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+        mask = torch.zeros(len(chunk), width, dtype=torch.long)
+        for i, x in enumerate(chunk):
+            ids[i, :len(x)] = torch.as_tensor(x)
+            mask[i, :len(x)] = 1
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+        lengths = torch.as_tensor([len(x) for x in chunk], device=device)
+        # the logit that predicts response token t sits one position before it
+        pos = (lengths - r - 1)[:, None] + torch.arange(r, device=device)[None]
+        picked = logits.gather(1, pos[..., None].expand(-1, -1, logits.shape[-1])).float().log_softmax(-1)
+        lp = picked.gather(-1, resp[None, :, None].expand(len(chunk), -1, 1))[..., 0].double().cpu()
+        for j, (a, b) in enumerate(spans):
+            out[lo:lo + len(chunk), j] = lp[:, a:b].sum(-1)
+    return out
+
+
+def random_masks(generator: torch.Generator, count: int, sources: int, keep: float = 0.5) -> torch.Tensor:
+    """BoolTensor[count, sources]: each source kept with probability ``keep`` (ContextCite's
+    ablation distribution)."""
+    return torch.rand(count, sources, generator=generator, dtype=torch.float64) < keep
+
+
+def paired_masks(generator: torch.Generator, count: int, sources: int) -> torch.Tensor:
+    """``count`` keep-masks as antithetic pairs (a random mask and its complement), every
+    source kept in exactly half of them; all ``2^S`` masks when ``count >= 2^S``.
+
+    Why: in a least-squares fit on a design closed under complement, each source's
+    coefficient is free of every even-order interaction between sources (a fold-over
+    design, Box & Hunter 1961), which random masks only average out slowly.
+    """
+    if sources < 31 and count >= 2 ** sources:
+        codes = torch.arange(2 ** sources)
+        return (codes[:, None] >> torch.arange(sources)[None]) & 1 == 1
+    half = random_masks(generator, (count + 1) // 2, sources)
+    return torch.cat([half, ~half])[:count]
+
+
+def lasso(x: torch.Tensor, y: torch.Tensor, alpha: float, iterations: int = 500,
+          tol: float = 1e-10) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(weights[S, k], intercept[k])`` minimising ``‖y − x w − b‖² / (2n) + alpha ‖w‖₁`` per
+    column of ``y`` (coordinate descent, float64; ``alpha = 0`` is least squares).
+
+    Args:
+        x (Tensor[n, S]): the keep-masks as 0/1; y (Tensor[n, k]): the values.
+    """
+    x = x.double()
+    y = y.double()
+    n, s = x.shape
+    xm, ym = x.mean(0), y.mean(0)
+    xc, yc = x - xm, y - ym
+    norms = (xc ** 2).sum(0) / n
+    w = torch.zeros(s, y.shape[1], dtype=torch.float64)
+    resid = yc.clone()
+    for _ in range(iterations):
+        biggest = 0.0
+        for j in range(s):
+            if norms[j] <= 0:
+                continue
+            old = w[j].clone()
+            rho = (xc[:, j:j + 1] * resid).sum(0) / n + norms[j] * old
+            new = torch.sign(rho) * torch.clamp(rho.abs() - alpha, min=0) / norms[j]
+            resid -= xc[:, j:j + 1] * (new - old)[None]
+            w[j] = new
+            biggest = max(biggest, float((new - old).abs().max()))
+        if biggest < tol:
+            break
+    return w, ym - xm @ w
