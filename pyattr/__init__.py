@@ -43,6 +43,8 @@ _EXPORTS = {
     "AttributionResult": "pyattr.methods.integrated_gradients",
     "generation_relevance": "pyattr.methods.generation",
     "GenerationRelevanceResult": "pyattr.methods.generation",
+    "context_attribution": "pyattr.methods.context",
+    "ContextAttributionResult": "pyattr.methods.context",
     "run": "pyattr.apps.run",
     "RunSummary": "pyattr.apps.run",
     "capture": "pyattr.methods.capture",
@@ -84,6 +86,7 @@ if TYPE_CHECKING:  # what static tools see
     from pyattr import evaluate, ops, patching, rules, targets, toy
     from pyattr.apps.run import RunSummary, run
     from pyattr.methods.generation import GenerationRelevanceResult, generation_relevance
+    from pyattr.methods.context import ContextAttributionResult, context_attribution
     from pyattr.methods.capture import Captured, GradientCapture, capture
     from pyattr.methods.integrated_gradients import AttributionResult, integrated_gradients
     from pyattr.methods.layer_relevance import LayerRelevance, LayerRelevanceResult, layer_relevance

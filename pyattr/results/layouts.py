@@ -261,7 +261,24 @@ def audit(result, limit=MAX_ROWS) -> List:
                   ["module", "class", "calls", "relevance in", "relevance out", "bias", "own gap", "leak"], rows)]
 
 
+def context(result, limit=MAX_ROWS) -> List:
+    """Per row (and response span), the sources as a heatmap of their scores."""
+    n = len(result.sources)
+    shown = n if limit is None else min(n, limit)
+    out = _left_out(shown, n)
+    for r in range(shown):
+        k = len(result.sources[r])
+        resp = result.response[r] if result.response[r] is not None else f"{len(result.response_ids[r])} tokens"
+        rows = [result.scores[r]] if result.scores.dim() == 2 else list(result.scores[r])
+        for j, vals in enumerate(rows):
+            span = "" if result.spans is None else f" · response tokens {result.spans[j][0]}:{result.spans[j][1]}"
+            out.append(Tokens(f"row {r} · response {resp!r}{span} · {result.method}", list(result.sources[r]),
+                              vals[:k].tolist(), "score"))
+    return out
+
+
 LAYOUTS = {
+    "ContextAttributionResult": context,
     "RelevanceResult": relevance,
     "AttributionResult": attribution,
     "LayerRelevanceResult": layer_relevance,

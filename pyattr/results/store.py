@@ -25,6 +25,7 @@ LOADABLE = frozenset({
     "pyattr.methods.layer_relevance:LayerRelevance",
     "pyattr.methods.integrated_gradients:AttributionResult",
     "pyattr.methods.generation:GenerationRelevanceResult",
+    "pyattr.methods.context:ContextAttributionResult",
     "pyattr.methods.capture:Captured",
     "pyattr.methods.capture:GradientCapture",
     "pyattr.patching.result:PatchingResult",

@@ -1,0 +1,276 @@
+"""Context attribution: which sources of the prompt (documents, sentences, lines) a response
+rests on, one score per source (and per response span where asked).
+
+Methods (``method=``; measured against each other by ``pyattr bench --citations``,
+:mod:`pyattr.bench.citations`, whose table is in docs/tutorials/context.md):
+
+- ``"foldover"`` (default): ContextCite's linear surrogate (Cohen-Wang et al. 2024,
+  "ContextCite: Attributing model generation to context", §2.2: a linear model from a
+  source keep-mask to the response's logit-probability, fit on ablated prompts) fit by
+  least squares on a fold-over design (every random mask and its complement; all ``2^S``
+  masks when that is fewer): each score is free of the even-order interactions between
+  sources that random masks average out only slowly, so 16 forwards reach what random
+  masks and a Lasso need far more for.
+- ``"contextcite"``: ContextCite's own recipe: ``ablations`` random masks (each source kept
+  with probability 1/2), Lasso (``alpha`` 0.01) on the logit-probability.
+- ``"loo"``: leave-one-out, one forward per source: the drop in log-probability when the
+  source alone is removed.
+- ``"attnlrp"``, ``"relevance"``, ``"gradient"``: token relevance of each response token's
+  log-probability (teacher-forced, :func:`pyattr.generation_relevance`) under AttnLRP
+  attention (relevance through queries and keys as well as values; Achtibat et al. 2024,
+  ICML), the default rules, or no rules (gradient × input), summed over each source's
+  tokens: one forward and backward per ``batch_targets`` response tokens.
+- ``"attention"``: attention weights from the positions that predict the response to each
+  source, averaged over layers and heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+from torch import nn
+
+import pyattr.methods._core.ablation as A
+import pyattr.methods._core.sources as S
+from pyattr._repr import summary_repr
+from pyattr.results import ResultViews
+
+METHODS = ("foldover", "contextcite", "loo", "attnlrp", "relevance", "gradient", "attention")
+#: chosen by ``pyattr bench --citations``: the best LDS at the fewest forwards (docs/tutorials/context.md)
+DEFAULT_METHOD = "foldover"
+ABLATION_METHODS = ("foldover", "contextcite", "loo")
+#: ContextCite's Lasso strength (its ``lasso_alpha`` default)
+CONTEXTCITE_ALPHA = 0.01
+
+
+@dataclass
+class ContextAttributionResult(ResultViews):
+    """Output of :func:`context_attribution`.
+
+    Attributes:
+        scores (Tensor[batch, sources] or Tensor[batch, spans, sources], float64): one score
+            per source (NaN past a row's last source). Ablation methods: the change in the
+            response's logit-probability (``foldover``, ``contextcite``) or log-probability
+            (``loo``) the source's presence makes, in nats; relevance methods: the source's
+            relevance summed over its tokens; ``attention``: attention weight.
+        sources (list[list[str]]): each row's sources as text (``"tokens a:b"`` without a tokenizer).
+        source_ranges (list[list[tuple[int, int]]]): each source's token range in the prompt.
+        response (list[str | None]): each row's response as text (None without a tokenizer).
+        response_ids (list[list[int]]): each row's response tokens.
+        spans (list[tuple[int, int]] | None): the response token spans scored (None: the whole response).
+        logprob (Tensor[batch] or Tensor[batch, spans], float64): the response's
+            log-probability with every source kept.
+        method (str); ablations (int): forwards per row the method ran (0 for relevance methods).
+    """
+
+    __repr__ = summary_repr
+
+    scores: torch.Tensor
+    sources: List[List[str]]
+    source_ranges: List[List[Tuple[int, int]]]
+    response: List[Optional[str]]
+    response_ids: List[List[int]]
+    logprob: torch.Tensor
+    method: str
+    ablations: int
+    spans: Optional[List[Tuple[int, int]]] = None
+
+    def top(self, k: int = 1, row: int = 0) -> List[Tuple[str, float]]:
+        """The ``k`` highest-scoring sources of ``row`` (of the whole response) as (text, score)."""
+        s = self.scores[row] if self.scores.dim() == 2 else self.scores[row].sum(0)
+        n = len(self.sources[row])
+        order = s[:n].argsort(descending=True)[:k].tolist()
+        return [(self.sources[row][i], float(s[i])) for i in order]
+
+
+def _logit_prob(lp: torch.Tensor) -> torch.Tensor:
+    """log p − log(1 − p) (ContextCite's target), finite for p within float64 of 0 or 1."""
+    return lp - torch.log(-torch.expm1(lp).clamp(max=-1e-300))
+
+
+def _ablation_scores(model, prompt, ranges, response, spans, method, ablations, seed, batch_size):
+    n_src = len(ranges)
+    g = torch.Generator().manual_seed(seed)
+    if method == "loo":
+        masks = torch.ones(n_src + 1, n_src, dtype=torch.bool)
+        masks[torch.arange(1, n_src + 1), torch.arange(n_src)] = False
+        v = A.response_logprobs(model, prompt, ranges, response, masks, spans, batch_size)
+        return (v[0][None] - v[1:]).T, v[0], masks.shape[0]
+    full = torch.ones(1, n_src, dtype=torch.bool)
+    if method == "foldover":
+        count = ablations if ablations is not None else min(2 ** min(n_src, 30), max(16, 2 * (n_src + 1)))
+        masks = A.paired_masks(g, count, n_src)
+    else:
+        masks = A.random_masks(g, ablations if ablations is not None else 32, n_src)
+    v = A.response_logprobs(model, prompt, ranges, response, torch.cat([full, masks]), spans, batch_size)
+    w, _ = A.lasso(masks.double(), _logit_prob(v[1:]), 0.0 if method == "foldover" else CONTEXTCITE_ALPHA)
+    return w.T, v[0], masks.shape[0] + 1
+
+
+def _relevance_scores(model, prompt, ranges, response, spans, method):
+    from pyattr.config import RelevanceRules
+    from pyattr.methods.generation import generation_relevance
+
+    rules = {"attnlrp": RelevanceRules.all("attnlrp"), "relevance": None, "gradient": RelevanceRules()}[method]
+    res = generation_relevance(model, torch.tensor([list(prompt)]), continuation=torch.tensor(list(response)),
+                               target="logprob", rules=rules)
+    tok = res.token_relevance[0].double()                   # (generated, seq)
+    per = torch.stack([tok[:, a:b].sum(-1) for a, b in ranges], -1)
+    lp = res.target[0]
+    return (torch.stack([per[a:b].sum(0) for a, b in spans]), torch.stack([lp[a:b].sum() for a, b in spans]))
+
+
+@torch.no_grad()
+def _attention_scores(model, prompt, ranges, response, spans):
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(prompt) + list(response)], device=device)
+    out = model(input_ids=ids, output_attentions=True)
+    if not getattr(out, "attentions", None) or any(a is None for a in out.attentions):
+        raise ValueError("method='attention': the model returned no attention weights (load it with "
+                         "attn_implementation='eager')")
+    att = torch.stack([a[0].double().mean(0) for a in out.attentions]).mean(0).cpu()   # (seq, seq)
+    p = len(prompt)
+    rows = att[p - 1:p - 1 + len(response)]
+    per = torch.stack([rows[:, a:b].sum(-1) for a, b in ranges], -1)
+    lp = out.logits[0, p - 1:p - 1 + len(response)].double().log_softmax(-1).cpu()
+    lp = lp.gather(-1, torch.tensor(list(response))[:, None])[:, 0]
+    return (torch.stack([per[a:b].sum(0) for a, b in spans]), torch.stack([lp[a:b].sum() for a, b in spans]))
+
+
+def _prompt(model, tokenizer, text_or_ids, response, name):
+    """(prompt ids, offsets, special flags, text, response ids or None)."""
+    from pyattr.methods._core.tokens import _drop_appended_end, _encode, continuation_ids
+
+    if isinstance(text_or_ids, str):
+        if tokenizer is None:
+            raise ValueError(f"{name}: a text prompt needs tokenizer= (the model's Hugging Face tokenizer)")
+        ids, appended, offsets = _drop_appended_end(*_encode(tokenizer, text_or_ids))
+        special = appended if offsets is None else [e <= s for s, e in offsets]
+        resp = None
+        if isinstance(response, str):
+            joint_prompt, resp = continuation_ids(tokenizer, text_or_ids, response)
+            if joint_prompt != ids:
+                raise ValueError("response: the tokenizer reads the prompt's end differently when the response "
+                                 "follows it; start the response at a word")
+        return ids, offsets, special, text_or_ids, resp
+    t = torch.as_tensor(text_or_ids)
+    if t.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) or t.dim() not in (1, 2) or (
+            t.dim() == 2 and t.shape[0] != 1):
+        raise ValueError(f"{name}: expected a text, or one prompt's token ids (LongTensor[seq] or [1, seq]), got "
+                         f"{t.dtype} of shape {tuple(t.shape)}")
+    return t.reshape(-1).tolist(), None, None, None, None
+
+
+def _response_ids(model, prompt, response, max_new_tokens, row):
+    if response is None:
+        if max_new_tokens is None or max_new_tokens < 1:
+            raise ValueError("context_attribution: give response= (text or token ids) or max_new_tokens= (>= 1) "
+                             "to generate it")
+        from pyattr.methods._core.generate import generate
+
+        device = next(model.parameters()).device
+        ids = torch.tensor([list(prompt)], device=device)
+        gen, steps = generate(model, ids, torch.ones_like(ids), max_new_tokens, None)
+        return gen[0][steps[0]].tolist()
+    if max_new_tokens is not None:
+        raise ValueError("context_attribution: give response= or max_new_tokens=, not both")
+    if isinstance(response, str):
+        raise ValueError(f"response[{row}]: a text response needs the prompt as text with tokenizer=")
+    r = torch.as_tensor(response).reshape(-1)
+    if r.is_floating_point() or r.numel() == 0:
+        raise ValueError(f"response: expected token ids (a non-empty LongTensor or list of ints), got "
+                         f"{r.dtype} with {r.numel()} elements")
+    return r.tolist()
+
+
+def _check_spans(spans, length: int):
+    if spans is None:
+        return [(0, length)]
+    if spans == "tokens":
+        return [(i, i + 1) for i in range(length)]
+    return S.check_ranges(spans, length, "spans")
+
+
+def context_attribution(model: nn.Module, inputs, sources, *, response=None, max_new_tokens: Optional[int] = None,
+                        tokenizer=None, method: Optional[str] = None, spans=None, ablations: Optional[int] = None,
+                        seed: int = 0, batch_size: int = 64) -> ContextAttributionResult:
+    """Score each source of a prompt's context for a response.
+
+    Args:
+        model (nn.Module): a Hugging Face causal LM.
+        inputs (str | list[str] | LongTensor[seq] | LongTensor[1, seq]): the prompt (context
+            and query), a list of prompts (a batch), or one prompt's token ids.
+        sources: ``"sentence"``, ``"line"``, ``"paragraph"`` or ``"word"`` (the prompt split so,
+            by the tokenizer's character offsets), a list of text spans of the prompt in
+            order, or a list of token ranges ``(start, end)``; for a batch, one such per row
+            (a split name applies to every row). Tokens in no source (the query, a system
+            line) are always kept.
+        response (str | LongTensor | list[int] | list, optional): the response to explain
+            (teacher-forced), per row for a batch; or ``max_new_tokens=`` to generate it
+            (greedy; the steps ``generate`` ran, observed from its stopping criteria).
+        tokenizer (optional): the model's tokenizer, for text inputs and the views.
+        method (str, optional): one of :data:`METHODS` (default :data:`DEFAULT_METHOD`); see
+            the module docstring for each, with its source.
+        spans (optional): ``"tokens"`` (one score row per response token) or a list of
+            response token ranges; default: the whole response.
+        ablations (int, optional): ablated prompts per row for ``foldover`` (default
+            ``min(2^S, max(16, 2(S+1)))``) and ``contextcite`` (default 32).
+        seed (int): the seed of the random keep-masks. batch_size (int): ablated prompts per forward.
+
+    Returns:
+        ContextAttributionResult.
+
+    Raises:
+        ValueError: an unknown method, bad sources (see :mod:`pyattr.methods._core.sources`),
+            no response and no ``max_new_tokens``, both, bad spans, ``ablations`` < 2,
+            a batch whose sources or responses do not match its length.
+    """
+    method = DEFAULT_METHOD if method is None else method
+    if method not in METHODS:
+        raise ValueError(f"method: expected one of {list(METHODS)}, got {method!r}")
+    if ablations is not None and (not isinstance(ablations, int) or ablations < 2):
+        raise ValueError(f"ablations: expected an int >= 2, got {ablations!r}")
+    batch = isinstance(inputs, (list, tuple)) and bool(inputs) and isinstance(inputs[0], str)
+    rows = list(inputs) if batch else [inputs]
+    per_sources = [sources] * len(rows) if (not batch or isinstance(sources, str)) else list(sources)
+    per_response = list(response) if (batch and isinstance(response, (list, tuple))) else [response] * len(rows)
+    for name, got in (("sources", per_sources), ("response", per_response)):
+        if len(got) != len(rows):
+            raise ValueError(f"{name}: one per prompt ({len(rows)}), got {len(got)}")
+    scores, texts, ranges_all, resp_text, resp_ids, lps, cost = [], [], [], [], [], [], 0
+    for row, (inp, src, resp) in enumerate(zip(rows, per_sources, per_response)):
+        prompt, offsets, special, text, joint_resp = _prompt(model, tokenizer, inp, resp, "inputs")
+        ranges = S.resolve(src, text, offsets, special, len(prompt))
+        r_ids = joint_resp if joint_resp is not None else _response_ids(model, prompt, resp, max_new_tokens, row)
+        if not r_ids:
+            raise ValueError(f"response[{row}]: the model generated no token to explain")
+        sp = _check_spans(spans, len(r_ids))
+        if method in ABLATION_METHODS:
+            sc, lp, n = _ablation_scores(model, prompt, ranges, r_ids, sp, method, ablations, seed, batch_size)
+            cost = max(cost, n)
+        elif method == "attention":
+            sc, lp = _attention_scores(model, prompt, ranges, r_ids, sp)
+        else:
+            sc, lp = _relevance_scores(model, prompt, ranges, r_ids, sp, method)
+        scores.append(sc)
+        lps.append(lp)
+        ranges_all.append(ranges)
+        resp_ids.append(r_ids)
+        if tokenizer is not None:
+            texts.append([text[offsets[a][0]:offsets[b - 1][1]] if text is not None and offsets is not None
+                          else tokenizer.decode(prompt[a:b]) for a, b in ranges])
+            resp_text.append(resp if isinstance(resp, str) else tokenizer.decode(r_ids))
+        else:
+            texts.append([f"tokens {a}:{b}" for a, b in ranges])
+            resp_text.append(None)
+    width = max(s.shape[-1] for s in scores)
+    out = torch.full((len(rows), len(scores[0]), width), float("nan"), dtype=torch.float64)
+    for i, s in enumerate(scores):
+        out[i, :, :s.shape[-1]] = s
+    logprob = torch.stack(lps).double()
+    if spans is None:
+        out, logprob = out[:, 0], logprob[:, 0]
+    return ContextAttributionResult(out, texts, ranges_all, resp_text, resp_ids, logprob, method, cost,
+                                    None if spans is None else _check_spans(spans, len(resp_ids[0])))
