@@ -295,6 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--estimators", action="store_true",
                    help="patching estimators (AtP, AtP*, RelP, EAP-IG) against exact patching and the known circuit "
                         "of the toy induction decoder, and their time on a 144-head model, instead")
+    b.add_argument("--citations", action="store_true",
+                   help="context attribution (fold-over surrogate, ContextCite-style Lasso, leave-one-out, relevance, "
+                        "attention): LDS, drop@k, top-1 hit and time on both toy decoders' context task, instead")
     b.add_argument("--png", metavar="PATH", help="--faithfulness: write the mean perturbation curves as PNG")
     b.add_argument("--dataset", action="store_true",
                    help="pyattr run over a file of prompts on a random ~1B Llama (bfloat16 on CUDA, 64 prompts; "

@@ -10,7 +10,7 @@ from pyattr.cli._common import UsageError, check_output_path, fail
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 #: CPU runs whose module ``pyattr.bench.<name>`` has ``run_all(quick)`` and
 #: ``markdown(rows, contention)`` and whose JSON kind is the name
-SIMPLE_RUNS = ("faithfulness", "generation", "long_context", "estimators")
+SIMPLE_RUNS = ("faithfulness", "generation", "long_context", "estimators", "citations")
 
 
 def parse_shapes(text: str):
@@ -40,9 +40,10 @@ def _check_args(args):
     if args.chunk < 1:
         raise UsageError(f"--chunk must be >= 1, got {args.chunk}")
     if sum(map(bool, (args.e2e, args.conservation, args.ig_memory, args.patching, args.dataset,
-                      args.faithfulness, args.estimators, args.generation, args.long_context))) > 1:
+                      args.faithfulness, args.estimators, args.generation, args.long_context,
+                      args.citations))) > 1:
         raise UsageError("--e2e, --conservation, --ig-memory, --patching, --dataset, --faithfulness, "
-                         "--estimators, --generation and --long-context are separate runs; pass one")
+                         "--estimators, --generation, --long-context and --citations are separate runs; pass one")
     if args.png is not None and not args.faithfulness:
         raise UsageError("--png is the perturbation-curve plot of --faithfulness; pass --faithfulness")
     for flag, path in (("--json", args.json), ("--markdown", args.markdown), ("--png", args.png)):
