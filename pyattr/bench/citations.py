@@ -1,6 +1,7 @@
 """``pyattr bench --citations``: context-attribution methods scored by ContextCite's own
 faithfulness metrics on the toy decoders' context task (:mod:`pyattr.toy.context`), on
-both trained toy decoders (the shipped one and ``INDUCTION_B_DIR``).
+both trained toy decoders (the shipped one and ``INDUCTION_B_DIR``), on examples each
+model answers itself (:func:`pyattr.toy.context.answered`).
 
 Per method (:data:`pyattr.methods.context.METHODS`, the ablation ones at several budgets):
 
@@ -58,7 +59,7 @@ def model_rows(name: str, path, count: int) -> List[Dict]:
     import pyattr.toy.context as C
 
     model, _, _ = toy.load(path)
-    examples = C.examples(torch.Generator().manual_seed(0), count)
+    examples = C.answered(model, torch.Generator().manual_seed(0), count)
     n_src = C.SOURCES
     masks = A.random_masks(torch.Generator().manual_seed(123), EVAL_MASKS, n_src)
     truth = [A.response_logprobs(model, e.prompt, e.ranges, [e.answer], masks, [(0, 1)])[:, 0] for e in examples]

@@ -85,3 +85,25 @@ def examples(generator: torch.Generator, count: int, sources: int = SOURCES,
         ranges = [(1 + s * words, 1 + (s + 1) * words) for s in range(sources)]
         out.append(ContextExample(prompt, ranges, ctx[q + 1], (q + 1) // words, q // words))
     return out
+
+
+@torch.no_grad()
+def answered(model, generator: torch.Generator, count: int, sources: int = SOURCES,
+             words: int = WORDS_PER_SOURCE, max_draws: int = 100_000) -> List[ContextExample]:
+    """The first ``count`` examples drawn with ``generator`` whose answer is the model's own
+    greedy next token: an attribution explains what the model says (the shipped decoder
+    answers about 99 % of draws, the second one about 70 %).
+
+    Raises:
+        RuntimeError: fewer than ``count`` answered in ``max_draws`` draws.
+    """
+    out, drawn = [], 0
+    while len(out) < count:
+        if drawn >= max_draws:
+            raise RuntimeError(f"the model answered {len(out)} of {drawn} examples, fewer than {count}")
+        batch = examples(generator, 64, sources, words)
+        drawn += len(batch)
+        device = next(model.parameters()).device
+        pred = model(input_ids=torch.tensor([e.prompt for e in batch], device=device)).logits[:, -1].argmax(-1)
+        out += [e for e, p in zip(batch, pred.tolist()) if p == e.answer]
+    return out[:count]
