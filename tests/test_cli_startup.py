@@ -69,8 +69,8 @@ def test_import_pyattr_is_lazy_but_complete():
 @pytest.mark.parametrize(
     "args,line",
     [
-        ([], "pyattr: error: the following arguments are required: {explain,generate,patch,run,bench}"),
-        (["frobnicate"], "pyattr: error: argument {explain,generate,patch,run,bench}: invalid choice: 'frobnicate'"),
+        ([], "pyattr: error: the following arguments are required: {explain,generate,cite,patch,run,bench}"),
+        (["frobnicate"], "pyattr: error: argument {explain,generate,cite,patch,run,bench}: invalid choice: 'frobnicate'"),
         (["explain", "--attention", "bogus"], "pyattr explain: error: argument --attention: invalid choice: 'bogus'"),
         (["explain", "--backend"], "pyattr explain: error: argument --backend: expected one argument"),
         (["bench", "--repeats", "x"], "pyattr bench: error: argument --repeats: invalid int value: 'x'"),

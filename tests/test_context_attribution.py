@@ -269,3 +269,34 @@ def test_citations_bench_rows_validate():
     assert [r["method"] for r in rows] == [v for v, _ in B.variants()]
     report.validate(report.document("citations", torch.device("cpu"), rows))
     assert "| foldover, 16 ablations (default) |" in B.markdown(rows)
+
+
+def test_cite_command(capsys):
+    import json
+
+    from pyattr.cli import main
+
+    assert main(["cite"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "response: 'owl'  (method foldover, 17 forwards)"
+    assert out[1].endswith("dog fish owl")
+    assert main(["cite", "--text", "sun cat red dog fish owl fish", "--split", "word", "--method", "loo",
+                 "--response", "owl", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["method"] == "loo" and doc["ablations"] == 8 and len(doc["sources"]) == 7
+    assert doc["sources"][0]["score"] >= doc["sources"][-1]["score"]
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--response", "owl", "--max-new-tokens", "2"], "--response explains given text, --max-new-tokens generates"),
+    (["--method", "shap"], "--method: expected one of"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+    (["--source", "a", "--split", "word"], "--source names the sources, --split splits the prompt; pass one"),
+    (["--text", "sun cat", "--source", "tree", "--response", "cat"], "sources[0]: 'tree' does not occur"),
+])
+def test_cite_command_refuses_bad_arguments(args, msg, capsys):
+    from pyattr.cli import main
+
+    assert main(["cite", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pyattr cite: error: ") and msg in err, err

@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
              "which layers and heads carry the toy decoder's prediction"),
         ))
     p.add_argument("--version", action="version", version=f"pyattr {__version__}")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{explain,generate,patch,run,bench}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{explain,generate,cite,patch,run,bench}")
     e = sub.add_parser(
         "explain",
         help="token relevance heatmap",
@@ -160,6 +160,35 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print machine-readable JSON instead")
     _rule_flags(g)
     g.set_defaults(func=_command("generate"))
+
+    c = sub.add_parser(
+        "cite",
+        help="which sources of the prompt (documents, sentences, lines) a response rests on",
+        description=(
+            "Score each source of the prompt for a response, given (--response) or generated (--max-new-tokens): "
+            "pyattr.context_attribution, by default a fold-over ablation surrogate. With no arguments: the shipped "
+            "toy induction decoder, four built-in documents and its answer."
+        ),
+        epilog=_epilog(
+            ("pyattr cite", "the bundled toy decoder: which document holds the answer"),
+            ("pyattr cite --model gpt2 --text 'Paris is in France. Rome is in Italy. Rome is in' --response Italy",
+             "a Hugging Face Hub model, the prompt split into sentences"),
+        ),
+    )
+    c.add_argument("--text", help="the prompt: context and question")
+    c.add_argument("--model", type=model_dir,
+                   help="a causal LM: a local Hugging Face directory, a Hugging Face Hub id, or 'induction' (the "
+                        "default: the shipped toy induction decoder)")
+    c.add_argument("--source", action="append", metavar="TEXT",
+                   help="a source: a span of the prompt text (repeat, in order)")
+    c.add_argument("--split", choices=["sentence", "line", "paragraph", "word"],
+                   help="split the prompt into sources (default with --text: sentence)")
+    c.add_argument("--response", help="the response to explain (teacher-forced)")
+    c.add_argument("--max-new-tokens", type=int, default=None, help="generate this many tokens instead (default 16)")
+    c.add_argument("--method", help="foldover (default), contextcite, loo, attnlrp, relevance, gradient, attention")
+    c.add_argument("--html", metavar="PATH", help="write the sources as an HTML heatmap")
+    c.add_argument("--json", action="store_true", help="print machine-readable JSON instead")
+    c.set_defaults(func=_command("cite"))
 
     pa = sub.add_parser(
         "patch",
@@ -304,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "float32 on the CPU, 8 prompts; --quick: 44M, float32): "
                         "prompts/s, tokens/s, peak RSS, with and without checkpointing, 1 vs 2 torchrun processes")
     b.set_defaults(func=_command("bench"))
-    p.commands = {"explain": e, "generate": g, "patch": pa, "run": r, "bench": b}
+    p.commands = {"explain": e, "generate": g, "cite": c, "patch": pa, "run": r, "bench": b}
     return p
 
 

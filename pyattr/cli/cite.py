@@ -1,0 +1,69 @@
+"""``pyattr cite``: which sources of a prompt a response rests on (:func:`pyattr.context_attribution`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pyattr.cli._common import UsageError, check_model, check_output_path, fail
+
+#: the toy decoder's built-in example: four "documents" and the question word "fish"
+DEFAULT_PROMPT = "sun cat red dog fish owl bee tea key moon ring gold fish"
+DEFAULT_SOURCES = ["sun cat red", "dog fish owl", "bee tea key", "moon ring gold"]
+
+
+def run(args) -> int:
+    from pyattr.methods.context import METHODS
+
+    try:
+        if args.html is not None:
+            check_output_path("--html", args.html)
+        if args.response is not None and args.max_new_tokens is not None:
+            raise UsageError("--response explains given text, --max-new-tokens generates; pass one")
+        if args.max_new_tokens is not None and args.max_new_tokens < 1:
+            raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        if args.method is not None and args.method not in METHODS:
+            raise UsageError(f"--method: expected one of {list(METHODS)}, got {args.method!r}")
+        if args.source and args.split:
+            raise UsageError("--source names the sources, --split splits the prompt; pass one")
+        if args.text is None and (args.model not in (None, "induction")):
+            raise UsageError("--model needs --text (the prompt); only the toy model has a built-in one")
+        if args.text is not None and not args.text.strip():
+            raise UsageError("--text is empty")
+        check_model(args.model)
+    except UsageError as e:
+        return fail("cite", str(e))
+
+    import pyattr
+    from pyattr.hub import ModelLoadError, load_pretrained
+
+    text = args.text if args.text is not None else DEFAULT_PROMPT
+    if args.source:
+        sources = list(args.source)
+    elif args.split:
+        sources = args.split
+    else:
+        sources = DEFAULT_SOURCES if args.text is None else "sentence"
+    response = args.response
+    if response is None and args.max_new_tokens is None:
+        response = "owl" if args.text is None else None
+    new = None if response is not None else (args.max_new_tokens or 16)
+    try:
+        tok, model = load_pretrained(args.model or "induction", causal=True)
+        res = pyattr.context_attribution(model, text, sources, response=response, max_new_tokens=new,
+                                         tokenizer=tok, method=args.method)
+    except (ModelLoadError, ValueError, TypeError) as e:
+        return fail("cite", str(e))
+    if args.html:
+        Path(args.html).write_text(res.to_html(), encoding="utf-8")
+    ranked = res.top(len(res.sources[0]))
+    if args.json:
+        print(json.dumps({"method": res.method, "response": res.response[0], "ablations": res.ablations,
+                          "sources": [{"text": t, "score": s} for t, s in ranked]}))
+        return 0
+    print(f"response: {res.response[0]!r}  (method {res.method}, {res.ablations} forwards)")
+    for t, s in ranked:
+        print(f"{s:+10.4f}  {t}")
+    if args.html:
+        print(f"HTML written to {args.html}")
+    return 0
