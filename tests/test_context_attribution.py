@@ -118,7 +118,7 @@ def test_leave_one_out_is_the_drop_per_source(decoder, examples):
     for s, (a, b) in enumerate(e.ranges):
         without = _direct_logprob(model, e.prompt[:a] + e.prompt[b:], [e.answer])
         assert float(r.scores[0, s]) == pytest.approx(full - without, abs=1e-5)
-    assert float(r.logprob[0]) == pytest.approx(full, abs=1e-5)
+    assert float(r.value[0]) == pytest.approx(full, abs=1e-5)
     assert r.ablations == len(e.ranges) + 1
 
 
@@ -152,7 +152,7 @@ def test_relevance_methods_sum_generation_relevance_per_source(decoder, examples
                                       target="logprob", rules=RelevanceRules.all("attnlrp")).token_relevance[0, 0]
     want = torch.stack([ref[a:b].double().sum() for a, b in e.ranges])
     assert torch.allclose(r.scores[0], want, atol=1e-6)
-    assert float(r.logprob[0]) == pytest.approx(_direct_logprob(model, e.prompt, [e.answer]), abs=1e-4)
+    assert float(r.value[0]) == pytest.approx(_direct_logprob(model, e.prompt, [e.answer]), abs=1e-4)
 
 
 def test_text_sources_map_to_the_tokenizers_tokens(decoder):
@@ -231,6 +231,7 @@ def test_views_and_save_load(decoder, tmp_path):
     ({"sources": [(1, 2.5)]}, "sources\\[0\\]: expected a token range"),
     ({"response": None}, "give response= .* or max_new_tokens="),
     ({"max_new_tokens": 2}, "give response= or max_new_tokens=, not both"),
+    ({"response": ["owl", "cat"]}, "response: one per prompt \\(1\\), got 2"),
     ({"spans": [(0, 3)]}, "spans\\[0\\]: token range \\(0, 3\\) is not a non-empty range within the prompt's 1"),
 ])
 def test_bad_input_is_refused_by_name(decoder, kwargs, msg):
@@ -258,7 +259,7 @@ def test_every_method_runs_and_gives_finite_scores(decoder, examples):
     for m in METHODS:
         r = pyattr.context_attribution(model, torch.tensor(e.prompt), e.ranges, response=[e.answer], method=m)
         assert r.scores.shape == (1, len(e.ranges)) and torch.isfinite(r.scores).all(), m
-        assert math.isfinite(float(r.logprob[0]))
+        assert math.isfinite(float(r.value[0]))
 
 
 def test_citations_bench_rows_validate():

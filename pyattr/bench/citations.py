@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Dict, List
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Tuple
 
 import torch
 
@@ -52,53 +53,148 @@ def _spearman(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((ra * rb).sum()) / den if den > 0 else 0.0
 
 
-def model_rows(name: str, path, count: int) -> List[Dict]:
-    import pyattr
+@dataclass
+class Task:
+    """One benchmark model and its examples.
+
+    call(e): ``(inputs, sources, keyword arguments)`` of :func:`pyattr.context_attribution`
+    for example ``e``; outcome(e, masks): the real outcome (Tensor[n], float64) with only
+    the kept sources of each keep-mask in the prompt; answer(e) / cue(e): the index of the
+    ground-truth source / of the cue source (None where the task has none).
+    """
+
+    name: str
+    model: object
+    examples: list
+    call: Callable
+    outcome: Callable
+    answer: Callable
+    cue: Callable
+    sources: int
+
+
+def toy_task(name: str, path, count: int) -> Task:
+    """A toy induction decoder's context task (:mod:`pyattr.toy.context`), on examples the
+    model answers."""
     import pyattr.methods._core.ablation as A
     import pyattr.toy as toy
     import pyattr.toy.context as C
 
     model, _, _ = toy.load(path)
     examples = C.answered(model, torch.Generator().manual_seed(0), count)
-    n_src = C.SOURCES
+    return Task(name, model, examples,
+                lambda e: (torch.tensor(e.prompt), e.ranges, {"response": [e.answer]}),
+                lambda e, masks: A.response_logprobs(model, e.prompt, e.ranges, [e.answer], masks, [(0, 1)])[:, 0],
+                lambda e: e.answer_source, lambda e: e.cue_source if e.cue_source != e.answer_source else None,
+                C.SOURCES)
+
+
+@dataclass(frozen=True)
+class RetrievalExample:
+    """A passage of sentences (token ids, each sentence's token range) and a query that
+    paraphrases one of them (``answer_source``)."""
+
+    prompt: List[int]
+    ranges: List[Tuple[int, int]]
+    query: List[int]
+    answer_source: int
+
+
+def retrieval_task(count: int, sources: int = 4) -> Task:
+    """all-MiniLM-L6-v2 (bundled) retrieving a passage of ``sources`` sentences for a query
+    that paraphrases one of them (``benchmarks/data/patching_pairs.jsonl``: a sentence and its
+    paraphrase per line); the outcome is the cosine similarity of the passage's and the
+    query's mean-pooled embeddings. Kept: examples where the paraphrased sentence, embedded
+    alone, is the query's nearest of the passage's sentences (the model's own retrieval)."""
+    import pyattr.methods._core.ablation as A
+    import pyattr.methods._core.embedding as E
+    from pyattr.apps.explain import _load, bundled_model_dir
+    from pyattr.bench.patching import load_pairs
+    from pyattr.methods._core.sources import resolve
+    from pyattr.methods._core.tokens import _encode
+    from pyattr.patching.atp_star import use_eager
+
+    tok, model = _load(bundled_model_dir(), causal=False)
+    use_eager(model)  # the attention method reads the attention weights
+    pairs = load_pairs()
+    g = torch.Generator().manual_seed(0)
+    out: List[RetrievalExample] = []
+    for _ in range(50 * count):
+        if len(out) == count:
+            break
+        pick = torch.randperm(len(pairs), generator=g)[:sources].tolist()
+        target = int(torch.randint(sources, (1,), generator=g))
+        sentences = [pairs[i]["clean"] for i in pick]
+        ids, _, offsets = _encode(tok, " ".join(sentences))
+        special = [e <= s for s, e in offsets]
+        ranges = resolve(sentences, " ".join(sentences), offsets, special, len(ids))
+        query = _encode(tok, pairs[pick[target]]["partner"])[0]
+        alone = E.embed(model, [_encode(tok, s)[0] for s in sentences], "mean")
+        if int(E.cosine(alone, E.embed(model, [query], "mean")[0]).argmax()) == target:
+            out.append(RetrievalExample(ids, ranges, query, target))
+
+    def outcome(e, masks):
+        q = E.embed(model, [e.query], "mean")[0]
+        return E.cosine(E.embed(model, A.ablated_rows(e.prompt, e.ranges, [], masks), "mean"), q)
+
+    return Task("all-MiniLM-L6-v2 retrieval (bundled)", model, out,
+                lambda e: (torch.tensor(e.prompt), e.ranges, {"query": e.query, "pooling": "mean"}),
+                outcome, lambda e: e.answer_source, lambda e: None, sources)
+
+
+def task_rows(task: Task) -> List[Dict]:
+    import pyattr
+    import pyattr.methods._core.ablation as A
+
+    examples, n_src = task.examples, task.sources
     masks = A.random_masks(torch.Generator().manual_seed(123), EVAL_MASKS, n_src)
-    truth = [A.response_logprobs(model, e.prompt, e.ranges, [e.answer], masks, [(0, 1)])[:, 0] for e in examples]
+    truth = [task.outcome(e, masks) for e in examples]
     vs = variants()
+
+    def attribute(e, kw):
+        inputs, sources, extra = task.call(e)
+        return pyattr.context_attribution(task.model, inputs, sources, **extra, **kw)
+
     for _, kw in vs:  # warm-up
-        pyattr.context_attribution(model, torch.tensor(examples[0].prompt), examples[0].ranges,
-                                   response=[examples[0].answer], **kw)
+        attribute(examples[0], kw)
     scores = {v: [] for v, _ in vs}
     seconds = {v: 0.0 for v, _ in vs}
     forwards = {}
     for e in examples:  # interleaved: every method sees the same load
         for v, kw in vs:
             t0 = time.perf_counter()
-            r = pyattr.context_attribution(model, torch.tensor(e.prompt), e.ranges, response=[e.answer], **kw)
+            r = attribute(e, kw)
             seconds[v] += time.perf_counter() - t0
             scores[v].append(r.scores[0])
             forwards[v] = r.ablations
     rows = []
+    full = torch.ones(1, n_src, dtype=torch.bool)
     for v, _ in vs:
         sc = scores[v]
         lds = [_spearman(masks.double() @ s, t) for s, t in zip(sc, truth)]
         drops = {}
         for k in (1, 3):
-            keep = torch.ones(len(examples), n_src, dtype=torch.bool)
-            for i, s in enumerate(sc):
-                keep[i, s.argsort(descending=True)[:k]] = False
-            drops[k] = statistics.fmean(
-                float(A.response_logprobs(model, e.prompt, e.ranges, [e.answer],
-                                          torch.stack([torch.ones(n_src, dtype=torch.bool), keep[i]]),
-                                          [(0, 1)])[:, 0].diff().neg()) for i, e in enumerate(examples))
-        ratios = [float(s[e.cue_source] / s[e.answer_source]) for s, e in zip(sc, examples)
-                  if e.cue_source != e.answer_source and float(s[e.answer_source]) != 0]
-        rows.append({"model": name, "method": v, "examples": count, "sources": n_src,
+            drop = []
+            for s, e in zip(sc, examples):
+                keep = torch.ones(1, n_src, dtype=torch.bool)
+                keep[0, s.argsort(descending=True)[:k]] = False
+                before, after = task.outcome(e, torch.cat([full, keep])).tolist()
+                drop.append(before - after)
+            drops[k] = statistics.fmean(drop)
+        ratios = [float(s[task.cue(e)] / s[task.answer(e)]) for s, e in zip(sc, examples)
+                  if task.cue(e) is not None and float(s[task.answer(e)]) != 0]
+        rows.append({"model": task.name, "method": v, "examples": len(examples), "sources": n_src,
                      "lds": statistics.fmean(lds), "lds_se": statistics.stdev(lds) / len(lds) ** 0.5,
                      "drop1": drops[1], "drop3": drops[3],
-                     "top1": statistics.fmean(int(s.argmax()) == e.answer_source for s, e in zip(sc, examples)),
+                     "top1": statistics.fmean(int(s.argmax()) == task.answer(e) for s, e in zip(sc, examples)),
                      "cue_ratio": statistics.median(ratios) if ratios else None,
-                     "forwards": forwards[v], "ms_per_example": seconds[v] / count * 1e3})
+                     "forwards": forwards[v], "ms_per_example": seconds[v] / len(examples) * 1e3})
     return rows
+
+
+def model_rows(name: str, path, count: int) -> List[Dict]:
+    """The rows of one toy decoder (``path``; None: the shipped one) on ``count`` examples."""
+    return task_rows(toy_task(name, path, count))
 
 
 def run_all(quick: bool = False) -> List[Dict]:
@@ -106,7 +202,8 @@ def run_all(quick: bool = False) -> List[Dict]:
 
     n = 12 if quick else 100
     return (model_rows("toy induction decoder (shipped)", None, n)
-            + model_rows("toy induction decoder B (seed 1)", toy.INDUCTION_B_DIR, n))
+            + model_rows("toy induction decoder B (seed 1)", toy.INDUCTION_B_DIR, n)
+            + task_rows(retrieval_task(n)))
 
 
 def markdown(rows: List[Dict], contention=None) -> str:

@@ -44,6 +44,12 @@ def _epilog(*examples) -> str:
     return "\n".join(lines + ["", DOCS])
 
 
+def _causal_model_flag(parser) -> None:
+    parser.add_argument("--model", type=model_dir,
+                        help="a causal LM: a local Hugging Face directory, a Hugging Face Hub id, or 'induction' "
+                             "(the default: the shipped toy induction decoder)")
+
+
 def _command(name: str):
     """The ``run(args)`` of ``pyattr.cli.<name>``, imported when the command runs (so that
     ``--help`` / ``--version`` load no torch)."""
@@ -145,9 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     g.add_argument("--text", help="the prompt")
-    g.add_argument("--model", type=model_dir,
-                   help="a causal LM: a local Hugging Face directory, a Hugging Face Hub id, or 'induction' (the "
-                        "default: the shipped toy induction decoder)")
+    _causal_model_flag(g)
     g.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate (default 8)")
     g.add_argument("--continuation", help="explain this continuation instead of generating (teacher-forced)")
     g.add_argument("--target", choices=["logit", "logprob", "prob"], default="logit",
@@ -165,20 +169,26 @@ def build_parser() -> argparse.ArgumentParser:
         "cite",
         help="which sources of the prompt (documents, sentences, lines) a response rests on",
         description=(
-            "Score each source of the prompt for a response, given (--response) or generated (--max-new-tokens): "
-            "pyattr.context_attribution, by default a fold-over ablation surrogate. With no arguments: the shipped "
-            "toy induction decoder, four built-in documents and its answer."
+            "Score each source of the prompt for a response, given (--response) or generated (--max-new-tokens), "
+            "or, with --query, each sentence of a passage for a sentence-embedding model's cosine similarity to "
+            "the query: pyattr.context_attribution, by default a fold-over ablation surrogate. With no arguments: "
+            "the shipped toy induction decoder, four built-in documents and its answer."
         ),
         epilog=_epilog(
             ("pyattr cite", "the bundled toy decoder: which document holds the answer"),
             ("pyattr cite --model gpt2 --text 'Paris is in France. Rome is in Italy. Rome is in' --response Italy",
              "a Hugging Face Hub model, the prompt split into sentences"),
+            ("pyattr cite --text 'The lake is cold. A man plays the guitar.' --query 'someone making music'",
+             "the bundled MiniLM: which sentence of the passage matches the query"),
         ),
     )
-    c.add_argument("--text", help="the prompt: context and question")
+    c.add_argument("--text", help="the prompt: context and question (with --query: the passage)")
     c.add_argument("--model", type=model_dir,
                    help="a causal LM: a local Hugging Face directory, a Hugging Face Hub id, or 'induction' (the "
-                        "default: the shipped toy induction decoder)")
+                        "default: the shipped toy induction decoder); with --query a sentence-embedding model "
+                        "(default 'minilm', the bundled all-MiniLM-L6-v2)")
+    c.add_argument("--query", help="score the passage's sentences for a sentence-embedding model's cosine "
+                                   "similarity to this query, instead of a response")
     c.add_argument("--source", action="append", metavar="TEXT",
                    help="a source: a span of the prompt text (repeat, in order)")
     c.add_argument("--split", choices=["sentence", "line", "paragraph", "word"],

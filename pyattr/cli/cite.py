@@ -1,4 +1,5 @@
-"""``pyattr cite``: which sources of a prompt a response rests on (:func:`pyattr.context_attribution`)."""
+"""``pyattr cite``: which sources of a prompt a response rests on, or which sentences of a
+passage a retrieval model matched to a query (:func:`pyattr.context_attribution`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,13 @@ def run(args) -> int:
     try:
         if args.html is not None:
             check_output_path("--html", args.html)
+        if args.query is not None and (args.response is not None or args.max_new_tokens is not None):
+            raise UsageError("--query scores a sentence-embedding model's match with a query; --response and "
+                             "--max-new-tokens explain a causal LM's response; pass one")
+        if args.query is not None and args.text is None:
+            raise UsageError("--query needs --text (the passage retrieved for it)")
+        if args.query is not None and not args.query.strip():
+            raise UsageError("--query is empty")
         if args.response is not None and args.max_new_tokens is not None:
             raise UsageError("--response explains given text, --max-new-tokens generates; pass one")
         if args.max_new_tokens is not None and args.max_new_tokens < 1:
@@ -26,7 +34,7 @@ def run(args) -> int:
             raise UsageError(f"--method: expected one of {list(METHODS)}, got {args.method!r}")
         if args.source and args.split:
             raise UsageError("--source names the sources, --split splits the prompt; pass one")
-        if args.text is None and (args.model not in (None, "induction")):
+        if args.text is None and args.query is None and (args.model not in (None, "induction")):
             raise UsageError("--model needs --text (the prompt); only the toy model has a built-in one")
         if args.text is not None and not args.text.strip():
             raise UsageError("--text is empty")
@@ -48,20 +56,28 @@ def run(args) -> int:
     if response is None and args.max_new_tokens is None:
         response = "owl" if args.text is None else None
     new = None if response is not None else (args.max_new_tokens or 16)
+    embedding = args.query is not None
+    if embedding:
+        response = new = None
     try:
-        tok, model = load_pretrained(args.model or "induction", causal=True)
+        tok, model = load_pretrained(args.model or ("minilm" if embedding else "induction"), causal=not embedding)
         res = pyattr.context_attribution(model, text, sources, response=response, max_new_tokens=new,
-                                         tokenizer=tok, method=args.method)
+                                         tokenizer=tok, method=args.method, query=args.query)
     except (ModelLoadError, ValueError, TypeError) as e:
         return fail("cite", str(e))
     if args.html:
         Path(args.html).write_text(res.to_html(), encoding="utf-8")
     ranked = res.top(len(res.sources[0]))
     if args.json:
-        print(json.dumps({"method": res.method, "response": res.response[0], "ablations": res.ablations,
-                          "sources": [{"text": t, "score": s} for t, s in ranked]}))
+        said = {"query": res.response[0]} if embedding else {"response": res.response[0]}
+        print(json.dumps({"method": res.method, **said, "outcome": res.outcome, "value": float(res.value[0]),
+                          "ablations": res.ablations, "sources": [{"text": t, "score": s} for t, s in ranked]}))
         return 0
-    print(f"response: {res.response[0]!r}  (method {res.method}, {res.ablations} forwards)")
+    if embedding:
+        print(f"query: {res.response[0]!r}  (cosine similarity {float(res.value[0]):.4f}; method {res.method}, "
+              f"{res.ablations} forwards)")
+    else:
+        print(f"response: {res.response[0]!r}  (method {res.method}, {res.ablations} forwards)")
     for t, s in ranked:
         print(f"{s:+10.4f}  {t}")
     if args.html:

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 import pyattr.methods._core.ablation as A
+import pyattr.methods._core.embedding as E
 import pyattr.methods._core.sources as S
 from pyattr._repr import summary_repr
 from pyattr.results import ResultViews
@@ -66,9 +67,12 @@ class ContextAttributionResult(ResultViews):
         response (list[str | None]): each row's response as text (None without a tokenizer).
         response_ids (list[list[int]]): each row's response tokens.
         spans (list[tuple[int, int]] | None): the response token spans scored (None: the whole response).
-        logprob (Tensor[batch] or Tensor[batch, spans], float64): the response's
-            log-probability with every source kept.
+        value (Tensor[batch] or Tensor[batch, spans], float64): the outcome with every
+            source kept: the response's log-probability (nats), or for a sentence-embedding
+            model the cosine similarity of the prompt's embedding with the query's.
         method (str); ablations (int): forwards per row the method ran (0 for relevance methods).
+        outcome (str): ``"logprob"`` (a causal LM's response) or ``"cosine"`` (an embedding
+            model's similarity to ``query=``; ``response`` then holds the query).
     """
 
     __repr__ = summary_repr
@@ -78,10 +82,11 @@ class ContextAttributionResult(ResultViews):
     source_ranges: List[List[Tuple[int, int]]]
     response: List[Optional[str]]
     response_ids: List[List[int]]
-    logprob: torch.Tensor
+    value: torch.Tensor
     method: str
     ablations: int
     spans: Optional[List[Tuple[int, int]]] = None
+    outcome: str = "logprob"
 
     def top(self, k: int = 1, row: int = 0) -> List[Tuple[str, float]]:
         """The ``k`` highest-scoring sources of ``row`` (of the whole response) as (text, score)."""
@@ -96,25 +101,29 @@ def _logit_prob(lp: torch.Tensor) -> torch.Tensor:
     return lp - torch.log(-torch.expm1(lp).clamp(max=-1e-300))
 
 
-def _ablation_scores(model, prompt, ranges, response, spans, method, ablations, seed, batch_size):
-    n_src = len(ranges)
+def _masks(method, ablations, seed, n_src):
+    """The keep-masks a method runs, the full context first."""
     g = torch.Generator().manual_seed(seed)
-    if method == "loo":
-        masks = torch.ones(n_src + 1, n_src, dtype=torch.bool)
-        masks[torch.arange(1, n_src + 1), torch.arange(n_src)] = False
-        v = A.response_logprobs(model, prompt, ranges, response, masks, spans, batch_size)
-        return (v[0][None] - v[1:]).T, v[0], masks.shape[0]
     full = torch.ones(1, n_src, dtype=torch.bool)
+    if method == "loo":
+        drop = torch.ones(n_src, n_src, dtype=torch.bool)
+        drop[torch.arange(n_src), torch.arange(n_src)] = False
+        return torch.cat([full, drop])
     if method == "foldover":
         count = ablations if ablations is not None else min(2 ** min(n_src, 30), max(16, 2 * (n_src + 1)))
-        masks = A.paired_masks(g, count, n_src)
-    else:
-        masks = A.random_masks(g, ablations if ablations is not None else 32, n_src)
-    v = A.response_logprobs(model, prompt, ranges, response, torch.cat([full, masks]), spans, batch_size)
-    x = masks.double()
+        return torch.cat([full, A.paired_masks(g, count, n_src)])
+    return torch.cat([full, A.random_masks(g, ablations if ablations is not None else 32, n_src)])
+
+
+def _fit(method, masks, v, link):
+    """Scores (Tensor[spans, sources]) from the outcomes ``v`` (Tensor[n, spans]) of ``masks``
+    (the full context first); ``link`` maps an outcome to the scale the surrogate is linear on."""
+    if method == "loo":
+        return (v[0][None] - v[1:]).T
+    x = masks[1:].double()
     if method == "contextcite":
-        return A.lasso(x, _logit_prob(v[1:]), CONTEXTCITE_ALPHA)[0].T, v[0], masks.shape[0] + 1
-    w = A.lasso(x, _logit_prob(v[1:]), 0.0)[0]
+        return A.lasso(x, link(v[1:]), CONTEXTCITE_ALPHA)[0].T
+    w = A.lasso(x, link(v[1:]), 0.0)[0]
     # the answer source's large effect dominates the squared error of the fit above, so the
     # sources that order the intermediate ablations get too little weight; a fit to the
     # outcomes' ranks (Spearman's own transform) weighs every ablation alike
@@ -122,7 +131,45 @@ def _ablation_scores(model, prompt, ranges, response, spans, method, ablations, 
     wr = A.lasso(x, ranks, 0.0)[0]
     top = w.abs().amax(0, keepdim=True)
     wr = wr / wr.abs().amax(0, keepdim=True).clamp(min=1e-300) * top
-    return (w + RANK_WEIGHT * wr).T, v[0], masks.shape[0] + 1
+    return (w + RANK_WEIGHT * wr).T
+
+
+def _ablation_scores(model, prompt, ranges, response, spans, method, ablations, seed, batch_size):
+    masks = _masks(method, ablations, seed, len(ranges))
+    v = A.response_logprobs(model, prompt, ranges, response, masks, spans, batch_size)
+    return _fit(method, masks, v, _logit_prob), v[0], masks.shape[0]
+
+
+def _embedding_scores(model, prompt, ranges, query, pooling, method, ablations, seed, batch_size):
+    """Scores of an embedding model's prompt sources for its cosine similarity to ``query``."""
+    qemb = E.embed(model, [query], pooling)[0]
+    if method in ABLATION_METHODS:
+        masks = _masks(method, ablations, seed, len(ranges))
+        emb = E.embed(model, A.ablated_rows(prompt, ranges, [], masks), pooling, batch_size)
+        v = E.cosine(emb, qemb)[:, None]
+        # the similarity is bounded but not a probability: the surrogate is linear in it
+        return _fit(method, masks, v, lambda t: t), v[0], masks.shape[0]
+    if method == "attention":
+        ids = torch.tensor([list(prompt)], device=next(model.parameters()).device)
+        with torch.no_grad():
+            out = model(input_ids=ids, output_attentions=True)
+        att = _mean_attention(out)
+        rows = att[:1] if pooling == "cls" else att       # the positions the embedding pools
+        per = torch.stack([rows[:, a:b].sum(-1) for a, b in ranges], -1).mean(0)
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        full = E.cosine(E.pool(hidden.double(), torch.ones_like(ids), pooling).cpu(), qemb)
+        return per[None], full, 1
+    from pyattr.config import RelevanceRules
+    from pyattr.methods.relevance import relevance
+    from pyattr.targets import Cosine
+
+    rules = {"attnlrp": RelevanceRules.all("attnlrp"), "relevance": None, "gradient": RelevanceRules()}[method]
+    # the LN-rule on the metric's own normalisation, as pyattr explain does, where rules are on
+    target = Cosine(qemb.float(), pooling=pooling, constant_norm=method != "gradient")
+    res = relevance(model, torch.tensor([list(prompt)]), target=target, rules=rules)
+    tok = res.token_relevance[0].double()
+    per = torch.stack([tok[a:b].sum() for a, b in ranges])
+    return per[None], res.target.double().reshape(1), 0
 
 
 def _relevance_scores(model, prompt, ranges, response, spans, method):
@@ -138,15 +185,20 @@ def _relevance_scores(model, prompt, ranges, response, spans, method):
     return (torch.stack([per[a:b].sum(0) for a, b in spans]), torch.stack([lp[a:b].sum() for a, b in spans]))
 
 
+def _mean_attention(out) -> torch.Tensor:
+    """Tensor[seq, seq]: the first row's attention weights averaged over layers and heads."""
+    if not getattr(out, "attentions", None) or any(a is None for a in out.attentions):
+        raise ValueError("method='attention': the model returned no attention weights (load it with "
+                         "attn_implementation='eager')")
+    return torch.stack([a[0].double().mean(0) for a in out.attentions]).mean(0).cpu()
+
+
 @torch.no_grad()
 def _attention_scores(model, prompt, ranges, response, spans):
     device = next(model.parameters()).device
     ids = torch.tensor([list(prompt) + list(response)], device=device)
     out = model(input_ids=ids, output_attentions=True)
-    if not getattr(out, "attentions", None) or any(a is None for a in out.attentions):
-        raise ValueError("method='attention': the model returned no attention weights (load it with "
-                         "attn_implementation='eager')")
-    att = torch.stack([a[0].double().mean(0) for a in out.attentions]).mean(0).cpu()   # (seq, seq)
+    att = _mean_attention(out)
     p = len(prompt)
     rows = att[p - 1:p - 1 + len(response)]
     per = torch.stack([rows[:, a:b].sum(-1) for a, b in ranges], -1)
@@ -155,17 +207,21 @@ def _attention_scores(model, prompt, ranges, response, spans):
     return (torch.stack([per[a:b].sum(0) for a, b in spans]), torch.stack([lp[a:b].sum() for a, b in spans]))
 
 
-def _prompt(model, tokenizer, text_or_ids, response, name):
-    """(prompt ids, offsets, special flags, text, response ids or None)."""
+def _prompt(model, tokenizer, text_or_ids, response, name, embedding=False):
+    """(prompt ids, offsets, special flags, text, response ids or None). An embedding model's
+    prompt keeps the markers the tokenizer adds at its end (``[SEP]``): its embedding is of
+    the text as the tokenizer encodes it; a causal LM's prompt drops them (the response
+    continues the text, not what follows its end)."""
     from pyattr.methods._core.tokens import _drop_appended_end, _encode, continuation_ids
 
     if isinstance(text_or_ids, str):
         if tokenizer is None:
             raise ValueError(f"{name}: a text prompt needs tokenizer= (the model's Hugging Face tokenizer)")
-        ids, appended, offsets = _drop_appended_end(*_encode(tokenizer, text_or_ids))
+        enc = _encode(tokenizer, text_or_ids)
+        ids, appended, offsets = enc if embedding else _drop_appended_end(*enc)
         special = appended if offsets is None else [e <= s for s, e in offsets]
         resp = None
-        if isinstance(response, str):
+        if isinstance(response, str) and not embedding:
             joint_prompt, resp = continuation_ids(tokenizer, text_or_ids, response)
             if joint_prompt != ids:
                 raise ValueError("response: the tokenizer reads the prompt's end differently when the response "
@@ -207,20 +263,44 @@ def _check_spans(spans, length: int):
     return S.check_ranges(spans, length, "spans")
 
 
+def _has_lm_head(model: nn.Module) -> bool:
+    get = getattr(model, "get_output_embeddings", None)
+    return callable(get) and get() is not None
+
+
+def _query_ids(tokenizer, query, row):
+    """An embedding model's query as the tokenizer encodes it (its ``[CLS]``/``[SEP]`` kept)."""
+    from pyattr.methods._core.tokens import _encode
+
+    if isinstance(query, str):
+        if tokenizer is None:
+            raise ValueError(f"query[{row}]: a text query needs tokenizer= (the model's Hugging Face tokenizer)")
+        return _encode(tokenizer, query)[0]
+    q = torch.as_tensor(query).reshape(-1)
+    if q.is_floating_point() or q.numel() == 0:
+        raise ValueError(f"query: expected a text or token ids (a non-empty LongTensor or list of ints), got "
+                         f"{q.dtype} with {q.numel()} elements")
+    return q.tolist()
+
+
 def context_attribution(model: nn.Module, inputs, sources, *, response=None, max_new_tokens: Optional[int] = None,
                         tokenizer=None, method: Optional[str] = None, spans=None, ablations: Optional[int] = None,
-                        seed: int = 0, batch_size: int = 64) -> ContextAttributionResult:
-    """Score each source of a prompt's context for a response.
+                        seed: int = 0, batch_size: int = 64, query=None,
+                        pooling: Optional[str] = None) -> ContextAttributionResult:
+    """Score each source of a prompt's context for a response, or for a retrieval model's
+    match with a query.
 
     Args:
-        model (nn.Module): a Hugging Face causal LM.
+        model (nn.Module): a Hugging Face causal LM; or a sentence-embedding model (an
+            encoder without a language-model head, such as all-MiniLM-L6-v2) with ``query=``.
         inputs (str | list[str] | LongTensor[seq] | LongTensor[1, seq]): the prompt (context
-            and query), a list of prompts (a batch), or one prompt's token ids.
+            and query; for an embedding model the passage), a list of prompts (a batch), or
+            one prompt's token ids.
         sources: ``"sentence"``, ``"line"``, ``"paragraph"`` or ``"word"`` (the prompt split so,
             by the tokenizer's character offsets), a list of text spans of the prompt in
             order, or a list of token ranges ``(start, end)``; for a batch, one such per row
             (a split name applies to every row). Tokens in no source (the query, a system
-            line) are always kept.
+            line, ``[CLS]``/``[SEP]``) are always kept.
         response (str | LongTensor | list[int] | list, optional): the response to explain
             (teacher-forced), per row for a batch; or ``max_new_tokens=`` to generate it
             (greedy; the steps ``generate`` ran, observed from its stopping criteria).
@@ -232,14 +312,27 @@ def context_attribution(model: nn.Module, inputs, sources, *, response=None, max
         ablations (int, optional): ablated prompts per row for ``foldover`` (default
             ``min(2^S, max(16, 2(S+1)))``) and ``contextcite`` (default 32).
         seed (int): the seed of the random keep-masks. batch_size (int): ablated prompts per forward.
+        query (str | LongTensor | list, optional): for a sentence-embedding model, the text
+            the prompt is retrieved for (one for every row, or one per row): the outcome is
+            the cosine similarity of the prompt's pooled embedding with the query's (the
+            sentence-transformers similarity), each source scored for it. Not with a causal LM.
+        pooling (str, optional): ``"mean"`` or ``"cls"``; default: read from the
+            checkpoint's sentence-transformers configuration (``modules.json`` and its
+            Pooling module), which must declare one where this is None.
 
     Returns:
-        ContextAttributionResult.
+        ContextAttributionResult (``outcome`` ``"cosine"`` with ``query=``: ``response`` then
+        holds the query, ``value`` the similarity).
 
     Raises:
-        ValueError: an unknown method, bad sources (see :mod:`pyattr.methods._core.sources`),
-            no response and no ``max_new_tokens``, both, bad spans, ``ablations`` < 2,
-            a batch whose sources or responses do not match its length.
+        ValueError: an unknown method, bad sources (a split name not in ``sentence``,
+            ``line``, ``paragraph``, ``word``; a span not in the prompt; a range outside it;
+            overlapping sources), no response and no ``max_new_tokens``, both, bad spans,
+            ``ablations`` < 2, a batch whose sources, responses or queries do not match its
+            length; ``query=`` with a causal LM, with ``response=``/``max_new_tokens=`` or
+            ``spans=``; an embedding model without ``query=``; a pooling pyattr does not
+            reproduce or none declared; a prompt longer than the checkpoint's
+            ``max_seq_length`` (its embeddings would truncate it).
     """
     method = DEFAULT_METHOD if method is None else method
     if method not in METHODS:
@@ -248,36 +341,64 @@ def context_attribution(model: nn.Module, inputs, sources, *, response=None, max
         raise ValueError(f"ablations: expected an int >= 2, got {ablations!r}")
     if response is not None and max_new_tokens is not None:
         raise ValueError("context_attribution: give response= or max_new_tokens=, not both")
+    embedding = not _has_lm_head(model)
+    if query is not None:
+        if not embedding:
+            raise ValueError("query: scores a sentence-embedding model's match with a query; this model has a "
+                             "language-model head: give the response it explains with response= or max_new_tokens=")
+        if response is not None or max_new_tokens is not None:
+            raise ValueError("query: give query= (an embedding model) or response=/max_new_tokens= (a causal LM), "
+                             "not both")
+        if spans is not None:
+            raise ValueError("spans: an embedding model's similarity has no response tokens to split; leave spans=None")
+    elif embedding:
+        raise ValueError(f"model: {type(model).__name__} has no language-model head; for a sentence-embedding model "
+                         "give query= (the text the prompt is retrieved for)")
     batch = isinstance(inputs, (list, tuple)) and bool(inputs) and isinstance(inputs[0], str)
     rows = list(inputs) if batch else [inputs]
     per_sources = [sources] * len(rows) if (not batch or isinstance(sources, str)) else list(sources)
-    per_response = list(response) if (batch and isinstance(response, (list, tuple))) else [response] * len(rows)
-    for name, got in (("sources", per_sources), ("response", per_response)):
+    answer = query if embedding else response
+    # a list of texts is one per prompt, also where the prompt is one (then a length error)
+    per_row = isinstance(answer, (list, tuple)) and (batch or (bool(answer) and isinstance(answer[0], str)))
+    per_response = list(answer) if per_row else [answer] * len(rows)
+    for name, got in (("sources", per_sources), ("query" if embedding else "response", per_response)):
         if len(got) != len(rows):
             raise ValueError(f"{name}: one per prompt ({len(rows)}), got {len(got)}")
-    scores, texts, ranges_all, resp_text, resp_ids, lps, cost = [], [], [], [], [], [], 0
+    if embedding:
+        pooling, max_len = E.checkpoint_pooling(model, pooling)
+    scores, texts, ranges_all, resp_text, resp_ids, values, cost = [], [], [], [], [], [], 0
     for row, (inp, src, resp) in enumerate(zip(rows, per_sources, per_response)):
-        prompt, offsets, special, text, joint_resp = _prompt(model, tokenizer, inp, resp, "inputs")
+        prompt, offsets, special, text, joint_resp = _prompt(model, tokenizer, inp, resp, "inputs", embedding)
         ranges = S.resolve(src, text, offsets, special, len(prompt))
-        r_ids = joint_resp if joint_resp is not None else _response_ids(model, prompt, resp, max_new_tokens, row)
-        if not r_ids:
-            raise ValueError(f"response[{row}]: the model generated no token to explain")
-        sp = _check_spans(spans, len(r_ids))
-        if method in ABLATION_METHODS:
-            sc, lp, n = _ablation_scores(model, prompt, ranges, r_ids, sp, method, ablations, seed, batch_size)
-            cost = max(cost, n)
-        elif method == "attention":
-            sc, lp = _attention_scores(model, prompt, ranges, r_ids, sp)
+        if embedding:
+            r_ids = _query_ids(tokenizer, resp, row)
+            for name, ids in (("inputs", prompt), ("query", r_ids)):
+                if max_len is not None and len(ids) > max_len:
+                    raise ValueError(f"{name}[{row}]: {len(ids)} tokens, more than the checkpoint's max_seq_length "
+                                     f"{max_len} (its embeddings truncate there); shorten the text")
+            sc, val, n = _embedding_scores(model, prompt, ranges, r_ids, pooling, method, ablations, seed, batch_size)
+            if method in ABLATION_METHODS:
+                cost = max(cost, n)
         else:
-            sc, lp = _relevance_scores(model, prompt, ranges, r_ids, sp, method)
+            r_ids = joint_resp if joint_resp is not None else _response_ids(model, prompt, resp, max_new_tokens, row)
+            if not r_ids:
+                raise ValueError(f"response[{row}]: the model generated no token to explain")
+            sp = _check_spans(spans, len(r_ids))
+            if method in ABLATION_METHODS:
+                sc, val, n = _ablation_scores(model, prompt, ranges, r_ids, sp, method, ablations, seed, batch_size)
+                cost = max(cost, n)
+            elif method == "attention":
+                sc, val = _attention_scores(model, prompt, ranges, r_ids, sp)
+            else:
+                sc, val = _relevance_scores(model, prompt, ranges, r_ids, sp, method)
         scores.append(sc)
-        lps.append(lp)
+        values.append(val)
         ranges_all.append(ranges)
         resp_ids.append(r_ids)
         if tokenizer is not None:
             texts.append([text[offsets[a][0]:offsets[b - 1][1]] if text is not None and offsets is not None
                           else tokenizer.decode(prompt[a:b]) for a, b in ranges])
-            resp_text.append(resp if isinstance(resp, str) else tokenizer.decode(r_ids))
+            resp_text.append(resp if isinstance(resp, str) else tokenizer.decode(r_ids, skip_special_tokens=embedding))
         else:
             texts.append([f"tokens {a}:{b}" for a, b in ranges])
             resp_text.append(None)
@@ -285,8 +406,9 @@ def context_attribution(model: nn.Module, inputs, sources, *, response=None, max
     out = torch.full((len(rows), len(scores[0]), width), float("nan"), dtype=torch.float64)
     for i, s in enumerate(scores):
         out[i, :, :s.shape[-1]] = s
-    logprob = torch.stack(lps).double()
+    value = torch.stack(values).double()
     if spans is None:
-        out, logprob = out[:, 0], logprob[:, 0]
-    return ContextAttributionResult(out, texts, ranges_all, resp_text, resp_ids, logprob, method, cost,
-                                    None if spans is None else _check_spans(spans, len(resp_ids[0])))
+        out, value = out[:, 0], value[:, 0]
+    return ContextAttributionResult(out, texts, ranges_all, resp_text, resp_ids, value, method, cost,
+                                    None if spans is None else _check_spans(spans, len(resp_ids[0])),
+                                    "cosine" if embedding else "logprob")

@@ -272,7 +272,8 @@ def context(result, limit=MAX_ROWS) -> List:
         rows = [result.scores[r]] if result.scores.dim() == 2 else list(result.scores[r])
         for j, vals in enumerate(rows):
             span = "" if result.spans is None else f" · response tokens {result.spans[j][0]}:{result.spans[j][1]}"
-            out.append(Tokens(f"row {r} · response {resp!r}{span} · {result.method}", list(result.sources[r]),
+            said = "query" if getattr(result, "outcome", "logprob") == "cosine" else "response"
+            out.append(Tokens(f"row {r} · {said} {resp!r}{span} · {result.method}", list(result.sources[r]),
                               vals[:k].tolist(), "score"))
     return out
 
