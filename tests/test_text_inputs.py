@@ -89,7 +89,7 @@ def test_bad_rules_and_text_errors(toy):
 
 
 def test_several_token_word_names_the_continuation_route():
-    from tests.bpe import byte_bpe_tokenizer, tiny_gpt2
+    from bpe import byte_bpe_tokenizer, tiny_gpt2
 
     tok = byte_bpe_tokenizer()
     model = tiny_gpt2(tok)
@@ -106,7 +106,7 @@ def test_several_token_word_names_the_continuation_route():
 
 
 def test_encoder_text_keeps_its_special_tokens():
-    from tests.models import minilm
+    from models import minilm
 
     tok, model = minilm()
     text = "A man is playing a guitar."

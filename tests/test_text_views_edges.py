@@ -26,7 +26,7 @@ TEXT = "cat dog owl fox cat dog"
 
 @pytest.fixture(scope="module")
 def bpe():
-    from tests.bpe import byte_bpe_tokenizer, tiny_gpt2
+    from bpe import byte_bpe_tokenizer, tiny_gpt2
 
     tok = byte_bpe_tokenizer()
     return tok, tiny_gpt2(tok, seed=0)
@@ -398,7 +398,7 @@ def test_save_to_a_directory_and_to_home(saved, tmp_path, monkeypatch):
 
 def test_round_trip_on_float64_and_bfloat16_models(bpe, tmp_path):
     # guard: the dtypes a result holds come back as they are
-    from tests.bpe import tiny_gpt2
+    from bpe import tiny_gpt2
 
     tok, _ = bpe
     for dtype in (torch.float64, torch.bfloat16):

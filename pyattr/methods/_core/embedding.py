@@ -45,7 +45,18 @@ def _checkpoint_file(model: nn.Module, name: str) -> Optional[Path]:
         got = try_to_load_from_cache(str(where), name)
     except Exception:  # a name that is no repo id
         return None
-    return Path(got) if isinstance(got, str) else None
+    if isinstance(got, str):
+        return Path(got)
+    if got is not None:  # the cache records that the repo has no such file
+        return None
+    # transformers fetches the model's own files, not the sentence-transformers ones: fetch
+    # this small file from the hub (where the model came from), or report it absent
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(str(where), name))
+    except Exception:  # no such file in the repo, offline, or no repo of that name
+        return None
 
 
 def checkpoint_pooling(model: nn.Module, pooling: Optional[str]) -> Tuple[str, Optional[int]]:
