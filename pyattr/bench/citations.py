@@ -17,6 +17,11 @@ Per method (:data:`pyattr.methods.context.METHODS`, the ablation ones at several
   method credits where the model looks.
 - **forwards** per example the method ran, and **time** per example (ms, one call per
   example after a warm-up, the methods interleaved example by example).
+
+Where the ContextCite library is installed (a development environment; never a dependency),
+its ``ContextCiter`` runs on the toy decoders' examples as two more rows, 32 and 256
+ablations, fed the very token sequences pyattr's ablations run
+(:mod:`pyattr.bench.citations_peers`).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -71,6 +76,9 @@ class Task:
     answer: Callable
     cue: Callable
     sources: int
+    #: () -> [(name, fn(example) -> (scores Tensor[S], forwards))]: reference libraries
+    #: measured beside pyattr where they are installed (None: none for this task)
+    peers: Optional[Callable] = None
 
 
 def toy_task(name: str, path, count: int) -> Task:
@@ -80,13 +88,32 @@ def toy_task(name: str, path, count: int) -> Task:
     import pyattr.toy as toy
     import pyattr.toy.context as C
 
-    model, _, _ = toy.load(path)
+    model, tok, _ = toy.load(path)
     examples = C.answered(model, torch.Generator().manual_seed(0), count)
+
+    def peers():
+        from pyattr.bench.citations_peers import contextcite_available, contextcite_scores
+
+        if not contextcite_available():
+            return []
+        return [(f"ContextCite {contextcite_version()}, {n} ablations",
+                 lambda e, n=n: contextcite_scores(model, tok, e, n)) for n in (32, 256)]
+
     return Task(name, model, examples,
                 lambda e: (torch.tensor(e.prompt), e.ranges, {"response": [e.answer]}),
                 lambda e, masks: A.response_logprobs(model, e.prompt, e.ranges, [e.answer], masks, [(0, 1)])[:, 0],
                 lambda e: e.answer_source, lambda e: e.cue_source if e.cue_source != e.answer_source else None,
-                C.SOURCES)
+                C.SOURCES, peers)
+
+
+def contextcite_version() -> str:
+    """The installed ContextCite's version, from its distribution (its ``__version__`` lags)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("context-cite")
+    except PackageNotFoundError:  # pragma: no cover - importable without metadata
+        return "(version unknown)"
 
 
 @dataclass(frozen=True)
@@ -155,8 +182,11 @@ def task_rows(task: Task) -> List[Dict]:
         inputs, sources, extra = task.call(e)
         return pyattr.context_attribution(task.model, inputs, sources, **extra, **kw)
 
+    peers = task.peers() if task.peers is not None else []
     for _, kw in vs:  # warm-up
         attribute(examples[0], kw)
+    for _, fn in peers:
+        fn(examples[0])
     scores = {v: [] for v, _ in vs}
     seconds = {v: 0.0 for v, _ in vs}
     forwards = {}
@@ -167,6 +197,13 @@ def task_rows(task: Task) -> List[Dict]:
             seconds[v] += time.perf_counter() - t0
             scores[v].append(r.scores[0])
             forwards[v] = r.ablations
+        for v, fn in peers:
+            t0 = time.perf_counter()
+            sc, n = fn(e)
+            seconds[v] = seconds.get(v, 0.0) + time.perf_counter() - t0
+            scores.setdefault(v, []).append(sc)
+            forwards[v] = n
+    vs = vs + [(v, None) for v, _ in peers]
     rows = []
     full = torch.ones(1, n_src, dtype=torch.bool)
     for v, _ in vs:

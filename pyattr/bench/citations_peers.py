@@ -2,55 +2,60 @@
 the examples of ``pyattr bench --citations`` (:mod:`pyattr.bench.citations`), so that the
 benchmark can show it beside pyattr's own methods where it is installed. It is never a
 dependency of pyattr: :func:`contextcite_available` tells whether it can be imported, and
-nothing here imports it before :func:`contextcite_scores` is called.
+importing this module does not import it.
 
 How an example (:class:`pyattr.toy.context.ContextExample`) is given to ContextCite 0.0.4's
 ``ContextCiter`` (its public constructor and ``get_attributions``):
 
 - **context**: the example's source texts (:meth:`ContextExample.source_texts`, 3 words
   each) joined by single spaces; **query**: the query word (the prompt's last token).
-- **sources**: a ``context_cite.context_partitioner.BaseContextPartitioner`` subclass whose sources are
-  exactly the example's sources (``partitioner=``, which overrides ``source_type``; its
-  built-in sentence / word splitters would give 1 or 12 sources). An ablated context is the
-  kept sources joined by single spaces.
-- **prompt**: ``prompt_template="{context} {query}"`` and, on a copy of the tokenizer (the
-  caller's is not changed), the chat template ``"{{ bos_token }} {{ content }}"`` (the toy
-  tokenizer has none; ContextCiter always applies one and encodes its text with
-  ``add_special_tokens=False``). The toy tokenizer splits on whitespace and reads ``<s>``
+- **sources**: a subclass of ``context_cite.context_partitioner.BaseContextPartitioner``
+  whose sources are exactly the example's sources (``partitioner=``, which overrides
+  ``source_type``; its built-in sentence / word splitters would give 1 or 12 sources). An
+  ablated context is the kept sources joined by single spaces.
+- **prompt**: ``prompt_template=``:data:`PROMPT_TEMPLATE` (``"{context} {query}"``) and,
+  on a copy of the tokenizer (the caller's is not changed), the chat template
+  :data:`CHAT_TEMPLATE` (``<s>``, a space, the user message): the toy tokenizer has none,
+  and ContextCiter always applies one, then encodes the text with
+  ``add_special_tokens=False``. The toy tokenizer splits on whitespace and reads ``<s>``
   as its special token, so the prompt is ``<s>`` + the kept sources' words + the query
-  word: every dropped source's tokens are taken out and the rest close up, as
+  word: a dropped source's tokens are taken out and the rest close up, as
   :func:`pyattr.methods._core.ablation.ablated_rows` does.
 - **response**: ContextCiter generates it with ``generate_kwargs={"max_new_tokens": 1,
   "do_sample": False}``: one greedy token, the example's answer (the benchmark's examples
   are the ones the model answers itself, :func:`pyattr.toy.context.answered`).
-- **ablations**: ``num_ablations=ablations``, ContextCiter's own masks (mask ``i`` drawn by
-  ``numpy.random.RandomState(i)``, each source kept with probability 1/2), its default
-  ``batch_size=1`` (one unpadded sequence per forward: a larger batch is left-padded, and
-  the Llama models then give the padded rows other positions than the ablated text's own),
-  and its default solver (``LassoRegression``: sklearn ``Lasso(alpha=0.01)`` on
-  standardised masks, target the response's logit-probability). ``seed=s`` other than 0
-  draws the masks with ContextCite's own ``context_cite.utils.get_masks_and_logit_probs``
-  at ``base_seed=s`` (ContextCiter has no seed option; ``seed=0`` is its unchanged path).
+- **ablations**: ``num_ablations=ablations`` and ContextCiter's own masks (mask ``i`` drawn
+  by ``numpy.random.RandomState(i)``, each source kept with probability 1/2), its
+  ``batch_size`` (default 1, ContextCiter's own: one unpadded sequence per forward; a
+  larger batch is left-padded, which leaves a rotary-position model's values as they are)
+  and its default solver (``LassoRegression``: sklearn ``Lasso(alpha=0.01)`` on standardised
+  masks, fit to the response's logit-probability). ``seed=s`` other than 0 draws the
+  masks with ContextCite's own ``context_cite.utils.get_masks_and_logit_probs`` at
+  ``base_seed=s`` (ContextCiter has no seed option; ``seed=0`` is its unchanged path).
 
-What is checked (``verify=True``, on every forward ContextCite runs, through a forward
-pre-hook on the model): the generation forward's input is exactly ``example.prompt``, the
-response ContextCite attributes is exactly ``[example.answer]``, ContextCite's sources are
-the example's source texts, every ablated forward is one unpadded row (attention mask all
-ones, no position ids passed), and the rows equal, in order, pyattr's
-:func:`~pyattr.methods._core.ablation.ablated_rows` of ContextCite's own keep-masks: the
-log-probabilities ContextCite fits on are those of the very token sequences pyattr's
-ablation methods and the benchmark's truth use; and ContextCite's per-ablation
-log-probabilities equal :func:`~pyattr.methods._core.ablation.response_logprobs` of the
-same masks (to 1e-4). (Its logit-probabilities agree with pyattr's to about 2e-5 where
-the logit is below 5, and differ by up to about 5e-3 where it nears 11: pyattr derives
-``log p − log(1 − p)`` from a float32 log-softmax, ContextCite takes the answer's logit
-minus the log-sum-exp of the others, which keeps ``1 − p`` exact.) Measured with ContextCite 0.0.4,
-transformers 5.25 and torch 2.13 on both toy decoders, 100 examples each at 32 and 256
-ablations: every sequence equal.
+What ``verify=True`` checks, on every forward ContextCite runs (a forward pre-hook on the
+model) and on the masks and values ContextCiter keeps in its cache:
 
-ContextCite prints a progress bar per call and, on CPU, an autocast warning per call;
-``quiet=True`` (default) keeps them off stderr during the call. Importing ``context_cite``
-also tries to download nltk's ``punkt_tab`` (it fails quietly offline; only its sentence
+- the generation forward's input is exactly ``example.prompt``; the response ContextCite
+  attributes is exactly ``[example.answer]``; its sources are the example's source texts;
+- no ablation forward is given position ids, and its rows, left padding taken off by the
+  attention mask, equal, in order, pyattr's
+  :func:`~pyattr.methods._core.ablation.ablated_rows` of ContextCite's own keep-masks:
+  ContextCite fits on the very token sequences pyattr's ablation methods and the
+  benchmark's truth run;
+- its per-ablation log-probabilities equal pyattr's
+  :func:`~pyattr.methods._core.ablation.response_logprobs` of the same masks (to 1e-4).
+  (pyattr computes the log-softmax in float64, so ``log p − log(1 − p)`` of a near-certain
+  answer keeps its precision: before it did, float32 rounding moved logit-probabilities
+  near 11 by up to about 5e-3).
+
+All of it held with ContextCite 0.0.4, transformers 5.25 and torch 2.13 on both toy
+decoders, the benchmark's 100 examples each, at 32 and at 256 ablations, with
+``batch_size`` 1 and 64 (whose scores agree to 1e-3) and with ``seed=7``.
+
+ContextCite prints a progress bar and, on CPU, an autocast warning per call; ``quiet=True``
+(default) keeps stdout and stderr in a buffer during the call. Importing ``context_cite``
+also tries to download nltk's ``punkt_tab`` (offline it fails quietly; only its sentence
 splitter, unused here, needs it).
 """
 
@@ -135,7 +140,7 @@ def _classes():
             return self._sources[index]
 
         def get_context(self, mask=None) -> str:
-            keep = np.ones(self.num_sources, dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
+            keep = np.ones(self.num_sources, dtype=bool) if mask is None else np.asarray(mask, bool)
             return " ".join(s for s, k in zip(self._sources, keep) if k)
 
     class SeededCiter(ContextCiter):
@@ -152,7 +157,8 @@ def _classes():
 
 
 def contextcite_scores(model, tokenizer, example, ablations: int, seed: int = 0, *,
-                       verify: bool = False, quiet: bool = True) -> Tuple[torch.Tensor, int]:
+                       batch_size: int = 1, verify: bool = False,
+                       quiet: bool = True) -> Tuple[torch.Tensor, int]:
     """ContextCite's scores of ``example``'s sources for its answer (see the module docstring).
 
     Args:
@@ -161,19 +167,22 @@ def contextcite_scores(model, tokenizer, example, ablations: int, seed: int = 0,
         example (pyattr.toy.context.ContextExample): one benchmark example.
         ablations: ContextCiter's ``num_ablations``.
         seed: 0 for ContextCiter's own masks; otherwise its mask draw at ``base_seed=seed``.
-        verify: check every forward's token ids against pyattr's ablated rows (raises
-            ``RuntimeError`` on a difference).
-        quiet: keep ContextCite's progress bar and warnings off stderr.
+        batch_size: ContextCiter's ``batch_size`` (ablated prompts per forward, left-padded).
+        verify: check every forward's token ids against pyattr's ablated rows, and the
+            log-probabilities against pyattr's (see the module docstring).
+        quiet: keep ContextCite's progress bar and warnings off stdout / stderr.
 
     Returns:
         (scores, forwards): Tensor[S] float64, one score per source; the model forwards
-        ContextCite ran (``ablations`` + 1, the generation of the response).
+        ContextCite ran (``ceil(ablations / batch_size)`` + 1, the generation of the
+        response).
 
     Raises:
-        ImportError: ContextCite is not installed. ValueError: ``ablations`` < 1.
+        ImportError: ContextCite is not installed. ValueError: ``ablations`` < 2.
+        RuntimeError: ``verify`` found a difference.
     """
-    if not isinstance(ablations, int) or ablations < 1:
-        raise ValueError(f"ablations: expected an int >= 1, got {ablations!r}")
+    if not isinstance(ablations, int) or ablations < 2:
+        raise ValueError(f"ablations: expected an int >= 2, got {ablations!r}")
     with _silenced(quiet):
         Partitioner, Citer, Seeded = _classes()
     tok = _tokenizer(tokenizer)
@@ -183,7 +192,7 @@ def contextcite_scores(model, tokenizer, example, ablations: int, seed: int = 0,
     query = inv[example.prompt[-1]]
     partitioner = Partitioner(sources)
     kwargs = dict(partitioner=partitioner, num_ablations=ablations, prompt_template=PROMPT_TEMPLATE,
-                  generate_kwargs={"max_new_tokens": 1, "do_sample": False})
+                  generate_kwargs={"max_new_tokens": 1, "do_sample": False}, batch_size=batch_size)
     if seed == 0:
         citer = Citer(model, tok, partitioner.context, query, **kwargs)
     else:
@@ -196,10 +205,10 @@ def contextcite_scores(model, tokenizer, example, ablations: int, seed: int = 0,
         if not verify:
             calls.append(None)
             return
-        ids = kw.get("input_ids", args[0] if args else None)
+        ids = kw.get("input_ids", args[0] if args else None).detach().cpu()
         mask = kw.get("attention_mask")
-        calls.append((ids.detach().cpu().tolist(), None if mask is None else bool(mask.all()),
-                      kw.get("position_ids") is not None))
+        mask = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.detach().cpu().bool()
+        calls.append(([r[m].tolist() for r, m in zip(ids, mask)], kw.get("position_ids") is not None))
 
     handle = model.register_forward_pre_hook(record, with_kwargs=True)
     try:
@@ -224,21 +233,22 @@ def _verify(model, citer, example, sources, calls) -> None:
         fail(f"sources {citer.sources} != {sources}")
     if list(citer._response_ids) != [example.answer]:
         fail(f"response ids {list(citer._response_ids)} != {[example.answer]}")
-    if len(calls) != citer.num_ablations + 1:
-        fail(f"{len(calls)} forwards, expected {citer.num_ablations} ablations + 1 generation")
-    gen_ids = calls[0][0]
-    if gen_ids != [list(example.prompt)]:
-        fail(f"generation input {gen_ids} != prompt {list(example.prompt)}")
+    if not calls or calls[0][0] != [list(example.prompt)]:
+        fail(f"generation input {calls[0][0] if calls else None} != prompt {list(example.prompt)}")
     masks = torch.as_tensor(citer._masks)
     expected = A.ablated_rows(example.prompt, example.ranges, [example.answer], masks)
-    for i, ((ids, full_mask, has_pos), row) in enumerate(zip(calls[1:], expected)):
-        if len(ids) != 1 or full_mask is False or has_pos:
-            fail(f"ablation {i}: {len(ids)} rows, attention mask all ones: {full_mask}, position ids: {has_pos}")
-        if ids[0] != row:
-            fail(f"ablation {i} (keep {masks[i].tolist()}): {ids[0]} != {row}")
+    rows = [r for ids, _ in calls[1:] for r in ids]
+    if any(pos for _, pos in calls[1:]):
+        fail("an ablation forward was given position ids")
+    if len(rows) != len(expected):
+        fail(f"{len(rows)} ablated rows, expected {len(expected)}")
+    for i, (got, row) in enumerate(zip(rows, expected)):
+        if got != row:
+            fail(f"ablation {i} (keep {masks[i].tolist()}): {got} != {row}")
     # and the values: ContextCite's per-ablation log-probability (from its logit-probability,
     # float32) against pyattr's response_logprobs of the same masks
-    cc = torch.nn.functional.logsigmoid(torch.as_tensor(citer._logit_probs, dtype=torch.float64).sum(1))
-    ours = A.response_logprobs(model, example.prompt, example.ranges, [example.answer], masks, [(0, 1)])[:, 0]
+    cc = torch.nn.functional.logsigmoid(torch.as_tensor(citer._logit_probs, dtype=torch.float64)).sum(1)
+    ours = A.response_logprobs(model, example.prompt, example.ranges, [example.answer], masks,
+                               [(0, 1)])[:, 0]
     if not torch.allclose(cc, ours, rtol=1e-4, atol=1e-4):
         fail(f"log-probabilities differ by up to {float((cc - ours).abs().max()):.3g}")

@@ -62,7 +62,9 @@ def response_logprobs(model: nn.Module, prompt: Sequence[int], ranges: Sequence[
         lengths = torch.as_tensor([len(x) for x in chunk], device=device)
         # the logit that predicts response token t sits one position before it
         pos = (lengths - r - 1)[:, None] + torch.arange(r, device=device)[None]
-        picked = logits.gather(1, pos[..., None].expand(-1, -1, logits.shape[-1])).float().log_softmax(-1)
+        # float64: the logit-probability log p − log(1 − p) of a near-certain token is a small
+        # difference of large terms, which float32 rounds away
+        picked = logits.gather(1, pos[..., None].expand(-1, -1, logits.shape[-1])).double().log_softmax(-1)
         lp = picked.gather(-1, resp[None, :, None].expand(len(chunk), -1, 1))[..., 0].double().cpu()
         for j, (a, b) in enumerate(spans):
             out[lo:lo + len(chunk), j] = lp[:, a:b].sum(-1)

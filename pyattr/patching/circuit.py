@@ -1,0 +1,248 @@
+"""Circuits as edge sets, run exactly: every edge outside the circuit patched to its corrupt
+value (each downstream input rewritten as the sum of its upstream contributions, those of
+patched edges taken from the corrupt run; EAP-IG's ``evaluate_graph``), the faithfulness of
+circuits of growing size, and MIB's integrated metrics (Mueller et al. 2025, "MIB: A
+Mechanistic Interpretability Benchmark", §3.2):
+
+- faithfulness of a circuit C: ``f(C) = (m(C) − m(∅)) / (m(full) − m(∅))``, the metric ``m``
+  averaged over the pairs; ``m(full)`` is the clean run, ``m(∅)`` every edge patched (the
+  corrupt run);
+- **CPR** (circuit performance ratio): the area under ``f`` over circuit sizes as a fraction
+  of the edges (trapezoids at MIB's sizes 0.1 %, 0.2 %, 0.5 %, 1 %, 2 %, 5 %, 10 %, 20 %,
+  50 %, 100 %); higher is better;
+- **CMD** (circuit–model difference): the area under ``|1 − f|`` over the same sizes; lower
+  is better.
+
+A circuit of the top-n edges is pruned as EAP-IG prunes it: an edge stays only where its
+upstream node is reached from the input and its downstream node reaches the logits through
+edges of the circuit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+import torch
+from torch import nn
+
+import pyattr.methods._core as core
+import pyattr.methods._core.text as text
+import pyattr.patching.graph as G
+from pyattr._repr import summary_repr
+from pyattr.config import RelevanceRules
+from pyattr.integration.wrappers import unwrap
+from pyattr.patching.edges import EdgeAttributionResult, split_run
+from pyattr.patching.pairs import metric_targets, prepare_pair
+from pyattr.results import ResultViews
+
+#: MIB's circuit sizes, as fractions of the edges
+MIB_SIZES = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+
+
+@dataclass
+class CircuitFaithfulness(ResultViews):
+    """Output of :func:`circuit_faithfulness`.
+
+    Attributes:
+        sizes (Tensor[n], float64): circuit sizes as fractions of the edges.
+        edge_counts (Tensor[n], int64): edges kept at each size, after pruning.
+        curve (Tensor[n], float64): faithfulness ``f`` at each size.
+        metric (Tensor[n], float64): the circuit's metric, mean over the pairs.
+        cpr, cmd (float): MIB's integrated metrics over ``sizes`` (trapezoids).
+        clean_metric, corrupt_metric (float): ``m(full)`` and ``m(∅)``.
+        edges (int): the graph's edge count.
+    """
+
+    __repr__ = summary_repr
+
+    sizes: torch.Tensor
+    edge_counts: torch.Tensor
+    curve: torch.Tensor
+    metric: torch.Tensor
+    cpr: float
+    cmd: float
+    clean_metric: float
+    corrupt_metric: float
+    edges: int
+    tokens: Optional[list] = field(default=None)
+
+
+def prune(graph: G.Graph, keep: torch.Tensor) -> torch.Tensor:
+    """``keep`` (BoolTensor[U, D], the circuit's edges) without the edges whose upstream node
+    the input does not reach or whose downstream node does not reach the logits."""
+    keep = keep & graph.valid
+    n_layers = len(graph.mlp_node)
+    # the upstream node each downstream input belongs to (a key/value input: every head of its group)
+    owners: List[List[int]] = [[] for _ in graph.downstream]
+    for l in range(n_layers):
+        heads = graph.head_nodes[l]
+        nq, ins = len(heads), graph.attn_inputs[l]
+        n_kv = (len(ins) - nq) // 2
+        per = nq // n_kv
+        for h in range(nq):
+            owners[ins[h]].append(heads[h])
+        for g in range(n_kv):
+            for h in range(g * per, (g + 1) * per):
+                owners[ins[nq + g]].append(heads[h])
+                owners[ins[nq + n_kv + g]].append(heads[h])
+        owners[graph.mlp_input[l]].append(graph.mlp_node[l])
+    reached = torch.zeros(len(graph.upstream), dtype=torch.bool)
+    reached[0] = True
+    for u in range(len(graph.upstream)):        # upstream nodes are in forward order
+        if u == 0:
+            continue
+        feeds = [d for d, os in enumerate(owners) if u in os]
+        reached[u] = bool((keep[:, feeds] & reached[:, None]).any())
+    keep = keep & reached[:, None]
+    alive = torch.zeros(len(graph.downstream), dtype=torch.bool)   # downstream inputs reaching the logits
+    out_alive = torch.zeros(len(graph.upstream), dtype=torch.bool)
+    alive[graph.logits] = True
+    for u in reversed(range(len(graph.upstream))):
+        out_alive[u] = bool((keep[u] & alive).any())
+        for d, os in enumerate(owners):
+            if u in os and out_alive[u]:
+                alive[d] = True
+    return keep & alive[None, :] & out_alive[:, None]
+
+
+def top_edges(graph: G.Graph, scores: torch.Tensor, n: int, absolute: bool = True) -> torch.Tensor:
+    """BoolTensor[U, D]: the ``n`` edges with the largest scores (``scores`` in the order of
+    ``graph.edges``), pruned."""
+    edges = graph.edges
+    key = scores.abs() if absolute else scores
+    keep = torch.zeros_like(graph.valid)
+    for i in key.argsort(descending=True)[:n].tolist():
+        u, d = edges[i]
+        keep[u, d] = True
+    return prune(graph, keep)
+
+
+def patched_metrics(model, lay, graph, pair, tgts, corrupt_acts: torch.Tensor, circuits: torch.Tensor,
+                    batch_size: Optional[int] = None) -> torch.Tensor:
+    """Tensor[n, batch] float64: the metric of each circuit (``circuits`` BoolTensor[n, U, D],
+    True: the edge is in the circuit) with every other edge patched to the corrupt run."""
+    batch = pair.clean.input_ids.shape[0]
+    per = max(1, (batch_size or 256) // batch)
+    out = []
+    for lo in range(0, circuits.shape[0], per):
+        part = circuits[lo:lo + per]
+        nv = part.shape[0]
+        rows = torch.arange(batch).repeat(nv)
+        sub = core.select_rows(pair.clean, rows.to(pair.clean.input_ids.device))
+        tg = [t.rows(rows, batch) for t in tgts]
+        patched = (~part & graph.valid).to(torch.float32).repeat_interleave(batch, 0)
+        corrupt = corrupt_acts[:, rows.to(corrupt_acts.device)]
+        with torch.no_grad():
+            value, _, _ = split_run(model, lay, graph, sub, tg, "patch", corrupt=corrupt,
+                                    patched=patched.to(corrupt.device))
+        out.append(value.detach().double().cpu().reshape(nv, batch))
+    return torch.cat(out)
+
+
+def _areas(sizes: torch.Tensor, curve: torch.Tensor):
+    dx = sizes[1:] - sizes[:-1]
+    cpr = float((dx * (curve[1:] + curve[:-1]) / 2).sum())
+    gap = (1 - curve).abs()
+    cmd = float((dx * (gap[1:] + gap[:-1]) / 2).sum())
+    return cpr, cmd
+
+
+def _circuit_masks(graph, edges_or_circuit, sizes):
+    n_edges = len(graph.edges)
+    if isinstance(edges_or_circuit, EdgeAttributionResult):
+        if edges_or_circuit.edges != graph.edge_names():
+            raise ValueError("edges_or_circuit: the edge scores are of another model's graph")
+        counts = [int(s * n_edges) for s in sizes]
+        return torch.stack([top_edges(graph, edges_or_circuit.scores, c) for c in counts])
+    names = list(edges_or_circuit)
+    index = {n: i for i, n in enumerate(graph.edge_names())}
+    unknown = [n for n in names if n not in index]
+    if unknown:
+        raise ValueError(f"edges_or_circuit: {unknown[:3]} are no edges of this model's graph (names as "
+                         "'a0.h1->a1.h2<k>', see EdgeAttributionResult.edges)")
+    keep = torch.zeros_like(graph.valid)
+    for n in names:
+        u, d = graph.edges[index[n]]
+        keep[u, d] = True
+    return prune(graph, keep)[None]
+
+
+@text.text_inputs("circuit_faithfulness", inputs=("clean", "corrupt"), target=None)
+def circuit_faithfulness(model: nn.Module, clean, corrupt, edges_or_circuit, *, metric,
+                         sizes: Optional[Sequence[float]] = None, attention_mask: Optional[torch.Tensor] = None,
+                         corrupt_attention_mask: Optional[torch.Tensor] = None, batch_size: Optional[int] = None,
+                         tokenizer=None) -> CircuitFaithfulness:
+    """How much of the metric circuits of growing size recover, run exactly.
+
+    Args:
+        model (nn.Module): as for :func:`pyattr.patching.edge_attribution`.
+        clean, corrupt: the pairs (the same length and mask).
+        edges_or_circuit: an :class:`EdgeAttributionResult` (circuits of its top-scored
+            edges, by magnitude, at each size) or a list of edge names (one circuit).
+        metric: a :mod:`pyattr.targets` target or a callable ``f(output) → Tensor[batch]``.
+        sizes (sequence of float, optional): fractions of the edges in (0, 1], increasing
+            (default :data:`MIB_SIZES`); with a list of edges, ignored (its own size).
+        batch_size (int, optional): rows per forward (pairs × circuits; default 256).
+
+    Returns:
+        CircuitFaithfulness (``cpr`` and ``cmd`` NaN for a single circuit).
+
+    Raises:
+        ValueError: sizes outside (0, 1] or not increasing, edge names not in the graph,
+            scores of another graph, clean and corrupt metrics equal on average (``f`` is
+            undefined), and what :func:`edge_attribution` refuses.
+    """
+    model = unwrap(model)
+    sizes = MIB_SIZES if sizes is None else tuple(float(s) for s in sizes)
+    if not sizes or any(not 0 < s <= 1 for s in sizes) or any(b <= a for a, b in zip(sizes, sizes[1:])):
+        raise ValueError(f"sizes: expected increasing fractions of the edges in (0, 1], got {list(sizes)}")
+    batch_size = core.check_count("batch_size", batch_size)
+    lay = G.layout(model)
+    graph = G.build_graph(lay)
+    masks = _circuit_masks(graph, edges_or_circuit, sizes)
+    pair = prepare_pair(model, clean, corrupt, None, attention_mask, corrupt_attention_mask, "circuit_faithfulness",
+                        alignable=False)
+    tgts = metric_targets(metric, pair.clean.input_ids.shape[0])
+    with core.attribution_pass(model, RelevanceRules(), False, "circuit_faithfulness"), torch.no_grad():
+        v_c, split_c, fixed = split_run(model, lay, graph, pair.clean, tgts, "record", check=True)
+        v_x, split_x, _ = split_run(model, lay, graph, pair.corrupt, fixed, "record")
+        m = patched_metrics(model, lay, graph, pair, fixed, torch.stack(split_x.acts), masks, batch_size)
+    clean_m, corrupt_m = float(v_c.double().mean()), float(v_x.double().mean())
+    if clean_m == corrupt_m:
+        raise ValueError("metric: clean and corrupt give the same mean metric, so faithfulness (m(C) − m(∅)) / "
+                         "(m(full) − m(∅)) is undefined")
+    curve = (m.mean(1) - corrupt_m) / (clean_m - corrupt_m)
+    counts = (masks.reshape(masks.shape[0], -1).sum(1)).long()
+    if isinstance(edges_or_circuit, EdgeAttributionResult):
+        xs = torch.tensor(sizes, dtype=torch.float64)
+        cpr, cmd = _areas(xs, curve)
+    else:
+        xs = counts.double() / len(graph.edges)
+        cpr = cmd = float("nan")
+    return CircuitFaithfulness(xs, counts, curve, m.mean(1), cpr, cmd, clean_m, corrupt_m, len(graph.edges))
+
+
+def edge_effects(model, clean, corrupt, metric, *, attention_mask=None, corrupt_attention_mask=None,
+                 batch_size: Optional[int] = None) -> EdgeAttributionResult:
+    """Exact edge patching: each edge alone patched to the corrupt run, every other edge
+    clean: ``metric(that run) − metric(clean)`` per pair (one run per edge, batched). The
+    ground truth the estimators of :func:`edge_attribution` approximate; the result has
+    ``method="exact"``."""
+    model = unwrap(model)
+    lay = G.layout(model)
+    graph = G.build_graph(lay)
+    pair = prepare_pair(model, clean, corrupt, None, attention_mask, corrupt_attention_mask, "edge_effects",
+                        alignable=False)
+    tgts = metric_targets(metric, pair.clean.input_ids.shape[0])
+    edges = graph.edges
+    masks = graph.valid.clone()[None].repeat(len(edges), 1, 1)
+    for i, (u, d) in enumerate(edges):
+        masks[i, u, d] = False
+    with core.attribution_pass(model, RelevanceRules(), False, "edge_effects"), torch.no_grad():
+        v_c, _, fixed = split_run(model, lay, graph, pair.clean, tgts, "record", check=True)
+        v_x, split_x, _ = split_run(model, lay, graph, pair.corrupt, fixed, "record")
+        m = patched_metrics(model, lay, graph, pair, fixed, torch.stack(split_x.acts), masks, batch_size)
+    per_pair = (m - v_c.double().cpu()[None]).T
+    return EdgeAttributionResult(per_pair.mean(0), per_pair, graph.edge_names(), list(graph.upstream),
+                                 list(graph.downstream), v_c.double().cpu(), v_x.double().cpu(), "exact", len(edges))

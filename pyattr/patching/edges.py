@@ -1,0 +1,185 @@
+"""Edge attribution patching: every edge of the model's graph (:mod:`pyattr.patching.graph`)
+scored at once, as EAP defines it (Syed et al. 2023, "Attribution patching outperforms
+automated circuit discovery", eq. 3): ``(a_u(corrupt) − a_u(clean)) · ∂metric/∂x_d``, summed
+over positions, with ``x_d`` the downstream input's own copy of the residual stream.
+
+The gradient at every downstream input comes from one split forward and one backward
+(``"atp"``, ``"relp"``), or ``steps`` of them (``"ig"``), whatever the number of edges.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+import torch
+from torch import nn
+
+import pyattr.methods._core as core
+import pyattr.methods._core.text as text
+import pyattr.patching.graph as G
+from pyattr._repr import summary_repr
+from pyattr.config import RelevanceRules
+from pyattr.integration.wrappers import unwrap
+from pyattr.patching.ig import entry_embeddings
+from pyattr.patching.pairs import metric_targets, prepare_pair, recording_forward
+from pyattr.results import ResultViews
+
+#: ``"relp"``: the rule-modified gradient (RelP, Jafari et al., arXiv 2508.21258) under
+#: ``rules`` (default the LN-rule, as node-level RelP); ``"atp"``: the plain gradient (EAP);
+#: ``"ig"``: EAP-IG with interpolated inputs (Hanna et al., COLM 2024, §3): the plain
+#: gradient averaged over ``steps`` midpoints on the line from the clean to the corrupt
+#: embeddings entering the first block
+EDGE_METHODS = ("relp", "atp", "ig")
+DEFAULT_EDGE_METHOD = "ig"
+DEFAULT_STEPS = 16
+
+
+@dataclass
+class EdgeAttributionResult(ResultViews):
+    """Output of :func:`edge_attribution`.
+
+    Attributes:
+        scores (Tensor[edges], float64): each edge's estimated effect on the metric, mean over
+            the pairs (metric units; patching the edge from the corrupt run changes the
+            metric by about this much).
+        per_pair (Tensor[batch, edges], float64): the same per pair.
+        edges (list[str]): ``"upstream->downstream"`` per edge, in the order of ``scores``.
+        upstream, downstream (list[str]): the graph's node names (see :mod:`pyattr.patching.graph`).
+        clean_metric, corrupt_metric (Tensor[batch], float64).
+        method (str); steps (int): forwards and backwards the gradient took.
+    """
+
+    __repr__ = summary_repr
+
+    scores: torch.Tensor
+    per_pair: torch.Tensor
+    edges: List[str]
+    upstream: List[str]
+    downstream: List[str]
+    clean_metric: torch.Tensor
+    corrupt_metric: torch.Tensor
+    method: str
+    steps: int = 1
+    tokens: Optional[list] = field(default=None)
+
+    def top(self, n: int = 10, absolute: bool = True) -> List[Tuple[str, float]]:
+        """The ``n`` edges with the largest score (by magnitude where ``absolute``), as
+        (name, score)."""
+        key = self.scores.abs() if absolute else self.scores
+        order = key.argsort(descending=True)[:n].tolist()
+        return [(self.edges[i], float(self.scores[i])) for i in order]
+
+
+def _check_method(method, rules, steps):
+    method = DEFAULT_EDGE_METHOD if method is None else method
+    if method not in EDGE_METHODS:
+        raise ValueError(f"method: expected one of {list(EDGE_METHODS)}, got {method!r}")
+    if method != "ig" and steps is not None:
+        raise ValueError(f"steps: only method='ig' interpolates; method={method!r} takes none")
+    if method == "ig":
+        steps = core.check_count("steps", DEFAULT_STEPS if steps is None else steps, allow_none=False)
+    if method != "relp":
+        if rules is not None:
+            raise ValueError(f"rules: method={method!r} uses the plain gradient; pass method='relp' to use rules")
+        rules = RelevanceRules()
+    else:
+        from pyattr.patching.attribution import PATCHING_RULES
+
+        rules = PATCHING_RULES if rules is None else rules
+        if not isinstance(rules, RelevanceRules):
+            raise TypeError(f"rules must be a RelevanceRules, got {type(rules).__name__}")
+    return method, rules, steps
+
+
+def split_run(model, lay, graph, prep, tgts, mode, metric="required", **kw):
+    """One split forward: ``(metric value, the SplitForward with its records)``."""
+    split = G.SplitForward(lay, graph, mode, **kw)
+    with split.hooks():
+        value, _, fixed = recording_forward(model, prep, tgts, [], grad=mode == "grad", metric=metric)
+    if split.mismatch:
+        raise ValueError(f"model: {type(model).__name__}'s residual stream is not what the edge graph reads: "
+                         f"{split.mismatch[0]} (a norm after a block's output, a parallel block or a hook that "
+                         "edits activations); edge attribution needs a pre-norm sequential decoder")
+    return value, split, fixed
+
+
+def downstream_gradients(model, lay, graph, pair, tgts, method: str, steps: Optional[int]):
+    """``(clean metric, clean upstream activations (U, batch, seq, hidden), ∂metric/∂x_d
+    (D, batch, seq, hidden) float64, fixed targets)``."""
+    value, split, fixed = split_run(model, lay, graph, pair.clean, tgts, "grad", check=True)
+    if not value.requires_grad:
+        raise ValueError("metric: the value does not depend on the inputs through differentiable operations")
+    acts = torch.stack(split.acts)
+    if method != "ig":
+        (g,) = torch.autograd.grad(value.sum(), [split.leaves])
+        return value.detach(), acts, g.double(), fixed
+    value = value.detach()
+    x_c = entry_embeddings(model, pair.clean)
+    x_x = entry_embeddings(model, pair.corrupt)
+    total = None
+    for k in range(steps):
+        alpha = (k + 0.5) / steps
+        x = x_c + alpha * (x_x - x_c)
+        with core.tap(pair.clean.entry, pair.clean.where, lambda t, x=x: x.to(t.dtype), once=True):
+            v, sp, _ = split_run(model, lay, graph, pair.clean, fixed, "grad")
+        (g,) = torch.autograd.grad(v.sum(), [sp.leaves])
+        total = g.double() if total is None else total + g.double()
+    return value, acts, total / steps, fixed
+
+
+@text.text_inputs("edge_attribution", inputs=("clean", "corrupt"), target=None)
+def edge_attribution(model: nn.Module, clean, corrupt, metric, *, method: Optional[str] = None,
+                     rules: Optional[RelevanceRules] = None, steps: Optional[int] = None,
+                     attention_mask: Optional[torch.Tensor] = None,
+                     corrupt_attention_mask: Optional[torch.Tensor] = None,
+                     tokenizer=None) -> EdgeAttributionResult:
+    """Score every edge of the model's graph for patching it from ``corrupt`` into ``clean``.
+
+    Args:
+        model (nn.Module): a Hugging Face pre-norm decoder of a mapped architecture with one
+            norm before the attention and one before the MLP (llama, mistral, qwen2, qwen3,
+            gemma, phi3, gpt2, and the MoE decoders, whose MLP block is one node: experts
+            are not separate nodes). Others are refused with the reason.
+        clean, corrupt (LongTensor[batch, seq] | Mapping): token ids or tokenizer outputs of
+            the same length and mask (EAP pairs position p with position p).
+        metric: a :mod:`pyattr.targets` target (``LogitDiff(a, b)``, ``Logit(id)``) or a
+            callable ``f(output) → Tensor[batch]``.
+        method (str, optional): one of :data:`EDGE_METHODS` (default :data:`DEFAULT_EDGE_METHOD`).
+        rules (RelevanceRules, optional): ``"relp"`` only (default the LN-rule).
+        steps (int, optional): ``"ig"`` only (default 16).
+        attention_mask, corrupt_attention_mask: masks of ids given as tensors.
+        tokenizer (optional): for text inputs.
+
+    Returns:
+        EdgeAttributionResult.
+
+    Raises:
+        ValueError: an unknown method, ``rules`` or ``steps`` where the method takes none,
+            an architecture the graph does not read (named with the reason), a residual
+            stream that is not the sum the graph reads (observed in the clean forward),
+            clean and corrupt of different lengths or masks, a metric that is not one
+            value per row.
+    """
+    model = unwrap(model)
+    method, rules, steps = _check_method(method, rules, steps)
+    lay = G.layout(model)
+    graph = G.build_graph(lay)
+    pair = prepare_pair(model, clean, corrupt, None, attention_mask, corrupt_attention_mask, "edge_attribution",
+                        alignable=False)
+    tgts = metric_targets(metric, pair.clean.input_ids.shape[0])
+    with core.attribution_pass(model, rules, False, "edge_attribution"):
+        value, acts_c, grads, fixed = downstream_gradients(model, lay, graph, pair, tgts, method, steps)
+        with torch.no_grad():
+            value_x, split_x, _ = split_run(model, lay, graph, pair.corrupt, fixed, "record")
+    acts_x = torch.stack(split_x.acts)
+    valid_pos = pair.valid.to(acts_c.device, torch.float64)[None, :, :, None]
+    diff = (acts_x.double() - acts_c.double()) * valid_pos                          # (U, b, s, h)
+    per = torch.einsum("ubsh,dbsh->bud", diff, grads)                              # (b, U, D)
+    edges = graph.edges
+    u_idx = torch.tensor([u for u, _ in edges], dtype=torch.long)
+    d_idx = torch.tensor([d for _, d in edges], dtype=torch.long)
+    per_pair = per[:, u_idx, d_idx].cpu()
+    return EdgeAttributionResult(per_pair.mean(0), per_pair, graph.edge_names(), list(graph.upstream),
+                                 list(graph.downstream), value.double().cpu(), value_x.double().cpu(), method,
+                                 steps or 1)
