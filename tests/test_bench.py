@@ -279,7 +279,7 @@ def test_check_tool_one_line_errors(tmp_path):
         (["--e2e", "--targets", "-1"], "--targets must be >= 0"),
         (["--ig-memory", "--chunk", "0"], "--chunk must be >= 1"),
         (["--e2e", "--conservation"], "--e2e, --conservation, --ig-memory, --patching, --dataset, --faithfulness, "
-                                      "--estimators, --generation, --long-context and --citations are separate runs"),
+                                      "--estimators, --generation, --long-context, --citations and --circuits are separate runs"),
         (["--faithfulness", "--estimators"], "are separate runs; pass one"),
         (["--png", "/tmp/x.png"], "--png is the perturbation-curve plot of --faithfulness"),
         (["--faithfulness", "--png", "/nonexistent/dir/x.png"], "--png: cannot write"),

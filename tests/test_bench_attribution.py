@@ -122,7 +122,7 @@ def test_saved_attribution_documents_validate_and_bad_rows_are_named():
         report.validate(bad)
     bad["kind"] = "speed"
     with pytest.raises(ValueError, match=r"kind 'speed', expected one of \['micro', 'e2e', 'conservation', 'ig-memory', 'patching', 'generation', "
-                                         r"'long-context', 'estimators', 'faithfulness', 'citations', 'dataset'\]"):
+                                         r"'long-context', 'estimators', 'faithfulness', 'citations', 'circuits', 'dataset'\]"):
         report.validate(bad)
     bad["kind"] = "patching"
     bad["rows"] = [{"model": "m", "method": "atp", "variant": "atp", "node": "mlp", "nodes": 3, "pairs": 1,

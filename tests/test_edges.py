@@ -289,3 +289,34 @@ def test_bad_circuits_and_sizes_are_refused(toy_pairs):
         P.circuit_faithfulness(model, clean, clean, ["m1->logits"], metric=metric)
     with pytest.raises(ValueError, match="same length"):
         P.edge_attribution(model, clean, corrupt[:, :-1], metric, method="atp")
+
+
+def test_results_show_themselves_and_load_back(toy_pairs, tmp_path):
+    import pyattr
+
+    model, clean, corrupt, metric = toy_pairs
+    edges = P.edge_attribution(model, clean, corrupt, metric, method="atp")
+    cf = P.circuit_faithfulness(model, clean, corrupt, edges, metric=metric, sizes=[0.1, 0.5, 1.0])
+    for res in (edges, cf):
+        html = res._repr_html_()
+        assert "<table" in html or "<svg" in html or "<div" in html
+        back = pyattr.load(res.save(tmp_path / f"{type(res).__name__}.safetensors"))
+        assert type(back) is type(res)
+    back = pyattr.load(str(tmp_path / "EdgeAttributionResult.safetensors"))
+    assert torch.equal(back.per_pair, edges.per_pair) and back.edges == edges.edges
+    assert "m1-&gt;logits" in edges._repr_html_() and "CPR" in cf._repr_html_()
+    table = edges.to_pandas()
+    assert len(table) >= len(edges.edges)
+    assert edges.top(3) == sorted(((e, float(s)) for e, s in zip(edges.edges, edges.scores)),
+                                  key=lambda t: -abs(t[1]))[:3]
+
+
+def test_circuits_bench_rows_validate():
+    import pyattr.bench.circuits as B
+    import pyattr.bench.report as report
+
+    rows = B.model_rows("toy", None, "key", 4, repeats=1)
+    assert [r["variant"] for r in rows] == [v for v, _ in B.variants()]
+    assert rows[0]["pearson"] == pytest.approx(1.0) and rows[0]["top2_equal_exact"] == 1.0
+    report.validate(report.document("circuits", torch.device("cpu"), rows))
+    assert "| exact edge patching | 1.000 | 1.00 |" in B.markdown(rows)

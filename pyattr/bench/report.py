@@ -192,11 +192,14 @@ _ROW_NUMBERS = {
     "estimators": (("model", "variant", "node"), ("pairs", "seconds")),
     "faithfulness": (("model", "method"), ("rows", "ms", "time_ratio_to_ig", "abpc_sem")),
     "citations": (("model", "method"), ("examples", "sources", "forwards", "ms_per_example", "lds_se", "top1")),
+    "circuits": (("model", "variant"), ("pairs", "edges", "seconds", "top2_equal_exact", "cmd",
+                                        "time_over_exact")),
     "dataset": (("config", "device", "dtype"), ("processes", "prompts", "tokens", "seconds", "prompts_per_s",
                                                "tokens_per_s", "peak_rss_bytes")),
 }
 # correlations: finite, in [-1, 1], or null where undefined (a constant estimate)
-_SIGNED = {"patching": ("pearson", "spearman"), "estimators": ("pearson", "spearman"), "citations": ("lds",)}
+_SIGNED = {"patching": ("pearson", "spearman"), "estimators": ("pearson", "spearman"), "citations": ("lds",),
+           "circuits": ("pearson",)}
 
 
 def _validate_contention(c) -> None:

@@ -337,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--citations", action="store_true",
                    help="context attribution (fold-over surrogate, ContextCite-style Lasso, leave-one-out, relevance, "
                         "attention): LDS, drop@k, top-1 hit and time on both toy decoders' context task, instead")
+    b.add_argument("--circuits", action="store_true",
+                   help="edge attribution (AtP, RelP, EAP-IG) against exact edge patching on both toy decoders' key "
+                        "and value pairs: Pearson, top-2, MIB's CPR and CMD, time, instead")
     b.add_argument("--png", metavar="PATH", help="--faithfulness: write the mean perturbation curves as PNG")
     b.add_argument("--dataset", action="store_true",
                    help="pyattr run over a file of prompts on a random ~1B Llama (bfloat16 on CUDA, 64 prompts; "

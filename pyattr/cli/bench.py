@@ -10,7 +10,7 @@ from pyattr.cli._common import UsageError, check_output_path, fail
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 #: CPU runs whose module ``pyattr.bench.<name>`` has ``run_all(quick)`` and
 #: ``markdown(rows, contention)`` and whose JSON kind is the name
-SIMPLE_RUNS = ("faithfulness", "generation", "long_context", "estimators", "citations")
+SIMPLE_RUNS = ("faithfulness", "generation", "long_context", "estimators", "citations", "circuits")
 
 
 def parse_shapes(text: str):
@@ -41,9 +41,10 @@ def _check_args(args):
         raise UsageError(f"--chunk must be >= 1, got {args.chunk}")
     if sum(map(bool, (args.e2e, args.conservation, args.ig_memory, args.patching, args.dataset,
                       args.faithfulness, args.estimators, args.generation, args.long_context,
-                      args.citations))) > 1:
+                      args.citations, args.circuits))) > 1:
         raise UsageError("--e2e, --conservation, --ig-memory, --patching, --dataset, --faithfulness, "
-                         "--estimators, --generation, --long-context and --citations are separate runs; pass one")
+                         "--estimators, --generation, --long-context, --citations and --circuits are separate runs; "
+                         "pass one")
     if args.png is not None and not args.faithfulness:
         raise UsageError("--png is the perturbation-curve plot of --faithfulness; pass --faithfulness")
     for flag, path in (("--json", args.json), ("--markdown", args.markdown), ("--png", args.png)):

@@ -49,8 +49,11 @@ class CircuitFaithfulness(ResultViews):
         edge_counts (Tensor[n], int64): edges kept at each size, after pruning.
         curve (Tensor[n], float64): faithfulness ``f`` at each size.
         metric (Tensor[n], float64): the circuit's metric, mean over the pairs.
-        cpr, cmd (float): MIB's integrated metrics over ``sizes`` (trapezoids).
-        clean_metric, corrupt_metric (float): ``m(full)`` and ``m(∅)``.
+        cpr (float): MIB's circuit performance ratio, the area under ``curve`` over ``sizes``
+            (trapezoids).
+        cmd (float): MIB's circuit–model difference, the area under ``|1 − curve|``.
+        clean_metric (float): ``m(full)``, the clean run's mean metric.
+        corrupt_metric (float): ``m(∅)``, the corrupt run's.
         edges (int): the graph's edge count.
     """
 
@@ -177,13 +180,17 @@ def circuit_faithfulness(model: nn.Module, clean, corrupt, edges_or_circuit, *, 
 
     Args:
         model (nn.Module): as for :func:`pyattr.patching.edge_attribution`.
-        clean, corrupt: the pairs (the same length and mask).
+        clean (LongTensor[batch, seq] | Mapping): token ids or tokenizer outputs.
+        corrupt (LongTensor[batch, seq] | Mapping): the counterfactuals, of ``clean``'s length and mask.
         edges_or_circuit: an :class:`EdgeAttributionResult` (circuits of its top-scored
             edges, by magnitude, at each size) or a list of edge names (one circuit).
         metric: a :mod:`pyattr.targets` target or a callable ``f(output) → Tensor[batch]``.
         sizes (sequence of float, optional): fractions of the edges in (0, 1], increasing
             (default :data:`MIB_SIZES`); with a list of edges, ignored (its own size).
+        attention_mask (Tensor[batch, seq], optional): the mask of ``clean`` given as ids.
+        corrupt_attention_mask (Tensor[batch, seq], optional): the mask of ``corrupt`` given as ids.
         batch_size (int, optional): rows per forward (pairs × circuits; default 256).
+        tokenizer (optional): for text inputs.
 
     Returns:
         CircuitFaithfulness (``cpr`` and ``cmd`` NaN for a single circuit).

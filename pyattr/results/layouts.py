@@ -278,7 +278,31 @@ def context(result, limit=MAX_ROWS) -> List:
     return out
 
 
+def edges(result, limit=MAX_ROWS) -> List:
+    """Every edge's mean score as an upstream × downstream grid (cells of no edge blank),
+    and the top edges as a table."""
+    index = {(u, d): i for i, (u, d) in enumerate(e.split("->") for e in result.edges)}
+    grid = [[float(result.scores[index[(u, d)]]) if (u, d) in index else None for d in result.downstream]
+            for u in result.upstream]
+    top = result.top(20 if limit is not None else len(result.edges))
+    return [Matrix(f"edge scores ({result.method}), mean over {result.per_pair.shape[0]} pairs", list(result.upstream),
+                   list(result.downstream), grid, "upstream", "downstream input", "score"),
+            Table("top edges by |score|", ["edge", "score"], [[e, v] for e, v in top])]
+
+
+def circuit(result, limit=MAX_ROWS) -> List:
+    """The faithfulness curve over circuit sizes, and its points as a table."""
+    head = f"faithfulness (CPR {num(result.cpr, '.3f')}, CMD {num(result.cmd, '.3f')})"
+    return [Curves(head, result.sizes.tolist(), [result.curve.tolist()], ["circuit"], "fraction of edges",
+                   "faithfulness"),
+            Table("circuits", ["fraction", "edges", "faithfulness", "metric"],
+                  [[float(x), int(n), float(f), float(m)] for x, n, f, m in
+                   zip(result.sizes, result.edge_counts, result.curve, result.metric)])]
+
+
 LAYOUTS = {
+    "EdgeAttributionResult": edges,
+    "CircuitFaithfulness": circuit,
     "ContextAttributionResult": context,
     "RelevanceResult": relevance,
     "AttributionResult": attribution,
@@ -296,6 +320,6 @@ def panels(result, limit: Optional[int] = MAX_ROWS) -> List:
     """The result's panels: at most ``limit`` batch rows (with a note saying how many are
     left out); ``limit=None``: every row, every panel (``to_pandas()``)."""
     out = LAYOUTS[type(result).__name__](result, limit)
-    if type(result).__name__ not in ("PatchingResult", "GradientCapture"):
+    if type(result).__name__ not in ("PatchingResult", "GradientCapture", "EdgeAttributionResult", "CircuitFaithfulness"):
         share_scale(out)  # every row of one result on one colour scale, so rows compare by colour
     return out

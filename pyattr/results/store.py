@@ -29,6 +29,8 @@ LOADABLE = frozenset({
     "pyattr.methods.capture:Captured",
     "pyattr.methods.capture:GradientCapture",
     "pyattr.patching.result:PatchingResult",
+    "pyattr.patching.edges:EdgeAttributionResult",
+    "pyattr.patching.circuit:CircuitFaithfulness",
     "pyattr.evaluate.perturbation:PerturbationCurve",
     "pyattr.integration.audit:RelevanceAudit",
     "pyattr.integration.audit:ModuleGap",

@@ -1,0 +1,106 @@
+"""``pyattr bench --circuits``: edge attribution methods (:func:`pyattr.patching.edge_attribution`)
+against exact edge patching (:func:`pyattr.patching.edge_effects`) on both toy induction
+decoders, key and value pairs (:func:`pyattr.toy.task.pairs`; 64 each, seed 11).
+
+Per method: **Pearson** of the edge scores (mean over pairs) with exact edge patching's;
+**top-2** the share of pairs whose two largest edges by magnitude are exact patching's two;
+**CPR** and **CMD** (MIB, :mod:`pyattr.patching.circuit`) of the circuits of each method's
+top edges at MIB's sizes, run exactly; **time** of the scores (median of 3 calls after a
+warm-up, the methods interleaved call by call).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Dict, List
+
+import torch
+
+PAIRS = 64
+
+
+def variants():
+    """(name, edge_attribution keyword arguments); None: exact edge patching."""
+    return [
+        ("exact edge patching", None),
+        ("atp", {"method": "atp"}),
+        ("relp, LN-rule (default)", {"method": "relp"}),
+        ("ig, 4 steps", {"method": "ig", "steps": 4}),
+        ("ig, 16 steps", {"method": "ig", "steps": 16}),
+    ]
+
+
+def _top2(per_pair: torch.Tensor) -> List[set]:
+    return [set(r.tolist()) for r in per_pair.abs().topk(2, dim=-1).indices]
+
+
+def model_rows(name: str, path, kind: str, count: int, repeats: int = 3) -> List[Dict]:
+    import pyattr.patching as P
+    import pyattr.targets as T
+    import pyattr.toy as toy
+    import pyattr.toy.circuit as C
+    import pyattr.toy.task as task
+
+    model, _, _ = toy.load(path)
+    pairs = task.pairs(torch.Generator().manual_seed(11), count, kind=kind)
+    clean, corrupt, answer, alternative = C.pair_tensors(pairs)
+    metric = T.LogitDiff(answer, alternative)
+
+    def call(kw):
+        if kw is None:
+            return P.edge_effects(model, clean, corrupt, metric)
+        return P.edge_attribution(model, clean, corrupt, metric, **kw)
+
+    vs = variants()
+    results, seconds = {}, {v: [] for v, _ in vs}
+    for _, kw in vs:  # warm-up
+        call(kw)
+    for _ in range(repeats):
+        for v, kw in vs:
+            t0 = time.perf_counter()
+            results[v] = call(kw)
+            seconds[v].append(time.perf_counter() - t0)
+    exact = results[vs[0][0]]
+    top_exact = _top2(exact.per_pair)
+    rows = []
+    for v, _ in vs:
+        r = results[v]
+        cf = P.circuit_faithfulness(model, clean, corrupt, r, metric=metric)
+        pearson = float(torch.corrcoef(torch.stack([r.scores, exact.scores]))[0, 1])
+        rows.append({"model": f"{name}, {kind} pairs", "variant": v, "pairs": count, "edges": len(r.edges),
+                     "seconds": statistics.median(seconds[v]), "pearson": pearson,
+                     "top2_equal_exact": statistics.fmean(a == b for a, b in zip(_top2(r.per_pair), top_exact)),
+                     "cpr": cf.cpr, "cmd": cf.cmd})
+    t_exact = rows[0]["seconds"]
+    for row in rows:
+        row["time_over_exact"] = row["seconds"] / t_exact
+    return rows
+
+
+def run_all(quick: bool = False) -> List[Dict]:
+    import pyattr.toy as toy
+
+    n = 8 if quick else PAIRS
+    rows = []
+    for name, path in (("toy induction decoder (shipped)", None), ("toy induction decoder B (seed 1)",
+                                                                   toy.INDUCTION_B_DIR)):
+        for kind in ("key", "value"):
+            rows += model_rows(name, path, kind, n, repeats=1 if quick else 3)
+    return rows
+
+
+def markdown(rows: List[Dict], contention=None) -> str:
+    from pyattr.bench.report import conditions
+
+    lines = [conditions(contention).rstrip("\n"), ""] if contention is not None else []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        rs = [r for r in rows if r["model"] == model]
+        lines += [f"**{model}**: {rs[0]['pairs']} pairs, {rs[0]['edges']} edges:", "",
+                  "| method | Pearson with exact | top-2 = exact | CPR | CMD | time (s) | time / exact |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for r in rs:
+            lines.append(f"| {r['variant']} | {r['pearson']:.3f} | {r['top2_equal_exact']:.2f} | {r['cpr']:.3f} | "
+                         f"{r['cmd']:.3f} | {r['seconds']:.3f} | {r['time_over_exact']:.2f} |")
+        lines.append("")
+    return "\n".join(lines)
