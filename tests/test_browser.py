@@ -1,6 +1,7 @@
 """Every HTML page pyattr writes, opened in a real headless Chromium (driven by Playwright):
-``explain --html`` (tokens), ``explain --image --html`` (patches), ``patch --html`` (cells)
-and ``generate --html`` (tokens and matrix cells). Each page must load with no console
+``explain --html`` (tokens), ``explain --image --html`` (patches), ``patch --html`` (cells),
+``patch --edges --html`` (the circuit graph and the edge grid) and ``generate --html``
+(tokens and matrix cells). Each page must load with no console
 error, no page error and no request leaving the file (self-contained); show a visible
 colour legend with its value range; show the value of the unit under the mouse after a
 real hover; keep token text readable on its background (contrast). A full-page
@@ -264,6 +265,37 @@ def test_patch_page(browser, artifacts, tmp_path):
     assert readout.inner_text() == f"relp: residual, layer {layer}, token {tok!r} (position {pos}): {num(v, '+.6f')}"
     assert readout.is_visible()
     p.finish(artifacts, "patch")
+
+
+def test_edges_page(browser, artifacts, tmp_path):
+    from pyattr.results.colours import num
+
+    page_file, js = tmp_path / "edges.html", tmp_path / "edges.json"
+    r = run_cli("patch", "--edges", "--html", page_file, "--json", js)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(js.read_text())
+    strongest = max(doc["edges"], key=lambda e: abs(e["score"]))
+    p = Page(browser, page_file)
+    page = p.page
+    svg = page.locator("svg")
+    assert svg.count() == 1 and svg.is_visible()
+    box = svg.bounding_box()
+    assert box["width"] >= 600 and box["height"] >= 300, box
+    lines = page.locator("line.edge")
+    assert lines.count() == 30                            # the 30 strongest edges
+    assert page.locator("svg g.node").count() == 1 + 2 * 4 + 2 + 1   # input, 8 heads, 2 MLPs, logits
+    top = page.locator(f'line.edge[data-w="{strongest["edge"]}: {num(strongest["score"], "+.4g")}"]')
+    assert top.count() == 1
+    assert top.locator("title").text_content() == f'{strongest["edge"]}: {num(strongest["score"], "+.4g")}'
+    assert float(top.get_attribute("stroke-width")) == max(float(w) for w in lines.evaluate_all(
+        "ls => ls.map(l => l.getAttribute('stroke-width'))"))
+    assert page.locator(".legend").count() == 2           # the graph's and the grid's
+    assert_legends(page)
+    assert_readable(page.locator("td[style]"))
+    # every node label readable on its white box
+    for t in page.locator("svg g.node text").all()[:3]:
+        assert t.is_visible()
+    p.finish(artifacts, "edges")
 
 
 def test_generate_page(browser, artifacts, tmp_path):

@@ -320,3 +320,44 @@ def test_circuits_bench_rows_validate():
     assert rows[0]["pearson"] == pytest.approx(1.0) and rows[0]["top2_equal_exact"] == 1.0
     report.validate(report.document("circuits", torch.device("cpu"), rows))
     assert "| exact edge patching | 1.000 | 1.00 |" in B.markdown(rows)
+
+
+def test_patch_edges_command(capsys, tmp_path):
+    import json
+
+    from pyattr.cli import main
+
+    js = tmp_path / "edges.json"
+    assert main(["patch", "--edges", "--method", "atp", "--json", str(js), "--top", "3"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == "110 edges scored by atp in " + out[1].split(" in ")[1]
+    doc = json.loads(js.read_text())
+    assert len(doc["edges"]) == 110 and doc["method"] == "atp"
+    # the same numbers as the Python API on the built-in pair
+    model, tok, _ = toy.load()
+    from pyattr.apps.patch_edges import DEFAULT_CLEAN, DEFAULT_CORRUPT
+
+    c = torch.tensor([tok(DEFAULT_CLEAN)["input_ids"]])
+    x = torch.tensor([tok(DEFAULT_CORRUPT)["input_ids"]])
+    want = P.edge_attribution(model, c, x, T.Logit(), method="atp")
+    assert [e["edge"] for e in doc["edges"]] == want.edges
+    # the command loads the model with its default attention kernel, toy.load() with eager
+    assert [e["score"] for e in doc["edges"]] == pytest.approx(want.scores.tolist(), abs=1e-5)
+    top = want.top(3)
+    assert [line.split()[-1] for line in out[2:5]] == [name for name, _ in top]
+    assert out[5].startswith("circuits of the top edges run exactly: CPR ")
+    assert doc["circuits"]["edges"][-1] == 110
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--method", "atp*"], "--edges: --method must be one of ['relp', 'atp', 'ig', 'exact']"),
+    (["--nodes", "heads"], "--edges scores every edge of the graph; --nodes does not apply"),
+    (["--pair", "x"], "--edges scores a causal LM's edges; --pair does not apply"),
+    (["--clean", "sun cat red", "--corrupt", "sun cat"], "--clean is 4 tokens and --corrupt 3"),
+])
+def test_patch_edges_command_refuses_bad_arguments(args, msg, capsys):
+    from pyattr.cli import main
+
+    assert main(["patch", "--edges", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pyattr patch: error: ") and msg in err, err

@@ -215,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
              "the bundled MiniLM: RelP, AtP and activation patching side by side"),
             ("pyattr patch --model induction --clean 'sun cat red tree sun' --corrupt 'sun dog red tree sun' "
              "--html patch.html", "the bundled toy decoder's next-token logit"),
+            ("pyattr patch --edges --html edges.html --png edges.png",
+             "the toy decoder's edges and circuits, drawn as a graph"),
         ),
     )
     pa.add_argument("--clean", help="the clean text")
@@ -225,6 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a causal LM: a local Hugging Face directory, a Hugging Face Hub id, or 'induction' (the "
                          "shipped toy induction decoder); metric: the next-token logit")
     pa.add_argument("--target", help="target token for --model (default: the clean run's top-1 prediction)")
+    pa.add_argument("--edges", action="store_true",
+                    help="score every edge of a causal LM's graph instead (heads' q/k/v inputs, MLPs, logits; "
+                         "default model: the toy decoder and a built-in pair), and run circuits of the strongest "
+                         "edges exactly (MIB's CPR and CMD); --method relp, atp, ig or exact")
     pa.add_argument("--nodes", default="residual,attention,heads,mlp",
                     help="comma-separated: residual,attention,heads,mlp,neurons (default: all but neurons)")
     pa.add_argument("--method", choices=["relp", "atp", "atp*", "ig", "exact", "all"], default="relp",

@@ -1,4 +1,5 @@
-"""``pyattr patch``: RelP / AtP / activation patching of one clean and corrupt pair."""
+"""``pyattr patch``: RelP / AtP / activation patching of one clean and corrupt pair; with
+``--edges``, every edge of the graph and the circuits of the strongest."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 from pyattr.cli._common import UsageError, check_model, check_output_path, fail
 
 NODE_TYPES = ("residual", "attention", "heads", "mlp", "neurons")
+NODES_DEFAULT = "residual,attention,heads,mlp"
 
 
 def _nodes(text: str):
@@ -16,6 +18,42 @@ def _nodes(text: str):
     if bad or not nodes:
         raise UsageError(f"--nodes: unknown node type(s) {bad or [text]}; expected some of {list(NODE_TYPES)}")
     return list(dict.fromkeys(nodes))
+
+
+def _run_edges(args) -> int:
+    from pyattr.apps.explain import ExplainError
+    from pyattr.apps.patch_edges import EDGE_CLI_METHODS, print_edges, run_edges
+
+    try:
+        if args.method not in EDGE_CLI_METHODS:
+            raise UsageError(f"--edges: --method must be one of {list(EDGE_CLI_METHODS)}, got {args.method!r}")
+        for flag, value in (("--pair", args.pair), ("--generic", args.generic or None)):
+            if value is not None:
+                raise UsageError(f"--edges scores a causal LM's edges; {flag} does not apply")
+        if args.nodes != NODES_DEFAULT:
+            raise UsageError("--edges scores every edge of the graph; --nodes does not apply")
+    except UsageError as e:
+        return fail("patch", str(e))
+    try:
+        rep = run_edges(args.clean, args.corrupt, args.model, args.target, args.method)
+    except (ExplainError, ValueError) as e:
+        return fail("patch", str(e))
+    try:
+        if args.png:
+            rep.result.plot().savefig(args.png, dpi=110)
+        if args.html:
+            Path(args.html).write_text(rep.result.to_html(), encoding="utf-8")
+        if args.json:
+            Path(args.json).write_text(json.dumps(rep.to_json(), indent=1))
+    except OSError as e:
+        return fail("patch", f"cannot write the output: {e.strerror or e}")
+    except ImportError:
+        return fail("patch", "--png needs matplotlib (pip install matplotlib)")
+    print_edges(rep, top=args.top)
+    for flag, path in (("graph", args.png), ("page", args.html), ("JSON", args.json)):
+        if path:
+            print(f"{flag} written to {path}")
+    return 0
 
 
 def run(args) -> int:
@@ -33,10 +71,13 @@ def run(args) -> int:
             raise UsageError(f"--top must be >= 1, got {args.top}")
         if args.sample < 1:
             raise UsageError(f"--sample must be >= 1, got {args.sample}")
-        nodes = _nodes(args.nodes)
+        if not args.edges:
+            nodes = _nodes(args.nodes)
         check_model(args.model)
     except UsageError as e:
         return fail("patch", str(e))
+    if args.edges:
+        return _run_edges(args)
 
     from pyattr.apps.explain import ExplainError
     from pyattr.integration.errors import RelevanceRuleUnsupportedError

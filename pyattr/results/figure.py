@@ -9,7 +9,7 @@ import math
 import textwrap
 from typing import List
 
-from pyattr.results.panels import Curves, Matrix, Note, Table, Tokens, is_nan, label, scale_of
+from pyattr.results.panels import Curves, Graph, Matrix, Note, Table, Tokens, is_nan, label, scale_of
 
 
 def _cmap():
@@ -37,8 +37,8 @@ def figure(panels: List, heading: str):
         raise ValueError("plot(): this result has nothing to draw (only tables; use to_pandas())")
     if len(drawable) > len(panels):
         notes.append(f"the first {len(panels)} of {len(drawable)} panels are drawn; to_pandas() holds them all")
-    heights = [max(1.6, 0.35 * len(p.rows) + 1.2) if isinstance(p, Matrix) else 3.0 if isinstance(p, Curves) else 1.6
-               for p in panels]
+    heights = [max(1.6, 0.35 * len(p.rows) + 1.2) if isinstance(p, Matrix) else 3.0 if isinstance(p, Curves) else
+               4.5 if isinstance(p, Graph) else 1.6 for p in panels]
     widths = [max(6.0, 0.5 * len(p.cols) + 2) if isinstance(p, Matrix) else
               max(6.0, 0.55 * sum(lab is not None for lab in p.labels) + 2) if isinstance(p, Tokens) else 6.0
               for p in panels]
@@ -47,7 +47,9 @@ def figure(panels: List, heading: str):
     fig.suptitle(_plain("\n".join([heading] + [textwrap.fill(n, 110) for n in notes])), fontsize=10 if notes else None)
     cmap = _cmap()
     for ax, p in zip(axes, panels):
-        if isinstance(p, Curves):
+        if isinstance(p, Graph):
+            _draw_graph(fig, ax, p, cmap)
+        elif isinstance(p, Curves):
             for y, name in zip(p.ys, p.names):
                 ax.plot(p.x, y, color="black" if name == "mean" else None, lw=2 if name == "mean" else 1,
                         label=_plain(name))
@@ -79,6 +81,27 @@ def figure(panels: List, heading: str):
             fig.colorbar(im, ax=ax, label=_plain(p.value_name), shrink=0.9)
         ax.set_title(_plain(textwrap.fill(p.title, 100)), fontsize=9)
     return fig
+
+
+def _draw_graph(fig, ax, p: Graph, cmap) -> None:
+    """Nodes as labelled boxes, edges as lines coloured and weighted by value (strongest on top)."""
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
+
+    pos = {n: (x, y) for n, x, y in p.nodes}
+    vals = [abs(v) for *_, v in p.edges if not is_nan(v)]
+    s = max(vals) if vals and max(vals) > 0 else 1.0
+    norm = Normalize(-s, s)
+    for a, b, _, v in sorted(p.edges, key=lambda e: abs(e[3]) if not is_nan(e[3]) else 0.0):
+        (x1, y1), (x2, y2) = pos[a], pos[b]
+        ax.plot([x1, x2], [y1, y2], color=cmap(norm(v)), lw=0.6 + 4.4 * min(1.0, abs(v) / s), alpha=0.9, zorder=1)
+    for n, x, y in p.nodes:
+        ax.text(x, y, _plain(n), ha="center", va="center", fontsize=7, zorder=2, family="monospace",
+                bbox=dict(boxstyle="round,pad=0.25", fc="white", ec="#444"))
+    ax.set_xlim(-0.05, 1.05)
+    ax.set_ylim(-0.08, 1.08)
+    ax.axis("off")
+    fig.colorbar(ScalarMappable(norm, cmap), ax=ax, label=_plain(p.value_name), shrink=0.9)
 
 
 def _plain(s: str) -> str:
@@ -146,6 +169,9 @@ def dataframe(panels: List):
         elif isinstance(p, Curves):
             rows = [(n, p.title, name, x, v) for y, name in zip(p.ys, p.names) for x, v in zip(p.x, y)]
             frames.append(pd.DataFrame(rows, columns=["panel", "title", "series", p.x_name, p.y_name]))
+        elif isinstance(p, Graph):
+            rows = [(n, p.title, a, b, lab, v) for a, b, lab, v in p.edges]
+            frames.append(pd.DataFrame(rows, columns=["panel", "title", "from", "to", "edge", p.value_name]))
         elif isinstance(p, Table):
             df = pd.DataFrame(p.rows, columns=p.columns)
             df.insert(0, "title", p.title)
@@ -192,6 +218,9 @@ def text(panels: List, heading: str, width: int = 100) -> str:
         elif isinstance(p, Curves):
             for y, name in zip(p.ys, p.names):
                 out.append(f"  {name}: " + " ".join(num(v, ".3g") for v in y))
+        elif isinstance(p, Graph):
+            for *_, lab, v in sorted(p.edges, key=lambda e: -abs(e[3]) if not is_nan(e[3]) else 0.0)[:40]:
+                out.append(f"  {num(v, '+.4g'):>10}  {lab}")
         elif isinstance(p, Table):
             out.append("  " + " | ".join(p.columns))
             for r in p.rows[:40]:

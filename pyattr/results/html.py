@@ -10,7 +10,7 @@ import hashlib
 from typing import Iterable
 
 from pyattr.results.colours import LEGEND_CSS, _ink, _rgb, legend_html, num
-from pyattr.results.panels import Curves, Matrix, Note, Table, Tokens, is_nan, label, scale_of
+from pyattr.results.panels import Curves, Graph, Matrix, Note, Table, Tokens, is_nan, label, scale_of
 
 _CSS = """
 .pyattr-result { font-family: system-ui, sans-serif; font-size: 14px; color: #222; max-width: 100%; }
@@ -124,6 +124,34 @@ def _curves(p: Curves, width: int = 420, height: int = 240) -> str:
             f"</svg><div>{key}</div>")
 
 
+def _graph(p: Graph, ids: str, width: int = 760, height: int = 420) -> str:
+    """Inline SVG: each node a labelled box, each edge a line coloured and weighted by its
+    value (blue negative, red positive), strongest drawn last; its name and value on hover."""
+    pad = 40
+    pos = {n: (pad + x * (width - 2 * pad), height - pad - y * (height - 2 * pad)) for n, x, y in p.nodes}
+    vals = [abs(v) for *_, v in p.edges if not is_nan(v)]
+    s = max(vals) if vals else 1.0
+    s = s if s > 0 else 1.0
+    lines = []
+    for a, b, lab, v in sorted(p.edges, key=lambda e: abs(e[3]) if not is_nan(e[3]) else 0.0):
+        (x1, y1), (x2, y2) = pos[a], pos[b]
+        rgb = _rgb(v, s)
+        w = 0.8 + 5.2 * min(1.0, abs(v) / s)
+        tip = html.escape(f"{lab}: {num(v, '+.4g')}", quote=True)
+        lines.append(f'<line class="edge" data-w="{tip}" x1="{x1:.1f}" y1="{y1:.1f}" x2="{x2:.1f}" y2="{y2:.1f}" '
+                     f'stroke="rgb{rgb}" stroke-width="{w:.2f}" stroke-opacity="0.9"><title>{tip}</title></line>')
+    boxes = []
+    for n, _, _ in p.nodes:
+        x, y = pos[n]
+        boxes.append(f'<g class="node"><rect x="{x - 26:.1f}" y="{y - 10:.1f}" width="52" height="20" rx="4" '
+                     f'fill="#fff" stroke="#444"/><text x="{x:.1f}" y="{y + 4:.1f}" text-anchor="middle" '
+                     f'font-size="12" font-family="monospace" fill="#111">{html.escape(n)}</text></g>')
+    svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'viewBox="0 0 {width} {height}" role="img" aria-label="{html.escape(p.title, quote=True)}">'
+           f'<rect width="100%" height="100%" fill="#fafafa"/>{"".join(lines)}{"".join(boxes)}</svg>')
+    return f"<h4>{html.escape(p.title)}</h4><div class='scroll'>{svg}</div>{_legend(s, p.value_name, ids)}"
+
+
 def _cell(v) -> str:
     if isinstance(v, float):
         return num(v, ".4g")
@@ -155,6 +183,8 @@ def render(panels: Iterable, heading: str, notes: Iterable[str] = ()) -> str:
             parts.append(_matrix(p, f"pyattr-{key}-{i}"))
         elif isinstance(p, Curves):
             parts.append(_curves(p))
+        elif isinstance(p, Graph):
+            parts.append(_graph(p, f"pyattr-{key}-{i}"))
         elif isinstance(p, Table):
             parts.append(_table(p))
     note = "".join(f"<div>{html.escape(n)}</div>" for n in notes)

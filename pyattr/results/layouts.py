@@ -11,7 +11,7 @@ from typing import List, Optional
 import torch
 
 from pyattr.results.colours import num
-from pyattr.results.panels import Curves, Matrix, Note, Table, Tokens, share_scale
+from pyattr.results.panels import Curves, Graph, Matrix, Note, Table, Tokens, share_scale
 
 MAX_ROWS = 8
 
@@ -278,14 +278,59 @@ def context(result, limit=MAX_ROWS) -> List:
     return out
 
 
+#: edges the graph view draws (the strongest by magnitude)
+GRAPH_EDGES = 30
+
+
+def edge_graph(result, n: int = GRAPH_EDGES, title: Optional[str] = None) -> Graph:
+    """The ``n`` strongest edges of an edge result as a graph: the input at the bottom, each
+    layer's heads in a row above, its MLP above them on the right, the logits on top. A key or value input
+    of a key-value head group is drawn into the group's first head."""
+    import re
+
+    layers = sorted({int(m.group(1)) for m in (re.match(r"[am](\d+)", u) for u in result.upstream) if m})
+    n_layers = len(layers)
+    q = {}
+    kv = {}
+    for d in result.downstream:
+        m = re.match(r"a(\d+)\.h(\d+)<([qkv])>", d)
+        if m:
+            (q if m.group(3) == "q" else kv).setdefault(int(m.group(1)), set()).add(int(m.group(2)))
+    levels = 2 * n_layers + 1
+    nodes = [("input", 0.5, 0.0)]
+    for l in layers:
+        heads = sorted(q.get(l, ()))
+        for j, h in enumerate(heads):
+            nodes.append((f"a{l}.h{h}", (j + 0.5) / max(len(heads), 1), (2 * l + 1) / levels))
+        # the MLP to the right of the heads' row, so that no head-to-head edge runs through it
+        nodes.append((f"m{l}", 1.0, (2 * l + 2) / levels))
+    nodes.append(("logits", 0.5, 1.0))
+
+    def owner(d: str) -> str:
+        m = re.match(r"a(\d+)\.h(\d+)<([qkv])>", d)
+        if not m:
+            return d
+        l, h, kind = int(m.group(1)), int(m.group(2)), m.group(3)
+        if kind == "q" or len(kv.get(l, ())) == len(q.get(l, ())):
+            return f"a{l}.h{h}"
+        per = len(q.get(l, ())) // max(len(kv.get(l, ())), 1)
+        return f"a{l}.h{h * per}"
+
+    drawn = []
+    for name, v in result.top(n):
+        u, d = name.split("->")
+        drawn.append((u, owner(d), name, v))
+    return Graph(title or f"the {len(drawn)} strongest edges ({result.method})", nodes, drawn, "score")
+
+
 def edges(result, limit=MAX_ROWS) -> List:
-    """Every edge's mean score as an upstream × downstream grid (cells of no edge blank),
-    and the top edges as a table."""
+    """The strongest edges as a graph, every edge's mean score as an upstream × downstream
+    grid (cells of no edge blank), and the top edges as a table."""
     index = {(u, d): i for i, (u, d) in enumerate(e.split("->") for e in result.edges)}
     grid = [[float(result.scores[index[(u, d)]]) if (u, d) in index else None for d in result.downstream]
             for u in result.upstream]
     top = result.top(20 if limit is not None else len(result.edges))
-    return [Matrix(f"edge scores ({result.method}), mean over {result.per_pair.shape[0]} pairs", list(result.upstream),
+    return [edge_graph(result), Matrix(f"edge scores ({result.method}), mean over {result.per_pair.shape[0]} pairs", list(result.upstream),
                    list(result.downstream), grid, "upstream", "downstream input", "score"),
             Table("top edges by |score|", ["edge", "score"], [[e, v] for e, v in top])]
 

@@ -60,6 +60,18 @@ class Table:
 
 
 @dataclass
+class Graph:
+    """Nodes at (x, y) positions and weighted edges between them: a circuit drawn as a graph.
+    ``edges`` are ``(from node, to node, label, value)``; ``nodes`` ``(name, x, y)`` with x, y
+    in [0, 1] (y up)."""
+
+    title: str
+    nodes: List[tuple]
+    edges: List[tuple]
+    value_name: str = "score"
+
+
+@dataclass
 class Note:
     """A line of text about the view (what it leaves out: rows past the first few, panels too
     wide to draw); drawn above the panels, not a table row."""
