@@ -232,13 +232,56 @@ def test_views_and_save_load(decoder, tmp_path):
     ({"response": None}, "give response= .* or max_new_tokens="),
     ({"max_new_tokens": 2}, "give response= or max_new_tokens=, not both"),
     ({"response": ["owl", "cat"]}, "response: one per prompt \\(1\\), got 2"),
-    ({"spans": [(0, 3)]}, "spans\\[0\\]: token range \\(0, 3\\) is not a non-empty range within the prompt's 1"),
+    ({"spans": [(0, 3)]}, "spans\\[0\\]: token range \\(0, 3\\) is not a non-empty range within the response's 1"),
+    ({"spans": "token"}, "spans: expected 'tokens', a list of response token ranges"),
+    ({"spans": []}, "spans: expected 'tokens', a non-empty list"),
+    ({"spans": 1}, "spans: expected 'tokens', a non-empty list"),
+    ({"batch_size": -1}, "batch_size: expected an int >= 1, got -1"),
+    ({"batch_size": 0}, "batch_size: expected an int >= 1, got 0"),
+    ({"method": "loo", "ablations": 8}, "ablations: only method='foldover' and 'contextcite' draw ablations"),
+    ({"ablations": 2}, "ablations: method='foldover' fits one weight per source .* an even number >= 8"),
+    ({"ablations": 9}, "an even number >= 8 for row 0's 7 sources, got 9"),
+    ({"max_new_tokens": 2.5, "response": None}, "max_new_tokens: expected an int >= 1, got 2.5"),
+    ({"pooling": "mean"}, "pooling: only a sentence-embedding model"),
+    ({"response": ""}, "response: the text is empty"),
+    ({"response": torch.tensor([[5, 6], [7, 8]])}, "response\\[0\\]: expected a text or one sequence of token ids"),
+    ({"response": [-5]}, "response\\[0\\]: token ids must be in \\[0, 50\\)"),
 ])
 def test_bad_input_is_refused_by_name(decoder, kwargs, msg):
     model, tok = decoder
     call = {"sources": "word", "response": "owl", "tokenizer": tok, **kwargs}
     with pytest.raises(ValueError, match=msg):
         pyattr.context_attribution(model, "sun cat red dog fish owl fish", **call)
+
+
+def test_sources_that_leave_no_input_and_out_of_range_ids_are_refused(decoder):
+    model, _ = decoder
+    ids = torch.tensor([5, 6, 7, 8])
+    with pytest.raises(ValueError, match="sources: row 0's sources cover every token of the prompt"):
+        pyattr.context_attribution(model, ids, [(0, 2), (2, 4)], response=[5])
+    with pytest.raises(ValueError, match="inputs: token ids must be in \\[0, 50\\)"):
+        pyattr.context_attribution(model, ids * 100, [(1, 2)], response=[5])
+    # relevance methods need no ablation: sources may cover everything there
+    r = pyattr.context_attribution(model, ids, [(0, 2), (2, 4)], response=[5], method="relevance")
+    assert torch.isfinite(r.scores).all()
+    with pytest.raises(ValueError, match="k must be an int >= 1, got 0"):
+        r.top(0)
+
+
+def test_the_model_runs_in_eval_mode_and_is_restored(decoder):
+    """Dropout on would make the ablated runs differ at random: every forward is in eval mode."""
+    import copy
+
+    model, tok = decoder
+    noisy = copy.deepcopy(model)
+    noisy.config.attention_dropout = 0.5
+    for layer in noisy.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    noisy.train()
+    want = pyattr.context_attribution(model, "sun cat red dog fish owl fish", "word", response="owl", tokenizer=tok)
+    got = pyattr.context_attribution(noisy, "sun cat red dog fish owl fish", "word", response="owl", tokenizer=tok)
+    assert torch.equal(got.scores, want.scores)
+    assert noisy.training and all(m.training for m in noisy.modules())
 
 
 def test_inputs_without_tokenizer_are_refused(decoder):

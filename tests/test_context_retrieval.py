@@ -109,14 +109,16 @@ def test_relevance_methods_are_relevance_of_the_cosine_target_summed_per_sentenc
 
     q = E.embed(model, [tok(QUERY)["input_ids"]], "mean")[0]
     ids = torch.tensor([tok(PASSAGE)["input_ids"]])
-    for method, rules, frozen in (("relevance", None, True), ("attnlrp", "attnlrp", True), ("gradient", "none", False)):
+    for method, rules, frozen in (("relevance", None, True), ("attnlrp", "attnlrp", True)):
         r = pyattr.context_attribution(model, PASSAGE, "sentence", query=QUERY, tokenizer=tok, method=method)
         want = pyattr.relevance(model, ids, target=Cosine(q.float(), constant_norm=frozen), rules=rules)
         tokens = want.token_relevance[0].double()
         for k, (a, b) in enumerate(r.source_ranges[0]):
             assert float(r.scores[0, k]) == pytest.approx(float(tokens[a:b].sum()), abs=1e-6), method
         assert float(r.value[0]) == pytest.approx(float(want.target[0]), abs=1e-5)
-
+    # gradient × input: MiniLM's embedding LayerNorm makes it 0 token by token, which is refused
+    plain = pyattr.relevance(model, ids, target=Cosine(q.float()), rules="none").token_relevance
+    assert float(plain.abs().max()) < 1e-6
 
 def test_batch_of_passages_with_a_query_each(minilm):
     tok, model = minilm
@@ -164,8 +166,12 @@ def test_the_pooling_is_read_from_the_checkpoint(minilm, tmp_path):
     ({"response": "x"}, "query: give query= \\(an embedding model\\) or response="),
     ({"spans": "tokens"}, "spans: an embedding model's similarity has no response tokens"),
     ({"query": ["a", "b"]}, "query: one per prompt \\(1\\), got 2"),
-    ({"query": torch.tensor([0.5])}, "query: expected a text or token ids"),
+    ({"query": torch.tensor([0.5])}, "query\\[0\\]: expected a text or one sequence of token ids"),
     ({"pooling": "max"}, "pooling: expected one of"),
+    ({"query": torch.tensor([[101, 2000, 102], [101, 2001, 102]])}, "query\\[0\\]: expected a text or one sequence"),
+    ({"query": [-3]}, "query\\[0\\]: token ids must be in \\[0, 30522\\)"),
+    ({"query": ""}, "query: the text is empty"),
+    ({"method": "gradient"}, "method='gradient': gradient × input is zero on BertModel up to rounding"),
 ])
 def test_bad_input_is_refused_by_name(minilm, kwargs, msg):
     tok, model = minilm
@@ -176,6 +182,14 @@ def test_bad_input_is_refused_by_name(minilm, kwargs, msg):
 
 def test_wrong_model_kind_and_too_long_passages_are_refused(minilm, decoder_model):
     tok, model = minilm
+    ids = tok(PASSAGE, return_tensors="pt")["input_ids"]
+    with pytest.raises(ValueError, match="sources: row 0's sources cover every token of the prompt"):
+        pyattr.context_attribution(model, ids, [(0, 8), (8, ids.shape[1])], query=QUERY, tokenizer=tok)
+    import pyattr.toy as toy
+
+    vit, _ = toy.load_squares()
+    with pytest.raises(ValueError, match="model: ViTForImageClassification takes pixel_values, not token ids"):
+        pyattr.context_attribution(vit, torch.tensor([1, 2, 3]), [(1, 2)], query=[1, 2])
     with pytest.raises(ValueError, match="model: BertModel has no language-model head; .* give query="):
         pyattr.context_attribution(model, PASSAGE, "sentence", response="x", tokenizer=tok)
     with pytest.raises(ValueError, match="query: scores a sentence-embedding model's match"):

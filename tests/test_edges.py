@@ -270,6 +270,8 @@ def test_architectures_the_graph_does_not_read_are_refused(arch, msg):
     ({"method": "atp", "steps": 4}, ValueError, "steps: only method='ig' interpolates"),
     ({"method": "atp", "rules": RelevanceRules.all()}, ValueError, "rules: method='atp' uses the plain gradient"),
     ({"method": "ig", "steps": 0}, ValueError, "steps"),
+    ({"rules": RelevanceRules.all()}, ValueError, "rules: attention='frozen' is not supported by edge attribution"),
+    ({"rules": RelevanceRules(attention="attnlrp")}, ValueError, "rules: attention='attnlrp' is not supported"),
 ])
 def test_bad_arguments_are_refused_by_name(toy_pairs, kwargs, err, msg):
     model, clean, corrupt, metric = toy_pairs
@@ -287,8 +289,24 @@ def test_bad_circuits_and_sizes_are_refused(toy_pairs):
         P.circuit_faithfulness(model, clean, corrupt, ["m9->logits"], metric=metric)
     with pytest.raises(ValueError, match="clean and corrupt give the same mean metric"):
         P.circuit_faithfulness(model, clean, clean, ["m1->logits"], metric=metric)
-    with pytest.raises(ValueError, match="same length"):
+    with pytest.raises(ValueError, match="edge_attribution: clean and corrupt differ in length \\(10 and 9 tokens\\)"):
         P.edge_attribution(model, clean, corrupt[:, :-1], metric, method="atp")
+    with pytest.raises(TypeError, match="edges_or_circuit: expected an EdgeAttributionResult or a list of edge names"):
+        P.circuit_faithfulness(model, clean, corrupt, "m1->logits", metric=metric)
+    with pytest.raises(ValueError, match="sizes: expected increasing fractions of the edges in \\(0, 1\\], got '0.5'"):
+        P.circuit_faithfulness(model, clean, corrupt, ["m1->logits"], metric=metric, sizes="0.5")
+    one = P.circuit_faithfulness(model, clean, corrupt, P.edge_attribution(model, clean, corrupt, metric),
+                                 metric=metric, sizes=[1.0])
+    assert torch.isnan(torch.tensor([one.cpr, one.cmd])).all() and float(one.curve[0]) == pytest.approx(1.0)
+
+
+def test_half_precision_models_run(toy_pairs):
+    """The observation that the residual stream is the graph's sum allows for the dtype's rounding."""
+    model, clean, corrupt, metric = toy_pairs
+    half = P.edge_attribution(model.to(torch.bfloat16), clean, corrupt, metric, method="atp")
+    model.double()
+    full = P.edge_attribution(model, clean, corrupt, metric, method="atp")
+    assert float(torch.corrcoef(torch.stack([half.scores, full.scores]))[0, 1]) > 0.95
 
 
 def test_results_show_themselves_and_load_back(toy_pairs, tmp_path):

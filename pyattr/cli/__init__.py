@@ -176,8 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog=_epilog(
             ("pyattr cite", "the bundled toy decoder: which document holds the answer"),
-            ("pyattr cite --model gpt2 --text 'Paris is in France. Rome is in Italy. Rome is in' --response Italy",
-             "a Hugging Face Hub model, the prompt split into sentences"),
+            ("pyattr cite --model gpt2 --text 'Paris is in France. Rome is in Italy. Rome is in' "
+             "--source 'Paris is in France.' --source 'Rome is in Italy.' --response Italy",
+             "a Hugging Face Hub model, two sources and the question kept"),
             ("pyattr cite --text 'The lake is cold. A man plays the guitar.' --query 'someone making music'",
              "the bundled MiniLM: which sentence of the passage matches the query"),
         ),

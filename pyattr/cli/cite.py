@@ -13,6 +13,14 @@ DEFAULT_PROMPT = "sun cat red dog fish owl bee tea key moon ring gold fish"
 DEFAULT_SOURCES = ["sun cat red", "dog fish owl", "bee tea key", "moon ring gold"]
 
 
+def _cost(res) -> str:
+    from pyattr.methods.context import ABLATION_METHODS
+
+    if res.method in ABLATION_METHODS:
+        return f"{res.ablations} forwards"
+    return "one forward" if res.method == "attention" else "one forward and backward"
+
+
 def run(args) -> int:
     from pyattr.methods.context import METHODS
 
@@ -61,6 +69,10 @@ def run(args) -> int:
         response = new = None
     try:
         tok, model = load_pretrained(args.model or ("minilm" if embedding else "induction"), causal=not embedding)
+        kinds = getattr(model.config, "architectures", None) or []
+        if embedding and any(k.endswith(("ForCausalLM", "LMHeadModel")) for k in kinds):
+            return fail("cite", f"--query scores a sentence-embedding model's similarity; --model is a causal LM "
+                                f"({kinds[0]}): drop --query and give --response or --max-new-tokens")
         res = pyattr.context_attribution(model, text, sources, response=response, max_new_tokens=new,
                                          tokenizer=tok, method=args.method, query=args.query)
     except (ModelLoadError, ValueError, TypeError) as e:
@@ -75,9 +87,9 @@ def run(args) -> int:
         return 0
     if embedding:
         print(f"query: {res.response[0]!r}  (cosine similarity {float(res.value[0]):.4f}; method {res.method}, "
-              f"{res.ablations} forwards)")
+              f"{_cost(res)})")
     else:
-        print(f"response: {res.response[0]!r}  (method {res.method}, {res.ablations} forwards)")
+        print(f"response: {res.response[0]!r}  (method {res.method}, {_cost(res)})")
     for t, s in ranked:
         print(f"{s:+10.4f}  {t}")
     if args.html:

@@ -90,6 +90,8 @@ class ContextAttributionResult(ResultViews):
 
     def top(self, k: int = 1, row: int = 0) -> List[Tuple[str, float]]:
         """The ``k`` highest-scoring sources of ``row`` (of the whole response) as (text, score)."""
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be an int >= 1, got {k!r}")
         s = self.scores[row] if self.scores.dim() == 2 else self.scores[row].sum(0)
         n = len(self.sources[row])
         order = s[:n].argsort(descending=True)[:k].tolist()
@@ -168,6 +170,12 @@ def _embedding_scores(model, prompt, ranges, query, pooling, method, ablations, 
     target = Cosine(qemb.float(), pooling=pooling, constant_norm=method != "gradient")
     res = relevance(model, torch.tensor([list(prompt)]), target=target, rules=rules)
     tok = res.token_relevance[0].double()
+    if method == "gradient" and float(tok.abs().max()) <= 1e-6 * max(float(res.target.abs().max()), 1e-12):
+        # a LayerNorm right after the embeddings makes each token's output independent of its own
+        # embedding's scale, so x · ∂f/∂x is 0 token by token: what is left is rounding
+        raise ValueError(f"method='gradient': gradient × input is zero on {type(model).__name__} up to rounding (its "
+                         "embeddings pass a LayerNorm, which no token's own scale changes); use 'relevance' or "
+                         "'attnlrp', whose LN-rule passes relevance through that norm")
     per = torch.stack([tok[a:b].sum() for a, b in ranges])
     return per[None], res.target.double().reshape(1), 0
 
@@ -189,7 +197,7 @@ def _mean_attention(out) -> torch.Tensor:
     """Tensor[seq, seq]: the first row's attention weights averaged over layers and heads."""
     if not getattr(out, "attentions", None) or any(a is None for a in out.attentions):
         raise ValueError("method='attention': the model returned no attention weights (load it with "
-                         "attn_implementation='eager')")
+                         "attn_implementation='eager', or call model.set_attn_implementation('eager'))")
     return torch.stack([a[0].double().mean(0) for a in out.attentions]).mean(0).cpu()
 
 
@@ -221,17 +229,26 @@ def _prompt(model, tokenizer, text_or_ids, response, name, embedding=False):
         ids, appended, offsets = enc if embedding else _drop_appended_end(*enc)
         special = appended if offsets is None else [e <= s for s, e in offsets]
         resp = None
+        if isinstance(response, str) and not response.strip():
+            raise ValueError(f"{'query' if embedding else 'response'}: the text is empty")
         if isinstance(response, str) and not embedding:
             joint_prompt, resp = continuation_ids(tokenizer, text_or_ids, response)
             if joint_prompt != ids:
                 raise ValueError("response: the tokenizer reads the prompt's end differently when the response "
                                  "follows it; start the response at a word")
         return ids, offsets, special, text_or_ids, resp
-    t = torch.as_tensor(text_or_ids)
-    if t.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) or t.dim() not in (1, 2) or (
-            t.dim() == 2 and t.shape[0] != 1):
+    try:
+        t = torch.as_tensor(text_or_ids)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"{name}: expected a text, a list of texts, or one prompt's token ids (LongTensor[seq] "
+                         f"or [1, seq]), got {type(text_or_ids).__name__}") from None
+    if t.is_floating_point() or t.dtype == torch.bool or t.dim() not in (1, 2) or (
+            t.dim() == 2 and t.shape[0] != 1) or t.numel() == 0:
         raise ValueError(f"{name}: expected a text, or one prompt's token ids (LongTensor[seq] or [1, seq]), got "
                          f"{t.dtype} of shape {tuple(t.shape)}")
+    from pyattr.methods._core.inputs import check_token_ids
+
+    check_token_ids(model, t, name)
     return t.reshape(-1).tolist(), None, None, None, None
 
 
@@ -248,19 +265,40 @@ def _response_ids(model, prompt, response, max_new_tokens, row):
         return gen[0][steps[0]].tolist()
     if isinstance(response, str):
         raise ValueError(f"response[{row}]: a text response needs the prompt as text with tokenizer=")
-    r = torch.as_tensor(response).reshape(-1)
-    if r.is_floating_point() or r.numel() == 0:
-        raise ValueError(f"response: expected token ids (a non-empty LongTensor or list of ints), got "
-                         f"{r.dtype} with {r.numel()} elements")
-    return r.tolist()
+    return _ids_of(model, response, f"response[{row}]")
 
 
 def _check_spans(spans, length: int):
     if spans is None:
         return [(0, length)]
-    if spans == "tokens":
+    if isinstance(spans, str):
+        if spans != "tokens":
+            raise ValueError(f"spans: expected 'tokens', a list of response token ranges (start, end) or None, "
+                             f"got {spans!r}")
         return [(i, i + 1) for i in range(length)]
-    return S.check_ranges(spans, length, "spans")
+    if not isinstance(spans, (list, tuple)) or not spans:
+        raise ValueError(f"spans: expected 'tokens', a non-empty list of response token ranges (start, end) or "
+                         f"None, got {spans!r}")
+    return S.check_ranges(spans, length, "spans", "the response's")
+
+
+def _ids_of(model, value, name: str) -> List[int]:
+    """One sequence of token ids: a list of ints, a LongTensor[n] or [1, n]."""
+    try:
+        t = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError):
+        t = None
+    if t is None or t.is_floating_point() or t.dtype == torch.bool or t.dim() not in (1, 2) or (
+            t.dim() == 2 and t.shape[0] != 1) or t.numel() == 0:
+        got = f"{t.dtype} of shape {tuple(t.shape)}" if t is not None else type(value).__name__
+        raise ValueError(f"{name}: expected a text or one sequence of token ids (a non-empty list of ints, "
+                         f"LongTensor[n] or [1, n]), got {got}")
+    t = t.reshape(-1)
+    if model is not None:
+        from pyattr.methods._core.inputs import check_token_ids
+
+        check_token_ids(model, t, name)
+    return t.tolist()
 
 
 def _has_lm_head(model: nn.Module) -> bool:
@@ -268,7 +306,7 @@ def _has_lm_head(model: nn.Module) -> bool:
     return callable(get) and get() is not None
 
 
-def _query_ids(tokenizer, query, row):
+def _query_ids(model, tokenizer, query, row):
     """An embedding model's query as the tokenizer encodes it (its ``[CLS]``/``[SEP]`` kept)."""
     from pyattr.methods._core.tokens import _encode
 
@@ -276,11 +314,57 @@ def _query_ids(tokenizer, query, row):
         if tokenizer is None:
             raise ValueError(f"query[{row}]: a text query needs tokenizer= (the model's Hugging Face tokenizer)")
         return _encode(tokenizer, query)[0]
-    q = torch.as_tensor(query).reshape(-1)
-    if q.is_floating_point() or q.numel() == 0:
-        raise ValueError(f"query: expected a text or token ids (a non-empty LongTensor or list of ints), got "
-                         f"{q.dtype} with {q.numel()} elements")
-    return q.tolist()
+    return _ids_of(model, query, f"query[{row}]")
+
+
+def _rows(model, tokenizer, rows, per_sources, per_response, embedding, method, spans, ablations, seed,
+          batch_size, max_new_tokens, pooling, max_len):
+    """Each row's scores, source texts and ranges, response text and ids, value; the forwards."""
+    scores, texts, ranges_all, resp_text, resp_ids, values, cost = [], [], [], [], [], [], 0
+    for row, (inp, src, resp) in enumerate(zip(rows, per_sources, per_response)):
+        prompt, offsets, special, text, joint_resp = _prompt(model, tokenizer, inp, resp, "inputs", embedding)
+        ranges = S.resolve(src, text, offsets, special, len(prompt))
+        if method in ABLATION_METHODS and sum(b - a for a, b in ranges) == len(prompt):
+            raise ValueError(f"sources: row {row}'s sources cover every token of the prompt, so the ablation that drops "
+                             "them all leaves no input; keep at least one token outside the sources (a start-of-text "
+                             "token, the question) or give sources that leave it out")
+        if method == "foldover" and ablations is not None and (ablations < len(ranges) + 1 or ablations % 2):
+            raise ValueError(f"ablations: method='foldover' fits one weight per source and an intercept by least "
+                             f"squares on pairs of masks: an even number >= {len(ranges) + 1} for row {row}'s "
+                             f"{len(ranges)} sources, got {ablations}")
+        if embedding:
+            r_ids = _query_ids(model, tokenizer, resp, row)
+            for name, ids in (("inputs", prompt), ("query", r_ids)):
+                if max_len is not None and len(ids) > max_len:
+                    raise ValueError(f"{name}[{row}]: {len(ids)} tokens, more than the checkpoint's max_seq_length "
+                                     f"{max_len} (its embeddings truncate there); shorten the text")
+            sc, val, n = _embedding_scores(model, prompt, ranges, r_ids, pooling, method, ablations, seed, batch_size)
+            if method in ABLATION_METHODS:
+                cost = max(cost, n)
+        else:
+            r_ids = joint_resp if joint_resp is not None else _response_ids(model, prompt, resp, max_new_tokens, row)
+            if not r_ids:
+                raise ValueError(f"response[{row}]: the model generated no token to explain")
+            sp = _check_spans(spans, len(r_ids))
+            if method in ABLATION_METHODS:
+                sc, val, n = _ablation_scores(model, prompt, ranges, r_ids, sp, method, ablations, seed, batch_size)
+                cost = max(cost, n)
+            elif method == "attention":
+                sc, val = _attention_scores(model, prompt, ranges, r_ids, sp)
+            else:
+                sc, val = _relevance_scores(model, prompt, ranges, r_ids, sp, method)
+        scores.append(sc)
+        values.append(val)
+        ranges_all.append(ranges)
+        resp_ids.append(r_ids)
+        if tokenizer is not None:
+            texts.append([text[offsets[a][0]:offsets[b - 1][1]] if text is not None and offsets is not None
+                          else tokenizer.decode(prompt[a:b]) for a, b in ranges])
+            resp_text.append(resp if isinstance(resp, str) else tokenizer.decode(r_ids, skip_special_tokens=embedding))
+        else:
+            texts.append([f"tokens {a}:{b}" for a, b in ranges])
+            resp_text.append(None)
+    return scores, texts, ranges_all, resp_text, resp_ids, values, cost
 
 
 def context_attribution(model: nn.Module, inputs, sources, *, response=None, max_new_tokens: Optional[int] = None,
@@ -337,8 +421,18 @@ def context_attribution(model: nn.Module, inputs, sources, *, response=None, max
     method = DEFAULT_METHOD if method is None else method
     if method not in METHODS:
         raise ValueError(f"method: expected one of {list(METHODS)}, got {method!r}")
-    if ablations is not None and (not isinstance(ablations, int) or ablations < 2):
+    if ablations is not None and (isinstance(ablations, bool) or not isinstance(ablations, int) or ablations < 2):
         raise ValueError(f"ablations: expected an int >= 2, got {ablations!r}")
+    if ablations is not None and method not in ("foldover", "contextcite"):
+        raise ValueError(f"ablations: only method='foldover' and 'contextcite' draw ablations; method={method!r} "
+                         "takes none")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size: expected an int >= 1, got {batch_size!r}")
+    if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)):
+        raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
+    if getattr(model, "main_input_name", "input_ids") != "input_ids":
+        raise ValueError(f"model: {type(model).__name__} takes {model.main_input_name}, not token ids; "
+                         "context_attribution scores the sources of a text")
     if response is not None and max_new_tokens is not None:
         raise ValueError("context_attribution: give response= or max_new_tokens=, not both")
     embedding = not _has_lm_head(model)
@@ -354,9 +448,18 @@ def context_attribution(model: nn.Module, inputs, sources, *, response=None, max
     elif embedding:
         raise ValueError(f"model: {type(model).__name__} has no language-model head; for a sentence-embedding model "
                          "give query= (the text the prompt is retrieved for)")
+    if pooling is not None and not embedding:
+        raise ValueError("pooling: only a sentence-embedding model (query=) pools; a causal LM's response needs none")
     batch = isinstance(inputs, (list, tuple)) and bool(inputs) and isinstance(inputs[0], str)
     rows = list(inputs) if batch else [inputs]
-    per_sources = [sources] * len(rows) if (not batch or isinstance(sources, str)) else list(sources)
+    # in a batch: a split name, or one list of token ranges, is every row's; otherwise one entry per row
+    shared = isinstance(sources, str) or (isinstance(sources, (list, tuple)) and bool(sources) and isinstance(
+        sources[0], (tuple, list)) and len(sources[0]) == 2 and all(isinstance(v, int) for v in sources[0]))
+    per_sources = [sources] * len(rows) if (not batch or shared) else list(sources)
+    if batch and not shared and any(isinstance(s, str) and s not in S.SPLITS for s in per_sources):
+        raise ValueError("sources: in a batch, one entry per prompt (a split name, or that prompt's list of text "
+                         "spans or token ranges), or one split name or list of token ranges for every prompt; got "
+                         f"{sources!r}")
     answer = query if embedding else response
     # a list of texts is one per prompt, also where the prompt is one (then a length error)
     per_row = isinstance(answer, (list, tuple)) and (batch or (bool(answer) and isinstance(answer[0], str)))
@@ -366,42 +469,17 @@ def context_attribution(model: nn.Module, inputs, sources, *, response=None, max
             raise ValueError(f"{name}: one per prompt ({len(rows)}), got {len(got)}")
     if embedding:
         pooling, max_len = E.checkpoint_pooling(model, pooling)
-    scores, texts, ranges_all, resp_text, resp_ids, values, cost = [], [], [], [], [], [], 0
-    for row, (inp, src, resp) in enumerate(zip(rows, per_sources, per_response)):
-        prompt, offsets, special, text, joint_resp = _prompt(model, tokenizer, inp, resp, "inputs", embedding)
-        ranges = S.resolve(src, text, offsets, special, len(prompt))
-        if embedding:
-            r_ids = _query_ids(tokenizer, resp, row)
-            for name, ids in (("inputs", prompt), ("query", r_ids)):
-                if max_len is not None and len(ids) > max_len:
-                    raise ValueError(f"{name}[{row}]: {len(ids)} tokens, more than the checkpoint's max_seq_length "
-                                     f"{max_len} (its embeddings truncate there); shorten the text")
-            sc, val, n = _embedding_scores(model, prompt, ranges, r_ids, pooling, method, ablations, seed, batch_size)
-            if method in ABLATION_METHODS:
-                cost = max(cost, n)
-        else:
-            r_ids = joint_resp if joint_resp is not None else _response_ids(model, prompt, resp, max_new_tokens, row)
-            if not r_ids:
-                raise ValueError(f"response[{row}]: the model generated no token to explain")
-            sp = _check_spans(spans, len(r_ids))
-            if method in ABLATION_METHODS:
-                sc, val, n = _ablation_scores(model, prompt, ranges, r_ids, sp, method, ablations, seed, batch_size)
-                cost = max(cost, n)
-            elif method == "attention":
-                sc, val = _attention_scores(model, prompt, ranges, r_ids, sp)
-            else:
-                sc, val = _relevance_scores(model, prompt, ranges, r_ids, sp, method)
-        scores.append(sc)
-        values.append(val)
-        ranges_all.append(ranges)
-        resp_ids.append(r_ids)
-        if tokenizer is not None:
-            texts.append([text[offsets[a][0]:offsets[b - 1][1]] if text is not None and offsets is not None
-                          else tokenizer.decode(prompt[a:b]) for a, b in ranges])
-            resp_text.append(resp if isinstance(resp, str) else tokenizer.decode(r_ids, skip_special_tokens=embedding))
-        else:
-            texts.append([f"tokens {a}:{b}" for a, b in ranges])
-            resp_text.append(None)
+    from pyattr.methods._core.passes import inference_state
+
+    # eval mode for every forward (dropout off: the ablated runs compare with each other), restored after
+    with inference_state(model):
+        parts = _rows(model, tokenizer, rows, per_sources, per_response, embedding, method, spans, ablations,
+                      seed, batch_size, max_new_tokens, pooling if embedding else None, max_len if embedding else None)
+    scores, texts, ranges_all, resp_text, resp_ids, values, cost = parts
+    span_lists = {tuple(map(tuple, _check_spans(spans, len(r)))) for r in resp_ids} if spans is not None else set()
+    if len(span_lists) > 1:
+        raise ValueError("spans: the rows' responses differ in length, so their spans differ; give spans=None or "
+                         "rows with responses of one length")
     width = max(s.shape[-1] for s in scores)
     out = torch.full((len(rows), len(scores[0]), width), float("nan"), dtype=torch.float64)
     for i, s in enumerate(scores):

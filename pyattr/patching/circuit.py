@@ -153,6 +153,9 @@ def _areas(sizes: torch.Tensor, curve: torch.Tensor):
 
 def _circuit_masks(graph, edges_or_circuit, sizes):
     n_edges = len(graph.edges)
+    if isinstance(edges_or_circuit, str) or not isinstance(edges_or_circuit, (EdgeAttributionResult, list, tuple)):
+        raise TypeError("edges_or_circuit: expected an EdgeAttributionResult or a list of edge names "
+                        f"('a0.h1->a1.h2<k>', ...), got {type(edges_or_circuit).__name__}")
     if isinstance(edges_or_circuit, EdgeAttributionResult):
         if edges_or_circuit.edges != graph.edge_names():
             raise ValueError("edges_or_circuit: the edge scores are of another model's graph")
@@ -201,7 +204,16 @@ def circuit_faithfulness(model: nn.Module, clean, corrupt, edges_or_circuit, *, 
             undefined), and what :func:`edge_attribution` refuses.
     """
     model = unwrap(model)
-    sizes = MIB_SIZES if sizes is None else tuple(float(s) for s in sizes)
+    if sizes is None:
+        sizes = MIB_SIZES
+    else:
+        given = sizes
+        try:
+            if isinstance(sizes, (str, bytes)) or any(isinstance(v, (str, bool)) for v in sizes):
+                raise TypeError
+            sizes = tuple(float(v) for v in sizes)
+        except (TypeError, ValueError):
+            raise ValueError(f"sizes: expected increasing fractions of the edges in (0, 1], got {given!r}") from None
     if not sizes or any(not 0 < s <= 1 for s in sizes) or any(b <= a for a, b in zip(sizes, sizes[1:])):
         raise ValueError(f"sizes: expected increasing fractions of the edges in (0, 1], got {list(sizes)}")
     batch_size = core.check_count("batch_size", batch_size)
@@ -223,20 +235,24 @@ def circuit_faithfulness(model: nn.Module, clean, corrupt, edges_or_circuit, *, 
     counts = (masks.reshape(masks.shape[0], -1).sum(1)).long()
     if isinstance(edges_or_circuit, EdgeAttributionResult):
         xs = torch.tensor(sizes, dtype=torch.float64)
-        cpr, cmd = _areas(xs, curve)
+        # an area needs two sizes at least
+        cpr, cmd = _areas(xs, curve) if len(sizes) > 1 else (float("nan"), float("nan"))
     else:
         xs = counts.double() / len(graph.edges)
         cpr = cmd = float("nan")
     return CircuitFaithfulness(xs, counts, curve, m.mean(1), cpr, cmd, clean_m, corrupt_m, len(graph.edges))
 
 
+@text.text_inputs("edge_effects", inputs=("clean", "corrupt"), target=None)
 def edge_effects(model, clean, corrupt, metric, *, attention_mask=None, corrupt_attention_mask=None,
-                 batch_size: Optional[int] = None) -> EdgeAttributionResult:
+                 batch_size: Optional[int] = None, tokenizer=None) -> EdgeAttributionResult:
     """Exact edge patching: each edge alone patched to the corrupt run, every other edge
     clean: ``metric(that run) − metric(clean)`` per pair (one run per edge, batched). The
     ground truth the estimators of :func:`edge_attribution` approximate; the result has
-    ``method="exact"``."""
+    ``method="exact"``. Arguments as for :func:`edge_attribution`; ``batch_size`` as for
+    :func:`circuit_faithfulness`."""
     model = unwrap(model)
+    batch_size = core.check_count("batch_size", batch_size)
     lay = G.layout(model)
     graph = G.build_graph(lay)
     pair = prepare_pair(model, clean, corrupt, None, attention_mask, corrupt_attention_mask, "edge_effects",

@@ -95,6 +95,11 @@ def _check_method(method, rules, steps):
         rules = PATCHING_RULES if rules is None else rules
         if not isinstance(rules, RelevanceRules):
             raise TypeError(f"rules must be a RelevanceRules, got {type(rules).__name__}")
+        if rules.attention:
+            raise ValueError(f"rules: attention={rules.attention!r} is not supported by edge attribution: it computes "
+                             "each head's query, key and value from that input's own copy of the residual stream, "
+                             "which the attention rules' mounts on the projections would not see; pass rules with "
+                             "attention=False (the default is the LN-rule alone)")
     return method, rules, steps
 
 

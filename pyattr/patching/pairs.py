@@ -51,10 +51,16 @@ def prepare_pair(model, clean, corrupt, alignment, clean_mask, corrupt_mask, cal
     mc = torch.ones(bc, sc, dtype=torch.bool) if pc.attention_mask is None else pc.attention_mask.bool().cpu()
     mx = torch.ones(bx, sx, dtype=torch.bool) if px.attention_mask is None else px.attention_mask.bool().cpu()
     if alignment is None and not alignable and (sc != sx or not torch.equal(mc, mx)):
+        if caller == "attribution_patching":
+            raise ValueError(
+                "clean and corrupt differ in length or in their attention masks; method='ig' interpolates the input "
+                "embeddings position by position, so they must have the same length and mask (alignment= is not "
+                "possible there; method='atp' or 'relp' take alignment=)"
+            )
         raise ValueError(
-            "clean and corrupt differ in length or in their attention masks; method='ig' interpolates the input "
-            "embeddings position by position, so they must have the same length and mask (alignment= is not "
-            "possible there; method='atp' or 'relp' take alignment=)"
+            f"{caller}: clean and corrupt differ in length ({sc} and {sx} tokens) or in their attention masks; an "
+            "edge joins position p of one run to position p of the other, so they must have the same length and "
+            "mask (with token ids and masks, give both attention_mask= and corrupt_attention_mask=)"
         )
     if alignment is None:
         if sc != sx:

@@ -58,8 +58,9 @@ def _tokens_of(char_spans, offsets, special, text: str) -> List[Tuple[int, int]]
     return out
 
 
-def check_ranges(ranges, length: int, name: str = "sources") -> List[Tuple[int, int]]:
-    """Token ranges ``(start, end)``: in the prompt, non-empty, in order, not overlapping."""
+def check_ranges(ranges, length: int, name: str = "sources", whose: str = "the prompt's") -> List[Tuple[int, int]]:
+    """Token ranges ``(start, end)``: within ``length`` tokens (``whose``: of what, for the
+    message), non-empty, in order, not overlapping."""
     out = []
     for k, r in enumerate(ranges):
         if (not isinstance(r, (tuple, list)) or len(r) != 2
@@ -67,14 +68,14 @@ def check_ranges(ranges, length: int, name: str = "sources") -> List[Tuple[int, 
             raise ValueError(f"{name}[{k}]: expected a token range (start, end) of ints, got {r!r}")
         a, b = r
         if not 0 <= a < b <= length:
-            raise ValueError(f"{name}[{k}]: token range {tuple(r)} is not a non-empty range within the prompt's "
+            raise ValueError(f"{name}[{k}]: token range {tuple(r)} is not a non-empty range within {whose} "
                              f"{length} tokens")
         if out and a < out[-1][1]:
-            raise ValueError(f"{name}[{k}]: token range {tuple(r)} overlaps or precedes {out[-1]}; give sources in "
+            raise ValueError(f"{name}[{k}]: token range {tuple(r)} overlaps or precedes {out[-1]}; give them in "
                              "order, not overlapping")
         out.append((a, b))
     if not out:
-        raise ValueError(f"{name}: expected at least one source")
+        raise ValueError(f"{name}: expected at least one token range")
     return out
 
 
