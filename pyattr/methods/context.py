@@ -386,8 +386,10 @@ def context_attribution(model: nn.Module, inputs, sources, *, response=None, max
             (a split name applies to every row). Tokens in no source (the query, a system
             line, ``[CLS]``/``[SEP]``) are always kept.
         response (str | LongTensor | list[int] | list, optional): the response to explain
-            (teacher-forced), per row for a batch; or ``max_new_tokens=`` to generate it
-            (greedy; the steps ``generate`` ran, observed from its stopping criteria).
+            (teacher-forced); or ``max_new_tokens=`` to generate it (greedy; the steps
+            ``generate`` ran, observed from its stopping criteria). For a batch, a list is one
+            entry per prompt (a text, a list of ids, a tensor, or an int: a one-token
+            response), and a tensor or a single text is every prompt's response.
         tokenizer (optional): the model's tokenizer, for text inputs and the views.
         method (str, optional): one of :data:`METHODS` (default :data:`DEFAULT_METHOD`); see
             the module docstring for each, with its source.

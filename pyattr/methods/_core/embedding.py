@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -27,8 +27,12 @@ _MODES = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls",
 _SCALE_FREE = ("sentence_transformers.models.Normalize",)
 
 
+_LOOKED_UP: Dict[Tuple[str, str], Optional[Path]] = {}
+
+
 def _checkpoint_file(model: nn.Module, name: str) -> Optional[Path]:
-    """A file of the model's checkpoint: its local directory, or the hub cache (no download)."""
+    """A file of the model's checkpoint: its local directory, the hub cache, or (for a hub
+    model whose files are in the cache, not offline) the hub itself; None where absent."""
     where = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
     if not where:
         return None
@@ -37,25 +41,32 @@ def _checkpoint_file(model: nn.Module, name: str) -> Optional[Path]:
         return local
     if Path(where).is_dir():
         return None
+    key = (str(where), name)
+    if key not in _LOOKED_UP:  # a hub lookup once per process, not once per call
+        _LOOKED_UP[key] = _hub_file(str(where), name)
+    return _LOOKED_UP[key]
+
+
+def _hub_file(repo: str, name: str) -> Optional[Path]:
     try:
-        from huggingface_hub import try_to_load_from_cache
+        from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
     except ImportError:  # pragma: no cover - huggingface_hub comes with transformers
         return None
     try:
-        got = try_to_load_from_cache(str(where), name)
+        got = try_to_load_from_cache(repo, name)
+        has_model = isinstance(try_to_load_from_cache(repo, "config.json"), str)
     except Exception:  # a name that is no repo id
         return None
     if isinstance(got, str):
         return Path(got)
-    if got is not None:  # the cache records that the repo has no such file
+    if got is not None or not has_model or constants.HF_HUB_OFFLINE:
+        # the cache records that the repo has no such file; or the model did not come from
+        # the hub cache (nothing to ask the hub about); or the hub is off
         return None
-    # transformers fetches the model's own files, not the sentence-transformers ones: fetch
-    # this small file from the hub (where the model came from), or report it absent
+    # transformers fetches the model's own files, not the sentence-transformers ones: this small file
     try:
-        from huggingface_hub import hf_hub_download
-
-        return Path(hf_hub_download(str(where), name))
-    except Exception:  # no such file in the repo, offline, or no repo of that name
+        return Path(hf_hub_download(repo, name, etag_timeout=5))
+    except Exception:  # no such file in the repo, or the hub cannot be reached
         return None
 
 
