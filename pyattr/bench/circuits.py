@@ -7,6 +7,12 @@ Per method: **Pearson** of the edge scores (mean over pairs) with exact edge pat
 **CPR** and **CMD** (MIB, :mod:`pyattr.patching.circuit`) of the circuits of each method's
 top edges at MIB's sizes, run exactly; **time** of the scores (median of 3 calls after a
 warm-up, the methods interleaved call by call).
+
+Where the EAP-IG library (hannamw/EAP-IG, with TransformerLens) is installed in a development
+environment (never a dependency), its EAP, EAP-IG-inputs (16 steps) and EAP-IG-activations
+(4 steps) run on the same pairs as more rows (:mod:`pyattr.bench.circuits_peers`), their
+circuits judged by the same evaluator; their times are measured after pyattr's, not
+interleaved with them.
 """
 
 from __future__ import annotations
@@ -22,10 +28,13 @@ PAIRS = 64
 
 def variants():
     """(name, edge_attribution keyword arguments); None: exact edge patching."""
+    from pyattr.config import RelevanceRules as R
+
     return [
         ("exact edge patching", None),
         ("atp", {"method": "atp"}),
-        ("relp, LN-rule (default)", {"method": "relp"}),
+        ("relp, LN-rule", {"method": "relp", "rules": R(normalization=True)}),
+        ("relp, LN-, Identity- and Half-rule (default)", {"method": "relp"}),
         ("ig, 4 steps", {"method": "ig", "steps": 4}),
         ("ig, 16 steps", {"method": "ig", "steps": 16}),
     ]
@@ -75,6 +84,11 @@ def model_rows(name: str, path, kind: str, count: int, repeats: int = 3) -> List
     t_exact = rows[0]["seconds"]
     for row in rows:
         row["time_over_exact"] = row["seconds"] / t_exact
+    from pyattr.bench.circuits_peers import eap_available, eap_rows
+
+    if eap_available():  # the reference implementation, where a development environment has it
+        rows += eap_rows(model, clean, corrupt, answer, alternative, rows[0]["model"], exact.scores, t_exact,
+                         exact.per_pair, repeats=repeats)
     return rows
 
 

@@ -33,10 +33,10 @@ inputs give effects of exactly 0.
 from pyattr.patching.activation import activation_patching
 from pyattr.patching.attribution import METHODS, PATCHING_RULES, attribution_patching
 from pyattr.patching.circuit import CircuitFaithfulness, circuit_faithfulness, edge_effects
-from pyattr.patching.edges import EDGE_METHODS, EdgeAttributionResult, edge_attribution
+from pyattr.patching.edges import EDGE_METHODS, EDGE_RULES, EdgeAttributionResult, edge_attribution
 from pyattr.patching.nodes import NODES
 from pyattr.patching.result import PatchingResult
 
-__all__ = ["CircuitFaithfulness", "EDGE_METHODS", "EdgeAttributionResult", "METHODS", "NODES", "PATCHING_RULES",
+__all__ = ["CircuitFaithfulness", "EDGE_METHODS", "EDGE_RULES", "EdgeAttributionResult", "METHODS", "NODES", "PATCHING_RULES",
            "PatchingResult", "activation_patching", "attribution_patching", "circuit_faithfulness", "edge_attribution",
            "edge_effects"]

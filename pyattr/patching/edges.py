@@ -26,16 +26,20 @@ from pyattr.patching.pairs import metric_targets, prepare_pair, recording_forwar
 from pyattr.results import ResultViews
 
 #: ``"relp"``: the rule-modified gradient (RelP, Jafari et al., arXiv 2508.21258) under
-#: ``rules`` (default the LN-rule, as node-level RelP); ``"atp"``: the plain gradient (EAP);
+#: ``rules`` (default :data:`EDGE_RULES`); ``"atp"``: the plain gradient (EAP);
 #: ``"ig"``: EAP-IG with interpolated inputs (Hanna et al., COLM 2024, §3): the plain
 #: gradient averaged over ``steps`` midpoints on the line from the clean to the corrupt
 #: embeddings entering the first block
 EDGE_METHODS = ("relp", "atp", "ig")
-#: chosen by ``pyattr bench --circuits`` (docs/tutorials/circuits.md): on both toy decoders'
-#: key and value pairs its circuits' CPR is within 0.003 of exact edge patching's at about
-#: 1/20 of its time; EAP-IG (16 steps) is no better and costs 12 times as much
+#: chosen by ``pyattr bench --circuits`` (docs/tutorials/circuits.md), see :data:`EDGE_RULES`
 DEFAULT_EDGE_METHOD = "relp"
 DEFAULT_STEPS = 16
+#: ``"relp"``'s default rules: RelP's LN-, Identity- and Half-rules (its AH-rule on attention
+#: rewrites the q/k/v projections the split forward computes per edge, so it is not offered).
+#: Chosen by ``pyattr bench --circuits``: on both toy decoders' key and value pairs its
+#: circuits' CPR is within 0.006 of exact edge patching's and at or above the EAP-IG
+#: library's EAP-IG-inputs (16 steps), at about a sixteenth of that one's time
+EDGE_RULES = RelevanceRules(normalization=True, activation=True, multiplicative_gate=True)
 
 
 @dataclass
@@ -90,16 +94,14 @@ def _check_method(method, rules, steps):
             raise ValueError(f"rules: method={method!r} uses the plain gradient; pass method='relp' to use rules")
         rules = RelevanceRules()
     else:
-        from pyattr.patching.attribution import PATCHING_RULES
-
-        rules = PATCHING_RULES if rules is None else rules
+        rules = EDGE_RULES if rules is None else rules
         if not isinstance(rules, RelevanceRules):
             raise TypeError(f"rules must be a RelevanceRules, got {type(rules).__name__}")
         if rules.attention:
             raise ValueError(f"rules: attention={rules.attention!r} is not supported by edge attribution: it computes "
                              "each head's query, key and value from that input's own copy of the residual stream, "
                              "which the attention rules' mounts on the projections would not see; pass rules with "
-                             "attention=False (the default is the LN-rule alone)")
+                             "attention=False (the default, EDGE_RULES, is the LN-, Identity- and Half-rule)")
     return method, rules, steps
 
 
@@ -158,7 +160,8 @@ def edge_attribution(model: nn.Module, clean, corrupt, metric, *, method: Option
         metric: a :mod:`pyattr.targets` target (``LogitDiff(a, b)``, ``Logit(id)``) or a
             callable ``f(output) → Tensor[batch]``.
         method (str, optional): one of :data:`EDGE_METHODS` (default :data:`DEFAULT_EDGE_METHOD`).
-        rules (RelevanceRules, optional): ``"relp"`` only (default the LN-rule).
+        rules (RelevanceRules, optional): ``"relp"`` only (default :data:`EDGE_RULES`; attention
+            rules are refused).
         steps (int, optional): ``"ig"`` only (default 16).
         attention_mask (Tensor[batch, seq], optional): the mask of ``clean`` given as ids.
         corrupt_attention_mask (Tensor[batch, seq], optional): the mask of ``corrupt`` given as ids.
