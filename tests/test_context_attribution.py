@@ -323,7 +323,8 @@ def test_cite_command(capsys):
     assert main(["cite"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "response: 'owl'  (method foldover, 17 forwards)"
-    assert out[1].endswith("dog fish owl")
+    assert out[1] == "score: the source's weight in a linear fit of the response's logit-probability (nats)"
+    assert out[2].endswith("dog fish owl")
     assert main(["cite", "--text", "sun cat red dog fish owl fish", "--split", "word", "--method", "loo",
                  "--response", "owl", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)

@@ -221,7 +221,8 @@ def test_cite_command_with_a_query(capsys):
     assert doc["sources"][0]["score"] == pytest.approx(want.top(1)[0][1], abs=1e-9)
     assert main(["cite", "--text", text, "--query", "someone making music"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("query: 'someone making music'  (cosine similarity ") and out[1].endswith("guitar.")
+    assert out[0].startswith("query: 'someone making music'  (cosine similarity ") and out[2].endswith("guitar.")
+    assert out[1] == "score: the source's weight in a linear fit of the passage's cosine similarity to the query"
 
 
 @pytest.mark.parametrize("args,msg", [

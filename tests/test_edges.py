@@ -287,8 +287,14 @@ def test_bad_circuits_and_sizes_are_refused(toy_pairs):
         P.circuit_faithfulness(model, clean, corrupt, ["m1->logits"], metric=metric, sizes=[0.0, 1.0])
     with pytest.raises(ValueError, match="are no edges of this model's graph"):
         P.circuit_faithfulness(model, clean, corrupt, ["m9->logits"], metric=metric)
-    with pytest.raises(ValueError, match="clean and corrupt give the same mean metric"):
+    with pytest.raises(ValueError, match="clean and corrupt give the same mean metric"), pytest.warns(UserWarning):
         P.circuit_faithfulness(model, clean, clean, ["m1->logits"], metric=metric)
+    with pytest.warns(UserWarning, match=r"1 of the circuit's edges are on no path from the input to the logits .*"
+                                         r"\['a1.h0->logits'\]") as seen:
+        lone = P.circuit_faithfulness(model, clean, corrupt, ["a1.h0->logits"], metric=metric)
+    assert seen[0].filename == __file__ and lone.edge_counts.tolist() == [0]
+    kept = P.circuit_faithfulness(model, clean, corrupt, ["input->a1.h0<v>", "a1.h0->logits"], metric=metric)
+    assert kept.edge_counts.tolist() == [2]
     with pytest.raises(ValueError, match="edge_attribution: clean and corrupt differ in length \\(10 and 9 tokens\\)"):
         P.edge_attribution(model, clean, corrupt[:, :-1], metric, method="atp")
     with pytest.raises(TypeError, match="edges_or_circuit: expected an EdgeAttributionResult or a list of edge names"):
@@ -348,7 +354,8 @@ def test_patch_edges_command(capsys, tmp_path):
     js = tmp_path / "edges.json"
     assert main(["patch", "--edges", "--method", "atp", "--json", str(js), "--top", "3"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[1] == "110 edges scored by atp in " + out[1].split(" in ")[1]
+    assert out[1].startswith("clean 'sun cat red tree sun cat', corrupt 'sun ant red tree sun cat'; an edge's score")
+    assert out[2] == "110 edges scored by atp in " + out[2].split(" in ")[1]
     doc = json.loads(js.read_text())
     assert len(doc["edges"]) == 110 and doc["method"] == "atp"
     # the same numbers as the Python API on the built-in pair
@@ -362,8 +369,8 @@ def test_patch_edges_command(capsys, tmp_path):
     # the command loads the model with its default attention kernel, toy.load() with eager
     assert [e["score"] for e in doc["edges"]] == pytest.approx(want.scores.tolist(), abs=1e-5)
     top = want.top(3)
-    assert [line.split()[-1] for line in out[2:5]] == [name for name, _ in top]
-    assert out[5].startswith("circuits of the top edges run exactly: CPR ")
+    assert [line.split()[-1] for line in out[3:6]] == [name for name, _ in top]
+    assert out[6].startswith("circuits of the top edges run exactly: CPR ")
     assert doc["circuits"]["edges"][-1] == 110
 
 

@@ -78,5 +78,24 @@ def test_retraining_gives_the_shipped_weights(tmp_path):
     assert r.returncode == 0, r.stderr
     again, shipped = load_file(tmp_path / "model.safetensors"), load_file(toy.SQUARES_DIR / "model.safetensors")
     assert again.keys() == shipped.keys()
-    for name in shipped:  # same seed, same torch, one thread: the same weights (close on another torch)
-        torch.testing.assert_close(again[name], shipped[name], rtol=1e-4, atol=1e-5)
+    import json
+
+    import transformers
+
+    trained_with = json.loads((toy.SQUARES_DIR / "config.json").read_text())["transformers_version"]
+    if transformers.__version__ == trained_with:
+        for name in shipped:  # same seed, same torch, one thread: the same weights (close on another torch)
+            torch.testing.assert_close(again[name], shipped[name], rtol=1e-4, atol=1e-5)
+    else:
+        # transformers initialises the model, and its initialisation changes between releases
+        # (5.25's weights differ from 5.24's by up to 0.06): the retrained model must solve the
+        # task and put the class's relevance on the square, as the shipped one does
+        from transformers import ViTForImageClassification
+
+        model = ViTForImageClassification.from_pretrained(tmp_path).eval()
+        assert vision.accuracy(model, count=256, seed=123) >= 0.99
+        images, labels, boxes = vision.draw(torch.Generator().manual_seed(7), 48)
+        res = pyattr.relevance(model, {"pixel_values": vision.normalise(images)}, target=labels)
+        positive = res.patch_relevance().clamp(min=0)
+        share = (positive * vision.square_patches(boxes)).sum((1, 2)) / positive.sum((1, 2))
+        assert float(share.min()) > 0.7 and float(share.mean()) > 0.9

@@ -28,6 +28,20 @@ class EdgeReport:
     result: object          # EdgeAttributionResult
     faithfulness: object    # CircuitFaithfulness
     seconds: float
+    clean: str = ""
+    corrupt: str = ""
+
+    def heading(self) -> str:
+        r = self.result
+        return (f"{self.model} · clean {self.clean!r}, corrupt {self.corrupt!r} · {self.metric}: clean "
+                f"{float(r.clean_metric.mean()):+.4f}, corrupt {float(r.corrupt_metric.mean()):+.4f} · scores: the "
+                "metric's change when an edge is patched from the corrupt run (corrupt − clean)")
+
+    def html(self) -> str:
+        """One page: the edges' graph, grid and table, then the circuits' faithfulness curve."""
+        from pyattr.results.html import page
+
+        return page(self.result._panels() + self.faithfulness._panels(), self.heading())
 
     def to_json(self) -> dict:
         r, f = self.result, self.faithfulness
@@ -67,13 +81,15 @@ def run_edges(clean: Optional[str], corrupt: Optional[str], model_dir: Optional[
     faith = P.circuit_faithfulness(model, c, x, res, metric=metric)
     from pyattr.apps.patch_report import model_label
 
-    return EdgeReport(model_label(path), desc, res, faith, seconds)
+    return EdgeReport(model_label(path), desc, res, faith, seconds, clean, corrupt)
 
 
 def print_edges(rep: EdgeReport, top: int = 10) -> None:
     r, f = rep.result, rep.faithfulness
     print(f"{rep.model} · {rep.metric}: clean {float(r.clean_metric.mean()):+.4f}, corrupt "
           f"{float(r.corrupt_metric.mean()):+.4f}")
+    print(f"clean {rep.clean!r}, corrupt {rep.corrupt!r}; an edge's score: the metric's change when it alone is "
+          "patched from the corrupt run (estimated)")
     print(f"{len(r.edges)} edges scored by {r.method} in {rep.seconds:.2f} s; the strongest:")
     for name, score in r.top(top):
         print(f"  {score:+10.4f}  {name}")

@@ -237,14 +237,16 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--method", choices=["relp", "atp", "atp*", "ig", "exact", "all"], default="relp",
                     help="relp, atp, atp* (AtP with the QK fix), ig (EAP-IG, 16 steps), exact (activation "
                          "patching), or all: relp, atp "
-                         "and exact with correlations (default relp)")
+                         "and exact with correlations (default relp); with --edges one of relp, atp, ig, exact")
     pa.add_argument("--sample", type=int, default=200, help="exact: neurons patched, a random sample (default 200)")
     pa.add_argument("--generic", action="store_true",
                     help="--model of an architecture without a rule map: its roles (blocks, heads, MLP) found "
                          "structurally, each role it cannot find refused with the reason")
-    pa.add_argument("--top", type=int, default=10, help="nodes listed in the terminal (default 10)")
-    pa.add_argument("--png", metavar="PATH", help="write layer x position heatmaps (and scatter plots) as PNG")
-    pa.add_argument("--html", metavar="PATH", help="write a self-contained HTML page of the heatmaps")
+    pa.add_argument("--top", type=int, default=10, help="nodes (with --edges: edges) listed in the terminal (default 10)")
+    pa.add_argument("--png", metavar="PATH", help="write layer x position heatmaps (and scatter plots) as PNG; with "
+                                                  "--edges the circuit graph and the edge grid")
+    pa.add_argument("--html", metavar="PATH", help="write a self-contained HTML page of the heatmaps; with --edges "
+                                                   "the circuit graph, the edge grid and the faithfulness curve")
     pa.add_argument("--json", metavar="PATH", help="write every effect as JSON (NaN: a neuron not patched, as null)")
     pa.set_defaults(func=_command("patch"))
 

@@ -73,6 +73,8 @@ def run(args) -> int:
         if embedding and any(k.endswith(("ForCausalLM", "LMHeadModel")) for k in kinds):
             return fail("cite", f"--query scores a sentence-embedding model's similarity; --model is a causal LM "
                                 f"({kinds[0]}): drop --query and give --response or --max-new-tokens")
+        if args.method == "attention" and hasattr(model, "set_attn_implementation"):
+            model.set_attn_implementation("eager")  # the attention weights are read from the model's output
         res = pyattr.context_attribution(model, text, sources, response=response, max_new_tokens=new,
                                          tokenizer=tok, method=args.method, query=args.query)
     except (ModelLoadError, ValueError, TypeError) as e:
@@ -83,6 +85,7 @@ def run(args) -> int:
     if args.json:
         said = {"query": res.response[0]} if embedding else {"response": res.response[0]}
         print(json.dumps({"method": res.method, **said, "outcome": res.outcome, "value": float(res.value[0]),
+                          "score_unit": res.score_unit,
                           "ablations": res.ablations, "sources": [{"text": t, "score": s} for t, s in ranked]}))
         return 0
     if embedding:
@@ -90,6 +93,7 @@ def run(args) -> int:
               f"{_cost(res)})")
     else:
         print(f"response: {res.response[0]!r}  (method {res.method}, {_cost(res)})")
+    print(f"score: {res.score_unit}")
     for t, s in ranked:
         print(f"{s:+10.4f}  {t}")
     if args.html:

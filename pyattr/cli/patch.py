@@ -42,7 +42,7 @@ def _run_edges(args) -> int:
         if args.png:
             rep.result.plot().savefig(args.png, dpi=110)
         if args.html:
-            Path(args.html).write_text(rep.result.to_html(), encoding="utf-8")
+            Path(args.html).write_text(rep.html(), encoding="utf-8")
         if args.json:
             Path(args.json).write_text(json.dumps(rep.to_json(), indent=1))
     except OSError as e:
@@ -63,7 +63,7 @@ def run(args) -> int:
                 check_output_path(flag, path)
         if args.model is not None and args.pair is not None:
             raise UsageError("--pair works with the sentence-embedding model only (drop --model)")
-        if args.model is None and args.target is not None:
+        if args.model is None and args.target is not None and not args.edges:
             raise UsageError("--target needs --model (a causal LM directory)")
         if (args.clean is None) != (args.corrupt is None):
             raise UsageError("--clean and --corrupt go together (without both, the built-in pair is used)")

@@ -171,7 +171,15 @@ def _circuit_masks(graph, edges_or_circuit, sizes):
     for n in names:
         u, d = graph.edges[index[n]]
         keep[u, d] = True
-    return prune(graph, keep)[None]
+    kept = prune(graph, keep)
+    dropped = [n for n in dict.fromkeys(names) if not kept[graph.edges[index[n]]]]
+    if dropped:
+        import warnings
+
+        warnings.warn(f"circuit_faithfulness: {len(dropped)} of the circuit's edges are on no path from the input "
+                      f"to the logits through the circuit and are patched like the edges outside it (EAP-IG's "
+                      f"pruning): {dropped[:5]}; add the edges that connect them", stacklevel=4)
+    return kept[None]
 
 
 @text.text_inputs("circuit_faithfulness", inputs=("clean", "corrupt"), target=None)
@@ -186,7 +194,9 @@ def circuit_faithfulness(model: nn.Module, clean, corrupt, edges_or_circuit, *, 
         clean (LongTensor[batch, seq] | Mapping): token ids or tokenizer outputs.
         corrupt (LongTensor[batch, seq] | Mapping): the counterfactuals, of ``clean``'s length and mask.
         edges_or_circuit: an :class:`EdgeAttributionResult` (circuits of its top-scored
-            edges, by magnitude, at each size) or a list of edge names (one circuit).
+            edges, by magnitude, at each size: ``int(size × edges)`` edges, as MIB counts
+            them, then pruned) or a list of edge names (one circuit; pruned too, with a
+            warning naming the edges pruning drops).
         metric: a :mod:`pyattr.targets` target or a callable ``f(output) → Tensor[batch]``.
         sizes (sequence of float, optional): fractions of the edges in (0, 1], increasing
             (default :data:`MIB_SIZES`); with a list of edges, ignored (its own size).

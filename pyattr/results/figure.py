@@ -9,7 +9,7 @@ import math
 import textwrap
 from typing import List
 
-from pyattr.results.panels import Curves, Graph, Matrix, Note, Table, Tokens, is_nan, label, scale_of
+from pyattr.results.panels import Curves, Graph, Matrix, Note, Table, Tokens, is_nan, label, port, scale_of
 
 
 def _cmap():
@@ -38,7 +38,9 @@ def figure(panels: List, heading: str):
     if len(drawable) > len(panels):
         notes.append(f"the first {len(panels)} of {len(drawable)} panels are drawn; to_pandas() holds them all")
     heights = [max(1.6, 0.35 * len(p.rows) + 1.2) if isinstance(p, Matrix) else 3.0 if isinstance(p, Curves) else
-               4.5 if isinstance(p, Graph) else 1.6 for p in panels]
+               4.5 if isinstance(p, Graph) else
+               3.2 if isinstance(p, Tokens) and any(lab and len(label(lab)) > 12 for lab in p.labels) else 1.6
+               for p in panels]
     widths = [max(6.0, 0.5 * len(p.cols) + 2) if isinstance(p, Matrix) else
               max(6.0, 0.55 * sum(lab is not None for lab in p.labels) + 2) if isinstance(p, Tokens) else 6.0
               for p in panels]
@@ -61,7 +63,8 @@ def figure(panels: List, heading: str):
             if isinstance(p, Tokens):
                 keep = [i for i, lab in enumerate(p.labels) if lab is not None]
                 cells = [[p.values[i] for i in keep]]
-                ticks, yt = [_plain(label(p.labels[i])) for i in keep], []
+                # long labels (sentences as sources) cut and turned, so that they do not overlap
+                ticks, yt = [_plain(_cut(label(p.labels[i]))) for i in keep], []
             else:
                 cells = p.values
                 ticks, yt = [_plain(label(c)) for c in p.cols], [_plain(label(r)) for r in p.rows]
@@ -73,7 +76,9 @@ def figure(panels: List, heading: str):
                 for j, v in enumerate(row):
                     if is_nan(v):
                         ax.text(j, i, "nan", ha="center", va="center", fontsize=7)
-            ax.set_xticks(range(len(ticks)), ticks, rotation=90 if len(ticks) > 6 else 0, fontsize=8)
+            turn = len(ticks) > 6 or max((len(t) for t in ticks), default=0) > 12
+            ax.set_xticks(range(len(ticks)), ticks, rotation=90 if len(ticks) > 6 else 30 if turn else 0,
+                          ha="right" if turn and len(ticks) <= 6 else "center", fontsize=8)
             ax.set_yticks(range(len(yt)), yt, fontsize=8)
             if isinstance(p, Matrix):
                 ax.set_xlabel(_plain(p.col_name))
@@ -92,8 +97,9 @@ def _draw_graph(fig, ax, p: Graph, cmap) -> None:
     vals = [abs(v) for *_, v in p.edges if not is_nan(v)]
     s = max(vals) if vals and max(vals) > 0 else 1.0
     norm = Normalize(-s, s)
-    for a, b, _, v in sorted(p.edges, key=lambda e: abs(e[3]) if not is_nan(e[3]) else 0.0):
+    for a, b, lab, v in sorted(p.edges, key=lambda e: abs(e[3]) if not is_nan(e[3]) else 0.0):
         (x1, y1), (x2, y2) = pos[a], pos[b]
+        x2 += 0.022 * port(lab)
         ax.plot([x1, x2], [y1, y2], color=cmap(norm(v)), lw=0.6 + 4.4 * min(1.0, abs(v) / s), alpha=0.9, zorder=1)
     for n, x, y in p.nodes:
         ax.text(x, y, _plain(n), ha="center", va="center", fontsize=7, zorder=2, family="monospace",
@@ -102,6 +108,10 @@ def _draw_graph(fig, ax, p: Graph, cmap) -> None:
     ax.set_ylim(-0.08, 1.08)
     ax.axis("off")
     fig.colorbar(ScalarMappable(norm, cmap), ax=ax, label=_plain(p.value_name), shrink=0.9)
+
+
+def _cut(s: str, n: int = 40) -> str:
+    return s if len(s) <= n else s[:n - 1] + "…"
 
 
 def _plain(s: str) -> str:

@@ -10,7 +10,7 @@ import hashlib
 from typing import Iterable
 
 from pyattr.results.colours import LEGEND_CSS, _ink, _rgb, legend_html, num
-from pyattr.results.panels import Curves, Graph, Matrix, Note, Table, Tokens, is_nan, label, scale_of
+from pyattr.results.panels import Curves, Graph, Matrix, Note, Table, Tokens, is_nan, label, port, scale_of
 
 _CSS = """
 .pyattr-result { font-family: system-ui, sans-serif; font-size: 14px; color: #222; max-width: 100%; }
@@ -135,6 +135,7 @@ def _graph(p: Graph, ids: str, width: int = 760, height: int = 420) -> str:
     lines = []
     for a, b, lab, v in sorted(p.edges, key=lambda e: abs(e[3]) if not is_nan(e[3]) else 0.0):
         (x1, y1), (x2, y2) = pos[a], pos[b]
+        x2 += 16 * port(lab)
         rgb = _rgb(v, s)
         w = 0.8 + 5.2 * min(1.0, abs(v) / s)
         tip = html.escape(f"{lab}: {num(v, '+.4g')}", quote=True)

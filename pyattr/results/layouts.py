@@ -273,7 +273,8 @@ def context(result, limit=MAX_ROWS) -> List:
         for j, vals in enumerate(rows):
             span = "" if result.spans is None else f" · response tokens {result.spans[j][0]}:{result.spans[j][1]}"
             said = "query" if getattr(result, "outcome", "logprob") == "cosine" else "response"
-            out.append(Tokens(f"row {r} · {said} {resp!r}{span} · {result.method}", list(result.sources[r]),
+            out.append(Tokens(f"row {r} · {said} {resp!r}{span} · {result.method} · {result.value_text(r)} · score: "
+                              f"{result.score_unit}", list(result.sources[r]),
                               vals[:k].tolist(), "score"))
     return out
 

@@ -71,6 +71,13 @@ class Graph:
     value_name: str = "score"
 
 
+def port(edge_label: str) -> int:
+    """Where an edge enters its node: -1 / 0 / +1 for a query / key / value input (``<q>``,
+    ``<k>``, ``<v>`` at the end of its label), so that a head's three inputs from one node are
+    three lines, not one; 0 otherwise."""
+    return {"<q>": -1, "<k>": 0, "<v>": 1}.get(edge_label[-3:], 0)
+
+
 @dataclass
 class Note:
     """A line of text about the view (what it leaves out: rows past the first few, panels too
