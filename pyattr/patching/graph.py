@@ -241,8 +241,18 @@ class SplitForward:
                 first = {"q": 0, "k": nq, "v": nq + nk}[which]
                 spans = [(first, nq if which == "q" else nk, 0)]
             pieces = []
+            plain = type(mod) is nn.Linear  # each head's rows of the weight alone: one projection's work
             for first, count, offset in spans:
-                y = mod.forward(copies[first:first + count].reshape(-1, *copies.shape[2:]))
+                part = copies[first:first + count]                        # (count, rows, seq, hidden)
+                if plain:
+                    w = mod.weight[offset:offset + count * hd].reshape(count, hd, -1)
+                    y = torch.einsum("crsi,cdi->crsd", part.to(w.dtype), w)
+                    if mod.bias is not None:
+                        y = y + mod.bias[offset:offset + count * hd].reshape(count, 1, 1, hd)
+                    pieces += list(y.unbind(0))
+                    continue
+                # any other module (Conv1D, a quantized linear): the whole projection per copy
+                y = mod.forward(part.reshape(-1, *copies.shape[2:]))
                 y = y.reshape(count, *copies.shape[1:-1], y.shape[-1])
                 for h in range(count):
                     pieces.append(y[h, ..., offset + h * hd: offset + (h + 1) * hd])
