@@ -228,9 +228,9 @@ def text(panels: List, heading: str, width: int = 100) -> str:
         elif isinstance(p, Curves):
             for y, name in zip(p.ys, p.names):
                 out.append(f"  {name}: " + " ".join(num(v, ".3g") for v in y))
-        elif isinstance(p, Graph):
-            for *_, lab, v in sorted(p.edges, key=lambda e: -abs(e[3]) if not is_nan(e[3]) else 0.0)[:40]:
-                out.append(f"  {num(v, '+.4g'):>10}  {lab}")
+        elif isinstance(p, Graph):  # a drawing: in text, what it joins (its values are in the result's tables)
+            nodes = sorted({n for a, b, *_ in p.edges for n in (a, b)})
+            out.append(f"  {len(p.edges)} edges among {', '.join(nodes)} (drawn by the HTML view and plot())")
         elif isinstance(p, Table):
             out.append("  " + " | ".join(p.columns))
             for r in p.rows[:40]:
