@@ -277,8 +277,12 @@ def test_edges_page(browser, artifacts, tmp_path):
     strongest = max(doc["edges"], key=lambda e: abs(e["score"]))
     p = Page(browser, page_file)
     page = p.page
-    svg = page.locator("svg")
+    assert page.locator("svg").count() == 2               # the circuit graph, the faithfulness curve
+    svg = page.locator("svg:has(line.edge)")
     assert svg.count() == 1 and svg.is_visible()
+    heading = page.locator("b").first.inner_text()
+    assert "clean 'sun cat red tree sun cat', corrupt 'sun ant red tree sun cat'" in heading, heading
+    assert page.get_by_text("faithfulness (CPR ").count() == 1
     box = svg.bounding_box()
     assert box["width"] >= 600 and box["height"] >= 300, box
     lines = page.locator("line.edge")
