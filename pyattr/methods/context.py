@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 import pyattr.methods._core.ablation as A
+import pyattr.methods._core.context_inputs as CI
 import pyattr.methods._core.embedding as E
 import pyattr.methods._core.sources as S
 from pyattr._repr import summary_repr
@@ -61,8 +62,9 @@ class ContextAttributionResult(ResultViews):
         scores (Tensor[batch, sources] or Tensor[batch, spans, sources], float64): one score
             per source (NaN past a row's last source). Ablation methods: the change in the
             response's logit-probability (``contextcite``; ``foldover`` with its rank term,
-            on the same scale) or log-probability (``loo``) the source's presence makes, in nats; relevance methods: the source's
-            relevance summed over its tokens; ``attention``: attention weight.
+            on the same scale) or log-probability (``loo``) the source's presence makes, in
+            nats; relevance methods: the source's relevance summed over its tokens;
+            ``attention``: attention weight (see :attr:`score_unit`).
         sources (list[list[str]]): each row's sources as text (``"tokens a:b"`` without a tokenizer).
         source_ranges (list[list[tuple[int, int]]]): each source's token range in the prompt.
         response (list[str | None]): each row's response as text (None without a tokenizer).
@@ -243,125 +245,23 @@ def _attention_scores(model, prompt, ranges, response, spans):
     return (torch.stack([per[a:b].sum(0) for a, b in spans]), torch.stack([lp[a:b].sum() for a, b in spans]))
 
 
-def _prompt(model, tokenizer, text_or_ids, response, name, embedding=False):
-    """(prompt ids, offsets, special flags, text, response ids or None). An embedding model's
-    prompt keeps the markers the tokenizer adds at its end (``[SEP]``): its embedding is of
-    the text as the tokenizer encodes it; a causal LM's prompt drops them (the response
-    continues the text, not what follows its end)."""
-    from pyattr.methods._core.tokens import _drop_appended_end, _encode, continuation_ids
-
-    if isinstance(text_or_ids, str):
-        if tokenizer is None:
-            raise ValueError(f"{name}: a text prompt needs tokenizer= (the model's Hugging Face tokenizer)")
-        enc = _encode(tokenizer, text_or_ids)
-        ids, appended, offsets = enc if embedding else _drop_appended_end(*enc)
-        special = appended if offsets is None else [e <= s for s, e in offsets]
-        resp = None
-        if isinstance(response, str) and not response.strip():
-            raise ValueError(f"{'query' if embedding else 'response'}: the text is empty")
-        if isinstance(response, str) and not embedding:
-            joint_prompt, resp = continuation_ids(tokenizer, text_or_ids, response)
-            if joint_prompt != ids:
-                raise ValueError("response: the tokenizer reads the prompt's end differently when the response "
-                                 "follows it; start the response at a word")
-        return ids, offsets, special, text_or_ids, resp
-    try:
-        t = torch.as_tensor(text_or_ids)
-    except (TypeError, ValueError, RuntimeError):
-        raise ValueError(f"{name}: expected a text, a list of texts, or one prompt's token ids (LongTensor[seq] "
-                         f"or [1, seq]), got {type(text_or_ids).__name__}") from None
-    if t.is_floating_point() or t.dtype == torch.bool or t.dim() not in (1, 2) or (
-            t.dim() == 2 and t.shape[0] != 1) or t.numel() == 0:
-        raise ValueError(f"{name}: expected a text, or one prompt's token ids (LongTensor[seq] or [1, seq]), got "
-                         f"{t.dtype} of shape {tuple(t.shape)}")
-    from pyattr.methods._core.inputs import check_token_ids
-
-    check_token_ids(model, t, name)
-    return t.reshape(-1).tolist(), None, None, None, None
-
-
-def _response_ids(model, prompt, response, max_new_tokens, row):
-    if response is None:
-        if max_new_tokens is None or max_new_tokens < 1:
-            raise ValueError("context_attribution: give response= (text or token ids) or max_new_tokens= (>= 1) "
-                             "to generate it")
-        from pyattr.methods._core.generate import generate
-
-        device = next(model.parameters()).device
-        ids = torch.tensor([list(prompt)], device=device)
-        gen, steps = generate(model, ids, torch.ones_like(ids), max_new_tokens, None)
-        return gen[0][steps[0]].tolist()
-    if isinstance(response, str):
-        raise ValueError(f"response[{row}]: a text response needs the prompt as text with tokenizer=")
-    return _ids_of(model, response, f"response[{row}]")
-
-
-def _check_spans(spans, length: int):
-    if spans is None:
-        return [(0, length)]
-    if isinstance(spans, str):
-        if spans != "tokens":
-            raise ValueError(f"spans: expected 'tokens', a list of response token ranges (start, end) or None, "
-                             f"got {spans!r}")
-        return [(i, i + 1) for i in range(length)]
-    if not isinstance(spans, (list, tuple)) or not spans:
-        raise ValueError(f"spans: expected 'tokens', a non-empty list of response token ranges (start, end) or "
-                         f"None, got {spans!r}")
-    return S.check_ranges(spans, length, "spans", "the response's")
-
-
-def _ids_of(model, value, name: str) -> List[int]:
-    """One sequence of token ids: a list of ints, a LongTensor[n] or [1, n]."""
-    try:
-        t = torch.as_tensor(value)
-    except (TypeError, ValueError, RuntimeError):
-        t = None
-    if t is None or t.is_floating_point() or t.dtype == torch.bool or t.dim() not in (1, 2) or (
-            t.dim() == 2 and t.shape[0] != 1) or t.numel() == 0:
-        got = f"{t.dtype} of shape {tuple(t.shape)}" if t is not None else type(value).__name__
-        raise ValueError(f"{name}: expected a text or one sequence of token ids (a non-empty list of ints, "
-                         f"LongTensor[n] or [1, n]), got {got}")
-    t = t.reshape(-1)
-    if model is not None:
-        from pyattr.methods._core.inputs import check_token_ids
-
-        check_token_ids(model, t, name)
-    return t.tolist()
-
-
-def _has_lm_head(model: nn.Module) -> bool:
-    get = getattr(model, "get_output_embeddings", None)
-    return callable(get) and get() is not None
-
-
-def _query_ids(model, tokenizer, query, row):
-    """An embedding model's query as the tokenizer encodes it (its ``[CLS]``/``[SEP]`` kept)."""
-    from pyattr.methods._core.tokens import _encode
-
-    if isinstance(query, str):
-        if tokenizer is None:
-            raise ValueError(f"query[{row}]: a text query needs tokenizer= (the model's Hugging Face tokenizer)")
-        return _encode(tokenizer, query)[0]
-    return _ids_of(model, query, f"query[{row}]")
-
-
 def _rows(model, tokenizer, rows, per_sources, per_response, embedding, method, spans, ablations, seed,
           batch_size, max_new_tokens, pooling, max_len):
     """Each row's scores, source texts and ranges, response text and ids, value; the forwards."""
     scores, texts, ranges_all, resp_text, resp_ids, values, cost = [], [], [], [], [], [], 0
     for row, (inp, src, resp) in enumerate(zip(rows, per_sources, per_response)):
-        prompt, offsets, special, text, joint_resp = _prompt(model, tokenizer, inp, resp, "inputs", embedding)
+        prompt, offsets, special, text, joint_resp = CI.prompt_of(model, tokenizer, inp, resp, "inputs", embedding)
         ranges = S.resolve(src, text, offsets, special, len(prompt))
         if method in ABLATION_METHODS and sum(b - a for a, b in ranges) == len(prompt):
-            raise ValueError(f"sources: row {row}'s sources cover every token of the prompt, so the ablation that drops "
-                             "them all leaves no input; keep at least one token outside the sources (a start-of-text "
+            raise ValueError(f"sources: row {row}'s sources cover every token of the prompt, so the ablation that "
+                             "drops them all leaves no input; keep at least one token outside the sources (a start-of-text "
                              "token, the question) or give sources that leave it out")
         if method == "foldover" and ablations is not None and (ablations < len(ranges) + 1 or ablations % 2):
             raise ValueError(f"ablations: method='foldover' fits one weight per source and an intercept by least "
                              f"squares on pairs of masks: an even number >= {len(ranges) + 1} for row {row}'s "
                              f"{len(ranges)} sources, got {ablations}")
         if embedding:
-            r_ids = _query_ids(model, tokenizer, resp, row)
+            r_ids = CI.query_ids(model, tokenizer, resp, row)
             for name, ids in (("inputs", prompt), ("query", r_ids)):
                 if max_len is not None and len(ids) > max_len:
                     raise ValueError(f"{name}[{row}]: {len(ids)} tokens, more than the checkpoint's max_seq_length "
@@ -370,10 +270,10 @@ def _rows(model, tokenizer, rows, per_sources, per_response, embedding, method, 
             if method in ABLATION_METHODS:
                 cost = max(cost, n)
         else:
-            r_ids = joint_resp if joint_resp is not None else _response_ids(model, prompt, resp, max_new_tokens, row)
+            r_ids = joint_resp if joint_resp is not None else CI.response_ids(model, prompt, resp, max_new_tokens, row)
             if not r_ids:
                 raise ValueError(f"response[{row}]: the model generated no token to explain")
-            sp = _check_spans(spans, len(r_ids))
+            sp = CI.check_spans(spans, len(r_ids))
             if method in ABLATION_METHODS:
                 sc, val, n = _ablation_scores(model, prompt, ranges, r_ids, sp, method, ablations, seed, batch_size)
                 cost = max(cost, n)
@@ -466,7 +366,7 @@ def context_attribution(model: nn.Module, inputs, sources, *, response=None, max
                          "context_attribution scores the sources of a text")
     if response is not None and max_new_tokens is not None:
         raise ValueError("context_attribution: give response= or max_new_tokens=, not both")
-    embedding = not _has_lm_head(model)
+    embedding = not CI.has_lm_head(model)
     if query is not None:
         if not embedding:
             raise ValueError("query: scores a sentence-embedding model's match with a query; this model has a "
@@ -507,7 +407,7 @@ def context_attribution(model: nn.Module, inputs, sources, *, response=None, max
         parts = _rows(model, tokenizer, rows, per_sources, per_response, embedding, method, spans, ablations,
                       seed, batch_size, max_new_tokens, pooling if embedding else None, max_len if embedding else None)
     scores, texts, ranges_all, resp_text, resp_ids, values, cost = parts
-    span_lists = {tuple(map(tuple, _check_spans(spans, len(r)))) for r in resp_ids} if spans is not None else set()
+    span_lists = {tuple(map(tuple, CI.check_spans(spans, len(r)))) for r in resp_ids} if spans is not None else set()
     if len(span_lists) > 1:
         raise ValueError("spans: the rows' responses differ in length, so their spans differ; give spans=None or "
                          "rows with responses of one length")
@@ -519,5 +419,5 @@ def context_attribution(model: nn.Module, inputs, sources, *, response=None, max
     if spans is None:
         out, value = out[:, 0], value[:, 0]
     return ContextAttributionResult(out, texts, ranges_all, resp_text, resp_ids, value, method, cost,
-                                    None if spans is None else _check_spans(spans, len(resp_ids[0])),
+                                    None if spans is None else CI.check_spans(spans, len(resp_ids[0])),
                                     "cosine" if embedding else "logprob")

@@ -1,0 +1,114 @@
+"""What :func:`pyattr.context_attribution` reads from its arguments: the prompt's token ids
+(with the tokenizer's offsets and special-token flags), the response or query ids, the
+response spans, and whether the model is a causal LM or a sentence-embedding model."""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+from torch import nn
+
+import pyattr.methods._core.sources as S
+
+
+def prompt_of(model, tokenizer, text_or_ids, response, name, embedding=False):
+    """(prompt ids, offsets, special flags, text, response ids or None). An embedding model's
+    prompt keeps the markers the tokenizer adds at its end (``[SEP]``): its embedding is of
+    the text as the tokenizer encodes it; a causal LM's prompt drops them (the response
+    continues the text, not what follows its end)."""
+    from pyattr.methods._core.tokens import _drop_appended_end, _encode, continuation_ids
+
+    if isinstance(text_or_ids, str):
+        if tokenizer is None:
+            raise ValueError(f"{name}: a text prompt needs tokenizer= (the model's Hugging Face tokenizer)")
+        enc = _encode(tokenizer, text_or_ids)
+        ids, appended, offsets = enc if embedding else _drop_appended_end(*enc)
+        special = appended if offsets is None else [e <= s for s, e in offsets]
+        resp = None
+        if isinstance(response, str) and not response.strip():
+            raise ValueError(f"{'query' if embedding else 'response'}: the text is empty")
+        if isinstance(response, str) and not embedding:
+            joint_prompt, resp = continuation_ids(tokenizer, text_or_ids, response)
+            if joint_prompt != ids:
+                raise ValueError("response: the tokenizer reads the prompt's end differently when the response "
+                                 "follows it; start the response at a word")
+        return ids, offsets, special, text_or_ids, resp
+    try:
+        t = torch.as_tensor(text_or_ids)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"{name}: expected a text, a list of texts, or one prompt's token ids (LongTensor[seq] "
+                         f"or [1, seq]), got {type(text_or_ids).__name__}") from None
+    if t.is_floating_point() or t.dtype == torch.bool or t.dim() not in (1, 2) or (
+            t.dim() == 2 and t.shape[0] != 1) or t.numel() == 0:
+        raise ValueError(f"{name}: expected a text, or one prompt's token ids (LongTensor[seq] or [1, seq]), got "
+                         f"{t.dtype} of shape {tuple(t.shape)}")
+    from pyattr.methods._core.inputs import check_token_ids
+
+    check_token_ids(model, t, name)
+    return t.reshape(-1).tolist(), None, None, None, None
+
+
+def response_ids(model, prompt, response, max_new_tokens, row):
+    if response is None:
+        if max_new_tokens is None or max_new_tokens < 1:
+            raise ValueError("context_attribution: give response= (text or token ids) or max_new_tokens= (>= 1) "
+                             "to generate it")
+        from pyattr.methods._core.generate import generate
+
+        device = next(model.parameters()).device
+        ids = torch.tensor([list(prompt)], device=device)
+        gen, steps = generate(model, ids, torch.ones_like(ids), max_new_tokens, None)
+        return gen[0][steps[0]].tolist()
+    if isinstance(response, str):
+        raise ValueError(f"response[{row}]: a text response needs the prompt as text with tokenizer=")
+    return ids_of(model, response, f"response[{row}]")
+
+
+def check_spans(spans, length: int):
+    if spans is None:
+        return [(0, length)]
+    if isinstance(spans, str):
+        if spans != "tokens":
+            raise ValueError(f"spans: expected 'tokens', a list of response token ranges (start, end) or None, "
+                             f"got {spans!r}")
+        return [(i, i + 1) for i in range(length)]
+    if not isinstance(spans, (list, tuple)) or not spans:
+        raise ValueError(f"spans: expected 'tokens', a non-empty list of response token ranges (start, end) or "
+                         f"None, got {spans!r}")
+    return S.check_ranges(spans, length, "spans", "the response's")
+
+
+def ids_of(model, value, name: str) -> List[int]:
+    """One sequence of token ids: a list of ints, a LongTensor[n] or [1, n]."""
+    try:
+        t = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError):
+        t = None
+    if t is None or t.is_floating_point() or t.dtype == torch.bool or t.dim() not in (1, 2) or (
+            t.dim() == 2 and t.shape[0] != 1) or t.numel() == 0:
+        got = f"{t.dtype} of shape {tuple(t.shape)}" if t is not None else type(value).__name__
+        raise ValueError(f"{name}: expected a text or one sequence of token ids (a non-empty list of ints, "
+                         f"LongTensor[n] or [1, n]), got {got}")
+    t = t.reshape(-1)
+    if model is not None:
+        from pyattr.methods._core.inputs import check_token_ids
+
+        check_token_ids(model, t, name)
+    return t.tolist()
+
+
+def has_lm_head(model: nn.Module) -> bool:
+    get = getattr(model, "get_output_embeddings", None)
+    return callable(get) and get() is not None
+
+
+def query_ids(model, tokenizer, query, row):
+    """An embedding model's query as the tokenizer encodes it (its ``[CLS]``/``[SEP]`` kept)."""
+    from pyattr.methods._core.tokens import _encode
+
+    if isinstance(query, str):
+        if tokenizer is None:
+            raise ValueError(f"query[{row}]: a text query needs tokenizer= (the model's Hugging Face tokenizer)")
+        return _encode(tokenizer, query)[0]
+    return ids_of(model, query, f"query[{row}]")
