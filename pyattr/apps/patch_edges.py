@@ -55,9 +55,8 @@ class EdgeReport:
 def run_edges(clean: Optional[str], corrupt: Optional[str], model_dir: Optional[Path], target: Optional[str],
               method: str) -> EdgeReport:
     import pyattr.patching as P
-    import pyattr.targets as T
     import pyattr.toy as toy
-    from pyattr.apps.explain import _target_id
+    from pyattr.apps.patch_report import logit_metric
 
     path = model_dir if model_dir is not None else toy.INDUCTION_DIR
     tok, model = _load(path, causal=True)
@@ -67,12 +66,7 @@ def run_edges(clean: Optional[str], corrupt: Optional[str], model_dir: Optional[
     if len(ids_c) != len(ids_x):
         raise ExplainError(f"--clean is {len(ids_c)} tokens and --corrupt {len(ids_x)}; edge patching pairs position "
                            "p with position p, so the two texts must have the same number of tokens")
-    if target is not None:
-        metric = T.Logit(_target_id(tok, target, model.config.vocab_size, clean))
-        desc = f"logit of {target!r} at the last position"
-    else:
-        metric = T.Logit()
-        desc = "logit of the clean run's top-1 next token at the last position"
+    metric, desc = logit_metric(tok, model, target, clean)
     c, x = torch.tensor([ids_c]), torch.tensor([ids_x])
     t0 = time.perf_counter()
     res = P.edge_effects(model, c, x, metric) if method == "exact" else P.edge_attribution(model, c, x, metric,

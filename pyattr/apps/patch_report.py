@@ -108,6 +108,18 @@ def _heads_panel(result) -> torch.Tensor:
     return e.permute(0, 2, 1).reshape(-1, e.shape[1])
 
 
+def logit_metric(tok, model, target: Optional[str], clean: str):
+    """``(metric, description)``: the next-token logit of ``target`` after ``clean`` (the
+    token as the tokenizer reads it there), or of the clean run's top-1 token."""
+    import pyattr.targets as T
+
+    if target is None:
+        return T.Logit(), "logit of the clean run's top-1 next token at the last position"
+    from pyattr.apps.explain import _target_id
+
+    return T.Logit(_target_id(tok, target, model.config.vocab_size, clean)), f"logit of {target!r} at the last position"
+
+
 def run_patch(clean: Optional[str], corrupt: Optional[str], partner: Optional[str], model_dir: Optional[Path],
               target: Optional[str], nodes: Sequence[str], methods: Sequence[str], sample: int,
               generic: bool = False) -> PatchReport:
@@ -142,14 +154,7 @@ def run_patch(clean: Optional[str], corrupt: Optional[str], partner: Optional[st
             "two texts must have the same number of tokens (replace a word by one of the same token length)"
         )
     if causal:
-        if target is not None:
-            from pyattr.apps.explain import _target_id
-
-            metric = T.Logit(_target_id(tok, target, model.config.vocab_size, clean))
-            desc = f"logit of {target!r} at the last position"
-        else:
-            metric = T.Logit()
-            desc = "logit of the clean run's top-1 next token at the last position"
+        metric, desc = logit_metric(tok, model, target, clean)
     else:
         partner = _check_text("--pair", partner if partner is not None else DEFAULT_PARTNER)
         enc_p = tok(partner, return_tensors="pt")

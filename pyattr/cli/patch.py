@@ -20,6 +20,27 @@ def _nodes(text: str):
     return list(dict.fromkeys(nodes))
 
 
+def _write(args, png, html, doc, report, drawing: str) -> int:
+    """Write ``--png`` (``png(path)``), ``--html`` (``html()``) and ``--json`` (``doc()``), then
+    print the report and where each file went."""
+    try:
+        if args.png:
+            png(args.png)
+        if args.html:
+            Path(args.html).write_text(html(), encoding="utf-8")
+        if args.json:
+            Path(args.json).write_text(json.dumps(doc(), indent=1))
+    except OSError as e:
+        return fail("patch", f"cannot write the output: {e.strerror or e}")
+    except ImportError:
+        return fail("patch", "--png needs matplotlib (pip install matplotlib)")
+    report()
+    for flag, path in ((drawing, args.png), ("page", args.html), ("JSON", args.json)):
+        if path:
+            print(f"{flag} written to {path}")
+    return 0
+
+
 def _run_edges(args) -> int:
     from pyattr.apps.explain import ExplainError
     from pyattr.apps.patch_edges import EDGE_CLI_METHODS, print_edges, run_edges
@@ -38,22 +59,8 @@ def _run_edges(args) -> int:
         rep = run_edges(args.clean, args.corrupt, args.model, args.target, args.method)
     except (ExplainError, ValueError) as e:
         return fail("patch", str(e))
-    try:
-        if args.png:
-            rep.result.plot().savefig(args.png, dpi=110)
-        if args.html:
-            Path(args.html).write_text(rep.html(), encoding="utf-8")
-        if args.json:
-            Path(args.json).write_text(json.dumps(rep.to_json(), indent=1))
-    except OSError as e:
-        return fail("patch", f"cannot write the output: {e.strerror or e}")
-    except ImportError:
-        return fail("patch", "--png needs matplotlib (pip install matplotlib)")
-    print_edges(rep, top=args.top)
-    for flag, path in (("graph", args.png), ("page", args.html), ("JSON", args.json)):
-        if path:
-            print(f"{flag} written to {path}")
-    return 0
+    return _write(args, lambda path: rep.result.plot().savefig(path, dpi=110), rep.html, rep.to_json,
+                  lambda: print_edges(rep, top=args.top), "graph")
 
 
 def run(args) -> int:
@@ -91,19 +98,5 @@ def run(args) -> int:
         return fail("patch", str(e))
     except (ValueError, RelevanceRuleUnsupportedError) as e:  # an unmapped model, or a role it lacks
         return fail("patch", str(e).replace("generic=True", "--generic"))
-    try:
-        if args.png:
-            Path(args.png).write_bytes(to_png(rep))
-        if args.html:
-            Path(args.html).write_text(to_html(rep), encoding="utf-8")
-        if args.json:
-            Path(args.json).write_text(json.dumps(rep.to_json(), indent=1))
-    except OSError as e:
-        return fail("patch", f"cannot write the output: {e.strerror or e}")
-    except ImportError:
-        return fail("patch", "--png needs matplotlib (pip install matplotlib)")
-    print_terminal(rep, top=args.top)
-    for flag, path in (("heatmaps", args.png), ("page", args.html), ("JSON", args.json)):
-        if path:
-            print(f"{flag} written to {path}")
-    return 0
+    return _write(args, lambda path: Path(path).write_bytes(to_png(rep)), lambda: to_html(rep), rep.to_json,
+                  lambda: print_terminal(rep, top=args.top), "heatmaps")

@@ -30,6 +30,19 @@ METHODS = ("relp", "atp", "atp*", "ig")
 PATCHING_RULES = RelevanceRules(normalization=True)
 
 
+def method_rules(method: str, rules: Optional[RelevanceRules], default: RelevanceRules) -> RelevanceRules:
+    """The rules a patching method runs under: ``default`` (or ``rules``) for ``"relp"``, none
+    for the plain-gradient methods, which refuse ``rules``."""
+    if method != "relp":
+        if rules is not None:
+            raise ValueError(f"rules: method={method!r} uses the plain gradient; pass method='relp' to use rules")
+        return RelevanceRules()
+    rules = default if rules is None else rules
+    if not isinstance(rules, RelevanceRules):
+        raise TypeError(f"rules must be a RelevanceRules, got {type(rules).__name__}")
+    return rules
+
+
 @text.text_inputs("attribution_patching", inputs=("clean", "corrupt"), target=None)
 def attribution_patching(
     model: nn.Module,
@@ -135,14 +148,7 @@ def attribution_patching(
         if alignment is not None:
             raise ValueError("alignment: method='ig' interpolates the input embeddings position by position, so "
                              "clean and corrupt must line up; drop alignment= or use method='atp' / 'relp'")
-    if method in ("atp", "atp*", "ig"):
-        if rules is not None:
-            raise ValueError(f"rules: method={method!r} uses the plain gradient; pass method='relp' to use rules")
-        rules = RelevanceRules()
-    else:
-        rules = PATCHING_RULES if rules is None else rules
-        if not isinstance(rules, RelevanceRules):
-            raise TypeError(f"rules must be a RelevanceRules, got {type(rules).__name__}")
+    rules = method_rules(method, rules, PATCHING_RULES)
     sites = node_sites(model, node_list, generic)
     flat = [s for n in node_list for s in sites[n]]
     caller = "attribution_patching"

@@ -21,7 +21,8 @@ import pyattr.patching.graph as G
 from pyattr._repr import summary_repr
 from pyattr.config import RelevanceRules
 from pyattr.integration.wrappers import unwrap
-from pyattr.patching.ig import entry_embeddings
+from pyattr.patching.attribution import method_rules
+from pyattr.patching.ig import DEFAULT_STEPS as IG_STEPS, entry_embeddings
 from pyattr.patching.pairs import metric_targets, prepare_pair, recording_forward
 from pyattr.results import ResultViews
 
@@ -33,7 +34,6 @@ from pyattr.results import ResultViews
 EDGE_METHODS = ("relp", "atp", "ig")
 #: chosen by ``pyattr bench --circuits`` (docs/tutorials/circuits.md), see :data:`EDGE_RULES`
 DEFAULT_EDGE_METHOD = "relp"
-DEFAULT_STEPS = 16
 #: ``"relp"``'s default rules: RelP's LN-, Identity- and Half-rules (its AH-rule on attention
 #: rewrites the q/k/v projections the split forward computes per edge, so it is not offered).
 #: Chosen by ``pyattr bench --circuits``: on both toy decoders' key and value pairs its
@@ -88,20 +88,13 @@ def _check_method(method, rules, steps):
     if method != "ig" and steps is not None:
         raise ValueError(f"steps: only method='ig' interpolates; method={method!r} takes none")
     if method == "ig":
-        steps = core.check_count("steps", DEFAULT_STEPS if steps is None else steps, allow_none=False)
-    if method != "relp":
-        if rules is not None:
-            raise ValueError(f"rules: method={method!r} uses the plain gradient; pass method='relp' to use rules")
-        rules = RelevanceRules()
-    else:
-        rules = EDGE_RULES if rules is None else rules
-        if not isinstance(rules, RelevanceRules):
-            raise TypeError(f"rules must be a RelevanceRules, got {type(rules).__name__}")
-        if rules.attention:
-            raise ValueError(f"rules: attention={rules.attention!r} is not supported by edge attribution: it computes "
-                             "each head's query, key and value from that input's own copy of the residual stream, "
-                             "which the attention rules' mounts on the projections would not see; pass rules with "
-                             "attention=False (the default, EDGE_RULES, is the LN-, Identity- and Half-rule)")
+        steps = core.check_count("steps", IG_STEPS if steps is None else steps, allow_none=False)
+    rules = method_rules(method, rules, EDGE_RULES)
+    if rules.attention:
+        raise ValueError(f"rules: attention={rules.attention!r} is not supported by edge attribution: it computes "
+                         "each head's query, key and value from that input's own copy of the residual stream, "
+                         "which the attention rules' mounts on the projections would not see; pass rules with "
+                         "attention=False (the default, EDGE_RULES, is the LN-, Identity- and Half-rule)")
     return method, rules, steps
 
 
