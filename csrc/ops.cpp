@@ -25,6 +25,9 @@ TORCH_LIBRARY(pyattr, m) {
   // Frozen attention (AH-rule): dV = P^T dO, P recomputed per block of query rows from q, k,
   // an additive mask, the scale, an optional softcap and causality (float32/float64 out).
   m.def("attention_dv(Tensor q, Tensor k, Tensor dout, Tensor? mask, float scaling, float? softcap, bool causal) -> Tensor");
+  // AttnLRP's attention core: the full gradient (dq, dk, dv) of softmax attention, P and dP
+  // recomputed per block of query rows (float32/float64 out).
+  m.def("attention_backward(Tensor q, Tensor k, Tensor v, Tensor dout, Tensor? mask, float scaling, float? softcap, bool causal) -> (Tensor, Tensor, Tensor)");
 }
 
 namespace pyattr {
@@ -58,6 +61,7 @@ namespace pyattr::cpu {
 
 TORCH_LIBRARY_IMPL(pyattr, CPU, m) {
   m.impl("attention_dv", &attention_dv);
+  m.impl("attention_backward", &attention_backward);
   m.impl("gated_backward", &gated_backward);
   m.impl("half_backward", &half_backward);
   m.impl("identity_backward", &identity_backward);

@@ -91,6 +91,37 @@ void softmax_row(A* row, int64_t kend, int64_t limit, A scaling, std::optional<A
   std::fill(row + limit, row + kend, A(0));
 }
 
+// One row of dS in place of dP: dS = s * P * (dP - sum(P * dP)) [* (1 - t^2), t = tanh of
+// the softcapped score], vectorized (the row sum in lanes, then the lanes summed).
+template <typename A>
+void score_grad_row(const A* p, A* dp, const A* t, int64_t n, A scaling) {
+  using V = at::vec::Vectorized<A>;
+  constexpr int64_t W = V::size();
+  V vs(A(0));
+  int64_t j = 0;
+  for (; j + W <= n; j += W) vs = vs + V::loadu(p + j) * V::loadu(dp + j);
+  A lanes[W];
+  vs.store(lanes);
+  A sum = 0;
+  for (int64_t l = 0; l < W; ++l) sum += lanes[l];
+  for (; j < n; ++j) sum += p[j] * dp[j];
+  const V vsum(sum), vscale(scaling), one(A(1));
+  j = 0;
+  for (; j + W <= n; j += W) {
+    V d = V::loadu(p + j) * (V::loadu(dp + j) - vsum) * vscale;
+    if (t) {
+      const V tt = V::loadu(t + j);
+      d = d * (one - tt * tt);
+    }
+    d.store(dp + j);
+  }
+  for (; j < n; ++j) {
+    A d = p[j] * (dp[j] - sum) * scaling;
+    if (t) d *= A(1) - t[j] * t[j];
+    dp[j] = d;
+  }
+}
+
 }  // namespace
 
 at::Tensor attention_dv(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& dout_in,
@@ -179,5 +210,127 @@ at::Tensor attention_dv(const at::Tensor& q_in, const at::Tensor& k_in, const at
   return dv;
 }
 
+
+// AttnLRP's attention core: the full gradient (dq, dk, dv) of softmax attention, P recomputed
+// per block of query rows as above; dP = dO V^T, dS = P * (dP - rowsum(P * dP)) [* (1 - tanh^2)
+// under a softcap], dq = s * dS K, dk += s * dS^T Q, dv += P^T dO. The row sums come from
+// the full rows of the block, so no forward output or statistic is saved.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& dout_in,
+    const std::optional<at::Tensor>& mask_opt, double scaling, std::optional<double> softcap, bool causal) {
+  TORCH_CHECK_VALUE(q_in.dim() == 4 && k_in.dim() == 4 && v_in.dim() == 4 && dout_in.dim() == 4,
+                    "attention_backward: q, k, v and dout must be 4-D (batch, heads, seq, head_dim)");
+  const int64_t B = q_in.size(0), H = q_in.size(1), Lq = q_in.size(2), D = q_in.size(3);
+  const int64_t Hkv = k_in.size(1), Lk = k_in.size(2), Dv = v_in.size(3);
+  TORCH_CHECK_VALUE(k_in.size(0) == B && k_in.size(3) == D && Hkv > 0 && H % Hkv == 0,
+                    "attention_backward: k ", k_in.sizes(), " does not fit q ", q_in.sizes());
+  TORCH_CHECK_VALUE(v_in.size(0) == B && v_in.size(1) == Hkv && v_in.size(2) == Lk,
+                    "attention_backward: v ", v_in.sizes(), " does not fit k ", k_in.sizes());
+  TORCH_CHECK_VALUE(dout_in.size(0) == B && dout_in.size(1) == H && dout_in.size(2) == Lq && dout_in.size(3) == Dv,
+                    "attention_backward: dout ", dout_in.sizes(), " does not fit q ", q_in.sizes(), " and v ",
+                    v_in.sizes());
+  TORCH_CHECK_VALUE(std::isfinite(scaling), "attention_backward: scaling must be finite");
+  TORCH_CHECK_VALUE(!softcap || (std::isfinite(*softcap) && *softcap > 0), "attention_backward: softcap must be > 0");
+  TORCH_CHECK_VALUE(k_in.device() == q_in.device() && v_in.device() == q_in.device() &&
+                        dout_in.device() == q_in.device(),
+                    "attention_backward: q, k, v and dout must be on one device");
+  const at::ScalarType acc = q_in.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::Tensor q = q_in.to(acc).contiguous(), k = k_in.to(acc).contiguous(), v = v_in.to(acc).contiguous();
+  const at::Tensor dout = dout_in.to(acc).contiguous();
+  at::Tensor mask;
+  if (mask_opt && mask_opt->defined()) {
+    const at::Tensor& m = *mask_opt;
+    TORCH_CHECK_VALUE(m.dim() == 4 && (m.size(0) == 1 || m.size(0) == B) && (m.size(1) == 1 || m.size(1) == H) &&
+                          (m.size(2) == 1 || m.size(2) == Lq) && m.size(3) >= Lk,
+                      "attention_backward: mask ", m.sizes(), " does not broadcast to (", B, ", ", H, ", ", Lq, ", ",
+                      Lk, ")");
+    TORCH_CHECK_TYPE(at::isFloatingType(m.scalar_type()), "attention_backward: mask must be additive (floating)");
+    mask = m.narrow(3, 0, Lk).to(acc).expand({B, H, Lq, Lk});
+  }
+  const int64_t G = H / Hkv;
+  const bool skip_hidden = causal && at::isfinite(dout).all().item<bool>() && at::isfinite(v).all().item<bool>();
+  const int64_t nblk = (Lq + kBlockRows - 1) / kBlockRows;
+  const int64_t heads = B * Hkv;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t splits = heads >= threads ? 1 : std::max<int64_t>(1, std::min(nblk, (threads + heads - 1) / heads));
+  at::Tensor dq = at::empty({B, H, Lq, D}, q.options());
+  at::Tensor dk = at::zeros({B, Hkv, Lk, D}, q.options());
+  at::Tensor dv = at::zeros({B, Hkv, Lk, Dv}, q.options());
+  at::Tensor pk = splits > 1 ? at::zeros({splits - 1, B, Hkv, Lk, D}, q.options()) : at::Tensor();
+  at::Tensor pv = splits > 1 ? at::zeros({splits - 1, B, Hkv, Lk, Dv}, q.options()) : at::Tensor();
+
+  AT_DISPATCH_FLOATING_TYPES(acc, "attention_backward", [&] {
+    using A = scalar_t;
+    const std::optional<A> cap = softcap ? std::optional<A>(A(*softcap)) : std::nullopt;
+    at::parallel_for(0, heads * splits, 1, [&](int64_t begin, int64_t end) {
+      at::Tensor scores = at::empty({G * kBlockRows * Lk}, q.options());
+      at::Tensor dprob = at::empty({G * kBlockRows * Lk}, q.options());
+      at::Tensor tanhs = cap ? at::empty({G * kBlockRows * Lk}, q.options()) : at::Tensor();
+      at::Tensor qrows = G > 1 ? at::empty({G * kBlockRows, D}, q.options()) : at::Tensor();
+      at::Tensor dorows = G > 1 ? at::empty({G * kBlockRows, Dv}, q.options()) : at::Tensor();
+      for (int64_t it = begin; it < end; ++it) {
+        const int64_t bh = it / splits, sp = it % splits;
+        const int64_t b = bh / Hkv, hk = bh % Hkv;
+        at::Tensor tk = sp == 0 ? dk[b][hk] : pk[sp - 1][b][hk];  // (Lk, D)
+        at::Tensor tv = sp == 0 ? dv[b][hk] : pv[sp - 1][b][hk];  // (Lk, Dv)
+        const at::Tensor kmat = k[b][hk], vmat = v[b][hk];
+        for (int64_t blk = sp * nblk / splits; blk < (sp + 1) * nblk / splits; ++blk) {
+          const int64_t s = blk * kBlockRows, n = std::min(kBlockRows, Lq - s);
+          const int64_t kend = skip_hidden ? std::min(Lk, s + n) : Lk;
+          at::Tensor S = scores.narrow(0, 0, G * n * kend).view({G * n, kend});
+          at::Tensor dP = dprob.narrow(0, 0, G * n * kend).view({G * n, kend});
+          const at::Tensor kk = kmat.narrow(0, 0, kend), vv = vmat.narrow(0, 0, kend);
+          for (int64_t g = 0; g < G; ++g) {
+            at::Tensor Sg = S.narrow(0, g * n, n), dPg = dP.narrow(0, g * n, n);
+            at::mm_out(Sg, q[b][hk * G + g].narrow(0, s, n), kk.t());
+            at::mm_out(dPg, dout[b][hk * G + g].narrow(0, s, n), vv.t());
+          }
+          A* base = S.data_ptr<A>();
+          A* dbase = dP.data_ptr<A>();
+          A* tbase = cap ? tanhs.data_ptr<A>() : nullptr;
+          for (int64_t r = 0; r < G * n; ++r) {
+            const int64_t g = r / n, i = s + r % n, h = hk * G + g;
+            const int64_t limit = causal ? std::min(kend, i + 1) : kend;
+            A* row = base + r * kend;
+            if (cap) {
+              for (int64_t j = 0; j < kend; ++j) tbase[r * kend + j] = std::tanh(row[j] * A(scaling) / *cap);
+            }
+            const A* mrow = nullptr;
+            int64_t mstride = 0;
+            if (mask.defined()) {
+              mrow = mask.const_data_ptr<A>() + b * mask.stride(0) + h * mask.stride(1) + i * mask.stride(2);
+              mstride = mask.stride(3);
+            }
+            softmax_row<A>(row, kend, limit, A(scaling), cap, mrow, mstride);
+            score_grad_row<A>(row, dbase + r * kend, cap ? tbase + r * kend : nullptr, kend, A(scaling));
+          }
+          at::Tensor Q, dO;
+          if (G == 1) {
+            Q = q[b][hk].narrow(0, s, n);
+            dO = dout[b][hk].narrow(0, s, n);
+          } else {
+            Q = qrows.narrow(0, 0, G * n);
+            dO = dorows.narrow(0, 0, G * n);
+            for (int64_t g = 0; g < G; ++g) {
+              Q.narrow(0, g * n, n).copy_(q[b][hk * G + g].narrow(0, s, n));
+              dO.narrow(0, g * n, n).copy_(dout[b][hk * G + g].narrow(0, s, n));
+            }
+          }
+          for (int64_t g = 0; g < G; ++g) {
+            at::Tensor dqg = dq[b][hk * G + g].narrow(0, s, n);
+            at::mm_out(dqg, dP.narrow(0, g * n, n), kk);
+          }
+          tk.narrow(0, 0, kend).addmm_(dP.t(), Q);
+          tv.narrow(0, 0, kend).addmm_(S.t(), dO);
+        }
+      }
+    });
+  });
+  if (splits > 1) {
+    dk.add_(pk.sum(0));
+    dv.add_(pv.sum(0));
+  }
+  return {dq, dk, dv};
+}
 
 }  // namespace pyattr::cpu

@@ -15,6 +15,9 @@ namespace pyattr::cpu {
 at::Tensor attention_dv(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& dout_in,
                         const std::optional<at::Tensor>& mask_opt, double scaling, std::optional<double> softcap,
                         bool causal);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& dout_in,
+    const std::optional<at::Tensor>& mask_opt, double scaling, std::optional<double> softcap, bool causal);
 std::tuple<at::Tensor, at::Tensor> gated_backward(const at::Tensor& g_in, const at::Tensor& u_in,
                                                    const at::Tensor& dh_in, c10::string_view act_name,
                                                    bool identity, bool half);

@@ -52,6 +52,11 @@ def register() -> None:
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         return q.new_empty((q.shape[0], k.shape[1], k.shape[2], dout.shape[-1]), dtype=acc)
 
+    @lib.register_fake("pyattr::attention_backward")
+    def _attention_backward(q, k, v, dout, mask, scaling, softcap, causal):
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        return q.new_empty(q.shape, dtype=acc), k.new_empty(k.shape, dtype=acc), v.new_empty(v.shape, dtype=acc)
+
 
 def register_ops(namespace: str) -> None:
     """Fake implementations of ``namespace::<op>`` for the five backward ops, once per

@@ -88,3 +88,19 @@ def attention_dv(q, k, dout, mask, scaling: float, softcap, causal: bool) -> tor
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     return _ops().attention_dv(q, k, dout, additive_mask(mask, k.shape[2], acc), float(scaling),
                                None if softcap is None else float(softcap), bool(causal))
+def attention_backward(q, k, v, dout, mask, scaling: float, softcap, causal: bool):
+    """AttnLRP attention's (dq, dk, dv) on the CPU kernel; on CUDA the Triton kernels (or the reference)."""
+    from pyattr.backends.reference import additive_mask, attention_backward_reference
+
+    if q.device.type != "cpu":
+        try:
+            import pyattr.backends.triton_backend as triton_backend
+
+            return triton_backend.attention_backward(q, k, v, dout, mask, scaling, softcap, causal)
+        except ImportError:
+            return attention_backward_reference(q, k, v, dout, mask, scaling, softcap, causal)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return tuple(_ops().attention_backward(q, k, v, dout, additive_mask(mask, k.shape[2], acc), float(scaling),
+                                           None if softcap is None else float(softcap), bool(causal)))
+
+

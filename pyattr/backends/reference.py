@@ -245,3 +245,85 @@ def attention_dv_reference(q, k, dout, mask, scaling: float, softcap: Optional[f
             part = torch.cat([part, tail.to(part.dtype)], dim=2)
         dv = part if dv is None else dv + part
     return dv
+
+
+# --------------------------------------------------------------- attention (AttnLRP, full)
+
+def attention_backward_reference(q, k, v, dout, mask, scaling: float, softcap: Optional[float], causal: bool):
+    """The gradient of softmax attention ``O = softmax(s·q kᵀ [softcap] + mask) · V`` with
+    respect to q, k and v, recomputed in blocks of query rows (never seq × seq at once).
+
+    This is the attention core's backward under AttnLRP (Achtibat et al., ICML 2024): its
+    softmax rule (Prop. 3.1) is the softmax's own gradient in gradient × input form, and
+    the uniform rule's ½ on each bilinear product (Eq. 12) is applied at the q/k/v
+    projections, not here. Per block, with full key rows at hand:
+    ``dV = Pᵀ·dO``, ``dP = dO·Vᵀ``, ``dT = P ⊙ (dP − Σⱼ P ⊙ dP)``, ``dS = dT ⊙ (1 − tanh²(s/c))``
+    under a softcap c, ``dq = s · dS·K``, ``dk = s · dSᵀ·Q``; query heads of a key/value
+    head (GQA) are summed into its dk and dv.
+
+    Args:
+        q (Tensor[batch, heads, q_len, head_dim]), k (Tensor[batch, kv_heads, kv_len, head_dim]),
+        v (Tensor[batch, kv_heads, kv_len, v_dim]): the attention's states (any float dtype).
+        dout (Tensor[batch, heads, q_len, v_dim]): the gradient of the attention output.
+        mask, scaling, softcap, causal: as for :func:`attention_dv_reference`.
+
+    Returns:
+        ``(dq, dk, dv)`` shaped like q, k, v, in float32 (float64 for float64 inputs).
+
+    Edge values: a query row whose keys are all masked has P = 0 and gets dq = 0; keys the
+    causal mask hides get nothing unless dO or V holds a value that is not finite (then
+    every key is computed, and 0·inf gives NaN as the full product does).
+    """
+    b, h, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    g = h // hkv
+    dvd = v.shape[-1]
+    acc = _acc(q.dtype)
+    qf = q.to(acc).view(b, hkv, g, lq, d)
+    kf, vf = k.to(acc), v.to(acc)
+    do = dout.to(acc).view(b, hkv, g, lq, dvd)
+    m = additive_mask(mask, lk, acc)
+    if m is not None:
+        m = m.expand(m.shape[0], m.shape[1], lq, lk)
+        m = m.view(m.shape[0], hkv, g, lq, lk) if m.shape[1] == h else m.unsqueeze(2)
+    cut = causal and bool(torch.isfinite(do).all()) and bool(torch.isfinite(vf).all())
+    dq_parts, dk, dv = [], None, None
+    rows = max(1, min(lq, _BLOCK_ELEMENTS // max(1, b * h * lk)))
+    for s in range(0, lq, rows):
+        e = min(lq, s + rows)
+        n = e - s
+        kend = min(lk, e) if cut else lk
+        qb = qf[:, :, :, s:e].reshape(b, hkv, g * n, d)
+        raw = torch.matmul(qb, kf[:, :, :kend].transpose(-1, -2)) * scaling
+        t = None
+        if softcap is not None:
+            t = torch.tanh(raw / softcap)
+            raw = t * softcap
+        scores = raw.view(b, hkv, g, n, kend)
+        if m is not None:
+            scores = scores + m[:, :, :, s:e, :kend]
+        hidden = None
+        if causal:
+            hidden = torch.arange(kend, device=q.device) > torch.arange(s, e, device=q.device).unsqueeze(1)
+            scores = scores.masked_fill(hidden, float("-inf"))
+        p = torch.softmax(scores, dim=-1)
+        zero = scores.amax(-1, keepdim=True) == float("-inf")
+        p = p.masked_fill(hidden | zero if causal else zero, 0.0)
+        dob = do[:, :, :, s:e]
+        dp = torch.matmul(dob, vf[:, :, :kend].transpose(-1, -2).unsqueeze(2))
+        ds = p * (dp - (p * dp).sum(-1, keepdim=True))
+        if t is not None:
+            ds = ds * (1 - t * t).view(b, hkv, g, n, kend)
+        ds = ds * scaling
+        dq_parts.append(torch.matmul(ds, kf[:, :, :kend].unsqueeze(2)))
+        dk_part = torch.matmul(ds.reshape(b, hkv, g * n, kend).transpose(-1, -2), qb)
+        dv_part = torch.matmul(p.reshape(b, hkv, g * n, kend).transpose(-1, -2), dob.reshape(b, hkv, g * n, dvd))
+        if kend < lk:  # out of place: vmap records it
+            dk_part = torch.cat([dk_part, dk_part.new_zeros(b, hkv, lk - kend, d)], dim=2)
+            dv_part = torch.cat([dv_part, dv_part.new_zeros(b, hkv, lk - kend, dvd)], dim=2)
+        dk = dk_part if dk is None else dk + dk_part
+        dv = dv_part if dv is None else dv + dv_part
+    dq = torch.cat(dq_parts, dim=3).view(b, h, lq, d) if dq_parts else qf.new_zeros(b, h, lq, d)
+    if dk is None:
+        dk, dv = kf.new_zeros(k.shape), vf.new_zeros(v.shape)
+    return dq, dk, dv

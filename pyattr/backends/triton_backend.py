@@ -19,7 +19,7 @@ on the tensors' data), so there they are ``custom_op``s with the fake implementa
 from __future__ import annotations
 
 import importlib
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -162,3 +162,27 @@ def attention_dv(q, k, dout, mask, scaling: float, softcap, causal: bool) -> Ten
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     return _attention_dv_op(q, k, dout, additive_mask(mask, k.shape[2], acc), float(scaling),
                             None if softcap is None else float(softcap), bool(causal))
+
+
+@_operator("pyattr_triton::attention_backward")
+def _attention_backward_op(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, mask: Optional[Tensor], scaling: float,
+                           softcap: Optional[float], causal: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    attention = importlib.import_module("pyattr.kernels.attention_backward")
+
+    return attention.attention_backward(q, k, v, dout, mask, scaling, softcap, causal)
+
+
+if not TRACEABLE:
+    @_attention_backward_op.register_fake
+    def _(q, k, v, dout, mask, scaling, softcap, causal):
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        return q.new_empty(q.shape, dtype=acc), k.new_empty(k.shape, dtype=acc), v.new_empty(v.shape, dtype=acc)
+
+
+def attention_backward(q, k, v, dout, mask, scaling: float, softcap, causal: bool):
+    """AttnLRP attention's (dq, dk, dv) through the Triton kernels (``kernels/attention_backward.py``)."""
+    from pyattr.backends.reference import additive_mask
+
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return tuple(_attention_backward_op(q, k, v, dout, additive_mask(mask, k.shape[2], acc), float(scaling),
+                                        None if softcap is None else float(softcap), bool(causal)))

@@ -25,9 +25,11 @@ import torch
 from torch import nn
 
 from pyattr.integration.install import _unbound_recomputation
-from pyattr.ops.attention import FrozenAttentionFunction
+from pyattr.ops.attention import AttnLRPAttentionFunction, FrozenAttentionFunction
 
 _REGISTERED: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
+# attention modules under AttnLRP whose eager core runs AttnLRPAttentionFunction
+_RECOMPUTED: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
 # registered modules set aside while a checkpointed block recomputes with other rules
 _SUSPENDED: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
 # (holder id, name) -> [holder, name, original, had_local, count]
@@ -88,20 +90,31 @@ def _spec(kind: str, module: nn.Module, query, key, mask, kwargs) -> Optional[tu
 
 def _wrap(original, kind: str):
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
-        if (args or _bypass or not is_frozen(module) or not torch.is_grad_enabled() or _unbound_recomputation()
-                or not isinstance(value, torch.Tensor) or not value.requires_grad):
+        frozen = is_frozen(module)
+        # under AttnLRP only the eager core is replaced: its native backward keeps every
+        # layer's (batch, heads, q_len, kv_len) pattern, sdpa's already recomputes blockwise
+        recomputed = not frozen and kind == "eager" and _RECOMPUTED.get(module, 0) > 0
+        if (args or _bypass or not (frozen or recomputed) or not torch.is_grad_enabled() or _unbound_recomputation()
+                or not isinstance(value, torch.Tensor)):
             return original(module, query, key, value, attention_mask, *args, **kwargs)
+        if frozen and not value.requires_grad:
+            return original(module, query, key, value, attention_mask, **kwargs)
         spec = _spec(kind, module, query, key, attention_mask, kwargs)
-        if spec is None:
+        if spec is None or (recomputed and (not isinstance(value, torch.Tensor) or value.dim() != 4
+                                            or value.shape[:3] != key.shape[:3])):
             return original(module, query, key, value, attention_mask, **kwargs)
         scaling, softcap, causal, k_used, mask = spec
 
         def native():
             return original(module, query, key, value, attention_mask, **kwargs)
 
-        out, weights = FrozenAttentionFunction.apply(
-            value, query.detach(), k_used.detach(), None if mask is None else mask.detach(),
-            scaling, softcap, causal, native)
+        mask = None if mask is None else mask.detach()
+        if frozen:
+            out, weights = FrozenAttentionFunction.apply(
+                value, query.detach(), k_used.detach(), mask, scaling, softcap, causal, native)
+        else:
+            out, weights = AttnLRPAttentionFunction.apply(
+                query, key, value, mask, scaling, softcap, causal, k_used.shape[2], native)
         return out, (None if weights.numel() == 0 and weights.dim() == 1 else weights)
 
     attention.__wrapped__ = original
@@ -184,23 +197,31 @@ def exactly(modules: Iterable[nn.Module], frozen: Iterable[nn.Module]) -> Iterat
 
 
 @contextlib.contextmanager
-def frozen_attention(modules: Iterable[nn.Module]) -> Iterator[None]:
+def frozen_attention(modules: Iterable[nn.Module], registry=None) -> Iterator[None]:
     """Register ``modules`` (attention modules under the AH-rule) for the ``with`` block."""
+    registry = _REGISTERED if registry is None else registry
     done = []
     try:
         for m in modules:
             seams = _seams(m)
             for holder, name, kind, mapping in seams:
                 _patch(holder, name, kind, mapping)
-            _REGISTERED[m] = _REGISTERED.get(m, 0) + 1
+            registry[m] = registry.get(m, 0) + 1
             done.append((m, seams))
         yield
     finally:
         for m, seams in reversed(done):
-            n = _REGISTERED.get(m, 0) - 1
+            n = registry.get(m, 0) - 1
             if n > 0:
-                _REGISTERED[m] = n
+                registry[m] = n
             else:
-                _REGISTERED.pop(m, None)
+                registry.pop(m, None)
             for holder, name, _, mapping in reversed(seams):
                 _unpatch(holder, name, mapping)
+
+
+def attnlrp_attention(modules: Iterable[nn.Module]):
+    """Register ``modules`` (attention modules under AttnLRP) for the ``with`` block: their
+    eager core runs :class:`AttnLRPAttentionFunction` (the same gradient, nothing quadratic
+    saved)."""
+    return frozen_attention(modules, _RECOMPUTED)

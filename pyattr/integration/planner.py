@@ -60,6 +60,7 @@ class Planner:
         self.generic = model_type == "generic"
         # attention modules under the AH-rule: their core runs the dV-only backward
         self.frozen_attention: List[nn.Module] = []
+        self.attnlrp_attention: List[nn.Module] = []
         # modules left native on purpose (q/k norms under the AH-rule, a generic MoE block):
         # a generic scope's functional rules stay out of them too
         self.native: List[nn.Module] = []
@@ -347,11 +348,12 @@ class Planner:
 
     def freeze(self, projection: str) -> None:
         """Under the AH-rule, the attention module owning ``projection`` runs its core with
-        the dV-only backward (integration/attention.py)."""
-        if self.rules.attention == "frozen" and "." in projection:
+        the dV-only backward; under AttnLRP, its eager core with the blockwise full
+        backward (integration/attention.py)."""
+        if self.rules.attention in ("frozen", "attnlrp") and "." in projection:
             parent = A.get_submodule(self.model, projection.rsplit(".", 1)[0])
             if isinstance(parent, nn.Module):
-                self.frozen_attention.append(parent)
+                (self.frozen_attention if self.rules.attention == "frozen" else self.attnlrp_attention).append(parent)
 
     def qk_norms(self, paths, norm: str, offset: float) -> None:
         """Per-head q/k norms (Qwen3): the LN-rule under AttnLRP with ``normalization`` on,

@@ -9,7 +9,7 @@ from typing import Iterator, List, Optional
 from torch import nn
 
 import pyattr.architectures as A
-from pyattr.integration.attention import frozen_attention
+from pyattr.integration.attention import attnlrp_attention, frozen_attention
 from pyattr.integration.checkpoint import checkpoints_bound
 from pyattr.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.integration.errors import RelevanceRuleUnsupportedError
@@ -125,6 +125,7 @@ def installed(model: nn.Module, pl: Planner) -> Iterator[None]:
                 acquire(st.module, st.path, st.kind, st.value, st.make_forward, st.check_output)
                 done.append(st)
             with checkpoints_bound(model), frozen_attention(pl.frozen_attention), \
+                    attnlrp_attention(pl.attnlrp_attention), \
                     (functional_rules(model, pl.rules, _roots(model), pl.native) if pl.generic else contextlib.nullcontext()):
                 yield
         finally:

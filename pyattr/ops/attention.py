@@ -22,7 +22,11 @@ from typing import Callable, Optional
 import torch
 
 import pyattr.backends as backends
-from pyattr.backends.reference import additive_mask, attention_dv_reference  # noqa: F401 (public here too)
+from pyattr.backends.reference import (  # noqa: F401 (public here too)
+    additive_mask,
+    attention_backward_reference,
+    attention_dv_reference,
+)
 
 def check_attention_dv(q: torch.Tensor, k: torch.Tensor, dout: torch.Tensor, mask: Optional[torch.Tensor]) -> None:
     """Shapes: q (batch, heads, q_len, head_dim), k (batch, kv_heads, kv_len, head_dim),
@@ -110,3 +114,68 @@ class FrozenAttentionFunction(torch.autograd.Function):
         if dv.shape[2] < shape[2]:  # keys past the queries (sdpa's causal cut): never attended
             dv = torch.cat([dv, dv.new_zeros(*dv.shape[:2], shape[2] - dv.shape[2], dv.shape[3])], dim=2)
         return dv.to(dtype).reshape(shape), None, None, None, None, None, None, None
+
+
+def check_attention_backward(q, k, v, dout, mask) -> None:
+    """Shapes: as :func:`check_attention_dv`, and v (batch, kv_heads, kv_len, v_dim) with
+    dout's last dimension v_dim."""
+    check_attention_dv(q, k, dout, mask)
+    if v.dim() != 4 or v.shape[:3] != k.shape[:3] or v.shape[3] != dout.shape[3]:
+        raise ValueError(f"attention_backward: v of shape {tuple(v.shape)} does not fit k {tuple(k.shape)} and dout "
+                         f"{tuple(dout.shape)}")
+
+
+def attention_backward(q, k, v, dout, mask, scaling: float, softcap: Optional[float], causal: bool):
+    """``(dq, dk, dv)`` of softmax attention on the selected backend
+    (:func:`pyattr.backends.reference.attention_backward_reference` for the arguments and
+    the math), in the accumulation dtype (float32, float64 for float64)."""
+    check_attention_backward(q, k, v, dout, mask)
+    import pyattr.backends._vmap as _vmap
+
+    found = _vmap.legacy_physical(dout, q, k, v, mask)
+    if found is not None:  # k targets (is_grads_batched): one kernel call per target
+        phys, level = found
+        parts = [attention_backward(q, k, v, d, mask, scaling, softcap, causal) for d in phys.unbind(0)]
+        return tuple(torch._add_batch_dim(torch.stack(t), 0, level) for t in zip(*parts))
+    if torch.is_grad_enabled():  # a backward being recorded: the differentiable reference
+        backends.select(q.device, "attention")
+        return attention_backward_reference(q, k, v, dout, mask, scaling, softcap, causal)
+    impl = backends.implementation(q.device, "attention")
+    fn = getattr(impl, "attention_backward", None)
+    if fn is None:
+        return attention_backward_reference(q, k, v, dout, mask, scaling, softcap, causal)
+    return fn(q, k, v, dout, mask, scaling, softcap, causal)
+
+
+class AttnLRPAttentionFunction(torch.autograd.Function):
+    """The native attention call as forward; its full gradient, recomputed block by block,
+    as backward: AttnLRP's attention core (ICML 2024; the softmax rule of Prop. 3.1 is the
+    softmax's own gradient in gradient × input form; the uniform rule's ½ on q·kᵀ and P·v,
+    Eq. 12, stays at the q/k/v projections, so the gradient here is the plain one).
+
+    Saves q, k, v and the mask (not the output, not the pattern): a native eager backward
+    keeps the (batch, heads, q_len, kv_len) pattern of every layer until the backward,
+    this one keeps nothing quadratic. Same convention as :class:`FrozenAttentionFunction`.
+    """
+
+    @staticmethod
+    def forward(ctx, query, key, value, mask, scaling, softcap, causal, kv_len: int, native: Callable):
+        out, weights = native()
+        if not isinstance(weights, torch.Tensor):
+            weights = out.new_empty((0,))
+        ctx.mark_non_differentiable(weights)
+        ctx.scaling, ctx.softcap, ctx.causal, ctx.kv_len = scaling, softcap, causal, kv_len
+        ctx.save_for_backward(query, key, value, mask)
+        return out, weights
+
+    @staticmethod
+    def backward(ctx, dout, _dweights):
+        query, key, value, mask = ctx.saved_tensors
+        n = ctx.kv_len  # sdpa's causal cut: keys past the queries are never attended
+        do = dout.transpose(1, 2)  # (batch, heads, q_len, v_dim)
+        dq, dk, dv = attention_backward(query, key[:, :, :n], value[:, :, :n], do, mask, ctx.scaling, ctx.softcap,
+                                        ctx.causal)
+        if n < key.shape[2]:
+            dk = torch.cat([dk, dk.new_zeros(*dk.shape[:2], key.shape[2] - n, dk.shape[3])], dim=2)
+            dv = torch.cat([dv, dv.new_zeros(*dv.shape[:2], value.shape[2] - n, dv.shape[3])], dim=2)
+        return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None, None, None, None, None
