@@ -32,6 +32,7 @@ _REGISTERED: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictio
 _RECOMPUTED: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
 # registered modules set aside while a checkpointed block recomputes with other rules
 _SUSPENDED: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
+_SUSPENDED_ATTNLRP: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
 # (holder id, name) -> [holder, name, original, had_local, count]
 _PATCHES: Dict[Tuple[int, str], list] = {}
 # keyword arguments that change the attention's math beyond q, k, v, mask, scale, softcap
@@ -93,7 +94,7 @@ def _wrap(original, kind: str):
         frozen = is_frozen(module)
         # under AttnLRP only the eager core is replaced: its native backward keeps every
         # layer's (batch, heads, q_len, kv_len) pattern, sdpa's already recomputes blockwise
-        recomputed = not frozen and kind == "eager" and _RECOMPUTED.get(module, 0) > 0
+        recomputed = not frozen and kind == "eager" and is_attnlrp(module)
         if (args or _bypass or not (frozen or recomputed) or not torch.is_grad_enabled() or _unbound_recomputation()
                 or not isinstance(value, torch.Tensor)):
             return original(module, query, key, value, attention_mask, *args, **kwargs)
@@ -174,26 +175,40 @@ def is_frozen(module: nn.Module) -> bool:
     return _REGISTERED.get(module, 0) > 0 and not _SUSPENDED.get(module, 0)
 
 
+def is_attnlrp(module: nn.Module) -> bool:
+    return _RECOMPUTED.get(module, 0) > 0 and not _SUSPENDED_ATTNLRP.get(module, 0)
+
+
+def attention_mode(module: nn.Module) -> Optional[str]:
+    """``"frozen"``, ``"attnlrp"`` or None: the core ``module``'s attention runs now (the
+    frozen one wins where nested scopes registered both)."""
+    return "frozen" if is_frozen(module) else "attnlrp" if is_attnlrp(module) else None
+
+
 @contextlib.contextmanager
-def exactly(modules: Iterable[nn.Module], frozen: Iterable[nn.Module]) -> Iterator[None]:
-    """For an activation-checkpoint recomputation: among ``modules``, exactly ``frozen``
-    (those frozen during the block's forward) run the frozen core, whatever scope is open
-    now, so the recomputation records the same graph as the forward did."""
-    keep = {id(m) for m in frozen}
-    add = [m for m in frozen if not is_frozen(m)]
-    drop = [m for m in modules if is_frozen(m) and id(m) not in keep]
-    for m in drop:
-        _SUSPENDED[m] = _SUSPENDED.get(m, 0) + 1
+def exactly(modules: Iterable[nn.Module], modes: Dict[int, Optional[str]]) -> Iterator[None]:
+    """For an activation-checkpoint recomputation: each of ``modules`` runs the attention
+    core it ran during the block's forward (``modes``: ``id(module)`` → its
+    :func:`attention_mode` then), whatever scope is open now, so the recomputation records
+    the same graph as the forward did."""
+    modules = list(modules)
+    want = {id(m): modes.get(id(m)) for m in modules}
+    add_frozen = [m for m in modules if want[id(m)] == "frozen" and not is_frozen(m)]
+    add_attnlrp = [m for m in modules if want[id(m)] == "attnlrp" and not is_attnlrp(m)]
+    drop = [(m, _SUSPENDED) for m in modules if want[id(m)] != "frozen" and is_frozen(m)]
+    drop += [(m, _SUSPENDED_ATTNLRP) for m in modules if want[id(m)] is None and is_attnlrp(m)]
+    for m, reg in drop:
+        reg[m] = reg.get(m, 0) + 1
     try:
-        with frozen_attention(add):
+        with frozen_attention(add_frozen), attnlrp_attention(add_attnlrp):
             yield
     finally:
-        for m in drop:
-            n = _SUSPENDED.get(m, 0) - 1
+        for m, reg in drop:
+            n = reg.get(m, 0) - 1
             if n > 0:
-                _SUSPENDED[m] = n
+                reg[m] = n
             else:
-                _SUSPENDED.pop(m, None)
+                reg.pop(m, None)
 
 
 @contextlib.contextmanager

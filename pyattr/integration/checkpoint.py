@@ -9,7 +9,7 @@ from typing import Callable
 from torch import nn
 
 from pyattr.integration.attention import exactly as attention_exactly
-from pyattr.integration.attention import is_frozen as attention_is_frozen
+from pyattr.integration.attention import attention_mode
 from pyattr.integration.install import (
     recomputing,
     snapshot,
@@ -33,13 +33,13 @@ def bind_checkpoint(fn: Callable, owner: nn.Module) -> Callable:
     def checkpointed(run_function, *args, **kwargs):
         mods = list(_block_of(run_function, owner).modules())
         snap = snapshot(mods)  # the rules of this forward, whatever holds them
-        frozen = [m for m in mods if attention_is_frozen(m)]
+        modes = {id(m): attention_mode(m) for m in mods}
         first = [True]
 
         def run(*a, **k):
             if first[0]:
                 return run_function(*a, **k)
-            with recomputing(mods, snap), attention_exactly(mods, frozen):
+            with recomputing(mods, snap), attention_exactly(mods, modes):
                 return run_function(*a, **k)
 
         try:
