@@ -216,6 +216,13 @@ def test_generation_benches_quick_run(tmp_path, flag, kind):
         assert all(r["time_over_loop"] > 0 for r in doc["rows"])
         assert "(c) generation_relevance" in p.stdout
     else:
-        assert variants == {"pyattr", "plain", "eager"} and {r["context"] for r in doc["rows"]} == {256, 512}
+        assert variants == {"plain", "default", "attnlrp", "ln", "none"} and {r["context"] for r in doc["rows"]} == {256, 512}
         assert all(r["bytes_per_1k"] == pytest.approx(r["peak_extra_bytes"] / (r["context"] / 1024))
                    for r in doc["rows"])
+        for r in doc["rows"]:  # two interleaved rounds; ratios to plain per round
+            assert r["rounds"] == 2 and len(r["seconds_rounds"]) == 2
+            assert r["seconds_min"] <= r["seconds"] <= r["seconds_max"]
+            if r["variant"] != "plain":
+                o = r["over_plain"]
+                assert o["rounds"] == 2 and o["min"] <= o["median"] <= o["max"]
+        assert "| 512 | AttnLRP |" in p.stdout and "Versions: Python" in p.stdout

@@ -1,18 +1,19 @@
-"""``pyattr bench --long-context``: peak memory of explaining 16 generated tokens after a
-long prompt (a document and a question) on a 4-layer, hidden-512 Llama (float32, CPU),
-per 1k tokens of context, three ways:
+"""``pyattr bench --long-context``: the cost of one relevance map after a long context, on a
+4-layer, hidden-512 Llama (8 heads, sdpa attention, float32, CPU), at 4k, 8k and 16k tokens,
+for every rule set, against one plain forward and backward:
 
-- ``pyattr``: :func:`pyattr.generation_relevance` (all four rules; the AH-rule's attention
-  core never holds a seq × seq matrix for the backward);
-- ``plain``: one plain forward and backward (the 16 tokens' summed logits with respect to
-  the input embeddings), the floor any gradient method pays;
-- ``eager``: relevance with eager attention and the attention rule off (LN-, Identity- and
-  Half-rule only): the attention probabilities of every layer and head are saved for the
-  backward, as relevance code built on eager attention (LXT's) does.
+- ``plain``: the target logit's gradient with respect to the input embeddings, no rules
+  (the floor any gradient method pays);
+- ``default``: :func:`pyattr.relevance` with the default rules (LN-, Identity-, Half-rule
+  and the AH-rule's attention core, whose backward recomputes the pattern block by block);
+- ``attnlrp``: every rule with AttnLRP's attention rule (the q/k/v gradients scaled, the
+  attention core's full gradient from sdpa's own blockwise backward);
+- ``ln``: the LN-rule alone; ``none``: every rule off (gradient × input).
 
-Each measurement runs in its own process; ``peak_extra_bytes`` is its peak RSS minus its
-RSS once the model and inputs were built, ``bytes_per_1k`` that divided by the context in
-thousands of tokens.
+The target is one next-token logit at the last position. Each measurement runs in its own
+process (its peak RSS is its own; ``peak_extra_bytes`` is the peak minus the RSS once the
+model and inputs were built), in rounds whose order rotates (:mod:`pyattr.bench.rounds`);
+times are medians with their range, ratios to ``plain`` are per round.
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ from typing import Dict, List
 
 import torch
 
-from pyattr.bench.e2e import child_grid, peak_rss_bytes, rss_bytes
+from pyattr.bench.e2e import peak_rss_bytes, rss_bytes
 
-VARIANTS = ("pyattr", "plain", "eager")
-CONTEXTS = (1024, 2048, 4096)
-GENERATED = 16
+VARIANTS = ("plain", "default", "attnlrp", "ln", "none")
+CONTEXTS = (4096, 8192, 16384)
+RULES = {"default": None, "attnlrp": "attnlrp", "ln": "ln", "none": "none"}
 
 
 def _model(attn: str, hidden: int = 512, layers: int = 4):
@@ -45,66 +46,78 @@ def _model(attn: str, hidden: int = 512, layers: int = 4):
     return model
 
 
-def measure(variant: str, context: int, generated: int = GENERATED, hidden: int = 512, layers: int = 4) -> Dict:
+def measure(variant: str, context: int, hidden: int = 512, layers: int = 4) -> Dict:
     import pyattr
-    from pyattr.config import RelevanceRules
 
-    model = _model("eager" if variant == "eager" else "sdpa", hidden, layers)
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    model = _model("sdpa", hidden, layers)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 32000, (1, context), generator=g)
-    cont = torch.randint(3, 32000, (1, generated), generator=g)
+    target = int(torch.randint(3, 32000, (1,), generator=g))
+    # warm-up on a short input: one-time costs (the rule scope's first install, the
+    # extension's load) are not timed
+    if variant != "plain":
+        pyattr.relevance(model, ids[:, :16], target=target, rules=RULES[variant])
     base = rss_bytes()
     t0 = time.perf_counter()
     if variant == "plain":
-        seq = torch.cat([ids, cont], 1)
-        x = model.get_input_embeddings()(seq[:, :-1]).detach().requires_grad_(True)
-        logits = model(inputs_embeds=x, logits_to_keep=generated).logits[0]
-        value = logits.gather(1, cont[0, :, None]).sum()
-        torch.autograd.grad(value, x)
-    elif variant in ("pyattr", "eager"):
-        rules = None if variant == "pyattr" else RelevanceRules(normalization=True, activation=True,
-                                                                 multiplicative_gate=True)
-        pyattr.generation_relevance(model, ids, continuation=cont, rules=rules)
+        x = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+        logit = model(inputs_embeds=x, logits_to_keep=1).logits[0, -1, target]
+        torch.autograd.grad(logit, x)
     else:
-        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+        pyattr.relevance(model, ids, target=target, rules=RULES[variant])
     seconds = time.perf_counter() - t0
     peak = peak_rss_bytes()
     extra = max(0, peak - base)
-    return {"variant": variant, "context": context, "generated": generated, "seconds": seconds,
-            "peak_rss_bytes": peak, "peak_extra_bytes": extra, "bytes_per_1k": extra / (context / 1024),
-            "model": f"Llama {layers} layers, hidden {hidden}, float32"}
+    return {"variant": variant, "context": context, "seconds": seconds, "peak_rss_bytes": peak,
+            "peak_extra_bytes": extra, "bytes_per_1k": extra / (context / 1024),
+            "model": f"Llama {layers} layers, hidden {hidden}, {hidden // 64} heads, sdpa, float32",
+            "threads": torch.get_num_threads()}
 
 
-def run_all(quick: bool = False) -> List[Dict]:
+def run_all(quick: bool = False, rounds: int = None) -> List[Dict]:
+    from pyattr.bench.rounds import MAX_ROUNDS, ROUNDS, interleaved_grid
+
     contexts = (256, 512) if quick else CONTEXTS
-    extra = ["--hidden", "128", "--layers", "2", "--generated", "4"] if quick else []
-    return child_grid("pyattr.bench.long_context", "--context", contexts, VARIANTS, extra, "long-context, tokens:")
+    extra = ["--hidden", "128", "--layers", "2"] if quick else []
+    pairs = [(v, "plain") for v in VARIANTS if v != "plain"]
+    rows = interleaved_grid("pyattr.bench.long_context", "--context", contexts, VARIANTS, extra,
+                            "long-context, tokens:", pairs=pairs, rounds=rounds or (2 if quick else ROUNDS),
+                            max_rounds=2 if quick else MAX_ROUNDS)
+    by = {(r["context"], r["variant"]): r for r in rows}
+    for r in rows:
+        r["bytes_per_1k"] = r["peak_extra_bytes"] / (r["context"] / 1024)
+        r["memory_over_plain"] = r["peak_extra_bytes"] / max(1.0, by[(r["context"], "plain")]["peak_extra_bytes"])
+    return rows
 
 
 def markdown(rows: List[Dict], contention=None) -> str:
     from pyattr.bench.report import with_conditions
+    from pyattr.bench.rounds import ratio_text, versions_line
 
-    lines = [f"Peak memory of explaining {rows[0]['generated']} generated tokens after a long prompt: "
-             f"{rows[0]['model']}, CPU", "",
-             "| context | method | time (s) | peak RSS (MB) | peak over model (MB) | per 1k tokens (MB) |",
-             "|---:|---|---:|---:|---:|---:|"]
-    names = {"pyattr": "generation_relevance (AH-rule core)", "plain": "plain forward + backward",
-             "eager": "eager attention, attention rule off"}
+    lines = [f"One relevance map after a long context: {rows[0]['model']}, CPU; time median (range) over "
+             f"{min(r['rounds'] for r in rows)} rounds, ratios to the plain forward + backward per round", "",
+             "| context | rules | time (s) | time / plain | peak over model (MB) | memory / plain | per 1k tokens (MB) |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
+    names = {"plain": "plain forward + backward", "default": "default (AH-rule core)", "attnlrp": "AttnLRP",
+             "ln": "LN-rule only", "none": "none (gradient × input)"}
     for r in rows:
-        lines.append(f"| {r['context']} | {names[r['variant']]} | {r['seconds']:.1f} | {r['peak_rss_bytes'] / 2**20:.0f} "
-                     f"| {r['peak_extra_bytes'] / 2**20:.0f} | {r['bytes_per_1k'] / 2**20:.0f} |")
-    return with_conditions(lines, contention)
+        lines.append(f"| {r['context']} | {names[r['variant']]} | {r['seconds']:.1f} ({r['seconds_min']:.1f}–"
+                     f"{r['seconds_max']:.1f}) | {ratio_text(r.get('over_plain')) or '1'} | "
+                     f"{r['peak_extra_bytes'] / 2**20:.0f} | {r['memory_over_plain']:.2f} | "
+                     f"{r['bytes_per_1k'] / 2**20:.0f} |")
+    return with_conditions(lines + ["", versions_line()], contention)
 
 
 def _main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--variant", choices=VARIANTS, required=True)
     p.add_argument("--context", type=int, required=True)
-    p.add_argument("--generated", type=int, default=GENERATED)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
     a = p.parse_args(argv)
-    print(json.dumps(measure(a.variant, a.context, a.generated, a.hidden, a.layers)))
+    print(json.dumps(measure(a.variant, a.context, a.hidden, a.layers)))
 
 
 if __name__ == "__main__":

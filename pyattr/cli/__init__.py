@@ -338,8 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="explaining 16 / 64 / 256 generated tokens on the e2e Llama: the per-step loop, inseq "
                         "input_x_gradient and generation_relevance (time, peak RSS), instead")
     b.add_argument("--long-context", action="store_true",
-                   help="peak memory per 1k tokens of explaining 16 generated tokens after a 1k / 2k / 4k-token "
-                        "prompt: generation_relevance, plain forward + backward, eager-attention relevance, instead")
+                   help="one relevance map after a 4k / 8k / 16k-token context under every rule set (default, "
+                        "AttnLRP, LN-rule only, none) against a plain forward + backward: time with its range over "
+                        "interleaved rounds, peak memory, memory per 1k tokens, instead")
     b.add_argument("--estimators", action="store_true",
                    help="patching estimators (AtP, AtP*, RelP, EAP-IG) against exact patching and the known circuit "
                         "of the toy induction decoder, and their time on a 144-head model, instead")
