@@ -26,7 +26,7 @@ timeout 300 "$PY" -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/
 
 log "CUDA tests"
 timeout 240 "$PY" -m pytest -q tests/test_cuda.py tests/test_backend_parity.py tests/test_vmap.py \
-  tests/test_attention.py tests/test_compile.py > "$OUT/tests.log" 2>&1
+  tests/test_attention.py tests/test_attention_backward.py tests/test_compile.py > "$OUT/tests.log" 2>&1
 log "tests exit $? — $(tail -1 "$OUT/tests.log")"
 
 log "frozen attention backward against SDPA's, bf16 and fp32, seq 2048, head dims 64 and 128"

@@ -213,7 +213,9 @@ def test_generation_benches_quick_run(tmp_path, flag, kind):
     variants = {r["variant"] for r in doc["rows"]}
     if kind == "generation":
         assert variants == {"loop", "inseq", "batched"} and len(doc["rows"]) == 6
-        assert all(r["time_over_loop"] > 0 for r in doc["rows"])
+        assert all(r["time_over_loop"] > 0 and r["rounds"] == 2 for r in doc["rows"])
+        b = next(r for r in doc["rows"] if r["variant"] == "batched")
+        assert b["time_over_loop"] == b["over_loop"]["median"] and b["over_inseq"]["rounds"] == 2
         assert "(c) generation_relevance" in p.stdout
     else:
         assert variants == {"plain", "default", "attnlrp", "ln", "none"} and {r["context"] for r in doc["rows"]} == {256, 512}

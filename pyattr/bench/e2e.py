@@ -230,13 +230,6 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def child_grid(module: str, flag: str, values, variants, extra: List[str], what: str) -> List[Dict]:
-    """One measurement process (``python -m MODULE --variant V FLAG X EXTRA``) per value
-    and variant, in that order: each row's peak RSS is its own process's."""
-    return [child_row([sys.executable, "-m", module, "--variant", v, flag, str(x), *extra], f"{what} {v} {x}")
-            for x in values for v in variants]
-
-
 def run_all(device: str, dtypes: List[torch.dtype], repeats: int, layers: int = None, progress=None,
             k: int = 8, seq: int = None, compiled: bool = False) -> List[Dict]:
     """Every variant per dtype; ``k`` targets for the k-target pair (0: skip the pair);

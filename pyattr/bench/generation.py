@@ -9,7 +9,11 @@ teacher-forced tokens (the same random ids for all three):
 (c) ``batched``: :func:`pyattr.generation_relevance` (k steps per backward, default k).
 
 Each measurement runs in its own process, so its peak RSS is its own; ``peak_extra_bytes``
-is the peak minus the RSS after the model was built.
+is the peak minus the RSS after the model was built. The three run in rounds whose order
+rotates (:mod:`pyattr.bench.rounds`); times are medians with their range over the rounds,
+and each ratio is taken per round (its range is the spread a second run falls in).
+256 steps (``--steps 256`` of a measurement process) are left out of the default run: inseq
+alone takes about 11 minutes there, too long to repeat.
 """
 
 from __future__ import annotations
@@ -21,10 +25,10 @@ from typing import Dict, List, Optional
 
 import torch
 
-from pyattr.bench.e2e import child_grid, peak_rss_bytes, rss_bytes
+from pyattr.bench.e2e import peak_rss_bytes, rss_bytes
 
 VARIANTS = ("loop", "inseq", "batched")
-STEPS = (16, 64, 256)
+STEPS = (16, 64)
 PROMPT = 128
 
 
@@ -97,31 +101,37 @@ def measure(variant: str, steps: int, prompt: int = PROMPT, layers: Optional[int
             "model": f"Llama {model.config.num_hidden_layers} layers, hidden {model.config.hidden_size}, float32"}
 
 
-def run_all(quick: bool = False) -> List[Dict]:
+def run_all(quick: bool = False, rounds: int = None) -> List[Dict]:
+    from pyattr.bench.rounds import MAX_ROUNDS, ROUNDS, interleaved_grid
+
     steps = (4, 8) if quick else STEPS
     extra = ["--layers", "2", "--hidden", "128", "--prompt", "16"] if quick else []
-    rows = child_grid("pyattr.bench.generation", "--steps", steps, VARIANTS, extra, "generation, steps:")
-    for n in steps:
-        rs = {r["variant"]: r for r in rows if r["steps"] == n}
-        for r in rs.values():
-            r["time_over_loop"] = r["seconds"] / rs["loop"]["seconds"]
-            r["time_over_inseq"] = r["seconds"] / rs["inseq"]["seconds"]
+    pairs = [("batched", "loop"), ("batched", "inseq"), ("loop", "inseq"), ("inseq", "loop")]
+    rows = interleaved_grid("pyattr.bench.generation", "--steps", steps, VARIANTS, extra, "generation, steps:",
+                            pairs=pairs, rounds=rounds or (2 if quick else ROUNDS),
+                            max_rounds=2 if quick else MAX_ROUNDS - 2)  # a round takes about 5 minutes
+    for r in rows:
+        r["time_over_loop"] = 1.0 if r["variant"] == "loop" else r["over_loop"]["median"]
+        r["time_over_inseq"] = 1.0 if r["variant"] == "inseq" else r["over_inseq"]["median"]
     return rows
 
 
 def markdown(rows: List[Dict], contention=None) -> str:
     from pyattr.bench.report import with_conditions
+    from pyattr.bench.rounds import ratio_text, versions_line
 
-    lines = [f"Explaining every generated token: {rows[0]['model']}, {rows[0]['prompt']}-token prompt, CPU", "",
+    lines = [f"Explaining every generated token: {rows[0]['model']}, {rows[0]['prompt']}-token prompt, CPU; time "
+             f"median (range) over {min(r['rounds'] for r in rows)} interleaved rounds, ratios per round", "",
              "| generated | method | time (s) | / loop (a) | / inseq (b) | peak RSS (MB) | peak over model (MB) | k |",
              "|---:|---|---:|---:|---:|---:|---:|---:|"]
     names = {"loop": "(a) loop of pyattr.relevance", "inseq": "(b) inseq input_x_gradient",
              "batched": "(c) generation_relevance"}
     for r in rows:
-        lines.append(f"| {r['steps']} | {names[r['variant']]} | {r['seconds']:.2f} | {r['time_over_loop']:.2f} | "
-                     f"{r['time_over_inseq']:.2f} | {r['peak_rss_bytes'] / 2**20:.0f} | "
+        lines.append(f"| {r['steps']} | {names[r['variant']]} | {r['seconds']:.2f} ({r['seconds_min']:.2f}–"
+                     f"{r['seconds_max']:.2f}) | {ratio_text(r.get('over_loop')) or '1'} | "
+                     f"{ratio_text(r.get('over_inseq')) or '1'} | {r['peak_rss_bytes'] / 2**20:.0f} | "
                      f"{r['peak_extra_bytes'] / 2**20:.0f} | {r['batch_targets'] or ''} |")
-    return with_conditions(lines, contention)
+    return with_conditions(lines + ["", versions_line("inseq")], contention)
 
 
 def _main(argv=None):

@@ -335,8 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ABPC (perturbation curves) and time of relevance, AttnLRP, LN-rule, gradient x input, IG "
                         "and random on MiniLM and the toy induction decoder, instead")
     b.add_argument("--generation", action="store_true",
-                   help="explaining 16 / 64 / 256 generated tokens on the e2e Llama: the per-step loop, inseq "
-                        "input_x_gradient and generation_relevance (time, peak RSS), instead")
+                   help="explaining 16 / 64 generated tokens on the e2e Llama: the per-step loop, inseq "
+                        "input_x_gradient and generation_relevance (time with its range over interleaved rounds, "
+                        "ratios per round, peak RSS), instead")
     b.add_argument("--long-context", action="store_true",
                    help="one relevance map after a 4k / 8k / 16k-token context under every rule set (default, "
                         "AttnLRP, LN-rule only, none) against a plain forward + backward: time with its range over "
