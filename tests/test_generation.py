@@ -246,3 +246,25 @@ def test_non_finite_outputs_are_an_error_not_nan_relevance():
     else:
         with pytest.raises(ValueError, match="the model's output is not finite"):
             pyattr.generation_relevance(model, enc, continuation=CONT[:, :2])
+
+
+def test_chunk_sizes_double_while_the_time_per_step_falls():
+    from pyattr.methods.generation import ChunkSizes
+
+    c = ChunkSizes(64, fixed=False)
+    sizes = []
+    for per_step in (0.20, 0.15, 0.18):  # 8 → 16 faster → 32 slower: back to 16
+        k = c.next()
+        sizes.append(k)
+        c.measured(k, per_step * k)
+    assert sizes == [8, 16, 32] and c.next() == 16 and c.largest == 32
+    c.measured(16, 0.16 * 16)  # 16 measured again: still the fastest
+    assert c.next() == 16
+    c.measured(5, 100.0)  # a short last chunk changes nothing
+    assert c.next() == 16 and c.per_step == {8: 0.20, 16: 0.16, 32: 0.18}
+    capped = ChunkSizes(12, fixed=False)
+    capped.measured(8, 1.0)
+    assert capped.next() == 12  # doubling stops at the memory cap
+    fixed = ChunkSizes(3, fixed=True)
+    fixed.measured(3, 1.0)
+    assert fixed.next() == 3 and fixed.per_step == {}

@@ -15,6 +15,7 @@ from pyattr._repr import summary_repr
 from pyattr.results import ResultViews
 
 import operator
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -61,7 +62,7 @@ class GenerationRelevanceResult(ResultViews):
             end-of-sequence id, ``stop_strings``, a custom ``StoppingCriteria``, max time:
             observed, not re-derived), or the row's continuation length.
         target_kind (str): ``"logit"``, ``"logprob"`` or ``"prob"``; ``contrast`` (bool).
-        batch_targets (int): steps per batched backward.
+        batch_targets (int): the most steps one batched backward ran.
         backend (str): the backend that ran the rule backwards.
     """
 
@@ -243,6 +244,41 @@ def _cut_baseline(baseline, seq: int, length: int):
     return baseline[..., :length, :]
 
 
+class ChunkSizes:
+    """Steps per chunk, chosen by measured time when the caller set none.
+
+    Fewer chunks mean fewer forwards, but a chunk's batched backward holds k copies of
+    every activation-sized gradient: past the CPU's caches (or the device's bandwidth) each
+    step's backward gets slower, and on 2 CPU cores the e2e Llama's 64 steps took 11 s at
+    k = 4, 9.3 s at k = 8 and 16, 11.8 s at 21, 60 s at 64 (a per-step loop: 20 s). So
+    the chunk starts at :data:`START` steps and doubles while the seconds per step it
+    measures fall, up to ``cap`` (the memory budget's :func:`default_batch_targets`), then
+    stays at the fastest size measured. ``fixed``: always ``cap`` (``batch_targets=``)."""
+
+    START = 8
+
+    def __init__(self, cap: int, fixed: bool):
+        self.cap, self.fixed = cap, fixed
+        self.k = cap if fixed else min(cap, self.START)
+        self.per_step: Dict[int, float] = {}
+        self.largest = 0
+
+    def next(self) -> int:
+        return self.k
+
+    def measured(self, steps: int, seconds: float) -> None:
+        self.largest = max(self.largest, steps)
+        if self.fixed or steps != self.k:
+            return  # the last, shorter chunk says nothing about k
+        self.per_step[self.k] = seconds / steps
+        bigger = min(self.cap, 2 * self.k)
+        smaller = self.per_step.get(self.k // 2)
+        if bigger > self.k and bigger not in self.per_step and (smaller is None or self.per_step[self.k] < smaller):
+            self.k = bigger
+        else:
+            self.k = min(self.per_step, key=self.per_step.get)
+
+
 def default_batch_targets(model: nn.Module, batch: int, seq: int, generated: int, budget: int = DEFAULT_BUDGET) -> int:
     """Steps per batched backward: as many as fit ``budget`` bytes, each step's backward
     holding about 16 hidden-size vectors per position and layer in float32 (the rule
@@ -292,8 +328,9 @@ def generation_relevance(
         baseline: as :func:`pyattr.relevance`; a tensor baseline covers the whole sequence
             (prompt and generated tokens): (batch, seq, hidden) or (seq, hidden).
         attention_mask (Tensor[batch, seq], optional): the prompt's mask, with ids.
-        batch_targets (int, optional): steps per batched backward (default: as many as fit
-            2 GiB, :func:`default_batch_targets`). On a model whose forward depends on the
+        batch_targets (int, optional): steps per batched backward (default: measured,
+            :class:`ChunkSizes`: from 8 steps, doubled while the seconds per step fall, at
+            most what fits 2 GiB, :func:`default_batch_targets`). On a model whose forward depends on the
             length it runs at (dynamic-NTK RoPE, LongRoPE) every step runs at its own length
             and this is 1 whatever is asked: a longer cut would change the earlier values.
         tokenizer (optional): the model's Hugging Face tokenizer, for text inputs and
@@ -364,12 +401,15 @@ def generation_relevance(
         k = 1
     else:
         k = batch_targets or default_batch_targets(model, batch, seq, generated)
+    chunks = ChunkSizes(k, fixed=batch_targets is not None or k == 1)
     rel = torch.zeros(batch, generated, seq, dtype=torch.float32)
     value = torch.full((batch, generated), float("nan"), dtype=torch.float64)
     delta = torch.full((batch, generated), float("nan"), dtype=torch.float64)
     backend = "none"
-    for t0 in range(0, generated, k):
-        t1 = min(generated, t0 + k)
+    t0 = 0
+    while t0 < generated:
+        t1 = min(generated, t0 + chunks.next())
+        tic = time.perf_counter()
         last = width + t1 - 2          # column of the chunk's last target (step t1 - 1)
         cut = {"input_ids": seqs[:, : last + 1], "attention_mask": full_mask[:, : last + 1]}
         tg = [_step_target(target, gen[:, t], -(last - (width + t - 1)) - 1, None if alt is None else alt[:, t])
@@ -379,6 +419,8 @@ def generation_relevance(
         rel[:, t0:t1, : last + 1] = r.token_relevance.transpose(0, 1).float().cpu()
         value[:, t0:t1] = r.target.transpose(0, 1).double().cpu()
         delta[:, t0:t1] = r.conservation_delta.transpose(0, 1).double().cpu()
+        chunks.measured(t1 - t0, time.perf_counter() - tic)
+        t0 = t1
     bad = steps.cpu() & ~torch.isfinite(value)
     if bool(bad.any()):
         row, step = (int(v) for v in bad.nonzero()[0])
@@ -398,7 +440,7 @@ def generation_relevance(
     return GenerationRelevanceResult(
         sequences=seqs, attention_mask=full_mask, prompt_width=width, prompt_length=mask.sum(1),
         token_relevance=rel, target=value, conservation_delta=delta, step_mask=steps.cpu(),
-        target_kind=target, contrast=alt is not None, batch_targets=k, backend=backend,
+        target_kind=target, contrast=alt is not None, batch_targets=chunks.largest, backend=backend,
     )
 
 
