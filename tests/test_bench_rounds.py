@@ -59,3 +59,6 @@ def test_versions_line_names_what_was_measured():
     line = rounds.versions_line("no-such-package-here")
     assert line.startswith("Versions: Python ") and "torch " in line and "transformers " in line
     assert "no-such-package-here" not in line and "pyattr " in line
+    from pyattr.bench.report import cpu_model
+
+    assert f"Machine: {cpu_model() or ''}" in line and ", kernel " in line

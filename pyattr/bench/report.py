@@ -55,10 +55,24 @@ def git_commit() -> Optional[str]:
     return out.stdout.strip() or None
 
 
+def cpu_model() -> Optional[str]:
+    """The CPU's model name (``/proc/cpuinfo``; None elsewhere): ``platform.processor()``
+    says only ``x86_64`` on Linux, and two runs on different hosts must be told apart."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def machine(device: torch.device) -> dict:
     info = {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "device": str(device),
@@ -95,7 +109,7 @@ def document(kind: str, device: torch.device, rows: List[dict], contention=None,
 
     commit = git_commit()
     where = machine(device)
-    tag = f"{where['processor']} {where['cpu_count']} cores" + (f" {where['gpu']}" if "gpu" in where else "")
+    tag = f"{where.get('cpu_model') or where['processor']} {where['cpu_count']} cores" + (f" {where['gpu']}" if "gpu" in where else "")
     for r in rows:
         r.setdefault("machine", tag)
         r.setdefault("torch_version", torch.__version__)

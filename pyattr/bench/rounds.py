@@ -93,7 +93,8 @@ def ratio_text(stats) -> str:
 
 def versions_line(*packages: str) -> str:
     """The versions the numbers were measured with (Python, torch, transformers, pyattr and
-    its commit, and ``packages`` where installed)."""
+    its commit, and ``packages`` where installed), and the machine (CPU model and kernel
+    build: runs on two hosts of one VM type differed by 2.7× in the project's history)."""
     import platform
     from importlib import metadata
 
@@ -101,6 +102,8 @@ def versions_line(*packages: str) -> str:
 
     from pyattr._version import __version__
     from pyattr.bench.report import git_commit
+
+    from pyattr.bench.report import cpu_model
 
     parts = [f"Python {platform.python_version()}", f"torch {torch.__version__}"]
     for name in ("transformers", *packages):
@@ -110,4 +113,5 @@ def versions_line(*packages: str) -> str:
             pass
     commit = git_commit()
     parts.append(f"pyattr {__version__}" + (f" @ {commit[:10]}" if commit else ""))
-    return "Versions: " + ", ".join(parts) + "."
+    host = f"{cpu_model() or platform.machine()}, kernel {platform.release()}"
+    return "Versions: " + ", ".join(parts) + f". Machine: {host}."
