@@ -46,6 +46,12 @@ def _model(attn: str, hidden: int = 512, layers: int = 4):
     return model
 
 
+def _plain(model, ids, target: int) -> None:
+    x = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+    logit = model(inputs_embeds=x, logits_to_keep=1).logits[0, -1, target]
+    torch.autograd.grad(logit, x)
+
+
 def measure(variant: str, context: int, hidden: int = 512, layers: int = 4) -> Dict:
     import pyattr
 
@@ -55,16 +61,16 @@ def measure(variant: str, context: int, hidden: int = 512, layers: int = 4) -> D
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 32000, (1, context), generator=g)
     target = int(torch.randint(3, 32000, (1,), generator=g))
-    # warm-up on a short input: one-time costs (the rule scope's first install, the
-    # extension's load) are not timed
-    if variant != "plain":
+    # warm-up on a short input, every variant alike: one-time costs (the rule scope's first
+    # install, the extension's load, the first autograd pass) are not timed
+    if variant == "plain":
+        _plain(model, ids[:, :16], target)
+    else:
         pyattr.relevance(model, ids[:, :16], target=target, rules=RULES[variant])
     base = rss_bytes()
     t0 = time.perf_counter()
     if variant == "plain":
-        x = model.get_input_embeddings()(ids).detach().requires_grad_(True)
-        logit = model(inputs_embeds=x, logits_to_keep=1).logits[0, -1, target]
-        torch.autograd.grad(logit, x)
+        _plain(model, ids, target)
     else:
         pyattr.relevance(model, ids, target=target, rules=RULES[variant])
     seconds = time.perf_counter() - t0
