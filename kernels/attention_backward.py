@@ -49,6 +49,13 @@ def _scores_t(q, k, qi, kj, Lq, Lk, M, m_off, sm2, sm3, scaling, softcap,
 
 
 @triton.jit
+def _block(X, b, h, idx, cols, s0, s1, s2, s3, n_rows, n_cols, ACC: tl.constexpr):
+    """Rows ``idx`` × columns ``cols`` of ``X[b, h]`` (4-D, any strides), zero outside, in ACC."""
+    return tl.load(X + b * s0 + h * s1 + idx[:, None].to(tl.int64) * s2 + cols[None, :] * s3,
+                   mask=(idx[:, None] < n_rows) & (cols[None, :] < n_cols), other=0.0).to(ACC)
+
+
+@triton.jit
 def _attention_stats(Q, K, V, DO, M, ROWMAX, ROWSUM, DELTA, Lq, Lk, H, G, D, Dv,
                      sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, so0, so1, so2, so3,
                      sm0, sm1, sm2, sm3, scaling, softcap,
@@ -62,11 +69,8 @@ def _attention_stats(Q, K, V, DO, M, ROWMAX, ROWSUM, DELTA, Lq, Lk, H, G, D, Dv,
     qi = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     dd = tl.arange(0, BLOCK_D)
     de = tl.arange(0, BLOCK_DV)
-    rows = qi[:, None] < Lq
-    q = tl.load(Q + b * sq0 + h * sq1 + qi[:, None].to(tl.int64) * sq2 + dd[None, :] * sq3,
-                mask=rows & (dd[None, :] < D), other=0.0).to(ACC)
-    do = tl.load(DO + b * so0 + h * so1 + qi[:, None].to(tl.int64) * so2 + de[None, :] * so3,
-                 mask=rows & (de[None, :] < Dv), other=0.0).to(ACC)
+    q = _block(Q, b, h, qi, dd, sq0, sq1, sq2, sq3, Lq, D, ACC)
+    do = _block(DO, b, h, qi, de, so0, so1, so2, so3, Lq, Dv, ACC)
     m_off = b * sm0 + h * sm1
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
     l_i = tl.zeros([BLOCK_M], dtype=ACC)
@@ -76,11 +80,8 @@ def _attention_stats(Q, K, V, DO, M, ROWMAX, ROWSUM, DELTA, Lq, Lk, H, G, D, Dv,
         end = tl.minimum(Lk, (pm + 1) * BLOCK_M)
     for n0 in range(0, end, BLOCK_N):
         kj = n0 + tl.arange(0, BLOCK_N)
-        keys = kj[:, None] < Lk
-        k = tl.load(K + b * sk0 + hk * sk1 + kj[:, None].to(tl.int64) * sk2 + dd[None, :] * sk3,
-                    mask=keys & (dd[None, :] < D), other=0.0).to(ACC)
-        v = tl.load(V + b * sv0 + hk * sv1 + kj[:, None].to(tl.int64) * sv2 + de[None, :] * sv3,
-                    mask=keys & (de[None, :] < Dv), other=0.0).to(ACC)
+        k = _block(K, b, hk, kj, dd, sk0, sk1, sk2, sk3, Lk, D, ACC)
+        v = _block(V, b, hk, kj, de, sv0, sv1, sv2, sv3, Lk, Dv, ACC)
         s, t = _scores_t(q, k, qi, kj, Lq, Lk, M, m_off, sm2, sm3, scaling, softcap, HAS_MASK, HAS_SOFTCAP, CAUSAL)
         dp = tl.dot(do, tl.trans(v), input_precision="ieee")
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -119,10 +120,8 @@ def _attention_dq(Q, K, V, DO, M, ROWMAX, ROWSUM, DELTA, DQ, Lq, Lk, H, G, D, Dv
     dd = tl.arange(0, BLOCK_D)
     de = tl.arange(0, BLOCK_DV)
     rows = qi[:, None] < Lq
-    q = tl.load(Q + b * sq0 + h * sq1 + qi[:, None].to(tl.int64) * sq2 + dd[None, :] * sq3,
-                mask=rows & (dd[None, :] < D), other=0.0).to(ACC)
-    do = tl.load(DO + b * so0 + h * so1 + qi[:, None].to(tl.int64) * so2 + de[None, :] * so3,
-                 mask=rows & (de[None, :] < Dv), other=0.0).to(ACC)
+    q = _block(Q, b, h, qi, dd, sq0, sq1, sq2, sq3, Lq, D, ACC)
+    do = _block(DO, b, h, qi, de, so0, so1, so2, so3, Lq, Dv, ACC)
     mx = tl.load(ROWMAX + bh * Lq + qi, mask=qi < Lq, other=float("-inf"))
     sm = tl.load(ROWSUM + bh * Lq + qi, mask=qi < Lq, other=1.0)
     delta = tl.load(DELTA + bh * Lq + qi, mask=qi < Lq, other=0.0)
@@ -133,11 +132,8 @@ def _attention_dq(Q, K, V, DO, M, ROWMAX, ROWSUM, DELTA, DQ, Lq, Lk, H, G, D, Dv
         end = tl.minimum(Lk, (pm + 1) * BLOCK_M)
     for n0 in range(0, end, BLOCK_N):
         kj = n0 + tl.arange(0, BLOCK_N)
-        keys = kj[:, None] < Lk
-        k = tl.load(K + b * sk0 + hk * sk1 + kj[:, None].to(tl.int64) * sk2 + dd[None, :] * sk3,
-                    mask=keys & (dd[None, :] < D), other=0.0).to(ACC)
-        v = tl.load(V + b * sv0 + hk * sv1 + kj[:, None].to(tl.int64) * sv2 + de[None, :] * sv3,
-                    mask=keys & (de[None, :] < Dv), other=0.0).to(ACC)
+        k = _block(K, b, hk, kj, dd, sk0, sk1, sk2, sk3, Lk, D, ACC)
+        v = _block(V, b, hk, kj, de, sv0, sv1, sv2, sv3, Lk, Dv, ACC)
         s, t = _scores_t(q, k, qi, kj, Lq, Lk, M, m_off, sm2, sm3, scaling, softcap, HAS_MASK, HAS_SOFTCAP, CAUSAL)
         p = _probs(s, mx, sm)
         dp = tl.dot(do, tl.trans(v), input_precision="ieee")
@@ -163,10 +159,8 @@ def _attention_dkdv(Q, K, V, DO, M, ROWMAX, ROWSUM, DELTA, DK, DV, FULL, Lq, Lk,
     dd = tl.arange(0, BLOCK_D)
     de = tl.arange(0, BLOCK_DV)
     keys = kj[:, None] < Lk
-    k = tl.load(K + b * sk0 + hk * sk1 + kj[:, None].to(tl.int64) * sk2 + dd[None, :] * sk3,
-                mask=keys & (dd[None, :] < D), other=0.0).to(ACC)
-    v = tl.load(V + b * sv0 + hk * sv1 + kj[:, None].to(tl.int64) * sv2 + de[None, :] * sv3,
-                mask=keys & (de[None, :] < Dv), other=0.0).to(ACC)
+    k = _block(K, b, hk, kj, dd, sk0, sk1, sk2, sk3, Lk, D, ACC)
+    v = _block(V, b, hk, kj, de, sv0, sv1, sv2, sv3, Lk, Dv, ACC)
     acc_k = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
     acc_v = tl.zeros([BLOCK_N, BLOCK_DV], dtype=ACC)
     start = 0
@@ -178,11 +172,8 @@ def _attention_dkdv(Q, K, V, DO, M, ROWMAX, ROWSUM, DELTA, DK, DV, FULL, Lq, Lk,
         m_off = b * sm0 + h * sm1
         for m0 in range(start, Lq, BLOCK_M):
             qi = m0 + tl.arange(0, BLOCK_M)
-            rows = qi[:, None] < Lq
-            q = tl.load(Q + b * sq0 + h * sq1 + qi[:, None].to(tl.int64) * sq2 + dd[None, :] * sq3,
-                        mask=rows & (dd[None, :] < D), other=0.0).to(ACC)
-            do = tl.load(DO + b * so0 + h * so1 + qi[:, None].to(tl.int64) * so2 + de[None, :] * so3,
-                         mask=rows & (de[None, :] < Dv), other=0.0).to(ACC)
+            q = _block(Q, b, h, qi, dd, sq0, sq1, sq2, sq3, Lq, D, ACC)
+            do = _block(DO, b, h, qi, de, so0, so1, so2, so3, Lq, Dv, ACC)
             s, t = _scores_t(q, k, qi, kj, Lq, Lk, M, m_off, sm2, sm3, scaling, softcap, HAS_MASK, HAS_SOFTCAP,
                              CAUSAL)
             mx = tl.load(ROWMAX + bh * Lq + qi, mask=qi < Lq, other=float("-inf"))

@@ -122,6 +122,19 @@ void score_grad_row(const A* p, A* dp, const A* t, int64_t n, A scaling) {
   }
 }
 
+// The additive mask as a (B, H, Lq, Lk) view in the accumulation type (broadcast dims keep
+// stride 0), or undefined; checked for both kernels alike.
+at::Tensor mask_view(const std::optional<at::Tensor>& mask_opt, int64_t B, int64_t H, int64_t Lq, int64_t Lk,
+                     at::ScalarType acc, const char* op) {
+  if (!mask_opt || !mask_opt->defined()) return at::Tensor();
+  const at::Tensor& m = *mask_opt;
+  TORCH_CHECK_VALUE(m.dim() == 4 && (m.size(0) == 1 || m.size(0) == B) && (m.size(1) == 1 || m.size(1) == H) &&
+                        (m.size(2) == 1 || m.size(2) == Lq) && m.size(3) >= Lk,
+                    op, ": mask ", m.sizes(), " does not broadcast to (", B, ", ", H, ", ", Lq, ", ", Lk, ")");
+  TORCH_CHECK_TYPE(at::isFloatingType(m.scalar_type()), op, ": mask must be additive (floating)");
+  return m.narrow(3, 0, Lk).to(acc).expand({B, H, Lq, Lk});
+}
+
 }  // namespace
 
 at::Tensor attention_dv(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& dout_in,
@@ -141,15 +154,7 @@ at::Tensor attention_dv(const at::Tensor& q_in, const at::Tensor& k_in, const at
                     "attention_dv: q, k and dout must be on one device");
   const at::ScalarType acc = q_in.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const at::Tensor q = q_in.to(acc).contiguous(), k = k_in.to(acc).contiguous(), dout = dout_in.to(acc).contiguous();
-  at::Tensor mask;
-  if (mask_opt && mask_opt->defined()) {
-    const at::Tensor& m = *mask_opt;
-    TORCH_CHECK_VALUE(m.dim() == 4 && (m.size(0) == 1 || m.size(0) == B) && (m.size(1) == 1 || m.size(1) == H) &&
-                          (m.size(2) == 1 || m.size(2) == Lq) && m.size(3) >= Lk,
-                      "attention_dv: mask ", m.sizes(), " does not broadcast to (", B, ", ", H, ", ", Lq, ", ", Lk, ")");
-    TORCH_CHECK_TYPE(at::isFloatingType(m.scalar_type()), "attention_dv: mask must be additive (floating)");
-    mask = m.narrow(3, 0, Lk).to(acc).expand({B, H, Lq, Lk});  // strided view: broadcast dims have stride 0
-  }
+  const at::Tensor mask = mask_view(mask_opt, B, H, Lq, Lk, acc, "attention_dv");
   const int64_t G = H / Hkv;
   // causal: a block of rows skips the keys after its last row (P = 0 there), unless dO
   // has a value that is not finite, which meets those zeros as 0 * inf = NaN
@@ -237,16 +242,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
   const at::ScalarType acc = q_in.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const at::Tensor q = q_in.to(acc).contiguous(), k = k_in.to(acc).contiguous(), v = v_in.to(acc).contiguous();
   const at::Tensor dout = dout_in.to(acc).contiguous();
-  at::Tensor mask;
-  if (mask_opt && mask_opt->defined()) {
-    const at::Tensor& m = *mask_opt;
-    TORCH_CHECK_VALUE(m.dim() == 4 && (m.size(0) == 1 || m.size(0) == B) && (m.size(1) == 1 || m.size(1) == H) &&
-                          (m.size(2) == 1 || m.size(2) == Lq) && m.size(3) >= Lk,
-                      "attention_backward: mask ", m.sizes(), " does not broadcast to (", B, ", ", H, ", ", Lq, ", ",
-                      Lk, ")");
-    TORCH_CHECK_TYPE(at::isFloatingType(m.scalar_type()), "attention_backward: mask must be additive (floating)");
-    mask = m.narrow(3, 0, Lk).to(acc).expand({B, H, Lq, Lk});
-  }
+  const at::Tensor mask = mask_view(mask_opt, B, H, Lq, Lk, acc, "attention_backward");
   const int64_t G = H / Hkv;
   const bool skip_hidden = causal && at::isfinite(dout).all().item<bool>() && at::isfinite(v).all().item<bool>();
   const int64_t nblk = (Lq + kBlockRows - 1) / kBlockRows;
