@@ -283,6 +283,12 @@ def test_check_tool_one_line_errors(tmp_path):
         (["--faithfulness", "--estimators"], "are separate runs; pass one"),
         (["--png", "/tmp/x.png"], "--png is the perturbation-curve plot of --faithfulness"),
         (["--faithfulness", "--png", "/nonexistent/dir/x.png"], "--png: cannot write"),
+        (["--long-context", "--lxt-python", "/nonexistent/bin/python"],
+         "--lxt-python: expected the path of a Python interpreter, got '/nonexistent/bin/python'"),
+        (["--generation", "--lxt-python", "python3"], "--lxt-python adds LXT to --long-context; pass --long-context"),
+        (["--long-context", "--context", "16384"], "--context sets the context lengths of --generation"),
+        (["--generation", "--context", "0"], "--context: expected positive token counts separated by commas, got '0'"),
+        (["--generation", "--context", "16k"], "--context: expected positive token counts separated by commas, got '16k'"),
     ],
 )
 def test_cli_bench_bad_arguments(args, msg):

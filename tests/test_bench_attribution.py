@@ -122,7 +122,7 @@ def test_saved_attribution_documents_validate_and_bad_rows_are_named():
         report.validate(bad)
     bad["kind"] = "speed"
     with pytest.raises(ValueError, match=r"kind 'speed', expected one of \['micro', 'e2e', 'conservation', 'ig-memory', 'patching', 'generation', "
-                                         r"'long-context', 'estimators', 'faithfulness', 'citations', 'circuits', 'dataset'\]"):
+                                         r"'generation-long', 'long-context', 'estimators', 'faithfulness', 'citations', 'circuits', 'dataset'\]"):
         report.validate(bad)
     bad["kind"] = "patching"
     bad["rows"] = [{"model": "m", "method": "atp", "variant": "atp", "node": "mlp", "nodes": 3, "pairs": 1,
@@ -197,6 +197,22 @@ def test_estimators_bench_quick_run(tmp_path):
     big = [r for r in doc["rows"] if r["model"].startswith("random Llama, 12 layers x 12 heads")]
     assert len(big) == 8 and all(r["speedup_vs_exact"] > 0 for r in big)
     assert "top-2 = exact" in p.stdout
+
+
+@pytest.mark.slow
+def test_generation_after_a_long_context_quick_run(tmp_path):
+    from pyattr.bench import report
+
+    out = tmp_path / "g.json"
+    p = run_cli("bench", "--generation", "--context", "48", "--quick", "--json", out)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(out.read_text())
+    report.validate(doc)
+    assert doc["kind"] == "generation-long" and {r["variant"] for r in doc["rows"]} == {"loop", "batched"}
+    assert all(r["prompt"] == 48 and r["steps"] == 16 and r["rounds"] == 2 for r in doc["rows"])
+    b = next(r for r in doc["rows"] if r["variant"] == "batched")
+    assert b["time_over_loop"] == b["over_loop"]["median"] and 1 <= b["batch_targets"] <= 16
+    assert "| 48 | (c) generation_relevance |" in p.stdout
 
 
 @pytest.mark.slow

@@ -62,3 +62,40 @@ def test_versions_line_names_what_was_measured():
     from pyattr.bench.report import cpu_model
 
     assert f"Machine: {cpu_model() or ''}" in line and ", kernel " in line
+
+
+def test_a_variant_runs_by_its_own_command(tmp_path):
+    """``commands``: a peer measured by another environment's Python (LXT needs transformers 4)
+    runs as that command, with the same ``--variant`` and value arguments."""
+    import sys
+
+    script = tmp_path / "peer.py"
+    script.write_text("import json, sys\n"
+                      "a = sys.argv[1:]\n"
+                      "print('noise before the row')\n"
+                      "print(json.dumps({'variant': a[a.index('--variant') + 1], 'n': int(a[a.index('--n') + 1]),\n"
+                      "                  'seconds': 1.5, 'peak_extra_bytes': 7, 'argv': a}))\n")
+    rows = rounds.interleaved_grid("no.such.module", "--n", [3], ["peer"], ["--x", "1"], "x", rounds=1,
+                                   commands={"peer": [sys.executable, str(script)]})
+    (row,) = rows
+    assert row["variant"] == "peer" and row["n"] == 3 and row["seconds"] == 1.5 and row["rounds"] == 1
+    assert row["argv"] == ["--variant", "peer", "--n", "3", "--x", "1"]
+
+
+def test_long_context_table_names_lxt_and_the_ratio_to_it():
+    from pyattr.bench import long_context
+
+    def row(variant, seconds, **kw):
+        return {"variant": variant, "context": 4096, "seconds": seconds, "seconds_min": seconds, "seconds_max": seconds,
+                "rounds": 3, "peak_extra_bytes": 2 ** 30, "bytes_per_1k": 2 ** 28, "memory_over_plain": 1.0,
+                "model": "Llama 4 layers", **kw}
+
+    stats = {"median": 0.7, "min": 0.6, "max": 0.8, "rounds": 3}
+    rows = [row("plain", 2.0), row("attnlrp", 2.0, over_plain=stats, over_lxt=stats, over_lxt_cut=stats),
+            row("lxt", 3.0, over_plain=stats, peer_versions="Python 3.11, transformers 4.52.4, lxt 2.1"),
+            row("lxt_cut", 2.5, over_plain=stats)]
+    md = long_context.markdown(rows)
+    assert "| 4096 | LXT AttnLRP, as its README runs it | 3.0 (3.0–3.0) | 0.70 (0.60–0.80) |" in md
+    assert "| 4096 | 0.70 (0.60–0.80) | 0.70 (0.60–0.80) |" in md
+    assert "LXT ran in its own environment: Python 3.11, transformers 4.52.4, lxt 2.1." in md
+    assert "over LXT" not in long_context.markdown(rows[:1])

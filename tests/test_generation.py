@@ -268,3 +268,61 @@ def test_chunk_sizes_double_while_the_time_per_step_falls():
     fixed = ChunkSizes(3, fixed=True)
     fixed.measured(3, 1.0)
     assert fixed.next() == 3 and fixed.per_step == {}
+
+
+def test_chunk_sizes_follow_the_measured_memory_model():
+    from pyattr.methods.generation import ChunkSizes
+
+    GB = 1 << 30
+    # a long context: the estimate allows one step; each chunk's peak is a + b·k with
+    # a = 0.7 GB, b = 0.6 GB, and the batching may add 2 GB over one step
+    c = ChunkSizes(1, fixed=False, budget=2 * GB)
+    sizes = []
+    for _ in range(4):
+        k = c.next()
+        sizes.append(k)
+        c.measured(k, 10.0 + 4.0 * k, int(0.7 * GB + 0.6 * GB * k))
+    # 1 step: b ≤ 1.3 GB (a ≥ 0), so 2 fit; 2 steps: the slope 0.6 GB, so 1 + 2 / 0.6 = 4
+    assert sizes == [1, 2, 4, 4]
+    assert abs(c.step_bytes() - 0.6 * GB) < 1e-3 * GB and c.cap == 4
+    # the estimate was too generous: the first chunk's peak shrinks the cap below it
+    d = ChunkSizes(16, fixed=False, budget=1 * GB)
+    d.measured(8, 8.0, 4 * GB)  # b ≤ 0.5 GB: 1 + 1 / 0.5 = 3 steps
+    assert d.cap == 3 and d.next() == 3
+    d.measured(3, 4.5, int(1.5 * GB))  # slope (4 − 1.5) / 5 = 0.5 GB: still 3
+    assert d.next() == 3
+    # no growth measured (noise): the per-step upper bound of the largest size
+    e = ChunkSizes(8, fixed=False, budget=2 * GB)
+    e.measured(8, 8.0, GB)
+    e.measured(16, 12.0, GB // 2)
+    assert e.step_bytes() == (GB // 2) / 16
+    # without a peak (a platform with no observable peak) the estimate stays the cap
+    f = ChunkSizes(12, fixed=False)
+    f.measured(8, 1.0, None)
+    assert f.cap == 12 and f.next() == 12
+
+
+def test_peak_memory_observes_a_block_and_not_the_one_before():
+    import resource
+
+    from pyattr.methods._core.peak_memory import PeakMemory
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    meter = PeakMemory("cpu")
+    assert meter.observable
+    meter.start()
+    x = torch.ones(64 << 20)  # 256 MiB of float32, every page written
+    first = meter.stop()
+    assert first >= 250 << 20
+    del x  # an allocation this large is returned to the system when freed
+    meter.start()
+    y = torch.ones(16 << 20)  # 64 MiB
+    second = meter.stop()
+    del y
+    assert 60 << 20 <= second < 200 << 20  # the first block's 256 MiB is not in it
+    # the process's own peak, which other tools read, is left as it was
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >= before
+    assert meter.stop() is None  # no block started
+    nothing = PeakMemory("meta")
+    nothing.start()
+    assert not nothing.observable and nothing.stop() is None

@@ -14,6 +14,11 @@ rotates (:mod:`pyattr.bench.rounds`); times are medians with their range over th
 and each ratio is taken per round (its range is the spread a second run falls in).
 256 steps (``--steps 256`` of a measurement process) are left out of the default run: inseq
 alone takes about 11 minutes there, too long to repeat.
+
+With ``contexts`` (``pyattr bench --generation --context 16384``) the table is instead
+16 tokens after a long random context, on the long-context table's Llama (4 layers,
+hidden 512, sdpa; :mod:`pyattr.bench.long_context`), (a) against (c) only: inseq runs one
+forward and one backward per step as (a) does.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from pyattr.bench.e2e import peak_rss_bytes, rss_bytes
 VARIANTS = ("loop", "inseq", "batched")
 STEPS = (16, 64)
 PROMPT = 128
+#: generated tokens explained after a long context (the issue's 16)
+LONG_STEPS = 16
 
 
 def _word_tokenizer(vocab: int):
@@ -58,10 +65,15 @@ def _model(layers: Optional[int], hidden: Optional[int]):
 
 
 def measure(variant: str, steps: int, prompt: int = PROMPT, layers: Optional[int] = None,
-            hidden: Optional[int] = None, batch_targets: Optional[int] = None) -> Dict:
+            hidden: Optional[int] = None, batch_targets: Optional[int] = None, long: bool = False) -> Dict:
     import pyattr
 
-    model = _model(layers, hidden)
+    if long:
+        from pyattr.bench.long_context import _model as long_model
+
+        model = long_model("sdpa", hidden or 512, layers or 4)
+    else:
+        model = _model(layers, hidden)
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, vocab, (1, prompt), generator=g)
@@ -101,9 +113,25 @@ def measure(variant: str, steps: int, prompt: int = PROMPT, layers: Optional[int
             "model": f"Llama {model.config.num_hidden_layers} layers, hidden {model.config.hidden_size}, float32"}
 
 
-def run_all(quick: bool = False, rounds: int = None) -> List[Dict]:
+def run_long(contexts, quick: bool = False, rounds: int = None, steps: int = LONG_STEPS) -> List[Dict]:
+    """(a) and (c) explaining ``steps`` tokens after each of ``contexts`` tokens (the
+    long-context Llama; ``quick``: hidden 128, 2 layers), in interleaved rounds."""
+    from pyattr.bench.rounds import ROUNDS, interleaved_grid
+
+    extra = ["--steps", str(steps), "--long"] + (["--layers", "2", "--hidden", "128"] if quick else [])
+    rows = interleaved_grid("pyattr.bench.generation", "--prompt", contexts, ("loop", "batched"), extra,
+                            "generation after a long context, tokens:", pairs=[("batched", "loop")],
+                            rounds=rounds or (2 if quick else ROUNDS), max_rounds=2 if quick else ROUNDS)
+    for r in rows:
+        r["time_over_loop"] = 1.0 if r["variant"] == "loop" else r["over_loop"]["median"]
+    return rows
+
+
+def run_all(quick: bool = False, rounds: int = None, contexts=None) -> List[Dict]:
     from pyattr.bench.rounds import MAX_ROUNDS, ROUNDS, interleaved_grid
 
+    if contexts:
+        return run_long(contexts, quick, rounds)
     steps = (4, 8) if quick else STEPS
     extra = ["--layers", "2", "--hidden", "128", "--prompt", "16"] if quick else []
     pairs = [("batched", "loop"), ("batched", "inseq"), ("loop", "inseq"), ("inseq", "loop")]
@@ -126,12 +154,31 @@ def markdown(rows: List[Dict], contention=None) -> str:
              "|---:|---|---:|---:|---:|---:|---:|---:|"]
     names = {"loop": "(a) loop of pyattr.relevance", "inseq": "(b) inseq input_x_gradient",
              "batched": "(c) generation_relevance"}
+    if "over_inseq" not in next(r for r in rows if r["variant"] == "batched"):
+        return _markdown_long(rows, names, contention)
     for r in rows:
         lines.append(f"| {r['steps']} | {names[r['variant']]} | {r['seconds']:.2f} ({r['seconds_min']:.2f}–"
                      f"{r['seconds_max']:.2f}) | {ratio_text(r.get('over_loop')) or '1'} | "
                      f"{ratio_text(r.get('over_inseq')) or '1'} | {r['peak_rss_bytes'] / 2**20:.0f} | "
                      f"{r['peak_extra_bytes'] / 2**20:.0f} | {r['batch_targets'] or ''} |")
     return with_conditions(lines + ["", versions_line("inseq")], contention)
+
+
+def _markdown_long(rows: List[Dict], names: Dict[str, str], contention=None) -> str:
+    from pyattr.bench.report import with_conditions
+    from pyattr.bench.rounds import ratio_text, versions_line
+
+    lines = [f"Explaining {rows[0]['steps']} generated tokens after a long context: {rows[0]['model']}, CPU; time "
+             f"median (range) over {min(r['rounds'] for r in rows)} interleaved rounds, ratio per round; k: the "
+             "largest chunk generation_relevance ran", "",
+             "| context | method | time (s) | / loop (a) | peak RSS (MB) | peak over model (MB) | k |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['prompt']} | {names[r['variant']]} | {r['seconds']:.1f} ({r['seconds_min']:.1f}–"
+                     f"{r['seconds_max']:.1f}) | {ratio_text(r.get('over_loop')) or '1'} | "
+                     f"{r['peak_rss_bytes'] / 2**20:.0f} | {r['peak_extra_bytes'] / 2**20:.0f} | "
+                     f"{r['batch_targets'] or ''} |")
+    return with_conditions(lines + ["", versions_line()], contention)
 
 
 def _main(argv=None):
@@ -141,8 +188,9 @@ def _main(argv=None):
     p.add_argument("--prompt", type=int, default=PROMPT)
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--hidden", type=int, default=None)
+    p.add_argument("--long", action="store_true", help="the long-context table's Llama")
     a = p.parse_args(argv)
-    print(json.dumps(measure(a.variant, a.steps, a.prompt, a.layers, a.hidden)))
+    print(json.dumps(measure(a.variant, a.steps, a.prompt, a.layers, a.hidden, long=a.long)))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,10 @@ for every rule set, against one plain forward and backward:
   and the AH-rule's attention core, whose backward recomputes the pattern block by block);
 - ``attnlrp``: every rule with AttnLRP's attention rule (the q/k/v gradients scaled, the
   attention core's full gradient from sdpa's own blockwise backward);
-- ``ln``: the LN-rule alone; ``none``: every rule off (gradient × input).
+- ``ln``: the LN-rule alone; ``none``: every rule off (gradient × input);
+- with ``--lxt-python``: LXT's AttnLRP (``lxt.efficient``) as its README runs it and with
+  pyattr's head cut, run by that development environment's Python
+  (:mod:`pyattr.bench.long_context_lxt`).
 
 The target is one next-token logit at the last position. Each measurement runs in its own
 process (its peak RSS is its own; ``peak_extra_bytes`` is the peak minus the RSS once the
@@ -82,15 +85,26 @@ def measure(variant: str, context: int, hidden: int = 512, layers: int = 4) -> D
             "threads": torch.get_num_threads()}
 
 
-def run_all(quick: bool = False, rounds: int = None) -> List[Dict]:
+def run_all(quick: bool = False, rounds: int = None, lxt_python: str = None) -> List[Dict]:
+    """Every variant at every context in interleaved rounds; with ``lxt_python`` (the Python
+    of an environment where LXT and its transformers 4 are installed) also LXT's two
+    variants (:mod:`pyattr.bench.long_context_lxt`), each in that Python's own process."""
     from pyattr.bench.rounds import MAX_ROUNDS, ROUNDS, interleaved_grid
 
     contexts = (256, 512) if quick else CONTEXTS
     extra = ["--hidden", "128", "--layers", "2"] if quick else []
-    pairs = [(v, "plain") for v in VARIANTS if v != "plain"]
-    rows = interleaved_grid("pyattr.bench.long_context", "--context", contexts, VARIANTS, extra,
+    variants, commands = VARIANTS, {}
+    if lxt_python:
+        from pyattr.bench import long_context_lxt
+
+        variants = VARIANTS + long_context_lxt.VARIANTS
+        commands = {v: [lxt_python, long_context_lxt.__file__] for v in long_context_lxt.VARIANTS}
+    pairs = [(v, "plain") for v in variants if v != "plain"]
+    if lxt_python:
+        pairs += [("attnlrp", "lxt"), ("attnlrp", "lxt_cut")]
+    rows = interleaved_grid("pyattr.bench.long_context", "--context", contexts, variants, extra,
                             "long-context, tokens:", pairs=pairs, rounds=rounds or (2 if quick else ROUNDS),
-                            max_rounds=2 if quick else MAX_ROUNDS)
+                            max_rounds=2 if quick else MAX_ROUNDS, commands=commands)
     by = {(r["context"], r["variant"]): r for r in rows}
     for r in rows:
         r["bytes_per_1k"] = r["peak_extra_bytes"] / (r["context"] / 1024)
@@ -107,12 +121,20 @@ def markdown(rows: List[Dict], contention=None) -> str:
              "| context | rules | time (s) | time / plain | peak over model (MB) | memory / plain | per 1k tokens (MB) |",
              "|---:|---|---:|---:|---:|---:|---:|"]
     names = {"plain": "plain forward + backward", "default": "default (AH-rule core)", "attnlrp": "AttnLRP",
-             "ln": "LN-rule only", "none": "none (gradient × input)"}
+             "ln": "LN-rule only", "none": "none (gradient × input)", "lxt": "LXT AttnLRP, as its README runs it",
+             "lxt_cut": "LXT AttnLRP, logits_to_keep=1"}
     for r in rows:
         lines.append(f"| {r['context']} | {names[r['variant']]} | {r['seconds']:.1f} ({r['seconds_min']:.1f}–"
                      f"{r['seconds_max']:.1f}) | {ratio_text(r.get('over_plain')) or '1'} | "
                      f"{r['peak_extra_bytes'] / 2**20:.0f} | {r['memory_over_plain']:.2f} | "
                      f"{r['bytes_per_1k'] / 2**20:.0f} |")
+    peer = [r for r in rows if r["variant"] == "attnlrp" and "over_lxt" in r]
+    if peer:
+        lines += ["", "pyattr's AttnLRP over LXT's, per round (time):", "",
+                  "| context | / LXT as its README runs it | / LXT, logits_to_keep=1 |", "|---:|---:|---:|"]
+        lines += [f"| {r['context']} | {ratio_text(r['over_lxt'])} | {ratio_text(r['over_lxt_cut'])} |" for r in peer]
+        lxt = next(r for r in rows if r["variant"] == "lxt")
+        lines += ["", f"LXT ran in its own environment: {lxt.get('peer_versions', 'versions not reported')}."]
     return with_conditions(lines + ["", versions_line()], contention)
 
 

@@ -201,6 +201,8 @@ _ROW_NUMBERS = {
     "patching": (("model", "method", "variant", "node"), ("nodes", "pairs", "seconds")),
     "generation": (("variant", "model"), ("steps", "prompt", "seconds", "peak_rss_bytes", "peak_extra_bytes",
                                           "time_over_loop", "time_over_inseq")),
+    "generation-long": (("variant", "model"), ("steps", "prompt", "seconds", "peak_rss_bytes", "peak_extra_bytes",
+                                               "time_over_loop")),
     "long-context": (("variant", "model"), ("context", "seconds", "seconds_min", "seconds_max", "rounds",
                                             "peak_rss_bytes", "peak_extra_bytes", "bytes_per_1k", "memory_over_plain")),
     "estimators": (("model", "variant", "node"), ("pairs", "seconds")),

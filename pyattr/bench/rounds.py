@@ -39,19 +39,21 @@ def relative_spread(stats: Dict[str, float]) -> float:
 
 def interleaved_grid(module: str, flag: str, values: Iterable, variants: Sequence[str], extra: List[str], what: str,
                      pairs: Sequence[Tuple[str, str]] = (), rounds: int = ROUNDS, max_rounds: int = MAX_ROUNDS,
-                     spread: float = SPREAD) -> List[Dict]:
+                     spread: float = SPREAD, commands: Dict[str, List[str]] = None) -> List[Dict]:
     """One row per value × variant: ``python -m MODULE --variant V FLAG X EXTRA`` run once per
     round, the variants' order rotated each round. A row is the round with the median time;
     it carries ``seconds`` (median), ``seconds_min``/``seconds_max``, ``seconds_rounds`` and,
     for each ``(variant, baseline)`` of ``pairs``, ``over_<baseline>`` = :func:`ratio_stats`
-    on the variant's row."""
+    on the variant's row. ``commands`` maps a variant to the command that replaces
+    ``python -m MODULE`` for it (a peer measured by another environment's Python)."""
     values = list(values)
     samples: Dict[Tuple, List[Dict]] = {(x, v): [] for x in values for v in variants}
     done = 0
     while True:
         for x in values:
             for v in rotated(variants, done):
-                cmd = [sys.executable, "-m", module, "--variant", v, flag, str(x), *extra]
+                head = (commands or {}).get(v) or [sys.executable, "-m", module]
+                cmd = [*head, "--variant", v, flag, str(x), *extra]
                 samples[(x, v)].append(child_row(cmd, f"{what} {v} {x} (round {done + 1})"))
         done += 1
         if done < rounds:

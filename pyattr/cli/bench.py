@@ -45,6 +45,27 @@ def _check_args(args):
         raise UsageError("--e2e, --conservation, --ig-memory, --patching, --dataset, --faithfulness, "
                          "--estimators, --generation, --long-context, --citations and --circuits are separate runs; "
                          "pass one")
+    contexts = getattr(args, "context", None)
+    if contexts is not None:
+        if not args.generation:
+            raise UsageError("--context sets the context lengths of --generation's long-context table; pass "
+                             "--generation")
+        try:
+            args.context = [int(v) for v in contexts.split(",")]
+        except ValueError:
+            args.context = []
+        if not args.context or min(args.context) < 1:
+            raise UsageError(f"--context: expected positive token counts separated by commas, got {contexts!r}")
+    lxt = getattr(args, "lxt_python", None)
+    if lxt is not None:
+        import os
+        import shutil
+
+        if not args.long_context:
+            raise UsageError("--lxt-python adds LXT to --long-context; pass --long-context")
+        if shutil.which(lxt) is None or not os.access(shutil.which(lxt), os.X_OK):
+            raise UsageError(f"--lxt-python: expected the path of a Python interpreter, got {lxt!r} (not an "
+                             "executable file)")
     if args.png is not None and not args.faithfulness:
         raise UsageError("--png is the perturbation-curve plot of --faithfulness; pass --faithfulness")
     for flag, path in (("--json", args.json), ("--markdown", args.markdown), ("--png", args.png)):
@@ -103,11 +124,15 @@ def run(args) -> int:
         module = importlib.import_module(f"pyattr.bench.{simple}")
         monitor = contention.start()
         try:
-            rows = module.run_all(quick=args.quick)
+            extra = {"lxt_python": args.lxt_python} if getattr(args, "lxt_python", None) else {}
+            if getattr(args, "context", None):
+                extra["contexts"] = args.context
+            rows = module.run_all(quick=args.quick, **extra)
         except e2e.E2EError as e:  # a measurement process failed
             return fail("bench", str(e), status=1)
         cond = monitor.stop()
-        doc = report.document(simple.replace("_", "-"), device, rows, contention=cond)
+        kind = "generation-long" if extra.get("contexts") else simple.replace("_", "-")
+        doc = report.document(kind, device, rows, contention=cond)
         report.validate(doc)
         table = module.markdown(rows, cond)
         if args.png:

@@ -1,12 +1,13 @@
 """Relevance of generated text: every generated token's target explained over the prompt
 and the tokens generated before it.
 
-Steps run ``batch_targets`` at a time: one call of :func:`pyattr.relevance` on the
-sequence cut after the chunk's last target position, with the chunk's targets as k
-targets of one batched backward. A causal model's target at position ``p`` does not
-depend on later positions, so the cut changes no value, and neither forward nor backward
-runs over positions past the chunk's targets: the per-step loop's forwards become one
-per chunk, and the backwards stay as long as the loop's.
+The steps run in segments (:func:`segment_end`): one forward of :func:`pyattr.relevance`'s
+pass on the sequence cut after the segment's last target position, then the segment's
+targets as batched backwards of ``batch_targets`` targets each over that one forward's
+graph (:func:`pyattr.methods.relevance.relevance_in_chunks`). A causal model's target at
+position ``p`` does not depend on later positions, so the cut changes no value: the
+per-step loop's forwards become one per segment (16 steps after a 16k-token context: one),
+and each backward runs at its segment's length.
 """
 
 from __future__ import annotations
@@ -31,12 +32,15 @@ import pyattr.targets as T
 from pyattr.config import RelevanceRules
 from pyattr.integration.wrappers import unwrap
 from pyattr.methods._core.inputs import input_device
-from pyattr.methods.relevance import relevance
+from pyattr.methods._core.peak_memory import PeakMemory
+from pyattr.methods.relevance import relevance, relevance_in_chunks
 
 TARGETS = ("logit", "logprob", "prob")
 #: memory a chunk of targets may take for its backward when the caller sets no
 #: ``batch_targets`` (bytes)
 DEFAULT_BUDGET = 2 << 30
+#: a forward serves the steps whose cut is at most this many times the first one's length
+SEGMENT_GROWTH = 1.25
 
 
 @dataclass
@@ -245,44 +249,87 @@ def _cut_baseline(baseline, seq: int, length: int):
 
 
 class ChunkSizes:
-    """Steps per chunk, chosen by measured time when the caller set none.
+    """Steps per chunk (one batched backward), chosen by measured time and measured memory
+    when the caller set none.
 
-    Fewer chunks mean fewer forwards, but a chunk's batched backward holds k copies of
-    every activation-sized gradient: past the CPU's caches (or the device's bandwidth) each
-    step's backward gets slower, and on 2 CPU cores the e2e Llama's 64 steps took 11 s at
-    k = 4, 9.3 s at k = 8 and 16, 11.8 s at 21, 60 s at 64 (a per-step loop: 20 s). So
-    the chunk starts at :data:`START` steps and doubles while the seconds per step it
-    measures fall, up to ``cap`` (the memory budget's :func:`default_batch_targets`), then
-    stays at the fastest size measured. ``fixed``: always ``cap`` (``batch_targets=``)."""
+    A bigger chunk runs bigger products, but its batched backward holds k copies of every
+    activation-sized gradient: past the CPU's caches (or the device's bandwidth) each
+    step's backward gets slower (on 2 CPU cores, 16k tokens of context: 4.2 s per step
+    added at k = 2, 5.6 s at k = 8). So the chunk starts at :data:`START` steps and
+    doubles while the seconds per step it measures fall, then stays at the fastest size
+    measured.
+
+    Memory bounds the doubling: each chunk's peak (:class:`PeakMemory`) is a point of the
+    model ``peak(k) = a + b·k``; ``b``, the bytes each further step adds, is the slope
+    fitted to the points (with one size measured, ``peak / k``: an upper bound, as
+    ``a ≥ 0``), and ``k`` stays where the batching adds at most ``budget`` over one step,
+    ``(k − 1)·b ≤ budget``. Before the first measurement ``first`` bounds it (the
+    conservative per-position estimate, :func:`default_batch_targets`); where no peak
+    can be observed, that bound stays. ``fixed``: always ``first`` (``batch_targets=``)."""
 
     START = 8
 
-    def __init__(self, cap: int, fixed: bool):
-        self.cap, self.fixed = cap, fixed
-        self.k = cap if fixed else min(cap, self.START)
+    def __init__(self, first: int, fixed: bool, budget: int = DEFAULT_BUDGET, meter: Optional[PeakMemory] = None):
+        self.cap, self.fixed, self.budget = first, fixed, budget
+        self.meter = meter if meter is not None else PeakMemory("meta")  # meta: nothing observable
+        self.k = first if fixed else min(first, self.START)
         self.per_step: Dict[int, float] = {}
+        self.peaks: Dict[int, int] = {}
         self.largest = 0
 
     def next(self) -> int:
         return self.k
 
-    def measured(self, steps: int, seconds: float) -> None:
+    def step_bytes(self) -> Optional[float]:
+        """``b`` of the memory model: bytes one more step in a chunk adds (None: no peak yet)."""
+        if not self.peaks:
+            return None
+        ks = sorted(self.peaks)
+        top = self.peaks[ks[-1]] / ks[-1]
+        if len(ks) == 1:
+            return top
+        mk = sum(ks) / len(ks)
+        mp = sum(self.peaks.values()) / len(ks)
+        slope = sum((k - mk) * (self.peaks[k] - mp) for k in ks) / sum((k - mk) ** 2 for k in ks)
+        return slope if slope > 0 else top  # no growth measured (noise): the upper bound
+
+    def measured(self, steps: int, seconds: float, peak_bytes: Optional[int] = None) -> None:
         self.largest = max(self.largest, steps)
-        if self.fixed or steps != self.k:
-            return  # the last, shorter chunk says nothing about k
-        self.per_step[self.k] = seconds / steps
+        if self.fixed:
+            return
+        if peak_bytes is not None:
+            self.peaks[steps] = max(self.peaks.get(steps, 0), int(peak_bytes))
+            b = self.step_bytes()
+            self.cap = max(1, 1 + int(self.budget // max(b, 1.0)))
+        if steps == self.k:  # the last, shorter chunk says nothing about k's time
+            self.per_step[self.k] = seconds / steps
         bigger = min(self.cap, 2 * self.k)
         smaller = self.per_step.get(self.k // 2)
-        if bigger > self.k and bigger not in self.per_step and (smaller is None or self.per_step[self.k] < smaller):
+        if (self.k in self.per_step and bigger > self.k and bigger not in self.per_step
+                and (smaller is None or self.per_step[self.k] < smaller)):
             self.k = bigger
-        else:
-            self.k = min(self.per_step, key=self.per_step.get)
+            return
+        fits = {k: t for k, t in self.per_step.items() if k <= self.cap}
+        self.k = min(fits, key=fits.get) if fits else min(self.k, self.cap)
+
+
+def segment_end(width: int, t0: int, generated: int) -> int:
+    """The end (exclusive) of the steps one forward serves from step ``t0``: the
+    sequence is cut after the last of them, and every backward over that forward runs at
+    the cut's length whatever its targets' positions; so a segment ends where the cut
+    would pass :data:`SEGMENT_GROWTH` times the length step ``t0`` needs. After a long
+    prompt that is every step (16 steps after 16k tokens: one forward); after a short one,
+    a few forwards instead of one per chunk."""
+    need = width + t0              # positions step t0 reads
+    return max(t0 + 1, min(generated, int(SEGMENT_GROWTH * need) - width + 1))
 
 
 def default_batch_targets(model: nn.Module, batch: int, seq: int, generated: int, budget: int = DEFAULT_BUDGET) -> int:
-    """Steps per batched backward: as many as fit ``budget`` bytes, each step's backward
-    holding about 16 hidden-size vectors per position and layer in float32 (the rule
-    backwards' saved inputs and their gradients), at most ``generated``."""
+    """Steps in the first batched backward, before any memory is measured: as many as fit
+    ``budget`` bytes, each step taken to hold 16 hidden-size vectors per position and
+    layer in float32, at most ``generated``. An upper estimate on purpose (the Llamas of
+    the benchmarks measure about a quarter of it per step, :class:`ChunkSizes`), since
+    the first chunk runs before anything is known."""
     cfg = getattr(model, "config", None)
     hidden = getattr(cfg, "hidden_size", None) or 1024
     layers = getattr(cfg, "num_hidden_layers", None) or 12
@@ -329,8 +376,10 @@ def generation_relevance(
             (prompt and generated tokens): (batch, seq, hidden) or (seq, hidden).
         attention_mask (Tensor[batch, seq], optional): the prompt's mask, with ids.
         batch_targets (int, optional): steps per batched backward (default: measured,
-            :class:`ChunkSizes`: from 8 steps, doubled while the seconds per step fall, at
-            most what fits 2 GiB, :func:`default_batch_targets`). On a model whose forward depends on the
+            :class:`ChunkSizes`: from 8 steps, doubled while the seconds per step fall and
+            while the memory each chunk is measured to take says the batching adds at most
+            2 GiB over a single step; the first chunk is bounded by a conservative
+            estimate, :func:`default_batch_targets`). On a model whose forward depends on the
             length it runs at (dynamic-NTK RoPE, LongRoPE) every step runs at its own length
             and this is 1 whatever is asked: a longer cut would change the earlier values.
         tokenizer (optional): the model's Hugging Face tokenizer, for text inputs and
@@ -394,32 +443,33 @@ def generation_relevance(
     seqs = torch.cat([ids, gen], 1)
     full_mask = torch.cat([mask, torch.ones_like(gen)], 1)
     seq = seqs.shape[1]
-    if P.depends_on_batch(model):
-        # the forward depends on the length it runs at (dynamic-NTK, LongRoPE): a cut
-        # after a later step would change every earlier value, so each step runs at its
-        # own length, as the per-step loop does (issue 31)
-        k = 1
-    else:
-        k = batch_targets or default_batch_targets(model, batch, seq, generated)
-    chunks = ChunkSizes(k, fixed=batch_targets is not None or k == 1)
+    per_step = P.depends_on_batch(model)
+    # a forward that depends on the length it runs at (dynamic-NTK, LongRoPE): a cut after
+    # a later step would change every earlier value, so each step runs at its own length,
+    # as the per-step loop does (issue 31)
+    k = 1 if per_step else batch_targets or default_batch_targets(model, batch, seq, generated)
+    chunks = ChunkSizes(k, fixed=batch_targets is not None or per_step, meter=PeakMemory(ids.device))
     rel = torch.zeros(batch, generated, seq, dtype=torch.float32)
     value = torch.full((batch, generated), float("nan"), dtype=torch.float64)
     delta = torch.full((batch, generated), float("nan"), dtype=torch.float64)
     backend = "none"
     t0 = 0
     while t0 < generated:
-        t1 = min(generated, t0 + chunks.next())
-        tic = time.perf_counter()
-        last = width + t1 - 2          # column of the chunk's last target (step t1 - 1)
+        t1 = t0 + 1 if per_step else segment_end(width, t0, generated)
+        last = width + t1 - 2          # column of the segment's last target (step t1 - 1)
         cut = {"input_ids": seqs[:, : last + 1], "attention_mask": full_mask[:, : last + 1]}
         tg = [_step_target(target, gen[:, t], -(last - (width + t - 1)) - 1, None if alt is None else alt[:, t])
               for t in range(t0, t1)]
-        r = relevance(model, cut, target=tg, rules=rules, baseline=_cut_baseline(baseline, seq, last + 1))
+        cut_baseline = _cut_baseline(baseline, seq, last + 1)
+        if per_step:
+            r = relevance(model, cut, target=tg, rules=rules, baseline=cut_baseline)
+            chunks.measured(1, 0.0)
+        else:
+            r = relevance_in_chunks(model, cut, tg, rules, cut_baseline, chunks)
         backend = r.backend
         rel[:, t0:t1, : last + 1] = r.token_relevance.transpose(0, 1).float().cpu()
         value[:, t0:t1] = r.target.transpose(0, 1).double().cpu()
         delta[:, t0:t1] = r.conservation_delta.transpose(0, 1).double().cpu()
-        chunks.measured(t1 - t0, time.perf_counter() - tic)
         t0 = t1
     bad = steps.cpu() & ~torch.isfinite(value)
     if bool(bad.any()):

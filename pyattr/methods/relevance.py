@@ -202,8 +202,19 @@ def relevance(
     return G.merge(parts, groups, batch, dims)
 
 
+def relevance_in_chunks(model: nn.Module, inputs, targets: Sequence[Target], rules, baseline, chunks) -> RelevanceResult:
+    """:func:`relevance` of k targets (a list) from one forward, their backward run as
+    several batched backwards whose sizes ``chunks`` chooses (see
+    :func:`pyattr.methods._core.forward.backward`); :func:`pyattr.generation_relevance`'s
+    path. For a model whose forward does not depend on the batch (the caller checks)."""
+    model = unwrap(model)
+    prep = core.prepare(model, inputs, None, "relevance", False)
+    tgts, several = T.normalize(list(targets), prep.input_ids.shape[0])
+    return _relevance(model, prep, tgts, several, core.rule_defaults(rules), baseline, None, False, chunks)
+
+
 def _relevance(model, prep: core.Prepared, tgts, several: bool, rules: RelevanceRules, baseline, grad_outputs,
-               generic: bool) -> RelevanceResult:
+               generic: bool, chunks=None) -> RelevanceResult:
     store: dict = {}
     with core.attribution_pass(model, rules, generic, "relevance") as cov:
         xs: List[torch.Tensor] = []
@@ -220,7 +231,7 @@ def _relevance(model, prep: core.Prepared, tgts, several: bool, rules: Relevance
         value, tid, fixed = evaluate_targets(tgts, fwd, several)
         go = check_grad_outputs(grad_outputs, value)
         base = check_baseline(baseline, x)
-        (grad,) = backward(value, [x], go, several)
+        (grad,) = backward(value, [x], go, several, chunks=chunks if several else None)
         backend_name = backends.select(x.device, "identity")
         del fwd, store
         if base is not None:

@@ -5,6 +5,7 @@ evaluated, and the (batched) backward."""
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import List, Optional
 
 import torch
@@ -16,6 +17,7 @@ import pyattr.methods._core.state as S
 import pyattr.targets as T
 from pyattr.methods._core.inputs import Prepared, accepts
 from pyattr.methods._core.taps import tap
+from pyattr.targets.stacked import stacked_values
 
 
 def evaluate_targets(targets: List[T.Target], fwd: T.Forward, several: bool):
@@ -23,6 +25,10 @@ def evaluate_targets(targets: List[T.Target], fwd: T.Forward, several: bool):
     when ``several``); ids like that when every target is a logit, else None; ``fixed``
     the targets with the token ids chosen here (top-1) kept, for the baseline and path
     passes, which must explain the token chosen at the real input."""
+    if several:
+        stacked = stacked_values(targets, fwd)
+        if stacked is not None:  # token ids given: nothing to fix
+            return stacked[0], stacked[1], list(targets)
     vals, ids = zip(*(t.value(fwd) for t in targets))
     fixed = [t.fixed(i) for t, i in zip(targets, ids)]
     if not several:
@@ -50,9 +56,14 @@ def check_grad_outputs(grad_outputs, value: torch.Tensor) -> torch.Tensor:
     return grad_outputs.to(device=value.device, dtype=value.dtype)
 
 
-def backward(value: torch.Tensor, wrt: List[torch.Tensor], go: torch.Tensor, several: bool, retain: bool = False):
+def backward(value: torch.Tensor, wrt: List[torch.Tensor], go: torch.Tensor, several: bool, retain: bool = False,
+             chunks=None):
     """Gradients of ``value`` (weighted by ``go``) with respect to ``wrt``; k targets run
-    as one batched backward (``is_grads_batched``)."""
+    as one batched backward (``is_grads_batched``). ``chunks`` (k targets only): an object
+    with ``next() -> int`` and ``measured(steps, seconds, peak_bytes)`` and a ``meter``
+    (:class:`~pyattr.methods._core.peak_memory.PeakMemory`): the k targets then run as
+    several batched backwards of ``chunks.next()`` targets over the one forward's graph
+    (kept until the last), each timed and its memory peak measured for ``chunks``."""
     if not value.requires_grad:
         raise ValueError(
             "target: the explained value does not depend on the inputs through differentiable "
@@ -66,7 +77,11 @@ def backward(value: torch.Tensor, wrt: List[torch.Tensor], go: torch.Tensor, sev
         eye = torch.eye(k, dtype=value.dtype, device=value.device)
         g = eye.view(k, k, *([1] * (value.dim() - 1))) * go.unsqueeze(0)  # (k, k, batch)
         try:
-            grads = torch.autograd.grad(value, wrt, g, is_grads_batched=True, allow_unused=True, retain_graph=retain)
+            if chunks is None:
+                grads = torch.autograd.grad(value, wrt, g, is_grads_batched=True, allow_unused=True,
+                                            retain_graph=retain)
+            else:
+                grads = _chunked(value, wrt, g, chunks, retain)
         except (NotImplementedError, RuntimeError) as e:
             text = str(e)
             if "atch" not in text:  # "Batching rule", "BatchedTensorImpl", "batched"
@@ -80,6 +95,26 @@ def backward(value: torch.Tensor, wrt: List[torch.Tensor], go: torch.Tensor, sev
             "embeddings is empty); choose a target computed after the embeddings"
         )
     return grads
+
+
+def _chunked(value: torch.Tensor, wrt: List[torch.Tensor], g: torch.Tensor, chunks, retain: bool):
+    """``torch.autograd.grad`` of the k rows of ``g`` in consecutive chunks, the graph kept
+    between them; the chunks' gradients concatenated (None stays None)."""
+    k = g.shape[0]
+    parts, t0 = [], 0
+    while t0 < k:
+        n = max(1, min(k - t0, chunks.next()))
+        chunks.meter.start()
+        tic = time.perf_counter()
+        try:
+            part = torch.autograd.grad(value, wrt, g[t0:t0 + n], is_grads_batched=True, allow_unused=True,
+                                       retain_graph=retain or t0 + n < k)
+        finally:
+            seconds, peak = time.perf_counter() - tic, chunks.meter.stop()
+        chunks.measured(n, seconds, peak)
+        parts.append(part)
+        t0 += n
+    return tuple(None if parts[0][i] is None else torch.cat([p[i] for p in parts]) for i in range(len(wrt)))
 
 
 def _unbatchable(k: int, why: str) -> RuntimeError:
