@@ -288,6 +288,8 @@ def test_check_tool_one_line_errors(tmp_path):
         (["--generation", "--lxt-python", "python3"], "--lxt-python adds LXT to --long-context; pass --long-context"),
         (["--long-context", "--context", "16384"], "--context sets the context lengths of --generation"),
         (["--generation", "--context", "0"], "--context: expected positive token counts separated by commas, got '0'"),
+        (["--generation", "--rounds", "0"], "--rounds must be >= 1, got 0"),
+        (["--faithfulness", "--rounds", "2"], "--rounds sets the interleaved rounds of --generation and --long-context"),
         (["--generation", "--context", "16k"], "--context: expected positive token counts separated by commas, got '16k'"),
     ],
 )

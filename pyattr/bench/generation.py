@@ -121,7 +121,7 @@ def run_long(contexts, quick: bool = False, rounds: int = None, steps: int = LON
     extra = ["--steps", str(steps), "--long"] + (["--layers", "2", "--hidden", "128"] if quick else [])
     rows = interleaved_grid("pyattr.bench.generation", "--prompt", contexts, ("loop", "batched"), extra,
                             "generation after a long context, tokens:", pairs=[("batched", "loop")],
-                            rounds=rounds or (2 if quick else ROUNDS), max_rounds=2 if quick else ROUNDS)
+                            rounds=rounds or (2 if quick else ROUNDS), max_rounds=rounds or (2 if quick else ROUNDS))
     for r in rows:
         r["time_over_loop"] = 1.0 if r["variant"] == "loop" else r["over_loop"]["median"]
     return rows
@@ -137,7 +137,7 @@ def run_all(quick: bool = False, rounds: int = None, contexts=None) -> List[Dict
     pairs = [("batched", "loop"), ("batched", "inseq"), ("loop", "inseq"), ("inseq", "loop")]
     rows = interleaved_grid("pyattr.bench.generation", "--steps", steps, VARIANTS, extra, "generation, steps:",
                             pairs=pairs, rounds=rounds or (2 if quick else ROUNDS),
-                            max_rounds=2 if quick else MAX_ROUNDS - 2)  # a round takes about 5 minutes
+                            max_rounds=rounds or (2 if quick else MAX_ROUNDS - 2))  # a round takes about 5 minutes
     for r in rows:
         r["time_over_loop"] = 1.0 if r["variant"] == "loop" else r["over_loop"]["median"]
         r["time_over_inseq"] = 1.0 if r["variant"] == "inseq" else r["over_inseq"]["median"]

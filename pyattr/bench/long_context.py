@@ -86,7 +86,8 @@ def measure(variant: str, context: int, hidden: int = 512, layers: int = 4) -> D
 
 
 def run_all(quick: bool = False, rounds: int = None, lxt_python: str = None) -> List[Dict]:
-    """Every variant at every context in interleaved rounds; with ``lxt_python`` (the Python
+    """Every variant at every context in interleaved rounds (``rounds``: exactly that many;
+    default 3, more while a ratio's range is wide); with ``lxt_python`` (the Python
     of an environment where LXT and its transformers 4 are installed) also LXT's two
     variants (:mod:`pyattr.bench.long_context_lxt`), each in that Python's own process."""
     from pyattr.bench.rounds import MAX_ROUNDS, ROUNDS, interleaved_grid
@@ -104,7 +105,7 @@ def run_all(quick: bool = False, rounds: int = None, lxt_python: str = None) -> 
         pairs += [("attnlrp", "lxt"), ("attnlrp", "lxt_cut")]
     rows = interleaved_grid("pyattr.bench.long_context", "--context", contexts, variants, extra,
                             "long-context, tokens:", pairs=pairs, rounds=rounds or (2 if quick else ROUNDS),
-                            max_rounds=2 if quick else MAX_ROUNDS, commands=commands)
+                            max_rounds=rounds or (2 if quick else MAX_ROUNDS), commands=commands)
     by = {(r["context"], r["variant"]): r for r in rows}
     for r in rows:
         r["bytes_per_1k"] = r["peak_extra_bytes"] / (r["context"] / 1024)

@@ -342,6 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--context", metavar="N[,N]",
                    help="--generation: instead, 16 tokens explained after contexts of these lengths (e.g. 16384) "
                         "on the long-context Llama, the per-step loop against generation_relevance")
+    b.add_argument("--rounds", type=int, default=None, metavar="N",
+                   help="--generation, --long-context: exactly N interleaved rounds (default: 3, up to 6 while "
+                        "a ratio's range is wider than 10%% of its median)")
     b.add_argument("--long-context", action="store_true",
                    help="one relevance map after a 4k / 8k / 16k-token context under every rule set (default, "
                         "AttnLRP, LN-rule only, none) against a plain forward + backward: time with its range over "

@@ -45,6 +45,11 @@ def _check_args(args):
         raise UsageError("--e2e, --conservation, --ig-memory, --patching, --dataset, --faithfulness, "
                          "--estimators, --generation, --long-context, --citations and --circuits are separate runs; "
                          "pass one")
+    if getattr(args, "rounds", None) is not None:
+        if not (args.generation or args.long_context):
+            raise UsageError("--rounds sets the interleaved rounds of --generation and --long-context; pass one")
+        if args.rounds < 1:
+            raise UsageError(f"--rounds must be >= 1, got {args.rounds}")
     contexts = getattr(args, "context", None)
     if contexts is not None:
         if not args.generation:
@@ -127,6 +132,8 @@ def run(args) -> int:
             extra = {"lxt_python": args.lxt_python} if getattr(args, "lxt_python", None) else {}
             if getattr(args, "context", None):
                 extra["contexts"] = args.context
+            if getattr(args, "rounds", None):
+                extra["rounds"] = args.rounds
             rows = module.run_all(quick=args.quick, **extra)
         except e2e.E2EError as e:  # a measurement process failed
             return fail("bench", str(e), status=1)

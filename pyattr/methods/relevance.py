@@ -208,6 +208,7 @@ def relevance_in_chunks(model: nn.Module, inputs, targets: Sequence[Target], rul
     :func:`pyattr.methods._core.forward.backward`); :func:`pyattr.generation_relevance`'s
     path. For a model whose forward does not depend on the batch (the caller checks)."""
     model = unwrap(model)
+    precheck_baseline(model, baseline, inputs)
     prep = core.prepare(model, inputs, None, "relevance", False)
     tgts, several = T.normalize(list(targets), prep.input_ids.shape[0])
     return _relevance(model, prep, tgts, several, core.rule_defaults(rules), baseline, None, False, chunks)
