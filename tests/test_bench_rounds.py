@@ -99,3 +99,22 @@ def test_long_context_table_names_lxt_and_the_ratio_to_it():
     assert "| 4096 | 0.70 (0.60–0.80) | 0.70 (0.60–0.80) |" in md
     assert "LXT ran in its own environment: Python 3.11, transformers 4.52.4, lxt 2.1." in md
     assert "over LXT" not in long_context.markdown(rows[:1])
+
+
+def test_the_lxt_child_imports_nothing_of_pyattr():
+    """LXT runs on transformers 4 in its own environment, where pyattr is not installed: the
+    script it runs imports only the standard library, torch, transformers and lxt."""
+    import ast
+
+    from pyattr.bench import long_context, long_context_lxt
+
+    tree = ast.parse(open(long_context_lxt.__file__, encoding="utf-8").read())
+    roots = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            roots.add(node.module.split(".")[0])
+    assert roots <= {"__future__", "argparse", "json", "platform", "resource", "time", "importlib", "torch",
+                     "transformers", "lxt"}, roots
+    assert set(long_context_lxt.VARIANTS).isdisjoint(long_context.VARIANTS)

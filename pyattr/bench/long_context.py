@@ -40,7 +40,7 @@ def _model(attn: str, hidden: int = 512, layers: int = 4):
 
     cfg = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
                       num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64,
-                      max_position_embeddings=32768)
+                      max_position_embeddings=65536)
     cfg._attn_implementation = attn
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).eval()
