@@ -86,13 +86,15 @@ def test_more_steps_converge_and_chunks_change_nothing(model64):
 
 
 @pytest.mark.parametrize("kw, message", [
-    ({"method": "atp", "steps": 4}, "steps / batch_size: only method='ig' interpolates; method='atp' takes neither"),
-    ({"method": "relp", "batch_size": 4}, "only method='ig' interpolates"),
+    ({"method": "atp", "steps": 4}, "steps: only method='ig' interpolates; method='atp' takes no steps"),
+    ({"method": "blockwise", "steps": 4}, "steps: only method='ig' interpolates; method='blockwise' takes no steps"),
+    ({"method": "relp", "batch_size": 4}, "batch_size: only method='ig' (interpolated rows) and 'blockwise' (patched "
+                                          "nodes per block run) batch; method='relp' takes none"),
     ({"method": "ig", "steps": 0}, "steps must be an int ≥ 1, got 0"),
     ({"method": "ig", "batch_size": -1}, "batch_size must be an int ≥ 1, got -1"),
     ({"method": "ig", "alignment": torch.arange(6)}, "alignment: method='ig' interpolates the input embeddings"),
     ({"method": "ig", "rules": object()}, "rules: method='ig' uses the plain gradient"),
-    ({"method": "eap"}, "method must be one of ('relp', 'atp', 'atp*', 'ig'), got 'eap'"),
+    ({"method": "eap"}, "method must be one of ('relp', 'atp', 'atp*', 'ig', 'blockwise'), got 'eap'"),
     ({"method": "ig", "attention_mask": torch.tensor([[1] * 6, [0] + [1] * 5])},
      "method='ig' interpolates the input embeddings position by position, so they must have the same length and mask"),
 ])

@@ -228,6 +228,26 @@ def _copies(model, pair: Pair, fixed, flat, row: int, n: int, clean_value: float
     return reference, [align(a, index) for a in acts]
 
 
+def patch_copies(site: Site, jobs: Sequence[Tuple[int, _Job]], sources: torch.Tensor, valid: torch.Tensor):
+    """The tap body that patches a batch of copies: copy ``j`` of each ``(j, job)`` takes the
+    job's unit (head slice, neuron, or the whole width) from ``sources[j]``, at the job's
+    position or, for position -1, at every position where ``valid[j]`` is set."""
+
+    def fn(t):
+        src = sources.to(t.dtype)
+        new = t.clone()
+        for j, job in jobs:
+            w = _width_slice(site, t.shape[-1], job.unit)
+            if job.position >= 0:
+                new[j, job.position, w] = src[j, job.position, w]
+            else:
+                pos = valid[j].nonzero().flatten().to(t.device)
+                new[j, pos, w] = src[j, pos, w]
+        return new
+
+    return fn
+
+
 def _patched_forward(model, pair: Pair, fixed, flat, sources, row: int, chunk) -> torch.Tensor:
     """Metric of ``len(chunk)`` copies of clean row ``row``, copy j patched by ``chunk[j]``
     (``None``: unpatched) with the activations of copy j in ``sources``."""
@@ -245,21 +265,7 @@ def _patched_forward(model, pair: Pair, fixed, flat, sources, row: int, chunk) -
 
     def fn_for(n):
         site_i = used[n]
-        site = flat[site_i]
-
-        def fn(t):
-            src = sources[site_i].to(t.dtype)
-            new = t.clone()
-            for j, job in by_site[site_i]:
-                w = _width_slice(site, t.shape[-1], job.unit)
-                if job.position >= 0:
-                    new[j, job.position, w] = src[j, job.position, w]
-                else:
-                    pos = valid.nonzero().flatten().to(t.device)
-                    new[j, pos, w] = src[j, pos, w]
-            return new
-
-        return fn
+        return patch_copies(flat[site_i], by_site[site_i], sources[site_i], valid.expand(k, -1))
 
     mods: dict = {}
     with core.taps([(flat[i].module, flat[i].where) for i in used], fn_for), \

@@ -18,7 +18,7 @@ from pyattr.patching.nodes import Site, check_nodes, node_sites
 from pyattr.patching.pairs import align, metric_targets, prepare_pair, recording_forward
 from pyattr.patching.result import PatchingResult, dims
 
-METHODS = ("relp", "atp", "atp*", "ig")
+METHODS = ("relp", "atp", "atp*", "ig", "blockwise")
 
 
 #: The rules ``method="relp"`` uses by default: the LN-rule alone. Chosen by the
@@ -30,10 +30,18 @@ METHODS = ("relp", "atp", "atp*", "ig")
 PATCHING_RULES = RelevanceRules(normalization=True)
 
 
+#: The rules ``method="blockwise"`` takes its gradients under by default: none (the plain
+#: gradient). Chosen by ``pyattr bench --estimators``: on a 4-layer induction decoder, where
+#: the blocks' coupling stays linear, the plain gradient's top-2 heads equal exact patching's
+#: on 92 % of key pairs and the LN-rule's on 64 %.
+BLOCKWISE_RULES = RelevanceRules()
+
+
 def method_rules(method: str, rules: Optional[RelevanceRules], default: RelevanceRules) -> RelevanceRules:
-    """The rules a patching method runs under: ``default`` (or ``rules``) for ``"relp"``, none
-    for the plain-gradient methods, which refuse ``rules``."""
-    if method != "relp":
+    """The rules a patching method runs under: ``default`` (or ``rules``) for ``"relp"`` and
+    ``"blockwise"`` (whose gradients couple the blocks), none for the plain-gradient methods,
+    which refuse ``rules``."""
+    if method not in ("relp", "blockwise"):
         if rules is not None:
             raise ValueError(f"rules: method={method!r} uses the plain gradient; pass method='relp' to use rules")
         return RelevanceRules()
@@ -97,8 +105,18 @@ def attribution_patching(
             ``steps`` inputs on the line from the clean to the corrupt input embeddings
             (:mod:`pyattr.patching.ig`); ``steps`` forwards and backwards for every node
             at once. Needs clean and corrupt that line up (no ``alignment``).
+            ``"blockwise"``: sees composition through later attention softmaxes
+            (:mod:`pyattr.patching.blockwise`): each node's exact change of its own block's
+            output is carried along the residual stream, every later block's and the output
+            head's response to it is computed exactly, and only the coupling between later
+            blocks stays linear (through the gradient). Exact on 2-layer models; one run of
+            the node's block, each later block and the output head per node (batched
+            ``batch_size`` nodes per run), so its cost grows with nodes × later blocks.
+            Models whose blocks pass their input on (pre-norm; a block that returns a
+            norm's output is refused); the metric must be read from the model's output.
         rules (RelevanceRules, optional): the rules of ``"relp"`` (default
-            :data:`PATCHING_RULES`); not accepted with ``"atp"`` / ``"atp*"``.
+            :data:`PATCHING_RULES`) and of ``"blockwise"``'s gradients (default
+            :data:`BLOCKWISE_RULES`, none); not accepted with ``"atp"`` / ``"atp*"`` / ``"ig"``.
         sum_positions (bool): sum each node's estimate over positions (the estimate of
             patching it at every position at once). Default False.
         alignment (LongTensor[batch, clean_seq], optional): the corrupt position whose
@@ -106,8 +124,9 @@ def attribution_patching(
             clean and corrupt differ in length or in their attention masks.
         steps (int, optional): ``"ig"`` only: the interpolation steps (midpoint rule;
             default 16).
-        batch_size (int, optional): ``"ig"`` only: rows per forward of the ``steps × batch``
-            interpolated rows (default: all in one).
+        batch_size (int, optional): ``"ig"``: rows per forward of the ``steps × batch``
+            interpolated rows (default: all in one); ``"blockwise"``: patched nodes per block
+            run (default 256).
         attention_mask (Tensor[batch, seq], optional): the mask of ``clean`` when it is
             given as ids.
         corrupt_attention_mask (Tensor[batch, seq], optional): the mask of ``corrupt``
@@ -130,7 +149,8 @@ def attribution_patching(
     Raises:
         ValueError: an unknown node type or method, a model without a node map,
             ``"atp*"`` on a model whose attention does not return its probabilities
-            (not eager), clean
+            (not eager), ``"blockwise"`` on a post-norm model or with a metric read
+            inside a block, clean
             and corrupt that do not line up (different lengths or masks without
             ``alignment``, different batch sizes), a metric that does not give one value
             per row or does not depend on the inputs, ``rules`` with ``"atp"``.
@@ -140,15 +160,22 @@ def attribution_patching(
     node_list = check_nodes(nodes)
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if method != "ig" and (steps is not None or batch_size is not None):
-        raise ValueError(f"steps / batch_size: only method='ig' interpolates; method={method!r} takes neither")
+    if method != "ig" and steps is not None:
+        raise ValueError(f"steps: only method='ig' interpolates; method={method!r} takes no steps")
+    if method not in ("ig", "blockwise") and batch_size is not None:
+        raise ValueError(f"batch_size: only method='ig' (interpolated rows) and 'blockwise' (patched nodes per block "
+                         f"run) batch; method={method!r} takes none")
+    if method == "blockwise":
+        from pyattr.patching import blockwise as BW
+
+        batch_size = core.check_count("batch_size", batch_size) or BW.DEFAULT_BATCH
     if method == "ig":
         steps = core.check_count("steps", IG.DEFAULT_STEPS if steps is None else steps, allow_none=False)
         batch_size = core.check_count("batch_size", batch_size)
         if alignment is not None:
             raise ValueError("alignment: method='ig' interpolates the input embeddings position by position, so "
                              "clean and corrupt must line up; drop alignment= or use method='atp' / 'relp'")
-    rules = method_rules(method, rules, PATCHING_RULES)
+    rules = method_rules(method, rules, PATCHING_RULES if method == "relp" else BLOCKWISE_RULES)
     sites = node_sites(model, node_list, generic)
     flat = [s for n in node_list for s in sites[n]]
     caller = "attribution_patching"
@@ -157,13 +184,19 @@ def attribution_patching(
     batch = pair.clean.input_ids.shape[0]
     tgts = metric_targets(metric, batch)
     star = method == "atp*" and "residual" in node_list
+    blocks = None
+    if method == "blockwise":
+        block_sites = node_sites(model, ["residual"], generic)["residual"]
+        blocks = BW.BlockCalls([s.module for s in block_sites],
+                               BW.block_norms(model, generic, [s.path for s in block_sites]))
+        BW.check_metric(model, tgts, blocks)
     if star:
         from pyattr.patching.atp_star import AttentionCalls
 
         attn_c = AttentionCalls(model, [s.path for s in sites["residual"]], generic)
         attn_x = AttentionCalls(model, [s.path for s in sites["residual"]], generic)
     with core.attribution_pass(model, rules, generic, caller) as cov:
-        with attn_c.recording() if star else contextlib.nullcontext():
+        with attn_c.recording() if star else blocks.recording() if blocks is not None else contextlib.nullcontext():
             value, acts_c, fixed = recording_forward(model, pair.clean, tgts, flat, grad=True)
         if not value.requires_grad:
             raise ValueError("metric: the value does not depend on the inputs through differentiable operations")
@@ -171,14 +204,19 @@ def attribution_patching(
         if star:
             attn_c.check()
             extra = attn_c.weights
+        if blocks is not None:
+            blocks.check(model)
+            extra = blocks.y
         if method == "ig":
             value = value.detach()
             grads = IG.path_gradients(model, pair, fixed, flat, steps, batch_size)
             d_weights = []
         else:
             grads = torch.autograd.grad(value, acts_c + extra, torch.ones_like(value), allow_unused=True,
-                                        retain_graph=star)
+                                        retain_graph=star or blocks is not None)
             grads, d_weights = grads[:len(acts_c)], grads[len(acts_c):]
+        if blocks is not None:
+            g_out, local = BW.block_gradients(blocks, d_weights)
         pattern_grads = {}
         if star:
             # the part of each residual node's gradient that flows through its own block's
@@ -195,6 +233,13 @@ def attribution_patching(
         if star:  # inside the pass: eval mode (no attention dropout in the re-run modules)
             inputs_x = [align(t.detach(), pair.index) for t in attn_x.inputs]
             pattern_terms = attn_c.pattern_terms(inputs_x, list(d_weights), pair.valid)
+        if blocks is not None:  # inside the pass: eval mode, the rules' forwards are the model's
+            sources = [align(a.detach(), pair.index) for a in acts_x]
+            effects = BW.effects(model, pair, fixed, flat, node_list, sources, [a.shape[-1] for a in acts_c],
+                                 blocks, g_out, local, sum_positions, batch_size)
+            return PatchingResult(effects=effects, dims={n: dims(n, sum_positions) for n in node_list},
+                                  clean_metric=value.detach().double(), corrupt_metric=value_x.double(),
+                                  method=method, rules=rules, coverage=cov)
     effects: Dict[str, torch.Tensor] = {}
     valid = pair.valid
     for node in node_list:

@@ -21,11 +21,23 @@ INDUCTION_DIR = Path(__file__).resolve().parent / "induction"
 #: (``python -m pyattr.toy.train DIR --seed 1``): what a result on one trained model
 #: cannot owe to its particular weights is checked on both (``toy.load(toy.INDUCTION_B_DIR)``).
 INDUCTION_B_DIR = Path(__file__).resolve().parent / "induction_b"
+#: A 4-layer induction decoder, the same task and width (``python -m pyattr.toy.train DIR
+#: --layers 4``): with more than one later block, estimates that are exact on the 2-layer
+#: models (``method="blockwise"``) are approximations, measured here. Training found no
+#: head that passes the circuit thresholds alone (its ``circuit.json`` lists none: the
+#: mechanism is spread over heads and layers).
+INDUCTION_4L_DIR = Path(__file__).resolve().parent / "induction_4l"
 #: The name ``pyattr explain / patch / generate --model`` accept for it.
 INDUCTION_NAME = "induction"
 #: The directory of the shipped image classifier (``save_pretrained`` layout plus its
 #: ``preprocessor_config.json``).
 SQUARES_DIR = Path(__file__).resolve().parent / "squares"
+#: A 4-layer induction decoder, the same task and width (``python -m pyattr.toy.train DIR
+#: --layers 4``): with more than one later block, estimates that are exact on the 2-layer
+#: models (``method="blockwise"``) are approximations, measured here. Training found no
+#: head that passes the circuit thresholds alone (its ``circuit.json`` lists none: the
+#: mechanism is spread over heads and layers).
+INDUCTION_4L_DIR = Path(__file__).resolve().parent / "induction_4l"
 #: The name ``pyattr explain --model`` accepts for it.
 SQUARES_NAME = "squares"
 
@@ -33,7 +45,8 @@ SQUARES_NAME = "squares"
 def load(path=None):
     """(model, tokenizer, circuit) of the toy induction decoder, model in eval mode, float32,
     eager attention. ``path``: a directory written by ``python -m pyattr.toy.train``
-    (default: the shipped one; ``INDUCTION_B_DIR`` the second one)."""
+    (default: the shipped one; ``INDUCTION_B_DIR`` the second one, ``INDUCTION_4L_DIR`` the
+    4-layer one)."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     path = Path(path) if path is not None else INDUCTION_DIR

@@ -25,13 +25,14 @@ BATCH = 64
 LR = 3e-3
 
 
-def config():
-    """A 2-layer, 4-head Llama (hidden 64, SwiGLU MLP of width 128, RoPE, RMSNorm)."""
+def config(layers: int = 2):
+    """A ``layers``-layer (default 2), 4-head Llama (hidden 64, SwiGLU MLP of width 128, RoPE,
+    RMSNorm)."""
     from transformers import LlamaConfig
 
     vocab = task.vocabulary()
     return LlamaConfig(
-        vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
         rms_norm_eps=1e-5, tie_word_embeddings=False, pad_token_id=vocab[task.PAD],
         bos_token_id=vocab[task.BOS], eos_token_id=None, attention_bias=False,
@@ -45,7 +46,7 @@ def loss_of(model, ids, determined):
     return torch.nn.functional.cross_entropy(logits[mask], target[mask])
 
 
-def train(steps: int = STEPS, seed: int = SEED, log=None):
+def train(steps: int = STEPS, seed: int = SEED, log=None, layers: int = 2):
     """The trained ``LlamaForCausalLM`` (eval mode, float32). Adam, cosine-decayed
     learning rate, loss on the determined positions only."""
     from transformers import LlamaForCausalLM
@@ -54,7 +55,7 @@ def train(steps: int = STEPS, seed: int = SEED, log=None):
     torch.set_num_threads(1)  # one thread: the same sums in the same order on every machine
     try:
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config()).float()
+        model = LlamaForCausalLM(config(layers)).float()
         model.config._attn_implementation = "eager"
         g = torch.Generator().manual_seed(seed)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, betas=(0.9, 0.98))
@@ -102,13 +103,16 @@ def main(argv=None) -> int:
     p.add_argument("out", nargs="?", default=str(SHIPPED), help="output directory (default: the shipped copy)")
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--seed", type=int, default=SEED)
+    p.add_argument("--layers", type=int, default=2, help="decoder layers (default 2, as shipped)")
     a = p.parse_args(argv)
+    if a.layers < 2:
+        p.error(f"--layers must be at least 2 (a previous-token head feeds an induction head), got {a.layers}")
     t0 = time.perf_counter()
-    model = train(a.steps, a.seed, log=print)
+    model = train(a.steps, a.seed, log=print, layers=a.layers)
     seconds = time.perf_counter() - t0
     acc = accuracy(model)
     print(f"trained in {seconds:.1f} s, accuracy {acc:.4f}")
-    save(model, Path(a.out), {"steps": a.steps, "seed": a.seed, "batch": BATCH, "lr": LR,
+    save(model, Path(a.out), {"steps": a.steps, "seed": a.seed, "layers": a.layers, "batch": BATCH, "lr": LR,
                               "torch": torch.__version__, "accuracy": acc})
     print(f"saved to {a.out}")
     return 0

@@ -1,0 +1,310 @@
+"""Blockwise attribution patching (``method="blockwise"``): an estimate of each node's
+patching effect that sees composition through later attention softmaxes.
+
+Attribution patching linearises everything downstream of a node. Where a node's change
+moves a later attention pattern a long way (a previous-token head whose output forms the
+keys an induction head attends with: K-composition, Elhage et al. 2021), the linear estimate
+misses most of the effect, whatever the gradient rule (AtP, RelP, EAP-IG's path average).
+AtP*'s QK fix (Kramár et al., arXiv 2403.00745, §3.1.1) recomputes the pattern of a node's
+own block only. Here every later block's response is computed exactly:
+
+For a node in block ``l`` with corrupt value patched in, ``δ = B_l(patched) − B_l(clean)`` is
+the exact change of its block's output. The residual stream carries ``δ`` to every later
+block ``l' > l``; each later block is run on ``x_l' + δ``, and its exact response replaces
+its linearisation; the output head (final norm, unembedding, metric) is run on the last
+block's output plus ``δ`` and every later block's response. With ``g_l`` the gradient at
+block ``l``'s output, ``u_l' = (∂B_l'/∂x_l')ᵀ g_l'`` (the same gradient taken back through
+block ``l'`` alone) and ``r_l' = B_l'(x_l' + δ) − B_l'(x_l') − δ``:
+
+    estimate = g_l·δ + Σ_{l' > l} [g_l'·(r_l' + δ) − u_l'·δ]
+               + M(y_last + δ + Σ r_l') − M(y_last) − g_last·(δ + Σ r_l')
+
+Each block's own nonlinearity (its softmax, norms and MLP) is exact for the node's direct
+change; only the coupling between later blocks (block ``l''`` seeing block ``l'``'s response)
+stays linear. With one later block (a 2-layer model) nothing is left linear and the estimate
+equals exact patching; with more it is an approximation, measured in ``pyattr bench
+--estimators``.
+
+Cost: per node, one run of its own block, of each later block and of the output head
+(earlier blocks are replayed from the clean run: the stubbed blocks return their recorded
+outputs), batched ``batch_size`` nodes per run, and one of each unpatched per batch for a
+reference (identical clean and corrupt inputs give exactly 0). The clean and corrupt
+forwards and the one backward are those of attribution patching.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+import pyattr.architectures as A
+import pyattr.methods._core as core
+import pyattr.targets as T
+from pyattr.methods._core.forward import evaluate_targets, run_model
+from pyattr.patching.atp_star import _is_cache, _replace_input
+
+#: Patched nodes per block run (default of ``batch_size``).
+DEFAULT_BATCH = 256
+
+
+def block_norms(model: nn.Module, generic: bool, blocks: List[str]) -> List[List[nn.Module]]:
+    """Each block's norms (the table's ``layer_norms``), whose outputs :meth:`BlockCalls.check`
+    compares with the block's output."""
+    arch = A.arch_of(model, generic)
+    out = []
+    for b in blocks:
+        mods = []
+        for rel in (arch.layer_norms if arch is not None else ()):
+            try:
+                mods.append(model.get_submodule(f"{b}.{rel}"))
+            except AttributeError:
+                continue
+        out.append(mods)
+    return out
+
+
+def _first(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise RuntimeError(f"method='blockwise': a block returned {type(out).__name__}, not a tensor or a tuple "
+                       "starting with one")
+
+
+def _with_first(out, x: torch.Tensor):
+    if isinstance(out, torch.Tensor):
+        return x
+    return type(out)((x, *out[1:])) if isinstance(out, tuple) else [x, *out[1:]]
+
+
+def _select(obj, idx: torch.Tensor, batch: int):
+    """Per-row tensors of a recorded call (leading dim ``batch``, dim ≥ 2) restricted to rows
+    ``idx``; other values (positions, broadcast masks, flags) unchanged."""
+    if isinstance(obj, torch.Tensor):
+        if obj.dim() >= 2 and obj.shape[0] == batch:
+            return obj.detach()[idx.to(obj.device)]
+        return obj
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_select(o, idx, batch) for o in obj)
+    if isinstance(obj, list):
+        return [_select(o, idx, batch) for o in obj]
+    return obj
+
+
+class BlockCalls:
+    """Per block: its recorded call (args, kwargs), input ``x`` and output ``y`` (first
+    tensor, in the graph), and its raw output (for the stubbed replay)."""
+
+    def __init__(self, blocks: List[nn.Module], norms: Optional[List[List[nn.Module]]] = None):
+        self.blocks = blocks
+        n = len(blocks)
+        self.norms = norms or [[] for _ in blocks]
+        self.norm_out: List[list] = [[] for _ in blocks]
+        self.calls: List[Optional[Tuple[tuple, dict]]] = [None] * n
+        self.x: List[Optional[torch.Tensor]] = [None] * n
+        self.y: List[Optional[torch.Tensor]] = [None] * n
+        self.raw: list = [None] * n
+        self.count = [0] * n
+
+    @contextlib.contextmanager
+    def recording(self):
+        from pyattr.patching.atp_star import _first_input
+
+        handles = []
+        for i, mod in enumerate(self.blocks):
+            def pre(m, args, kwargs, i=i):
+                self.calls[i] = (args, kwargs)
+                self.x[i] = _first_input(args, kwargs)
+                self.count[i] += 1
+
+            def post(m, args, kwargs, out, i=i):
+                self.raw[i] = out
+                self.y[i] = _first(out)
+
+            handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(mod.register_forward_hook(post, with_kwargs=True))
+            for norm in self.norms[i]:
+                handles.append(norm.register_forward_hook(
+                    lambda m, a, out, i=i: self.norm_out[i].append(_first(out).detach())))
+        try:
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+
+    def check(self, model: nn.Module) -> None:
+        """Every block ran once, and no block's output is a norm's output: a post-norm block
+        (BERT's: the residual sum normalised) does not pass its input on to the later
+        blocks, which the carried change assumes (observed, not read off the model type)."""
+        if any(c != 1 for c in self.count) or any(x is None for x in self.x):
+            raise ValueError(f"method='blockwise': every block must run once on its input tensor in the forward; "
+                             f"the blocks ran {self.count} times")
+        for i, (y, outs) in enumerate(zip(self.y, self.norm_out)):
+            if any(o.shape == y.shape and torch.equal(o, y.detach()) for o in outs):
+                raise ValueError(
+                    f"method='blockwise' carries each node's change along the residual stream to the later blocks, "
+                    f"and block {i} of {type(model).__name__} (model_type {A.model_type(model)!r}) returns the output "
+                    "of a norm (a post-norm block), which does not pass its input on. Use method='relp', 'atp' or "
+                    "'ig'")
+
+    def run(self, layer: int, idx: torch.Tensor, x: torch.Tensor, batch: int) -> torch.Tensor:
+        """Block ``layer`` on rows ``idx`` of the recorded call with input ``x``; its output."""
+        args, kwargs = self.calls[layer]
+        args = _select(args, idx, batch)
+        kwargs = {k: (None if _is_cache(k, v) else _select(v, idx, batch)) for k, v in kwargs.items()}
+        args, kwargs = _replace_input(args, kwargs, x)
+        return _first(self.blocks[layer](*args, **kwargs))
+
+    @contextlib.contextmanager
+    def replay(self, idx: torch.Tensor, batch: int, last_delta: torch.Tensor):
+        """Every block returns its recorded output on rows ``idx`` (the last one plus
+        ``last_delta``) without computing: a forward of the model then runs only what
+        comes before the first and after the last block."""
+        last = len(self.blocks) - 1
+        saved = []
+        for i, blk in enumerate(self.blocks):
+            y = self.y[i].detach()[idx.to(self.y[i].device)]
+            if i == last:
+                y = y + last_delta.to(y.dtype)
+            out = _with_first(self.raw[i], y)
+            saved.append(blk.__dict__.get("forward"))
+            blk.forward = (lambda out: (lambda *a, **k: out))(out)
+        try:
+            yield
+        finally:
+            for blk, f in zip(self.blocks, saved):
+                if f is None:
+                    del blk.forward
+                else:
+                    blk.forward = f
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a.double() * b.double()).flatten(1).sum(1)
+
+
+def estimates(model: nn.Module, pair, fixed, flat, sources: List[torch.Tensor], jobs: Sequence,
+              calls: BlockCalls, g_out: List[torch.Tensor], u: List[Optional[torch.Tensor]],
+              batch_size: int) -> torch.Tensor:
+    """The blockwise estimate of each patching job (float64, ``len(jobs)``; jobs as
+    :func:`pyattr.patching.activation` plans them): module docstring.
+
+    ``sources[i]``: site i's corrupt activation in the clean layout; ``g_out[l]`` the
+    gradient at block l's output, ``u[l]`` that gradient taken back through block l alone."""
+    batch = pair.clean.input_ids.shape[0]
+    n_layers = len(calls.blocks)
+    out = torch.zeros(len(jobs), dtype=torch.float64)
+    order = sorted(range(len(jobs)), key=lambda j: (flat[jobs[j].site].layer, jobs[j].site))
+    refs: Dict[tuple, torch.Tensor] = {}  # unpatched runs, per (stage, rows): chunks of one layout share them
+    with torch.no_grad():
+        for start in range(0, len(order), batch_size):
+            part = order[start:start + batch_size]
+            chunks: Dict[int, List[int]] = {}
+            for j in part:
+                chunks.setdefault(flat[jobs[j].site].layer, []).append(j)
+            for layer, js in chunks.items():
+                out[js] = _chunk(model, pair, fixed, flat, sources, [jobs[j] for j in js], layer, calls, g_out, u,
+                                 batch, n_layers, refs)
+    return out
+
+
+def _chunk(model, pair, fixed, flat, sources, chunk: list, layer: int, calls: BlockCalls, g_out, u,
+           batch: int, n_layers: int, refs: Dict[tuple, torch.Tensor]) -> torch.Tensor:
+    from pyattr.patching.activation import patch_copies
+
+    dev = calls.x[layer].device
+    idx = torch.tensor([j.row for j in chunk], dtype=torch.long, device=dev)
+    x = calls.x[layer].detach()[idx]
+    rows = tuple(idx.tolist())
+
+    def unpatched(stage: int, x_stage: torch.Tensor) -> torch.Tensor:
+        # the clean block on the same rows in the same batch shape as the patched run, so
+        # that a patch that changes nothing gives exactly 0
+        if (stage, rows) not in refs:
+            refs[(stage, rows)] = calls.run(stage, idx, x_stage, batch)
+        return refs[(stage, rows)]
+
+    reference = unpatched(layer, x)
+    by_site: Dict[int, list] = {}
+    for k, job in enumerate(chunk):
+        by_site.setdefault(job.site, []).append((k, job))
+    used = sorted(by_site)
+
+    def fn_for(n):
+        i = used[n]
+        return patch_copies(flat[i], by_site[i], sources[i][idx.to(sources[i].device)],
+                            pair.valid[idx.to(pair.valid.device)])
+
+    with core.taps([(flat[i].module, flat[i].where) for i in used], fn_for):
+        patched = calls.run(layer, idx, x, batch)
+    delta = patched - reference
+    est = _dot(delta, g_out[layer][idx])
+    carried = delta
+    for later in range(layer + 1, n_layers):
+        x_l = calls.x[later].detach()[idx]
+        base = unpatched(later, x_l)
+        moved = calls.run(later, idx, x_l + delta.to(x_l.dtype), batch)
+        change = moved - base
+        est += _dot(change, g_out[later][idx]) - _dot(delta, u[later][idx])
+        carried = carried + (change - delta)
+    if ("head", rows) not in refs:
+        refs[("head", rows)] = _head(model, pair, fixed, calls, idx, torch.zeros_like(carried), batch)
+    head = _head(model, pair, fixed, calls, idx, carried, batch) - refs[("head", rows)]
+    return (est - _dot(carried, g_out[n_layers - 1][idx])).cpu() + head
+
+
+def _head(model, pair, fixed, calls: BlockCalls, idx: torch.Tensor, carried: torch.Tensor, batch: int) -> torch.Tensor:
+    """``M(y_last + carried)`` on rows ``idx`` (float64, cpu): the model's forward with every
+    block replayed from the clean run, so only the output head (final norm, unembedding,
+    metric) computes."""
+    from pyattr.patching.pairs import check_value
+
+    sub = core.select_rows(pair.clean, idx)
+    tg = [t.rows(idx, batch) for t in fixed]
+    mods: dict = {}
+    with calls.replay(idx, batch, carried), core.record_modules(model, T.module_paths(tg), mods):
+        fwd = run_model(model, sub, tg, mods)
+    value, _, _ = evaluate_targets(tg, fwd, False)
+    return check_value(value, len(idx)).double().cpu()
+
+
+def check_metric(model: nn.Module, tgts, calls: BlockCalls) -> None:
+    """The output head is run with the blocks replayed: a metric read inside a block
+    (``ModuleOutput`` of a module in one) would read nothing there."""
+    inside = {id(m) for blk in calls.blocks for m in blk.modules()}
+    for path in T.module_paths(tgts):
+        if id(model.get_submodule(path)) in inside:
+            raise ValueError(f"metric: method='blockwise' reads the metric after the last block, and it reads module "
+                             f"{path!r} inside a block; use method='relp' or 'atp', or a metric on the model's output")
+
+
+def block_gradients(calls: BlockCalls, g_out: Sequence[Optional[torch.Tensor]]):
+    """``(g_out, u)``: the gradient at each block's output, and ``u[l]``: that gradient taken
+    back through block ``l`` alone to its input (``None`` for block 0, never a later block)."""
+    g_out = [torch.zeros_like(y) if g is None else g for g, y in zip(g_out, calls.y)]
+    u: List[Optional[torch.Tensor]] = [None]
+    for layer in range(1, len(calls.blocks)):
+        (g,) = torch.autograd.grad(calls.y[layer], calls.x[layer], g_out[layer], retain_graph=True,
+                                   allow_unused=True)
+        u.append(torch.zeros_like(calls.x[layer]) if g is None else g)
+    return [g.detach() for g in g_out], [None if g is None else g.detach() for g in u]
+
+
+def effects(model, pair, fixed, flat, node_list, sources, widths, calls: BlockCalls, g_out, u,
+            sum_positions: bool, batch_size: int) -> Dict[str, torch.Tensor]:
+    """Every node's blockwise estimate, float32 ``(batch, layer, position[, unit])`` per node
+    type (0 at padding and unaligned positions)."""
+    from pyattr.patching.activation import _index, _plan
+
+    batch, seq = pair.clean.input_ids.shape
+    shapes, jobs_per_row, _ = _plan(flat, node_list, widths, pair.valid, batch, seq, sum_positions, None, 0)
+    jobs = [j for js in jobs_per_row for j in js]
+    values = estimates(model, pair, fixed, flat, sources, jobs, calls, g_out, u, batch_size)
+    out = {n: torch.zeros((batch, *shapes[n]), dtype=torch.float64) for n in node_list}
+    for job, v in zip(jobs, values):
+        out[flat[job.site].node][_index(job.row, flat[job.site], job, sum_positions)] = v
+    return {n: out[n].float() for n in node_list}
