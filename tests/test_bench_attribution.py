@@ -192,10 +192,18 @@ def test_estimators_bench_quick_run(tmp_path):
     doc = json.loads(out.read_text())
     report.validate(doc)
     value = [r for r in doc["rows"] if r["model"] == "toy induction decoder, value pairs" and r["node"] == "heads"]
-    assert {r["variant"] for r in value} >= {"exact (activation patching)", "atp", "ig, 16 steps"}
-    assert all(0 <= r["top2_equal_exact"] <= 1 for r in value)
+    assert {r["variant"] for r in value} >= {"exact (activation patching)", "atp", "ig, 16 steps",
+                                             "blockwise (later blocks exact)"}
+    assert all(0 <= r["top2_equal_exact"] <= 1 and r["time_over_exact"] > 0 for r in value)
+    for kind in ("key", "value"):  # exact on the 2-layer models by construction
+        for model in ("toy induction decoder", "toy induction decoder B (seed 1)"):
+            bw = next(r for r in doc["rows"] if r["model"] == f"{model}, {kind} pairs" and r["node"] == "heads"
+                      and r["variant"] == "blockwise (later blocks exact)")
+            assert bw["top2_equal_exact"] == 1.0 and bw["pearson_summed"] > 0.9999, bw
+    four = [r for r in doc["rows"] if r["model"] == "toy induction decoder, 4 layers, key pairs" and r["node"] == "heads"]
+    assert len(four) == 10 and all(r["top2_in_circuit"] is None for r in four)
     big = [r for r in doc["rows"] if r["model"].startswith("random Llama, 12 layers x 12 heads")]
-    assert len(big) == 8 and all(r["speedup_vs_exact"] > 0 for r in big)
+    assert len(big) == 9 and all(r["speedup_vs_exact"] > 0 for r in big)
     assert "top-2 = exact" in p.stdout
 
 

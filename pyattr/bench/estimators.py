@@ -1,6 +1,7 @@
 """``pyattr bench --estimators``: patching estimators scored against exact activation
-patching and against the known circuit of the toy induction decoder (:mod:`pyattr.toy`),
-and timed against exact patching on a model with GPT-2 small's 144 heads.
+patching and against the known circuit of the toy induction decoders (:mod:`pyattr.toy`:
+the shipped one, the second 2-layer one and the 4-layer one), and timed against exact
+patching on a model with GPT-2 small's 144 heads.
 
 Two kinds of clean/corrupt pairs (:class:`pyattr.toy.task.Pair`): ``value`` (the copied
 word differs: the effect runs through the induction heads' values) and ``key`` (the word
@@ -9,7 +10,9 @@ heads' keys, which no estimate that freezes or linearises attention sees well).
 
 Per estimator and pair kind: Pearson / Spearman with exact patching per node type
 (per position), and on heads (each head summed over positions): the share of pairs whose
-top-2 heads equal exact patching's top-2, and the share whose top-2 are circuit heads.
+top-2 heads equal exact patching's top-2, and the share whose top-2 are circuit heads
+(where the model's ``circuit.json`` names heads), and the time of the summed estimate over
+exact head patching's.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ def variants():
         ("relp all rules, AttnLRP attention", {"method": "relp", "rules": R.all("attnlrp")}),
         ("ig, 4 steps", {"method": "ig", "steps": 4}),
         ("ig, 16 steps", {"method": "ig", "steps": 16}),
+        ("blockwise (later blocks exact)", {"method": "blockwise"}),
     ]
 
 
@@ -48,7 +52,15 @@ def _top2(x: torch.Tensor) -> List[set]:
     return [set(r.tolist()) for r in flat.topk(2, dim=-1).indices]
 
 
-def toy_rows(kind: str, count: int = 64) -> List[Dict]:
+def toy_models():
+    """(name, directory) of the toy decoders the estimators are scored on."""
+    import pyattr.toy as toy
+
+    return [("toy induction decoder", None), ("toy induction decoder B (seed 1)", toy.INDUCTION_B_DIR),
+            ("toy induction decoder, 4 layers", toy.INDUCTION_4L_DIR)]
+
+
+def toy_rows(kind: str, count: int = 64, path=None, model_name: str = "toy induction decoder") -> List[Dict]:
     import pyattr.patching as P
     import pyattr.targets as T
     import pyattr.toy as toy
@@ -56,7 +68,7 @@ def toy_rows(kind: str, count: int = 64) -> List[Dict]:
     import pyattr.toy.task as task
     from pyattr.patching.result import correlations
 
-    model, _, circuit = toy.load()
+    model, _, circuit = toy.load(path)
     heads = model.config.num_attention_heads
     pairs = task.pairs(torch.Generator().manual_seed(11), count, kind=kind)
     clean, corrupt, answer, alternative = C.pair_tensors(pairs)
@@ -67,13 +79,18 @@ def toy_rows(kind: str, count: int = 64) -> List[Dict]:
     exact_heads, t_heads = _timed(lambda: P.activation_patching(model, clean, corrupt, metric, nodes="heads",
                                                                 sum_positions=True))
     top_exact = _top2(exact_heads["heads"])
-    name = f"toy induction decoder, {kind} pairs"
+    name = f"{model_name}, {kind} pairs"
+
+    def in_circuit(tops):  # None where the model's circuit.json names no heads
+        return sum(t <= true_heads for t in tops) / count if true_heads else None
+
     rows = [{"model": name, "variant": "exact (activation patching)", "node": "heads", "pairs": count,
              "seconds": t_heads, "pearson": 1.0, "spearman": 1.0, "top2_equal_exact": 1.0,
-             "top2_in_circuit": sum(t <= true_heads for t in top_exact) / count}]
+             "top2_in_circuit": in_circuit(top_exact), "seconds_summed": t_heads, "time_over_exact": 1.0}]
     for var, kw in variants():
         est, secs = _timed(lambda: P.attribution_patching(model, clean, corrupt, metric, nodes=list(NODES), **kw))
-        summed = P.attribution_patching(model, clean, corrupt, metric, nodes="heads", sum_positions=True, **kw)
+        summed, t_sum = _timed(lambda: P.attribution_patching(model, clean, corrupt, metric, nodes="heads",
+                                                             sum_positions=True, **kw))
         top = _top2(summed["heads"])
         for node in NODES:
             pr, sr = correlations(est[node].flatten(), exact[node].flatten())
@@ -83,7 +100,7 @@ def toy_rows(kind: str, count: int = 64) -> List[Dict]:
                 hp, hs = correlations(summed["heads"].flatten(), exact_heads["heads"].flatten())
                 row.update(pearson_summed=hp, spearman_summed=hs,
                            top2_equal_exact=sum(a == b for a, b in zip(top, top_exact)) / count,
-                           top2_in_circuit=sum(t <= true_heads for t in top) / count)
+                           top2_in_circuit=in_circuit(top), seconds_summed=t_sum, time_over_exact=t_sum / t_heads)
             rows.append(row)
     return rows
 
@@ -123,12 +140,17 @@ def gpt2_size_rows(pairs: int = 8, seq: int = 16) -> List[Dict]:
 
 def run_all(quick: bool = False) -> List[Dict]:
     n = 16 if quick else 64
-    rows = toy_rows("value", n) + toy_rows("key", n)
+    rows = [r for name, path in toy_models() for kind in ("value", "key")
+            for r in toy_rows(kind, n, path, name)]
     return rows + gpt2_size_rows(pairs=2 if quick else 8, seq=8 if quick else 16)
 
 
 def _f(v, spec="+.3f"):
     return "n/a" if v is None else format(v, spec)
+
+
+def _pct(v):
+    return "n/a" if v is None else f"{v:.0%}"
 
 
 def markdown(rows: List[Dict], contention=None) -> str:
@@ -138,18 +160,21 @@ def markdown(rows: List[Dict], contention=None) -> str:
     for model in dict.fromkeys(r["model"] for r in rows if r["model"].startswith("toy")):
         rs = [r for r in rows if r["model"] == model]
         ex = rs[0]
+        circ = ("its circuit.json names no circuit heads" if ex["top2_in_circuit"] is None else
+                f"its top-2 heads are circuit heads on {ex['top2_in_circuit']:.0%} of pairs")
         lines += [f"**{model}** ({ex['pairs']} pairs; exact head patching {ex['seconds'] * 1e3:.0f} ms, "
-                  f"its top-2 heads are circuit heads on {ex['top2_in_circuit']:.0%} of pairs). Pearson / "
-                  "Spearman with exact patching per node type (per position); heads summed over positions: "
-                  "Pearson, and the share of pairs whose top-2 heads equal exact patching's / are circuit heads:",
-                  "", "| estimator | " + " | ".join(NODES) + " | heads summed | top-2 = exact | top-2 in circuit "
-                  "| time (ms) |", "|---|" + "---:|" * (len(NODES) + 4)]
+                  f"{circ}). Pearson / Spearman with exact patching per node type (per position), and the time "
+                  "of that estimate; heads summed over positions: Pearson, the share of pairs whose top-2 heads "
+                  "equal exact patching's / are circuit heads, and the time over exact head patching's:",
+                  "", "| estimator | " + " | ".join(NODES) + " | time (ms) | heads summed | top-2 = exact "
+                  "| top-2 in circuit | time / exact |", "|---|" + "---:|" * (len(NODES) + 5)]
         for var in dict.fromkeys(r["variant"] for r in rs[1:]):
             vr = {r["node"]: r for r in rs if r["variant"] == var}
             h = vr["heads"]
             cells = [f"{_f(vr[n]['pearson'])} / {_f(vr[n]['spearman'])}" for n in NODES]
-            lines.append(f"| {var} | " + " | ".join(cells) + f" | {_f(h['pearson_summed'])} | "
-                         f"{h['top2_equal_exact']:.0%} | {h['top2_in_circuit']:.0%} | {h['seconds'] * 1e3:.0f} |")
+            lines.append(f"| {var} | " + " | ".join(cells) + f" | {h['seconds'] * 1e3:.0f} | "
+                         f"{_f(h['pearson_summed'])} | {h['top2_equal_exact']:.0%} | {_pct(h['top2_in_circuit'])} | "
+                         f"{h['time_over_exact']:.2f} |")
         lines.append("")
     big = [r for r in rows if not r["model"].startswith("toy")]
     if big:

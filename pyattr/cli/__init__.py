@@ -235,8 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "edges exactly (MIB's CPR and CMD); --method relp, atp, ig or exact")
     pa.add_argument("--nodes", default="residual,attention,heads,mlp",
                     help="comma-separated: residual,attention,heads,mlp,neurons (default: all but neurons)")
-    pa.add_argument("--method", choices=["relp", "atp", "atp*", "ig", "exact", "all"], default="relp",
-                    help="relp, atp, atp* (AtP with the QK fix), ig (EAP-IG, 16 steps), exact (activation "
+    pa.add_argument("--method", choices=["relp", "atp", "atp*", "ig", "blockwise", "exact", "all"], default="relp",
+                    help="relp, atp, atp* (AtP with the QK fix), ig (EAP-IG, 16 steps), blockwise (every later "
+                         "block's response exact: sees composition; pre-norm models), exact (activation "
                          "patching), or all: relp, atp "
                          "and exact with correlations (default relp); with --edges one of relp, atp, ig, exact")
     pa.add_argument("--sample", type=int, default=200, help="exact: neurons patched, a random sample (default 200)")
