@@ -235,8 +235,11 @@ def attribution_patching(
             pattern_terms = attn_c.pattern_terms(inputs_x, list(d_weights), pair.valid)
         if blocks is not None:  # inside the pass: eval mode, the rules' forwards are the model's
             sources = [align(a.detach(), pair.index) for a in acts_x]
-            effects = BW.effects(model, pair, fixed, flat, node_list, sources, [a.shape[-1] for a in acts_c],
-                                 blocks, g_out, local, sum_positions, batch_size)
+            try:
+                effects = BW.effects(model, pair, fixed, flat, node_list, sources, [a.shape[-1] for a in acts_c],
+                                     blocks, g_out, local, sum_positions, batch_size)
+            finally:
+                blocks.release()
             return PatchingResult(effects=effects, dims={n: dims(n, sum_positions) for n in node_list},
                                   clean_metric=value.detach().double(), corrupt_metric=value_x.double(),
                                   method=method, rules=rules, coverage=cov)

@@ -151,6 +151,14 @@ class BlockCalls:
                     "of a norm (a post-norm block), which does not pass its input on. Use method='relp', 'atp' or "
                     "'ig'")
 
+    def release(self) -> None:
+        """Drop the recorded calls and tensors (and with them the clean run's graph) now,
+        not whenever the cyclic garbage collector gets to them: a later call would
+        otherwise allocate its own graph while this one is still held."""
+        n = len(self.blocks)
+        self.calls, self.x, self.y, self.raw = [None] * n, [None] * n, [None] * n, [None] * n
+        self.norm_out = [[] for _ in range(n)]
+
     def run(self, layer: int, idx: torch.Tensor, x: torch.Tensor, batch: int) -> torch.Tensor:
         """Block ``layer`` on rows ``idx`` of the recorded call with input ``x``; its output."""
         args, kwargs = self.calls[layer]
