@@ -17,6 +17,7 @@ exact head patching's.
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Dict, List
 
@@ -45,6 +46,16 @@ def _timed(fn):
     t0 = time.perf_counter()
     out = fn()
     return out, time.perf_counter() - t0
+
+
+#: timed repetitions of each heads-summed estimate and of exact head patching (the median
+#: is reported: one run of the 144-head model's rows varied up to 3.5x between two runs)
+REPEATS = 3
+
+
+def _median_timed(fn, repeats: int = REPEATS):
+    runs = [_timed(fn) for _ in range(repeats)]
+    return runs[0][0], statistics.median(t for _, t in runs)
 
 
 def _top2(x: torch.Tensor) -> List[set]:
@@ -76,8 +87,8 @@ def toy_rows(kind: str, count: int = 64, path=None, model_name: str = "toy induc
     true_heads = {l * heads + h for l, h in circuit["previous_token_heads"] + circuit["induction_heads"]}
     P.attribution_patching(model, clean, corrupt, metric, nodes="heads", method="atp")  # warm-up
     exact, t_exact = _timed(lambda: P.activation_patching(model, clean, corrupt, metric, nodes=list(NODES)))
-    exact_heads, t_heads = _timed(lambda: P.activation_patching(model, clean, corrupt, metric, nodes="heads",
-                                                                sum_positions=True))
+    exact_heads, t_heads = _median_timed(lambda: P.activation_patching(model, clean, corrupt, metric, nodes="heads",
+                                                                       sum_positions=True, progress=False))
     top_exact = _top2(exact_heads["heads"])
     name = f"{model_name}, {kind} pairs"
 
@@ -89,8 +100,8 @@ def toy_rows(kind: str, count: int = 64, path=None, model_name: str = "toy induc
              "top2_in_circuit": in_circuit(top_exact), "seconds_summed": t_heads, "time_over_exact": 1.0}]
     for var, kw in variants():
         est, secs = _timed(lambda: P.attribution_patching(model, clean, corrupt, metric, nodes=list(NODES), **kw))
-        summed, t_sum = _timed(lambda: P.attribution_patching(model, clean, corrupt, metric, nodes="heads",
-                                                             sum_positions=True, **kw))
+        summed, t_sum = _median_timed(lambda: P.attribution_patching(model, clean, corrupt, metric, nodes="heads",
+                                                                    sum_positions=True, **kw))
         top = _top2(summed["heads"])
         for node in NODES:
             pr, sr = correlations(est[node].flatten(), exact[node].flatten())
@@ -108,7 +119,7 @@ def toy_rows(kind: str, count: int = 64, path=None, model_name: str = "toy induc
 def gpt2_size_rows(pairs: int = 8, seq: int = 16) -> List[Dict]:
     """Time of each estimator and of exact head patching (each head summed over positions:
     one forward per head) on a random Llama of GPT-2 small's shape (12 layers × 12 heads,
-    hidden 768), float32."""
+    hidden 768), float32; the median of :data:`REPEATS` runs."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import pyattr.patching as P
@@ -126,13 +137,13 @@ def gpt2_size_rows(pairs: int = 8, seq: int = 16) -> List[Dict]:
     metric = T.LogitDiff(3, 7)
     name = "random Llama, 12 layers x 12 heads (144), hidden 768"
     P.attribution_patching(model, clean, corrupt, metric, nodes="heads", method="atp")  # warm-up
-    _, t_exact = _timed(lambda: P.activation_patching(model, clean, corrupt, metric, nodes="heads",
-                                                      sum_positions=True))
+    _, t_exact = _median_timed(lambda: P.activation_patching(model, clean, corrupt, metric, nodes="heads",
+                                                             sum_positions=True, progress=False))
     rows = [{"model": name, "variant": "exact (activation patching)", "node": "heads", "pairs": pairs,
              "seconds": t_exact, "speedup_vs_exact": 1.0}]
     for var, kw in variants():
-        _, secs = _timed(lambda: P.attribution_patching(model, clean, corrupt, metric, nodes="heads",
-                                                        sum_positions=True, **kw))
+        _, secs = _median_timed(lambda: P.attribution_patching(model, clean, corrupt, metric, nodes="heads",
+                                                               sum_positions=True, **kw))
         rows.append({"model": name, "variant": var, "node": "heads", "pairs": pairs, "seconds": secs,
                      "speedup_vs_exact": t_exact / secs})
     return rows
@@ -165,7 +176,8 @@ def markdown(rows: List[Dict], contention=None) -> str:
         lines += [f"**{model}** ({ex['pairs']} pairs; exact head patching {ex['seconds'] * 1e3:.0f} ms, "
                   f"{circ}). Pearson / Spearman with exact patching per node type (per position), and the time "
                   "of that estimate; heads summed over positions: Pearson, the share of pairs whose top-2 heads "
-                  "equal exact patching's / are circuit heads, and the time over exact head patching's:",
+                  f"equal exact patching's / are circuit heads, and the time over exact head patching's (medians of "
+                  f"{REPEATS} runs):",
                   "", "| estimator | " + " | ".join(NODES) + " | time (ms) | heads summed | top-2 = exact "
                   "| top-2 in circuit | time / exact |", "|---|" + "---:|" * (len(NODES) + 5)]
         for var in dict.fromkeys(r["variant"] for r in rs[1:]):
@@ -178,7 +190,8 @@ def markdown(rows: List[Dict], contention=None) -> str:
         lines.append("")
     big = [r for r in rows if not r["model"].startswith("toy")]
     if big:
-        lines += [f"**{big[0]['model']}**, {big[0]['pairs']} pairs: every head summed over positions",
+        lines += [f"**{big[0]['model']}**, {big[0]['pairs']} pairs: every head summed over positions "
+                  f"(median of {REPEATS} runs)",
                   "", "| method | time (s) | speed-up vs exact |", "|---|---:|---:|"]
         lines += [f"| {r['variant']} | {r['seconds']:.2f} | {r['speedup_vs_exact']:.1f}× |" for r in big]
     return "\n".join(lines) + "\n"
