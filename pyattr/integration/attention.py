@@ -26,6 +26,7 @@ from torch import nn
 
 from pyattr.integration.install import _unbound_recomputation
 from pyattr.ops.attention import AttnLRPAttentionFunction, FrozenAttentionFunction
+from pyattr.ops.sdpa_rows import sparse_rows_sdpa
 
 _REGISTERED: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
 # attention modules under AttnLRP whose eager core runs AttnLRPAttentionFunction
@@ -95,6 +96,12 @@ def _wrap(original, kind: str):
         # under AttnLRP only the eager core is replaced: its native backward keeps every
         # layer's (batch, heads, q_len, kv_len) pattern, sdpa's already recomputes blockwise
         recomputed = not frozen and kind == "eager" and is_attnlrp(module)
+        if (kind == "sdpa" and not frozen and not args and not _bypass and torch.is_grad_enabled()
+                and is_attnlrp(module) and not _unbound_recomputation()):
+            # sdpa's own backward, minus the query rows without gradient (a target at one
+            # position leaves all but one row of the last block's dO at 0)
+            with sparse_rows_sdpa():
+                return original(module, query, key, value, attention_mask, **kwargs)
         if (args or _bypass or not (frozen or recomputed) or not torch.is_grad_enabled() or _unbound_recomputation()
                 or not isinstance(value, torch.Tensor)):
             return original(module, query, key, value, attention_mask, *args, **kwargs)
