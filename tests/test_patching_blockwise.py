@@ -164,3 +164,89 @@ def test_metric_after_the_blocks_and_padded_rows_exact():
             if m is not None:  # padding: no node
                 assert torch.equal(est[n][0, :, :2], torch.zeros_like(est[n][0, :, :2])), n
             torch.testing.assert_close(est[n].double(), exact[n].double(), atol=2e-4, rtol=1e-3, msg=n)
+
+
+def _per_row(out):
+    rows = torch.arange(out.logits.shape[0])
+    return out.logits[rows, -1, torch.tensor([5, 6])] - out.logits[rows, -1, torch.tensor([7, 8])]
+
+
+@pytest.mark.parametrize("metric, config", [
+    (_per_row, {}),
+    (lambda out: out.logits[:, -1, 5] * torch.tensor([1.0, -1.0]), {}),
+    (lambda out: (out.hidden_states[1][:, -1, :8] ** 2).sum(-1), {"output_hidden_states": True}),
+    (lambda out: out.attentions[-1][:, 0, -1, 0], {"output_attentions": True}),
+], ids=["per-row ids", "per-row weights", "hidden states", "attentions"])
+def test_metrics_the_replay_cannot_serve_are_refused(metric, config):
+    model = _llama(2).float()
+    for k, v in config.items():
+        setattr(model.config, k, v)
+    for bs in (None, 2):
+        with pytest.raises(ValueError, match="metric: method='blockwise' evaluates the metric on forwards that replay "
+                                             "the blocks"):
+            attribution_patching(model, CLEAN, CORRUPT, metric, nodes="heads", method="blockwise", batch_size=bs)
+    assert all(getattr(model.config, k) == v for k, v in config.items())  # restored
+
+
+def test_user_hooks_on_blocks_apply_once():
+    model = _llama(2)
+    steer = torch.randn(32, generator=torch.Generator().manual_seed(4), dtype=torch.float64) * 3
+    hooks = [model.model.layers[1].register_forward_hook(lambda mod, a, out: out + steer),
+             model.model.layers[1].register_forward_pre_hook(
+                 lambda mod, a, kw: ((a[0] + steer, *a[1:]), kw) if a else
+                 (a, {**kw, "hidden_states": kw["hidden_states"] + steer}), with_kwargs=True)]
+    try:
+        est, exact = _both(model, LogitDiff(3, 7))
+        for n in NODES:
+            torch.testing.assert_close(est[n].double(), exact[n].double(), atol=1e-6, rtol=1e-5, msg=n)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def test_mixture_of_experts_exact_zero_and_router_logits():
+    model = tiny_causal_lm("mixtral")
+    model.config.output_router_logits = True
+    same = attribution_patching(model, CLEAN, CLEAN.clone(), LogitDiff(3, 7), nodes=["mlp", "heads"],
+                                method="blockwise")
+    for n in ("mlp", "heads"):
+        assert torch.equal(same[n], torch.zeros_like(same[n])), n
+    est = attribution_patching(model, CLEAN, CORRUPT, LogitDiff(3, 7), nodes=["mlp", "heads"], method="blockwise")
+    exact = activation_patching(model, CLEAN, CORRUPT, LogitDiff(3, 7), nodes=["mlp", "heads"], progress=False)
+    for n in ("mlp", "heads"):
+        torch.testing.assert_close(est[n], exact[n], atol=2e-5, rtol=1e-4, msg=n)
+    assert model.config.output_router_logits is True
+
+
+def test_more_refusals():
+    import transformers as tr
+
+    model = _llama(2)
+    with pytest.raises(ValueError, match="target: LlamaForCausalLM has no module 'model.nope'"):
+        attribution_patching(model, CLEAN, CORRUPT, ModuleOutput("model.nope"), method="blockwise")
+    torch.manual_seed(0)
+    bloom = tr.BloomForCausalLM._from_config(tr.BloomConfig(hidden_size=32, n_head=4, n_layer=2, vocab_size=VOCAB),
+                                             attn_implementation="eager").eval()
+    with pytest.raises(ValueError, match="method='blockwise' re-runs the blocks on selected rows, and block 0 of "
+                                         "BloomForCausalLM takes 'alibi' with leading dimension 8 for a batch of 2"):
+        attribution_patching(bloom, CLEAN, CORRUPT, LogitDiff(3, 7), method="blockwise", generic=True)
+    with pytest.raises(TypeError, match="sum_positions must be a bool, got 'yes'"):
+        attribution_patching(model, CLEAN, CORRUPT, LogitDiff(3, 7), method="blockwise", sum_positions="yes")
+    with pytest.raises(TypeError, match="sum_positions must be a bool, got None"):
+        activation_patching(model, CLEAN, CORRUPT, LogitDiff(3, 7), sum_positions=None)
+    with pytest.raises(ValueError, match="model: attribution_patching runs the model, and LlamaForCausalLM's "
+                                         "parameters are on the meta device"):
+        attribution_patching(_llama(2).to("meta"), CLEAN, CORRUPT, LogitDiff(3, 7))
+
+
+def test_a_word_metric_with_a_tokenizer_is_its_logit():
+    import pyattr.toy as toy
+    from pyattr.targets import Logit
+
+    model, tok, _ = toy.load()
+    kw = dict(tokenizer=tok, nodes="heads", sum_positions=True)
+    for call, extra in ((attribution_patching, {"method": "blockwise"}), (activation_patching, {"progress": False})):
+        word = call(model, "sun cat red tree sun cat", "sun ant red tree sun cat", "red", **kw, **extra)
+        ids = call(model, "sun cat red tree sun cat", "sun ant red tree sun cat",
+                   Logit(tok.convert_tokens_to_ids("red")), **kw, **extra)
+        assert torch.equal(word["heads"], ids["heads"]) and word["heads"].abs().max() > 1

@@ -43,7 +43,7 @@ def _width_slice(site: Site, width: int, unit: int) -> slice:
     return slice(unit, unit + 1)
 
 
-@text.text_inputs("activation_patching", inputs=("clean", "corrupt"), target=None)
+@text.text_inputs("activation_patching", inputs=("clean", "corrupt"), target="metric")
 def activation_patching(
     model: nn.Module,
     clean,
@@ -103,6 +103,8 @@ def activation_patching(
     from pyattr.methods._core.progress import Progress
 
     node_list = check_nodes(nodes)
+    if not isinstance(sum_positions, bool):
+        raise TypeError(f"sum_positions must be a bool, got {sum_positions!r}")
     batch_size = core.check_count("batch_size", batch_size) or 32
     sample = core.check_count("sample", sample)
     if sample is not None and "neurons" not in node_list:
@@ -228,21 +230,26 @@ def _copies(model, pair: Pair, fixed, flat, row: int, n: int, clean_value: float
     return reference, [align(a, index) for a in acts]
 
 
-def patch_copies(site: Site, jobs: Sequence[Tuple[int, _Job]], sources: torch.Tensor, valid: torch.Tensor):
+def patch_copies(site: Site, jobs: Sequence[Tuple[int, _Job]], sources: torch.Tensor, valid: torch.Tensor,
+                 base: Optional[torch.Tensor] = None):
     """The tap body that patches a batch of copies: copy ``j`` of each ``(j, job)`` takes the
     job's unit (head slice, neuron, or the whole width) from ``sources[j]``, at the job's
-    position or, for position -1, at every position where ``valid[j]`` is set."""
+    position or, for position -1, at every position where ``valid[j]`` is set. With
+    ``base`` (the clean activations the sources were recorded beside) the unit gets
+    ``sources[j] − base[j]`` added instead: a corrupt value equal to the clean one leaves
+    the copy's own activation untouched, bit for bit, whatever the batch it ran in."""
 
     def fn(t):
         src = sources.to(t.dtype)
+        step = None if base is None else (sources.double() - base.double()).to(t.dtype)
         new = t.clone()
         for j, job in jobs:
             w = _width_slice(site, t.shape[-1], job.unit)
-            if job.position >= 0:
-                new[j, job.position, w] = src[j, job.position, w]
-            else:
-                pos = valid[j].nonzero().flatten().to(t.device)
+            pos = [job.position] if job.position >= 0 else valid[j].nonzero().flatten().to(t.device)
+            if step is None:
                 new[j, pos, w] = src[j, pos, w]
+            else:
+                new[j, pos, w] = t[j, pos, w] + step[j, pos, w]
         return new
 
     return fn

@@ -51,7 +51,7 @@ def method_rules(method: str, rules: Optional[RelevanceRules], default: Relevanc
     return rules
 
 
-@text.text_inputs("attribution_patching", inputs=("clean", "corrupt"), target=None)
+@text.text_inputs("attribution_patching", inputs=("clean", "corrupt"), target="metric")
 def attribution_patching(
     model: nn.Module,
     clean,
@@ -89,7 +89,7 @@ def attribution_patching(
             alone (activation patching runs copies of one row; per-row ids or references
             belong in a target, which follows the rows: a callable that reads per-row data
             is refused there). A top-1 ``Logit()`` is fixed to the clean run's token for the
-            corrupt run.
+            corrupt run. With ``tokenizer=``, a word: its logit at the last position.
         nodes (str | list of str): among ``"residual"``, ``"attention"``, ``"heads"``,
             ``"mlp"``, ``"neurons"`` (see :mod:`pyattr.patching`). Default residual,
             attention, mlp.
@@ -158,6 +158,8 @@ def attribution_patching(
     """
     model = unwrap(model)
     node_list = check_nodes(nodes)
+    if not isinstance(sum_positions, bool):
+        raise TypeError(f"sum_positions must be a bool, got {sum_positions!r}")
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if method != "ig" and steps is not None:
@@ -205,7 +207,7 @@ def attribution_patching(
             attn_c.check()
             extra = attn_c.weights
         if blocks is not None:
-            blocks.check(model)
+            blocks.check(model, batch)
             extra = blocks.y
         if method == "ig":
             value = value.detach()
@@ -236,8 +238,9 @@ def attribution_patching(
         if blocks is not None:  # inside the pass: eval mode, the rules' forwards are the model's
             sources = [align(a.detach(), pair.index) for a in acts_x]
             try:
-                effects = BW.effects(model, pair, fixed, flat, node_list, sources, [a.shape[-1] for a in acts_c],
-                                     blocks, g_out, local, sum_positions, batch_size)
+                effects = BW.effects(model, pair, fixed, flat, node_list, sources, acts_c,
+                                     [a.shape[-1] for a in acts_c], blocks, g_out, local, sum_positions, batch_size,
+                                     value.detach())
             finally:
                 blocks.release()
             return PatchingResult(effects=effects, dims={n: dims(n, sum_positions) for n in node_list},

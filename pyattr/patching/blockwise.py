@@ -48,6 +48,9 @@ from pyattr.patching.atp_star import _is_cache, _replace_input
 
 #: Patched nodes per block run (default of ``batch_size``).
 DEFAULT_BATCH = 256
+#: a module's hook tables (torch.nn.Module), emptied on a replayed block
+_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+          "_forward_hooks_always_called")
 
 
 def block_norms(model: nn.Module, generic: bool, blocks: List[str]) -> List[List[nn.Module]]:
@@ -79,6 +82,14 @@ def _with_first(out, x: torch.Tensor):
     if isinstance(out, torch.Tensor):
         return x
     return type(out)((x, *out[1:])) if isinstance(out, tuple) else [x, *out[1:]]
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)) and not _is_cache("", obj):
+        for o in obj:
+            yield from _tensors(o)
 
 
 def _select(obj, idx: torch.Tensor, batch: int):
@@ -125,7 +136,10 @@ class BlockCalls:
                 self.raw[i] = out
                 self.y[i] = _first(out)
 
-            handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+            # the input as the block receives it, before any other pre-hook (a user's steering
+            # hook): re-running the block through its hooks applies them once; the output
+            # after every forward hook (what the next block reads)
+            handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
             handles.append(mod.register_forward_hook(post, with_kwargs=True))
             for norm in self.norms[i]:
                 handles.append(norm.register_forward_hook(
@@ -136,13 +150,24 @@ class BlockCalls:
             for h in handles:
                 h.remove()
 
-    def check(self, model: nn.Module) -> None:
-        """Every block ran once, and no block's output is a norm's output: a post-norm block
-        (BERT's: the residual sum normalised) does not pass its input on to the later
-        blocks, which the carried change assumes (observed, not read off the model type)."""
+    def check(self, model: nn.Module, batch: int) -> None:
+        """Every block ran once; every tensor of its call is per row (leading dimension the
+        batch) or shared (leading dimension 1, or 1-d), so that rows can be selected; and
+        no block's output is a norm's output: a post-norm block (BERT's: the residual sum
+        normalised) does not pass its input on to the later blocks, which the carried change
+        assumes (observed, not read off the model type)."""
         if any(c != 1 for c in self.count) or any(x is None for x in self.x):
             raise ValueError(f"method='blockwise': every block must run once on its input tensor in the forward; "
                              f"the blocks ran {self.count} times")
+        for i, (args, kwargs) in enumerate(self.calls):
+            for name, t in [(f"argument {j}", a) for j, a in enumerate(args)] + list(kwargs.items()):
+                for u in _tensors(t):
+                    if u.dim() >= 2 and u.shape[0] not in (1, batch):
+                        raise ValueError(
+                            f"method='blockwise' re-runs the blocks on selected rows, and block {i} of "
+                            f"{type(model).__name__} takes {name!r} with leading dimension {u.shape[0]} for a batch "
+                            f"of {batch} (rows folded with another dimension, as an ALiBi bias folded with the "
+                            "heads), which it cannot select. Use method='relp', 'atp' or 'ig'")
         for i, (y, outs) in enumerate(zip(self.y, self.norm_out)):
             if any(o.shape == y.shape and torch.equal(o, y.detach()) for o in outs):
                 raise ValueError(
@@ -179,30 +204,36 @@ class BlockCalls:
             if i == last:
                 y = y + last_delta.to(y.dtype)
             out = _with_first(self.raw[i], y)
-            saved.append(blk.__dict__.get("forward"))
+            saved.append((blk.__dict__.get("forward"), {h: getattr(blk, h) for h in _HOOKS if hasattr(blk, h)}))
             blk.forward = (lambda out: (lambda *a, **k: out))(out)
+            for h in saved[-1][1]:  # the recorded output went through them already
+                setattr(blk, h, type(getattr(blk, h))())
         try:
             yield
         finally:
-            for blk, f in zip(self.blocks, saved):
+            for blk, (f, hooks) in zip(self.blocks, saved):
                 if f is None:
                     del blk.forward
                 else:
                     blk.forward = f
+                for h, v in hooks.items():
+                    setattr(blk, h, v)
 
 
 def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.double() * b.double()).flatten(1).sum(1)
 
 
-def estimates(model: nn.Module, pair, fixed, flat, sources: List[torch.Tensor], jobs: Sequence,
-              calls: BlockCalls, g_out: List[torch.Tensor], u: List[Optional[torch.Tensor]],
-              batch_size: int) -> torch.Tensor:
+def estimates(model: nn.Module, pair, fixed, flat, sources: List[torch.Tensor], bases: List[torch.Tensor],
+              jobs: Sequence, calls: BlockCalls, g_out: List[torch.Tensor], u: List[Optional[torch.Tensor]],
+              batch_size: int, clean_value: torch.Tensor) -> torch.Tensor:
     """The blockwise estimate of each patching job (float64, ``len(jobs)``; jobs as
     :func:`pyattr.patching.activation` plans them): module docstring.
 
-    ``sources[i]``: site i's corrupt activation in the clean layout; ``g_out[l]`` the
-    gradient at block l's output, ``u[l]`` that gradient taken back through block l alone."""
+    ``sources[i]``: site i's corrupt activation in the clean layout, ``bases[i]`` its clean
+    one (a node is patched by their difference); ``g_out[l]`` the gradient at block l's
+    output, ``u[l]`` that gradient taken back through block l alone; ``clean_value`` the
+    clean run's metric (the replayed output head is checked against it)."""
     batch = pair.clean.input_ids.shape[0]
     n_layers = len(calls.blocks)
     out = torch.zeros(len(jobs), dtype=torch.float64)
@@ -215,13 +246,13 @@ def estimates(model: nn.Module, pair, fixed, flat, sources: List[torch.Tensor], 
             for j in part:
                 chunks.setdefault(flat[jobs[j].site].layer, []).append(j)
             for layer, js in chunks.items():
-                out[js] = _chunk(model, pair, fixed, flat, sources, [jobs[j] for j in js], layer, calls, g_out, u,
-                                 batch, n_layers, refs)
+                out[js] = _chunk(model, pair, fixed, flat, (sources, bases), [jobs[j] for j in js], layer, calls,
+                                 g_out, u, batch, n_layers, refs, clean_value)
     return out
 
 
 def _chunk(model, pair, fixed, flat, sources, chunk: list, layer: int, calls: BlockCalls, g_out, u,
-           batch: int, n_layers: int, refs: Dict[tuple, torch.Tensor]) -> torch.Tensor:
+           batch: int, n_layers: int, refs: Dict[tuple, torch.Tensor], clean_value: torch.Tensor) -> torch.Tensor:
     from pyattr.patching.activation import patch_copies
 
     dev = calls.x[layer].device
@@ -244,8 +275,9 @@ def _chunk(model, pair, fixed, flat, sources, chunk: list, layer: int, calls: Bl
 
     def fn_for(n):
         i = used[n]
-        return patch_copies(flat[i], by_site[i], sources[i][idx.to(sources[i].device)],
-                            pair.valid[idx.to(pair.valid.device)])
+        src, base = sources[0][i], sources[1][i]
+        return patch_copies(flat[i], by_site[i], src[idx.to(src.device)], pair.valid[idx.to(pair.valid.device)],
+                            base=base[idx.to(base.device)])
 
     with core.taps([(flat[i].module, flat[i].where) for i in used], fn_for):
         patched = calls.run(layer, idx, x, batch)
@@ -261,6 +293,7 @@ def _chunk(model, pair, fixed, flat, sources, chunk: list, layer: int, calls: Bl
         carried = carried + (change - delta)
     if ("head", rows) not in refs:
         refs[("head", rows)] = _head(model, pair, fixed, calls, idx, torch.zeros_like(carried), batch)
+        check_reference(refs[("head", rows)], clean_value, idx, carried.dtype)
     head = _head(model, pair, fixed, calls, idx, carried, batch) - refs[("head", rows)]
     return (est - _dot(carried, g_out[n_layers - 1][idx])).cpu() + head
 
@@ -274,18 +307,65 @@ def _head(model, pair, fixed, calls: BlockCalls, idx: torch.Tensor, carried: tor
     sub = core.select_rows(pair.clean, idx)
     tg = [t.rows(idx, batch) for t in fixed]
     mods: dict = {}
-    with calls.replay(idx, batch, carried), core.record_modules(model, T.module_paths(tg), mods):
-        fwd = run_model(model, sub, tg, mods)
-    value, _, _ = evaluate_targets(tg, fwd, False)
-    return check_value(value, len(idx)).double().cpu()
+    try:
+        with calls.replay(idx, batch, carried), _only_final_outputs(model), \
+                core.record_modules(model, T.module_paths(tg), mods):
+            fwd = run_model(model, sub, tg, mods)
+        value, _, _ = evaluate_targets(tg, fwd, False)
+        return check_value(value, len(idx)).double().cpu()
+    except (AttributeError, IndexError, KeyError, RuntimeError, TypeError, ValueError) as e:
+        raise ValueError(_METRIC_HELP + f" It failed there ({type(e).__name__}: {e})") from e
+
+
+_METRIC_HELP = (
+    "metric: method='blockwise' evaluates the metric on forwards that replay the blocks (their recorded "
+    "outputs, the last one changed) for selected rows, so the metric must compute each row from that row alone "
+    "and read only what follows the last block (logits, the final hidden state), not hidden_states, attentions "
+    "or router logits of the blocks. For per-row ids or references use a pyattr.targets target (Logit(ids), "
+    "LogitDiff(a, b), Cosine(reference)), which follows the rows; or use method='relp', 'atp' or 'ig'."
+)
+#: output flags whose outputs come from inside the blocks (replayed: not the patched run's)
+_BLOCK_OUTPUTS = ("output_hidden_states", "output_attentions", "output_router_logits")
+
+
+@contextlib.contextmanager
+def _only_final_outputs(model: nn.Module):
+    """The config's flags for outputs read inside the blocks off while the blocks are
+    replayed: a metric that reads them fails there instead of reading replayed values."""
+    cfg = getattr(model, "config", None)
+    old = {f: getattr(cfg, f) for f in _BLOCK_OUTPUTS if cfg is not None and getattr(cfg, f, None)}
+    for f in old:
+        setattr(cfg, f, False)
+    try:
+        yield
+    finally:
+        for f, v in old.items():
+            setattr(cfg, f, v)
+
+
+def check_reference(reference: torch.Tensor, clean: torch.Tensor, rows: torch.Tensor, dtype) -> None:
+    """The replayed forward of unchanged rows must give the clean run's metric (to float
+    noise): else the metric reads other rows or what the replay does not reproduce."""
+    want = clean.double().cpu()[rows.cpu()]
+    tol = max(1e-4, 16 * torch.finfo(dtype).eps) * want.abs().clamp_min(1.0)
+    if not bool(torch.isfinite(want).all()):
+        raise ValueError(f"metric: the clean run's metric is not finite on row(s) "
+                         f"{sorted(set(rows[~torch.isfinite(want)].tolist()))} ({want[~torch.isfinite(want)][:3].tolist()}); "
+                         "nothing can be estimated from it")
+    if not bool(((reference - want).abs() <= tol).all()):
+        bad = int(((reference - want).abs() > tol).nonzero()[0, 0])
+        raise ValueError(_METRIC_HELP + f" On row {int(rows[bad])} the replay gives {float(reference[bad])}, the clean "
+                         f"run {float(want[bad])}.")
 
 
 def check_metric(model: nn.Module, tgts, calls: BlockCalls) -> None:
     """The output head is run with the blocks replayed: a metric read inside a block
     (``ModuleOutput`` of a module in one) would read nothing there."""
+    from pyattr.methods._core.taps import resolve_module
+
     inside = {id(m) for blk in calls.blocks for m in blk.modules()}
     for path in T.module_paths(tgts):
-        if id(model.get_submodule(path)) in inside:
+        if id(resolve_module(model, path, "target")) in inside:
             raise ValueError(f"metric: method='blockwise' reads the metric after the last block, and it reads module "
                              f"{path!r} inside a block; use method='relp' or 'atp', or a metric on the model's output")
 
@@ -302,8 +382,8 @@ def block_gradients(calls: BlockCalls, g_out: Sequence[Optional[torch.Tensor]]):
     return [g.detach() for g in g_out], [None if g is None else g.detach() for g in u]
 
 
-def effects(model, pair, fixed, flat, node_list, sources, widths, calls: BlockCalls, g_out, u,
-            sum_positions: bool, batch_size: int) -> Dict[str, torch.Tensor]:
+def effects(model, pair, fixed, flat, node_list, sources, bases, widths, calls: BlockCalls, g_out, u,
+            sum_positions: bool, batch_size: int, clean_value: torch.Tensor) -> Dict[str, torch.Tensor]:
     """Every node's blockwise estimate, float32 ``(batch, layer, position[, unit])`` per node
     type (0 at padding and unaligned positions)."""
     from pyattr.patching.activation import _index, _plan
@@ -311,7 +391,7 @@ def effects(model, pair, fixed, flat, node_list, sources, widths, calls: BlockCa
     batch, seq = pair.clean.input_ids.shape
     shapes, jobs_per_row, _ = _plan(flat, node_list, widths, pair.valid, batch, seq, sum_positions, None, 0)
     jobs = [j for js in jobs_per_row for j in js]
-    values = estimates(model, pair, fixed, flat, sources, jobs, calls, g_out, u, batch_size)
+    values = estimates(model, pair, fixed, flat, sources, bases, jobs, calls, g_out, u, batch_size, clean_value)
     out = {n: torch.zeros((batch, *shapes[n]), dtype=torch.float64) for n in node_list}
     for job, v in zip(jobs, values):
         out[flat[job.site].node][_index(job.row, flat[job.site], job, sum_positions)] = v
