@@ -168,7 +168,7 @@ def attribution_patching(
         raise ValueError(f"batch_size: only method='ig' (interpolated rows) and 'blockwise' (patched nodes per block "
                          f"run) batch; method={method!r} takes none")
     if method == "blockwise":
-        from pyattr.patching import blockwise as BW
+        import pyattr.patching.blockwise as BW
 
         batch_size = core.check_count("batch_size", batch_size) or BW.DEFAULT_BATCH
     if method == "ig":
