@@ -29,7 +29,9 @@ def prepare_pair(model, clean, corrupt, alignment, clean_mask, corrupt_mask, cal
                  generic: bool = False) -> Pair:
     """Clean and corrupt checked and lined up. ``alignable`` False (EAP-IG, which
     interpolates position by position): clean and corrupt must line up as they are."""
-    if any(p.device.type == "meta" for p in model.parameters()):
+    # meta parameters with no offloading hook (accelerate's _hf_hook loads them per module)
+    if any(p.device.type == "meta" for p in model.parameters()) and not any(
+            hasattr(m, "_hf_hook") for m in model.modules()):
         raise ValueError(f"model: {caller} runs the model, and {type(model).__name__}'s parameters are on the meta "
                          "device (shapes without values); load its weights first (from_pretrained, or "
                          "load_state_dict(..., assign=True))")
