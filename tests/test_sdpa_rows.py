@@ -155,3 +155,61 @@ def test_attnlrp_relevance_equals_the_native_backward(dtype, tol, monkeypatch):
     with native_attention_backward():
         many_native = pyattr.relevance(model, ids, target=targets, rules="attnlrp")
     torch.testing.assert_close(many.relevance, many_native.relevance, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 1, 64), (1, 64)], ids=["batch-1-1-kv", "1-kv"])
+def test_a_mask_that_broadcasts_over_queries(shape):
+    q, k, v = _qkv(torch.float64)
+    mask = torch.randn(*shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    dout = torch.zeros(2, 3, 64, 16, dtype=torch.float64)
+    dout[:, :, -1] = 1.0
+    want = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), (q, k, v), dout)
+    with SR.sparse_rows_sdpa():
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert type(out.grad_fn).__name__ == "SdpaRowsFunctionBackward"
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), dout), want):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+def test_torch_func_transforms_take_the_native_function():
+    q, k, v = _qkv(torch.float64, s=16)
+    with SR.sparse_rows_sdpa():
+        got = torch.func.grad(lambda qq: F.scaled_dot_product_attention(qq, k, v)[:, :, -1].sum())(q.detach())
+    want = torch.func.grad(lambda qq: F.scaled_dot_product_attention(qq, k, v)[:, :, -1].sum())(q.detach())
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+
+
+def test_routing_is_per_thread():
+    import threading
+
+    q, k, v = _qkv(torch.float32)
+    inside, seen = threading.Event(), {}
+    done = threading.Event()
+
+    def other():
+        inside.wait()
+        seen["name"] = type(F.scaled_dot_product_attention(q, k, v).grad_fn).__name__
+        done.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    native = F.scaled_dot_product_attention
+    with SR.sparse_rows_sdpa():
+        mine = type(F.scaled_dot_product_attention(q, k, v).grad_fn).__name__
+        inside.set()
+        done.wait(30)
+    t.join(30)
+    assert mine == "SdpaRowsFunctionBackward" and seen["name"] != "SdpaRowsFunctionBackward", (mine, seen)
+    assert F.scaled_dot_product_attention is native
+
+
+def test_a_replacement_made_meanwhile_stays():
+    q, k, v = _qkv(torch.float32)
+    native = F.scaled_dot_product_attention
+    other = lambda *a, **kw: native(*a, **kw)  # noqa: E731
+    try:
+        with SR.sparse_rows_sdpa():
+            F.scaled_dot_product_attention = other  # another library patches it inside the block
+        assert F.scaled_dot_product_attention is other
+    finally:
+        F.scaled_dot_product_attention = native

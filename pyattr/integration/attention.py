@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import weakref
 from typing import Dict, Iterable, Iterator, Optional, Tuple
 
@@ -130,7 +131,20 @@ def _wrap(original, kind: str):
     return attention
 
 
+_PATCH_LOCK = threading.Lock()  # scopes opened and closed by several threads share _PATCHES
+
+
 def _patch(holder, name: str, kind: str, mapping: bool) -> None:
+    with _PATCH_LOCK:
+        _patch_locked(holder, name, kind, mapping)
+
+
+def _unpatch(holder, name: str, mapping: bool) -> None:
+    with _PATCH_LOCK:
+        _unpatch_locked(holder, name, mapping)
+
+
+def _patch_locked(holder, name: str, kind: str, mapping: bool) -> None:
     key = (id(holder), name)
     entry = _PATCHES.get(key)
     if entry is not None:
@@ -147,7 +161,7 @@ def _patch(holder, name: str, kind: str, mapping: bool) -> None:
     _PATCHES[key] = [holder, name, original, had_local, 1]
 
 
-def _unpatch(holder, name: str, mapping: bool) -> None:
+def _unpatch_locked(holder, name: str, mapping: bool) -> None:
     key = (id(holder), name)
     entry = _PATCHES[key]
     entry[4] -= 1

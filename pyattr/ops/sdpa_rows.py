@@ -25,13 +25,16 @@ native work, nothing recomputed.
 it inside a block, for the calls it can take exactly: CPU, float32/float64, no mask or an
 additive one of the query's dtype (a boolean mask, which sdpa converts before its kernel,
 goes native), no dropout, and only where sdpa
-itself would pick its flash kernel (``torch._fused_sdp_choice``); every other call goes to
-the function the name held before.
+itself would pick its flash kernel (``torch._fused_sdp_choice``), outside ``torch.func``
+transforms; every other call, and every call of a thread outside the block, goes to the
+function the name held before. (A ``TorchFunctionMode`` around the block sees the routed calls
+as the Function's aten ops, not as ``scaled_dot_product_attention``.)
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Iterator, Optional
 
 import torch
@@ -49,6 +52,8 @@ _backward_op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_
 def _takes(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> bool:
     if _forward_op is None or _backward_op is None or not torch.is_grad_enabled():
         return False
+    if torch._C._are_functorch_transforms_active():
+        return False  # torch.func (grad, vjp, vmap): the native function, which they can transform
     ts = (query, key, value)
     if not all(isinstance(t, torch.Tensor) for t in ts) or not any(t.requires_grad for t in ts):
         return False
@@ -69,11 +74,15 @@ def _takes(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
         return False
 
 
-_outer: list = []  # the function the block replaced (another library's wrapper, or torch's)
+# The name is process-wide; the routing is per thread: ``_routed`` stays installed while any
+# thread is inside :func:`sparse_rows_sdpa` and takes only the calls of threads that are.
+_local = threading.local()
+_lock = threading.Lock()
+_state = {"open": 0, "outer": None}  # blocks open in all threads; what the name held before
 
 
 def _routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    if _takes(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    if getattr(_local, "depth", 0) and _takes(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
         if query.shape[1] != key.shape[1]:  # grouped-query: each key/value head serves its group,
             # as sdpa's enable_gqa does (the same output, bit for bit); the gradients of a
             # group's copies are summed by the repeat's own backward
@@ -81,24 +90,32 @@ def _routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
             key, value = key.repeat_interleave(n, dim=1), value.repeat_interleave(n, dim=1)
         return SdpaRowsFunction.apply(query, key, value, attn_mask, is_causal, scale)
     kw = {"enable_gqa": enable_gqa} if enable_gqa else {}
-    fn = _outer[-1] if _outer else _native_sdpa
+    fn = _state["outer"] or _native_sdpa
     return fn(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kw)
 
 
 @contextlib.contextmanager
 def sparse_rows_sdpa() -> Iterator[None]:
-    """Inside the block, ``F.scaled_dot_product_attention`` calls that :class:`SdpaRowsFunction`
-    can take run through it (the forward is the native one, bit for bit); the others reach
-    whatever the name held before."""
-    if F.scaled_dot_product_attention is _routed:
-        yield
-        return
-    _outer.append(F.scaled_dot_product_attention)
-    F.scaled_dot_product_attention = _routed
+    """Inside the block, this thread's ``F.scaled_dot_product_attention`` calls that
+    :class:`SdpaRowsFunction` can take run through it (the forward is the native one, bit
+    for bit); the others, and every call of other threads, reach whatever the name held
+    before. The name is put back when the last open block closes, unless something else
+    replaced it meanwhile (then that stays)."""
+    _local.depth = getattr(_local, "depth", 0) + 1
+    with _lock:
+        if _state["open"] == 0 and F.scaled_dot_product_attention is not _routed:
+            _state["outer"] = F.scaled_dot_product_attention
+            F.scaled_dot_product_attention = _routed
+        _state["open"] += 1
     try:
         yield
     finally:
-        F.scaled_dot_product_attention = _outer.pop()
+        _local.depth -= 1
+        with _lock:
+            _state["open"] -= 1
+            if _state["open"] == 0 and F.scaled_dot_product_attention is _routed:
+                F.scaled_dot_product_attention = _state["outer"] or _native_sdpa
+                _state["outer"] = None
 
 
 def rows_backward(dout, q, k, v, out, lse, mask: Optional[torch.Tensor], causal: bool, scale: float,
@@ -112,7 +129,8 @@ def rows_backward(dout, q, k, v, out, lse, mask: Optional[torch.Tensor], causal:
     s = torch.matmul(q_r, kk.transpose(-1, -2)) * scale          # (B, H, r, kv_len)
     if mask is not None:
         m = mask if mask.dim() >= 2 else mask.view(1, -1)
-        s = s + m[..., rows, :].to(acc)
+        m = m if m.shape[-2] == 1 else m[..., rows, :]  # a query dimension of 1 broadcasts
+        s = s + m.to(acc)
     if causal:  # sdpa's is_causal: query i sees keys j ≤ i (top-left aligned)
         j = torch.arange(k.shape[2], device=q.device)
         s = s.masked_fill(j.view(1, 1, 1, -1) > rows.view(1, 1, -1, 1), float("-inf"))
