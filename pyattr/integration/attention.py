@@ -98,7 +98,7 @@ def _wrap(original, kind: str):
         # layer's (batch, heads, q_len, kv_len) pattern, sdpa's already recomputes blockwise
         recomputed = not frozen and kind == "eager" and is_attnlrp(module)
         if (kind == "sdpa" and not frozen and not args and not _bypass and torch.is_grad_enabled()
-                and is_attnlrp(module) and not _unbound_recomputation()):
+                and is_attnlrp(module) and not _unbound_recomputation() and not torch.compiler.is_compiling()):
             # sdpa's own backward, minus the query rows without gradient (a target at one
             # position leaves all but one row of the last block's dO at 0)
             with sparse_rows_sdpa():
