@@ -193,12 +193,12 @@ def test_estimators_bench_quick_run(tmp_path):
     report.validate(doc)
     value = [r for r in doc["rows"] if r["model"] == "toy induction decoder, value pairs" and r["node"] == "heads"]
     assert {r["variant"] for r in value} >= {"exact (activation patching)", "atp", "ig, 16 steps",
-                                             "blockwise (later blocks exact)"}
+                                             "blockwise (exact, block by block)"}
     assert all(0 <= r["top2_equal_exact"] <= 1 and r["time_over_exact"] > 0 for r in value)
     for kind in ("key", "value"):  # exact on the 2-layer models by construction
         for model in ("toy induction decoder", "toy induction decoder B (seed 1)"):
             bw = next(r for r in doc["rows"] if r["model"] == f"{model}, {kind} pairs" and r["node"] == "heads"
-                      and r["variant"] == "blockwise (later blocks exact)")
+                      and r["variant"] == "blockwise (exact, block by block)")
             assert bw["top2_equal_exact"] == 1.0 and bw["pearson_summed"] > 0.9999, bw
     four = [r for r in doc["rows"] if r["model"] == "toy induction decoder, 4 layers, key pairs" and r["node"] == "heads"]
     assert len(four) == 9 and all(r["top2_in_circuit"] is None for r in four)  # exact and 8 estimators

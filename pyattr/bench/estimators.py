@@ -38,7 +38,7 @@ def variants():
         ("relp all rules, AttnLRP attention", {"method": "relp", "rules": R.all("attnlrp")}),
         ("ig, 4 steps", {"method": "ig", "steps": 4}),
         ("ig, 16 steps", {"method": "ig", "steps": 16}),
-        ("blockwise (later blocks exact)", {"method": "blockwise"}),
+        ("blockwise (exact, block by block)", {"method": "blockwise"}),
     ]
 
 

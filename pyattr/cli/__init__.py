@@ -236,8 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--nodes", default="residual,attention,heads,mlp",
                     help="comma-separated: residual,attention,heads,mlp,neurons (default: all but neurons)")
     pa.add_argument("--method", choices=["relp", "atp", "atp*", "ig", "blockwise", "exact", "all"], default="relp",
-                    help="relp, atp, atp* (AtP with the QK fix), ig (EAP-IG, 16 steps), blockwise (every later "
-                         "block's response exact: sees composition; pre-norm models), exact (activation "
+                    help="relp, atp, atp* (AtP with the QK fix), ig (EAP-IG, 16 steps), blockwise (exact patching "
+                         "computed block by block from the clean run: sees composition), exact (activation "
                          "patching), or all: relp, atp "
                          "and exact with correlations (default relp); with --edges one of relp, atp, ig, exact")
     pa.add_argument("--sample", type=int, default=200, help="exact: neurons patched, a random sample (default 200)")

@@ -11,10 +11,9 @@ metric, when it is taken from a corrupted input instead of the clean one?
   under the relevance rules (RelP, Jafari et al., arXiv 2508.21258); ``method="atp*"``
   adds AtP*'s exact recomputation of the attention pattern for residual-stream nodes
   (Kramár et al., arXiv 2403.00745, §3.1.1; the formula is in ``pyattr/patching/atp_star.py``);
-  ``method="blockwise"`` runs every later block and the output head exactly on the node's
-  change of its own block's output, the coupling between later blocks linear
-  (:mod:`pyattr.patching.blockwise`): it sees composition through later attention
-  softmaxes, is exact on 2-layer models, and costs a run of each later block per node.
+  ``method="blockwise"`` gives exact patching's effects computed from the clean run block by
+  block (:mod:`pyattr.patching.blockwise`): the blocks before each node are not run again,
+  the node's own block and every later block are, exactly, on the change before them.
 
 Nodes, per layer and token position (``"heads"`` and ``"neurons"`` add a last dimension):
 
@@ -35,12 +34,12 @@ inputs give effects of exactly 0.
 """
 
 from pyattr.patching.activation import activation_patching
-from pyattr.patching.attribution import BLOCKWISE_RULES, METHODS, PATCHING_RULES, attribution_patching
+from pyattr.patching.attribution import METHODS, PATCHING_RULES, attribution_patching
 from pyattr.patching.circuit import CircuitFaithfulness, circuit_faithfulness, edge_effects
 from pyattr.patching.edges import EDGE_METHODS, EDGE_RULES, EdgeAttributionResult, edge_attribution
 from pyattr.patching.nodes import NODES
 from pyattr.patching.result import PatchingResult
 
-__all__ = ["BLOCKWISE_RULES", "CircuitFaithfulness", "EDGE_METHODS", "EDGE_RULES", "EdgeAttributionResult", "METHODS", "NODES", "PATCHING_RULES",
+__all__ = ["CircuitFaithfulness", "EDGE_METHODS", "EDGE_RULES", "EdgeAttributionResult", "METHODS", "NODES", "PATCHING_RULES",
            "PatchingResult", "activation_patching", "attribution_patching", "circuit_faithfulness", "edge_attribution",
            "edge_effects"]

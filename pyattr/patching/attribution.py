@@ -30,20 +30,14 @@ METHODS = ("relp", "atp", "atp*", "ig", "blockwise")
 PATCHING_RULES = RelevanceRules(normalization=True)
 
 
-#: The rules ``method="blockwise"`` takes its gradients under by default: none (the plain
-#: gradient). Chosen by ``pyattr bench --estimators``: on a 4-layer induction decoder, where
-#: the blocks' coupling stays linear, the plain gradient's top-2 heads equal exact patching's
-#: on 92 % of key pairs and the LN-rule's on 64 %.
-BLOCKWISE_RULES = RelevanceRules()
-
-
 def method_rules(method: str, rules: Optional[RelevanceRules], default: RelevanceRules) -> RelevanceRules:
-    """The rules a patching method runs under: ``default`` (or ``rules``) for ``"relp"`` and
-    ``"blockwise"`` (whose gradients couple the blocks), none for the plain-gradient methods,
-    which refuse ``rules``."""
-    if method not in ("relp", "blockwise"):
+    """The rules a patching method runs under: ``default`` (or ``rules``) for ``"relp"``, none
+    for the others, which refuse ``rules``."""
+    if method != "relp":
         if rules is not None:
-            raise ValueError(f"rules: method={method!r} uses the plain gradient; pass method='relp' to use rules")
+            what = "runs the later blocks exactly, with no gradient" if method == "blockwise" else \
+                "uses the plain gradient"
+            raise ValueError(f"rules: method={method!r} {what}; pass method='relp' to use rules")
         return RelevanceRules()
     rules = default if rules is None else rules
     if not isinstance(rules, RelevanceRules):
@@ -105,18 +99,16 @@ def attribution_patching(
             ``steps`` inputs on the line from the clean to the corrupt input embeddings
             (:mod:`pyattr.patching.ig`); ``steps`` forwards and backwards for every node
             at once. Needs clean and corrupt that line up (no ``alignment``).
-            ``"blockwise"``: sees composition through later attention softmaxes
-            (:mod:`pyattr.patching.blockwise`): each node's exact change of its own block's
-            output is carried along the residual stream, every later block's and the output
-            head's response to it is computed exactly, and only the coupling between later
-            blocks stays linear (through the gradient). Exact on 2-layer models; one run of
-            the node's block, each later block and the output head per node (batched
-            ``batch_size`` nodes per run), so its cost grows with nodes × later blocks.
-            Models whose blocks pass their input on (pre-norm; a block that returns a
-            norm's output is refused); the metric must be read from the model's output.
+            ``"blockwise"``: exact patching's effects, not an estimate, computed from the
+            clean run block by block (:mod:`pyattr.patching.blockwise`): the node's own block
+            and every later block re-run exactly on the change before them, the output head
+            on the last one's, the blocks before the node not run again. It sees composition
+            through every later softmax; it costs a run of each later block per node
+            (batched ``batch_size`` nodes per run), so it grows with nodes × later blocks.
+            Needs blocks that each receive the previous block's output and a metric read
+            from the model's output.
         rules (RelevanceRules, optional): the rules of ``"relp"`` (default
-            :data:`PATCHING_RULES`) and of ``"blockwise"``'s gradients (default
-            :data:`BLOCKWISE_RULES`, none); not accepted with ``"atp"`` / ``"atp*"`` / ``"ig"``.
+            :data:`PATCHING_RULES`); not accepted with the other methods.
         sum_positions (bool): sum each node's estimate over positions (the estimate of
             patching it at every position at once). Default False.
         alignment (LongTensor[batch, clean_seq], optional): the corrupt position whose
@@ -149,8 +141,8 @@ def attribution_patching(
     Raises:
         ValueError: an unknown node type or method, a model without a node map,
             ``"atp*"`` on a model whose attention does not return its probabilities
-            (not eager), ``"blockwise"`` on a post-norm model or with a metric read
-            inside a block, clean
+            (not eager), ``"blockwise"`` on blocks that do not chain or with a metric
+            read inside a block, clean
             and corrupt that do not line up (different lengths or masks without
             ``alignment``, different batch sizes), a metric that does not give one value
             per row or does not depend on the inputs, ``rules`` with ``"atp"``.
@@ -177,7 +169,7 @@ def attribution_patching(
         if alignment is not None:
             raise ValueError("alignment: method='ig' interpolates the input embeddings position by position, so "
                              "clean and corrupt must line up; drop alignment= or use method='atp' / 'relp'")
-    rules = method_rules(method, rules, PATCHING_RULES if method == "relp" else BLOCKWISE_RULES)
+    rules = method_rules(method, rules, PATCHING_RULES)
     sites = node_sites(model, node_list, generic)
     flat = [s for n in node_list for s in sites[n]]
     caller = "attribution_patching"
@@ -189,8 +181,7 @@ def attribution_patching(
     blocks = None
     if method == "blockwise":
         block_sites = node_sites(model, ["residual"], generic)["residual"]
-        blocks = BW.BlockCalls([s.module for s in block_sites],
-                               BW.block_norms(model, generic, [s.path for s in block_sites]))
+        blocks = BW.BlockCalls([s.module for s in block_sites])
         BW.check_metric(model, tgts, blocks)
     if star:
         from pyattr.patching.atp_star import AttentionCalls
@@ -208,17 +199,16 @@ def attribution_patching(
             extra = attn_c.weights
         if blocks is not None:
             blocks.check(model, batch)
-            extra = blocks.y
         if method == "ig":
             value = value.detach()
             grads = IG.path_gradients(model, pair, fixed, flat, steps, batch_size)
             d_weights = []
+        elif blocks is not None:  # no gradient: every later block runs exactly
+            grads, d_weights = [None] * len(acts_c), []
         else:
             grads = torch.autograd.grad(value, acts_c + extra, torch.ones_like(value), allow_unused=True,
-                                        retain_graph=star or blocks is not None)
+                                        retain_graph=star)
             grads, d_weights = grads[:len(acts_c)], grads[len(acts_c):]
-        if blocks is not None:
-            g_out, local = BW.block_gradients(blocks, d_weights)
         pattern_grads = {}
         if star:
             # the part of each residual node's gradient that flows through its own block's
@@ -239,13 +229,13 @@ def attribution_patching(
             sources = [align(a.detach(), pair.index) for a in acts_x]
             try:
                 effects = BW.effects(model, pair, fixed, flat, node_list, sources, acts_c,
-                                     [a.shape[-1] for a in acts_c], blocks, g_out, local, sum_positions, batch_size,
+                                     [a.shape[-1] for a in acts_c], blocks, sum_positions, batch_size,
                                      value.detach())
             finally:
                 blocks.release()
             return PatchingResult(effects=effects, dims={n: dims(n, sum_positions) for n in node_list},
                                   clean_metric=value.detach().double(), corrupt_metric=value_x.double(),
-                                  method=method, rules=rules, coverage=cov)
+                                  method=method)
     effects: Dict[str, torch.Tensor] = {}
     valid = pair.valid
     for node in node_list:

@@ -22,10 +22,9 @@ INDUCTION_DIR = Path(__file__).resolve().parent / "induction"
 #: cannot owe to its particular weights is checked on both (``toy.load(toy.INDUCTION_B_DIR)``).
 INDUCTION_B_DIR = Path(__file__).resolve().parent / "induction_b"
 #: A 4-layer induction decoder, the same task and width (``python -m pyattr.toy.train DIR
-#: --layers 4``): with more than one later block, estimates that are exact on the 2-layer
-#: models (``method="blockwise"``) are approximations, measured here. Training found no
-#: head that passes the circuit thresholds alone (its ``circuit.json`` lists none: the
-#: mechanism is spread over heads and layers).
+#: --layers 4``): estimates measured on a model where several blocks lie between a node and
+#: the output. Training found no head that passes the circuit thresholds alone (its
+#: ``circuit.json`` lists none: the mechanism is spread over heads and layers).
 INDUCTION_4L_DIR = Path(__file__).resolve().parent / "induction_4l"
 #: The name ``pyattr explain / patch / generate --model`` accept for it.
 INDUCTION_NAME = "induction"
@@ -33,10 +32,9 @@ INDUCTION_NAME = "induction"
 #: ``preprocessor_config.json``).
 SQUARES_DIR = Path(__file__).resolve().parent / "squares"
 #: A 4-layer induction decoder, the same task and width (``python -m pyattr.toy.train DIR
-#: --layers 4``): with more than one later block, estimates that are exact on the 2-layer
-#: models (``method="blockwise"``) are approximations, measured here. Training found no
-#: head that passes the circuit thresholds alone (its ``circuit.json`` lists none: the
-#: mechanism is spread over heads and layers).
+#: --layers 4``): estimates measured on a model where several blocks lie between a node and
+#: the output. Training found no head that passes the circuit thresholds alone (its
+#: ``circuit.json`` lists none: the mechanism is spread over heads and layers).
 INDUCTION_4L_DIR = Path(__file__).resolve().parent / "induction_4l"
 #: The name ``pyattr explain --model`` accepts for it.
 SQUARES_NAME = "squares"
