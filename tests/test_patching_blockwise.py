@@ -83,11 +83,11 @@ def test_blocks_that_do_not_chain_are_refused():
 
     calls = BW.BlockCalls([torch.nn.Identity(), torch.nn.Identity()])
     calls.count, calls.calls = [1, 1], [((), {}), ((), {})]
-    calls.x = [torch.zeros(2, 3, 4), torch.ones(2, 3, 4)]
+    calls.inputs = [torch.zeros(2, 3, 4), torch.ones(2, 3, 4)]
     calls.y = [torch.zeros(2, 3, 4), torch.ones(2, 3, 4)]
     with pytest.raises(ValueError, match="block 1 of Identity .* does not receive block 0's output"):
         calls.check(torch.nn.Identity(), 2)
-    calls.x[1] = calls.y[0]
+    calls.inputs[1] = calls.y[0]
     calls.check(torch.nn.Identity(), 2)
 
 

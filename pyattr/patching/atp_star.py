@@ -23,21 +23,13 @@ GradDrop (the paper's second fix) is not applied.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 from torch import nn
 
 import pyattr.architectures as A
-import pyattr.methods._core as core
-
-_CACHE_KWARGS = ("past_key_value", "past_key_values", "layer_past", "cache")
-
-
-def _is_cache(name: str, value) -> bool:
-    """A key/value cache argument: re-running the module must not append to it."""
-    return name in _CACHE_KWARGS or any(c.__name__.endswith("Cache") for c in type(value).__mro__)
+from pyattr.patching.calls import RecordedCalls
 
 
 def use_eager(model) -> None:
@@ -49,9 +41,11 @@ def use_eager(model) -> None:
         model.config._attn_implementation = "eager"
 
 
-class AttentionCalls:
+class AttentionCalls(RecordedCalls):
     """Records, per block, the attention module's call (args, kwargs), its first tensor
     input and the attention probabilities it returns."""
+
+    caller = "method='atp*'"
 
     def __init__(self, model: nn.Module, blocks: List[str], generic: bool = False):
         arch = A.arch_of(model, generic)
@@ -64,32 +58,13 @@ class AttentionCalls:
                 "in the architecture table that returns its attention probabilities, which AtP* recomputes; "
                 "use method='atp' or 'relp'"
             )
+        super().__init__([model.get_submodule(f"{b}.{rel}") for b in blocks])
         self.model = model
-        self.modules = [model.get_submodule(f"{b}.{rel}") for b in blocks]
-        n = len(blocks)
-        self.calls: List[Optional[Tuple[tuple, dict]]] = [None] * n
-        self.inputs: List[Optional[torch.Tensor]] = [None] * n
-        self.weights: List[Optional[torch.Tensor]] = [None] * n
+        self.weights: List[Optional[torch.Tensor]] = [None] * len(blocks)
 
-    @contextlib.contextmanager
-    def recording(self):
-        handles = []
-        for i, mod in enumerate(self.modules):
-            def pre(m, args, kwargs, i=i):
-                self.calls[i] = (args, kwargs)
-                self.inputs[i] = _first_input(args, kwargs)
-
-            def post(m, args, kwargs, out, i=i):
-                w = out[1] if isinstance(out, tuple) and len(out) > 1 else None
-                self.weights[i] = w if isinstance(w, torch.Tensor) else None
-
-            handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
-            handles.append(mod.register_forward_hook(post, with_kwargs=True))
-        try:
-            yield self
-        finally:
-            for h in handles:
-                h.remove()
+    def output(self, i: int, out) -> None:
+        w = out[1] if isinstance(out, tuple) and len(out) > 1 else None
+        self.weights[i] = w if isinstance(w, torch.Tensor) else None
 
     def check(self) -> None:
         if any(w is None for w in self.weights):
@@ -133,44 +108,5 @@ class AttentionCalls:
         return out.float()
 
     def _call(self, layer: int, row: int, x: torch.Tensor, batch: int) -> torch.Tensor:
-        args, kwargs = self.calls[layer]
-        n = x.shape[0]
-        args = _rows(args, row, n, batch)
-        kwargs = {k: (None if _is_cache(k, v) else _rows(v, row, n, batch)) for k, v in kwargs.items()}
-        args, kwargs = _replace_input(args, kwargs, x)
-        out = self.modules[layer](*args, **kwargs)
-        return out[1]
-
-
-def _first_input(args, kwargs) -> Optional[torch.Tensor]:
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            return a
-    for key in core.ARG_KEYS:
-        if isinstance(kwargs.get(key), torch.Tensor):
-            return kwargs[key]
-    return None
-
-
-def _replace_input(args, kwargs, x):
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
-            return (*args[:i], x, *args[i + 1:]), kwargs
-    for key in core.ARG_KEYS:
-        if isinstance(kwargs.get(key), torch.Tensor):
-            return args, {**kwargs, key: x}
-    raise RuntimeError("method='atp*': the attention module's input tensor was not found")
-
-
-def _rows(obj, row: int, n: int, batch: int):
-    """Per-row tensors (dim ≥ 2, leading dim ``batch``) of a call: row ``row`` repeated ``n``
-    times; other values (1-d positions, broadcast masks, flags) unchanged."""
-    if isinstance(obj, torch.Tensor):
-        if obj.dim() >= 2 and obj.shape[0] == batch:
-            return obj[row:row + 1].expand(n, *obj.shape[1:])
-        return obj
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_rows(o, row, n, batch) for o in obj)
-    if isinstance(obj, list):
-        return [_rows(o, row, n, batch) for o in obj]
-    return obj
+        idx = torch.full((x.shape[0],), row, dtype=torch.long)
+        return self.rerun(layer, idx, x, batch)[1]

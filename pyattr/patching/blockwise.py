@@ -26,7 +26,7 @@ where the gradient estimates take a fixed number of passes.
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -35,7 +35,7 @@ import pyattr.architectures as A
 import pyattr.methods._core as core
 import pyattr.targets as T
 from pyattr.methods._core.forward import evaluate_targets, run_model
-from pyattr.patching.atp_star import _is_cache, _replace_input
+from pyattr.patching.calls import RecordedCalls, tensors
 
 #: Patched nodes per block run (default of ``batch_size``).
 DEFAULT_BATCH = 256
@@ -59,66 +59,27 @@ def _with_first(out, x: torch.Tensor):
     return type(out)((x, *out[1:])) if isinstance(out, tuple) else [x, *out[1:]]
 
 
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (tuple, list)) and not _is_cache("", obj):
-        for o in obj:
-            yield from _tensors(o)
+class BlockCalls(RecordedCalls):
+    """Per block: its recorded call (args, kwargs), its input ``x`` as the block receives it
+    (before any other pre-hook, a user's steering hook say: re-running the block through its
+    hooks applies them once), its output ``y`` after every forward hook (what the next block
+    reads; first tensor, in the graph) and its raw output (for the replay)."""
 
-
-def _select(obj, idx: torch.Tensor, batch: int):
-    """Per-row tensors of a recorded call (leading dim ``batch``, dim ≥ 2) restricted to rows
-    ``idx``; other values (positions, broadcast masks, flags) unchanged."""
-    if isinstance(obj, torch.Tensor):
-        if obj.dim() >= 2 and obj.shape[0] == batch:
-            return obj.detach()[idx.to(obj.device)]
-        return obj
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_select(o, idx, batch) for o in obj)
-    if isinstance(obj, list):
-        return [_select(o, idx, batch) for o in obj]
-    return obj
-
-
-class BlockCalls:
-    """Per block: its recorded call (args, kwargs), input ``x`` and output ``y`` (first
-    tensor, in the graph), and its raw output (for the stubbed replay)."""
+    caller = "method='blockwise'"
 
     def __init__(self, blocks: List[nn.Module]):
-        self.blocks = blocks
-        n = len(blocks)
-        self.calls: List[Optional[Tuple[tuple, dict]]] = [None] * n
-        self.x: List[Optional[torch.Tensor]] = [None] * n
-        self.y: List[Optional[torch.Tensor]] = [None] * n
-        self.raw: list = [None] * n
-        self.count = [0] * n
+        super().__init__(blocks, prepend=True)
+        self.blocks = self.modules
+        self.y: List[Optional[torch.Tensor]] = [None] * len(blocks)
+        self.raw: list = [None] * len(blocks)
 
-    @contextlib.contextmanager
-    def recording(self):
-        from pyattr.patching.atp_star import _first_input
+    @property
+    def x(self) -> List[Optional[torch.Tensor]]:
+        return self.inputs
 
-        handles = []
-        for i, mod in enumerate(self.blocks):
-            def pre(m, args, kwargs, i=i):
-                self.calls[i] = (args, kwargs)
-                self.x[i] = _first_input(args, kwargs)
-                self.count[i] += 1
-
-            def post(m, args, kwargs, out, i=i):
-                self.raw[i] = out
-                self.y[i] = _first(out)
-
-            # the input as the block receives it, before any other pre-hook (a user's steering
-            # hook): re-running the block through its hooks applies them once; the output
-            # after every forward hook (what the next block reads)
-            handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
-            handles.append(mod.register_forward_hook(post, with_kwargs=True))
-        try:
-            yield self
-        finally:
-            for h in handles:
-                h.remove()
+    def output(self, i: int, out) -> None:
+        self.raw[i] = out
+        self.y[i] = _first(out)
 
     def check(self, model: nn.Module, batch: int) -> None:
         """Every block ran once; each block's input is the previous block's output (nothing
@@ -137,7 +98,7 @@ class BlockCalls:
                     "output (something runs between them). Use activation_patching or method='relp', 'atp' or 'ig'")
         for i, (args, kwargs) in enumerate(self.calls):
             for name, t in [(f"argument {j}", a) for j, a in enumerate(args)] + list(kwargs.items()):
-                for u in _tensors(t):
+                for u in tensors(t):
                     if u.dim() >= 2 and u.shape[0] not in (1, batch):
                         raise ValueError(
                             f"method='blockwise' re-runs the blocks on selected rows, and block {i} of "
@@ -151,15 +112,11 @@ class BlockCalls:
         not whenever the cyclic garbage collector gets to them: a later call would
         otherwise allocate its own graph while this one is still held."""
         n = len(self.blocks)
-        self.calls, self.x, self.y, self.raw = [None] * n, [None] * n, [None] * n, [None] * n
+        self.calls, self.inputs, self.y, self.raw = [None] * n, [None] * n, [None] * n, [None] * n
 
     def run(self, layer: int, idx: torch.Tensor, x: torch.Tensor, batch: int) -> torch.Tensor:
         """Block ``layer`` on rows ``idx`` of the recorded call with input ``x``; its output."""
-        args, kwargs = self.calls[layer]
-        args = _select(args, idx, batch)
-        kwargs = {k: (None if _is_cache(k, v) else _select(v, idx, batch)) for k, v in kwargs.items()}
-        args, kwargs = _replace_input(args, kwargs, x)
-        return _first(self.blocks[layer](*args, **kwargs))
+        return _first(self.rerun(layer, idx, x, batch))
 
     @contextlib.contextmanager
     def replay(self, idx: torch.Tensor, batch: int, last_delta: torch.Tensor):
