@@ -130,9 +130,7 @@ demo: $(STAMP)
 # every test once. pytest-xdist spreads the tests over the cores, one intra-op thread per
 # worker, a test file per worker (the README tests share one working directory across the
 # file). No test's numbers depend on the order (tests/conftest.py seeds each test).
-# -P: the working directory stays off sys.path, where the checkout's kernels/ would shadow
-# the `kernels` package transformers >= 5.25 imports (tests/conftest.py says more).
-PYTEST := $(PY) -P -m pytest -q -n auto --dist loadfile
+PYTEST := $(PY) -m pytest -q -n auto --dist loadfile
 test: $(STAMP)
 	$(call step,pytest without the slow tier (about 2 minutes on 2 cores))
 	@$(PYC) pyattr tests

@@ -1,6 +1,6 @@
 """Build for pyattr.
 
-Packages: ``pyattr`` and ``kernels/`` shipped as ``pyattr.kernels``; the C++/CUDA sources
+Packages: ``pyattr``, with ``kernels/`` copied in as ``pyattr.kernels``; the C++/CUDA sources
 of ``csrc/`` ship in every wheel as ``pyattr/_csrc`` (MANIFEST.in puts them in the sdist).
 
 The extension ``pyattr._C`` is compiled here, with ``torch.utils.cpp_extension`` and
@@ -47,7 +47,7 @@ def _build_module():
 
 
 B = _build_module()
-packages = find_packages(include=["pyattr", "pyattr.*"]) + ["pyattr.kernels"]
+packages = find_packages(include=["pyattr", "pyattr.*"])
 ext_modules = []
 
 
@@ -56,13 +56,21 @@ def _say(msg):
 
 
 class _BuildPy(_build_py):
-    """Copies csrc/ into the wheel as pyattr/_csrc (every source and header), for the
-    first-use compile. An editable install reads csrc/ of the checkout instead."""
+    """Copies kernels/ into the wheel as pyattr/kernels (the Triton kernels: the folder has
+    no __init__.py, so that a checkout's root on sys.path never shadows the `kernels`
+    package transformers imports; pyattr/kernels/__init__.py is the package) and csrc/ as
+    pyattr/_csrc (every source and header), for the first-use compile. An editable install
+    reads both from the checkout instead."""
 
     def run(self):
         super().run()
         if getattr(self, "editable_mode", False):
             return
+        ksrc, kdst = os.path.join(_ROOT, "kernels"), os.path.join(self.build_lib, "pyattr", "kernels")
+        names = sorted(f for f in os.listdir(ksrc) if f.endswith(".py"))
+        for f in names:
+            self.copy_file(os.path.join(ksrc, f), os.path.join(kdst, f))
+        _say(f"{len(names)} Triton kernel modules shipped as pyattr.kernels")
         src = os.path.join(_ROOT, "csrc")
         dst = os.path.join(self.build_lib, "pyattr", "_csrc")
         n = 0
@@ -158,7 +166,6 @@ if torch is not None:
 
 setup(
     packages=packages,
-    package_dir={"pyattr.kernels": "kernels"},
     package_data={"pyattr.toy": ["induction/*.json", "induction/*.safetensors", "induction_b/*.json",
                                  "induction_b/*.safetensors", "induction_4l/*.json",
                                  "induction_4l/*.safetensors", "squares/*.json",

@@ -1,4 +1,14 @@
-"""Shared Triton helpers: launch configuration and the activation math (φ, act, act')
+"""Triton kernels for the rule backwards, shipped as ``pyattr.kernels``: one module per rule
+family (``identity``, ``half``, ``gated``, ``layer_norm``, ``rms_norm``, ``attention``,
+``attention_backward``). They run on CUDA tensors, and on CPU tensors under
+``TRITON_INTERPRET=1`` (how CI tests them). Every kernel loads, casts to float32 (float64
+stays float64), computes, and casts once on store; offsets are int64; masks cover any size.
+
+The folder has no ``__init__.py`` on purpose: ``pyattr.kernels`` is a namespace package,
+so a checkout's root on ``sys.path`` never makes ``kernels/`` a regular top-level package
+that shadows the ``kernels`` distribution transformers imports.
+
+Shared Triton helpers (this module): launch configuration and the activation math (φ, act, act')
 used by the identity and gated kernels. Everything is computed in the accumulation type
 (float32, float64 for float64 inputs) after one load-and-cast; results are cast once on
 store. ``tanh`` is written through ``sigmoid`` (no libdevice under the interpreter)."""

@@ -2,15 +2,9 @@ import functools
 import os
 import sys
 
-# The checkout's root holds kernels/ (shipped as pyattr.kernels). Where the root is on
-# sys.path (`python -m pytest` puts the working directory first, and so does `python -c` in a
-# child process) that folder shadows the `kernels` distribution transformers >= 5.25 depends
-# on and imports while loading a model, which then fails. pyattr imports from its install,
-# so the root comes off the path here, and child processes start without the working
-# directory on theirs (PYTHONSAFEPATH, Python >= 3.11; the Makefile exports it too).
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
-os.environ["PYTHONSAFEPATH"] = "1"
+# The checkout's root stays on sys.path where Python puts it (`python -m pytest`, and `python
+# -c` in a child process started there), as it does for a contributor: nothing in the root
+# may shadow an installed package (kernels/ has no __init__.py; tests/test_layout.py).
 
 # Without a GPU the Triton kernels run under Triton's interpreter on CPU tensors; the flag
 # must be set before triton.jit decorates them (before pyattr.kernels is imported).

@@ -91,7 +91,9 @@ def _run(arch, method, m=None, generic=False):
             value = out.logits[:, -1, 5].sum() if hasattr(out, "logits") and out.logits.dim() == 3 else \
                 (target(out).sum() if callable(target) else out.logits[:, target].sum())
             value.backward()
-        return torch.stack([cap[b].grad.sum() for b in blocks])
+        # |grad| summed: behind a LayerNorm the gradient of a row sums to 0 exactly in
+        # theory (its mean is removed), so a plain sum is rounding noise, 0.0 on some CPUs
+        return torch.stack([cap[b].grad.abs().sum() for b in blocks])
     corrupt = inputs.flip(0)
     metric = target if callable(target) else pyattr.targets.Logit(target)
     if kind == "activation_patching":

@@ -11,6 +11,7 @@
 #include <limits>
 #include <optional>
 
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/all.h>
 #include <ATen/ops/empty.h>
@@ -170,6 +171,11 @@ at::Tensor attention_dv(const at::Tensor& q_in, const at::Tensor& k_in, const at
     using A = scalar_t;
     const std::optional<A> cap = softcap ? std::optional<A>(A(*softcap)) : std::nullopt;
     at::parallel_for(0, heads * splits, 1, [&](int64_t begin, int64_t end) {
+      // The pool's worker threads do not inherit the caller's autograd state (grad mode
+      // is on there, the Autograd keys not excluded): without this guard at::mm_out on
+      // tensors that require grad (q, k, v saved by a Function) raises in every thread
+      // but the caller's. The kernel is a backward: nothing here is recorded.
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
       at::Tensor scores = at::empty({G * kBlockRows * Lk}, q.options());
       at::Tensor gathered = G > 1 ? at::empty({G * kBlockRows, Dv}, q.options()) : at::Tensor();
       for (int64_t it = begin; it < end; ++it) {
@@ -259,6 +265,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     using A = scalar_t;
     const std::optional<A> cap = softcap ? std::optional<A>(A(*softcap)) : std::nullopt;
     at::parallel_for(0, heads * splits, 1, [&](int64_t begin, int64_t end) {
+      // The pool's worker threads do not inherit the caller's autograd state (grad mode
+      // is on there, the Autograd keys not excluded): without this guard at::mm_out on
+      // tensors that require grad (q, k, v saved by a Function) raises in every thread
+      // but the caller's. The kernel is a backward: nothing here is recorded.
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
       at::Tensor scores = at::empty({G * kBlockRows * Lk}, q.options());
       at::Tensor dprob = at::empty({G * kBlockRows * Lk}, q.options());
       at::Tensor tanhs = cap ? at::empty({G * kBlockRows * Lk}, q.options()) : at::Tensor();

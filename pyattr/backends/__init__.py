@@ -99,11 +99,11 @@ def _probe_triton() -> BackendStatus:
     except ImportError:
         return BackendStatus("triton", False, "triton is not installed")
     try:
-        kernels = importlib.import_module("pyattr.kernels")  # kernels/, shipped as pyattr.kernels
+        # kernels/, shipped as pyattr.kernels: a namespace package (no __init__.py, so that
+        # the checkout's folder never shadows another top-level `kernels`), read by module
+        importlib.import_module("pyattr.kernels._common")
     except ImportError as e:
         return BackendStatus("triton", False, f"pyattr.kernels failed to import ({e})")
-    if not getattr(kernels, "KERNELS_READY", False):
-        return BackendStatus("triton", False, "pyattr.kernels ships no Triton kernels yet")
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     why = _interpreter_problem(triton) if interp else ""
     if why:

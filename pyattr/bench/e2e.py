@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import resource
 import statistics
 import subprocess
@@ -205,10 +204,7 @@ class E2EError(RuntimeError):
 def child_row(cmd: List[str], what: str) -> Dict:
     """Run a measurement in its own process (its peak RSS is its own) and return the JSON
     row it prints last; E2EError with the end of its stderr if it fails."""
-    # the working directory off sys.path (``-m`` would put it first): run from a checkout,
-    # its kernels/ folder would shadow the ``kernels`` package transformers imports
-    env = {**os.environ, "PYTHONSAFEPATH": "1"}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         tail = " ".join(out.stderr.strip().splitlines()[-1:]) or f"exit status {out.returncode}"
         raise E2EError(f"{what} failed: {tail}")

@@ -62,6 +62,8 @@ _GATES = (torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid, F.softplus, torch.exp,
 _STATS = (torch.rsqrt, torch.Tensor.rsqrt, torch.sqrt, torch.Tensor.sqrt, torch.reciprocal, torch.Tensor.reciprocal,
           torch.norm, torch.Tensor.norm, torch.linalg.vector_norm, torch.linalg.norm, torch.var, torch.Tensor.var,
           torch.std, torch.Tensor.std)
+# an embedding lookup of a trainable table gives the model's input: where the path begins
+_LOOKUPS = (F.embedding, torch.embedding, F.embedding_bag)
 _MUL = (torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.multiply)
 _DIV = (torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.true_divide, torch.divide)
 # ops whose result is still the tagged quantity (shape, dtype, device, indexing, and
@@ -79,7 +81,41 @@ _MISH_ACT = Activation("custom", F.mish, 0.6)  # mish(x)/x → tanh(ln 2) at 0
 
 
 def _path(t) -> bool:
-    return isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()
+    """A tensor on the relevance path: it carries gradient from the model's input. A
+    parameter is never one, whether or not it requires grad, nor is what the forward
+    computes from parameters alone (a layer scale λ, DiffLlama's λ = exp(λq·λk) − …, a
+    logit scale): their product with a path tensor is a product with a constant."""
+    return (isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()
+            and not isinstance(t, nn.Parameter) and getattr(t, _TAG, None) != "param")
+
+
+def _grad_tensors(args, kwargs) -> Iterator[torch.Tensor]:
+    """The floating tensors among a call's arguments (one level into lists and tuples:
+    ``torch.cat([a, b])``) that require grad."""
+    for a in list(args) + list(kwargs.values()):
+        for t in (a if isinstance(a, (list, tuple)) else (a,)):
+            if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point():
+                yield t
+
+
+def _from_parameters(func, args, kwargs) -> bool:
+    """The call computes from parameters (and constants) alone: some argument requires
+    grad and none is a path tensor. An embedding lookup is the exception: its rows are the
+    model's input, where the path begins (``model(input_ids)`` with trainable weights)."""
+    if func in _LOOKUPS:
+        return False
+    seen = False
+    for t in _grad_tensors(args, kwargs):
+        if _path(t):
+            return False
+        seen = True
+    return seen
+
+
+def _tag_outputs(out, tag: str):
+    for o in (out if isinstance(out, (tuple, list)) else (out,)):
+        _tagged(o, tag)
+    return out
 
 
 def tag_of(t) -> Optional[str]:
@@ -120,6 +156,11 @@ class FunctionalRules(TorchFunctionMode):
         kwargs = kwargs or {}
         if in_rule_forward() or not torch.is_grad_enabled():
             return func(*args, **kwargs)
+        if _from_parameters(func, args, kwargs):
+            # computed from parameters alone: a constant of the relevance path, whatever it
+            # is multiplied with later (never the Half-rule's second path tensor, never a
+            # gate or a statistic of the path)
+            return _tag_outputs(func(*args, **kwargs), "param")
         x = args[0] if args else kwargs.get("input")
         if func in _MUL or func in _DIV:
             return self._product(func, args, kwargs)

@@ -15,7 +15,9 @@ vocabulary, seeded, eight positions — under the per-module conservation audit
   ``generic="partial"``: then the scope runs and :class:`PartialRelevanceWarning` (a
   ``warnings.warn``) names the components and the measured gap.
 
-The verdict is kept per model instance and rule set (the probe runs once). Mapped
+The verdict is kept per model instance, rule set and the state it was measured on
+(:func:`checked_state`: parameters that require grad, dtypes, attention implementation,
+forwards replaced on the instance); the probe runs again when any of them changed. Mapped
 architectures are not probed: their table is the plan, and their tests its check.
 """
 
@@ -200,11 +202,28 @@ def _declared(path: str, reasons: Dict[str, str]) -> Optional[str]:
     return None
 
 
+def checked_state(model: nn.Module) -> tuple:
+    """What a verdict was measured on, besides the rule set: a cached verdict holds only
+    for this. The modules themselves (a module swapped in is another plan), each one's
+    forward where it is replaced on the instance (pyattr's own rule forwards excepted),
+    which parameters require grad (a trainable parameter takes part in the forward's
+    products as a tensor with gradient), the parameters' dtypes and devices, and the
+    attention implementation."""
+    from pyattr.integration.install import _STATE, MISSING, forward_slot
+
+    mods = []
+    for m in model.modules():
+        st = m.__dict__.get(_STATE)
+        fwd = m.__dict__.get(forward_slot(m)) if st is None else st.saved_forward
+        mods.append((id(m), type(m), None if fwd is None or fwd is MISSING else id(getattr(fwd, "__func__", fwd))))
+    params = tuple((p.requires_grad, p.dtype, p.device.type) for p in model.parameters())
+    cfg = getattr(model, "config", None)
+    return tuple(mods), params, getattr(cfg, "_attn_implementation", None), getattr(cfg, "_experts_implementation", None)
+
+
 def verdict(model: nn.Module, rules: RelevanceRules, installed: Callable, plan: Callable) -> tuple:
     """``("ok",)`` | ``("undeclared", message)`` | ``("declared", message)`` for ``model``."""
-    # the modules themselves are part of the key: a module swapped in (same count or not)
-    # is another plan
-    key = (dataclasses.astuple(probe_rules(rules)), tuple((id(m), type(m)) for m in model.modules()))
+    key = (dataclasses.astuple(probe_rules(rules)), checked_state(model))
     kept = _VERDICTS.setdefault(model, {})
     if key in kept:
         return kept[key]
