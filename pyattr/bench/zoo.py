@@ -5,14 +5,16 @@ classification and image-classification mappings, a tiny random model is built i
 (:mod:`pyattr.bench.zoo_build`: seed 0, eval mode, hidden 32, 2 layers, weight matrices at
 standard deviation 0.2 so that nonlinearities leave their linear regime; biases zeroed so
 that LRP conservation is exact when every nonlinearity has its rule) and
-``pyattr.relevance(model, x, generic=True)`` is checked three ways: with the rules off
+``pyattr.relevance(model, x, generic=True)`` is checked four ways: with the rules off
 (``rules=RelevanceRules()``) against plain autograd gradient × input at the same entry;
-with the rules on, Σ relevance against the target; and a padded row (left for decoders,
-right for encoders) against the row alone. Statuses:
+with the rules on, Σ relevance against the target; the user's own scope
+(``use_relevance_rules(model, generic=True)`` around their forward and backward) with the
+parameters left trainable against it; and a padded row (left for decoders, right for
+encoders) against the row alone. Statuses:
 
 - ``right``: rules off = autograd (relative 1e-5), Σ relevance = target (1e-6 of |target|
-  or of Σ|relevance|, whichever is larger: relevance is float32), and the padded row equals
-  the row alone;
+  or of Σ|relevance|, whichever is larger: relevance is float32), the trainable scope =
+  ``pyattr.relevance`` (relative 1e-5), and the padded row equals the row alone;
 - ``refused``: pyattr raised (ValueError, TypeError, NotImplementedError or
   RelevanceRuleUnsupportedError) from its own code, naming a module, class or role;
 - ``unclear refusal``: the same, but the message names none of them;
@@ -105,6 +107,8 @@ def classify(mapping: str, model_type: str, cls_name: str, phase: Optional[dict]
             off = _rules_off(pyattr, model, x, tid)
             phase["step"] = ""
             r = pyattr.relevance(model, x, target=tid, generic=True)
+            phase["step"] = "trainable scope: "
+            scope = _trainable_scope(model, x, tid, r)
             phase["step"] = "padded: "
             pad = None if pixels else _padded(pyattr, model, x, r, tid)
     except (ValueError, TypeError, NotImplementedError, pyattr.RelevanceRuleUnsupportedError) as e:
@@ -117,6 +121,8 @@ def classify(mapping: str, model_type: str, cls_name: str, phase: Optional[dict]
     also = f"; warned: {warned[0]}" if warned else "; no warning"
     if off is not None:
         return {**row, "status": "wrong", "detail": off + also}
+    if scope is not None:
+        return {**row, "status": "wrong", "detail": scope + also}
     t, d = float(r.target.abs().max()), float(r.conservation_delta.abs().max())
     # relevance is float32: its sum is exact to ~6e-8 of Σ|relevance|, which exceeds the
     # target where the tokens' relevance cancels
@@ -169,6 +175,46 @@ def _rules_off(pyattr, model, x, tid: int) -> Optional[str]:
     if not (err <= 1e-5 * scale and abs(t0 - t1) <= 1e-9 * (1 + abs(t1))):
         return (f"rules off differs from autograd gradient × input by {err:.3g} (max |relevance| {scale:.3g}); "
                 f"target {t0:.6g} vs {t1:.6g}")
+    return None
+
+
+def scope_relevance(model, x, tid: int):
+    """``(relevance at the entry, target)`` as a user computes it: ``use_relevance_rules(model,
+    generic=True)`` around their own forward and ``backward()``, the parameters as they are
+    (trainable, as every loaded model's), the gradient read at the entry pyattr reads."""
+    from pyattr import use_relevance_rules
+    from pyattr.methods._core.inputs import entry_module
+    from pyattr.methods._core.taps import tap
+
+    entry, where = entry_module(model, generic=True)
+    xs = []
+
+    def leaf(t):
+        xs.append(t.detach().requires_grad_(True))
+        return xs[-1]
+
+    name = "pixel_values" if x.is_floating_point() else "input_ids"
+    with torch.enable_grad(), use_relevance_rules(model, generic=True), tap(entry, where, leaf, once=True):
+        y = _logits(model(**{name: x}, **_plain_kwargs(model)))
+        value = y[0, -1, tid] if y.dim() == 3 else y[0, tid]
+        value.backward()
+    model.zero_grad(set_to_none=True)
+    return (xs[0] * xs[0].grad).detach().double(), float(value.detach())
+
+
+def _trainable_scope(model, x, tid: int, r) -> Optional[str]:
+    """The user's own scope with the parameters as loaded (trainable, but for the few a model
+    freezes itself: :func:`scope_relevance`) against ``pyattr.relevance`` (which freezes
+    them all): None when equal, else the detail."""
+    have, _ = scope_relevance(model, x, tid)
+    want = r.relevance.double()
+    if have.shape != want.shape:
+        return f"trainable scope: relevance shaped {tuple(have.shape)}, pyattr.relevance's {tuple(want.shape)}"
+    err = float((have - want).abs().max())
+    scale = float(want.abs().max()) + 1e-300
+    if not err <= 1e-5 * scale:
+        return (f"the user's scope with trainable parameters differs from pyattr.relevance by {err:.3g} (max "
+                f"|relevance| {scale:.3g}; Σ {float(have.sum()):.6g} vs {float(want.sum()):.6g})")
     return None
 
 

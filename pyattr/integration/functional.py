@@ -62,8 +62,6 @@ _GATES = (torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid, F.softplus, torch.exp,
 _STATS = (torch.rsqrt, torch.Tensor.rsqrt, torch.sqrt, torch.Tensor.sqrt, torch.reciprocal, torch.Tensor.reciprocal,
           torch.norm, torch.Tensor.norm, torch.linalg.vector_norm, torch.linalg.norm, torch.var, torch.Tensor.var,
           torch.std, torch.Tensor.std)
-# an embedding lookup of a trainable table gives the model's input: where the path begins
-_LOOKUPS = (F.embedding, torch.embedding, F.embedding_bag)
 _MUL = (torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.multiply)
 _DIV = (torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.true_divide, torch.divide)
 # ops whose result is still the tagged quantity (shape, dtype, device, indexing, and
@@ -89,26 +87,20 @@ def _path(t) -> bool:
             and not isinstance(t, nn.Parameter) and getattr(t, _TAG, None) != "param")
 
 
-def _grad_tensors(args, kwargs) -> Iterator[torch.Tensor]:
-    """The floating tensors among a call's arguments (one level into lists and tuples:
-    ``torch.cat([a, b])``) that require grad."""
+def _from_parameters(args, kwargs, buffers) -> bool:
+    """The call computes from parameters alone: some argument requires grad, and every
+    tensor argument is a parameter, a model buffer (``ids`` in ``buffers``) or itself
+    computed from parameters alone. Any other tensor (the model's input ids, pixels, an
+    embedding lookup's indices, a path tensor) makes the result something else."""
+    seen = False
     for a in list(args) + list(kwargs.values()):
         for t in (a if isinstance(a, (list, tuple)) else (a,)):
-            if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point():
-                yield t
-
-
-def _from_parameters(func, args, kwargs) -> bool:
-    """The call computes from parameters (and constants) alone: some argument requires
-    grad and none is a path tensor. An embedding lookup is the exception: its rows are the
-    model's input, where the path begins (``model(input_ids)`` with trainable weights)."""
-    if func in _LOOKUPS:
-        return False
-    seen = False
-    for t in _grad_tensors(args, kwargs):
-        if _path(t):
-            return False
-        seen = True
+            if not isinstance(t, torch.Tensor):
+                continue
+            if isinstance(t, nn.Parameter) or getattr(t, _TAG, None) == "param":
+                seen = seen or t.requires_grad
+            elif id(t) not in buffers:
+                return False
     return seen
 
 
@@ -147,8 +139,10 @@ class FunctionalRules(TorchFunctionMode):
     family follows its switch in ``rules``: the Identity-rule ``activation``, the LN-rule
     ``normalization``, gates and the Half-rule ``multiplicative_gate``."""
 
-    def __init__(self, rules):
+    def __init__(self, rules, buffers=frozenset()):
         super().__init__()
+        # ids of the model's buffers: constants like its parameters (a rotary inv_freq)
+        self.buffers = buffers
         self.act, self.norm, self.gate = bool(rules.activation), bool(rules.normalization), bool(
             rules.multiplicative_gate)
 
@@ -156,7 +150,7 @@ class FunctionalRules(TorchFunctionMode):
         kwargs = kwargs or {}
         if in_rule_forward() or not torch.is_grad_enabled():
             return func(*args, **kwargs)
-        if _from_parameters(func, args, kwargs):
+        if _from_parameters(args, kwargs, self.buffers):
             # computed from parameters alone: a constant of the relevance path, whatever it
             # is multiplied with later (never the Half-rule's second path tensor, never a
             # gate or a statistic of the path)
@@ -249,7 +243,7 @@ def functional_rules(model: nn.Module, rules, roots=(), native=()) -> Iterator[N
     """For the ``with`` block: every forward of ``model`` (and of the ``roots``, its base
     model called alone) runs under :class:`FunctionalRules` with ``rules``' switches,
     except inside the ``native`` modules (left native on purpose by the plan)."""
-    mode = FunctionalRules(rules)
+    mode = FunctionalRules(rules, frozenset(id(b) for m in (model, *roots) for b in m.buffers()))
     depth = {"n": 0}
 
     def pre(mod, args):

@@ -1,0 +1,67 @@
+"""generic=True with the model's parameters left trainable, in the user's own scope (issue
+45 §4): a parameter, or what the forward computes from parameters alone (a layer scale λ,
+DiffLlama's λ, MobileBERT's NoNorm weight), is a constant of the relevance path, never the
+second factor of a Half-rule product. The oracle is conservation (the zoo's models have
+their biases zeroed: Σ relevance = target) and ``pyattr.relevance``, which freezes the
+parameters; the plan check's verdict is not reused across requires_grad states."""
+
+import warnings
+
+import pytest
+import torch
+
+import pyattr
+from pyattr.bench import zoo, zoo_build
+from pyattr.integration.plan_check import checked_state
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# the zoo entries the issue found silently wrong (those buildable here): layer scales,
+# DiffLlama's λ, Doge's and MobileBERT's parameter products
+ENTRIES = [("image_classification", "dinov2", "Dinov2ForImageClassification"),
+           ("image_classification", "beit", "BeitForImageClassification"),
+           ("causal_lm", "diffllama", "DiffLlamaForCausalLM"),
+           ("causal_lm", "doge", "DogeForCausalLM"),
+           ("masked_lm", "mobilebert", "MobileBertForMaskedLM")]
+
+
+def _build(mapping, model_type, cls):
+    model, x = zoo_build.build(mapping, model_type, cls, zoo.SEQ)
+    zoo_build.zero_biases(model)
+    with torch.no_grad():
+        y = zoo._logits(model(x, **zoo._plain_kwargs(model)))
+    tid = int(y[0, -1].argmax() if y.dim() == 3 else y[0].argmax())
+    return model, x, tid
+
+
+@pytest.mark.parametrize("mapping,model_type,cls", ENTRIES, ids=[e[1] for e in ENTRIES])
+def test_trainable_parameters_in_the_users_scope_conserve_and_equal_relevance(mapping, model_type, cls):
+    model, x, tid = _build(mapping, model_type, cls)
+    assert all(p.requires_grad for p in model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pyattr.PartialRelevanceWarning)
+        # a fresh model: the plan check probes the trainable state (no false refusal)
+        rel, value = zoo.scope_relevance(model, x, tid)
+        assert float(rel.sum()) == pytest.approx(value, abs=1e-6 * max(abs(value), float(rel.abs().sum())))
+        ref = pyattr.relevance(model, x, target=tid, generic=True)  # parameters frozen for the call
+        assert all(p.requires_grad for p in model.parameters())
+        again, _ = zoo.scope_relevance(model, x, tid)
+    want = ref.relevance.double()
+    torch.testing.assert_close(rel, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+    torch.testing.assert_close(again, rel, rtol=1e-12, atol=1e-12 * float(rel.abs().max()))
+
+
+def test_a_cached_verdict_holds_only_for_the_state_it_checked():
+    model, x, _ = _build("image_classification", "dinov2", "Dinov2ForImageClassification")
+    s0 = checked_state(model)
+    assert checked_state(model) == s0
+    next(model.parameters()).requires_grad_(False)
+    s1 = checked_state(model)
+    assert s1 != s0
+    mlp = model.dinov2.encoder.layer[0].mlp
+    mlp.forward = lambda h: h  # a forward replaced on the instance is another plan
+    assert checked_state(model) != s1
+    del mlp.forward
+    assert checked_state(model) == s1
+    model.to(torch.float32)
+    assert checked_state(model) != s1
