@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pyattr._module_forward import replaced_on_instance
+
 KNOWN_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "quick_gelu", "relu")
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -136,19 +138,43 @@ def _native_fn(kind: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def _kind_of_module(act: nn.Module) -> Optional[str]:
-    if isinstance(act, nn.SiLU):
-        return "silu"
-    if isinstance(act, nn.ReLU):
-        return "relu"
-    if isinstance(act, nn.GELU):
-        return "gelu_tanh" if act.approximate == "tanh" else "gelu"
+    """The known kind an activation module computes, from its class, or None. A module
+    whose forward is replaced on the instance (an ablation that masks neurons) or a torch
+    subclass with a forward of its own computes something else: None (a custom callable,
+    whose Identity-rule factor φ = act(x)/x is read off its own output)."""
+    if replaced_on_instance(act):
+        return None
+    for cls, kind in ((nn.SiLU, "silu"), (nn.ReLU, "relu"), (nn.GELU, None)):
+        if isinstance(act, cls):
+            if type(act).forward is not cls.forward:
+                return None
+            return kind or ("gelu_tanh" if act.approximate == "tanh" else "gelu")
     name = type(act).__name__
-    if name in _HF_CLASS_TO_KIND:
-        return _HF_CLASS_TO_KIND[name]
-    if name == "GELUActivation":
-        # Either F.gelu (exact) or the erf formula in Python: both are exact GELU.
-        return "gelu"
-    return None
+    kind = _HF_CLASS_TO_KIND.get(name, "gelu" if name == "GELUActivation" else None)
+    # (GELUActivation is either F.gelu, exact, or the erf formula in Python: both exact GELU.)
+    # A class known by its name is observed once: its forward must compute that kind.
+    return kind if kind is not None and _computes(act, kind) else None
+
+
+_OBSERVED: dict = {}
+
+
+def _computes(act: nn.Module, kind: str) -> bool:
+    """Whether ``act``'s class forward computes ``kind`` (to 1e-6 of the largest value, on
+    49 float64 points in [-6, 6]); once per class. A forward that cannot run on them (a
+    module with 16-bit buffers) is taken at its class name's word."""
+    key = (type(act), kind)
+    if key not in _OBSERVED:
+        x = torch.linspace(-6.0, 6.0, 49, dtype=torch.float64)
+        try:
+            with torch.no_grad():
+                y = type(act).forward(act, x)
+            ok = isinstance(y, torch.Tensor) and y.shape == x.shape and bool(
+                ((y.double() - _native_fn(kind)(x)).abs() <= 1e-6 * 6.0).all())
+        except Exception:  # noqa: BLE001 - see the docstring
+            ok = True
+        _OBSERVED[key] = ok
+    return _OBSERVED[key]
 
 
 def _kind_of_function(fn: Callable) -> Optional[str]:

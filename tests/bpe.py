@@ -59,3 +59,42 @@ def save_bpe_gpt2(path, eos_appended: bool = False, seed: int = 0, positions: in
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+#: Llama 3's chat template, reduced to what the tests use (the header and end-of-turn
+#: markers, the BOS written into the text, the generation prompt)
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+
+
+def chat_tokenizer():
+    """A Llama-3-style fast tokenizer: the byte-level BPE of :func:`byte_bpe_tokenizer` with
+    ``<|begin_of_text|>`` (BOS, which the tokenizer prepends to every text, as Llama 3's does),
+    the header and end-of-turn markers, and a chat template that writes the BOS into its text."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    base = byte_bpe_tokenizer()
+    tk = base._tokenizer
+    tk.add_special_tokens(["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"])
+    bos = tk.token_to_id("<|begin_of_text|>")
+    tk.post_processor = TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A $B",
+                                           special_tokens=[("<|begin_of_text|>", bos)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
+                                  pad_token="<|endoftext|>", unk_token=None)
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def tiny_chat_llama(tok, seed: int = 0):
+    """A random 2-layer Llama over ``tok``'s vocabulary (float64, eval mode)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                      num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      initializer_range=0.2)
+    return LlamaForCausalLM(cfg).to(torch.float64).eval()

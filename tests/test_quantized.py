@@ -440,3 +440,40 @@ def test_offloaded_quantized_model(int8, ids, fp_result):
                                    pyattr.relevance(int8, ids, target=t, rules=rules).relevance)
     lin = m.model.layers[0].mlp.up_proj
     assert "_pyattr_quantized" not in lin.__dict__ and lin.__dict__["_old_forward"].__func__ is nn.Linear.forward
+
+
+def _bnb_4bit():
+    import bitsandbytes  # noqa: F401
+    kw = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    return _load(quantization_config=transformers.BitsAndBytesConfig(**kw), device_map="cpu")
+
+
+def test_bitsandbytes_4bit_after_a_call_without_gradient(ids):
+    """bitsandbytes repacks a Linear4bit's weight for inference at its first call without
+    gradient on a CPU with AVX-512 bf16 (for good; that kernel has no backward, and its
+    inverse conversion does not restore the weights): relevance is refused there with the
+    reason, never a number. On a CPU without those instructions nothing is repacked and
+    relevance conserves."""
+    m = _bnb_4bit()
+    first = m.model.layers[0].self_attn.q_proj
+    with torch.no_grad():
+        m(ids)
+    repacked = bool(getattr(first.weight.quant_state, "packing_format_for_cpu", False))
+    assert repacked == bool(first.support_avx512bf16_for_cpu)
+    if repacked:
+        with pytest.raises(UnsupportedQuantizationError, match=re.escape(
+                "'model.layers.0.self_attn.q_proj' (Linear4bit): bitsandbytes repacked its weight for CPU inference")):
+            pyattr.relevance(m, ids, target=5)
+        assert _unpatched(m)
+    else:
+        assert _conserves(pyattr.relevance(m, ids, target=5), 1e-4)
+
+
+def test_bitsandbytes_4bit_generation_keeps_the_layout_its_backward_needs(ids):
+    """pyattr's own calls without gradient (generate, the rebuilt-forward check) leave the
+    4-bit layout alone, so the steps it explains conserve on any CPU."""
+    m = _bnb_4bit()
+    res = pyattr.generation_relevance(m, ids[:2, :12], max_new_tokens=3)
+    for layer in quantized_linears(m).values():
+        assert not getattr(layer.module.weight.quant_state, "packing_format_for_cpu", False), layer.path
+    assert bool((res.conservation_delta.abs() <= 1e-4 * res.target.abs().clamp_min(1.0)).all()), res.conservation_delta

@@ -24,6 +24,7 @@ from pyattr.backends import available_backends
 import pyattr.apps.contention as _contention
 import pyattr.methods._core as core
 from pyattr.config import RelevanceRules
+from pyattr.methods._core.text import encode
 from pyattr.methods._core.tokens import prompt_ids, target_token_id
 from pyattr.rules import half_rule, ln_rule
 from pyattr.methods.relevance import relevance
@@ -249,7 +250,8 @@ def explain_pair(
     path = bundled_model_dir() if model_dir is None else model_dir
     tok, model = _load(path, causal=False)
     rules = RelevanceRules.all() if rules is None else rules
-    enc = tok([text_a, text_b], padding=True, return_tensors="pt")
+    # the ids the model sees for each text (markers the text already holds not added twice)
+    enc = encode(tok, [text_a, text_b], model, "explain_pair", name="--text")
     mask = enc["attention_mask"]
     for name, row in (("--text", 0), ("--pair", 1)):
         _check_tokens(name, int(mask[row].sum()), model, tok)

@@ -14,6 +14,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from pyattr.methods._core.tokens import encoded_ids
+
 from pyattr.apps.explain import (ExplainError, _check_text, _check_tokens, _load, bundled_model_dir, _tokens, check_prompt,
                                  model_label)
 from pyattr.methods._core.tokens import prompt_ids
@@ -139,8 +141,8 @@ def run_patch(clean: Optional[str], corrupt: Optional[str], partner: Optional[st
         enc_c = {"input_ids": torch.tensor([prompt_ids(tok, clean)])}
         enc_x = {"input_ids": torch.tensor([prompt_ids(tok, corrupt)])}
     else:  # a sentence embedding: the whole tokenization, as explain --pair reads it
-        enc_c = tok(clean, return_tensors="pt")
-        enc_x = tok(corrupt, return_tensors="pt")
+        enc_c = {"input_ids": torch.tensor([encoded_ids(tok, clean)])}
+        enc_x = {"input_ids": torch.tensor([encoded_ids(tok, corrupt)])}
     nc, nx = enc_c["input_ids"].shape[1], enc_x["input_ids"].shape[1]
     if causal:  # prompt ids: the appended markers are already gone
         check_prompt("--clean", enc_c["input_ids"][0].tolist(), model, tok)
@@ -157,7 +159,7 @@ def run_patch(clean: Optional[str], corrupt: Optional[str], partner: Optional[st
         metric, desc = logit_metric(tok, model, target, clean)
     else:
         partner = _check_text("--pair", partner if partner is not None else DEFAULT_PARTNER)
-        enc_p = tok(partner, return_tensors="pt")
+        enc_p = {"input_ids": torch.tensor([encoded_ids(tok, partner)])}
         _check_tokens("--pair", enc_p["input_ids"].shape[1], model, tok)
         with torch.no_grad():
             ref = model(**enc_p).last_hidden_state.mean(1)[0]

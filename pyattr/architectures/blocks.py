@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from pyattr._module_forward import forward_of
 from pyattr.activations import _kind_of_module
 from pyattr.architectures.forms import (
     GENERIC_GATED_FORM,
@@ -81,7 +82,7 @@ def plain_layer_norm(mod: nn.Module) -> bool:
     subclass with its own forward, such as Nemotron's ``(1 + w)`` LayerNorm1P, is probed
     for what it computes instead)."""
     return isinstance(mod, nn.LayerNorm) and len(mod.normalized_shape) == 1 and \
-        type(mod).forward is nn.LayerNorm.forward
+        forward_of(mod) is nn.LayerNorm.forward
 
 
 def is_activation_like(name: str, mod: nn.Module) -> bool:
@@ -93,7 +94,7 @@ def is_activation_like(name: str, mod: nn.Module) -> bool:
 def generic_gated_names(mod: nn.Module) -> Optional[Tuple[str, str, str, str]]:
     """(gate, up, down, act) when the module's whole forward is ``down(act(gate(x)) * up(x))``
     under any attribute names."""
-    m = body_matches(type(mod).forward, GENERIC_GATED_FORM)
+    m = body_matches(forward_of(mod), GENERIC_GATED_FORM)
     if m is None:
         return None
     names = (m["gate"], m["up"], m["down"], m["act"])
@@ -103,7 +104,7 @@ def generic_gated_names(mod: nn.Module) -> Optional[Tuple[str, str, str, str]]:
 def fused_gated_form(mod: nn.Module) -> Optional[FusedGatedForm]:
     """The fused gated MLP form (one projection for gate | up) of ``mod``'s forward, or None."""
     for form in FUSED_GATED_FORMS:
-        if body_matches(type(mod).forward, form.pattern) is not None and all(
+        if body_matches(forward_of(mod), form.pattern) is not None and all(
                 isinstance(getattr(mod, n, None), nn.Module) for n in (form.proj, form.act, form.down)):
             return form
     return None
@@ -112,7 +113,7 @@ def fused_gated_form(mod: nn.Module) -> Optional[FusedGatedForm]:
 def multiplies(parent: Optional[nn.Module], act: str) -> bool:
     """The parent's forward multiplies the output of ``self.<act>(...)`` by something: a
     gate the Half-rule would need, in a form not recognised."""
-    body = flat_body(type(parent).forward) if isinstance(parent, nn.Module) else None
+    body = flat_body(forward_of(parent)) if isinstance(parent, nn.Module) else None
     if body is None:
         return False
     return any(f"self.{act}(" in st and "*" in st for st in body.split(";"))
@@ -123,10 +124,11 @@ def adds_residual(mod: nn.Module) -> Optional[str]:
     its forward takes the residual as an argument (BLOOM's attention and MLP, MPT's MLP:
     ``dropout_add(out, residual)``) or adds its own input before returning (ALBERT's
     attention: ``LayerNorm(hidden_states + out)``)."""
-    fn = type(mod).forward
+    fn = forward_of(mod)
     try:
         params = [p.name for p in inspect.signature(fn).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        params = params[1:] if params[:1] == ["self"] else params  # a forward set on the instance has none
     except (TypeError, ValueError):
         return None
     res = next((n for n in params if "residual" in n.lower()), None)
@@ -150,7 +152,7 @@ def adds_residual(mod: nn.Module) -> Optional[str]:
 
 def _params(mod: nn.Module) -> Tuple[str, ...]:
     try:
-        return tuple(inspect.signature(type(mod).forward).parameters)
+        return tuple(inspect.signature(forward_of(mod)).parameters)
     except (TypeError, ValueError):
         return ()
 
@@ -221,7 +223,7 @@ def _layers(base: nn.Module) -> Tuple[Optional[str], str]:
 def autograd_function(mod: nn.Module) -> Optional[str]:
     """The name of a ``torch.autograd.Function`` that ``mod``'s forward applies (``X.apply(``),
     or None."""
-    body = flat_body(type(mod).forward)
+    body = flat_body(forward_of(mod))
     if not body:
         return None
     scope = vars(inspect.getmodule(type(mod)) or object)
@@ -274,7 +276,7 @@ def _attention(mods: Dict[str, nn.Module], hidden, found, refused) -> Optional[s
         # inside (BLOOM, ALBERT): then the projection's, before the add
         inner = heads[0].startswith(path + ".") and adds_residual(mod) is None
         found["attention_out"] = path if inner else heads[0]
-    body = flat_body(type(mod).forward)
+    body = flat_body(forward_of(mod))
     last = body.split(";")[-1] if body else ""
     if "alibi" in _params(mod):
         refused["attention_core"] = (f"{type(mod).__name__}.forward takes an ALiBi bias ('alibi') folded with the "

@@ -16,6 +16,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
+from pyattr._module_forward import forward_of, replaced_on_instance  # noqa: F401 - re-exported
 from pyattr.architectures.table import FusedGatedForm
 
 # The forms a rule forward re-implements, matched against the WHOLE body of the module's
@@ -67,6 +68,16 @@ def _flat_body_of(code) -> Optional[str]:
     return ";".join(re.sub(r"\s+", "", ast.unparse(st)) for st in body)
 
 
+def module_body_matches(module: nn.Module, form) -> Optional["re.Match"]:
+    """``form`` matched against the body of the forward ``module`` runs now
+    (:func:`forward_of`); None for a method bound to another object (its body would name
+    that object's submodules) or a forward whose source is unknown."""
+    fn = forward_of(module)
+    if inspect.ismethod(fn):
+        return None
+    return body_matches(fn, form)
+
+
 def body_matches(fn, form) -> Optional["re.Match"]:
     body = flat_body(fn)
     if body is None:
@@ -76,19 +87,20 @@ def body_matches(fn, form) -> Optional["re.Match"]:
 
 
 def plain_fused_gated_forward(mlp: nn.Module, form: FusedGatedForm) -> bool:
-    """True when the MLP's forward is exactly ``form``'s."""
-    return body_matches(type(mlp).forward, form.pattern) is not None
+    """True when the forward the MLP runs (its instance's, else its class's) is exactly ``form``'s."""
+    return module_body_matches(mlp, form.pattern) is not None
 
 
 def plain_gelu_head(head: nn.Module) -> bool:
     """True when the head's forward is exactly ``decoder(layer_norm(gelu(dense(x))))``."""
-    return body_matches(type(head).forward, HEAD_FORM) is not None
+    return module_body_matches(head, HEAD_FORM) is not None
 
 
 def plain_gated_forward(mlp: nn.Module) -> bool:
-    """True when the MLP's forward is exactly ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``:
-    the form the gated rule re-implements (no extra norm, multiplier or dropout)."""
-    return body_matches(type(mlp).forward, GATED_FORM) is not None
+    """True when the forward the MLP runs (a forward replaced on the instance included) is
+    exactly ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: the form the gated rule
+    re-implements (no extra norm, multiplier or dropout)."""
+    return module_body_matches(mlp, GATED_FORM) is not None
 
 
 # --------------------------------------------------------------------------- norms by what they compute

@@ -4,13 +4,15 @@ replacement ``forward`` of one module instance."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
 import pyattr.architectures as A
+from pyattr._module_forward import forward_name
 from pyattr.activations import Activation, forward_fn
 from pyattr.integration.errors import (
     RelevanceRuleConflictError,
@@ -35,6 +37,8 @@ class Step:
     value: Any
     make_forward: Callable
     check_output: bool
+    # rebuilt forwards (the module's own is bypassed): checked against it once per scope
+    verify: Optional[Callable] = None
 
 
 def bypass_message(path: str, act: str = "act_fn") -> str:
@@ -43,6 +47,82 @@ def bypass_message(path: str, act: str = "act_fn") -> str:
         "in one op and would bypass them; remove the hooks or switch off activation and "
         "multiplicative_gate"
     )
+
+
+def verify_rebuilt(path: str):
+    """The check of a rebuilt forward (a gated MLP's, a head's: pyattr computes what the
+    module's own forward would, through the rule ops): on the first call of the scope, the
+    rebuilt forward and the module's own (whatever it is now: a forward replaced on the
+    instance included) run on the first and last rows of that call's input, and must agree
+    bit for bit, else :class:`RelevanceRuleUnsupportedError`. Rows, not the whole input:
+    both forwards are row-wise (a plain gated MLP, a head: checked on their source), so two
+    rows show a different form, activation or weight at the cost of two rows; hooks of the
+    module's submodules are held back meanwhile (a capture records no extra call). Returns
+    True once checked, False when the call has no rows to check (the next call is)."""
+    def verify(module, state, fwd, args, kwargs) -> bool:
+        x = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.numel() == 0 or not x.is_floating_point():
+            return False
+        # The two rows run as the call itself does (grad mode, an input that requires grad
+        # where the call's does): a module may take another path without gradient, and
+        # bitsandbytes' Linear4bit even repacks its weight for CPU inference for good. What
+        # they save goes to a hook of their own: an activation checkpoint counts what the
+        # forward saves, and its recomputation runs no check.
+        with torch.autograd.graph.saved_tensors_hooks(_keep, _keep), _submodule_hooks_held(module):
+            with torch.no_grad():
+                rows = x.detach().reshape(-1, x.shape[-1])
+                xs = rows[sorted({0, rows.shape[0] - 1})]
+            xs.requires_grad_(x.requires_grad and torch.is_grad_enabled())
+            if args:
+                want, have = state.native(xs, *args[1:], **kwargs), fwd(xs, *args[1:], **kwargs)
+            else:
+                key = next(k for k, v in kwargs.items() if v is x)
+                want, have = state.native(**{**kwargs, key: xs}), fwd(**{**kwargs, key: xs})
+        want, have = _first_tensor(want), _first_tensor(have)
+        want, have = (t.detach() if isinstance(t, torch.Tensor) else t for t in (want, have))
+        same = (isinstance(want, torch.Tensor) and isinstance(have, torch.Tensor) and want.shape == have.shape
+                and want.dtype == have.dtype and bool(((want == have) | (want.isnan() & have.isnan())).all()))
+        if not same:
+            diff = ""
+            if isinstance(want, torch.Tensor) and isinstance(have, torch.Tensor) and want.shape == have.shape:
+                diff = f" (max |difference| {float((want.double() - have.double()).abs().max()):.3g} on two rows)"
+            raise RelevanceRuleUnsupportedError(
+                f"{path!r}: the forward pyattr rebuilt to carry the rules does not compute what "
+                f"{forward_name(module)} computes{diff}; the rules would change the model's output. Restore the "
+                "module's own forward, or switch off the rules placed on it")
+        return True
+
+    return verify
+
+
+def _keep(t):
+    return t
+
+
+def _first_tensor(out):
+    if isinstance(out, (tuple, list)):
+        return next((o for o in out if isinstance(o, torch.Tensor)), None)
+    return out
+
+
+@contextlib.contextmanager
+def _submodule_hooks_held(module: nn.Module):
+    """The forward hooks of ``module``'s submodules emptied for the block (a check's extra
+    calls must not reach a capture or a user's hook), then put back as they were."""
+    held = []
+    for m in module.modules():
+        if m is module:
+            continue
+        for name in ("_forward_hooks", "_forward_pre_hooks"):
+            hooks = getattr(m, name, None)
+            if hooks:
+                held.append((hooks, dict(hooks)))
+                hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, saved in held:
+            hooks.update(saved)
 
 
 def norm_eps(module: nn.Module, path: str) -> float:

@@ -48,10 +48,14 @@ def forward_slot(module: nn.Module) -> str:
 class RuleState:
     """Per-module record: active kinds with their counts and settings, and the original forward."""
 
-    def __init__(self, module: nn.Module, path: str, make_forward: Callable = None, check_output: bool = True):
+    def __init__(self, module: nn.Module, path: str, make_forward: Callable = None, check_output: bool = True,
+                 verify: Optional[Callable] = None):
         self.path = path
         self.make_forward = make_forward
         self.check_output = check_output
+        # a rebuilt forward's check against the module's own, run on the first call of the
+        # scope (the state lives as long as the outermost scope holding the module)
+        self.verify = verify
         self.counts: Dict[str, int] = {}
         self.values: Dict[str, object] = {}
         self.slot = forward_slot(module)
@@ -107,6 +111,7 @@ def acquire(
     value,
     make_forward: Callable[[nn.Module, RuleState], Callable],
     check_output: bool,
+    verify: Optional[Callable] = None,
 ) -> None:
     """Add one reference to rule ``kind`` (with setting ``value``) on ``module``.
 
@@ -116,7 +121,7 @@ def acquire(
     """
     state = state_of(module)
     if state is None:
-        state = RuleState(module, path, make_forward, check_output)
+        state = RuleState(module, path, make_forward, check_output, verify)
         fwd = make_forward(module, state)
 
         def patched(*args, **kwargs):
@@ -124,6 +129,9 @@ def acquire(
                 # an activation-checkpoint recomputation, during a backward, of a forward
                 # that ran without rules: it must run as it did then
                 return state.native(*args, **kwargs)
+            if state.verify is not None and not torch.compiler.is_compiling() \
+                    and state.verify(module, state, fwd, args, kwargs):
+                state.verify = None  # checked: once per scope
             if FUNCTIONAL_SCOPES[0]:  # a generic scope's functional rules stay out of a rule forward
                 _rule_forward.depth = getattr(_rule_forward, "depth", 0) + 1
                 try:

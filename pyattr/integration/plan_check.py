@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 import pyattr.architectures as A
+from pyattr._module_forward import forward_of
 from pyattr.config import RelevanceRules
 from pyattr.integration.audit import ModuleAudit, RelevanceAudit, bypassed_activations
 from pyattr.integration.errors import RelevanceRuleUnsupportedError
@@ -209,16 +210,10 @@ def checked_state(model: nn.Module) -> tuple:
     which parameters require grad (a trainable parameter takes part in the forward's
     products as a tensor with gradient), the parameters' dtypes and devices, and the
     attention implementation."""
-    from pyattr.integration.install import _STATE, MISSING, forward_slot
-
-    mods = []
-    for m in model.modules():
-        st = m.__dict__.get(_STATE)
-        fwd = m.__dict__.get(forward_slot(m)) if st is None else st.saved_forward
-        mods.append((id(m), type(m), None if fwd is None or fwd is MISSING else id(getattr(fwd, "__func__", fwd))))
+    mods = tuple((id(m), type(m), forward_of(m)) for m in model.modules())
     params = tuple((p.requires_grad, p.dtype, p.device.type) for p in model.parameters())
     cfg = getattr(model, "config", None)
-    return tuple(mods), params, getattr(cfg, "_attn_implementation", None), getattr(cfg, "_experts_implementation", None)
+    return mods, params, getattr(cfg, "_attn_implementation", None), getattr(cfg, "_experts_implementation", None)
 
 
 def verdict(model: nn.Module, rules: RelevanceRules, installed: Callable, plan: Callable) -> tuple:

@@ -11,9 +11,12 @@ import torch
 from torch import nn
 
 import pyattr.architectures as A
+from pyattr._module_forward import forward_name, forward_of
 from pyattr.activations import Activation, _kind_of_module, forward_fn
 from pyattr.architectures.forms import (
+    classify_norm,
     flat_body,
+    replaced_on_instance,
     plain_fused_gated_forward,
     plain_gated_forward,
     plain_gelu_head,
@@ -43,6 +46,7 @@ from pyattr.integration.forwards import (
     rms_forward,
     router_forward,
     split_pattern,
+    verify_rebuilt,
 )
 from pyattr.integration.install import (
     has_hooks,
@@ -81,8 +85,11 @@ class Planner:
         else:
             self.cov._skip(path, reason)
 
-    def add(self, kind, path, module, value, make, check_output=True):
-        self.steps.append(Step(module, path, kind, value, make, check_output))
+    def add(self, kind, path, module, value, make, check_output=True, rebuilt=False):
+        """One rule mount; ``rebuilt``: the rule forward computes the module's output itself
+        (bypassing its own forward), so it is checked against it on the first call."""
+        self.steps.append(Step(module, path, kind, value, make, check_output,
+                               verify_rebuilt(path) if rebuilt else None))
         self.cov._add(kind, path)
         self.mounted.add(id(module))
 
@@ -105,10 +112,28 @@ class Planner:
                 raise RelevanceRuleUnsupportedError(f"{path!r}: RMSNorm without a 1-D weight")
             make = rms_forward(offset, norm_eps(mod, path))
         self.mounted.add(id(mod))
+        if self.rules.normalization and replaced_on_instance(mod):
+            self._check_replaced_norm(path, mod, norm, offset)
         if self.rules.normalization:
             self.add("normalization", path, mod, (norm, offset), make)
         else:
             self.off("normalization", path, mod, "normalization rule off")
+
+    def _check_replaced_norm(self, path: str, mod: nn.Module, norm: str, offset: float) -> None:
+        """A norm whose forward is replaced on the instance keeps that forward (its values);
+        the LN-rule's backward assumes the norm's formula with the module's own weight and
+        eps, so what the forward computes is observed on probe rows
+        (:func:`~pyattr.architectures.forms.classify_norm`) and must be that formula."""
+        found = classify_norm(mod, None)
+        w = getattr(mod, "weight", None)
+        ok = found is not None and found[0] == norm and (
+            found[1][0] is w and found[1][1] == offset if isinstance(w, torch.Tensor) else True)
+        if not ok:
+            raise RelevanceRuleUnsupportedError(
+                f"{path!r}: {forward_name(mod)} does not compute the "
+                f"{norm.replace('_', ' ')} with its weight{' + ' + str(offset) if offset else ''} and eps that the "
+                "LN-rule's backward assumes (observed on probe rows); the rule would give it another gradient. "
+                "Restore its forward, or switch normalization off")
 
     def gated_mlp(self, path: str) -> None:
         mlp = self.need(path)
@@ -123,7 +148,7 @@ class Planner:
         wanted = [k for k in ("activation", "multiplicative_gate") if getattr(self.rules, k)]
         if wanted and not plain_gated_forward(mlp):
             msg = (
-                f"{path!r}: {type(mlp).__name__}.forward is not the plain "
+                f"{path!r}: {forward_name(mlp)} is not the plain "
                 "down_proj(act_fn(gate_proj(x)) * up_proj(x)); the gated rule would change its forward"
             )
             if self.generic:
@@ -139,7 +164,7 @@ class Planner:
         if has_hooks(mlp.act_fn):
             raise RelevanceRuleConflictError(bypass_message(path))
         for k in wanted:
-            self.add(k, path, mlp, True, gated_forward(kind, path), check_output=False)
+            self.add(k, path, mlp, True, gated_forward(kind, path), check_output=False, rebuilt=True)
 
     def gated_fused_mlp(self, path: str, form: FusedGatedForm) -> None:
         """An MLP with one projection for gate and up (Phi-3's gate_up_proj, ModernBERT's
@@ -160,13 +185,13 @@ class Planner:
             return
         if not plain_fused_gated_forward(mlp, form):
             raise RelevanceRuleUnsupportedError(
-                f"{path!r}: {type(mlp).__name__}.forward is not the plain a, b = {form.proj}(x).chunk(2); "
+                f"{path!r}: {forward_name(mlp)} is not the plain a, b = {form.proj}(x).chunk(2); "
                 f"{form.down}(act(a) * b); the gated rule would change its forward"
             )
         if has_hooks(act):
             raise RelevanceRuleConflictError(bypass_message(path, form.act))
         for k in wanted:
-            self.add(k, path, mlp, True, gated_fused_forward(kind, path, form), check_output=False)
+            self.add(k, path, mlp, True, gated_fused_forward(kind, path, form), check_output=False, rebuilt=True)
 
     def moe(self, path: str) -> None:
         """A sparse mixture-of-experts block (Mixtral, Qwen2-MoE, Qwen3-MoE): the routing
@@ -216,10 +241,10 @@ class Planner:
                 ref = getattr(importlib.import_module(own[0]), own[1])
             except (ImportError, AttributeError):
                 ref = None
-        body = flat_body(type(block).forward)
+        body = flat_body(forward_of(block))
         if ref is None or body is None or body != flat_body(ref.forward):
             raise RelevanceRuleUnsupportedError(
-                f"{path!r}: {type(block).__name__}.forward is not the {own[1] if own else 'library'} forward the "
+                f"{path!r}: {forward_name(block)} is not the {own[1] if own else 'library'} forward the "
                 "routing and gated rules are placed for; they would not apply where it computes its routing"
             )
 
@@ -238,8 +263,8 @@ class Planner:
             (_default_apply_gate is not None and getattr(type(experts), "_apply_gate", None) is _default_apply_gate,
              f"{type(experts).__name__} has its own _apply_gate, not act(gate)·up"),
             (isinstance(getattr(experts, "act_fn", None), nn.Module), "experts without an act_fn module"),
-            (is_experts_dispatcher(type(experts).forward),
-             f"{type(experts).__name__}.forward is its own, not transformers' experts dispatcher that calls "
+            (is_experts_dispatcher(forward_of(experts)),
+             f"{forward_name(experts)} is its own, not transformers' experts dispatcher that calls "
              "_apply_gate"),
         ]
         for ok, why in checks:
@@ -268,7 +293,7 @@ class Planner:
         if has_hooks(act):
             raise RelevanceRuleConflictError(bypass_message(path, act_name))
         for k in wanted:
-            self.add(k, path, mlp, True, gated_forward(kind, path, names), check_output=False)
+            self.add(k, path, mlp, True, gated_forward(kind, path, names), check_output=False, rebuilt=True)
 
     def structural_norm(self, path, mod, kind, weight_spec, eps, make_forward) -> None:
         self.mounted.add(id(mod))
@@ -288,10 +313,10 @@ class Planner:
         kind = _kind_of_module(gelu) if isinstance(gelu, nn.Module) else None
         if kind is None or not plain_gelu_head(head):
             raise RelevanceRuleUnsupportedError(
-                f"{path!r}: {type(head).__name__}.forward is not the plain decoder(layer_norm(gelu(dense(x)))); "
+                f"{path!r}: {forward_name(head)} is not the plain decoder(layer_norm(gelu(dense(x)))); "
                 "the Identity-rule cannot be placed on its activation"
             )
-        self.add("activation", path, head, kind, head_forward(Activation(kind, forward_fn(gelu, kind))))
+        self.add("activation", path, head, kind, head_forward(Activation(kind, forward_fn(gelu, kind))), rebuilt=True)
 
     def activation(self, path: str, mlp_path: Optional[str]) -> None:
         mod = self.need(path)

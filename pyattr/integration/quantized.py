@@ -321,12 +321,17 @@ def quantized_input_gradients(model: nn.Module) -> Iterator[Dict[str, QuantizedL
     rule is installed on top of it; nested scopes count, the outermost one restores the
     layer's own forward on exit, exceptions included.
 
+    bitsandbytes' ``Linear4bit`` layers keep the weight layout their backward needs
+    (:func:`bitsandbytes_kept_for_gradients`).
+
     Raises:
-        UnsupportedQuantizationError: see :func:`quantized_linears`; raised before
-            anything is patched.
+        UnsupportedQuantizationError: see :func:`quantized_linears` and
+            :func:`bitsandbytes_kept_for_gradients`; raised before anything is patched.
     """
     layers = quantized_linears(model)
     done = []
+    kept = bitsandbytes_kept_for_gradients(model, layers)
+    kept.__enter__()
     try:
         for layer in layers.values():
             if not layer.patched:
@@ -346,6 +351,49 @@ def quantized_input_gradients(model: nn.Module) -> Iterator[Dict[str, QuantizedL
     finally:
         for mod in reversed(done):
             _release(mod)
+        kept.__exit__(None, None, None)
+
+
+@contextlib.contextmanager
+def bitsandbytes_kept_for_gradients(model: nn.Module, layers: Optional[Dict[str, QuantizedLinear]] = None
+                                    ) -> Iterator[None]:
+    """For the ``with`` block, bitsandbytes' ``Linear4bit`` layers keep their weight layout
+    when called without gradient.
+
+    On a CPU with AVX-512 bf16, bitsandbytes repacks a ``Linear4bit``'s weight for
+    inference at its first call without gradient, for good; that layout runs
+    ``gemv_4bit``, which has no backward (torch only warns: the input gradient is wrong),
+    and bitsandbytes' inverse conversion does not give the weights back (the toy decoder's
+    logits moved by 3.0 of 14.9). So the layers' ``support_avx512bf16_for_cpu`` is off
+    for the block (pyattr's own calls without gradient: a check, ``generate``), and a
+    layer already repacked is refused.
+
+    Raises:
+        UnsupportedQuantizationError: a ``Linear4bit`` already holds the inference layout.
+    """
+    layers = quantized_linears(model) if layers is None else layers
+    four = [q for q in layers.values() if q.scheme == "Linear4bit"]
+    for q in four:
+        state = getattr(getattr(q.module, "weight", None), "quant_state", None)
+        if getattr(state, "packing_format_for_cpu", False):
+            raise UnsupportedQuantizationError(
+                f"{q.path!r} (Linear4bit): bitsandbytes repacked its weight for CPU inference (at the layer's first "
+                "call without gradient on a CPU with AVX-512 bf16, for good); that layout's kernel (gemv_4bit) has no "
+                "backward and bitsandbytes' own inverse conversion does not restore the weights, so relevance through "
+                "it would be wrong. Reload the model and keep its calls without gradient inside pyattr (its "
+                "generation_relevance generates without repacking), or set support_avx512bf16_for_cpu = False on its "
+                "Linear4bit layers before such calls")
+    saved = [(q.module, q.module.__dict__.get("support_avx512bf16_for_cpu", MISSING)) for q in four]
+    for mod, _ in saved:
+        mod.support_avx512bf16_for_cpu = False
+    try:
+        yield
+    finally:
+        for mod, old in saved:
+            if old is MISSING:
+                mod.__dict__.pop("support_avx512bf16_for_cpu", None)
+            else:
+                mod.support_avx512bf16_for_cpu = old
 
 
 def _release(mod: nn.Module) -> None:

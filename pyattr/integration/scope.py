@@ -122,7 +122,7 @@ def installed(model: nn.Module, pl: Planner) -> Iterator[None]:
     with quantized_input_gradients(model):
         try:
             for st in pl.steps:
-                acquire(st.module, st.path, st.kind, st.value, st.make_forward, st.check_output)
+                acquire(st.module, st.path, st.kind, st.value, st.make_forward, st.check_output, st.verify)
                 done.append(st)
             with checkpoints_bound(model), frozen_attention(pl.frozen_attention), \
                     attnlrp_attention(pl.attnlrp_attention), \

@@ -151,7 +151,10 @@ def generate(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, max_new_to
         pad = getattr(model.config, "pad_token_id", None)
         eos = _eos_ids(model, generate_kwargs)
         kw["pad_token_id"] = pad if pad is not None else (eos[0] if eos else 0)
-    with torch.no_grad(), _StopRecord(model) as record:
+    from pyattr.integration.quantized import bitsandbytes_kept_for_gradients
+
+    # bitsandbytes' 4-bit layers keep the layout the explaining backward needs
+    with torch.no_grad(), bitsandbytes_kept_for_gradients(model), _StopRecord(model) as record:
         out = model.generate(input_ids=ids, attention_mask=mask, **kw)
     out = out.sequences if hasattr(out, "sequences") else out
     gen = out[:, ids.shape[1]:]

@@ -10,10 +10,16 @@ from typing import List, Optional, Tuple, Union
 
 
 def _encode(tokenizer, text: str):
-    """``(ids, appended)``: the tokenizer's ids of ``text`` and, per id, whether the
-    tokenizer added it (a special token covering no character of the text: a ``[SEP]`` or
-    an ``</s>`` it appends; a marker the user typed covers its characters), and the
-    offsets (None for a tokenizer without them)."""
+    """``(ids, appended, offsets)``: the ids the model sees for ``text``, per id whether
+    the tokenizer added it (a special token covering no character of the text: a BOS it
+    prepends, a ``[SEP]`` or an ``</s>`` it appends; a marker the user typed covers its
+    characters), and the offsets (None for a tokenizer without them).
+
+    A text that already holds the markers the tokenizer adds (a chat template's output
+    begins with its BOS: Llama 3, Mistral, Gemma) is not given them twice: where the
+    tokens the tokenizer adds at the start (or the end) are the very tokens the text itself
+    begins (or ends) with, the added ones are left out (:func:`_without_repeated_markers`),
+    so the ids are those of ``apply_chat_template(..., tokenize=True)``."""
     try:
         enc = tokenizer(text, return_offsets_mapping=True, return_special_tokens_mask=True)
         offsets = [tuple(o) for o in enc["offset_mapping"]]
@@ -23,9 +29,51 @@ def _encode(tokenizer, text: str):
     special = enc.get("special_tokens_mask") if hasattr(enc, "get") else None
     if offsets is not None and special is not None:
         appended = [bool(sp) and e <= s for sp, (s, e) in zip(special, offsets)]
-    else:  # no offsets: the end-of-text ids are taken as appended
-        end = {getattr(tokenizer, "sep_token_id", None), getattr(tokenizer, "eos_token_id", None)} - {None}
-        appended = [i in end for i in ids]
+    else:
+        appended = _added_without_offsets(tokenizer, text, ids)
+    return _without_repeated_markers(ids, appended, offsets)
+
+
+def encoded_ids(tokenizer, text: str) -> List[int]:
+    """The ids the model sees for ``text`` (:func:`_encode`: the markers the tokenizer adds,
+    not twice where the text already holds them)."""
+    return _encode(tokenizer, text)[0]
+
+
+def _added_without_offsets(tokenizer, text: str, ids: List[int]) -> List[bool]:
+    """Per id, whether the tokenizer added it, for a tokenizer without offsets: the ids
+    around the text's own (``add_special_tokens=False``) when they are the text's ids with
+    markers before and after; else the end-of-text ids are taken as added."""
+    try:
+        own = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    except Exception:  # noqa: BLE001 - a tokenizer without the switch
+        own = None
+    if own:
+        for start in range(len(ids) - len(own) + 1):
+            if ids[start:start + len(own)] == own:
+                return [not start <= i < start + len(own) for i in range(len(ids))]
+    end = {getattr(tokenizer, "sep_token_id", None), getattr(tokenizer, "eos_token_id", None)} - {None}
+    return [i in end for i in ids]
+
+
+def _without_repeated_markers(ids, appended, offsets):
+    """The added markers at the start (and at the end) left out where the text's own tokens
+    next to them are the same ids: the text already carries them."""
+    n = len(ids)
+    head = 0
+    while head < n and appended[head]:
+        head += 1
+    if head and ids[head:2 * head] == ids[:head] and not any(appended[head:2 * head]):
+        ids, appended = ids[head:], appended[head:]
+        offsets = None if offsets is None else offsets[head:]
+        n -= head
+    tail = n
+    while tail > 0 and appended[tail - 1]:
+        tail -= 1
+    k = n - tail
+    if k and tail >= k and ids[tail - k:tail] == ids[tail:] and not any(appended[tail - k:tail]):
+        ids, appended = ids[:tail], appended[:tail]
+        offsets = None if offsets is None else offsets[:tail]
     return ids, appended, offsets
 
 

@@ -1,0 +1,50 @@
+"""The forward a module runs now, whatever set it: the one thing every "what does this
+module compute" question starts from (the rule planner's form checks, structural
+discovery, activation kinds). A forward replaced on the instance (an ablation or steering
+tool, a kernel library such as Liger-Kernel) is the module's forward."""
+
+from __future__ import annotations
+
+import inspect
+
+from torch import nn
+
+# pyattr.integration.install's per-module record, read by name (this is a lower layer)
+_RULES_STATE = "_pyattr_rules"
+
+
+def forward_of(module: nn.Module):
+    """The forward ``module`` runs now, as the module computes it: a forward set on the
+    instance (an ablation or steering tool, a kernel library such as Liger-Kernel), under
+    an accelerate hook the one its wrapper calls (``_old_forward``), else the class's;
+    pyattr's own rule forward is seen through (the one it replaced). A method of the class
+    bound to this module is the class's function; a method bound to another object, or any
+    other callable, is returned as it is (it is not this module's class forward)."""
+    d = module.__dict__
+    st = d.get(_RULES_STATE)
+    if st is not None:
+        fn = getattr(st, "saved_forward", None)
+    elif "_old_forward" in d and hasattr(module, "_hf_hook"):
+        fn = d["_old_forward"]
+    else:
+        fn = d.get("forward")
+    if fn is None or not callable(fn):  # nothing on the instance (pyattr's MISSING marker included)
+        return type(module).forward
+    if inspect.ismethod(fn) and fn.__self__ is module:
+        return fn.__func__
+    return fn
+
+
+def replaced_on_instance(module: nn.Module) -> bool:
+    """Whether ``module`` runs a forward other than its class's (:func:`forward_of`)."""
+    return forward_of(module) is not type(module).forward
+
+
+def forward_name(mod: nn.Module) -> str:
+    """How a refusal names the forward a module runs: ``Cls.forward``, or the forward set on
+    the instance (an ablation, steering or kernel library's), by its own name."""
+    if not replaced_on_instance(mod):
+        return f"{type(mod).__name__}.forward"
+    fn = forward_of(mod)
+    return (f"the forward replaced on this {type(mod).__name__} instance "
+            f"({getattr(fn, '__qualname__', type(fn).__name__)})")
