@@ -34,6 +34,17 @@ def prompt_of(model, tokenizer, text_or_ids, response, name, embedding=False):
                 raise ValueError("response: the tokenizer reads the prompt's end differently when the response "
                                  "follows it; start the response at a word")
         return ids, offsets, special, text_or_ids, resp
+    if hasattr(text_or_ids, "keys") and "input_ids" in text_or_ids:
+        # a tokenizer's output (apply_chat_template(..., tokenize=True) returns one): its ids,
+        # the real tokens where it carries an attention mask
+        ids, mask = text_or_ids["input_ids"], text_or_ids.get("attention_mask") if hasattr(text_or_ids, "get") else None
+        t = torch.as_tensor(ids).reshape(-1) if _one_row(ids) else None
+        if t is None:
+            raise ValueError(f"{name}: a tokenizer output of one prompt is expected here (input_ids of one row); "
+                             "for several prompts pass a list of texts")
+        if mask is not None:
+            t = t[torch.as_tensor(mask).reshape(-1).bool()]
+        text_or_ids = t
     try:
         t = torch.as_tensor(text_or_ids)
     except (TypeError, ValueError, RuntimeError):
@@ -47,6 +58,14 @@ def prompt_of(model, tokenizer, text_or_ids, response, name, embedding=False):
 
     check_token_ids(model, t, name)
     return t.reshape(-1).tolist(), None, None, None, None
+
+
+def _one_row(ids) -> bool:
+    try:
+        t = torch.as_tensor(ids)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+    return t.dim() == 1 or (t.dim() == 2 and t.shape[0] == 1)
 
 
 def response_ids(model, prompt, response, max_new_tokens, row):
