@@ -246,11 +246,14 @@ def _attention_scores(model, prompt, ranges, response, spans):
 
 
 def _rows(model, tokenizer, rows, per_sources, per_response, embedding, method, spans, ablations, seed,
-          batch_size, max_new_tokens, pooling, max_len):
-    """Each row's scores, source texts and ranges, response text and ids, value; the forwards."""
+          batch_size, max_new_tokens, spec):
+    """Each row's scores, source texts and ranges, response text and ids, value; the forwards
+    (``spec``: an embedding model's :class:`~pyattr.methods._core.embedding.SentenceEmbedding`)."""
     scores, texts, ranges_all, resp_text, resp_ids, values, cost = [], [], [], [], [], [], 0
+    pooling, max_len = (spec.pooling, spec.max_len) if spec is not None else (None, None)
     for row, (inp, src, resp) in enumerate(zip(rows, per_sources, per_response)):
-        prompt, offsets, special, text, joint_resp = CI.prompt_of(model, tokenizer, inp, resp, "inputs", embedding)
+        prompt, offsets, special, text, joint_resp = CI.prompt_of(model, tokenizer, inp, resp, "inputs", embedding,
+                                                                  spec)
         ranges = S.resolve(src, text, offsets, special, len(prompt))
         if method in ABLATION_METHODS and sum(b - a for a, b in ranges) == len(prompt):
             raise ValueError(f"sources: row {row}'s sources cover every token of the prompt, so the ablation that "
@@ -261,7 +264,7 @@ def _rows(model, tokenizer, rows, per_sources, per_response, embedding, method, 
                              f"squares on pairs of masks: an even number >= {len(ranges) + 1} for row {row}'s "
                              f"{len(ranges)} sources, got {ablations}")
         if embedding:
-            r_ids = CI.query_ids(model, tokenizer, resp, row)
+            r_ids = CI.query_ids(model, tokenizer, resp, row, spec)
             for name, ids in (("inputs", prompt), ("query", r_ids)):
                 if max_len is not None and len(ids) > max_len:
                     raise ValueError(f"{name}[{row}]: {len(ids)} tokens, more than the checkpoint's max_seq_length "
@@ -398,14 +401,13 @@ def context_attribution(model: nn.Module, inputs, sources, *, response=None, max
     for name, got in (("sources", per_sources), ("query" if embedding else "response", per_response)):
         if len(got) != len(rows):
             raise ValueError(f"{name}: one per prompt ({len(rows)}), got {len(got)}")
-    if embedding:
-        pooling, max_len = E.checkpoint_pooling(model, pooling)
+    spec = E.checkpoint_embedding(model, pooling) if embedding else None
     from pyattr.methods._core.passes import inference_state
 
     # eval mode for every forward (dropout off: the ablated runs compare with each other), restored after
     with inference_state(model):
         parts = _rows(model, tokenizer, rows, per_sources, per_response, embedding, method, spans, ablations,
-                      seed, batch_size, max_new_tokens, pooling if embedding else None, max_len if embedding else None)
+                      seed, batch_size, max_new_tokens, spec)
     scores, texts, ranges_all, resp_text, resp_ids, values, cost = parts
     span_lists = {tuple(map(tuple, CI.check_spans(spans, len(r)))) for r in resp_ids} if spans is not None else set()
     if len(span_lists) > 1:

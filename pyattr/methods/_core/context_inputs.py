@@ -12,17 +12,23 @@ from torch import nn
 import pyattr.methods._core.sources as S
 
 
-def prompt_of(model, tokenizer, text_or_ids, response, name, embedding=False):
+def prompt_of(model, tokenizer, text_or_ids, response, name, embedding=False, spec=None):
     """(prompt ids, offsets, special flags, text, response ids or None). An embedding model's
     prompt keeps the markers the tokenizer adds at its end (``[SEP]``): its embedding is of
-    the text as the tokenizer encodes it; a causal LM's prompt drops them (the response
-    continues the text, not what follows its end)."""
+    the text as the tokenizer encodes it, after the document prompt its checkpoint declares
+    (``spec``, :class:`~pyattr.methods._core.embedding.SentenceEmbedding`: the prompt's tokens
+    belong to no source, offsets stay the text's own); a causal LM's prompt drops them (the
+    response continues the text, not what follows its end)."""
     from pyattr.methods._core.tokens import _drop_appended_end, _encode, continuation_ids
 
     if isinstance(text_or_ids, str):
         if tokenizer is None:
             raise ValueError(f"{name}: a text prompt needs tokenizer= (the model's Hugging Face tokenizer)")
-        enc = _encode(tokenizer, text_or_ids)
+        if embedding and spec is not None:
+            read, at = spec.text(text_or_ids, "document")
+            enc = _offsets_after(read, at, _encode(tokenizer, read))
+        else:
+            enc = _encode(tokenizer, text_or_ids)
         ids, appended, offsets = enc if embedding else _drop_appended_end(*enc)
         special = appended if offsets is None else [e <= s for s, e in offsets]
         resp = None
@@ -58,6 +64,23 @@ def prompt_of(model, tokenizer, text_or_ids, response, name, embedding=False):
 
     check_token_ids(model, t, name)
     return t.reshape(-1).tolist(), None, None, None, None
+
+
+def _offsets_after(read: str, at: int, enc):
+    """``(ids, appended, offsets)`` of ``read`` (a prompt of ``at`` characters, then the
+    text) with the offsets made the text's own: a token of the prompt gets ``(0, 0)`` (no
+    character of the text: in no source), one that starts in the prompt's trailing
+    whitespace starts at the text's first character."""
+    ids, appended, offsets = enc
+    if offsets is None or not at:
+        return enc
+    out = []
+    for s, e in offsets:
+        if e <= s or e <= at or (s < at and not read[s:at].isspace()):
+            out.append((0, 0))
+        else:
+            out.append((max(s, at) - at, e - at))
+    return ids, appended, out
 
 
 def _one_row(ids) -> bool:
@@ -122,12 +145,13 @@ def has_lm_head(model: nn.Module) -> bool:
     return callable(get) and get() is not None
 
 
-def query_ids(model, tokenizer, query, row):
-    """An embedding model's query as the tokenizer encodes it (its ``[CLS]``/``[SEP]`` kept)."""
+def query_ids(model, tokenizer, query, row, spec=None):
+    """An embedding model's query as the tokenizer encodes it (its ``[CLS]``/``[SEP]`` kept),
+    after the query prompt its checkpoint declares (``spec``)."""
     from pyattr.methods._core.tokens import _encode
 
     if isinstance(query, str):
         if tokenizer is None:
             raise ValueError(f"query[{row}]: a text query needs tokenizer= (the model's Hugging Face tokenizer)")
-        return _encode(tokenizer, query)[0]
+        return _encode(tokenizer, spec.text(query, "query")[0] if spec is not None else query)[0]
     return ids_of(model, query, f"query[{row}]")

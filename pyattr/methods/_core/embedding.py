@@ -1,17 +1,20 @@
 """Sentence embeddings as the model's checkpoint defines them, for context attribution on
 retrieval models (an encoder such as all-MiniLM-L6-v2 scoring a passage against a query).
 
-The pooling is read from the checkpoint (observe, don't re-derive): a sentence-transformers
-checkpoint declares its modules in ``modules.json`` and its pooling in the Pooling module's
-``config.json``; its ``sentence_bert_config.json`` gives the length it truncates to. A
-checkpoint whose embedding pyattr cannot reproduce (a Dense layer after the pooling, max or
-last-token pooling) is refused, as is a checkpoint that declares no pooling unless the
-caller names one.
+What makes the embedding is read from the checkpoint (observe, don't re-derive): a
+sentence-transformers checkpoint declares its modules in ``modules.json`` and its pooling in
+the Pooling module's ``config.json``; its ``sentence_bert_config.json`` gives the length it
+truncates to and whether it lower-cases; ``config_sentence_transformers.json`` the prompts
+``encode_query`` and ``encode_document`` put before a text, and the similarity. A checkpoint
+whose embedding pyattr cannot reproduce (a Dense layer, max or last-token pooling, a prompt
+left out of the pooling, a similarity other than the cosine) is refused by name, as is a
+checkpoint that declares no pooling unless the caller names one.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -70,47 +73,137 @@ def _hub_file(repo: str, name: str) -> Optional[Path]:
         return None
 
 
-def checkpoint_pooling(model: nn.Module, pooling: Optional[str]) -> Tuple[str, Optional[int]]:
-    """``(pooling, max_seq_length)`` of a sentence-embedding checkpoint.
+@dataclass(frozen=True)
+class SentenceEmbedding:
+    """What a sentence-transformers checkpoint makes of a text, as far as it changes the
+    embedding: the pooling, the length it truncates to, the prompts ``encode_query`` and
+    ``encode_document`` put before the text, and lower-casing."""
+
+    pooling: str
+    max_len: Optional[int] = None
+    query_prompt: str = ""
+    document_prompt: str = ""
+    lower_case: bool = False
+
+    def text(self, text: str, role: str) -> Tuple[str, int]:
+        """``(what the model reads, the prompt's length in characters)`` for a query or a
+        document (``role``): the prompt, then the text (lower-cased where the checkpoint says)."""
+        prompt = self.query_prompt if role == "query" else self.document_prompt
+        if self.lower_case:
+            if len(text.lower()) != len(text):
+                raise ValueError(f"{'query' if role == 'query' else 'inputs'}: the checkpoint lower-cases its texts "
+                                 "(do_lower_case), which changes this text's length, so its sources' character "
+                                 "offsets would not carry over; pass a text whose lower case is as long")
+            text = text.lower()
+        return prompt + text, len(prompt)
+
+
+def _modes(conf: dict) -> List[str]:
+    """The pooling modes of a Pooling configuration: sentence-transformers' ``pooling_mode``
+    (a name or a list, its current form) or the ``pooling_mode_*`` flags (the older one)."""
+    mode = conf.get("pooling_mode")
+    if isinstance(mode, str):
+        return [mode]
+    if isinstance(mode, (list, tuple)):
+        return [str(m) for m in mode]
+    return [m for key, m in _MODES.items() if conf.get(key)]
+
+
+def _st_prompts(config: dict) -> Tuple[str, str]:
+    """``(query prompt, document prompt)`` as the installed sentence-transformers resolves
+    them for ``encode_query`` / ``encode_document`` from the checkpoint's ``prompts`` and
+    ``default_prompt_name``: the ``"query"`` prompt; the first of ``"document"``,
+    ``"passage"``, ``"corpus"``; else the default prompt. sentence-transformers 6 starts
+    from empty ``"query"`` and ``"document"`` prompts (its ``_default_prompts``), so a
+    checkpoint's ``"passage"`` prompt or default prompt no longer reaches them there; the
+    installed version's own defaults are read (none without sentence-transformers)."""
+    try:
+        from sentence_transformers import SentenceTransformer
+
+        defaults = dict(getattr(SentenceTransformer, "_default_prompts", None) or {})
+    except Exception:  # noqa: BLE001 - not installed, or failing to import
+        defaults = {}
+    prompts = {k: "" for k in defaults}
+    prompts.update({k: v for k, v in (config.get("prompts") or {}).items() if isinstance(v, str)})
+    default = config.get("default_prompt_name")
+    fallback = prompts.get(default, "") if isinstance(default, str) else ""
+    query = prompts["query"] if "query" in prompts else fallback
+    doc = next((prompts[k] for k in ("document", "passage", "corpus") if k in prompts), fallback)
+    return query, doc
+
+
+def checkpoint_embedding(model: nn.Module, pooling: Optional[str]) -> SentenceEmbedding:
+    """The embedding a sentence-embedding checkpoint defines (:class:`SentenceEmbedding`),
+    read from its sentence-transformers files: ``modules.json`` (a Transformer, a Pooling,
+    a Normalize: any other module is refused by name), the Pooling's ``config.json``,
+    ``sentence_bert_config.json`` (``max_seq_length``, ``do_lower_case``) and
+    ``config_sentence_transformers.json`` (``prompts``, ``default_prompt_name``,
+    ``similarity_fn_name``).
 
     Args:
         pooling: ``"mean"`` / ``"cls"`` to override the checkpoint, or None to read it.
 
     Raises:
         ValueError: ``pooling`` not one of :data:`POOLINGS`; a checkpoint whose pooling is
-            not one of them or that has modules after the pooling that change the cosine
-            similarity (a Dense layer); no pooling declared and none given.
+            not one of them, that excludes its prompt from the pooling (``include_prompt``
+            false), that has modules pyattr does not reproduce (a Dense layer, a Router), or
+            whose similarity is not the cosine (``similarity_fn_name`` other than
+            ``cosine``, or ``dot`` without a Normalize module); no pooling declared and none
+            given.
     """
     if pooling is not None and pooling not in POOLINGS:
         raise ValueError(f"pooling: expected one of {list(POOLINGS)} or None (read from the checkpoint), got {pooling!r}")
-    max_len = None
+    max_len, lower = None, False
     cfg = _checkpoint_file(model, "sentence_bert_config.json")
     if cfg is not None:
-        max_len = json.loads(cfg.read_text()).get("max_seq_length")
+        bert = json.loads(cfg.read_text())
+        max_len, lower = bert.get("max_seq_length"), bool(bert.get("do_lower_case", False))
+    st = _checkpoint_file(model, "config_sentence_transformers.json")
+    st_config = json.loads(st.read_text()) if st is not None else {}
+    query_prompt, document_prompt = _st_prompts(st_config)
     modules = _checkpoint_file(model, "modules.json")
     if modules is None:
         if pooling is None:
             raise ValueError("pooling: the checkpoint declares no sentence-transformers pooling (no modules.json); "
                              "name the pooling its embeddings use: pooling='mean' or 'cls'")
-        return pooling, max_len
+        return SentenceEmbedding(pooling, max_len, query_prompt, document_prompt, lower)
     entries = json.loads(modules.read_text())
     kinds = [e.get("type", "") for e in entries]
-    after = kinds[next((i for i, k in enumerate(kinds) if k.endswith(".Pooling")), len(kinds)) + 1:]
-    extra = [k for k in after if k not in _SCALE_FREE]
-    if extra:
-        raise ValueError(f"model: the checkpoint's embedding passes {extra} after its pooling, which pyattr does not "
+    at = next((i for i, k in enumerate(kinds) if k.endswith(".Pooling")), len(kinds))
+    before = [k for k in kinds[:at] if not k.endswith(".Transformer")]
+    extra = [k for k in kinds[at + 1:] if k not in _SCALE_FREE and not k.endswith(".Normalize")]
+    if before or extra:
+        where = f"{before} before" if before else f"{extra} after"
+        raise ValueError(f"model: the checkpoint's embedding passes {where} its pooling, which pyattr does not "
                          "reproduce; context_attribution's query= supports a Transformer, a Pooling and a Normalize")
-    if pooling is not None:
-        return pooling, max_len
+    similarity = st_config.get("similarity_fn_name") or "cosine"
+    normalised = any(k.endswith(".Normalize") for k in kinds[at + 1:])
+    if similarity != "cosine" and not (similarity == "dot" and normalised):
+        raise ValueError(f"model: the checkpoint compares embeddings by similarity_fn_name={similarity!r}"
+                         f"{' without a Normalize module' if similarity == 'dot' else ''}; context_attribution's "
+                         "query= scores the cosine similarity (or the dot product of normalised embeddings)")
     pool_dir = next((e.get("path", "") for e in entries if e.get("type", "").endswith(".Pooling")), None)
-    conf = _checkpoint_file(model, f"{pool_dir}/config.json") if pool_dir else None
-    if conf is None:
-        raise ValueError("pooling: the checkpoint's modules.json names no Pooling configuration pyattr can read; "
-                         "name the pooling: pooling='mean' or 'cls'")
-    on = [m for key, m in _MODES.items() if json.loads(conf.read_text()).get(key)]
-    if len(on) != 1 or on[0] not in POOLINGS:
-        raise ValueError(f"model: the checkpoint pools by {on}; pyattr reproduces one of {list(POOLINGS)}")
-    return on[0], max_len
+    conf_file = _checkpoint_file(model, f"{pool_dir}/config.json") if pool_dir else None
+    conf = json.loads(conf_file.read_text()) if conf_file is not None else None
+    if conf is not None and conf.get("include_prompt", True) is False and (query_prompt or document_prompt):
+        raise ValueError("model: the checkpoint's pooling leaves its prompt tokens out (include_prompt: false), which "
+                         "pyattr does not reproduce; context_attribution's query= pools every token")
+    if pooling is None:
+        if conf is None:
+            raise ValueError("pooling: the checkpoint's modules.json names no Pooling configuration pyattr can read; "
+                             "name the pooling: pooling='mean' or 'cls'")
+        on = _modes(conf)
+        if len(on) != 1 or on[0] not in POOLINGS:
+            raise ValueError(f"model: the checkpoint pools by {on}; pyattr reproduces one of {list(POOLINGS)}")
+        pooling = on[0]
+    return SentenceEmbedding(pooling, max_len, query_prompt, document_prompt, lower)
+
+
+def checkpoint_pooling(model: nn.Module, pooling: Optional[str]) -> Tuple[str, Optional[int]]:
+    """``(pooling, max_seq_length)`` of a sentence-embedding checkpoint
+    (:func:`checkpoint_embedding`, whose errors it raises)."""
+    spec = checkpoint_embedding(model, pooling)
+    return spec.pooling, spec.max_len
 
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor:
