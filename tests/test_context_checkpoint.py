@@ -105,3 +105,17 @@ def test_the_prompt_is_in_no_source_and_sources_keep_their_text(tmp_path):
     ids = tok("passage: " + PASSAGE)["input_ids"]
     a, b = r.source_ranges[0][0]
     assert tok.decode(ids[a:b]) == "a woman is cutting onions in the kitchen."
+
+
+def test_the_cli_pair_reads_the_checkpoints_pooling_and_refuses_what_it_does_not_reproduce(tmp_path):
+    from pyattr.apps.explain import ExplainError, explain_pair
+
+    d = _checkpoint(tmp_path, pooling={"pooling_mode_mean_tokens": False, "pooling_mode_cls_token": True})
+    ex = explain_pair("A man plays a guitar.", "Someone performs music.", model_dir=d)
+    model = st.SentenceTransformer(str(d), device="cpu")
+    a, b = model.encode(["A man plays a guitar.", "Someone performs music."], convert_to_tensor=True).double()
+    assert ex.target == pytest.approx(float(torch.nn.functional.cosine_similarity(a, b, dim=0)), abs=2e-6)
+    assert "CLS-pooled" in ex.target_description
+    d2 = _checkpoint(tmp_path / "2", st_config={"prompts": {"s": "sentence: "}, "default_prompt_name": "s"})
+    with pytest.raises(ExplainError, match=r"--pair: the checkpoint puts the prompt 'sentence: ' before every text"):
+        explain_pair("A man plays a guitar.", "Someone performs music.", model_dir=d2)

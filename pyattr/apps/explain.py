@@ -238,6 +238,27 @@ def _check_tokens(name: str, n_tokens: int, model, tok) -> None:
         raise ExplainError(f"{name} is {n_tokens} tokens long; the model reads at most {limit}")
 
 
+def _pair_pooling(model) -> str:
+    """The pooling of the checkpoint's sentence embedding (``"mean"`` or ``"cls"``; the mean
+    for an encoder whose checkpoint declares none). What the pair's cosine would not
+    reproduce (a Dense layer, another pooling or similarity, a prompt plain ``encode`` puts
+    before every text) is an :class:`ExplainError` naming it."""
+    from pyattr.methods._core.embedding import checkpoint_embedding
+
+    try:
+        spec = checkpoint_embedding(model, None)
+    except ValueError as e:
+        if "declares no sentence-transformers pooling" in str(e):
+            return "mean"
+        raise ExplainError(f"--pair: {e}") from None
+    if spec.default_prompt or spec.lower_case:
+        why = (f"puts the prompt {spec.default_prompt!r} before every text (default_prompt_name)" if spec.default_prompt
+               else "lower-cases its texts (do_lower_case)")
+        raise ExplainError(f"--pair: the checkpoint {why}, which the sentence pair does not reproduce; explain it "
+                           "with pyattr.context_attribution(model, passage, sources, query=...), which does")
+    return spec.pooling
+
+
 def explain_pair(
     text_a: str, text_b: str, model_dir: Optional[Path] = None, rules: Optional[RelevanceRules] = None,
     generic: bool = False,
@@ -250,6 +271,7 @@ def explain_pair(
     path = bundled_model_dir() if model_dir is None else model_dir
     tok, model = _load(path, causal=False)
     rules = RelevanceRules.all() if rules is None else rules
+    pooling = _pair_pooling(model)
     # the ids the model sees for each text (markers the text already holds not added twice)
     enc = encode(tok, [text_a, text_b], model, "explain_pair", name="--text")
     mask = enc["attention_mask"]
@@ -259,7 +281,8 @@ def explain_pair(
     def cosine(output):
         h = output.last_hidden_state  # (2, seq, hidden)
         m = mask.to(h.dtype).unsqueeze(-1)
-        pooled = (h * m).sum(1) / m.sum(1)  # mean pooling, as the sentence-transformers config says
+        # the checkpoint's pooling: the mean over the real tokens, or the first token's state
+        pooled = (h * m).sum(1) / m.sum(1) if pooling == "mean" else h[:, 0]
         a = ln_rule(pooled[0], pooled[0].norm())
         b = ln_rule(pooled[1], pooled[1].norm())
         return half_rule(a, b).sum()
@@ -278,7 +301,8 @@ def explain_pair(
     return Explanation(
         mode="pair",
         model=model_label(path),
-        target_description="cosine similarity of the mean-pooled sentence embeddings",
+        target_description=f"cosine similarity of the {'mean' if pooling == 'mean' else 'CLS'}-pooled sentence "
+                           "embeddings",
         target=float(res.target),
         relevance_sum=total,
         conservation_delta=float(res.conservation_delta),

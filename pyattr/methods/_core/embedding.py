@@ -84,6 +84,8 @@ class SentenceEmbedding:
     query_prompt: str = ""
     document_prompt: str = ""
     lower_case: bool = False
+    #: the prompt plain ``encode`` puts before every text (``default_prompt_name``'s)
+    default_prompt: str = ""
 
     def text(self, text: str, role: str) -> Tuple[str, int]:
         """``(what the model reads, the prompt's length in characters)`` for a query or a
@@ -109,8 +111,8 @@ def _modes(conf: dict) -> List[str]:
     return [m for key, m in _MODES.items() if conf.get(key)]
 
 
-def _st_prompts(config: dict) -> Tuple[str, str]:
-    """``(query prompt, document prompt)`` as the installed sentence-transformers resolves
+def _st_prompts(config: dict) -> Tuple[str, str, str]:
+    """``(query prompt, document prompt, default prompt)`` as the installed sentence-transformers resolves
     them for ``encode_query`` / ``encode_document`` from the checkpoint's ``prompts`` and
     ``default_prompt_name``: the ``"query"`` prompt; the first of ``"document"``,
     ``"passage"``, ``"corpus"``; else the default prompt. sentence-transformers 6 starts
@@ -129,7 +131,7 @@ def _st_prompts(config: dict) -> Tuple[str, str]:
     fallback = prompts.get(default, "") if isinstance(default, str) else ""
     query = prompts["query"] if "query" in prompts else fallback
     doc = next((prompts[k] for k in ("document", "passage", "corpus") if k in prompts), fallback)
-    return query, doc
+    return query, doc, fallback
 
 
 def checkpoint_embedding(model: nn.Module, pooling: Optional[str]) -> SentenceEmbedding:
@@ -160,13 +162,13 @@ def checkpoint_embedding(model: nn.Module, pooling: Optional[str]) -> SentenceEm
         max_len, lower = bert.get("max_seq_length"), bool(bert.get("do_lower_case", False))
     st = _checkpoint_file(model, "config_sentence_transformers.json")
     st_config = json.loads(st.read_text()) if st is not None else {}
-    query_prompt, document_prompt = _st_prompts(st_config)
+    query_prompt, document_prompt, default_prompt = _st_prompts(st_config)
     modules = _checkpoint_file(model, "modules.json")
     if modules is None:
         if pooling is None:
             raise ValueError("pooling: the checkpoint declares no sentence-transformers pooling (no modules.json); "
                              "name the pooling its embeddings use: pooling='mean' or 'cls'")
-        return SentenceEmbedding(pooling, max_len, query_prompt, document_prompt, lower)
+        return SentenceEmbedding(pooling, max_len, query_prompt, document_prompt, lower, default_prompt)
     entries = json.loads(modules.read_text())
     kinds = [e.get("type", "") for e in entries]
     at = next((i for i, k in enumerate(kinds) if k.endswith(".Pooling")), len(kinds))
@@ -185,7 +187,8 @@ def checkpoint_embedding(model: nn.Module, pooling: Optional[str]) -> SentenceEm
     pool_dir = next((e.get("path", "") for e in entries if e.get("type", "").endswith(".Pooling")), None)
     conf_file = _checkpoint_file(model, f"{pool_dir}/config.json") if pool_dir else None
     conf = json.loads(conf_file.read_text()) if conf_file is not None else None
-    if conf is not None and conf.get("include_prompt", True) is False and (query_prompt or document_prompt):
+    if conf is not None and conf.get("include_prompt", True) is False and (query_prompt or document_prompt
+                                                                            or default_prompt):
         raise ValueError("model: the checkpoint's pooling leaves its prompt tokens out (include_prompt: false), which "
                          "pyattr does not reproduce; context_attribution's query= pools every token")
     if pooling is None:
@@ -196,7 +199,7 @@ def checkpoint_embedding(model: nn.Module, pooling: Optional[str]) -> SentenceEm
         if len(on) != 1 or on[0] not in POOLINGS:
             raise ValueError(f"model: the checkpoint pools by {on}; pyattr reproduces one of {list(POOLINGS)}")
         pooling = on[0]
-    return SentenceEmbedding(pooling, max_len, query_prompt, document_prompt, lower)
+    return SentenceEmbedding(pooling, max_len, query_prompt, document_prompt, lower, default_prompt)
 
 
 def checkpoint_pooling(model: nn.Module, pooling: Optional[str]) -> Tuple[str, Optional[int]]:
