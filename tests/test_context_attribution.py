@@ -345,3 +345,50 @@ def test_cite_command_refuses_bad_arguments(args, msg, capsys):
     assert main(["cite", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("pyattr cite: error: ") and msg in err, err
+
+
+def _sklearn_contextcite(masks, outcomes, tokens):
+    """ContextCite 0.0.4's ``LassoRegression.fit`` as its code states it, on scikit-learn:
+    StandardScaler, then Lasso(alpha=0.01, intercept) on outcome / response tokens, the
+    coefficients divided by the scaler's scale and multiplied by the tokens (run to a tight
+    tolerance, so the two converged fits compare)."""
+    import numpy as np
+    from sklearn.linear_model import Lasso
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    scaler, lasso = StandardScaler(), Lasso(alpha=0.01, random_state=0, fit_intercept=True, tol=1e-12,
+                                            max_iter=100000)
+    make_pipeline(scaler, lasso).fit(masks.astype(np.float64), outcomes / tokens)
+    return lasso.coef_ / scaler.scale_ * tokens
+
+
+def test_contextcite_fit_is_contextcites_solver():
+    from pyattr.methods.context import contextcite_fit
+
+    g = torch.Generator().manual_seed(0)
+    masks = A.random_masks(g, 64, 7)
+    masks[:, 3] = True  # a source every ablation keeps: its standard deviation is 0
+    true = torch.randn(7, generator=g, dtype=torch.float64)
+    y = masks.double() @ true + 0.1 * torch.randn(64, generator=g, dtype=torch.float64)
+    for tokens in (1, 5):
+        got = contextcite_fit(masks, y[:, None], [tokens])[0]
+        want = _sklearn_contextcite(masks.numpy(), y.numpy(), tokens)
+        torch.testing.assert_close(got, torch.from_numpy(want), rtol=0, atol=1e-7)
+    assert float(got[3]) == 0.0
+
+
+def test_contextcite_method_is_contextcites_recipe_on_its_masks_and_outcomes(decoder, examples):
+    """The scores are ContextCite's solver on the method's own masks and outcomes (the
+    response's logit-probability, several response tokens), 64 ablations by default."""
+    from pyattr.methods.context import _logit_prob, _masks
+
+    model, _ = decoder
+    e = examples[2]
+    response = [e.answer, e.answer]
+    r = pyattr.context_attribution(model, torch.tensor(e.prompt), e.ranges, response=response, method="contextcite")
+    assert r.ablations == 65
+    masks = _masks("contextcite", None, 0, len(e.ranges))
+    v = A.response_logprobs(model, e.prompt, e.ranges, response, masks, [(0, 2)], 64)
+    want = _sklearn_contextcite(masks[1:].numpy(), _logit_prob(v[1:, 0]).numpy(), 2)
+    torch.testing.assert_close(r.scores[0], torch.from_numpy(want), rtol=0, atol=1e-6)

@@ -16,8 +16,9 @@ Methods (``method=``; measured against each other by ``pyattr bench --citations`
   model's query matches on, where the answer source's large effect drowns them in the
   squared error): on both toy decoders it lifts LDS above 256 random ablations' at 17
   forwards (the table in docs/tutorials/context.md).
-- ``"contextcite"``: ContextCite's own recipe: ``ablations`` random masks (each source kept
-  with probability 1/2), Lasso (``alpha`` 0.01) on the logit-probability.
+- ``"contextcite"``: ContextCite's own recipe: ``ablations`` random masks (64 by default, each
+  source kept with probability 1/2), Lasso (``alpha`` 0.01) on the standardised masks and the
+  response's logit-probability per response token (:func:`contextcite_fit`).
 - ``"loo"``: leave-one-out, one forward per source: the drop in log-probability when the
   source alone is removed.
 - ``"attnlrp"``, ``"relevance"``, ``"gradient"``: token relevance of each response token's
@@ -52,6 +53,8 @@ ABLATION_METHODS = ("foldover", "contextcite", "loo")
 RANK_WEIGHT = 0.5
 #: ContextCite's Lasso strength (its ``lasso_alpha`` default)
 CONTEXTCITE_ALPHA = 0.01
+#: ContextCite's default number of ablations (``ContextCiter(num_ablations=64)``)
+CONTEXTCITE_ABLATIONS = 64
 
 
 @dataclass
@@ -144,17 +147,18 @@ def _masks(method, ablations, seed, n_src):
     if method == "foldover":
         count = ablations if ablations is not None else default_foldover(n_src)
         return torch.cat([full, A.paired_masks(g, count, n_src)])
-    return torch.cat([full, A.random_masks(g, ablations if ablations is not None else 32, n_src)])
+    return torch.cat([full, A.random_masks(g, ablations if ablations is not None else CONTEXTCITE_ABLATIONS, n_src)])
 
 
-def _fit(method, masks, v, link):
+def _fit(method, masks, v, link, tokens=None):
     """Scores (Tensor[spans, sources]) from the outcomes ``v`` (Tensor[n, spans]) of ``masks``
-    (the full context first); ``link`` maps an outcome to the scale the surrogate is linear on."""
+    (the full context first); ``link`` maps an outcome to the scale the surrogate is linear
+    on; ``tokens``: each span's number of response tokens (``contextcite`` fits per token)."""
     if method == "loo":
         return (v[0][None] - v[1:]).T
     x = masks[1:].double()
     if method == "contextcite":
-        return A.lasso(x, link(v[1:]), CONTEXTCITE_ALPHA)[0].T
+        return contextcite_fit(x, link(v[1:]), tokens)
     w = A.lasso(x, link(v[1:]), 0.0)[0]
     # the answer source's large effect dominates the squared error of the fit above, so the
     # sources that order the intermediate ablations get too little weight; a fit to the
@@ -166,10 +170,33 @@ def _fit(method, masks, v, link):
     return (w + RANK_WEIGHT * wr).T
 
 
+def contextcite_fit(x: torch.Tensor, y: torch.Tensor, tokens=None) -> torch.Tensor:
+    """ContextCite's surrogate fit (its ``LassoRegression.fit``, Cohen-Wang et al. 2024, §2.2
+    and the released code): the keep-masks standardised per source (mean 0, standard
+    deviation 1, a constant column left at 0), the outcome divided by the number of response
+    tokens it spans, Lasso with ``alpha`` 0.01 and an intercept, the weights scaled back to
+    the masks' 0/1 scale and multiplied by the number of tokens.
+
+    Args:
+        x (Tensor[n, sources]): the keep-masks as 0/1. y (Tensor[n, spans]): the outcomes.
+        tokens (list[int], optional): each span's response tokens (None: 1 each, the
+            embedding similarity's case).
+
+    Returns:
+        Tensor[spans, sources], float64.
+    """
+    x = x.double()
+    std = x.std(0, unbiased=False)
+    scale = torch.where(std > 0, std, torch.ones_like(std))  # a constant column: scale 1, as StandardScaler's
+    n = torch.ones(y.shape[1], dtype=torch.float64) if tokens is None else torch.tensor(tokens, dtype=torch.float64)
+    w = A.lasso((x - x.mean(0)) / scale, y.double() / n, CONTEXTCITE_ALPHA)[0]  # (sources, spans)
+    return (w / scale[:, None] * n).T
+
+
 def _ablation_scores(model, prompt, ranges, response, spans, method, ablations, seed, batch_size):
     masks = _masks(method, ablations, seed, len(ranges))
     v = A.response_logprobs(model, prompt, ranges, response, masks, spans, batch_size)
-    return _fit(method, masks, v, _logit_prob), v[0], masks.shape[0]
+    return _fit(method, masks, v, _logit_prob, [b - a for a, b in spans]), v[0], masks.shape[0]
 
 
 def _embedding_scores(model, prompt, ranges, query, pooling, method, ablations, seed, batch_size):
@@ -328,7 +355,7 @@ def context_attribution(model: nn.Module, inputs, sources, *, response=None, max
             response token ranges; default: the whole response.
         ablations (int, optional): ablated prompts per row for ``foldover`` (default
             ``min(2^S, max(64, 4(S+1)))``, :func:`default_foldover`) and ``contextcite``
-            (default 32).
+            (default 64, ContextCite's).
         seed (int): the seed of the random keep-masks. batch_size (int): ablated prompts per forward.
         query (str | LongTensor | list, optional): for a sentence-embedding model, the text
             the prompt is retrieved for (one for every row, or one per row): the outcome is
