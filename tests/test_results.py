@@ -196,3 +196,28 @@ def test_rows_of_one_result_share_one_colour_scale(results):
     ends = re.findall(r'id="pyattr-[0-9a-f]+-\d+-hi">([^<]+)<', page)
     top = float(r.token_relevance.abs().max())
     assert len(ends) == 2 and ends[0] == ends[1] and abs(float(ends[0]) - top) <= 0.05 * top
+
+
+@pytest.mark.parametrize("field,value,msg", [
+    ("token_relevance", 5.0, r"RelevanceResult\.token_relevance must be Tensor, the file holds float 5\.0"),
+    ("token_relevance", "x", r"RelevanceResult\.token_relevance must be Tensor, the file holds str 'x'"),
+    ("token_relevance", torch.zeros(2, 3), r"RelevanceResult: relevance \(2, 7, 64\) does not extend token_relevance "
+                                           r"\(2, 3\) by a hidden dimension"),
+    ("target", torch.zeros(5), r"RelevanceResult: target must be shaped \(2,\) \(or a scalar\), the file holds \(5,\)"),
+    ("backend", 3, r"RelevanceResult\.backend must be str, the file holds int 3"),
+    ("tokens", [["a"]], r"RelevanceResult: tokens must be 2 rows of 7 strings"),
+])
+def test_load_checks_each_fields_type_and_shape(results, tmp_path, field, value, msg):
+    """A file save() did not write (a field of another type or shape) is a ValueError that
+    names the field, never a result that breaks later (issue 45 §6)."""
+    from safetensors.torch import save_file
+
+    from pyattr.results.store import _Encoder
+
+    r = dataclasses.replace(results["relevance"], **{field: value})
+    enc = _Encoder()
+    doc = enc(r)
+    path = tmp_path / "edited.safetensors"
+    save_file(enc.tensors, str(path), metadata={"format": "pyattr-result/1", "pyattr": json.dumps(doc)})
+    with pytest.raises(ValueError, match=r"^load\(\): '.*edited\.safetensors': " + msg):
+        pyattr.load(path)

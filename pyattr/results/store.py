@@ -11,6 +11,8 @@ import importlib
 import json
 import math
 import os
+import types
+import typing
 from dataclasses import MISSING, fields, is_dataclass
 from typing import Any, Dict
 
@@ -143,20 +145,163 @@ def _decode(v, tensors):
                          and f.default is MISSING and f.default_factory is MISSING)
         if missing:
             raise _Malformed(f"it lacks fields of {cls}: {missing}")
+        _check_types(kind, cls, values)
         obj = kind(**{k: x for k, x in values.items() if k in known})
         for k, x in values.items():  # fields that are not constructor arguments
             if k not in known:
                 object.__setattr__(obj, k, x)
+        problem = _SHAPES.get(cls, lambda o: None)(obj)
+        if problem:
+            raise _Malformed(f"{cls}: {problem}")
         return obj
     raise _Refused("load(): malformed file (an object without a known tag)")
+
+
+def _conforms(v, hint) -> bool:
+    """Whether ``v`` is of the annotated type ``hint`` (tensors, numbers, strings, lists,
+    tuples, dicts, optional and union types, pyattr's own classes; anything the annotation
+    does not pin down passes)."""
+    if hint is Any or isinstance(hint, (str, typing.ForwardRef)):
+        return True
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union or (hasattr(types, "UnionType") and origin is getattr(types, "UnionType")):
+        return any(_conforms(v, a) for a in args)
+    if hint is type(None):
+        return v is None
+    if hint is float:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    if hint is int:
+        return isinstance(v, int) and not isinstance(v, bool)
+    if origin in (list, typing.List):
+        return isinstance(v, list) and (not args or all(_conforms(x, args[0]) for x in v))
+    if origin in (tuple, typing.Tuple):
+        if not isinstance(v, (tuple, list)):
+            return False
+        if not args or (len(args) == 2 and args[1] is Ellipsis):
+            return not args or all(_conforms(x, args[0]) for x in v)
+        return len(v) == len(args) and all(_conforms(x, a) for x, a in zip(v, args))
+    if origin in (dict, typing.Dict):
+        return isinstance(v, dict) and (not args or all(_conforms(k, args[0]) and _conforms(x, args[1])
+                                                        for k, x in v.items()))
+    if origin is not None:
+        return isinstance(v, origin)
+    return isinstance(v, hint) if isinstance(hint, type) else True
+
+
+def _check_types(kind, cls: str, values: dict) -> None:
+    """Each field the file gives is of the type the class declares."""
+    try:
+        hints = typing.get_type_hints(kind)
+    except Exception:  # noqa: BLE001 - an annotation that does not resolve: nothing to check against
+        return
+    for name, v in values.items():
+        hint = hints.get(name)
+        if hint is not None and not _conforms(v, hint):
+            want = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+            got = f"a tensor of shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else \
+                f"{type(v).__name__} {v!r}"[:80]
+            raise _Malformed(f"{cls}.{name} must be {want}, the file holds {got}")
+
+
+def _shape(t) -> tuple:
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else ()
+
+
+def _relevance_shapes(r) -> Any:
+    """RelevanceResult: token_relevance (…, batch, seq), relevance (…, batch, seq, hidden),
+    target and conservation_delta (…, batch) or a scalar, tokens one row of seq per batch row."""
+    tok = _shape(r.token_relevance)
+    if len(tok) not in (2, 3):
+        return f"token_relevance must be (batch, seq) or (k, batch, seq), the file holds {tok}"
+    if _shape(r.relevance)[:-1] != tok:
+        return f"relevance {_shape(r.relevance)} does not extend token_relevance {tok} by a hidden dimension"
+    return _targets(r, tok[:-1]) or _tokens(r, tok[-2:])
+
+
+def _targets(r, lead: tuple) -> Any:
+    for name in ("target", "conservation_delta", "baseline_target"):
+        t = getattr(r, name, None)
+        if t is not None and _shape(t) not in (lead, ()):
+            return f"{name} must be shaped {lead} (or a scalar), the file holds {_shape(t)}"
+    return None
+
+
+def _tokens(r, batch_seq: tuple) -> Any:
+    tokens = getattr(r, "tokens", None)
+    if tokens is None:
+        return None
+    if len(tokens) != batch_seq[0] or any(len(row) != batch_seq[1] for row in tokens):
+        return f"tokens must be {batch_seq[0]} rows of {batch_seq[1]} strings, as the relevance is laid out"
+    return None
+
+
+def _attribution_shapes(r) -> Any:
+    a = _shape(r.attribution)
+    if len(a) < 2:
+        return f"attribution must be (batch, seq, hidden) or the layer's shape, the file holds {a}"
+    if r.token_attribution is not None and _shape(r.token_attribution) != a[:-1]:
+        return f"token_attribution {_shape(r.token_attribution)} is not attribution {a} summed over its last dimension"
+    for name in ("convergence_delta", "target", "baseline_target"):
+        if _shape(getattr(r, name)) not in (a[:1], ()):
+            return f"{name} must be shaped {a[:1]}, the file holds {_shape(getattr(r, name))}"
+    return None
+
+
+def _generation_shapes(r) -> Any:
+    seq = _shape(r.sequences)
+    tok = _shape(r.token_relevance)
+    if len(seq) != 2 or len(tok) != 3 or tok[0] != seq[0] or tok[2] != seq[1]:
+        return f"token_relevance {tok} must be (batch, generated, seq) for sequences {seq}"
+    for name in ("target", "conservation_delta", "step_mask"):
+        if _shape(getattr(r, name)) != tok[:2]:
+            return f"{name} must be shaped {tok[:2]}, the file holds {_shape(getattr(r, name))}"
+    if _shape(r.attention_mask) != seq:
+        return f"attention_mask must be shaped {seq}, the file holds {_shape(r.attention_mask)}"
+    return None
+
+
+def _context_shapes(r) -> Any:
+    sc = _shape(r.scores)
+    rows = len(r.sources)
+    if len(sc) not in (2, 3) or sc[0] != rows or len(r.source_ranges) != rows:
+        return f"scores {sc} must have one row per prompt ({rows}) of sources (per response span)"
+    if any(len(a) != len(b) or len(a) > sc[-1] for a, b in zip(r.sources, r.source_ranges)):
+        return "sources and source_ranges must be one range per source, within the scores' width"
+    return None
+
+
+def _layer_shapes(r) -> Any:
+    a = _shape(r.activation)
+    if _shape(r.gradient) != a or _shape(r.relevance) != a:
+        return f"activation {a}, gradient {_shape(r.gradient)} and relevance {_shape(r.relevance)} must be one shape"
+    return None
+
+
+def _curve_shapes(r) -> Any:
+    f, v = _shape(r.fractions), _shape(r.values)
+    if len(f) != 1 or len(v) != 2 or v[1] != f[0] or _shape(r.auc) != v[:1]:
+        return f"values {v} must be (batch, {f[0] if f else '?'} fractions) and auc (batch,), auc holds {_shape(r.auc)}"
+    return None
+
+
+#: per class, the shapes its fields must agree on (a message where they do not)
+_SHAPES = {"RelevanceResult": _relevance_shapes, "AttributionResult": _attribution_shapes,
+           "GenerationRelevanceResult": _generation_shapes, "ContextAttributionResult": _context_shapes,
+           "LayerRelevance": _layer_shapes, "PerturbationCurve": _curve_shapes}
 
 
 def load(path):
     """Read a result written by ``result.save(path)``: the same class, with equal tensors,
     tokens and fields.
 
+    Every field is checked against the type its class declares (a tensor where a tensor is
+    declared, a string, a list of strings…), and the main results' tensors against each
+    other's shapes (``token_relevance`` (batch, seq) under ``relevance`` (batch, seq,
+    hidden), targets (batch,), tokens one string per position).
+
     Raises:
-        FileNotFoundError: no such file. ValueError: not a file ``save()`` wrote.
+        FileNotFoundError: no such file. ValueError: not a file ``save()`` wrote (its
+            fields of the wrong type or shape included), naming the field.
     """
     from safetensors import safe_open
 
