@@ -386,3 +386,32 @@ def test_patch_edges_command_refuses_bad_arguments(args, msg, capsys):
     assert main(["patch", "--edges", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("pyattr patch: error: ") and msg in err, err
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_edge_effects_on_a_left_padded_float64_batch(arch):
+    """transformers' eager attention in float64 leaves NaN where a left-padded row's query
+    positions are masked out entirely (its float32 softmax of float64's lowest value is a
+    softmax of -inf), and on rotary models the NaN reaches the row's real tokens. The graph
+    check reads NaN against the same NaN as equal (it refused the batch before, issue 45 §6):
+    the unpadded row equals itself alone, and the padded row gives what the model gives (its
+    own metric, NaN where the model's logit is NaN; the row alone where it is finite)."""
+    model = tiny_causal_lm(arch, attn="eager", dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    clean = torch.randint(3, 90, (2, 7), generator=g)
+    corrupt = clean.clone()
+    corrupt[:, 3] = 50
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, :2] = 0
+    metric = T.Logit(5)
+    got = P.edge_effects(model, {"input_ids": clean, "attention_mask": mask},
+                         {"input_ids": corrupt, "attention_mask": mask}, metric)
+    with torch.no_grad():  # the model's own padded forward, positions counted along the mask
+        own = model(clean, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits[:, -1, 5]
+    torch.testing.assert_close(got.clean_metric, own.double(), rtol=0, atol=1e-12, equal_nan=True)
+    for row, cut in ((0, 0), (1, 2)):
+        alone = P.edge_effects(model, clean[row:row + 1, cut:], corrupt[row:row + 1, cut:], metric)
+        if bool(own[row].isnan()):
+            assert bool(got.per_pair[row].isnan().all())
+        else:
+            torch.testing.assert_close(got.per_pair[row], alone.per_pair[0], rtol=1e-9, atol=1e-9)

@@ -316,9 +316,15 @@ class SplitForward:
         return ((new,) + tuple(args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": new})
 
     def _same(self, x: torch.Tensor, key: str) -> bool:
-        """``x`` is the tensor recorded under ``key`` earlier in this forward."""
+        """``x`` is the tensor recorded under ``key`` earlier in this forward: equal values,
+        a NaN where the recorded one has its NaN (transformers' eager attention leaves NaN
+        at the query positions a left-padded row masks out entirely, and NaN equals
+        nothing, itself included)."""
         seen = self.seen.get(key)
-        return seen is not None and seen.shape == x.shape and torch.equal(x.detach(), seen)
+        if seen is None or seen.shape != x.shape:
+            return False
+        x = x.detach()
+        return bool(((x == seen) | (x.isnan() & seen.isnan())).all())
 
     def _sum(self, key: str, upstream: List[int]) -> Optional[torch.Tensor]:
         """The tensor recorded under ``key`` plus the listed upstream outputs (None where one
@@ -335,8 +341,15 @@ class SplitForward:
         # structural mismatches are of the order of the values; rounding is of the dtype's order
         eps = torch.finfo(got.dtype).eps if got.is_floating_point() else 0.0
         got, want = got.detach().double(), want.detach().double()
-        tol = max(1e-4, 16 * eps) * float(want.abs().max().clamp(min=1.0))
-        if got.shape != want.shape or float((got - want).abs().max()) > tol:
+        if got.shape != want.shape:
+            self.mismatch.append(f"{what} is not the sum of the upstream outputs before it")
+            return
+        # NaN where both hold it (the masked-out rows of eager attention) is no difference;
+        # a NaN on one side only is, and must not hide the others (max over NaN is NaN)
+        both = got.isnan() & want.isnan()
+        diff = (got - want).abs().masked_fill(both, 0.0)
+        tol = max(1e-4, 16 * eps) * float(want.masked_fill(both, 0.0).abs().max().clamp(min=1.0))
+        if bool(diff.isnan().any()) or float(diff.max()) > tol:
             self.mismatch.append(f"{what} is not the sum of the upstream outputs before it")
 
     @contextlib.contextmanager
