@@ -274,3 +274,42 @@ def functional_rules(model: nn.Module, rules, roots=(), native=()) -> Iterator[N
             depth["n"] -= 1
             if depth["n"] == 0:
                 mode.__exit__(None, None, None)
+
+
+@contextlib.contextmanager
+def head_functional_rules(model: nn.Module, base: nn.Module, rules) -> Iterator[None]:
+    """For the ``with`` block: the stretch of ``model``'s forward after its base model
+    returns (the head region: a classification head that calls ``torch.tanh``, Gemma 2's
+    ``cap·tanh(logits/cap)``) runs under :class:`FunctionalRules`, nothing before it. The
+    mode is entered when the base model's forward returns inside a forward of ``model``
+    and left when that forward returns (exceptions included)."""
+    mode = FunctionalRules(rules, frozenset(id(b) for b in model.buffers()))
+    state = {"outer": 0, "on": False}
+
+    def model_pre(mod, args):
+        state["outer"] += 1
+
+    def base_post(mod, args, out):
+        if state["outer"] == 1 and not state["on"]:
+            mode.__enter__()
+            state["on"] = True
+
+    def model_post(mod, args, out):
+        state["outer"] -= 1
+        if state["outer"] == 0 and state["on"]:
+            state["on"] = False
+            mode.__exit__(None, None, None)
+
+    FUNCTIONAL_SCOPES[0] += 1
+    handles = [model.register_forward_pre_hook(model_pre, prepend=True),
+               base.register_forward_hook(base_post, always_call=True),
+               model.register_forward_hook(model_post, always_call=True)]
+    try:
+        yield
+    finally:
+        FUNCTIONAL_SCOPES[0] -= 1
+        for h in handles:
+            h.remove()
+        if state["on"]:
+            mode.__exit__(None, None, None)
+

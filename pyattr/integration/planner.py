@@ -68,6 +68,9 @@ class Planner:
         # modules left native on purpose (q/k norms under the AH-rule, a generic MoE block):
         # a generic scope's functional rules stay out of them too
         self.native: List[nn.Module] = []
+        # a mapped model's forward applies a nonlinearity as a function after its base model
+        # (pyattr.integration.functional.head_functional_rules)
+        self.head_region = False
 
     def need(self, path: str) -> nn.Module:
         mod = A.get_submodule(self.model, path)
@@ -402,6 +405,18 @@ class Planner:
                 raise RelevanceRuleUnsupportedError(f"{path!r}: q/k RMSNorm without a 1-D weight")
             self.add("normalization", path, mod, (norm, offset), rms_forward(offset, norm_eps(mod, path)))
 
+    def head_functional(self, path: str, what: str) -> None:  # noqa: ARG002 - ``what`` names it for the reader
+        """A nonlinearity the model's forward applies as a function after its base model
+        returns (a classification head's ``torch.tanh``, Gemma 2's logit soft-capping): the
+        functional rules (:mod:`pyattr.integration.functional`, the Identity-rule on
+        ``torch.tanh``) run in that stretch of the forward, from the base model's output to
+        the model's."""
+        if not self.rules.activation:
+            self.off("activation", path, A.get_submodule(self.model, path), "activation rule off")
+            return
+        self.head_region = True
+        self.cov._add("activation", path)  # {what}: the functional Identity-rule in the head region
+
     def skip_lookalikes(self) -> None:
         for name, mod in self.model.named_modules():
             if id(mod) in self.mounted:
@@ -468,17 +483,14 @@ def plan_known(model: nn.Module, rules: RelevanceRules, model_type: str) -> Plan
     head = getattr(model, "get_output_embeddings", lambda: None)()
     if rules.any() and isinstance(cap, (int, float)) and cap and isinstance(head, nn.Module):
         # Gemma 2's logits are cap·tanh(logits/cap), computed in the model's own forward
-        # where no rule reaches: declared, so that the loss is not silent
+        # after its base model: the functional Identity-rule of the head region takes it
         path = next(n for n, m in model.named_modules() if m is head)
-        pl.cov._skip(path, f"final_logit_softcapping={cap}: the logits pass cap·tanh(logits/cap) in the model's own "
-                           "forward, which no rule reaches: relevance is not conserved through it (|Δ| grows with "
-                           "|logit|/cap)")
+        pl.head_functional(path, f"final_logit_softcapping={cap}: cap·tanh(logits/cap) in the model's own forward")
     for p, cls in arch.unruled_heads:
         mod = A.get_submodule(model, p)
         if isinstance(mod, nn.Module) and type(mod).__name__ == cls:
             pl.mounted.add(id(mod))
-            pl.cov._skip(p, f"{cls} applies its activation as a function (torch.tanh) that no rule reaches: "
-                            "relevance is not conserved through this head")
+            pl.head_functional(p, f"{cls} applies its activation as a function (torch.tanh)")
     pl.skip_lookalikes()
     return pl
 

@@ -18,7 +18,7 @@ from pyattr.integration.install import (
     acquire,
     release,
 )
-from pyattr.integration.functional import functional_rules
+from pyattr.integration.functional import functional_rules, head_functional_rules
 from pyattr.integration.plan_check import check, check_mode
 from pyattr.integration.planner import Planner, plan_known
 from pyattr.integration.quantized import quantized_input_gradients
@@ -126,11 +126,20 @@ def installed(model: nn.Module, pl: Planner) -> Iterator[None]:
                 done.append(st)
             with checkpoints_bound(model), frozen_attention(pl.frozen_attention), \
                     attnlrp_attention(pl.attnlrp_attention), \
-                    (functional_rules(model, pl.rules, _roots(model), pl.native) if pl.generic else contextlib.nullcontext()):
+                    (functional_rules(model, pl.rules, _roots(model), pl.native) if pl.generic else
+                     _head_region(model, pl)):
                 yield
         finally:
             for st in reversed(done):
                 release(st.module, st.kind)
+
+
+def _head_region(model: nn.Module, pl: Planner):
+    """The functional rules after the base model returns, where the plan needs them."""
+    roots = _roots(model)
+    if not pl.head_region or not roots:
+        return contextlib.nullcontext()
+    return head_functional_rules(model, roots[0], pl.rules)
 
 
 def _roots(model: nn.Module) -> tuple:
