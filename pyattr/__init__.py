@@ -41,6 +41,7 @@ _EXPORTS = {
     "LayerRelevanceResult": "pyattr.methods.layer_relevance",
     "integrated_gradients": "pyattr.methods.integrated_gradients",
     "AttributionResult": "pyattr.methods.integrated_gradients",
+    "ConvergenceWarning": "pyattr.methods.integrated_gradients",
     "generation_relevance": "pyattr.methods.generation",
     "GenerationRelevanceResult": "pyattr.methods.generation",
     "context_attribution": "pyattr.methods.context",
@@ -88,7 +89,7 @@ if TYPE_CHECKING:  # what static tools see
     from pyattr.methods.generation import GenerationRelevanceResult, generation_relevance
     from pyattr.methods.context import ContextAttributionResult, context_attribution
     from pyattr.methods.capture import Captured, GradientCapture, capture
-    from pyattr.methods.integrated_gradients import AttributionResult, integrated_gradients
+    from pyattr.methods.integrated_gradients import AttributionResult, ConvergenceWarning, integrated_gradients
     from pyattr.methods.layer_relevance import LayerRelevance, LayerRelevanceResult, layer_relevance
     from pyattr.backends import BackendUnavailableError, available_backends, backend
     from pyattr.integration.audit import RelevanceAudit

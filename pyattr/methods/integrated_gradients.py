@@ -201,6 +201,11 @@ def integrated_gradients(
         AttributionResult: ``attribution``, ``token_attribution``, ``convergence_delta``
         (batch,), ``target`` (batch,).
 
+    Warns:
+        ConvergenceWarning: with ``multiply_by_inputs``, a row whose ``|convergence_delta|``
+            is more than 5 % of ``|f(x) − f(x₀)|``: the integral has not converged (raise
+            ``n_steps``; a zero embedding baseline converges slowly on RMSNorm models).
+
     Raises:
         ValueError: ``n_steps < 1``, ``internal_batch_size < 1``, unknown ``method``,
             baseline of the wrong shape, unknown ``layer`` (nearest paths named),
@@ -312,6 +317,8 @@ def _integrated(model, prep, tgts, baseline, grad_outputs, pairs, layer, rules, 
     attr64 = total * diff if multiply_by_inputs else total
     t64 = value.detach().double()
     delta = attr64.flatten(1).sum(1) - go.detach().double() * (t64 - f0)
+    if multiply_by_inputs:
+        _warn_unconverged(delta, go.detach().double() * (t64 - f0), n_steps)
     attr = attr64.float()
     tok = attr.sum(-1) if attr.dim() == 3 else None
     return AttributionResult(
@@ -325,6 +332,36 @@ def _integrated(model, prep, tgts, baseline, grad_outputs, pairs, layer, rules, 
         method=method,
         coverage=cov,
     )
+
+
+class ConvergenceWarning(UserWarning):
+    """:func:`integrated_gradients`: the attributions do not add up to ``f(x) − f(x₀)``
+    (the convergence delta is large against it): the path integral has not converged."""
+
+
+#: the share of ``f(x) − f(x₀)`` a convergence delta may reach before the result warns
+CONVERGENCE_TOLERANCE = 0.05
+
+
+def _warn_unconverged(delta: torch.Tensor, change: torch.Tensor, n_steps: int) -> None:
+    """Warn (:class:`ConvergenceWarning`) where a row's ``|delta|`` exceeds
+    :data:`CONVERGENCE_TOLERANCE` of ``|f(x) − f(x₀)|`` (Sundararajan et al. 2017, §2.2:
+    completeness is the check that the integral was approximated well enough)."""
+    import warnings
+
+    ratio = delta.abs() / change.abs().clamp(min=1e-12)
+    bad = (ratio > CONVERGENCE_TOLERANCE) & torch.isfinite(ratio)
+    if not bool(bad.any()):
+        return
+    r = int(torch.nonzero(bad)[0])
+    from pyattr.integration.plan_check import _caller_level
+
+    warnings.warn(ConvergenceWarning(
+        f"integrated_gradients: the attributions miss f(x) - f(baseline) by {float(delta[r]):+.3g} against "
+        f"{float(change[r]):+.3g} ({float(ratio[r]):.0%}; row {r}, {int(bad.sum())} of {bad.numel()} rows over "
+        f"{CONVERGENCE_TOLERANCE:.0%}) with n_steps={n_steps}: the path integral has not converged; raise n_steps, "
+        "or start from a baseline nearer the input (a zero embedding is ill-conditioned on RMSNorm models)"),
+        stacklevel=_caller_level())
 
 
 def _embedding_output(model: nn.Module, pair) -> bool:
