@@ -652,3 +652,26 @@ def test_relp_equals_activation_patching_in_float64():
     exact = P.activation_patching(model, clean, corrupt, metric, nodes="mlp")
     torch.testing.assert_close(relp["mlp"][:, 1], exact["mlp"][:, 1], atol=1e-7, rtol=1e-6)
     assert float(exact["mlp"][:, 1, -1].abs().min()) > 1e-3
+
+
+def test_correlations_of_effects_of_any_shape():
+    """pyattr.patching.result.correlations takes two effects of one shape, 2-D or more
+    (it raised on them before, issue 45 §6): Pearson and Spearman over every element, as
+    scipy computes them on the flattened values, padding's NaN left out."""
+    from scipy import stats
+
+    from pyattr.patching.result import correlations
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(3, 4, 5, generator=g, dtype=torch.float64)
+    b = a + 0.3 * torch.randn(3, 4, 5, generator=g, dtype=torch.float64)
+    pr, sr = correlations(a[0], b[0])
+    assert pr == pytest.approx(stats.pearsonr(a[0].flatten(), b[0].flatten())[0], abs=1e-12)
+    assert sr == pytest.approx(stats.spearmanr(a[0].flatten(), b[0].flatten())[0], abs=1e-12)
+    a[:, :, 0] = float("nan")  # a padded position
+    pr, sr = correlations(a, b)
+    keep = torch.isfinite(a)
+    assert pr == pytest.approx(stats.pearsonr(a[keep], b[keep])[0], abs=1e-12)
+    assert correlations(torch.ones(2, 3), torch.randn(2, 3, generator=g)) == (None, None)
+    with pytest.raises(ValueError, match=r"correlations: est has shape \(2, 3\) and exact \(3, 2\)"):
+        correlations(torch.zeros(2, 3), torch.zeros(3, 2))

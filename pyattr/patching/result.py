@@ -89,11 +89,25 @@ def dims(node: str, sum_positions: bool) -> Tuple[str, ...]:
     return d + (("head",) if node == "heads" else ("neuron",) if node == "neurons" else ())
 
 
-def correlations(est: torch.Tensor, exact: torch.Tensor) -> Tuple[float, float]:
-    """(Pearson, Spearman) of two flat float64 tensors (scipy.stats)."""
+def correlations(est: torch.Tensor, exact: torch.Tensor) -> Tuple[Optional[float], Optional[float]]:
+    """(Pearson, Spearman) of two tensors of one shape (any number of dimensions: a
+    patching effect of (batch, layer, seq) against its exact counterpart), over every
+    element, in float64 (scipy.stats). Elements that are not finite on either side (the
+    NaN of padded positions) are left out. ``(None, None)`` with fewer than 3 elements left
+    or a side that is constant (no correlation is defined).
+
+    Raises:
+        ValueError: the two tensors differ in shape.
+    """
     from scipy import stats
 
-    a, b = est.double().numpy(), exact.double().numpy()
+    a, b = torch.as_tensor(est).detach(), torch.as_tensor(exact).detach()
+    if a.shape != b.shape:
+        raise ValueError(f"correlations: est has shape {tuple(a.shape)} and exact {tuple(b.shape)}; give the two "
+                         "effects of one node at one shape")
+    a, b = a.double().cpu().reshape(-1), b.double().cpu().reshape(-1)
+    keep = torch.isfinite(a) & torch.isfinite(b)
+    a, b = a[keep].numpy(), b[keep].numpy()
     if a.size < 3 or a.std() == 0 or b.std() == 0:
         return None, None
     return float(stats.pearsonr(a, b)[0]), float(stats.spearmanr(a, b)[0])
