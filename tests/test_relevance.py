@@ -74,7 +74,8 @@ def test_model_state_restored(llama):
     "kwargs,exc,msg",
     [
         (dict(inputs=torch.randn(1, 4)), TypeError, "input_ids must be an integer tensor"),
-        (dict(inputs=[1, 2, 3]), TypeError, "inputs must be a LongTensor of token ids, a floating pixel_values tensor or a mapping"),
+        (dict(inputs=[1.5, 2.0]), TypeError, r"inputs must be token ids \(a LongTensor, or a list of ints or of rows "
+         r"of ints\), a floating pixel_values tensor or a mapping, got list"),
         (dict(inputs={"ids": torch.ones(1, 3, dtype=torch.long)}), ValueError, "must contain 'input_ids'"),
         (dict(inputs=torch.ones(1, 0, dtype=torch.long)), ValueError, r"seq > 0"),
         (dict(inputs=torch.ones(1, 3, dtype=torch.long), target=VOCAB), ValueError, rf"token ids must be in \[0, {VOCAB}\)"),

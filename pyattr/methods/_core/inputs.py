@@ -61,7 +61,8 @@ def normalise_inputs(inputs, attention_mask) -> dict:
         kwargs = dict(inputs)
     else:
         raise TypeError(
-            f"inputs must be a LongTensor of token ids, a floating pixel_values tensor or a mapping, got {type(inputs).__name__}"
+            "inputs must be token ids (a LongTensor, or a list of ints or of rows of ints), a floating pixel_values "
+            f"tensor or a mapping, got {type(inputs).__name__}"
         )
     ids = kwargs["input_ids"]
     if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
