@@ -146,13 +146,13 @@ def _logits(out) -> torch.Tensor:
     return out[0] if isinstance(out, (tuple, dict)) or hasattr(out, "to_tuple") else out
 
 
-def _rules_off(pyattr, model, x, tid: int) -> Optional[str]:
-    """Rules off (``RelevanceRules()``) against plain autograd gradient × input at the entry
-    pyattr reads (its first call, as pyattr taps it): None when equal, else the detail."""
+def _at_entry(model, x, tid: int, scope=None):
+    """``(leaf, value)``: one forward of ``model`` on ``x`` (inside ``scope`` where given)
+    with the entry pyattr reads made a leaf (as pyattr taps it, its first call), and the
+    target logit; the caller differentiates ``value`` inside the same ``with``."""
     from pyattr.methods._core.inputs import entry_module
     from pyattr.methods._core.taps import tap
 
-    r0 = pyattr.relevance(model, x, target=tid, rules=pyattr.RelevanceRules(), generic=True)
     entry, where = entry_module(model, generic=True)
     xs = []
 
@@ -161,11 +161,19 @@ def _rules_off(pyattr, model, x, tid: int) -> Optional[str]:
         return xs[-1]
 
     name = "pixel_values" if x.is_floating_point() else "input_ids"
-    with torch.enable_grad(), tap(entry, where, leaf, once=True):
+    with tap(entry, where, leaf, once=True):
         y = _logits(model(**{name: x}, **_plain_kwargs(model)))
-        value = y[0, -1, tid] if y.dim() == 3 else y[0, tid]
-        (g,) = torch.autograd.grad(value, xs[0])
-    want = (xs[0].detach() * g).double()
+    return xs[0], (y[0, -1, tid] if y.dim() == 3 else y[0, tid])
+
+
+def _rules_off(pyattr, model, x, tid: int) -> Optional[str]:
+    """Rules off (``RelevanceRules()``) against plain autograd gradient × input at the entry
+    pyattr reads (its first call, as pyattr taps it): None when equal, else the detail."""
+    r0 = pyattr.relevance(model, x, target=tid, rules=pyattr.RelevanceRules(), generic=True)
+    with torch.enable_grad():
+        leaf, value = _at_entry(model, x, tid)
+        (g,) = torch.autograd.grad(value, leaf)
+    want = (leaf.detach() * g).double()
     have = r0.relevance.double()
     scale = float(want.abs().max()) + 1e-300
     if have.shape != want.shape:
@@ -183,23 +191,12 @@ def scope_relevance(model, x, tid: int):
     generic=True)`` around their own forward and ``backward()``, the parameters as they are
     (trainable, as every loaded model's), the gradient read at the entry pyattr reads."""
     from pyattr import use_relevance_rules
-    from pyattr.methods._core.inputs import entry_module
-    from pyattr.methods._core.taps import tap
 
-    entry, where = entry_module(model, generic=True)
-    xs = []
-
-    def leaf(t):
-        xs.append(t.detach().requires_grad_(True))
-        return xs[-1]
-
-    name = "pixel_values" if x.is_floating_point() else "input_ids"
-    with torch.enable_grad(), use_relevance_rules(model, generic=True), tap(entry, where, leaf, once=True):
-        y = _logits(model(**{name: x}, **_plain_kwargs(model)))
-        value = y[0, -1, tid] if y.dim() == 3 else y[0, tid]
+    with torch.enable_grad(), use_relevance_rules(model, generic=True):
+        leaf, value = _at_entry(model, x, tid)
         value.backward()
     model.zero_grad(set_to_none=True)
-    return (xs[0] * xs[0].grad).detach().double(), float(value.detach())
+    return (leaf * leaf.grad).detach().double(), float(value.detach())
 
 
 def _trainable_scope(model, x, tid: int, r) -> Optional[str]:

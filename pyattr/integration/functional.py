@@ -260,20 +260,30 @@ def functional_rules(model: nn.Module, rules, roots=(), native=()) -> Iterator[N
     for m in native:
         handles.append(m.register_forward_pre_hook(_enter_native))
         handles.append(m.register_forward_hook(_leave_native, always_call=True))
-    FUNCTIONAL_SCOPES[0] += 1
     for m in (model, *roots):
         handles.append(m.register_forward_pre_hook(pre, prepend=True))
         handles.append(m.register_forward_hook(post, always_call=True))
+    with _hooked(handles):
+        try:
+            yield
+        finally:
+            while depth["n"] > 0:  # a forward that raised before its hook could pop the mode
+                depth["n"] -= 1
+                if depth["n"] == 0:
+                    mode.__exit__(None, None, None)
+
+
+@contextlib.contextmanager
+def _hooked(handles) -> Iterator[None]:
+    """A functional scope's hooks (``handles``) for the ``with`` block: counted open, and
+    removed on exit (exceptions included)."""
+    FUNCTIONAL_SCOPES[0] += 1
     try:
         yield
     finally:
         FUNCTIONAL_SCOPES[0] -= 1
         for h in handles:
             h.remove()
-        while depth["n"] > 0:  # a forward that raised before its hook could pop the mode
-            depth["n"] -= 1
-            if depth["n"] == 0:
-                mode.__exit__(None, None, None)
 
 
 @contextlib.contextmanager
@@ -300,16 +310,13 @@ def head_functional_rules(model: nn.Module, base: nn.Module, rules) -> Iterator[
             state["on"] = False
             mode.__exit__(None, None, None)
 
-    FUNCTIONAL_SCOPES[0] += 1
     handles = [model.register_forward_pre_hook(model_pre, prepend=True),
                base.register_forward_hook(base_post, always_call=True),
                model.register_forward_hook(model_post, always_call=True)]
-    try:
-        yield
-    finally:
-        FUNCTIONAL_SCOPES[0] -= 1
-        for h in handles:
-            h.remove()
-        if state["on"]:
-            mode.__exit__(None, None, None)
+    with _hooked(handles):
+        try:
+            yield
+        finally:
+            if state["on"]:
+                mode.__exit__(None, None, None)
 
