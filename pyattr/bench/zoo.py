@@ -347,15 +347,18 @@ LEGEND = [
     "Each entry of transformers' causal-LM, masked-LM, sequence-classification and image-classification "
     "mappings is built tiny (hidden 32, 2 layers, vocabulary 128, 32×32 images, 64×64 for models in stages; `pyattr/bench/zoo_build.py`) in "
     "float64 with seed 0 and weight matrices at standard deviation 0.2, its biases zeroed, and "
-    "`pyattr.relevance(model, x, generic=True)` is checked three ways: rules off against plain autograd "
-    "gradient × input at the same entry, Σ relevance against the target with the rules on, and a padded row "
-    "(left for decoders, right for encoders) against the row alone.",
+    "`pyattr.relevance(model, x, generic=True)` is checked four ways: rules off against plain autograd "
+    "gradient × input at the same entry, Σ relevance against the target with the rules on, the user's own "
+    "scope (`use_relevance_rules(model, generic=True)` around their forward and backward, the parameters "
+    "left trainable as loaded) against it, and a padded row (left for decoders, right for encoders) against "
+    "the row alone.",
     "",
-    "- **right**: all three hold (1e-5 relative rules off, 1e-6 conservation, 1e-5 padded).",
+    "- **right**: all four hold (1e-5 relative rules off, 1e-6 conservation, 1e-5 the user's scope, 1e-5 "
+    "padded).",
     "- **declared**: a mapped architecture whose documented loss its coverage names.",
     "- **refused**: pyattr raised ValueError, TypeError, NotImplementedError or "
     "RelevanceRuleUnsupportedError from its own code, naming a module, class or role "
-    "(`rules off:` / `padded:` say which call).",
+    "(`rules off:` / `trainable scope:` / `padded:` say which call).",
     "- **unclear refusal**: the same, naming none of them.",
     "- **wrong**: a number came back that fails a check, with no error (the detail says whether a warning was "
     "emitted).",
