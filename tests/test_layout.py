@@ -51,3 +51,18 @@ print("delta:", float(r.conservation_delta.abs().max()))
     assert str(ROOT / "kernels") not in lines["kernels"], lines
     assert str(ROOT / "kernels") in lines["pyattr.kernels"], lines
     assert float(lines["delta"]) < 1e-4, lines
+
+
+@pytest.mark.slow
+def test_torchrun_of_pyattr_from_the_checkout_root():
+    """``torchrun -m pyattr`` (how ``pyattr run`` spreads over ranks) started in the checkout
+    root, where ``-m`` puts the root first on sys.path."""
+    import shutil
+
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    assert torchrun is not None, "torchrun is installed with torch"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
+    p = subprocess.run([torchrun, "--nproc_per_node", "1", "-m", "pyattr", "--version"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip().startswith("pyattr "), p.stdout
