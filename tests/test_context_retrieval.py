@@ -80,11 +80,12 @@ def test_padded_batches_embed_each_row_as_alone(minilm):
     batched = E.embed(model, rows, "mean", batch_size=3)
     for row, got in zip(rows, batched):
         alone = E.embed(model, [row], "mean")[0]
-        torch.testing.assert_close(got, alone, atol=1e-6, rtol=0)
+        # a padded batch of 3 against the row alone: other GEMM shapes, float32 rounding of the scale
+        torch.testing.assert_close(got, alone, atol=64 * torch.finfo(torch.float32).eps * float(alone.abs().max()), rtol=0)
     cls = E.embed(model, rows, "cls")
     with torch.no_grad():
         first = model(input_ids=torch.tensor([rows[2]])).last_hidden_state[0, 0].double()
-    torch.testing.assert_close(cls[2], first, atol=1e-6, rtol=0)
+    torch.testing.assert_close(cls[2], first, atol=64 * torch.finfo(torch.float32).eps * float(first.abs().max()), rtol=0)
 
 
 def test_foldover_on_all_masks_is_the_exact_least_squares_fit_plus_the_rank_term(minilm):

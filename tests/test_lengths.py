@@ -73,7 +73,8 @@ def test_right_padding_past_the_table_reads_only_the_real_tokens_positions():
     r = pyattr.relevance(model, {"input_ids": ids, "attention_mask": mask})
     alone = pyattr.relevance(model, row)
     torch.testing.assert_close(r.token_relevance[:, :10], alone.token_relevance)
-    torch.testing.assert_close(r.target, alone.target)
+    # float32 logits (held in float64) of a padded row and the row alone: other GEMM shapes
+    torch.testing.assert_close(r.target, alone.target, atol=1e-6, rtol=1e-5)
     tok, enc_model = minilm()
     enc = tok(["a short sentence"], padding="max_length", max_length=600, return_tensors="pt")
     out = pyattr.relevance(enc_model, enc, target=lambda o: o.last_hidden_state[:, 0].sum(-1))

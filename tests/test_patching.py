@@ -127,7 +127,10 @@ def test_activation_patching_equals_hand_written_patched_forward(models, arch, n
                 sl = _unit_slice(model, node, unit, src.shape[-1])
                 want = (_patched_metric(model, arch, node, layer, clean, src, pos, sl) - base).float()
                 got = res[node][:, layer, pos] if unit is None else res[node][:, layer, pos, unit]
-                torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+                # batched copies (batch_size=7) against a forward of the pair: other GEMM shapes,
+                # float32 rounding of the logits' scale (9 eps seen with other MKL kernels)
+                torch.testing.assert_close(got, want, rtol=1e-5,
+                                           atol=64 * torch.finfo(torch.float32).eps * float(out.logits[:, -1].abs().max()))
     assert res.dims[node][:3] == ("batch", "layer", "position")
     extra = {"heads": (model.config.num_attention_heads,), "neurons": (src.shape[-1],)}.get(node, ())
     assert tuple(res[node].shape) == (2, n_layers, 7, *extra)
@@ -309,7 +312,7 @@ def test_padded_batch_equals_rows_alone(models):
 
 def test_alignment_pairs_positions(models):
     """A corrupt input with one extra token at the end: in a causal model the aligned
-    positions see the same prefix, so every effect is exactly 0."""
+    positions see the same prefix, so every effect is 0 (to rounding)."""
     model = models["llama"]
     clean, _ = _pair(seed=9, batch=1, seq=6)
     corrupt = torch.cat([clean, torch.tensor([[11]])], 1)
@@ -321,8 +324,12 @@ def test_alignment_pairs_positions(models):
             res = P.activation_patching(model, clean, corrupt, T.Logit(3, position=5), nodes=NODES, alignment=align)
         else:
             res = P.attribution_patching(model, clean, corrupt, T.Logit(3, position=5), nodes=NODES, method="atp", alignment=align)
+        # the corrupt run has 7 positions, the clean one 6: other GEMM shapes, which another
+        # CPU's kernels may round apart in the last bits (3.6e-7 with MKL's AVX2 kernels):
+        # zero to float32 rounding of the metric's scale (DESIGN §13)
+        tol = 64 * torch.finfo(torch.float32).eps * max(1.0, float(res.clean_metric.abs().max()))
         for node in NODES:
-            assert torch.equal(res[node], torch.zeros_like(res[node])), (method, node)
+            assert float(res[node].abs().max()) <= tol, (method, node, float(res[node].abs().max()))
     # a shifted alignment: corrupt position p+1 patched into clean position p
     shifted = torch.cat([clean[:, :1], clean], 1)
     al = torch.tensor([[1, 2, 3, 4, 5, 6]])

@@ -247,7 +247,8 @@ def test_scalar_callable_target(llama):
     r = pyattr.relevance(llama, ids, target=lambda out: out.logits[:, -1, 3].sum())
     per_row = pyattr.relevance(llama, ids, target=3)
     assert r.target.dim() == 0
-    torch.testing.assert_close(r.target, per_row.target.sum())
+    # the callable reads the full head's float32 logits, another matmul shape: float32 rounding
+    torch.testing.assert_close(r.target, per_row.target.sum(), rtol=2e-6, atol=1e-6)
     _rel_close(r.relevance, per_row.relevance, 1e-6)
 
 
