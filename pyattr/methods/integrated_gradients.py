@@ -202,9 +202,11 @@ def integrated_gradients(
         (batch,), ``target`` (batch,).
 
     Warns:
-        ConvergenceWarning: with ``multiply_by_inputs``, a row whose ``|convergence_delta|``
-            is more than 5 % of ``|f(x) − f(x₀)|``: the integral has not converged (raise
-            ``n_steps``; a zero embedding baseline converges slowly on RMSNorm models).
+        ConvergenceWarning: with plain gradients and ``multiply_by_inputs``, a row whose
+            ``|convergence_delta|`` is more than 5 % of ``|f(x) − f(x₀)|``: the integral has
+            not converged (raise ``n_steps``; a zero embedding baseline converges slowly on
+            RMSNorm models). With rules on no warning: a rule-modified gradient is no
+            gradient field, so completeness is not expected of it.
 
     Raises:
         ValueError: ``n_steps < 1``, ``internal_batch_size < 1``, unknown ``method``,
@@ -317,7 +319,9 @@ def _integrated(model, prep, tgts, baseline, grad_outputs, pairs, layer, rules, 
     attr64 = total * diff if multiply_by_inputs else total
     t64 = value.detach().double()
     delta = attr64.flatten(1).sum(1) - go.detach().double() * (t64 - f0)
-    if multiply_by_inputs:
+    if multiply_by_inputs and not rules.any():
+        # completeness holds for the true gradient only: a rule-modified one is no gradient
+        # field, and its path integral need not add up to f(x) − f(x₀)
         _warn_unconverged(delta, go.detach().double() * (t64 - f0), n_steps)
     attr = attr64.float()
     tok = attr.sum(-1) if attr.dim() == 3 else None
