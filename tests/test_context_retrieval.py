@@ -196,7 +196,7 @@ def test_wrong_model_kind_and_too_long_passages_are_refused(minilm, decoder_mode
     with pytest.raises(ValueError, match="query: scores a sentence-embedding model's match"):
         pyattr.context_attribution(decoder_model, torch.tensor([1, 5, 6]), [(1, 2)], query=[5, 6])
     long = " ".join(["A man is playing a guitar on stage."] * 40)
-    with pytest.raises(ValueError, match=r"inputs\[0\]: \d+ tokens, more than the checkpoint's max_seq_length 256"):
+    with pytest.raises(ValueError, match=r"inputs\[0\]: \d+ tokens, more than the 256 the checkpoint embeds \(max_seq_length;"):
         pyattr.context_attribution(model, long, "sentence", query=QUERY, tokenizer=tok, method="loo")
 
 

@@ -24,8 +24,8 @@ from pyattr.backends import available_backends
 import pyattr.apps.contention as _contention
 import pyattr.methods._core as core
 from pyattr.config import RelevanceRules
-from pyattr.methods._core.text import encode
-from pyattr.methods._core.tokens import prompt_ids, target_token_id
+from pyattr.methods._core.id_lists import _pad_rows
+from pyattr.methods._core.tokens import _encode, prompt_ids, target_token_id
 from pyattr.rules import half_rule, ln_rule
 from pyattr.methods.relevance import relevance
 
@@ -238,25 +238,20 @@ def _check_tokens(name: str, n_tokens: int, model, tok) -> None:
         raise ExplainError(f"{name} is {n_tokens} tokens long; the model reads at most {limit}")
 
 
-def _pair_pooling(model) -> str:
-    """The pooling of the checkpoint's sentence embedding (``"mean"`` or ``"cls"``; the mean
-    for an encoder whose checkpoint declares none). What the pair's cosine would not
-    reproduce (a Dense layer, another pooling or similarity, a prompt plain ``encode`` puts
-    before every text) is an :class:`ExplainError` naming it."""
-    from pyattr.methods._core.embedding import checkpoint_embedding
+def _pair_embedding(model):
+    """The checkpoint's sentence embedding (:func:`~pyattr.methods._core.embedding.checkpoint_embedding`:
+    pooling, the prompt and lower-casing plain ``encode`` applies, the length it truncates
+    to); for an encoder whose checkpoint declares none, the mean over the tokens. What the
+    pair's cosine would not reproduce (a Dense layer, another pooling or similarity) is an
+    :class:`ExplainError` naming it."""
+    from pyattr.methods._core.embedding import SentenceEmbedding, checkpoint_embedding
 
     try:
-        spec = checkpoint_embedding(model, None)
+        return checkpoint_embedding(model, None)
     except ValueError as e:
         if "declares no sentence-transformers pooling" in str(e):
-            return "mean"
+            return SentenceEmbedding("mean", tokenizer_limit=True)
         raise ExplainError(f"--pair: {e}") from None
-    if spec.default_prompt or spec.lower_case:
-        why = (f"puts the prompt {spec.default_prompt!r} before every text (default_prompt_name)" if spec.default_prompt
-               else "lower-cases its texts (do_lower_case)")
-        raise ExplainError(f"--pair: the checkpoint {why}, which the sentence pair does not reproduce; explain it "
-                           "with pyattr.context_attribution(model, passage, sources, query=...), which does")
-    return spec.pooling
 
 
 def explain_pair(
@@ -271,12 +266,19 @@ def explain_pair(
     path = bundled_model_dir() if model_dir is None else model_dir
     tok, model = _load(path, causal=False)
     rules = RelevanceRules.all() if rules is None else rules
-    pooling = _pair_pooling(model)
-    # the ids the model sees for each text (markers the text already holds not added twice)
-    enc = encode(tok, [text_a, text_b], model, "explain_pair", name="--text")
+    spec = _pair_embedding(model)
+    pooling = spec.pooling
+    # each text as sentence-transformers' encode reads it: its prompt, lower-casing, the
+    # tokenizer's own markers
+    rows = [_encode(tok, spec.text(t, "encode")[0], markers="tokenizer")[0] for t in (text_a, text_b)]
+    most, where = spec.limit("encode", model, tok)
+    for name, row in (("--text", rows[0]), ("--pair", rows[1])):
+        _check_tokens(name, len(row), model, tok)
+        if most is not None and len(row) > most:
+            raise ExplainError(f"{name} is {len(row)} tokens long; the checkpoint embeds at most {most} ({where}; "
+                               "sentence-transformers truncates there)")
+    enc = _pad_rows(rows, tok, getattr(tok, "padding_side", "right") == "left")
     mask = enc["attention_mask"]
-    for name, row in (("--text", 0), ("--pair", 1)):
-        _check_tokens(name, int(mask[row].sum()), model, tok)
 
     def cosine(output):
         h = output.last_hidden_state  # (2, seq, hidden)

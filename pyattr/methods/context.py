@@ -277,7 +277,7 @@ def _rows(model, tokenizer, rows, per_sources, per_response, embedding, method, 
     """Each row's scores, source texts and ranges, response text and ids, value; the forwards
     (``spec``: an embedding model's :class:`~pyattr.methods._core.embedding.SentenceEmbedding`)."""
     scores, texts, ranges_all, resp_text, resp_ids, values, cost = [], [], [], [], [], [], 0
-    pooling, max_len = (spec.pooling, spec.max_len) if spec is not None else (None, None)
+    pooling = spec.pooling if spec is not None else None
     for row, (inp, src, resp) in enumerate(zip(rows, per_sources, per_response)):
         prompt, offsets, special, text, joint_resp = CI.prompt_of(model, tokenizer, inp, resp, "inputs", embedding,
                                                                   spec)
@@ -292,10 +292,11 @@ def _rows(model, tokenizer, rows, per_sources, per_response, embedding, method, 
                              f"{len(ranges)} sources, got {ablations}")
         if embedding:
             r_ids = CI.query_ids(model, tokenizer, resp, row, spec)
-            for name, ids in (("inputs", prompt), ("query", r_ids)):
+            for name, role, ids in (("inputs", "document", prompt), ("query", "query", r_ids)):
+                max_len, where = spec.limit(role, model, tokenizer)
                 if max_len is not None and len(ids) > max_len:
-                    raise ValueError(f"{name}[{row}]: {len(ids)} tokens, more than the checkpoint's max_seq_length "
-                                     f"{max_len} (its embeddings truncate there); shorten the text")
+                    raise ValueError(f"{name}[{row}]: {len(ids)} tokens, more than the {max_len} the checkpoint "
+                                     f"embeds ({where}; sentence-transformers truncates there); shorten the text")
             sc, val, n = _embedding_scores(model, prompt, ranges, r_ids, pooling, method, ablations, seed, batch_size)
             if method in ABLATION_METHODS:
                 cost = max(cost, n)

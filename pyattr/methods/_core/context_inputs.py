@@ -25,8 +25,9 @@ def prompt_of(model, tokenizer, text_or_ids, response, name, embedding=False, sp
         if tokenizer is None:
             raise ValueError(f"{name}: a text prompt needs tokenizer= (the model's Hugging Face tokenizer)")
         if embedding and spec is not None:
+            # the text as sentence-transformers tokenizes it: the tokenizer's own markers, as they are
             read, at = spec.text(text_or_ids, "document")
-            enc = _offsets_after(read, at, _encode(tokenizer, read))
+            enc = _offsets_after(read, at, _encode(tokenizer, read, markers="tokenizer"))
         else:
             enc = _encode(tokenizer, text_or_ids)
         ids, appended, offsets = enc if embedding else _drop_appended_end(*enc)
@@ -153,5 +154,5 @@ def query_ids(model, tokenizer, query, row, spec=None):
     if isinstance(query, str):
         if tokenizer is None:
             raise ValueError(f"query[{row}]: a text query needs tokenizer= (the model's Hugging Face tokenizer)")
-        return _encode(tokenizer, spec.text(query, "query")[0] if spec is not None else query)[0]
+        return _encode(tokenizer, spec.text(query, "query")[0] if spec is not None else query, markers="tokenizer")[0]
     return ids_of(model, query, f"query[{row}]")

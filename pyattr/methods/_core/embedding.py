@@ -76,7 +76,7 @@ def _hub_file(repo: str, name: str) -> Optional[Path]:
 @dataclass(frozen=True)
 class SentenceEmbedding:
     """What a sentence-transformers checkpoint makes of a text, as far as it changes the
-    embedding: the pooling, the length it truncates to, the prompts ``encode_query`` and
+    embedding: the pooling, the lengths it truncates to, the prompts ``encode_query`` and
     ``encode_document`` put before the text, and lower-casing."""
 
     pooling: str
@@ -86,18 +86,95 @@ class SentenceEmbedding:
     lower_case: bool = False
     #: the prompt plain ``encode`` puts before every text (``default_prompt_name``'s)
     default_prompt: str = ""
+    #: the tokenizer's own limit applies (no ``max_seq_length`` declared: sentence-transformers
+    #: reads ``model_max_length``, capped at ``max_position_embeddings``)
+    tokenizer_limit: bool = False
+    #: per-role caps (``query_length`` / ``document_length``, a ``max_length`` of its processing)
+    query_max: Optional[int] = None
+    document_max: Optional[int] = None
 
     def text(self, text: str, role: str) -> Tuple[str, int]:
-        """``(what the model reads, the prompt's length in characters)`` for a query or a
-        document (``role``): the prompt, then the text (lower-cased where the checkpoint says)."""
-        prompt = self.query_prompt if role == "query" else self.document_prompt
+        """``(what the model reads, the prompt's length in characters)`` for a query, a
+        document or a plain ``encode`` (``role``: ``"query"``, ``"document"``, ``"encode"``):
+        the prompt, then the text, both lower-cased where the checkpoint says (as
+        sentence-transformers lower-cases what it tokenizes)."""
+        prompt = {"query": self.query_prompt, "document": self.document_prompt}.get(role, self.default_prompt)
+        read = prompt + text
         if self.lower_case:
-            if len(text.lower()) != len(text):
+            if len(read.lower()) != len(read):
                 raise ValueError(f"{'query' if role == 'query' else 'inputs'}: the checkpoint lower-cases its texts "
                                  "(do_lower_case), which changes this text's length, so its sources' character "
                                  "offsets would not carry over; pass a text whose lower case is as long")
-            text = text.lower()
-        return prompt + text, len(prompt)
+            read = read.lower()
+        return read, len(prompt)
+
+    def limit(self, role: str, model: nn.Module, tokenizer) -> Tuple[Optional[int], str]:
+        """``(tokens, where it is declared)``: the longest input the checkpoint embeds without
+        truncating it, for ``role`` (``"query"``, ``"document"``, ``"encode"``)."""
+        found = []
+        if self.max_len is not None:
+            found.append((int(self.max_len), "max_seq_length"))
+        elif self.tokenizer_limit:
+            n = getattr(tokenizer, "model_max_length", None)
+            if isinstance(n, int) and n < 10 ** 9:
+                found.append((n, "the tokenizer's model_max_length"))
+            pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+            if isinstance(pos, int) and pos > 0:
+                found.append((pos, "max_position_embeddings"))
+        cap = {"query": self.query_max, "document": self.document_max}.get(role)
+        if cap is not None:
+            found.append((int(cap), f"{role}_length"))
+        return min(found) if found else (None, "")
+
+
+#: sentence_bert_config.json keys read here, and what they may hold without changing the
+#: embedding pyattr reproduces (any other key, or value, is refused by name)
+_BERT_KEYS = {"max_seq_length", "do_lower_case", "query_length", "document_length", "tokenizer_args",
+              "processor_kwargs", "processing_kwargs", "model_args", "config_args", "transformer_task",
+              "modality_config", "module_output_name", "cache_dir", "backend"}
+_LENGTH_KEYS = {"max_length", "truncation", "padding"}
+_SIMILARITIES = {"cosine": "cosine", "cos_sim": "cosine", "dot": "dot", "dot_product": "dot", "dot_score": "dot"}
+
+
+def _read_bert_config(bert: dict) -> dict:
+    """What a ``sentence_bert_config.json`` declares that changes the embedding: the length
+    caps and lower-casing; what pyattr does not reproduce raises ``ValueError`` naming it."""
+    unknown = sorted(k for k, v in bert.items() if k not in _BERT_KEYS and v not in (None, False, {}, []))
+    if unknown:
+        raise ValueError(f"model: the checkpoint's sentence_bert_config.json sets {unknown}, which pyattr does not "
+                         "reproduce; context_attribution's query= reads max_seq_length, do_lower_case, the length "
+                         "caps and a feature-extraction Transformer")
+    task = bert.get("transformer_task")
+    modality = bert.get("modality_config")
+    if task not in (None, "feature-extraction") or bert.get("module_output_name") not in (None, "token_embeddings") or (
+            modality not in (None, {}) and modality != {"text": {"method": "forward",
+                                                              "method_output_name": "last_hidden_state"}}):
+        raise ValueError(f"model: the checkpoint's Transformer module is not a plain feature extractor "
+                         f"(transformer_task={task!r}, modality_config={modality!r}); context_attribution's query= "
+                         "pools the encoder's last hidden state")
+    caps = []
+    for holder in ("tokenizer_args", "processor_kwargs"):
+        args = bert.get(holder) or {}
+        other = sorted(set(args) - {"model_max_length", "do_lower_case"})
+        if other:
+            raise ValueError(f"model: the checkpoint's sentence_bert_config.json {holder} sets {other}, which pyattr "
+                             "does not reproduce")
+        if isinstance(args.get("model_max_length"), int):
+            caps.append(args["model_max_length"])
+    proc = bert.get("processing_kwargs") or {}
+    for part, kw in proc.items():
+        other = sorted(set(kw or {}) - _LENGTH_KEYS) if isinstance(kw, dict) else [part]
+        if part not in ("text", "common") or other:
+            raise ValueError(f"model: the checkpoint's processing_kwargs set {part}: {other or kw!r}, which pyattr "
+                             "does not reproduce (it reads a text max_length)")
+        if isinstance(kw.get("max_length"), int) and kw.get("truncation", True) is not False:
+            caps.append(kw["max_length"])
+    max_len = bert.get("max_seq_length")
+    lower = bool(bert.get("do_lower_case", False)) or any(
+        bool((bert.get(h) or {}).get("do_lower_case", False)) for h in ("tokenizer_args", "processor_kwargs"))
+    return {"max_len": min([m for m in [max_len] + caps if isinstance(m, int)], default=None),
+            "tokenizer_limit": max_len is None and not caps, "lower_case": lower,
+            "query_max": bert.get("query_length"), "document_max": bert.get("document_length")}
 
 
 def _modes(conf: dict) -> List[str]:
@@ -155,20 +232,23 @@ def checkpoint_embedding(model: nn.Module, pooling: Optional[str]) -> SentenceEm
     """
     if pooling is not None and pooling not in POOLINGS:
         raise ValueError(f"pooling: expected one of {list(POOLINGS)} or None (read from the checkpoint), got {pooling!r}")
-    max_len, lower = None, False
     cfg = _checkpoint_file(model, "sentence_bert_config.json")
-    if cfg is not None:
-        bert = json.loads(cfg.read_text())
-        max_len, lower = bert.get("max_seq_length"), bool(bert.get("do_lower_case", False))
+    read = _read_bert_config(json.loads(cfg.read_text())) if cfg is not None else {"tokenizer_limit": True}
     st = _checkpoint_file(model, "config_sentence_transformers.json")
     st_config = json.loads(st.read_text()) if st is not None else {}
     query_prompt, document_prompt, default_prompt = _st_prompts(st_config)
+
+    def spec(pooling):
+        return SentenceEmbedding(pooling, read.get("max_len"), query_prompt, document_prompt,
+                                 read.get("lower_case", False), default_prompt, read["tokenizer_limit"],
+                                 read.get("query_max"), read.get("document_max"))
+
     modules = _checkpoint_file(model, "modules.json")
     if modules is None:
         if pooling is None:
             raise ValueError("pooling: the checkpoint declares no sentence-transformers pooling (no modules.json); "
                              "name the pooling its embeddings use: pooling='mean' or 'cls'")
-        return SentenceEmbedding(pooling, max_len, query_prompt, document_prompt, lower, default_prompt)
+        return spec(pooling)
     entries = json.loads(modules.read_text())
     kinds = [e.get("type", "") for e in entries]
     at = next((i for i, k in enumerate(kinds) if k.endswith(".Pooling")), len(kinds))
@@ -178,10 +258,11 @@ def checkpoint_embedding(model: nn.Module, pooling: Optional[str]) -> SentenceEm
         where = f"{before} before" if before else f"{extra} after"
         raise ValueError(f"model: the checkpoint's embedding passes {where} its pooling, which pyattr does not "
                          "reproduce; context_attribution's query= supports a Transformer, a Pooling and a Normalize")
-    similarity = st_config.get("similarity_fn_name") or "cosine"
+    named = st_config.get("similarity_fn_name") or "cosine"
+    similarity = _SIMILARITIES.get(named, named)
     normalised = any(k.endswith(".Normalize") for k in kinds[at + 1:])
     if similarity != "cosine" and not (similarity == "dot" and normalised):
-        raise ValueError(f"model: the checkpoint compares embeddings by similarity_fn_name={similarity!r}"
+        raise ValueError(f"model: the checkpoint compares embeddings by similarity_fn_name={named!r}"
                          f"{' without a Normalize module' if similarity == 'dot' else ''}; context_attribution's "
                          "query= scores the cosine similarity (or the dot product of normalised embeddings)")
     pool_dir = next((e.get("path", "") for e in entries if e.get("type", "").endswith(".Pooling")), None)
@@ -195,11 +276,11 @@ def checkpoint_embedding(model: nn.Module, pooling: Optional[str]) -> SentenceEm
         if conf is None:
             raise ValueError("pooling: the checkpoint's modules.json names no Pooling configuration pyattr can read; "
                              "name the pooling: pooling='mean' or 'cls'")
-        on = _modes(conf)
+        on = _modes(conf) or ["mean"]  # no mode set: sentence-transformers' Pooling defaults to the mean
         if len(on) != 1 or on[0] not in POOLINGS:
             raise ValueError(f"model: the checkpoint pools by {on}; pyattr reproduces one of {list(POOLINGS)}")
         pooling = on[0]
-    return SentenceEmbedding(pooling, max_len, query_prompt, document_prompt, lower, default_prompt)
+    return spec(pooling)
 
 
 def checkpoint_pooling(model: nn.Module, pooling: Optional[str]) -> Tuple[str, Optional[int]]:

@@ -9,7 +9,7 @@ import unicodedata
 from typing import List, Optional, Tuple, Union
 
 
-def _encode(tokenizer, text: str):
+def _encode(tokenizer, text: str, markers: str = "observed"):
     """``(ids, appended, offsets)``: the ids the model sees for ``text``, per id whether
     the tokenizer added it (a special token covering no character of the text: a BOS it
     prepends, a ``[SEP]`` or an ``</s>`` it appends; a marker the user typed covers its
@@ -19,7 +19,9 @@ def _encode(tokenizer, text: str):
     begins with its BOS: Llama 3, Mistral, Gemma) is not given them twice: where the
     tokens the tokenizer adds at the start (or the end) are the very tokens the text itself
     begins (or ends) with, the added ones are left out (:func:`_without_repeated_markers`),
-    so the ids are those of ``apply_chat_template(..., tokenize=True)``."""
+    so the ids are those of ``apply_chat_template(..., tokenize=True)``. ``markers="tokenizer"``
+    keeps exactly what the tokenizer adds (what sentence-transformers, which calls the
+    tokenizer on the text as it is, embeds)."""
     try:
         enc = tokenizer(text, return_offsets_mapping=True, return_special_tokens_mask=True)
         offsets = [tuple(o) for o in enc["offset_mapping"]]
@@ -31,6 +33,8 @@ def _encode(tokenizer, text: str):
         appended = [bool(sp) and e <= s for sp, (s, e) in zip(special, offsets)]
     else:
         appended = _added_without_offsets(tokenizer, text, ids)
+    if markers == "tokenizer":
+        return ids, appended, offsets
     return _without_repeated_markers(ids, appended, offsets)
 
 
