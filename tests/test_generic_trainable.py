@@ -65,3 +65,53 @@ def test_a_cached_verdict_holds_only_for_the_state_it_checked():
     assert checked_state(model) == s1
     model.to(torch.float32)
     assert checked_state(model) != s1
+
+
+def _scaled_twin(scale):
+    """A tiny float64 Llama under generic=True (a renamed twin) whose MLP outputs are
+    multiplied by a learned factor, written as ``scale(module, y)``."""
+    from torch import nn
+
+    from models import tiny_causal_lm
+
+    class Scaled(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+            self.a = nn.Parameter(torch.tensor(0.7, dtype=torch.float64))
+            self.gamma = nn.Parameter(torch.linspace(0.5, 1.5, 32, dtype=torch.float64))
+
+        def forward(self, x):
+            y = self.inner(x)
+            return y * scale(self, y)
+
+    m = tiny_causal_lm("llama", dtype=torch.float64)
+    m.config.model_type = "llama_twin"
+    for layer in m.model.layers:
+        layer.mlp = Scaled(layer.mlp)
+    return m
+
+
+@pytest.mark.parametrize("form", ["a * ones_like(y)", "gamma.expand_as(y)", "gamma[arange]"])
+def test_a_learned_factor_shaped_by_the_path_is_a_constant(form):
+    """A factor computed from a parameter and a tensor used only for its shape, or from a
+    constant the forward makes (``ones_like``, ``arange``), is a constant of the path: the
+    user's scope with the parameters trainable equals pyattr.relevance and conserves (it
+    took the Half-rule, or was refused, before)."""
+    scale = {"a * ones_like(y)": lambda s, y: s.a * torch.ones_like(y),
+             "gamma.expand_as(y)": lambda s, y: s.gamma.expand_as(y),
+             "gamma[arange]": lambda s, y: s.gamma[torch.arange(y.shape[-1])]}[form]
+    m = _scaled_twin(scale)
+    ids = torch.randint(3, 90, (1, 9), generator=torch.Generator().manual_seed(3))
+    ref = pyattr.relevance(m, ids, target=5, generic=True)
+    for toggle in (False, True):  # trainable from the start, or unfrozen inside the open scope
+        m.requires_grad_(not toggle)
+        with torch.enable_grad(), pyattr.use_relevance_rules(m, generic=True):
+            m.requires_grad_(True)
+            x = m.get_input_embeddings()(ids).detach().requires_grad_(True)
+            value = m(inputs_embeds=x).logits[0, -1, 5]
+            value.backward()
+        rel = (x * x.grad).detach()
+        # eager attention's softmax runs in float32 even in a float64 model: conservation to ~1e-7
+        assert float(rel.sum()) == pytest.approx(float(value.detach()), rel=1e-6)
+        torch.testing.assert_close(rel, ref.relevance.double(), rtol=1e-5, atol=1e-6)

@@ -62,6 +62,9 @@ _GATES = (torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid, F.softplus, torch.exp,
 _STATS = (torch.rsqrt, torch.Tensor.rsqrt, torch.sqrt, torch.Tensor.sqrt, torch.reciprocal, torch.Tensor.reciprocal,
           torch.norm, torch.Tensor.norm, torch.linalg.vector_norm, torch.linalg.norm, torch.var, torch.Tensor.var,
           torch.std, torch.Tensor.std)
+# methods whose tensor arguments after the first give a shape, a dtype or a device only
+_TEMPLATES = {getattr(torch.Tensor, n) for n in ("expand_as", "view_as", "reshape_as", "type_as", "to", "new_zeros",
+                                                 "new_ones", "new_full", "new_empty", "new_tensor")}
 _MUL = (torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.multiply)
 _DIV = (torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.true_divide, torch.divide)
 # ops whose result is still the tagged quantity (shape, dtype, device, indexing, and
@@ -87,21 +90,36 @@ def _path(t) -> bool:
             and not isinstance(t, nn.Parameter) and getattr(t, _TAG, None) != "param")
 
 
-def _from_parameters(args, kwargs, buffers) -> bool:
-    """The call computes from parameters alone: some argument requires grad, and every
-    tensor argument is a parameter, a model buffer (``ids`` in ``buffers``) or itself
-    computed from parameters alone. Any other tensor (the model's input ids, pixels, an
-    embedding lookup's indices, a path tensor) makes the result something else."""
+def _from_parameters(func, args, kwargs) -> bool:
+    """The call computes from parameters alone: some argument requires grad, every argument
+    that requires grad is a parameter or itself computed from parameters alone, and no
+    argument holds the model's input data (its ids, pixels, masks: tagged ``"data"`` where
+    the forward takes them, and what is computed from them). Constants the forward makes
+    (``ones_like(y)``, ``arange``) are neither. A tensor used only for its shape or dtype
+    (``gamma.expand_as(y)``, ``w.type_as(x)``) does not count."""
+    if func in _TEMPLATES:
+        args, kwargs = args[:1], {}
     seen = False
     for a in list(args) + list(kwargs.values()):
         for t in (a if isinstance(a, (list, tuple)) else (a,)):
             if not isinstance(t, torch.Tensor):
                 continue
-            if isinstance(t, nn.Parameter) or getattr(t, _TAG, None) == "param":
-                seen = seen or t.requires_grad
-            elif id(t) not in buffers:
+            tag = getattr(t, _TAG, None)
+            if tag == "data":
                 return False
+            if t.requires_grad:
+                if not (isinstance(t, nn.Parameter) or tag == "param"):
+                    return False
+                seen = True
     return seen
+
+
+def _holds_data(args, kwargs) -> bool:
+    for a in list(args) + list(kwargs.values()):
+        for t in (a if isinstance(a, (list, tuple)) else (a,)):
+            if isinstance(t, torch.Tensor) and getattr(t, _TAG, None) == "data":
+                return True
+    return False
 
 
 def _tag_outputs(out, tag: str):
@@ -139,10 +157,8 @@ class FunctionalRules(TorchFunctionMode):
     family follows its switch in ``rules``: the Identity-rule ``activation``, the LN-rule
     ``normalization``, gates and the Half-rule ``multiplicative_gate``."""
 
-    def __init__(self, rules, buffers=frozenset()):
+    def __init__(self, rules):
         super().__init__()
-        # ids of the model's buffers: constants like its parameters (a rotary inv_freq)
-        self.buffers = buffers
         self.act, self.norm, self.gate = bool(rules.activation), bool(rules.normalization), bool(
             rules.multiplicative_gate)
 
@@ -150,7 +166,7 @@ class FunctionalRules(TorchFunctionMode):
         kwargs = kwargs or {}
         if in_rule_forward() or not torch.is_grad_enabled():
             return func(*args, **kwargs)
-        if _from_parameters(args, kwargs, self.buffers):
+        if _from_parameters(func, args, kwargs):
             # computed from parameters alone: a constant of the relevance path, whatever it
             # is multiplied with later (never the Half-rule's second path tensor, never a
             # gate or a statistic of the path)
@@ -159,6 +175,9 @@ class FunctionalRules(TorchFunctionMode):
         if func in _MUL or func in _DIV:
             return self._product(func, args, kwargs)
         out = func(*args, **kwargs)
+        if _holds_data(args, kwargs) and not any(isinstance(o, torch.Tensor) and o.requires_grad
+                                                for o in (out if isinstance(out, (tuple, list)) else (out,))):
+            return _tag_outputs(out, "data")  # the input data, reshaped or converted: still the input
         if not _path(x) or not isinstance(out, torch.Tensor) and func not in _KEEP:
             return out
         if func in _GELU + _SILU + _RELU + _MISH and not self.act:
@@ -243,26 +262,29 @@ def functional_rules(model: nn.Module, rules, roots=(), native=()) -> Iterator[N
     """For the ``with`` block: every forward of ``model`` (and of the ``roots``, its base
     model called alone) runs under :class:`FunctionalRules` with ``rules``' switches,
     except inside the ``native`` modules (left native on purpose by the plan)."""
-    mode = FunctionalRules(rules, frozenset(id(b) for m in (model, *roots) for b in m.buffers()))
+    mode = FunctionalRules(rules)
     depth = {"n": 0}
+    tagged: list = []
 
-    def pre(mod, args):
+    def pre(mod, args, kwargs):
         if depth["n"] == 0:
             mode.__enter__()
+            tagged.extend(_tag_inputs(args, kwargs))
         depth["n"] += 1
 
-    def post(mod, args, out):
+    def post(mod, args, kwargs, out):
         depth["n"] -= 1
         if depth["n"] == 0:
             mode.__exit__(None, None, None)
+            _untag(tagged)
 
     handles = []
     for m in native:
         handles.append(m.register_forward_pre_hook(_enter_native))
         handles.append(m.register_forward_hook(_leave_native, always_call=True))
     for m in (model, *roots):
-        handles.append(m.register_forward_pre_hook(pre, prepend=True))
-        handles.append(m.register_forward_hook(post, always_call=True))
+        handles.append(m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
+        handles.append(m.register_forward_hook(post, always_call=True, with_kwargs=True))
     with _hooked(handles):
         try:
             yield
@@ -271,6 +293,31 @@ def functional_rules(model: nn.Module, rules, roots=(), native=()) -> Iterator[N
                 depth["n"] -= 1
                 if depth["n"] == 0:
                     mode.__exit__(None, None, None)
+            _untag(tagged)
+
+
+def _tag_inputs(args, kwargs) -> list:
+    """The model's input data (the tensors it is called with that carry no gradient: ids,
+    pixels, masks, positions) tagged ``"data"`` for the call; returned, to be untagged after."""
+    out = []
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.Tensor) and not a.requires_grad and getattr(a, _TAG, None) is None:
+            try:
+                setattr(a, _TAG, "data")
+            except (AttributeError, RuntimeError):
+                continue
+            out.append(a)
+    return out
+
+
+def _untag(tagged: list) -> None:
+    """The caller's own tensors given back without the tag (what the forward computed from them keeps it, and dies with it)."""
+    for t in tagged:
+        try:
+            delattr(t, _TAG)
+        except AttributeError:
+            pass
+    tagged.clear()
 
 
 @contextlib.contextmanager
@@ -293,7 +340,7 @@ def head_functional_rules(model: nn.Module, base: nn.Module, rules) -> Iterator[
     ``cap·tanh(logits/cap)``) runs under :class:`FunctionalRules`, nothing before it. The
     mode is entered when the base model's forward returns inside a forward of ``model``
     and left when that forward returns (exceptions included)."""
-    mode = FunctionalRules(rules, frozenset(id(b) for b in model.buffers()))
+    mode = FunctionalRules(rules)
     state = {"outer": 0, "on": False}
 
     def model_pre(mod, args):
