@@ -63,8 +63,26 @@ def test_a_cached_verdict_holds_only_for_the_state_it_checked():
     assert checked_state(model) != s1
     del mlp.forward
     assert checked_state(model) == s1
+    handle = mlp.register_forward_hook(lambda mod, args, out: out.exp() - 1)  # a hook that edits an output
+    assert checked_state(model) != s1
+    handle.remove()
+    assert checked_state(model) == s1
     model.to(torch.float32)
     assert checked_state(model) != s1
+
+
+def test_a_hook_added_after_a_verdict_is_checked_again():
+    """A forward hook that edits an MLP's output, added after a first generic call that
+    passed its probe, is seen by a new probe and refused (it answered with 390 % off before)."""
+    from models import tiny_causal_lm
+
+    m = tiny_causal_lm("llama", dtype=torch.float64)
+    m.config.model_type = "llama_twin"
+    ids = torch.randint(3, 90, (1, 9), generator=torch.Generator().manual_seed(3))
+    pyattr.relevance(m, ids, target=5, generic=True)
+    m.model.layers[1].mlp.register_forward_hook(lambda mod, args, out: out.exp() - 1)
+    with pytest.raises(pyattr.RelevanceRuleUnsupportedError, match=r"'model\.layers\.1\.mlp' \(LlamaMLP\) loses"):
+        pyattr.relevance(m, ids, target=5, generic=True)
 
 
 def _scaled_twin(scale):

@@ -203,14 +203,22 @@ def _declared(path: str, reasons: Dict[str, str]) -> Optional[str]:
     return None
 
 
+def _hooks(m: nn.Module) -> tuple:
+    """The hook functions a module carries now (forward, pre-forward, backward): a hook added
+    after a verdict (one that edits an output) is another plan."""
+    return tuple(tuple(getattr(m, name, {}).values()) for name in
+                 ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks"))
+
+
 def checked_state(model: nn.Module) -> tuple:
     """What a verdict was measured on, besides the rule set: a cached verdict holds only
     for this. The modules themselves (a module swapped in is another plan), each one's
-    forward where it is replaced on the instance (pyattr's own rule forwards excepted),
+    forward where it is replaced on the instance (pyattr's own rule forwards excepted) and
+    the hooks it carries,
     which parameters require grad (a trainable parameter takes part in the forward's
     products as a tensor with gradient), the parameters' dtypes and devices, and the
     attention implementation."""
-    mods = tuple((id(m), type(m), forward_of(m)) for m in model.modules())
+    mods = tuple((id(m), type(m), forward_of(m), _hooks(m)) for m in model.modules())
     params = tuple((p.requires_grad, p.dtype, p.device.type) for p in model.parameters())
     cfg = getattr(model, "config", None)
     return mods, params, getattr(cfg, "_attn_implementation", None), getattr(cfg, "_experts_implementation", None)
