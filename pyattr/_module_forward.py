@@ -40,11 +40,26 @@ def replaced_on_instance(module: nn.Module) -> bool:
     return forward_of(module) is not type(module).forward
 
 
+def class_body(cls: type, fn) -> bool:
+    """``fn`` is a forward as written in the body of a class of ``cls``'s MRO (its qualified
+    name is that class's, in that class's module), not a function patched onto it later."""
+    for c in cls.__mro__:
+        if c.__dict__.get("forward") is fn:
+            return getattr(fn, "__qualname__", "") == f"{c.__qualname__}.forward" and \
+                getattr(fn, "__module__", None) == c.__module__
+    return False
+
+
 def forward_name(mod: nn.Module) -> str:
-    """How a refusal names the forward a module runs: ``Cls.forward``, or the forward set on
-    the instance (an ablation, steering or kernel library's), by its own name."""
+    """How a refusal names the forward a module runs: ``Cls.forward``, the forward set on
+    the instance (an ablation, steering or kernel library's), or one patched onto the class,
+    by its own name."""
     if not replaced_on_instance(mod):
-        return f"{type(mod).__name__}.forward"
+        fn = type(mod).forward
+        if class_body(type(mod), fn):
+            return f"{type(mod).__name__}.forward"
+        return (f"the forward patched onto the {type(mod).__name__} class "
+                f"({getattr(fn, '__qualname__', type(fn).__name__)})")
     fn = forward_of(mod)
     return (f"the forward replaced on this {type(mod).__name__} instance "
             f"({getattr(fn, '__qualname__', type(fn).__name__)})")

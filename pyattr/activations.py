@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pyattr._module_forward import replaced_on_instance
+from pyattr._module_forward import class_body, replaced_on_instance
 
 KNOWN_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "quick_gelu", "relu")
 
@@ -146,7 +146,8 @@ def _kind_of_module(act: nn.Module) -> Optional[str]:
         return None
     for cls, kind in ((nn.SiLU, "silu"), (nn.ReLU, "relu"), (nn.GELU, None)):
         if isinstance(act, cls):
-            if type(act).forward is not cls.forward:
+            # torch's own forward, not a subclass's nor one patched onto the class
+            if type(act).forward is not cls.forward or not class_body(cls, cls.forward):
                 return None
             return kind or ("gelu_tanh" if act.approximate == "tanh" else "gelu")
     name = type(act).__name__
@@ -163,7 +164,7 @@ def _computes(act: nn.Module, kind: str) -> bool:
     """Whether ``act``'s class forward computes ``kind`` (to 1e-6 of the largest value, on
     49 float64 points in [-6, 6]); once per class. A forward that cannot run on them (a
     module with 16-bit buffers) is taken at its class name's word."""
-    key = (type(act), kind)
+    key = (type(act), type(act).forward, kind)  # a class whose forward is patched later is observed again
     if key not in _OBSERVED:
         x = torch.linspace(-6.0, 6.0, 49, dtype=torch.float64)
         try:

@@ -176,3 +176,42 @@ def test_the_check_leaves_hooks_and_captures_alone():
         m(IDS).logits[:, -1, 5].sum().backward()
     assert len(cap["model.layers.0.mlp.gate_proj"].outputs) == 1
     assert cap["model.layers.0.mlp.gate_proj"].output.shape == (2, 9, 48)
+
+
+def test_a_norm_forward_patched_onto_the_class_is_observed(monkeypatch):
+    """Kernel libraries patch the class (``LlamaRMSNorm.forward = ...``): a forward that is
+    not the class body's own is observed on probe rows like an instance's; the same formula
+    passes, another one is refused (it answered 172 % off before)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    m = _llama()
+    ref = pyattr.relevance(m, IDS, target=5)
+
+    def same(self, x):  # the formula, written elsewhere
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    monkeypatch.setattr(LlamaRMSNorm, "forward", same)
+    torch.testing.assert_close(pyattr.relevance(m, IDS, target=5).relevance, ref.relevance, rtol=1e-5, atol=1e-6)
+
+    def tanh_gain(self, x):
+        return torch.tanh(self.weight) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    monkeypatch.setattr(LlamaRMSNorm, "forward", tanh_gain)
+    with pytest.raises(RelevanceRuleUnsupportedError, match=r"'model\.layers\.0\.input_layernorm': the forward patched "
+                       r"onto the LlamaRMSNorm class \(.*tanh_gain\) does not compute the rms norm"):
+        pyattr.relevance(m, IDS, target=5)
+
+
+def test_an_activation_class_patched_after_a_first_call_is_observed_again(monkeypatch):
+    """The per-class observation of an activation is keyed by its forward too: SiLU's class
+    patched to GELU after a first call is a custom activation (oracle: nn.GELU modules)."""
+    m = _llama()
+    pyattr.relevance(m, IDS, target=5)  # observes the activation class once
+    act_cls = type(m.model.layers[0].mlp.act_fn)
+    monkeypatch.setattr(act_cls, "forward", lambda self, x: F.gelu(x))
+    monkeypatch.setattr(torch.nn.SiLU, "forward", lambda self, x: F.gelu(x))  # torch's class too
+    got = pyattr.relevance(m, IDS, target=5)
+    gelu = _llama()
+    for layer in gelu.model.layers:
+        layer.mlp.act_fn = torch.nn.GELU()
+    torch.testing.assert_close(got.relevance, pyattr.relevance(gelu, IDS, target=5).relevance, rtol=1e-5, atol=1e-6)

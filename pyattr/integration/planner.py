@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import weakref
 from typing import List, Optional
 
 import torch
 from torch import nn
 
 import pyattr.architectures as A
-from pyattr._module_forward import forward_name, forward_of
+from pyattr._module_forward import class_body as _class_body, forward_name, forward_of
 from pyattr.activations import Activation, _kind_of_module, forward_fn
 from pyattr.architectures.forms import (
     classify_norm,
@@ -52,6 +53,10 @@ from pyattr.integration.install import (
     has_hooks,
     state_of,
 )
+
+
+#: norms observed to compute the formula their rule assumes: module -> (forward, (kind, offset))
+_NORM_VERDICTS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
 class Planner:
@@ -115,22 +120,33 @@ class Planner:
                 raise RelevanceRuleUnsupportedError(f"{path!r}: RMSNorm without a 1-D weight")
             make = rms_forward(offset, norm_eps(mod, path))
         self.mounted.add(id(mod))
-        if self.rules.normalization and replaced_on_instance(mod):
-            self._check_replaced_norm(path, mod, norm, offset)
+        if self.rules.normalization:
+            self._check_norm(path, mod, norm, offset)
         if self.rules.normalization:
             self.add("normalization", path, mod, (norm, offset), make)
         else:
             self.off("normalization", path, mod, "normalization rule off")
 
-    def _check_replaced_norm(self, path: str, mod: nn.Module, norm: str, offset: float) -> None:
-        """A norm whose forward is replaced on the instance keeps that forward (its values);
-        the LN-rule's backward assumes the norm's formula with the module's own weight and
-        eps, so what the forward computes is observed on probe rows
-        (:func:`~pyattr.architectures.forms.classify_norm`) and must be that formula."""
+    def _check_norm(self, path: str, mod: nn.Module, norm: str, offset: float) -> None:
+        """A norm keeps its own forward (its values); the LN-rule's backward assumes the
+        norm's formula with the module's own weight and eps, which the architecture's own
+        norm class computes (its forward as written in its class body, or torch's
+        ``nn.LayerNorm.forward``). Any other forward (one a kernel library or a user patched
+        onto the class or the instance) is observed on probe rows
+        (:func:`~pyattr.architectures.forms.classify_norm`) and must compute it. The
+        verdict is kept per module and forward function."""
+        fn = forward_of(mod)
+        if fn is nn.LayerNorm.forward or _class_body(type(mod), fn):
+            return
+        kept = _NORM_VERDICTS.get(mod)
+        if kept is not None and kept[0] is fn and kept[1] == (norm, offset):
+            return
         found = classify_norm(mod, None)
         w = getattr(mod, "weight", None)
         ok = found is not None and found[0] == norm and (
             found[1][0] is w and found[1][1] == offset if isinstance(w, torch.Tensor) else True)
+        if ok:
+            _NORM_VERDICTS[mod] = (fn, (norm, offset))
         if not ok:
             raise RelevanceRuleUnsupportedError(
                 f"{path!r}: {forward_name(mod)} does not compute the "
