@@ -9,8 +9,9 @@ import inspect
 
 from torch import nn
 
-# pyattr.integration.install's per-module record, read by name (this is a lower layer)
+# pyattr.integration.install's and .quantized's per-module records, read by name (this is a lower layer)
 _RULES_STATE = "_pyattr_rules"
+_QUANTIZED_PATCH = "_pyattr_quantized"
 
 
 def forward_of(module: nn.Module):
@@ -22,12 +23,15 @@ def forward_of(module: nn.Module):
     other callable, is returned as it is (it is not this module's class forward)."""
     d = module.__dict__
     st = d.get(_RULES_STATE)
+    quantized = d.get(_QUANTIZED_PATCH)
     if st is not None:
         fn = getattr(st, "saved_forward", None)
     elif "_old_forward" in d and hasattr(module, "_hf_hook"):
         fn = d["_old_forward"]
     else:
         fn = d.get("forward")
+    if quantized is not None and fn is getattr(quantized, "patched", None):
+        fn = getattr(quantized, "saved", None)  # pyattr's own input gradient for a torchao layer
     if fn is None or not callable(fn):  # nothing on the instance (pyattr's MISSING marker included)
         return type(module).forward
     if inspect.ismethod(fn) and fn.__self__ is module:
@@ -58,8 +62,8 @@ def forward_name(mod: nn.Module) -> str:
         fn = type(mod).forward
         if class_body(type(mod), fn):
             return f"{type(mod).__name__}.forward"
-        return (f"the forward patched onto the {type(mod).__name__} class "
-                f"({getattr(fn, '__qualname__', type(fn).__name__)})")
+        return (f"{type(mod).__name__}.forward ({getattr(fn, '__qualname__', type(fn).__name__)}, not written in the "
+                "class body: patched onto the class)")
     fn = forward_of(mod)
     return (f"the forward replaced on this {type(mod).__name__} instance "
             f"({getattr(fn, '__qualname__', type(fn).__name__)})")

@@ -197,8 +197,9 @@ def test_a_norm_forward_patched_onto_the_class_is_observed(monkeypatch):
         return torch.tanh(self.weight) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
     monkeypatch.setattr(LlamaRMSNorm, "forward", tanh_gain)
-    with pytest.raises(RelevanceRuleUnsupportedError, match=r"'model\.layers\.0\.input_layernorm': the forward patched "
-                       r"onto the LlamaRMSNorm class \(.*tanh_gain\) does not compute the rms norm"):
+    with pytest.raises(RelevanceRuleUnsupportedError, match=r"'model\.layers\.0\.input_layernorm': LlamaRMSNorm\.forward "
+                       r"\(.*tanh_gain, not written in the class body: patched onto the class\) does not compute the "
+                       r"rms norm"):
         pyattr.relevance(m, IDS, target=5)
 
 
@@ -215,3 +216,24 @@ def test_an_activation_class_patched_after_a_first_call_is_observed_again(monkey
     for layer in gelu.model.layers:
         layer.mlp.act_fn = torch.nn.GELU()
     torch.testing.assert_close(got.relevance, pyattr.relevance(gelu, IDS, target=5).relevance, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("where", ["model.layers.0.self_attn.o_proj", "lm_head", "model.layers.1"])
+def test_a_replaced_forward_the_rule_map_does_not_cover_is_refused(where):
+    """A mapped model's rule map is written for the architecture's own forwards: a forward
+    replaced on the instance elsewhere (a tanh in o_proj, an exp in the head, a whole
+    decoder layer) is refused by name where the Identity- or Half-rule is on (it answered
+    34-287 % off before); with them off it keeps its native gradient, as asked."""
+    m = _llama()
+    mod = m.get_submodule(where)
+    own = mod.forward
+    if where == "model.layers.1":
+        mod.forward = lambda *a, **k: own(*a, **k)
+    else:
+        mod.forward = lambda x: torch.tanh(own(x))
+    with pytest.raises(RelevanceRuleUnsupportedError, match=rf"'{where}': the forward replaced on this \w+ instance "
+                       r"\(.*<lambda>\) is not the llama forward the rule map is written for"):
+        pyattr.relevance(m, IDS, target=5)
+    r = pyattr.relevance(m, IDS, target=5, rules=RelevanceRules(normalization=True, attention=True))
+    with torch.no_grad():
+        torch.testing.assert_close(r.target, m(IDS).logits[:, -1, 5], rtol=0, atol=1e-12)

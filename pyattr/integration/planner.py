@@ -76,6 +76,9 @@ class Planner:
         # a mapped model's forward applies a nonlinearity as a function after its base model
         # (pyattr.integration.functional.head_functional_rules)
         self.head_region = False
+        # modules whose own forward, replaced on the instance or not, pyattr observes (a norm's
+        # formula on probe rows, an activation's Identity-rule read off its own output)
+        self.observed: set = set()
 
     def need(self, path: str) -> nn.Module:
         mod = A.get_submodule(self.model, path)
@@ -122,6 +125,7 @@ class Planner:
         self.mounted.add(id(mod))
         if self.rules.normalization:
             self._check_norm(path, mod, norm, offset)
+            self.observed.add(id(mod))
         if self.rules.normalization:
             self.add("normalization", path, mod, (norm, offset), make)
         else:
@@ -164,6 +168,7 @@ class Planner:
                 )
         kind = _kind_of_module(mlp.act_fn) or "custom"
         self.mounted.add(id(mlp.act_fn))
+        self.observed.add(id(mlp.act_fn))
         wanted = [k for k in ("activation", "multiplicative_gate") if getattr(self.rules, k)]
         if wanted and not plain_gated_forward(mlp):
             msg = (
@@ -199,6 +204,7 @@ class Planner:
         act = getattr(mlp, form.act)
         kind = _kind_of_module(act) or "custom"
         self.mounted.add(id(act))
+        self.observed.add(id(act))
         wanted = self.gated_kinds(path, mlp)
         if not wanted:
             return
@@ -341,6 +347,7 @@ class Planner:
         mod = self.need(path)
         kind = _kind_of_module(mod) or "custom"
         self.mounted.add(id(mod))
+        self.observed.add(id(mod))
         if self.rules.activation:
             self.add("activation", path, mod, kind, activation_forward(kind))
         else:
@@ -433,6 +440,19 @@ class Planner:
         self.head_region = True
         self.cov._add("activation", path)  # {what}: the functional Identity-rule in the head region
 
+    def refuse_unobserved_forwards(self) -> None:
+        """A mapped model's rule map assumes the architecture's own forwards: a module whose
+        forward is replaced on the instance (an ablation, a steering or kernel library) and
+        whose forward pyattr does not itself observe (a norm's formula, an activation's
+        Identity-rule of what it computes) could hide a nonlinearity no rule reaches (a tanh
+        in an ``o_proj``, an ``exp`` in the head): refused by name."""
+        for name, mod in self.model.named_modules():
+            if id(mod) not in self.observed and replaced_on_instance(mod):
+                raise RelevanceRuleUnsupportedError(
+                    f"{name!r}: {forward_name(mod)} is not the {self.cov.model_type} forward the rule map is written "
+                    "for, and pyattr cannot show that what it computes is linear or carries its rule; restore the "
+                    "module's own forward, or use RelevanceRules() for plain gradients")
+
     def skip_lookalikes(self) -> None:
         for name, mod in self.model.named_modules():
             if id(mod) in self.mounted:
@@ -508,5 +528,7 @@ def plan_known(model: nn.Module, rules: RelevanceRules, model_type: str) -> Plan
             pl.mounted.add(id(mod))
             pl.head_functional(p, f"{cls} applies its activation as a function (torch.tanh)")
     pl.skip_lookalikes()
+    if rules.activation or rules.multiplicative_gate:  # a replaced forward may hide what these rules treat
+        pl.refuse_unobserved_forwards()
     return pl
 
