@@ -108,3 +108,36 @@ def test_context_attribution_of_template_text_equals_its_ids(chat):
     want = pyattr.context_attribution(model, ids, ranges, response=resp, method="loo")
     torch.testing.assert_close(got.scores, want.scores, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(got.value, want.value, rtol=1e-9, atol=1e-9)
+
+
+def test_a_template_that_writes_no_bos_is_read_as_written(chat):
+    """A template that writes no BOS (Zephyr's), on a tokenizer that prepends one: its text
+    holds the tokenizer's special tokens, so it is markup read as it is, as
+    apply_chat_template(..., tokenize=True) reads it (pyattr added the BOS before)."""
+    tok, model = chat
+    tok = chat_tokenizer()
+    tok.chat_template = tok.chat_template.replace("{{ bos_token }}", "")
+    text = _template(tok, MSGS, tokenize=False)
+    want = list(_template(tok, MSGS, tokenize=True, return_dict=False))
+    assert not text.startswith(tok.bos_token) and tok.bos_token_id not in want
+    assert encoded_ids(tok, text) == want
+    got = pyattr.relevance(model, text, target=7, tokenizer=tok)
+    with torch.no_grad():
+        own = model(torch.tensor([want])).logits[0, -1, 7]
+    assert float(got.target[0]) == pytest.approx(float(own), abs=1e-12)
+    # a plain prompt, no special token in it: the tokenizer's BOS as always
+    assert encoded_ids(tok, "the cat is on the ship")[0] == tok.bos_token_id
+
+
+def test_a_word_target_after_ids_ending_in_a_special_token_is_read_after_it(chat):
+    """The same template as text and as ids names the same word target: the ids are decoded
+    with their special tokens (a generation prompt ending in ``<|end_header_id|>``)."""
+    tok, model = chat
+    tok = chat_tokenizer()
+    tok.chat_template = tok.chat_template.replace("assistant<|end_header_id|>\n\n", "assistant\n<|end_header_id|>")
+    text = _template(tok, MSGS, tokenize=False)
+    assert text.endswith("<|end_header_id|>")
+    by_text = pyattr.relevance(model, text, tokenizer=tok, target="owl")
+    for ids in (_template(tok, MSGS, tokenize=True, return_dict=False), _template(tok, MSGS, tokenize=True)):
+        by_ids = pyattr.relevance(model, ids if hasattr(ids, "keys") else [ids], tokenizer=tok, target="owl")
+        assert by_ids.target_ids.tolist() == by_text.target_ids.tolist()

@@ -118,11 +118,13 @@ def _check_vocabulary(model: nn.Module, tokenizer, rows: List[List[int]], name: 
 
 
 def _row_texts(tokenizer, ids: torch.Tensor, mask: Optional[torch.Tensor]) -> List[str]:
-    """Each row's real tokens decoded (the text a word target continues, for id inputs)."""
+    """Each row's real tokens decoded (the text a word target continues, for id inputs),
+    special tokens included: a word after ids that end with one (a chat template's
+    ``<|end_header_id|>``) is read after it, as it is after the same text."""
     out = []
     for r in range(ids.shape[0]):
         row = ids[r] if mask is None else ids[r][mask[r].bool()]
-        out.append(tokenizer.decode([int(t) for t in row], skip_special_tokens=True,
+        out.append(tokenizer.decode([int(t) for t in row], skip_special_tokens=False,
                                     clean_up_tokenization_spaces=False))
     return out
 

@@ -18,8 +18,11 @@ def _encode(tokenizer, text: str, markers: str = "observed"):
     A text that already holds the markers the tokenizer adds (a chat template's output
     begins with its BOS: Llama 3, Mistral, Gemma) is not given them twice: where the
     tokens the tokenizer adds at the start (or the end) are the very tokens the text itself
-    begins (or ends) with, the added ones are left out (:func:`_without_repeated_markers`),
-    so the ids are those of ``apply_chat_template(..., tokenize=True)``. ``markers="tokenizer"``
+    begins (or ends) with, the added ones are left out (:func:`_without_repeated_markers`);
+    and for a chat model (a tokenizer with a chat template) a text that holds any of its
+    special tokens is markup read as it is, no marker added (a template that writes no
+    BOS, as Zephyr's). Either way the ids are those of ``apply_chat_template(...,
+    tokenize=True)``. ``markers="tokenizer"``
     keeps exactly what the tokenizer adds (what sentence-transformers, which calls the
     tokenizer on the text as it is, embeds)."""
     try:
@@ -35,7 +38,20 @@ def _encode(tokenizer, text: str, markers: str = "observed"):
         appended = _added_without_offsets(tokenizer, text, ids)
     if markers == "tokenizer":
         return ids, appended, offsets
+    if getattr(tokenizer, "chat_template", None) and _holds_special(tokenizer, ids, appended):
+        # a chat model's text that holds its special tokens is markup written to be read as it
+        # is (what apply_chat_template(..., tokenize=True) tokenizes: no marker added)
+        keep = [not a for a in appended]
+        return ([i for i, k in zip(ids, keep) if k], [False] * sum(keep),
+                None if offsets is None else [o for o, k in zip(offsets, keep) if k])
     return _without_repeated_markers(ids, appended, offsets)
+
+
+def _holds_special(tokenizer, ids, appended) -> bool:
+    """Whether the text's own tokens (not the ones the tokenizer added) hold one of its
+    special tokens (a BOS, an end-of-turn marker, a role header)."""
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    return any(i in special for i, a in zip(ids, appended) if not a)
 
 
 def encoded_ids(tokenizer, text: str) -> List[int]:
