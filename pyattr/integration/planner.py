@@ -447,6 +447,8 @@ class Planner:
         Identity-rule of what it computes) could hide a nonlinearity no rule reaches (a tanh
         in an ``o_proj``, an ``exp`` in the head): refused by name."""
         for name, mod in self.model.named_modules():
+            if type(mod).__name__ == "OptimizedModule":  # torch.compile's wrapper: the module it compiles runs
+                continue
             if id(mod) not in self.observed and replaced_on_instance(mod):
                 raise RelevanceRuleUnsupportedError(
                     f"{name!r}: {forward_name(mod)} is not the {self.cov.model_type} forward the rule map is written "
