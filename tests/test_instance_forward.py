@@ -237,3 +237,23 @@ def test_a_replaced_forward_the_rule_map_does_not_cover_is_refused(where):
     r = pyattr.relevance(m, IDS, target=5, rules=RelevanceRules(normalization=True, attention=True))
     with torch.no_grad():
         torch.testing.assert_close(r.target, m(IDS).logits[:, -1, 5], rtol=0, atol=1e-12)
+
+
+def test_a_forward_replaced_inside_an_open_scope_is_refused_and_kept():
+    """A forward set on a rule-carrying module while the scope is open would run without its
+    rule: the next forward raises naming the module, and the scope's exit keeps the user's
+    forward (it is theirs) instead of putting the saved one back over it."""
+    m = _llama()
+    mlp = m.model.layers[0].mlp
+    with use_relevance_rules(m):
+        mlp.forward = _ablated_forward(mlp)
+        with pytest.raises(pyattr.RelevanceRuleConflictError,
+                           match=r"'model\.layers\.0\.mlp': its forward was replaced on the instance while a "
+                                 r"use_relevance_rules scope carrying its \w+ rule was open"):
+            m(IDS)
+    assert mlp.forward.__name__ == "forward" and "_ablated_forward" in mlp.forward.__qualname__
+    fresh = _llama()
+    fresh.model.layers[0].mlp.forward = _ablated_forward(fresh.model.layers[0].mlp)
+    with torch.no_grad():
+        assert torch.equal(m(IDS).logits, fresh(IDS).logits)
+        assert not torch.equal(m(IDS).logits, _llama()(IDS).logits)

@@ -194,11 +194,20 @@ def _where_patched(module: nn.Module, state: RuleState) -> str:
     return state.slot
 
 
+def holds_patch(module: nn.Module, state: RuleState) -> bool:
+    """Whether the module still runs pyattr's rule forward (a forward set on the instance
+    inside the scope replaces it)."""
+    return any(state.patched is not None and module.__dict__.get(slot) is state.patched
+               for slot in (state.slot, "_old_forward", "forward"))
+
+
 def _unpatch(module: nn.Module, state: RuleState) -> None:
-    """Give ``module`` back its own forward and drop the output check and the state."""
+    """Give ``module`` back its own forward and drop the output check and the state. A
+    forward the user set on the instance while the scope was open stays: it is theirs."""
     if state.hook is not None:
         state.hook.remove()
-    restore_forward(module, _where_patched(module, state), state.saved_forward)
+    if holds_patch(module, state):
+        restore_forward(module, _where_patched(module, state), state.saved_forward)
     module.__dict__.pop(_STATE, None)
 
 

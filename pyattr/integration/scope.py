@@ -12,11 +12,13 @@ import pyattr.architectures as A
 from pyattr.integration.attention import attnlrp_attention, frozen_attention
 from pyattr.integration.checkpoint import checkpoints_bound
 from pyattr.config import RelevanceRuleCoverage, RelevanceRules
-from pyattr.integration.errors import RelevanceRuleUnsupportedError
+from pyattr.integration.errors import RelevanceRuleConflictError, RelevanceRuleUnsupportedError
 from pyattr.integration.forwards import Step
 from pyattr.integration.install import (
     acquire,
+    holds_patch,
     release,
+    state_of,
 )
 from pyattr.integration.functional import functional_rules, head_functional_rules
 from pyattr.integration.plan_check import check, check_mode
@@ -124,7 +126,8 @@ def installed(model: nn.Module, pl: Planner) -> Iterator[None]:
             for st in pl.steps:
                 acquire(st.module, st.path, st.kind, st.value, st.make_forward, st.check_output, st.verify)
                 done.append(st)
-            with checkpoints_bound(model), frozen_attention(pl.frozen_attention), \
+            with _replaced_inside_refused(model, done), checkpoints_bound(model), \
+                    frozen_attention(pl.frozen_attention), \
                     attnlrp_attention(pl.attnlrp_attention), \
                     (functional_rules(model, pl.rules, _roots(model), pl.native) if pl.generic else
                      _head_region(model, pl)):
@@ -132,6 +135,28 @@ def installed(model: nn.Module, pl: Planner) -> Iterator[None]:
         finally:
             for st in reversed(done):
                 release(st.module, st.kind)
+
+
+@contextlib.contextmanager
+def _replaced_inside_refused(model: nn.Module, steps: List[Step]) -> Iterator[None]:
+    """For the ``with`` block, each forward of ``model`` first checks that every module
+    carrying a rule still runs its rule forward: one the user replaced on the instance
+    inside the scope would run without its rule, silently; it raises
+    :class:`RelevanceRuleConflictError` naming the module instead."""
+    def guard(mod, args):
+        for st in steps:
+            state = state_of(st.module)
+            if state is not None and not holds_patch(st.module, state):
+                raise RelevanceRuleConflictError(
+                    f"{st.path!r}: its forward was replaced on the instance while a use_relevance_rules scope carrying "
+                    f"its {st.kind} rule was open, so the rule would not run; replace the forward before opening the "
+                    "scope (pyattr then reads the forward it runs), or after it closes")
+
+    handle = model.register_forward_pre_hook(guard, prepend=True)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _head_region(model: nn.Module, pl: Planner):
