@@ -18,7 +18,8 @@ def forward_of(module: nn.Module):
     """The forward ``module`` runs now, as the module computes it: a forward set on the
     instance (an ablation or steering tool, a kernel library such as Liger-Kernel), under
     an accelerate hook the one its wrapper calls (``_old_forward``), else the class's;
-    pyattr's own rule forward is seen through (the one it replaced). A method of the class
+    pyattr's own rule forward is seen through (the one it replaced), and so is nnsight's
+    controller (the body it runs). A method of the class
     bound to this module is the class's function; a method bound to another object, or any
     other callable, is returned as it is (it is not this module's class forward)."""
     d = module.__dict__
@@ -26,6 +27,8 @@ def forward_of(module: nn.Module):
     quantized = d.get(_QUANTIZED_PATCH)
     if st is not None:
         fn = getattr(st, "saved_forward", None)
+    elif nnsight_controller(module) is not None:
+        fn = d["forward"].state.body  # what nnsight's controller runs (the class's function)
     elif "_old_forward" in d and hasattr(module, "_hf_hook"):
         fn = d["_old_forward"]
     else:
@@ -37,6 +40,19 @@ def forward_of(module: nn.Module):
     if inspect.ismethod(fn) and fn.__self__ is module:
         return fn.__func__
     return fn
+
+
+def nnsight_controller(module: nn.Module):
+    """nnsight's ``Controller`` when it is the module's instance forward (nnsight installs
+    one on every module of a model it wraps, and runs ``controller.state.body(module, …)``,
+    the class's forward, in a trace and out of it), else None. Read by its class's name
+    and module: nnsight need not be installed."""
+    fn = module.__dict__.get("forward")
+    cls = type(fn)
+    if fn is not None and cls.__name__ == "Controller" and cls.__module__.startswith("nnsight") \
+            and callable(getattr(getattr(fn, "state", None), "body", None)):
+        return fn
+    return None
 
 
 def replaced_on_instance(module: nn.Module) -> bool:

@@ -100,6 +100,9 @@ class RelevanceRuleCoverage:
         inherited (dict[str, list[str]]): paths whose rule this scope leaves off but an
             enclosing scope still holds (nested scopes add rules, never remove them),
             with the kinds.
+        mounts (dict[str, str]): on a TransformerLens bridge, each installed path's
+            canonical mount name (``blocks.0.ln1``, ``blocks.0.mlp``, ``ln_final``…);
+            empty otherwise.
     """
 
     __repr__ = summary_repr
@@ -110,6 +113,10 @@ class RelevanceRuleCoverage:
     reasons: Dict[str, str] = field(default_factory=dict)
     by_kind: Dict[str, List[str]] = field(default_factory=dict)
     inherited: Dict[str, List[str]] = field(default_factory=dict)
+    mounts: Dict[str, str] = field(default_factory=dict)
+
+    def _name_mounts(self, names: Dict[str, str]) -> None:
+        self.mounts.update(names)
 
     def _inherit(self, path: str, kind: str) -> None:
         self.inherited.setdefault(path, []).append(kind)

@@ -7,6 +7,7 @@ from typing import List, Optional
 
 from torch import nn
 
+from pyattr._components import native
 from pyattr.architectures.table import Arch
 
 
@@ -47,9 +48,10 @@ def get_submodule(model: nn.Module, path: str) -> Optional[nn.Module]:
     """``model.get_submodule(path)``, or None. A path written for the model inside a
     DataParallel / DDP wrapper (``module.`` + the model's own path, as the wrapper's
     ``named_modules()`` and ``state_dict()`` print it) names the same module of the
-    unwrapped model."""
+    unwrapped model. On a model a TransformerLens bridge was built on, the module at the
+    path is the Hugging Face module its component wraps (:func:`pyattr._components.native`)."""
     try:
-        return model.get_submodule(path) if path else model
+        return native(model.get_submodule(path)) if path else model
     except AttributeError:
         pass
     if path.startswith(WRAPPER_PREFIX) and not isinstance(getattr(model, "module", None), nn.Module):

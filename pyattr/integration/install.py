@@ -14,6 +14,7 @@ two modules of one class, never share it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import types
 from typing import Callable, Dict, List, Optional
@@ -21,6 +22,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch import nn
 
+from pyattr._module_forward import nnsight_controller
 from pyattr.integration.errors import RelevanceRuleConflictError
 
 _STATE = "_pyattr_rules"
@@ -36,13 +38,58 @@ def in_rule_forward() -> bool:
 MISSING = object()  # an instance attribute that was absent
 
 
+#: the slot of a module nnsight instrumented: its instance forward is nnsight's
+#: ``Controller``, which calls ``state.body(module, *args)`` (the class's forward) inside
+#: a trace and out of it; the rule forward goes there, so ``.input`` / ``.output`` and
+#: ``.grad`` in a trace see the module as it runs under the rules
+NNSIGHT = "nnsight body"
+
+
 def forward_slot(module: nn.Module) -> str:
-    """The instance attribute holding the module's own forward: ``_old_forward`` under an
-    accelerate hook (its wrapper calls ``module._old_forward`` at each call), else
-    ``forward``."""
+    """Where the module's own forward is called from: nnsight's controller body
+    (:data:`NNSIGHT`) on a module nnsight wraps, ``_old_forward`` under an accelerate hook
+    (its wrapper calls ``module._old_forward`` at each call), else ``forward``."""
+    if nnsight_controller(module) is not None:
+        return NNSIGHT
     if "_old_forward" in module.__dict__ and hasattr(module, "_hf_hook"):
         return "_old_forward"
     return "forward"
+
+
+class _Body:
+    """A rule forward where nnsight's controller calls the body: ``body(module, *args)``."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, module, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+def read_slot(module: nn.Module, slot: str):
+    """What ``slot`` holds (``MISSING`` when the instance has nothing there); a rule forward
+    in nnsight's body reads as the rule forward itself."""
+    if slot == NNSIGHT:
+        ctrl = nnsight_controller(module)
+        body = ctrl.state.body if ctrl is not None else MISSING
+        return body.fn if isinstance(body, _Body) else body
+    return module.__dict__.get(slot, MISSING)
+
+
+def write_rule_forward(module: nn.Module, slot: str, fn: Callable) -> None:
+    if slot == NNSIGHT:
+        nnsight_controller(module).state.body = _Body(fn)
+    else:
+        module.__dict__[slot] = fn
+
+
+def slot_forward(module: nn.Module, slot: str) -> Callable:
+    """The callable the slot runs now, taking the forward's own arguments."""
+    if slot == NNSIGHT:
+        return functools.partial(nnsight_controller(module).state.body, module)
+    return getattr(module, slot)
 
 
 class RuleState:
@@ -59,8 +106,8 @@ class RuleState:
         self.counts: Dict[str, int] = {}
         self.values: Dict[str, object] = {}
         self.slot = forward_slot(module)
-        self.saved_forward = module.__dict__.get(self.slot, MISSING)
-        self.native: Callable = getattr(module, self.slot)
+        self.saved_forward = read_slot(module, self.slot)
+        self.native: Callable = slot_forward(module, self.slot)
         self.hook = None
         self.patched: Optional[Callable] = None
         self.expected_out: Optional[int] = None
@@ -150,7 +197,7 @@ def acquire(
             return out
 
         module.__dict__[_STATE] = state
-        module.__dict__[state.slot] = patched
+        write_rule_forward(module, state.slot, patched)
         state.patched = patched
         if check_output:
             # Appended last: hooks registered before the scope run first, so one that
@@ -189,7 +236,7 @@ def _where_patched(module: nn.Module, state: RuleState) -> str:
     back as ``forward``. The original goes back where the rule forward is, so the hooks
     accelerate added or removed in between stay as accelerate left them."""
     for slot in (state.slot, "_old_forward", "forward"):
-        if state.patched is not None and module.__dict__.get(slot) is state.patched:
+        if state.patched is not None and read_slot(module, slot) is state.patched:
             return slot
     return state.slot
 
@@ -197,7 +244,7 @@ def _where_patched(module: nn.Module, state: RuleState) -> str:
 def holds_patch(module: nn.Module, state: RuleState) -> bool:
     """Whether the module still runs pyattr's rule forward (a forward set on the instance
     inside the scope replaces it)."""
-    return any(state.patched is not None and module.__dict__.get(slot) is state.patched
+    return any(state.patched is not None and read_slot(module, slot) is state.patched
                for slot in (state.slot, "_old_forward", "forward"))
 
 
@@ -214,7 +261,11 @@ def _unpatch(module: nn.Module, state: RuleState) -> None:
 def restore_forward(module: nn.Module, slot: str, saved) -> None:
     """Put back what ``slot`` of the instance held before a patch: ``saved`` (``MISSING``
     when the instance had none there, so the class's forward shows again)."""
-    if saved is not MISSING:
+    if slot == NNSIGHT:
+        ctrl = nnsight_controller(module)
+        if ctrl is not None:
+            ctrl.state.body = saved
+    elif saved is not MISSING:
         module.__dict__[slot] = saved
     elif slot == "_old_forward":  # the class's forward, where accelerate's wrapper calls it
         module.__dict__[slot] = types.MethodType(type(module).forward, module)

@@ -40,7 +40,15 @@ import torch
 from torch import nn
 
 from pyattr.integration.errors import RelevanceRuleConflictError, RelevanceRuleUnsupportedError
-from pyattr.integration.install import MISSING, forward_slot, restore_forward, state_of
+from pyattr.integration.install import (
+    MISSING,
+    forward_slot,
+    read_slot,
+    restore_forward,
+    slot_forward,
+    state_of,
+    write_rule_forward,
+)
 
 #: ``quantization_config.quant_method`` values whose layers pyattr handles
 SUPPORTED_METHODS = ("torchao", "bitsandbytes")
@@ -105,8 +113,9 @@ def _names(cls: type, package: str) -> set:
 
 
 def _is_plain_linear_forward(module: nn.Module) -> bool:
-    fwd = getattr(module, forward_slot(module), None)
-    return getattr(fwd, "__func__", None) is nn.Linear.forward and type(module).forward is nn.Linear.forward
+    fn = read_slot(module, forward_slot(module))
+    fn = type(module).forward if fn is MISSING else getattr(fn, "__func__", fn)
+    return fn is nn.Linear.forward and type(module).forward is nn.Linear.forward
 
 
 def _integer_weight(module: nn.Module) -> Optional[str]:
@@ -342,9 +351,9 @@ def quantized_input_gradients(model: nn.Module) -> Iterator[Dict[str, QuantizedL
                 rec.count += 1
             else:
                 slot = forward_slot(mod)
-                fwd = _linear_forward(layer, getattr(mod, slot))
-                rec = _Patch(slot, mod.__dict__.get(slot, MISSING), fwd)
-                mod.__dict__[slot] = fwd
+                fwd = _linear_forward(layer, slot_forward(mod, slot))
+                rec = _Patch(slot, read_slot(mod, slot), fwd)
+                write_rule_forward(mod, slot, fwd)
                 mod.__dict__[_MARK] = rec
             done.append(mod)
         yield layers
@@ -404,6 +413,6 @@ def _release(mod: nn.Module) -> None:
     if rec.count:
         return
     # accelerate may have moved the forward between ``forward`` and ``_old_forward``
-    slot = next((s for s in (rec.slot, "_old_forward", "forward") if mod.__dict__.get(s) is rec.patched), rec.slot)
+    slot = next((s for s in (rec.slot, "_old_forward", "forward") if read_slot(mod, s) is rec.patched), rec.slot)
     restore_forward(mod, slot, rec.saved)
     mod.__dict__.pop(_MARK, None)

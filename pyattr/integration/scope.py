@@ -10,6 +10,7 @@ from torch import nn
 
 import pyattr.architectures as A
 from pyattr.integration.attention import attnlrp_attention, frozen_attention
+from pyattr.integration.bridge import bridge_seams, check_plan as check_bridge, is_transformer_bridge, mount_names
 from pyattr.integration.checkpoint import checkpoints_bound
 from pyattr.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.integration.errors import RelevanceRuleConflictError, RelevanceRuleUnsupportedError
@@ -24,7 +25,7 @@ from pyattr.integration.functional import functional_rules, head_functional_rule
 from pyattr.integration.plan_check import check, check_mode
 from pyattr.integration.planner import Planner, plan_known
 from pyattr.integration.quantized import quantized_input_gradients
-from pyattr.integration.wrappers import unwrap
+from pyattr.integration.wrappers import mapped_inside, unwrap
 
 
 def plan(model: nn.Module, rules: RelevanceRules, generic: bool = False) -> Planner:
@@ -60,7 +61,10 @@ def use_relevance_rules(
         model (nn.Module): a Hugging Face model (Llama, Mistral, Qwen2, Qwen3, Gemma,
             Gemma2, Gemma 3 text, OLMo 2, Phi-3, GPT-2, GPT-NeoX/Pythia, BERT, RoBERTa,
             DistilBERT), with or without its head; also placed by accelerate, or wrapped in
-            DataParallel / DDP.
+            DataParallel / DDP; a TransformerLens ``TransformerBridge`` (the rules at its mounts,
+            :mod:`pyattr.integration.bridge`), an nnsight ``NNsight`` / ``LanguageModel`` (the
+            rule forwards run inside its traces), a tdhook context or hooked module, or a
+            module of the user's around one such model (:func:`~pyattr.integration.wrappers.mapped_inside`).
         rules (RelevanceRules, optional): which rules. ``RelevanceRules()`` is every rule off
             (TransformerLens' defaults: ``RelevanceRules(normalization=True)`` is the
             LN-rule alone). Default (``None``): ``RelevanceRules.all()``, the four rules
@@ -99,10 +103,15 @@ def use_relevance_rules(
             same module; a hook sits on an activation the gated rule bypasses; at run
             time, a forward hook replaces the output of a rule-carrying module.
     """
+    names = mount_names(model) if is_transformer_bridge(model) else {}
     model = unwrap(model)
     rules = RelevanceRules.all() if rules is None else rules
     generic = check_mode(generic)
+    if not generic and isinstance(model, nn.Module):
+        model = mapped_inside(model, A.ARCHITECTURES)
     pl = plan(model, rules, bool(generic))
+    check_bridge(model, pl)
+    pl.cov._name_mounts({st.path: names[id(st.module)] for st in pl.steps if id(st.module) in names})
     if pl.generic and rules.any():
         # fail closed: the structural plan is checked on a probe before it answers
         check(model, rules, generic, installed, lambda m, r: plan(m, r, True))
@@ -126,7 +135,7 @@ def installed(model: nn.Module, pl: Planner) -> Iterator[None]:
             for st in pl.steps:
                 acquire(st.module, st.path, st.kind, st.value, st.make_forward, st.check_output, st.verify)
                 done.append(st)
-            with _replaced_inside_refused(model, done), checkpoints_bound(model), \
+            with _replaced_inside_refused(model, done), bridge_seams(model, pl), checkpoints_bound(model), \
                     frozen_attention(pl.frozen_attention), \
                     attnlrp_attention(pl.attnlrp_attention), \
                     (functional_rules(model, pl.rules, _roots(model), pl.native) if pl.generic else
@@ -143,6 +152,8 @@ def _replaced_inside_refused(model: nn.Module, steps: List[Step]) -> Iterator[No
     carrying a rule still runs its rule forward: one the user replaced on the instance
     inside the scope would run without its rule, silently; it raises
     :class:`RelevanceRuleConflictError` naming the module instead."""
+    mounted = {st.path: _at(model, st.path) for st in steps}
+
     def guard(mod, args):
         for st in steps:
             state = state_of(st.module)
@@ -151,12 +162,26 @@ def _replaced_inside_refused(model: nn.Module, steps: List[Step]) -> Iterator[No
                     f"{st.path!r}: its forward was replaced on the instance while a use_relevance_rules scope carrying "
                     f"its {st.kind} rule was open, so the rule would not run; replace the forward before opening the "
                     "scope (pyattr then reads the forward it runs), or after it closes")
+            if _at(model, st.path) is not mounted[st.path]:
+                raise RelevanceRuleConflictError(
+                    f"{st.path!r}: another module took its place while a use_relevance_rules scope carrying its "
+                    f"{st.kind} rule was open (a TransformerLens bridge built on the model inside the scope wraps it "
+                    "in a component that may compute it without the rule); build the bridge first, then open the "
+                    "scope on it")
 
     handle = model.register_forward_pre_hook(guard, prepend=True)
     try:
         yield
     finally:
         handle.remove()
+
+
+def _at(model: nn.Module, path: str):
+    """The object at ``path`` as the model holds it now (a bridge component included)."""
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 def _head_region(model: nn.Module, pl: Planner):

@@ -1,4 +1,10 @@
-"""Parallel wrappers around a model: relevance runs on the module they wrap.
+"""Wrappers around a model: relevance runs on the module they wrap.
+
+Interpretability frameworks hand their users a wrapper object (nnsight's ``NNsight`` /
+``LanguageModel``, tdhook's prepared contexts, a TransformerLens ``TransformerBridge``):
+every entry point takes it where it takes a model and works on the module inside
+(:func:`framework_inner`); the framework's own forward (a trace, a bridge's hooks) still
+runs that module, so a scope opened on the wrapper is open under the framework's backward.
 
 ``nn.DataParallel`` and ``DistributedDataParallel`` exist to split a training step's
 batch and all-reduce parameter gradients. Relevance needs neither: the parameters are
@@ -12,6 +18,8 @@ is refused with a pointer to ``device_map``.
 from __future__ import annotations
 
 from torch import nn
+
+from pyattr._components import is_transformer_bridge
 
 
 def _fsdp_types() -> tuple:
@@ -31,8 +39,34 @@ def _fsdp_types() -> tuple:
     return tuple(types)
 
 
+def _named(obj, package: str, name: str) -> bool:
+    return any(c.__name__ == name and (c.__module__ or "").split(".")[0] == package for c in type(obj).__mro__)
+
+
+def framework_inner(obj):
+    """The module an interpretability framework's wrapper object holds, else None: an
+    nnsight ``Envoy`` (``NNsight``, ``LanguageModel``, a child envoy) holds it in
+    ``_module``; a tdhook ``HookingContext`` (what ``method.prepare(model, …)`` returns) in
+    its ``TensorDictModule``, a tdhook ``HookedModule`` (what its ``with`` gives) in
+    ``hook_root``; a tensordict ``TensorDictModule`` in ``module``; a TransformerLens
+    ``TransformerBridge`` in ``original_model``. Read by class name and module, so none of
+    them need be installed."""
+    if _named(obj, "nnsight", "Envoy"):
+        return obj.__dict__.get("_module")
+    if _named(obj, "tdhook", "HookingContext"):
+        return getattr(obj, "_module", None)
+    if _named(obj, "tdhook", "HookedModule"):
+        return getattr(obj, "hook_root", None)
+    if _named(obj, "tensordict", "TensorDictModule"):
+        return getattr(obj, "module", None)
+    if is_transformer_bridge(obj):
+        return getattr(obj, "original_model", None)
+    return None
+
+
 def unwrap(model: nn.Module) -> nn.Module:
-    """The model inside ``nn.DataParallel`` / ``DistributedDataParallel`` wrappers (any depth).
+    """The model inside ``nn.DataParallel`` / ``DistributedDataParallel`` wrappers (any depth),
+    and inside the wrappers of nnsight, tdhook and TransformerLens (:func:`framework_inner`).
 
     Raises:
         TypeError: ``model`` is sharded with FSDP (``FullyShardedDataParallel`` or
@@ -40,8 +74,13 @@ def unwrap(model: nn.Module) -> nn.Module:
     """
     from torch.nn.parallel import DistributedDataParallel
 
-    while isinstance(model, (nn.DataParallel, DistributedDataParallel)):
-        model = model.module
+    while True:
+        if isinstance(model, (nn.DataParallel, DistributedDataParallel)):
+            model = model.module
+        elif isinstance(framework_inner(model), nn.Module):
+            model = framework_inner(model)
+        else:
+            break
     if not isinstance(model, nn.Module):
         return model  # the caller's own check names the argument
     fsdp = _fsdp_types()
@@ -52,3 +91,23 @@ def unwrap(model: nn.Module) -> nn.Module:
             "one device use device_map= (accelerate) instead"
         )
     return model
+
+
+def mapped_inside(model: nn.Module, mapped) -> nn.Module:
+    """``model`` when its ``config.model_type`` is in ``mapped``; else the one outermost
+    module inside it whose type is (a user's adapter around a Hugging Face model, as tdhook
+    users write one to return logits as a tensor: the rules go on that model, and what the
+    adapter computes from its output is the user's target). ``model`` itself when there is
+    none or more than one."""
+    from pyattr.architectures.paths import model_type
+
+    if model_type(model) in mapped:
+        return model
+    found, inside = [], set()
+    for name, mod in model.named_modules():
+        if not name or any(name.startswith(p + ".") for p in inside):
+            continue
+        if model_type(mod) in mapped:
+            found.append(mod)
+            inside.add(name)
+    return found[0] if len(found) == 1 else model
