@@ -101,11 +101,15 @@ print("\n".join(project.get("dependencies", []) + [r for e in sys.argv[1].split(
 endef
 export REQS
 DEPS_LOG := $(VENV)/deps-install.log
+# inseq 0.7.1 (dev extra) declares typeguard<=2.13.3 without importing it, TransformerLens 4
+# (dev extra) needs typeguard>=4.2: the override lets both install (inseq's tests run with it)
+OVERRIDES := typeguard>=4.2,<5
 
 $(STAMP): $(VENV)/.torch-installed $(CONFIG) setup.py pyproject.toml MANIFEST.in $(CSRC)
 	$(call step,installing pyattr[$(EXTRAS)]: building pyattr._C (log $(LOG)) while the dependencies install (lines marked deps; log $(DEPS_LOG)))
 	@$(PY) -c "$$REQS" '$(EXTRAS)' > $(VENV)/requirements.txt
-	@( $(UVPIP) -r $(VENV)/requirements.txt 2>&1 | tee $(DEPS_LOG) | $(PY) -u -c "$$SHOW" deps ) & deps=$$!; \
+	@echo '$(OVERRIDES)' > $(VENV)/overrides.txt
+	@( $(UVPIP) -r $(VENV)/requirements.txt --override $(VENV)/overrides.txt 2>&1 | tee $(DEPS_LOG) | $(PY) -u -c "$$SHOW" deps ) & deps=$$!; \
 	if ! PYTHONUNBUFFERED=1 $(PIP) -v --no-build-isolation --no-deps -e . 2>&1 \
 	    | tee $(LOG) | $(PY) -u -c "$$SHOW"; then \
 	  echo "build failed; the last 60 lines of $(LOG):"; tail -n 60 $(LOG); \

@@ -25,6 +25,7 @@ processor, ``photo.png`` a random image (until a page's block writes its own). T
 
 import contextlib
 import io
+import linecache
 import os
 import re
 import shlex
@@ -182,8 +183,12 @@ def run_session(d: Path, paths=None):
             buf = io.StringIO()
             error = None
             try:
+                name = f"{_name(path)} block {index}"
+                # the block's source readable by name, as a reader's file or notebook cell is:
+                # nnsight's trace reads the body of its `with` block back from it
+                linecache.cache[name] = (len(code), None, code.splitlines(True), name)
                 with contextlib.redirect_stdout(buf):
-                    exec(compile(code, f"{_name(path)} block {index}", "exec"), {"__name__": "__docs__"})
+                    exec(compile(code, name, "exec"), {"__name__": "__docs__"})
             except BaseException:  # noqa: BLE001 - reported by the block's own test
                 error = traceback.format_exc()
             records[(path, index)] = (buf.getvalue(), error)
