@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List
 
 import torch
 from torch import nn

@@ -3,7 +3,6 @@ the architecture table, never by class), checked before anything is installed.""
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import weakref
 from typing import List, Optional
@@ -16,7 +15,6 @@ from pyattr._module_forward import class_body as _class_body, forward_name, forw
 from pyattr.activations import Activation, _kind_of_module, forward_fn
 from pyattr.architectures.forms import (
     classify_norm,
-    flat_body,
     replaced_on_instance,
     plain_fused_gated_forward,
     plain_gated_forward,
@@ -39,7 +37,6 @@ from pyattr.integration.forwards import (
     gated_forward,
     gated_fused_forward,
     head_forward,
-    is_experts_dispatcher,
     layer_norm_forward,
     norm_eps,
     per_head_pattern,
@@ -53,6 +50,7 @@ from pyattr.integration.install import (
     has_hooks,
     state_of,
 )
+from pyattr.integration.moe_checks import check_experts, check_moe_block
 
 
 #: norms observed to compute the formula their rule assumes: module -> (forward, (kind, offset))
@@ -231,7 +229,7 @@ class Planner:
         if not isinstance(router, nn.Module):
             raise RelevanceRuleUnsupportedError(f"{path!r}: a mixture-of-experts block needs a gate (router) module")
         if self.rules.any():
-            self._check_block(path, block)
+            check_moe_block(self.cov.model_type, path, block)
         gates = [(A.join(path, "gate"), router, router_forward())]
         shared_gate = getattr(block, "shared_expert_gate", None)
         if isinstance(shared_gate, nn.Module):
@@ -245,58 +243,13 @@ class Planner:
         epath = A.join(path, "experts")
         wanted = self.gated_kinds(epath, experts)
         if wanted:
-            self._check_experts(epath, experts)
+            check_experts(epath, experts)
             kind = _kind_of_module(experts.act_fn) or "custom"
             self.mounted.add(id(experts.act_fn))
             for k in wanted:
                 self.add(k, epath, experts, True, experts_forward(kind), check_output=False)
         if isinstance(getattr(block, "shared_expert", None), nn.Module):
             self.gated_mlp(A.join(path, "shared_expert"))
-
-    def _check_block(self, path: str, block: nn.Module) -> None:
-        """The sparse block's forward must be the library's own (the router's second output
-        scales the experts' outputs; the shared expert behind a sigmoid gate), body for
-        body: a block that recomputes its weights from the router logits would bypass the
-        routing rule."""
-        arch = A.ARCHITECTURES.get(self.cov.model_type)
-        own = arch.moe_block if arch is not None else None
-        ref = None
-        if own is not None:
-            try:
-                ref = getattr(importlib.import_module(own[0]), own[1])
-            except (ImportError, AttributeError):
-                ref = None
-        body = flat_body(forward_of(block))
-        if ref is None or body is None or body != flat_body(ref.forward):
-            raise RelevanceRuleUnsupportedError(
-                f"{path!r}: {forward_name(block)} is not the {own[1] if own else 'library'} forward the "
-                "routing and gated rules are placed for; they would not apply where it computes its routing"
-            )
-
-    def _check_experts(self, path: str, experts: nn.Module) -> None:
-        impl = getattr(getattr(experts, "config", None), "_experts_implementation", None)
-        try:
-            from transformers.integrations.moe import _default_apply_gate
-        except ImportError:  # pragma: no cover - transformers without the experts interface
-            _default_apply_gate = None
-        checks = [
-            (impl not in (None, "eager"), f"experts_implementation {impl!r}: the eager one computes act(gate)·up "
-             "inline, where no rule can reach it; load the model with experts_implementation=\"grouped_mm\" (or \"batched_mm\")"),
-            (getattr(experts, "has_gate", False) is True and getattr(experts, "is_concatenated", False) is True
-             and not getattr(experts, "has_bias", False) and not getattr(experts, "has_post_expert_norm", False),
-             "experts without the plain concatenated gate | up layout (gated, no bias, no post-expert norm)"),
-            (_default_apply_gate is not None and getattr(type(experts), "_apply_gate", None) is _default_apply_gate,
-             f"{type(experts).__name__} has its own _apply_gate, not act(gate)·up"),
-            (isinstance(getattr(experts, "act_fn", None), nn.Module), "experts without an act_fn module"),
-            (is_experts_dispatcher(forward_of(experts)),
-             f"{forward_name(experts)} is its own, not transformers' experts dispatcher that calls "
-             "_apply_gate"),
-        ]
-        for ok, why in checks:
-            if not ok:
-                raise RelevanceRuleUnsupportedError(f"{path!r}: {why}; the gated rules cannot be placed")
-        if has_hooks(experts.act_fn):
-            raise RelevanceRuleConflictError(bypass_message(path))
 
     def gated_kinds(self, path: str, mod: nn.Module) -> List[str]:
         """The gated rule kinds these rules ask for; the others are recorded as off."""
