@@ -279,7 +279,8 @@ def test_check_tool_one_line_errors(tmp_path):
         (["--e2e", "--targets", "-1"], "--targets must be >= 0"),
         (["--ig-memory", "--chunk", "0"], "--chunk must be >= 1"),
         (["--e2e", "--conservation"], "--e2e, --conservation, --ig-memory, --patching, --dataset, --faithfulness, "
-                                      "--estimators, --generation, --long-context, --citations and --circuits are separate runs"),
+                                      "--estimators, --generation, --long-context, --citations, --circuits and --frameworks are "
+                                      "separate runs"),
         (["--faithfulness", "--estimators"], "are separate runs; pass one"),
         (["--png", "/tmp/x.png"], "--png is the perturbation-curve plot of --faithfulness"),
         (["--faithfulness", "--png", "/nonexistent/dir/x.png"], "--png: cannot write"),
@@ -289,7 +290,7 @@ def test_check_tool_one_line_errors(tmp_path):
         (["--long-context", "--context", "16384"], "--context sets the context lengths of --generation"),
         (["--generation", "--context", "0"], "--context: expected positive token counts separated by commas, got '0'"),
         (["--generation", "--rounds", "0"], "--rounds must be >= 1, got 0"),
-        (["--faithfulness", "--rounds", "2"], "--rounds sets the interleaved rounds of --generation and --long-context"),
+        (["--faithfulness", "--rounds", "2"], "--rounds sets the interleaved rounds of --generation, --long-context and --frameworks"),
         (["--generation", "--context", "16k"], "--context: expected positive token counts separated by commas, got '16k'"),
     ],
 )

@@ -122,7 +122,8 @@ def test_saved_attribution_documents_validate_and_bad_rows_are_named():
         report.validate(bad)
     bad["kind"] = "speed"
     with pytest.raises(ValueError, match=r"kind 'speed', expected one of \['micro', 'e2e', 'conservation', 'ig-memory', 'patching', 'generation', "
-                                         r"'generation-long', 'long-context', 'estimators', 'faithfulness', 'citations', 'circuits', 'dataset'\]"):
+                                         r"'generation-long', 'long-context', 'estimators', 'frameworks', 'faithfulness', 'citations', "
+                                         r"'circuits', 'dataset'\]"):
         report.validate(bad)
     bad["kind"] = "patching"
     bad["rows"] = [{"model": "m", "method": "atp", "variant": "atp", "node": "mlp", "nodes": 3, "pairs": 1,
@@ -205,6 +206,51 @@ def test_estimators_bench_quick_run(tmp_path):
     big = [r for r in doc["rows"] if r["model"].startswith("random Llama, 12 layers x 12 heads")]
     assert len(big) == 9 and all(r["speedup_vs_exact"] > 0 for r in big)
     assert "top-2 = exact" in p.stdout
+
+
+@pytest.mark.slow
+def test_frameworks_bench_quick_run(tmp_path):
+    from pyattr.bench import report
+
+    out = tmp_path / "f.json"
+    p = run_cli("bench", "--frameworks", "--quick", "--json", out)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(out.read_text())
+    report.validate(doc)
+    by = {r["variant"]: r for r in doc["rows"]}
+    assert set(by) == {"bridge_plain", "bridge_rules", "bridge_same", "bridge_hooks", "nnsight_plain", "nnsight_rules"}
+    assert all(r["rounds"] == 2 and r["seq"] == 128 for r in doc["rows"])
+    for v, base in (("bridge_rules", "bridge_plain"), ("bridge_same", "bridge_hooks"), ("nnsight_rules", "nnsight_plain")):
+        o = by[v][f"over_{base}"]
+        assert o["rounds"] == 2 and o["min"] <= o["median"] <= o["max"]
+    assert "| TransformerBridge, pyattr's default rules |" in p.stdout
+
+
+def test_frameworks_bench_variants_compute_what_they_name():
+    """The timed steps: pyattr's rules and the same rules as TransformerLens hooks give one
+    relevance; the nnsight trace under the scope gives the bridge's under the scope."""
+    import warnings
+
+    from nnsight import NNsight
+    from transformer_lens.model_bridge.sources._bridge_builder import build_bridge_from_module
+
+    from pyattr.bench import frameworks as F
+
+    ids = torch.randint(3, 32000, (1, 12), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for v in F.VARIANTS:
+        model = F._model(128, 2).double()
+        if v.startswith("bridge"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                runner = build_bridge_from_module(model, type(model).__name__, hf_config=model.config)
+            out[v] = F._bridge_step(runner, ids, 5, v).detach()
+        else:
+            out[v] = F._nnsight_step(NNsight(model), ids, 5, v).detach()
+    torch.testing.assert_close(out["bridge_same"], out["bridge_hooks"], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(out["nnsight_rules"], out["bridge_rules"], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(out["nnsight_plain"], out["bridge_plain"], rtol=1e-5, atol=1e-7)
+    assert float((out["bridge_rules"] - out["bridge_plain"]).abs().max()) > 1e-3
 
 
 @pytest.mark.slow

@@ -206,6 +206,8 @@ _ROW_NUMBERS = {
     "long-context": (("variant", "model"), ("context", "seconds", "seconds_min", "seconds_max", "rounds",
                                             "peak_rss_bytes", "peak_extra_bytes", "bytes_per_1k", "memory_over_plain")),
     "estimators": (("model", "variant", "node"), ("pairs", "seconds")),
+    "frameworks": (("variant", "model"), ("seq", "seconds", "seconds_min", "seconds_max", "rounds", "peak_rss_bytes",
+                                          "peak_extra_bytes")),
     "faithfulness": (("model", "method"), ("rows", "ms", "time_ratio_to_ig", "abpc_sem")),
     "citations": (("model", "method"), ("examples", "sources", "forwards", "ms_per_example", "lds_se", "top1")),
     "circuits": (("model", "variant"), ("pairs", "edges", "seconds", "top2_equal_exact", "cmd",

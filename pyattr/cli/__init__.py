@@ -362,6 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--circuits", action="store_true",
                    help="edge attribution (AtP, RelP, EAP-IG) against exact edge patching on both toy decoders' key "
                         "and value pairs: Pearson, top-2, MIB's CPR and CMD, time, instead")
+    b.add_argument("--frameworks", action="store_true",
+                   help="the rules under TransformerLens' and nnsight's own backward against their plain backward "
+                        "and against the rules written as TransformerLens hooks: time with its range over interleaved "
+                        "rounds, peak memory, instead")
     b.add_argument("--png", metavar="PATH", help="--faithfulness: write the mean perturbation curves as PNG")
     b.add_argument("--dataset", action="store_true",
                    help="pyattr run over a file of prompts on a random ~1B Llama (bfloat16 on CUDA, 64 prompts; "

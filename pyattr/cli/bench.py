@@ -10,7 +10,7 @@ from pyattr.cli._common import UsageError, check_output_path, fail
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 #: CPU runs whose module ``pyattr.bench.<name>`` has ``run_all(quick)`` and
 #: ``markdown(rows, contention)`` and whose JSON kind is the name
-SIMPLE_RUNS = ("faithfulness", "generation", "long_context", "estimators", "citations", "circuits")
+SIMPLE_RUNS = ("faithfulness", "generation", "long_context", "estimators", "citations", "circuits", "frameworks")
 
 
 def parse_shapes(text: str):
@@ -41,13 +41,14 @@ def _check_args(args):
         raise UsageError(f"--chunk must be >= 1, got {args.chunk}")
     if sum(map(bool, (args.e2e, args.conservation, args.ig_memory, args.patching, args.dataset,
                       args.faithfulness, args.estimators, args.generation, args.long_context,
-                      args.citations, args.circuits))) > 1:
+                      args.citations, args.circuits, args.frameworks))) > 1:
         raise UsageError("--e2e, --conservation, --ig-memory, --patching, --dataset, --faithfulness, "
-                         "--estimators, --generation, --long-context, --citations and --circuits are separate runs; "
-                         "pass one")
+                         "--estimators, --generation, --long-context, --citations, --circuits and --frameworks are "
+                         "separate runs; pass one")
     if getattr(args, "rounds", None) is not None:
-        if not (args.generation or args.long_context):
-            raise UsageError("--rounds sets the interleaved rounds of --generation and --long-context; pass one")
+        if not (args.generation or args.long_context or args.frameworks):
+            raise UsageError("--rounds sets the interleaved rounds of --generation, --long-context and --frameworks; "
+                             "pass one")
         if args.rounds < 1:
             raise UsageError(f"--rounds must be >= 1, got {args.rounds}")
     contexts = getattr(args, "context", None)
