@@ -182,13 +182,26 @@ def test_compatibility_mode_matches_the_rules_by_hand():
     close(bridge_relevance(bridge, HAND), bridge_relevance(bridge, hand=True), 1e-10)
 
 
-def test_attnlrp_on_an_attention_the_bridge_computes_itself_is_refused():
-    bridge, _ = bridged("llama")
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_attnlrp_on_the_bridges_own_attention(arch):
+    """AttnLRP's rule sits in the q, k and v projections (×¼, ×¼, ×½; the softmax's rule is
+    its own gradient): the bridge's attention calls them, so its numbers are AttnLRP's."""
+    bridge, ref = bridged(arch)
+    rules = RelevanceRules.all(attention="attnlrp")
+    got = bridge_relevance(bridge, rules)
+    close(got, hf_relevance(ref, rules), 1e-5)
+    assert float((got - bridge_relevance(bridge, RelevanceRules.all())).abs().max()) > 1e-3 * float(got.abs().max())
+
+
+def test_attnlrp_on_projections_the_bridge_split_off_is_refused():
+    """GPT-2's bridge computes attention on q/k/v Linears it split off ``c_attn``: AttnLRP's
+    scaled gradients on ``c_attn`` would never run, so its first forward raises."""
+    bridge, _ = bridged("gpt2")
     with pytest.raises(RelevanceRuleUnsupportedError,
-                       match=r"'model\.layers\.0\.self_attn': the TransformerLens PositionEmbeddingsAttentionBridge "
-                             r"computes attention itself"):
+                       match=r"'transformer\.h\.0\.attn': the TransformerLens JointQKVAttentionBridge computed this "
+                             r"mount without calling the module that carries its attention rule"):
         with use_relevance_rules(bridge, RelevanceRules.all(attention="attnlrp")):
-            pass
+            bridge(IDS)
 
 
 def test_a_component_that_computes_its_mount_without_the_rule_is_refused():

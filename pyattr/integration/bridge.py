@@ -17,9 +17,11 @@ the module it wraps, the rule goes to the component's own seam:
 - an attention component computing attention itself (TL's own q/k/v, RoPE, softmax —
   every attention bridge but the delegating base class): the pattern entering
   ``hook_pattern`` is held constant (the AH-rule: attention weights are constants, RelP
-  §3.2), with the same backward-hook behaviour. AttnLRP (a rule on the softmax and the
-  q·k product) needs the Hugging Face attention core, which such a component never calls:
-  refused by name;
+  §3.2), with the same backward-hook behaviour. AttnLRP's rule sits in the q, k and v
+  projections (the softmax's rule is its own gradient, which TL's attention computes), so
+  those must run inside the component: TL's attention on q/k/v Linears it split off a
+  fused projection (GPT-2, GPT-NeoX, Phi-3) never calls the fused one and is refused at
+  its first forward;
 - an MLP component running TL's processed weights (compatibility mode) with its functional
   activation: refused by name while the Identity- or Half-rule is on.
 
@@ -123,14 +125,6 @@ def check_plan(model: nn.Module, pl) -> None:
     comps = components(model)
     if not comps:
         return
-    for mod in pl.attnlrp_attention:
-        comp = comps.get(id(mod))
-        if comp is not None and not _delegates(comp):
-            raise RelevanceRuleUnsupportedError(
-                f"{_path(model, comp)}: the TransformerLens {type(comp).__name__} computes attention itself "
-                "(its own q/k/v, softmax and hook_pattern) and never calls the Hugging Face attention core that "
-                "AttnLRP's rule runs in; use the AH-rule (RelevanceRules.all()), or open the scope on the Hugging "
-                "Face model before building the bridge")
     for st in pl.steps:
         comp = comps.get(id(st.module))
         if comp is None:
@@ -147,6 +141,13 @@ def check_plan(model: nn.Module, pl) -> None:
                 "hook_scale seam to hold the scale constant at (the LN-rule)")
 
 
+def _owner(model: nn.Module, path: str):
+    """The module holding the one at ``path`` (a projection's attention)."""
+    from pyattr.architectures.paths import get_submodule
+
+    return get_submodule(model, path.rsplit(".", 1)[0]) if "." in path else None
+
+
 def _path(model: nn.Module, comp: nn.Module) -> str:
     """The component's dotted path as the Hugging Face model names the module it wraps."""
     path = next((n for n, m in model.named_modules() if m is comp), type(comp).__name__)
@@ -155,34 +156,47 @@ def _path(model: nn.Module, comp: nn.Module) -> str:
 
 class _Reached:
     """The run-time check that each rule a component's mount carries was reached: when a
-    component around a rule-carrying module returns (gradient recording on), the module
-    itself ran inside it, or (a norm, an attention) the component's held seam did. A
-    component that computes its mount some other way (TL's reconstructed gated MLP on
-    fused gate/up weights, for one) raises instead of answering without the rule."""
+    component around rule-carrying modules returns (gradient recording on), each of them ran
+    inside it, or (a norm, an attention under the AH-rule) the component's held seam did. A
+    component that computes its mount some other way (TL's reconstructed gated MLP on fused
+    gate/up weights, its attention on q/k/v projections split off a fused one under AttnLRP)
+    raises instead of answering without the rule."""
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.ran: Dict[int, bool] = {}
-        self.what: Dict[int, str] = {}
+        self.ran: Dict[tuple, bool] = {}
+        self.watched: Dict[int, List[tuple]] = {}
+        self.what: Dict[tuple, str] = {}
 
-    def watch(self, comp: nn.Module, inner: nn.Module, kind: str, handles: list) -> None:
-        key = id(comp)
+    def watch(self, comp: nn.Module, inner: nn.Module, kind: str, handles: list) -> tuple:
+        key = (id(comp), id(inner))
         self.what[key] = kind
-        handles.append(comp.register_forward_pre_hook(lambda m, a: self.ran.__setitem__(key, False)))
-        handles.append(inner.register_forward_pre_hook(lambda m, a: self._mark(key)))
-        handles.append(comp.register_forward_hook(lambda m, a, o: self._check(m, key)))
+        first = id(comp) not in self.watched
+        self.watched.setdefault(id(comp), []).append(key)
+        if first:
+            handles.append(comp.register_forward_pre_hook(lambda m, a: self._start(id(m))))
+            handles.append(comp.register_forward_hook(lambda m, a, o: self._check(m)))
+        handles.append(inner.register_forward_pre_hook(lambda m, a: self.mark(key)))
+        return key
 
-    def _mark(self, key: int) -> None:
+    def _start(self, comp_id: int) -> None:
+        for key in self.watched[comp_id]:
+            self.ran[key] = False
+
+    def mark(self, key: tuple) -> None:
         if key in self.ran:
             self.ran[key] = True
 
-    def _check(self, comp: nn.Module, key: int) -> None:
-        if self.ran.pop(key, True) or not torch.is_grad_enabled():
+    def _check(self, comp: nn.Module) -> None:
+        missed = [k for k in self.watched[id(comp)] if not self.ran.pop(k, True)]
+        if not missed or not torch.is_grad_enabled():
             return
+        kinds = sorted({self.what[k] for k in missed})
         raise RelevanceRuleUnsupportedError(
             f"{_path(self.model, comp)}: the TransformerLens {type(comp).__name__} computed this mount without "
-            f"calling the module that carries its {self.what[key]} rule (nor a seam pyattr holds), so the rule "
-            "would not run; open the scope on the Hugging Face model without the bridge, or switch that rule off")
+            f"calling the module{'s' if len(missed) > 1 else ''} that carr{'y' if len(missed) > 1 else 'ies'} its "
+            f"{' and '.join(kinds)} rule (nor a seam pyattr holds), so the rule would not run; open the scope on "
+            "the Hugging Face model without the bridge, or switch that rule off")
 
 
 @contextlib.contextmanager
@@ -200,13 +214,19 @@ def bridge_seams(model: nn.Module, pl) -> Iterator[None]:
     reached = _Reached(model)
     for st in pl.steps:
         comp = comps.get(id(st.module))
-        if comp is None or st.kind == "attention":  # q/k projections: the pattern below holds them
+        if st.kind == "attention":
+            # q/k/v projections: under the AH-rule the held pattern below does their work;
+            # AttnLRP's scaled gradients live only in them, so they must run
+            owner = comps.get(id(_owner(model, st.path)))
+            if st.value[0] == "attnlrp" and owner is not None:
+                reached.watch(owner, st.module, "attention", handles)
             continue
-        reached.watch(comp, st.module, st.kind, handles)
+        if comp is None:
+            continue
+        key = reached.watch(comp, st.module, st.kind, handles)
         if st.kind == "normalization":
             handles.append(comp.hook_scale.register_forward_pre_hook(_hold_input, prepend=True))
-            handles.append(comp.hook_scale.register_forward_pre_hook(
-                lambda m, a, key=id(comp): reached._mark(key)))
+            handles.append(comp.hook_scale.register_forward_pre_hook(lambda m, a, key=key: reached.mark(key)))
     for mod in pl.frozen_attention:
         comp = comps.get(id(mod))
         if comp is not None and isinstance(getattr(comp, "hook_pattern", None), nn.Module):
