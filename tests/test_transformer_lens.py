@@ -19,6 +19,7 @@ from transformer_lens.model_bridge.sources._bridge_builder import build_bridge_f
 import pyattr
 from models import VOCAB, tiny_causal_lm
 from pyattr import RelevanceRuleConflictError, RelevanceRuleUnsupportedError, RelevanceRules, use_relevance_rules
+from pyattr.bench.frameworks import rules_as_tl_hooks
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore::UserWarning:transformer_lens"),
@@ -27,8 +28,6 @@ pytestmark = [pytest.mark.usefixtures("one_thread"),
 IDS = torch.randint(3, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
 TOKEN = 5
 HAND = RelevanceRules(normalization=True, attention=True, activation=True)  # what the hand oracle writes
-ACTS = ("NewGELUActivation", "GELUActivation", "SiLUActivation", "SiLU", "GELU", "GELUTanh",
-        "PytorchGELUTanh", "FastGELUActivation")
 
 
 def bridged(arch, dtype=torch.float64):
@@ -63,15 +62,9 @@ def hf_relevance(model, rules, loss=False):
 def bridge_relevance(bridge, rules=None, hand=False):
     """The same on the bridge at ``blocks.0.hook_resid_pre``: under ``use_relevance_rules(bridge)``
     when ``rules`` is given, or with the rules written by hand with TL's hooks (``hand``)."""
-    kept, handles = {}, []
+    kept = {}
     bridge.hook_dict["blocks.0.hook_resid_pre"].add_hook(lambda t, hook: kept.__setitem__("x", t))
-    if hand:
-        for name, hp in bridge.hook_dict.items():
-            if name.endswith(("hook_scale", "hook_pattern")):
-                hp.add_hook(lambda t, hook: t.detach())
-        for mod in bridge.original_model.modules():
-            if type(mod).__name__ in ACTS:
-                handles.append(mod.register_forward_hook(lambda mod, i, o: i[0] * (o / i[0]).detach()))
+    handles = rules_as_tl_hooks(bridge) if hand else []
     try:
         if rules is not None:
             with use_relevance_rules(bridge, rules):
@@ -123,16 +116,12 @@ def test_run_with_cache_with_backward_sees_the_rule_gradients(arch):
     for name in ("blocks.0.ln1.hook_scale_grad", "blocks.0.ln1.hook_normalized_grad", "blocks.0.attn.hook_pattern_grad"):
         assert name in cache and torch.isfinite(cache[name]).all() and cache[name].abs().max() > 0, name
     # against the rules by hand on the same bridge, with the same cache call
-    for name, hp in bridge.hook_dict.items():
-        if name.endswith(("hook_scale", "hook_pattern")):
-            hp.add_hook(lambda t, hook: t.detach(), is_permanent=True)
-    handles = [mod.register_forward_hook(lambda mod, i, o: i[0] * (o / i[0]).detach())
-               for mod in bridge.original_model.modules() if type(mod).__name__ in ACTS]
+    handles = rules_as_tl_hooks(bridge)
     try:
         _, hand = bridge.run_with_cache(IDS, return_type="loss", incl_bwd=True,
                                         names_filter=lambda n: n.startswith("blocks.0.hook_resid_pre"))
     finally:
-        bridge.reset_hooks(including_permanent=True)
+        bridge.reset_hooks()
         for h in handles:
             h.remove()
     close(got, (hand["blocks.0.hook_resid_pre"] * hand["blocks.0.hook_resid_pre_grad"]).sum(-1), 1e-10)

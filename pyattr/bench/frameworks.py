@@ -39,7 +39,21 @@ NAMES = {"bridge_plain": "TransformerBridge, plain backward",
          "bridge_same": "TransformerBridge, pyattr: LN-, Identity-, AH-rule",
          "bridge_hooks": "TransformerBridge, LN-, Identity-, AH-rule as TransformerLens hooks",
          "nnsight_plain": "nnsight trace, plain .grad", "nnsight_rules": "nnsight trace, pyattr's rules"}
-ACTS = ("SiLUActivation", "SiLU")
+#: activation modules the hand-written Identity-rule hooks (what Hugging Face decoders use)
+ACTS = ("SiLUActivation", "SiLU", "NewGELUActivation", "GELUActivation", "GELU", "GELUTanh", "PytorchGELUTanh",
+        "FastGELUActivation")
+
+
+def rules_as_tl_hooks(bridge) -> list:
+    """The LN-, Identity- and AH-rule written as a TransformerLens user writes them, with
+    no pyattr: every ``hook_scale`` and ``hook_pattern`` detached, each activation's output
+    as ``x · (act(x)/x)`` with the ratio detached. Returns the activation hooks' handles
+    (``bridge.reset_hooks()`` removes the TL ones)."""
+    for name, hp in bridge.hook_dict.items():
+        if name.endswith(("hook_scale", "hook_pattern")):
+            hp.add_hook(lambda t, hook: t.detach())
+    return [mod.register_forward_hook(lambda m, i, o: i[0] * (o / i[0]).detach())
+            for mod in bridge.original_model.modules() if type(mod).__name__ in ACTS]
 
 
 def _model(hidden: int, layers: int):
@@ -64,14 +78,7 @@ def _bridge_step(bridge, ids, target, variant):
         kept["x"] = t
 
     bridge.hook_dict["blocks.0.hook_resid_pre"].add_hook(keep)
-    handles = []
-    if variant == "bridge_hooks":
-        for name, hp in bridge.hook_dict.items():
-            if name.endswith(("hook_scale", "hook_pattern")):
-                hp.add_hook(lambda t, hook: t.detach())
-        for mod in bridge.original_model.modules():
-            if type(mod).__name__ in ACTS:
-                handles.append(mod.register_forward_hook(lambda m, i, o: i[0] * (o / i[0]).detach()))
+    handles = rules_as_tl_hooks(bridge) if variant == "bridge_hooks" else []
     try:
         if variant in ("bridge_rules", "bridge_same"):
             rules = None if variant == "bridge_rules" else \
