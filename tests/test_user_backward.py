@@ -191,6 +191,40 @@ def _differentiate(model, run, entry_of, how, token, position):
     return (x * grad).sum(-1).detach()[0], float(value.detach())
 
 
+def _in_nnsight_trace(model, rules, ids, how, token, position):
+    """The user's code in an nnsight trace: ``.input`` / ``.output`` of the module where the
+    residual stream enters the first block, its ``.grad`` in a ``backward()`` block (or
+    ``torch.autograd.grad`` in the trace), the scope opened on the ``NNsight`` wrapper."""
+    from nnsight import NNsight
+
+    lm = NNsight(model)
+    mod, where = entry_module(model)
+    envoy = lm
+    for part in next(n for n, m in model.named_modules() if m is mod).split("."):
+        envoy = envoy[int(part)] if part.isdigit() else getattr(envoy, part)
+    feed = {"input_ids": ids} if how == "ids+hook" else \
+        {"inputs_embeds": model.get_input_embeddings()(ids).detach().requires_grad_(True)}
+    with use_relevance_rules(lm, rules):
+        with lm.trace(**feed):
+            x = envoy.output if where == "output" else envoy.input
+            if not x.requires_grad:
+                x.requires_grad_(True)
+            kept = x.save()
+            logits = lm.output.logits
+            value = logits[0, position, token].save()
+            if how == "autograd.grad":
+                grad = torch.autograd.grad(value, x)[0].save()
+            elif how == "retain_graph":
+                with logits[0, position, (token + 1) % VOCAB].backward(retain_graph=True):
+                    pass
+                with value.backward():
+                    grad = x.grad.save()
+            else:
+                with value.backward():
+                    grad = x.grad.save()
+    return (kept * grad).sum(-1).detach()[0], float(value)
+
+
 def _sample_model(arch, attn):
     if arch.endswith("_moe"):  # CPU grouped_mm has no float64: the batched experts
         from transformers import AutoModelForCausalLM
@@ -232,12 +266,11 @@ def test_sampled_contract(arch, attn, rules, backend, trainable, how, framework)
             have, value = _differentiate(model, run, entry, "autograd.grad" if how == "ids+hook" else how,
                                          token, position)
             tol = 1e-5  # the bridge's own eager attention: float-rounding apart from Hugging Face's
+        elif framework == "nnsight":
+            have, value = _in_nnsight_trace(model, chosen, ids, how, token, position)
+            tol = 1e-5
         else:
             target = model
-            if framework == "nnsight":
-                from nnsight import NNsight
-
-                target = NNsight(model)
             entry = entry_module(model)
             e = model.get_input_embeddings()(ids).detach().requires_grad_(True)
 
