@@ -97,6 +97,12 @@ def test_nnsight_wrappers_are_taken_wherever_a_model_is():
     want = pyattr.relevance(model, ids, target=pyattr.targets.Logit(3)).relevance
     for wrapper in (NNsight(model), LanguageModel(model, tokenizer=tok)):
         assert torch.equal(pyattr.relevance(wrapper, ids, target=pyattr.targets.Logit(3)).relevance, want)
+    # text: a LanguageModel reads it with its own tokenizer, a bare NNsight asks for one
+    text = pyattr.relevance(model, "sun cat red tree sun", tokenizer=tok)
+    got = pyattr.relevance(LanguageModel(model, tokenizer=tok), "sun cat red tree sun")
+    assert torch.equal(got.relevance, text.relevance) and got.tokens == text.tokens
+    with pytest.raises(ValueError, match=r"relevance\(\): inputs are text; pass tokenizer="):
+        pyattr.relevance(NNsight(model), "sun cat red tree sun")
     with use_relevance_rules(NNsight(model).model) as cov:  # a child envoy: the module it holds
         pass
     assert cov.model_type == "llama"

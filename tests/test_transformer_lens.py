@@ -132,6 +132,18 @@ def test_relevance_takes_the_bridge_and_coverage_names_its_mounts():
     got = pyattr.relevance(bridge, IDS, target=pyattr.targets.Logit(TOKEN))
     want = pyattr.relevance(ref, IDS, target=pyattr.targets.Logit(TOKEN))
     close(got.token_relevance.double(), want.token_relevance.double(), 1e-5)
+    # text, read with the bridge's own tokenizer
+    import pyattr.toy as toy
+    from transformer_lens.model_bridge import TransformerBridge
+
+    model, tok, _ = toy.load()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        booted = TransformerBridge.boot_transformers(str(toy.INDUCTION_DIR), device="cpu")
+    text = pyattr.relevance(booted, "sun cat red tree sun")
+    assert text.tokens == pyattr.relevance(model, "sun cat red tree sun", tokenizer=tok).tokens
+    close(text.token_relevance.double(),
+          pyattr.relevance(model, "sun cat red tree sun", tokenizer=tok).token_relevance.double(), 1e-6)
     with use_relevance_rules(bridge) as cov:
         pass
     assert cov.mounts["model.layers.0.input_layernorm"] == "blocks.0.ln1"

@@ -64,6 +64,19 @@ def framework_inner(obj):
     return None
 
 
+def framework_tokenizer(obj):
+    """The tokenizer a framework's wrapper carries (a ``TransformerBridge``'s, an nnsight
+    ``LanguageModel`` / ``TransformersModel``'s), else None: text given with such a wrapper
+    is read with the tokenizer the framework itself reads it with."""
+    if framework_inner(obj) is None:
+        return None
+    try:
+        tok = obj.__dict__.get("tokenizer") if _named(obj, "nnsight", "Envoy") else getattr(obj, "tokenizer", None)
+    except Exception:  # noqa: BLE001 - a wrapper property that cannot answer has no tokenizer to give
+        return None
+    return tok if callable(getattr(tok, "encode", None)) else None
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The model inside ``nn.DataParallel`` / ``DistributedDataParallel`` wrappers (any depth),
     and inside the wrappers of nnsight, tdhook and TransformerLens (:func:`framework_inner`).

@@ -423,6 +423,11 @@ def text_inputs(caller: str, *, inputs: Sequence[str] = ("inputs",), target: Opt
                 raise ValueError(f"continuation: a text continuation is tokenized together with its prompt, so "
                                  f"{inputs[0]} must be text too (got {type(a.get(inputs[0])).__name__}); pass the "
                                  "prompt as a string, or the continuation as token ids")
+            if "tokenizer" in a or "tokenizer" in sig.parameters:
+                if a.get("tokenizer") is None:  # a framework's wrapper reads text with its own tokenizer
+                    from pyattr.integration.wrappers import framework_tokenizer
+
+                    a["tokenizer"] = framework_tokenizer(a["model"])
             text_cont = (cont is not None and is_text(cont) and is_text(a.get(inputs[0])))
             named = isinstance(a["model"], str) or hasattr(a["model"], "__fspath__")
             if text_cont:  # prompts and continuations tokenized together (generation)
