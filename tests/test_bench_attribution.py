@@ -223,7 +223,7 @@ def test_frameworks_bench_quick_run(tmp_path):
     for v, base in (("bridge_rules", "bridge_plain"), ("bridge_same", "bridge_hooks"), ("nnsight_rules", "nnsight_plain")):
         o = by[v][f"over_{base}"]
         assert o["rounds"] == 2 and o["min"] <= o["median"] <= o["max"]
-    assert "| TransformerBridge, pyattr's default rules |" in p.stdout
+    assert "| 128 | TransformerBridge, pyattr's default rules |" in p.stdout
 
 
 def test_frameworks_bench_variants_compute_what_they_name():

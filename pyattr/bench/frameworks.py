@@ -1,6 +1,6 @@
 """``pyattr bench --frameworks``: the rules under a framework's own backward against that
-framework's plain backward, on a 4-layer, hidden-512 Llama (8 heads, float32, CPU, 512
-tokens; ``--quick``: 2 layers, hidden 128, 128 tokens; parameters frozen: the gradient of
+framework's plain backward, on a 4-layer, hidden-512 Llama (8 heads, float32, CPU, 512 and
+2048 tokens; ``--quick``: 2 layers, hidden 128, 128 tokens; parameters frozen: the gradient of
 the activations only, as relevance needs), one target logit at the last position, the
 gradient read at the first block's input (gradient × activation):
 
@@ -155,7 +155,7 @@ def run_all(quick: bool = False, rounds: int = None) -> List[Dict]:
 
         raise E2EError(f"--frameworks measures TransformerLens and nnsight; {', '.join(missing)} not installed "
                        "(the dev extra has both)")
-    seqs = (128,) if quick else (512,)
+    seqs = (128,) if quick else (512, 2048)
     extra = ["--hidden", "128", "--layers", "2"] if quick else []
     return interleaved_grid("pyattr.bench.frameworks", "--seq", seqs, VARIANTS, extra, "frameworks, tokens:",
                             pairs=PAIRS, rounds=rounds or (2 if quick else ROUNDS),
@@ -172,14 +172,15 @@ def markdown(rows: List[Dict], contention=None) -> str:
     from pyattr.bench.report import with_conditions
     from pyattr.bench.rounds import ratio_text, versions_line
 
-    lines = [f"The rules under a framework's own backward: {rows[0]['model']}, {rows[0]['seq']} tokens, CPU; time "
-             f"median (range) over {min(r['rounds'] for r in rows)} rounds, ratios per round", "",
-             "| framework and rules | time (s) | / its plain backward | / the rules as TL hooks | peak over model (MB) |",
-             "|---|---:|---:|---:|---:|"]
+    lines = [f"The rules under a framework's own backward: {rows[0]['model']}, CPU; time median (range) over "
+             f"{min(r['rounds'] for r in rows)} rounds, ratios per round", "",
+             "| tokens | framework and rules | time (s) | / its plain backward | / the rules as TL hooks | "
+             "peak over model (MB) |",
+             "|---:|---|---:|---:|---:|---:|"]
     for r in rows:
         plain = r.get("over_bridge_plain") or r.get("over_nnsight_plain")
         hooks = r.get("over_bridge_hooks") if r["variant"] == "bridge_same" else None
-        lines.append(f"| {NAMES[r['variant']]} | {r['seconds']:.2f} ({r['seconds_min']:.2f}–{r['seconds_max']:.2f}) | "
+        lines.append(f"| {r['seq']} | {NAMES[r['variant']]} | {r['seconds']:.2f} ({r['seconds_min']:.2f}–{r['seconds_max']:.2f}) | "
                      f"{ratio_text(plain) or '1'} | {ratio_text(hooks) or ''} | "
                      f"{r['peak_extra_bytes'] / 2**20:.0f} |")
     return with_conditions(lines + ["", versions_line()], contention)
