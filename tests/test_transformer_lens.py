@@ -230,3 +230,12 @@ def test_a_bridge_built_inside_an_open_scope_is_refused():
             bridge = build_bridge_from_module(m, type(m).__name__, hf_config=m.config)
         with pytest.raises(RelevanceRuleConflictError, match=r"'transformer\.h\.0\.ln_1': another module took its place"):
             bridge(IDS)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_mixture_of_experts_bridges(arch):
+    """Sparse blocks under a bridge (float32: CPU grouped_mm has no float64): the routing and
+    gated rules of the experts, as on the Hugging Face model."""
+    bridge, ref = bridged(arch, dtype=torch.float32)
+    for rules in (RelevanceRules.all(), RelevanceRules(normalization=True)):
+        close(bridge_relevance(bridge, rules), hf_relevance(ref, rules), 1e-5)
