@@ -200,3 +200,24 @@ def test_captums_own_layer_gradient_x_activation_under_the_scope_is_relevance():
             IDS, target=7)
     e, g = rule_gradient(ref, "qwen2", 7)
     close(got, e * g)
+
+
+def test_nnsight_wrapping_inside_an_open_scope_keeps_the_rules_and_gives_them_back():
+    """``NNsight(model)`` while a scope is open: nnsight's controllers call the rule forwards
+    the scope installed (the trace's gradient is the rules'), and at the scope's exit each
+    controller runs the module's own forward again — the rules do not outlive the scope
+    (they did, silently, 3.5 off)."""
+    from nnsight import NNsight
+
+    model = tiny_causal_lm("llama", dtype=torch.float64)
+    ref = copy.deepcopy(model)
+    with use_relevance_rules(model):
+        lm = NNsight(model)
+        with lm.trace(IDS):
+            emb = lm.model.embed_tokens.output
+            with lm.output.logits[0, -1, 7].backward():
+                g = emb.grad.save()
+    close(g, rule_gradient(ref, "llama", 7)[1])
+    close(rule_gradient(model, "llama", 7, RelevanceRules())[1], rule_gradient(ref, "llama", 7, RelevanceRules())[1])
+    mlp = model.model.layers[0].mlp
+    assert mlp.__dict__["forward"].state.body is type(mlp).forward and "_pyattr_rules" not in mlp.__dict__

@@ -243,19 +243,42 @@ def _where_patched(module: nn.Module, state: RuleState) -> str:
 
 def holds_patch(module: nn.Module, state: RuleState) -> bool:
     """Whether the module still runs pyattr's rule forward (a forward set on the instance
-    inside the scope replaces it)."""
+    inside the scope replaces it; nnsight wrapping the model inside the scope keeps it, in
+    its controller's body)."""
     return any(state.patched is not None and read_slot(module, slot) is state.patched
-               for slot in (state.slot, "_old_forward", "forward"))
+               for slot in (state.slot, "_old_forward", "forward")) or _nnsight_wraps(module, state.patched)
+
+
+def _nnsight_wraps(module: nn.Module, fn) -> bool:
+    """nnsight instrumented the module while ``fn`` was its instance forward: its
+    controller's body calls ``fn`` (a closure over it)."""
+    ctrl = nnsight_controller(module)
+    if ctrl is None or fn is None:
+        return False
+    return _nnsight_wraps_in(ctrl.state.body, fn)
 
 
 def _unpatch(module: nn.Module, state: RuleState) -> None:
     """Give ``module`` back its own forward and drop the output check and the state. A
-    forward the user set on the instance while the scope was open stays: it is theirs."""
+    forward the user set on the instance while the scope was open stays: it is theirs. A
+    model nnsight wrapped inside the scope gets its own forward back in the controller's
+    body (the rule forward would otherwise outlive the scope there)."""
     if state.hook is not None:
         state.hook.remove()
-    if holds_patch(module, state):
+    if _nnsight_wraps(module, state.patched):
+        saved = state.saved_forward
+        ctrl = nnsight_controller(module)
+        own = type(module).forward if saved is MISSING else (lambda _module, *a, **k: saved(*a, **k))
+        for name in ("body", "original"):
+            if _nnsight_wraps_in(getattr(ctrl.state, name, None), state.patched):
+                setattr(ctrl.state, name, own)
+    elif holds_patch(module, state):
         restore_forward(module, _where_patched(module, state), state.saved_forward)
     module.__dict__.pop(_STATE, None)
+
+
+def _nnsight_wraps_in(body, fn) -> bool:
+    return any(getattr(c, "cell_contents", None) is fn for c in (getattr(body, "__closure__", None) or ()))
 
 
 def restore_forward(module: nn.Module, slot: str, saved) -> None:
