@@ -55,6 +55,17 @@ def nnsight_controller(module: nn.Module):
     return None
 
 
+def nnsight_tracing(module: nn.Module) -> bool:
+    """Whether an nnsight trace is running over ``module`` now (its controller hands each
+    call to the trace's interleaver)."""
+    ctrl = nnsight_controller(module)
+    active = getattr(getattr(ctrl, "state", None), "active", None)
+    try:
+        return callable(active) and active()[0] is not None
+    except Exception:  # noqa: BLE001 - a controller state that cannot answer runs no trace
+        return False
+
+
 def replaced_on_instance(module: nn.Module) -> bool:
     """Whether ``module`` runs a forward other than its class's (:func:`forward_of`)."""
     return forward_of(module) is not type(module).forward

@@ -221,3 +221,44 @@ def test_nnsight_wrapping_inside_an_open_scope_keeps_the_rules_and_gives_them_ba
     close(rule_gradient(model, "llama", 7, RelevanceRules())[1], rule_gradient(ref, "llama", 7, RelevanceRules())[1])
     mlp = model.model.layers[0].mlp
     assert mlp.__dict__["forward"].state.body is type(mlp).forward and "_pyattr_rules" not in mlp.__dict__
+
+
+def test_nnsight_inside_a_rule_carrying_mlp_in_the_first_trace_of_a_scope():
+    """The first call of a scope checks each rebuilt MLP forward on two rows: nnsight must
+    not see those calls (``.output`` of ``down_proj`` was the check's (2, hidden) rows, its
+    ``.grad`` raised nnsight's OutOfOrderError). And the activation the fused rule op would
+    bypass is called through its controller: an edit of ``act_fn.output`` is what the
+    rules act on (it was ignored, 0.25 off)."""
+    from nnsight import NNsight
+
+    model = tiny_causal_lm("llama", dtype=torch.float64)
+    ref = copy.deepcopy(model)
+    lm = NNsight(model)
+    with lm.trace(IDS):
+        plain = lm.model.layers[0].mlp.down_proj.output.save()
+    with use_relevance_rules(lm):
+        with lm.trace(IDS):
+            out = lm.model.layers[0].mlp.down_proj.output
+            first = out.save()
+            with lm.output.logits[0, -1, 7].backward():
+                g = out.grad.save()
+    assert torch.equal(first, plain)
+    kept = {}
+    h = ref.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: kept.__setitem__("o", o))
+    with use_relevance_rules(ref):
+        (want,) = torch.autograd.grad(ref(IDS).logits[0, -1, 7], kept["o"])
+    h.remove()
+    close(g, want)
+    # an edit of the activation's output, against the same edit of up_proj's (the same product)
+    oracle = copy.deepcopy(ref)
+    h = oracle.model.layers[0].mlp.up_proj.register_forward_hook(lambda m, i, o: o * 2)
+    e, want = rule_gradient(oracle, "llama", 7)
+    h.remove()
+    with use_relevance_rules(lm):
+        with lm.trace(IDS):
+            emb = lm.model.embed_tokens.output.save()
+            act = lm.model.layers[0].mlp.act_fn
+            act.output = act.output * 2
+            with lm.output.logits[0, -1, 7].backward():
+                g = emb.grad.save()
+    close(g, want)

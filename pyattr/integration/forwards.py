@@ -5,6 +5,7 @@ replacement ``forward`` of one module instance."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -12,7 +13,7 @@ import torch
 from torch import nn
 
 import pyattr.architectures as A
-from pyattr._module_forward import forward_name
+from pyattr._module_forward import forward_name, nnsight_controller, nnsight_tracing
 from pyattr.activations import Activation, forward_fn
 from pyattr.integration.errors import (
     RelevanceRuleConflictError,
@@ -108,8 +109,10 @@ def _first_tensor(out):
 @contextlib.contextmanager
 def _submodule_hooks_held(module: nn.Module):
     """The forward hooks of ``module``'s submodules emptied for the block (a check's extra
-    calls must not reach a capture or a user's hook), then put back as they were."""
-    held = []
+    calls must not reach a capture or a user's hook), then put back as they were; so are
+    nnsight's controllers (its ``.input`` / ``.output`` / ``.grad`` in a trace would bind to
+    the check's calls): each submodule runs the body its controller runs, directly."""
+    held, parked = [], []
     for m in module.modules():
         if m is module:
             continue
@@ -118,11 +121,17 @@ def _submodule_hooks_held(module: nn.Module):
             if hooks:
                 held.append((hooks, dict(hooks)))
                 hooks.clear()
+        ctrl = nnsight_controller(m)
+        if ctrl is not None:
+            parked.append((m, ctrl))
+            m.__dict__["forward"] = functools.partial(ctrl.state.body, m)
     try:
         yield
     finally:
         for hooks, saved in held:
             hooks.update(saved)
+        for m, ctrl in parked:
+            m.__dict__["forward"] = ctrl
 
 
 def norm_eps(module: nn.Module, path: str) -> float:
@@ -175,6 +184,38 @@ def activation_forward(kind: str):
 _GATED_NAMES = ("gate_proj", "up_proj", "down_proj", "act_fn")
 
 
+class _IdentityOfOutput(torch.autograd.Function):
+    """``a`` (an activation's output, as its module computed it from ``g``) carrying the
+    Identity-rule to ``g``: ``dg = φ·dy`` with ``φ = a/g`` (``zero_limit`` where ``g = 0``),
+    and ``dy`` itself to ``a`` (whose own graph starts from a detached copy of ``g``)."""
+
+    @staticmethod
+    def forward(ctx, g, a, zero_limit):
+        ctx.save_for_backward(g, a)
+        ctx.zero_limit = zero_limit
+        return a.view_as(a)
+
+    @staticmethod
+    def backward(ctx, dy):
+        g, a = ctx.saved_tensors
+        phi = torch.where(g == 0, torch.full_like(a, ctx.zero_limit), a / torch.where(g == 0, torch.ones_like(g), g))
+        return dy * phi, dy, None
+
+
+def _gated_in_trace(act_mod, g, u, identity: bool, half: bool):
+    """``act(g)·u`` under the Identity- and Half-rules with the activation module called
+    through its nnsight controller: a trace's ``.input`` / ``.output`` / ``.grad`` of the
+    activation see its real call, and an edit of its output is what the rules act on (the
+    Identity-rule of what it computes). Forward values are the module's own, bit for bit."""
+    if identity:
+        a = _IdentityOfOutput.apply(g, act_mod(g.detach().requires_grad_(g.requires_grad)), 0.5)
+    else:
+        a = act_mod(g)
+    if half:
+        return scale_gradient(a, 0.5) * scale_gradient(u, 0.5)
+    return a * u
+
+
 def gated_forward(kind: str, path: str, names=_GATED_NAMES):
     """``down(act(gate(x)) * up(x))`` through the fused gated op; ``names`` are the MLP's
     (gate, up, down, act) attributes."""
@@ -187,6 +228,9 @@ def gated_forward(kind: str, path: str, names=_GATED_NAMES):
         def forward(x):
             if has_hooks(act_mod):
                 raise RelevanceRuleConflictError(bypass_message(path, names[3]))
+            if nnsight_tracing(act_mod):  # the fused op would bypass the trace's view of act
+                return down(_gated_in_trace(act_mod, gate(x), up(x), state.active("activation"),
+                                            state.active("multiplicative_gate")))
             h = gated_activation(
                 gate(x), up(x), act, identity=state.active("activation"), half=state.active("multiplicative_gate")
             )
@@ -214,6 +258,9 @@ def gated_fused_forward(kind: str, path: str, form: FusedGatedForm):
             if has_hooks(act_mod):
                 raise RelevanceRuleConflictError(bypass_message(path, form.act))
             a, b = proj(x).chunk(2, dim=-1)
+            if nnsight_tracing(act_mod):  # the fused op would bypass the trace's view of act
+                h = _gated_in_trace(act_mod, a, b, state.active("activation"), state.active("multiplicative_gate"))
+                return down(h if drop is None else drop(h))
             h = gated_activation(a, b, act, identity=state.active("activation"), half=state.active("multiplicative_gate"))
             return down(h if drop is None else drop(h))
 
