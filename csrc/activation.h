@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <string>
 
-#include <c10/util/Exception.h>
+#include "portable.h"
 
 #if defined(__CUDACC__)
 #define PYATTR_HD __host__ __device__ __forceinline__
@@ -15,7 +15,7 @@
 #define PYATTR_HD inline
 #endif
 
-namespace pyattr {
+PYATTR_BEGIN
 
 enum class Act : int { SiLU = 0, GELU = 1, GELUTanh = 2, QuickGELU = 3, ReLU = 4 };
 
@@ -25,7 +25,7 @@ inline Act parse_act(const std::string& name) {
   if (name == "gelu_tanh") return Act::GELUTanh;
   if (name == "quick_gelu") return Act::QuickGELU;
   if (name == "relu") return Act::ReLU;
-  TORCH_CHECK_VALUE(false, "act: unknown activation '", name,
+  PYATTR_CHECK_VALUE(false, "act: unknown activation '", name,
                     "'; expected silu, gelu, gelu_tanh, quick_gelu or relu");
 }
 
@@ -111,4 +111,4 @@ PYATTR_HD T dact_scalar(Act a, T x) {
   }
 }
 
-}  // namespace pyattr
+PYATTR_END

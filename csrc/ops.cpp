@@ -6,28 +6,13 @@
 #include <torch/library.h>
 
 #include "cpu/kernels.h"
+#include "schemas.h"
 
 TORCH_LIBRARY(pyattr, m) {
-  // Identity-rule: dx = dy * phi(x).
-  m.def("identity_backward(Tensor x, Tensor dy, str act) -> Tensor");
-  // Half-rule: du = dy*v/2, dv = dy*u/2 (same-shape inputs).
-  m.def("half_backward(Tensor u, Tensor v, Tensor dy) -> (Tensor, Tensor)");
-  // Gated activation h = act(gate)*up under the Identity- and/or Half-rule.
-  m.def("gated_backward(Tensor gate, Tensor up, Tensor dh, str act, bool identity, bool half) -> (Tensor, Tensor)");
-  // LN-rule for LayerNorm; dweight/dbias are empty tensors when not requested.
-  m.def("layer_norm_backward(Tensor x, Tensor? weight, float eps, Tensor dy, bool need_dweight, bool need_dbias) -> (Tensor, Tensor, Tensor)");
-  // LN-rule dx of LayerNorm from the forward's per-row rstd: dx = rstd * (dy*w - mean(dy*w)).
-  m.def("layer_norm_rule_dx(Tensor dy, Tensor? weight, Tensor rstd) -> Tensor");
-  // LN-rule backward of LayerNorm with the forward's per-row mean and rstd (no recomputation).
-  m.def("layer_norm_backward_stats(Tensor x, Tensor? weight, Tensor dy, Tensor mean, Tensor rstd, bool need_dweight, bool need_dbias) -> (Tensor, Tensor, Tensor)");
-  // LN-rule for RMSNorm with weight offset (1.0 for Gemma).
-  m.def("rms_norm_backward(Tensor x, Tensor? weight, float eps, float offset, Tensor dy, bool need_dweight) -> (Tensor, Tensor)");
-  // Frozen attention (AH-rule): dV = P^T dO, P recomputed per block of query rows from q, k,
-  // an additive mask, the scale, an optional softcap and causality (float32/float64 out).
-  m.def("attention_dv(Tensor q, Tensor k, Tensor dout, Tensor? mask, float scaling, float? softcap, bool causal) -> Tensor");
-  // AttnLRP's attention core: the full gradient (dq, dk, dv) of softmax attention, P and dP
-  // recomputed per block of query rows (float32/float64 out).
-  m.def("attention_backward(Tensor q, Tensor k, Tensor v, Tensor dout, Tensor? mask, float scaling, float? softcap, bool causal) -> (Tensor, Tensor, Tensor)");
+#define PYATTR_DEF(name, schema) m.def(schema);
+  PYATTR_KERNEL_SCHEMAS(PYATTR_DEF)
+  PYATTR_ATTENTION_SCHEMAS(PYATTR_DEF)
+#undef PYATTR_DEF
 }
 
 namespace pyattr {
@@ -57,18 +42,9 @@ PyMODINIT_FUNC PyInit__C(void) {
   return mod;
 }
 
-namespace pyattr::cpu {
-
 TORCH_LIBRARY_IMPL(pyattr, CPU, m) {
-  m.impl("attention_dv", &attention_dv);
-  m.impl("attention_backward", &attention_backward);
-  m.impl("gated_backward", &gated_backward);
-  m.impl("half_backward", &half_backward);
-  m.impl("identity_backward", &identity_backward);
-  m.impl("layer_norm_backward", &layer_norm_backward);
-  m.impl("layer_norm_rule_dx", &layer_norm_rule_dx);
-  m.impl("layer_norm_backward_stats", &layer_norm_backward_stats);
-  m.impl("rms_norm_backward", &rms_norm_backward);
+#define PYATTR_IMPL(name, schema) m.impl(#name, &pyattr::cpu::name);
+  PYATTR_KERNEL_SCHEMAS(PYATTR_IMPL)
+  PYATTR_ATTENTION_SCHEMAS(PYATTR_IMPL)
+#undef PYATTR_IMPL
 }
-
-}  // namespace pyattr::cpu

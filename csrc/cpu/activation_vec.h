@@ -4,7 +4,8 @@
 #include "../activation.h"
 #include "vec_utils.h"
 
-namespace pyattr::cpu {
+PYATTR_BEGIN
+namespace cpu {
 
 // Calls f(std::integral_constant<Act, a>{}): the activation becomes a compile-time constant
 // inside f, so the switch in phi_vec / act_vec / dact_vec folds away in the vector loop.
@@ -130,4 +131,5 @@ inline V dact_vec(Act a, const V& x_in) {
   }
 }
 
-}  // namespace pyattr::cpu
+}  // namespace cpu
+PYATTR_END

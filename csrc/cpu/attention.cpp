@@ -23,7 +23,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include "kernels.h"
 
-namespace pyattr::cpu {
+PYATTR_BEGIN
+namespace cpu {
 
 namespace {
 
@@ -340,4 +341,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
   return {dq, dk, dv};
 }
 
-}  // namespace pyattr::cpu
+}  // namespace cpu
+PYATTR_END

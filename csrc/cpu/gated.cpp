@@ -1,23 +1,23 @@
 // Gated activation backward on CPU: (d gate, d up) in one pass, each rule switchable.
-#include <ATen/Dispatch.h>
 #include "kernels.h"
 
 #include "activation_vec.h"
 
-namespace pyattr::cpu {
+PYATTR_BEGIN
+namespace cpu {
 
-std::tuple<at::Tensor, at::Tensor> gated_backward(const at::Tensor& g_in, const at::Tensor& u_in,
-                                                   const at::Tensor& dh_in, c10::string_view act_name,
+std::tuple<api::Tensor, api::Tensor> gated_backward(const api::Tensor& g_in, const api::Tensor& u_in,
+                                                   const api::Tensor& dh_in, api::StrArg act_name,
                                                    bool identity, bool half) {
-  TORCH_CHECK_VALUE(g_in.sizes() == u_in.sizes() && g_in.sizes() == dh_in.sizes(),
+  PYATTR_CHECK_VALUE(api::same_shape(g_in, u_in) && api::same_shape(g_in, dh_in),
                     "gate, up and dh must have one shape");
-  TORCH_CHECK_TYPE(g_in.scalar_type() == u_in.scalar_type(), "gate and up must have one dtype");
+  PYATTR_CHECK_TYPE(g_in.scalar_type() == u_in.scalar_type(), "gate and up must have one dtype");
   const Act act = parse_act(std::string(act_name));
-  at::Tensor g = g_in.contiguous(), u = u_in.contiguous();
-  at::Tensor dh = dh_in.to(g.scalar_type()).contiguous();
-  at::Tensor dg = at::empty_like(g, at::MemoryFormat::Contiguous);
-  at::Tensor du = at::empty_like(u, at::MemoryFormat::Contiguous);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "gated_backward", [&] {
+  api::Tensor g = api::contiguous(g_in), u = api::contiguous(u_in);
+  api::Tensor dh = api::contiguous(api::to(dh_in, g.scalar_type()));
+  api::Tensor dg = api::empty_like(g);
+  api::Tensor du = api::empty_like(u);
+  PYATTR_DISPATCH_FLOATING(g.scalar_type(), "gated_backward", [&] {
     using T = scalar_t;
     using A = acc_t<T>;
     const A s = half ? A(0.5) : A(1);
@@ -39,4 +39,5 @@ std::tuple<at::Tensor, at::Tensor> gated_backward(const at::Tensor& g_in, const 
 }
 
 
-}  // namespace pyattr::cpu
+}  // namespace cpu
+PYATTR_END

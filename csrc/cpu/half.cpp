@@ -1,21 +1,21 @@
 // Half-rule backward on CPU: both outputs in one pass.
-#include <ATen/Dispatch.h>
 #include "kernels.h"
 
 #include "vec_utils.h"
 
-namespace pyattr::cpu {
+PYATTR_BEGIN
+namespace cpu {
 
-std::tuple<at::Tensor, at::Tensor> half_backward(const at::Tensor& u_in, const at::Tensor& v_in,
-                                                  const at::Tensor& dy_in) {
-  TORCH_CHECK_VALUE(u_in.sizes() == dy_in.sizes() && v_in.sizes() == dy_in.sizes(),
+std::tuple<api::Tensor, api::Tensor> half_backward(const api::Tensor& u_in, const api::Tensor& v_in,
+                                                  const api::Tensor& dy_in) {
+  PYATTR_CHECK_VALUE(api::same_shape(u_in, dy_in) && api::same_shape(v_in, dy_in),
                     "u, v and dy must have one shape (broadcasting is undone by the caller)");
-  TORCH_CHECK_TYPE(u_in.scalar_type() == v_in.scalar_type(), "u and v must have one dtype");
-  at::Tensor u = u_in.contiguous(), v = v_in.contiguous();
-  at::Tensor dy = dy_in.to(u.scalar_type()).contiguous();
-  at::Tensor du = at::empty_like(u, at::MemoryFormat::Contiguous);
-  at::Tensor dv = at::empty_like(v, at::MemoryFormat::Contiguous);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, u.scalar_type(), "half_backward", [&] {
+  PYATTR_CHECK_TYPE(u_in.scalar_type() == v_in.scalar_type(), "u and v must have one dtype");
+  api::Tensor u = api::contiguous(u_in), v = api::contiguous(v_in);
+  api::Tensor dy = api::contiguous(api::to(dy_in, u.scalar_type()));
+  api::Tensor du = api::empty_like(u);
+  api::Tensor dv = api::empty_like(v);
+  PYATTR_DISPATCH_FLOATING(u.scalar_type(), "half_backward", [&] {
     using T = scalar_t;
     using A = acc_t<T>;
     elementwise<T, 3, 2>(
@@ -30,4 +30,5 @@ std::tuple<at::Tensor, at::Tensor> half_backward(const at::Tensor& u_in, const a
 }
 
 
-}  // namespace pyattr::cpu
+}  // namespace cpu
+PYATTR_END

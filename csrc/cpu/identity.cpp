@@ -3,12 +3,12 @@
 #include <immintrin.h>
 #endif
 
-#include <ATen/Dispatch.h>
 #include "kernels.h"
 
 #include "activation_vec.h"
 
-namespace pyattr::cpu {
+PYATTR_BEGIN
+namespace cpu {
 
 namespace {
 
@@ -45,7 +45,7 @@ void relu_rule_16bit(const T* x, const T* dy, T* dx, int64_t n) {
   const auto* DY = reinterpret_cast<const int16_t*>(dy);
   auto* DX = reinterpret_cast<int16_t*>(dx);
   constexpr int64_t W = I::size();
-  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+  api::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
     int64_t i = begin;
     for (; i + W <= end; i += W) rule(I::loadu(X + i), I::loadu(DY + i)).store(DX + i);
     if (i < end) {  // the same code on a zero-padded copy
@@ -60,14 +60,14 @@ void relu_rule_16bit(const T* x, const T* dy, T* dx, int64_t n) {
 
 }  // namespace
 
-at::Tensor identity_backward(const at::Tensor& x_in, const at::Tensor& dy_in, c10::string_view act_name) {
-  TORCH_CHECK_VALUE(x_in.sizes() == dy_in.sizes(), "dy must have the shape of x");
+api::Tensor identity_backward(const api::Tensor& x_in, const api::Tensor& dy_in, api::StrArg act_name) {
+  PYATTR_CHECK_VALUE(api::same_shape(x_in, dy_in), "dy must have the shape of x");
   const Act act = parse_act(std::string(act_name));
   // Strided inputs are copied once to contiguous buffers; contiguous ones are used as is.
-  at::Tensor x = x_in.contiguous();
-  at::Tensor dy = dy_in.to(x.scalar_type()).contiguous();
-  at::Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "identity_backward", [&] {
+  api::Tensor x = api::contiguous(x_in);
+  api::Tensor dy = api::contiguous(api::to(dy_in, x.scalar_type()));
+  api::Tensor dx = api::empty_like(x);
+  PYATTR_DISPATCH_FLOATING(x.scalar_type(), "identity_backward", [&] {
     using T = scalar_t;
     with_act(act, [&](auto c) {
       constexpr Act K = decltype(c)::value;
@@ -86,4 +86,5 @@ at::Tensor identity_backward(const at::Tensor& x_in, const at::Tensor& dy_in, c1
 }
 
 
-}  // namespace pyattr::cpu
+}  // namespace cpu
+PYATTR_END

@@ -4,14 +4,14 @@
 #include <cmath>
 #include <limits>
 
-#include <ATen/Dispatch.h>
 #include "kernels.h"
 
 #include "../checks.h"
 
 #include "rows.h"
 
-namespace pyattr::cpu {
+PYATTR_BEGIN
+namespace cpu {
 
 namespace {
 
@@ -39,21 +39,21 @@ inline acc_t<T> row_mean(const T* xr, int64_t H) {
 
 // mean_in / rstd_in: the forward's per-row statistics (one value per row), or undefined
 // to recompute them from x.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_impl(
-    const at::Tensor& x_in, const std::optional<at::Tensor>& w_opt, double eps, const at::Tensor& dy_in,
-    bool need_dw, bool need_db, const at::Tensor& mean_in, const at::Tensor& rstd_in) {
+std::tuple<api::Tensor, api::Tensor, api::Tensor> layer_norm_backward_impl(
+    const api::Tensor& x_in, const std::optional<api::Tensor>& w_opt, double eps, const api::Tensor& dy_in,
+    bool need_dw, bool need_db, const api::Tensor& mean_in, const api::Tensor& rstd_in) {
   const NormRows rows = prepare_norm_rows(x_in, dy_in, w_opt, eps);
   const bool stats = mean_in.defined() && rstd_in.defined();
   if (stats) {
-    TORCH_CHECK_VALUE(mean_in.numel() == rows.R && rstd_in.numel() == rows.R,
+    PYATTR_CHECK_VALUE(mean_in.numel() == rows.R && rstd_in.numel() == rows.R,
                       "mean and rstd must hold one value per row (", rows.R, ")");
   }
-  const at::Tensor &x = rows.x, &dy = rows.dy, &dx = rows.dx;
+  const api::Tensor &x = rows.x, &dy = rows.dy, &dx = rows.dx;
   const int64_t H = rows.H, R = rows.R;
   // the weight in the accumulation type, once (H values), whatever its dtype
-  const at::Tensor wacc = rows.weight_acc(w_opt);
-  at::Tensor dw = rows.param_grad(need_dw), db = rows.param_grad(need_db);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "layer_norm_backward", [&] {
+  const api::Tensor wacc = rows.weight_acc(w_opt);
+  api::Tensor dw = rows.param_grad(need_dw), db = rows.param_grad(need_db);
+  PYATTR_DISPATCH_FLOATING(x.scalar_type(), "layer_norm_backward", [&] {
     using T = scalar_t;
     using A = acc_t<T>;
     using V = AccVec<T>;
@@ -61,8 +61,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_impl(
     const T* DY = dy.const_data_ptr<T>();
     const A* W = rows.has_w ? wacc.const_data_ptr<A>() : nullptr;
     T* DX = dx.mutable_data_ptr<T>();
-    const at::Tensor macc = stats ? mean_in.to(c10::CppTypeToScalarType<A>::value).contiguous() : at::Tensor();
-    const at::Tensor racc = stats ? rstd_in.to(c10::CppTypeToScalarType<A>::value).contiguous() : at::Tensor();
+    const api::Tensor macc = stats ? api::contiguous(api::to(mean_in, api::scalar_type_of<A>())) : api::Tensor();
+    const api::Tensor racc = stats ? api::contiguous(api::to(rstd_in, api::scalar_type_of<A>())) : api::Tensor();
     const A* MS = stats ? macc.const_data_ptr<A>() : nullptr;
     const A* RS = stats ? racc.const_data_ptr<A>() : nullptr;
     const int64_t chunks = num_row_chunks(R);
@@ -115,7 +115,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_impl(
       for (; j < H; ++j) out[j] = static_cast<T>(A(dr[j]) * ws(j) * rstd - gmean);
     };
     auto rows_of = [&](auto has_w, auto do_dw, auto do_db) {
-      at::parallel_for(0, R > 0 ? chunks : 0, 1, [&](int64_t cb, int64_t ce) {
+      api::parallel_for(0, R > 0 ? chunks : 0, 1, [&](int64_t cb, int64_t ce) {
         for (int64_t c = cb; c < ce; ++c) {
           A* PW = need_dw ? pw.data() + c * H : nullptr;
           A* PB = need_db ? pb.data() + c * H : nullptr;
@@ -140,47 +140,47 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_impl(
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(const at::Tensor& x_in,
-                                                                   const std::optional<at::Tensor>& w_opt,
-                                                                   double eps, const at::Tensor& dy_in,
+std::tuple<api::Tensor, api::Tensor, api::Tensor> layer_norm_backward(const api::Tensor& x_in,
+                                                                   const std::optional<api::Tensor>& w_opt,
+                                                                   double eps, const api::Tensor& dy_in,
                                                                    bool need_dw, bool need_db) {
-  return layer_norm_backward_impl(x_in, w_opt, eps, dy_in, need_dw, need_db, at::Tensor(), at::Tensor());
+  return layer_norm_backward_impl(x_in, w_opt, eps, dy_in, need_dw, need_db, api::Tensor(), api::Tensor());
 }
 
 // The same with the forward's per-row mean and rstd instead of recomputing them.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_stats(
-    const at::Tensor& x_in, const std::optional<at::Tensor>& w_opt, const at::Tensor& dy_in, const at::Tensor& mean,
-    const at::Tensor& rstd, bool need_dw, bool need_db) {
+std::tuple<api::Tensor, api::Tensor, api::Tensor> layer_norm_backward_stats(
+    const api::Tensor& x_in, const std::optional<api::Tensor>& w_opt, const api::Tensor& dy_in, const api::Tensor& mean,
+    const api::Tensor& rstd, bool need_dw, bool need_db) {
   return layer_norm_backward_impl(x_in, w_opt, 0.0, dy_in, need_dw, need_db, mean, rstd);
 }
 
 // dx only, from the per-row rstd the native forward returned (no pass over x):
 //   g = dy * w,  dx = rstd * (g - mean(g)).
-at::Tensor layer_norm_rule_dx(const at::Tensor& dy_in, const std::optional<at::Tensor>& w_opt,
-                              const at::Tensor& rstd_in) {
-  TORCH_CHECK_VALUE(dy_in.dim() >= 1, "dy must have at least one dimension (..., hidden_size)");
+api::Tensor layer_norm_rule_dx(const api::Tensor& dy_in, const std::optional<api::Tensor>& w_opt,
+                              const api::Tensor& rstd_in) {
+  PYATTR_CHECK_VALUE(dy_in.dim() >= 1, "dy must have at least one dimension (..., hidden_size)");
   const int64_t H = dy_in.size(-1);
   const int64_t R = H == 0 ? 0 : dy_in.numel() / H;
-  TORCH_CHECK_VALUE(rstd_in.numel() == R, "rstd must hold one value per row (", R, "), got ", rstd_in.numel());
-  const bool has_w = w_opt.has_value() && w_opt->defined();
+  PYATTR_CHECK_VALUE(rstd_in.numel() == R, "rstd must hold one value per row (", R, "), got ", rstd_in.numel());
+  const bool has_w = api::defined(w_opt);
   if (has_w) {
-    TORCH_CHECK_VALUE(w_opt->dim() == 1 && w_opt->size(0) == H, "weight must have shape (hidden_size,)");
+    PYATTR_CHECK_VALUE(w_opt->dim() == 1 && w_opt->size(0) == H, "weight must have shape (hidden_size,)");
   }
-  const at::Tensor dy = dy_in.contiguous();
-  at::Tensor dx = at::empty_like(dy, at::MemoryFormat::Contiguous);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dy.scalar_type(), "layer_norm_rule_dx", [&] {
+  const api::Tensor dy = api::contiguous(dy_in);
+  api::Tensor dx = api::empty_like(dy);
+  PYATTR_DISPATCH_FLOATING(dy.scalar_type(), "layer_norm_rule_dx", [&] {
     using T = scalar_t;
     using A = acc_t<T>;
     using V = AccVec<T>;
-    const at::Tensor wacc = has_w ? w_opt->to(c10::CppTypeToScalarType<A>::value).contiguous() : at::Tensor();
-    const at::Tensor racc = rstd_in.to(c10::CppTypeToScalarType<A>::value).contiguous();
+    const api::Tensor wacc = has_w ? api::contiguous(api::to(*w_opt, api::scalar_type_of<A>())) : api::Tensor();
+    const api::Tensor racc = api::contiguous(api::to(rstd_in, api::scalar_type_of<A>()));
     const A* W = has_w ? wacc.const_data_ptr<A>() : nullptr;
     const A* RS = racc.const_data_ptr<A>();
     const T* DY = dy.const_data_ptr<T>();
     T* DX = dx.mutable_data_ptr<T>();
     auto wv = [&](int64_t j) { return W ? V::loadu(W + j) : V(A(1)); };
     auto ws = [&](int64_t j) { return W ? W[j] : A(1); };
-    at::parallel_for(0, R, std::max<int64_t>(1, kGrain / std::max<int64_t>(H, 1)), [&](int64_t rb, int64_t re) {
+    api::parallel_for(0, R, std::max<int64_t>(1, kGrain / std::max<int64_t>(H, 1)), [&](int64_t rb, int64_t re) {
       for (int64_t r = rb; r < re; ++r) {
         const T* dr = DY + r * H;
         T* out = DX + r * H;
@@ -198,4 +198,5 @@ at::Tensor layer_norm_rule_dx(const at::Tensor& dy_in, const std::optional<at::T
 }
 
 
-}  // namespace pyattr::cpu
+}  // namespace cpu
+PYATTR_END

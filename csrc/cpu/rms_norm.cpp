@@ -3,25 +3,25 @@
 // with r recomputed from x in the same pass over each row.
 #include <cmath>
 
-#include <ATen/Dispatch.h>
 #include "kernels.h"
 
 #include "../checks.h"
 
 #include "rows.h"
 
-namespace pyattr::cpu {
+PYATTR_BEGIN
+namespace cpu {
 
-std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& x_in, const std::optional<at::Tensor>& w_opt,
-                                                     double eps, double offset, const at::Tensor& dy_in,
+std::tuple<api::Tensor, api::Tensor> rms_norm_backward(const api::Tensor& x_in, const std::optional<api::Tensor>& w_opt,
+                                                     double eps, double offset, const api::Tensor& dy_in,
                                                      bool need_dw) {
-  TORCH_CHECK_VALUE(std::isfinite(offset), "offset must be finite, got ", offset);
+  PYATTR_CHECK_VALUE(std::isfinite(offset), "offset must be finite, got ", offset);
   const NormRows rows = prepare_norm_rows(x_in, dy_in, w_opt, eps);
-  const at::Tensor &x = rows.x, &dy = rows.dy, &dx = rows.dx;
+  const api::Tensor &x = rows.x, &dy = rows.dy, &dx = rows.dx;
   const int64_t H = rows.H, R = rows.R;
-  const at::Tensor wacc = rows.weight_acc(w_opt);
-  at::Tensor dw = rows.param_grad(need_dw);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rms_norm_backward", [&] {
+  const api::Tensor wacc = rows.weight_acc(w_opt);
+  api::Tensor dw = rows.param_grad(need_dw);
+  PYATTR_DISPATCH_FLOATING(x.scalar_type(), "rms_norm_backward", [&] {
     using T = scalar_t;
     using A = acc_t<T>;
     using V = AccVec<T>;
@@ -38,7 +38,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& x_in, con
     const int64_t chunks = num_row_chunks(R);
     const bool partials = need_dw && R > 0;
     std::vector<A> pw(partials ? chunks * H : 0, A(0));
-    at::parallel_for(0, R > 0 ? chunks : 0, 1, [&](int64_t cb, int64_t ce) {
+    api::parallel_for(0, R > 0 ? chunks : 0, 1, [&](int64_t cb, int64_t ce) {
       for (int64_t c = cb; c < ce; ++c) {
         const int64_t r0 = c * R / chunks, r1 = (c + 1) * R / chunks;
         A* PW = partials ? pw.data() + c * H : nullptr;
@@ -70,4 +70,5 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& x_in, con
 }
 
 
-}  // namespace pyattr::cpu
+}  // namespace cpu
+PYATTR_END

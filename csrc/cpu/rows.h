@@ -4,11 +4,10 @@
 
 #include <vector>
 
-#include <ATen/Dispatch.h>
-
 #include "vec_utils.h"
 
-namespace pyattr::cpu {
+PYATTR_BEGIN
+namespace cpu {
 
 // Row chunks for parameter-gradient partials. Depends on the shape only, never on the
 // thread count, so dweight/dbias are bit-reproducible run to run.
@@ -31,7 +30,7 @@ inline acc_t<T> row_sum(int64_t n, VF vf, SF sf) {
 template <typename A, typename P>
 inline void sum_partials(const std::vector<A>& partial, int64_t chunks, int64_t n, P* out) {
   constexpr int64_t kBlock = 512;
-  at::parallel_for(0, (n + kBlock - 1) / kBlock, 1, [&](int64_t bb, int64_t be) {
+  api::parallel_for(0, (n + kBlock - 1) / kBlock, 1, [&](int64_t bb, int64_t be) {
     A s[kBlock];
     for (int64_t blk = bb; blk < be; ++blk) {
       const int64_t j0 = blk * kBlock, m = std::min(kBlock, n - j0);
@@ -49,14 +48,15 @@ inline void sum_partials(const std::vector<A>& partial, int64_t chunks, int64_t 
 // of any floating dtype.
 template <typename A>
 inline void finish_param_grad(const std::vector<A>& partial, int64_t chunks, int64_t n, bool any_rows,
-                              at::Tensor& out) {
+                              api::Tensor& out) {
   if (!any_rows) {
-    out.zero_();
+    api::zero_(out);
     return;
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "param_grad", [&] {
+  PYATTR_DISPATCH_FLOATING(out.scalar_type(), "param_grad", [&] {
     sum_partials<A, scalar_t>(partial, chunks, n, out.mutable_data_ptr<scalar_t>());
   });
 }
 
-}  // namespace pyattr::cpu
+}  // namespace cpu
+PYATTR_END

@@ -6,17 +6,12 @@
 #include <array>
 #include <type_traits>
 
-#include <ATen/core/Tensor.h>  // not ATen/ATen.h: each translation unit parsed ~40% faster
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/zeros.h>
-#include <ATen/Parallel.h>
+#include "api.h"  // first: in the stable build it includes at::vec before the stable headers
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 
-namespace pyattr::cpu {
+PYATTR_BEGIN
+namespace cpu {
 
 using at::vec::Vectorized;
 
@@ -87,7 +82,7 @@ template <typename T, size_t NIN, size_t NOUT, typename VF>
 void elementwise(const std::array<const T*, NIN>& in, const std::array<T*, NOUT>& out, int64_t n, VF vf) {
   // copied by value into the task: pointers read through a reference are reloaded after
   // every store (the compiler cannot rule out aliasing), a load per operand per step
-  at::parallel_for(0, n, kGrain, [in, out, vf](int64_t begin, int64_t end) {
+  api::parallel_for(0, n, kGrain, [in, out, vf](int64_t begin, int64_t end) {
     int64_t i = begin;
     // Two accumulation vectors per step: a 16-bit type then converts a whole register
     // (16 lanes) each way instead of half of one, which halves the conversion work that
@@ -122,4 +117,5 @@ void elementwise(const std::array<const T*, NIN>& in, const std::array<T*, NOUT>
   });
 }
 
-}  // namespace pyattr::cpu
+}  // namespace cpu
+PYATTR_END
