@@ -67,7 +67,7 @@ for line in iter(sys.stdin.readline, ""):
 endef
 export SHOW
 
-.PHONY: demo test test-slow test-all docs install venv FORCE
+.PHONY: demo test test-slow test-all docs install venv stable FORCE
 
 $(VENV)/.torch-installed:
 	$(call step,creating $(VENV) with $(TORCH) (about 30 s))
@@ -149,6 +149,13 @@ test-all: $(STAMP)
 	$(call step,pytest: every tier (about 6 minutes on 2 cores))
 	@$(PYC) pyattr tests
 	$(PYTEST)
+
+# The CPU kernels prebuilt over torch's stable ABI (pyattr/_C_stable.abi3.so and its record
+# _C_stable.json, tracked in git and shipped in every wheel, so that an install needs no
+# compiler): rebuild them after changing their sources; CI fails while they are stale.
+stable: $(STAMP)
+	$(call step,building pyattr/_C_stable.abi3.so (about 1 minute on 2 cores))
+	$(PY) -m pyattr.backends.stable
 
 # The documentation site (docs/, mkdocs.yml) into site/, warnings as errors; the tests
 # build it too (tests/test_docs.py), and run every code block of it.

@@ -166,7 +166,9 @@ if torch is not None:
 
 setup(
     packages=packages,
-    package_data={"pyattr.toy": ["induction/*.json", "induction/*.safetensors", "induction_b/*.json",
+    # the CPU kernels prebuilt over torch's stable ABI (pyattr/backends/stable.py; make stable)
+    package_data={"pyattr": ["_C_stable.abi3.so", "_C_stable.json"],
+                  "pyattr.toy": ["induction/*.json", "induction/*.safetensors", "induction_b/*.json",
                                  "induction_b/*.safetensors", "induction_4l/*.json",
                                  "induction_4l/*.safetensors", "squares/*.json",
                                  "squares/*.safetensors"]},

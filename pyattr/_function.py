@@ -75,6 +75,8 @@ def cpp_node_applies(device: torch.device, op: str) -> bool:
     import pyattr.backends as backends
 
     try:
-        return backends.select(device, op) == "cpp"
+        chosen = backends.select(device, op)
     except (backends.BackendUnavailableError, ValueError):
         return False
+    # pyattr._C_stable has the kernels but not the C++ nodes
+    return chosen == "cpp" and backends.extension.HAS_AUTOGRAD_NODES

@@ -60,9 +60,10 @@ def _probe_cpp() -> BackendStatus:
     ext, why = _probe_extension()
     if ext is None:
         return BackendStatus("cpp", False, why)
+    name = getattr(ext, "__name__", "pyattr._C")
     if not hasattr(torch.ops.pyattr, "identity_backward"):
-        return BackendStatus("cpp", False, "pyattr._C loaded but registers no CPU kernels")
-    return BackendStatus("cpp", True, f"pyattr._C CPU kernels ({extension.ORIGIN})", ("cpu",))
+        return BackendStatus("cpp", False, f"{name} loaded but registers no CPU kernels")
+    return BackendStatus("cpp", True, f"{name} CPU kernels ({extension.ORIGIN})", ("cpu",))
 
 
 def _probe_cuda() -> BackendStatus:
@@ -219,6 +220,14 @@ def _select(name: str, device: torch.device, op: str) -> str:
         )
     return name
 
+
+def _kernels_ready() -> None:
+    """A background compile made the kernels available: probe and select again."""
+    _probe_all.cache_clear()
+    _selected.clear()
+
+
+extension.ON_READY.append(_kernels_ready)
 
 # torch.compile calls select() while tracing and keeps its result, instead of tracing the
 # cached probes (their caches and the one-time op registrations they make)

@@ -47,6 +47,9 @@ def register() -> None:
         _check_norm(x, weight, dy)
         return _like(x), _param(x, weight, need_dweight), _param(x, weight, need_dbias)
 
+    if not hasattr(torch.ops.pyattr, "attention_dv"):  # pyattr._C_stable has no attention ops
+        return
+
     @lib.register_fake("pyattr::attention_dv")
     def _attention_dv(q, k, dout, mask, scaling, softcap, causal):
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32

@@ -40,7 +40,7 @@ from pathlib import Path
 
 BUILD_COMMAND = "python -m pyattr.backends.build"
 INFO_NAME = "_C_build.json"  # beside an ahead-of-time pyattr._C, and in each cache directory
-SOURCE_SUFFIXES = (".cpp", ".h", ".cu", ".cuh")
+SOURCE_SUFFIXES = (".cpp", ".h", ".inc", ".cu", ".cuh")
 # the first-use compile of the CPU kernels, measured on 2 cores (README, Install)
 EXPECTED = "about 2 minutes on 2 cores"
 

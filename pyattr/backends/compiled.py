@@ -1,4 +1,6 @@
-"""``cpp`` and ``cuda`` backends: the kernels of the extension ``pyattr._C``.
+"""``cpp`` and ``cuda`` backends: the kernels of the extension ``pyattr._C`` (or of the
+prebuilt ``pyattr._C_stable``, which has no attention kernels: those two ops then run in
+the reference backend).
 
 Both run through ``torch.ops.pyattr.*``; the dispatcher picks the CPU or CUDA kernel
 from the tensors' device. What the kernels do not cover runs in the reference backend,
@@ -31,6 +33,14 @@ def _ops():
     if not extension.LOADED:
         extension.load()  # loads pyattr._C, which registers the ops
     return torch.ops.pyattr
+
+
+def _has_attention() -> bool:
+    """The loaded library has the attention kernels (pyattr._C does, pyattr._C_stable does not)."""
+    import pyattr.backends.extension as extension
+
+    _ops()
+    return extension.HAS_ATTENTION
 
 
 def _to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -78,6 +88,8 @@ def attention_dv(q, k, dout, mask, scaling: float, softcap, causal: bool) -> tor
     """Frozen attention's dV on the CPU kernel; on CUDA the Triton kernel (or the reference)."""
     from pyattr.backends.reference import additive_mask, attention_dv_reference
 
+    if q.device.type == "cpu" and not _has_attention():
+        return attention_dv_reference(q, k, dout, mask, scaling, softcap, causal)
     if q.device.type != "cpu":
         try:
             import pyattr.backends.triton_backend as triton_backend
@@ -92,6 +104,8 @@ def attention_backward(q, k, v, dout, mask, scaling: float, softcap, causal: boo
     """AttnLRP attention's (dq, dk, dv) on the CPU kernel; on CUDA the Triton kernels (or the reference)."""
     from pyattr.backends.reference import additive_mask, attention_backward_reference
 
+    if q.device.type == "cpu" and not _has_attention():
+        return attention_backward_reference(q, k, v, dout, mask, scaling, softcap, causal)
     if q.device.type != "cpu":
         try:
             import pyattr.backends.triton_backend as triton_backend

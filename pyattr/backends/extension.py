@@ -1,20 +1,29 @@
-"""Loading the compiled extension ``pyattr._C`` (once): its ops, their fake (meta) and
-batching rules. Its own module, so that the compiled backend can load it without
-importing the backend registry that imports the compiled backend.
+"""Loading the compiled kernels (once): their ops, their fake (meta) and batching rules.
+Its own module, so that the compiled backend can load it without importing the backend
+registry that imports the compiled backend.
 
-Where ``pyattr._C`` comes from, first match wins (:mod:`pyattr.backends.build`):
+Where the kernels come from, first match wins (:mod:`pyattr.backends.build`,
+:mod:`pyattr.backends.stable`):
 
-1. the one built at install (``setup.py`` with torch importable: ``pip install
+1. ``pyattr._C`` built at install (``setup.py`` with torch importable: ``pip install
    --no-build-isolation``, ``make install``), when its ``_C_build.json`` names the torch
    running now. One built against another torch is never imported: it could load and
-   register its ops with another ABI, and would keep the first-use build from
-   registering the ``pyattr`` ops in this process;
-2. the first-use build in the cache for this torch, compiled now if it is not there (and
-   ``PYATTR_JIT`` is not ``0``), with one line on stderr while it compiles.
+   register its ops with another ABI, and would keep another build from registering the
+   ``pyattr`` ops in this process;
+2. the first-use build of ``pyattr._C`` in the cache for this torch (compiled before, by
+   an earlier process or ``python -m pyattr.backends.build``);
+3. ``pyattr._C_stable``, the CPU kernels prebuilt over torch's stable ABI and shipped in
+   the package: no compiler, torch 2.10 or newer, Linux x86-64. It has every kernel but
+   the two attention ones (the AH-rule's and AttnLRP's attention backward then run on the
+   torch backend) and no C++ autograd nodes;
+4. else (an older torch, another platform) ``pyattr._C`` is compiled in the background,
+   with one line on stderr when it starts and one when it is ready; until then pyattr
+   runs on the torch backend (the same numbers, slower), and the calls after that on
+   the kernels. ``PYATTR_JIT=0`` turns that off.
 
-When neither gives it, the cpp and cuda backends are off (``available_backends()`` says
-why), pyattr runs on the torch backend, and one line on stderr, once per process, says
-why and how to get the kernels.
+When nothing gives the kernels, the cpp and cuda backends are off (``available_backends()``
+says why), pyattr runs on the torch backend, and one line on stderr, once per process,
+says why and how to get the kernels.
 """
 
 from __future__ import annotations
@@ -24,7 +33,9 @@ import importlib
 import importlib.util
 import json
 import os
+import platform
 import sys
+import threading
 from pathlib import Path
 
 
@@ -36,13 +47,28 @@ def _build():
     return build
 
 
+def _stable():
+    """:mod:`pyattr.backends.stable` (what the stable library needs), imported when first needed."""
+    import pyattr.backends.stable as stable
+
+    return stable
+
+
+STABLE = "pyattr._C_stable"
 NOTICE = "pyattr: the C++ kernels are off, running on the torch backend: {why}. To get them: {how}."
 
-# set once pyattr._C is loaded and its ops have fake and batching rules
+# set once pyattr._C (or pyattr._C_stable) is loaded and its ops have fake and batching rules
 LOADED = False
-# where the loaded pyattr._C came from ("built at install", "compiled on first use ...")
+# where the loaded kernels came from ("built at install", "compiled on first use ...",
+# "prebuilt ...")
 ORIGIN = ""
+# what the loaded library has beyond the elementwise and norm kernels (pyattr._C: both)
+HAS_ATTENTION = False
+HAS_AUTOGRAD_NODES = False
+# called (no arguments) when a background compile has made the kernels available
+ON_READY: list = []
 _noticed = False
+_background: threading.Thread | None = None
 
 
 def _say(msg: str) -> None:
@@ -95,15 +121,42 @@ def _origin(mod, torch) -> str:
     return "built at install"
 
 
+def _stable_origin(mod) -> str:
+    return (f"prebuilt over torch's stable ABI for torch >= {_stable().TARGET[0]}.{_stable().TARGET[1]}, "
+            f"{getattr(mod, 'CPU_CAPABILITY', '?')} code path; no attention kernels")
+
+
+def _load_stable(torch):
+    """``(pyattr._C_stable, "")``, or ``(None, why not)``: the prebuilt library, where it fits."""
+    stable = _stable()
+    if not stable.supported(torch.__version__):
+        t = stable.TARGET
+        return None, f"the prebuilt kernels need torch >= {t[0]}.{t[1]} (this is {torch.__version__})"
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None, f"the prebuilt kernels are for Linux x86-64 (this is {sys.platform} {platform.machine()})"
+    try:
+        spec = importlib.util.find_spec(STABLE)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        return None, "this install ships no prebuilt kernels (pyattr._C_stable)"
+    try:
+        return importlib.import_module(STABLE), ""
+    except (ImportError, OSError) as e:  # e.g. a C library older than the one it was built against
+        return None, f"the prebuilt pyattr._C_stable failed to load ({e})"
+
+
 def _find():
-    """``(module, origin, why, how)``: pyattr._C and where it came from, or None with why
-    it is not there and how to get it."""
+    """``(module, origin, why, how)``: the kernels' library and where it came from, or None
+    with why it is not there and how to get it (a background compile may have started)."""
     build = _build()
     import torch
 
-    loaded = sys.modules.get("pyattr._C")
-    if loaded is not None:  # loaded before: an earlier load(), the build command, an import
-        return loaded, ORIGIN or _origin(loaded, torch), "", ""
+    for name in ("pyattr._C", STABLE):
+        loaded = sys.modules.get(name)
+        if loaded is not None:  # loaded before: an earlier load(), the build command, an import
+            origin = _stable_origin(loaded) if name == STABLE else _origin(loaded, torch)
+            return loaded, ORIGIN or origin, "", ""
     library = installed_library()
     if library is None:
         installed = "pyattr._C is not built (a pure-Python install)"
@@ -118,17 +171,22 @@ def _find():
                 installed = f"pyattr._C failed to load ({e})"
     rebuild = f"`{build.BUILD_COMMAND}` compiles them for torch {torch.__version__}"
     src = build.source_dir()
-    if src is None:
+    plan = build.Plan(torch, src) if src is not None else None
+    if plan is not None:
+        try:
+            mod = build.load_cached(plan)
+        except (ImportError, OSError) as e:
+            return None, "", f"{installed}; its cached build {plan.library} failed to load ({e})", (
+                f"remove {plan.dir}, then {rebuild}")
+        if mod is not None:
+            return mod, f"compiled on first use for torch {torch.__version__}, {plan.dir}", "", ""
+    mod, no_stable = _load_stable(torch)
+    if mod is not None:
+        return mod, _stable_origin(mod), "", ""
+    installed = f"{installed}; {no_stable}"
+    if plan is None:
         return None, "", f"{installed}, and this install ships no C++ sources to compile", (
             "reinstall pyattr from its source (pip install --no-build-isolation <checkout or sdist>)")
-    plan = build.Plan(torch, src)
-    try:
-        mod = build.load_cached(plan)
-    except (ImportError, OSError) as e:
-        return None, "", f"{installed}; its cached build {plan.library} failed to load ({e})", (
-            f"remove {plan.dir}, then {rebuild}")
-    if mod is not None:
-        return mod, f"compiled on first use for torch {torch.__version__}, {plan.dir}", "", ""
     if os.environ.get("PYATTR_JIT", "").strip() == "0":
         return None, "", f"{installed}, and compiling it on first use is off (PYATTR_JIT=0)", (
             f"{rebuild}, or unset PYATTR_JIT")
@@ -138,26 +196,74 @@ def _find():
     missing = build.missing_tool()
     if missing:
         return None, "", f"{installed}, and it cannot be compiled here: {missing}", build.how_to_get()
-    try:
-        mod, _ = build.compile(plan, torch, notice=_say)
-    except RuntimeError as e:
-        return None, "", f"{installed}; {e}", f"fix that, then {rebuild} (it retries)"
-    return mod, f"compiled on first use for torch {torch.__version__}, {plan.dir}", "", ""
+    _compile_in_background(plan, torch)
+    return None, "", f"{installed}; compiling pyattr._C in the background", (
+        f"wait for the line saying the kernels are ready, or {rebuild} and waits")
 
 
-@functools.lru_cache(maxsize=None)
-def load() -> tuple[object | None, str]:
-    """``(pyattr._C, "")``, or ``(None, why not)`` after the one-line notice."""
-    global LOADED, ORIGIN
-    _C, origin, why, how = _find()
-    if _C is None:
-        notice(why, how)
-        return None, why
+def _compile_in_background(plan, torch) -> None:
+    """Compile ``plan`` in a daemon thread (once per process), with a line on stderr when it
+    starts and one when it ends; the kernels are used from then on."""
+    global _background, _noticed
+    if _background is not None:
+        return
+    build = _build()
+    _noticed = True  # this line, not the "kernels are off" one
+    what = "C++ and CUDA kernels (several minutes)" if plan.with_cuda else f"C++ kernels ({build.EXPECTED})"
+    _say(f"pyattr: compiling the {what} against torch {torch.__version__} in the background, once per torch "
+         f"version, into {plan.dir}; until they are ready pyattr runs on the torch backend (the same numbers, "
+         "slower)")
+
+    def run():
+        try:
+            mod, seconds = build.compile(plan, torch)
+        except RuntimeError as e:
+            _say(f"pyattr: {e}; pyattr stays on the torch backend")
+            return
+        except Exception as e:  # noqa: BLE001 - a thread's exception would only be printed
+            _say(f"pyattr: compiling the C++ kernels failed ({type(e).__name__}: {e}); pyattr stays on the "
+                 "torch backend")
+            return
+        _activate(mod, f"compiled on first use for torch {torch.__version__}, {plan.dir}")
+        load.cache_clear()
+        for hook in list(ON_READY):
+            hook()
+        _say(f"pyattr: the C++ kernels are ready (compiled in {seconds:.0f} s); pyattr uses them from now on")
+
+    _background = threading.Thread(target=run, name="pyattr-compile", daemon=True)
+    _background.start()
+
+
+def wait(timeout: float | None = None) -> bool:
+    """Wait for a background compile started in this process (if any) to end; True when
+    the kernels are loaded then."""
+    if _background is not None:
+        _background.join(timeout)
+    return LOADED
+
+
+def _activate(mod, origin: str) -> None:
+    """Fake and batching rules for the loaded library's ops, and what it has."""
+    global LOADED, ORIGIN, HAS_ATTENTION, HAS_AUTOGRAD_NODES
+    import torch
+
     import pyattr.backends._fake as _fake
     import pyattr.backends._vmap as _vmap
 
     _fake.register()
     _vmap.register("pyattr")  # torch.vmap and is_grads_batched run the kernels batched
+    HAS_ATTENTION = hasattr(torch.ops.pyattr, "attention_dv")
+    HAS_AUTOGRAD_NODES = hasattr(mod, "layer_norm_rule") and hasattr(mod, "identity_rule")
     ORIGIN = origin
     LOADED = True
+
+
+@functools.lru_cache(maxsize=None)
+def load() -> tuple[object | None, str]:
+    """``(library, "")``, or ``(None, why not)`` after the one-line notice."""
+    _C, origin, why, how = _find()
+    if _C is None:
+        notice(why, how)
+        return None, why
+    _activate(_C, origin)
     return _C, ""

@@ -17,6 +17,8 @@ This module imports nothing of pyattr and torch only inside functions.
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -44,6 +46,40 @@ COMMON = ["-O3", "-fPIC", "-std=c++17", "-ffp-contract=off", "-g0", "-DNDEBUG", 
           "-fvisibility=hidden", "-fvisibility-inlines-hidden", f"-DPYATTR_STABLE_ABI={TARGET_MACRO}"]
 
 
+# the prebuilt library shipped in the package, and what it was built from
+LIBRARY = "_C_stable.abi3.so"
+INFO = "_C_stable.json"
+
+
+def inputs(src: Path) -> list:
+    """The files the stable library is compiled from (the kernels that both builds have, the
+    headers, the module), sorted: what :func:`source_hash` covers."""
+    src = Path(src)
+    files = [src / "cpu" / k for k in KERNELS] + list(src.glob("*.h")) + list(src.glob("cpu/*.h"))
+    files += list(src.glob("cpu/*.inc")) + list(src.glob("stable/*.cpp"))
+    return sorted(files)
+
+
+def source_hash(src: Path) -> str:
+    """sha256 over the names and contents of :func:`inputs` and the build flags."""
+    h = hashlib.sha256("\0".join(COMMON + [f for _, fl in CODE_PATHS for f in fl]).encode())
+    for p in inputs(src):
+        h.update(p.relative_to(src).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def stale(src: Path, info_path: Path) -> str:
+    """Why the prebuilt library described by ``info_path`` does not match the sources in
+    ``src`` ("" when it does)."""
+    try:
+        info = json.loads(Path(info_path).read_text())
+    except (OSError, ValueError) as e:
+        return f"{info_path} is unreadable ({e})"
+    if info.get("source_hash") != source_hash(src):
+        return (f"the sources in {src} changed since {LIBRARY} was built (make stable rebuilds it)")
+    return ""
+
+
 def supported(torch_version: str) -> bool:
     """Whether a torch of this version can load the stable library (>= :data:`TARGET`)."""
     parts = []
@@ -63,7 +99,10 @@ def commands(src: Path, out: Path, tmp: Path, torch) -> tuple:
     """(compile commands, link command) that build ``out`` from the sources in ``src``."""
     root = Path(torch.__file__).parent
     cxx = (os.environ.get("CXX", "").strip() or "c++").split()
-    inc = ["-I", str(root / "include"), "-I", sysconfig.get_paths()["include"]]
+    # __FILE__ in the kernels' error messages relative to the checkout (csrc/...), not the
+    # build machine's path
+    inc = ["-I", str(root / "include"), "-I", sysconfig.get_paths()["include"],
+           f"-ffile-prefix-map={Path(src).resolve().parent}/="]
     compiles, objects = [], []
     for ns, flags in CODE_PATHS:
         for name in KERNELS:
@@ -74,7 +113,7 @@ def commands(src: Path, out: Path, tmp: Path, torch) -> tuple:
     obj = tmp / "module.cpp.o"
     compiles.append(cxx + COMMON + inc + ["-c", str(src / "stable" / "module.cpp"), "-o", str(obj)])
     objects.append(obj)
-    link = cxx + ["-shared", "-fvisibility=hidden", "-o", str(out)] + [str(o) for o in objects] + [
+    link = cxx + ["-shared", "-s", "-o", str(out)] + [str(o) for o in objects] + [
         "-L", str(root / "lib"), "-ltorch_cpu"]
     return compiles, link
 
@@ -110,20 +149,47 @@ def build(src: Path, out: Path, tmp: Path, torch, jobs: int = 1, say=None) -> fl
     return time.monotonic() - t0
 
 
+def write_info(path: Path, src: Path, torch, seconds: float) -> None:
+    """The record beside the library: the sources' hash, the torch headers it was built
+    with, the oldest torch it loads under, the compiler and the C library it needs."""
+    import platform
+
+    cxx = (os.environ.get("CXX", "").strip() or "c++").split()
+    version = subprocess.run(cxx + ["--version"], capture_output=True, text=True).stdout.splitlines()
+    info = {
+        "source_hash": source_hash(src),
+        "built_with_torch": torch.__version__.split("+")[0],
+        "loads_under_torch": f">={TARGET[0]}.{TARGET[1]}",
+        "code_paths": [ns[4:] for ns, _ in CODE_PATHS],
+        "compiler": version[0] if version else "?",
+        "glibc_of_build": platform.libc_ver()[1],
+        "seconds": round(seconds, 1),
+    }
+    Path(path).write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
+
+
 def main(argv=None) -> int:
-    """``python -m pyattr.backends.stable OUT``: build the stable library at OUT."""
+    """``python -m pyattr.backends.stable``: build the stable library (default: the one the
+    package ships, pyattr/_C_stable.abi3.so, and its record), or --check that it is fresh."""
     import argparse
 
+    pkg = Path(__file__).resolve().parents[1]
+    ap = argparse.ArgumentParser(prog="python -m pyattr.backends.stable", description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", nargs="?", default=str(pkg / LIBRARY), help=f"the library to write (default: pyattr/{LIBRARY})")
+    ap.add_argument("--src", default=str(pkg.parent / "csrc"))
+    ap.add_argument("--tmp", default=str(pkg.parent / "build" / "stable"))
+    ap.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--check", action="store_true", help=f"exit 1 when pyattr/{LIBRARY} is older than the sources")
+    a = ap.parse_args(argv)
+    if a.check:
+        why = stale(Path(a.src), Path(a.out).with_name(INFO))
+        print(why or f"{a.out} matches the sources in {a.src}", file=sys.stderr if why else sys.stdout)
+        return 1 if why else 0
     import torch
 
-    ap = argparse.ArgumentParser(prog="python -m pyattr.backends.stable", description=__doc__.split("\n\n")[0])
-    ap.add_argument("out", help="the library to write (e.g. _C_stable.abi3.so)")
-    ap.add_argument("--src", default=str(Path(__file__).resolve().parents[2] / "csrc"))
-    ap.add_argument("--tmp", default=None)
-    ap.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)))
-    a = ap.parse_args(argv)
-    tmp = Path(a.tmp or (Path(a.out).resolve().parent / "stable-build"))
-    seconds = build(Path(a.src), Path(a.out), tmp, torch, a.jobs, say=lambda m: print(m, file=sys.stderr, flush=True))
+    seconds = build(Path(a.src), Path(a.out), Path(a.tmp), torch, a.jobs,
+                    say=lambda m: print(m, file=sys.stderr, flush=True))
+    write_info(Path(a.out).with_name(INFO), Path(a.src), torch, seconds)
     print(f"{NAME} built in {seconds:.0f} s: {a.out}")
     return 0
 
