@@ -51,10 +51,17 @@ def cache(tmp_path, monkeypatch):
     clear()
 
 
+# what the loader says where the prebuilt stable-ABI kernels do not fit (tests/test_stable.py
+# covers them)
+NO_STABLE = "the prebuilt kernels need torch >= 2.10 (this is 2.9.1)"
+
+
 @pytest.fixture
 def not_loaded(monkeypatch):
-    """As in a process that has not loaded pyattr._C yet."""
+    """As in a process that has not loaded pyattr._C yet, under a torch too old for the
+    prebuilt kernels."""
     monkeypatch.delitem(sys.modules, "pyattr._C", raising=False)
+    monkeypatch.setattr(extension, "_load_stable", lambda torch: (None, NO_STABLE))
 
 
 def _csrc_copy(tmp_path) -> Path:
@@ -102,7 +109,8 @@ def test_a_mismatched_library_is_never_imported_and_without_first_use_the_cpp_ba
     lib = _lib_with_info(tmp_path, dict(build.torch_info(torch), torch="2.0.0"))
     monkeypatch.setattr(extension, "installed_library", lambda: lib)
     monkeypatch.setenv("PYATTR_JIT", "0")
-    why = f"pyattr._C was built against torch 2.0.0, this is torch {V}, and compiling it on first use is off (PYATTR_JIT=0)"
+    why = (f"pyattr._C was built against torch 2.0.0, this is torch {V}; {NO_STABLE}, and compiling it on first "
+           "use is off (PYATTR_JIT=0)")
     how = f"{HOW_REBUILD}, or unset PYATTR_JIT"
     assert extension._find() == (None, "", why, how)
     assert extension.load() == (None, why)
@@ -207,7 +215,7 @@ def test_without_a_compiler_pyattr_runs_on_the_torch_backend_after_one_notice(
     monkeypatch.setattr(extension, "installed_library", lambda: None)
     monkeypatch.setenv("CXX", "no-such-c++")
     monkeypatch.setattr(build, "compile", lambda *a, **k: pytest.fail("nothing to compile with"))
-    why = ("pyattr._C is not built (a pure-Python install), and it cannot be compiled here: "
+    why = (f"pyattr._C is not built (a pure-Python install); {NO_STABLE}, and it cannot be compiled here: "
            "no C++ compiler found ('no-such-c++' is not on PATH; set CXX to name one)")
     how = ("a C++ compiler and ninja (pip install ninja), then `python -m pyattr.backends.build` "
            "or the first use compiles them")
@@ -232,7 +240,8 @@ def test_an_install_without_sources_says_how_to_reinstall(cache, not_loaded, mon
     monkeypatch.setattr(extension, "installed_library", lambda: None)
     monkeypatch.setattr(build, "source_dir", lambda: None)
     assert extension._find() == (
-        None, "", "pyattr._C is not built (a pure-Python install), and this install ships no C++ sources to compile",
+        None, "", f"pyattr._C is not built (a pure-Python install); {NO_STABLE}, and this install ships no C++ "
+        "sources to compile",
         "reinstall pyattr from its source (pip install --no-build-isolation <checkout or sdist>)")
 
 
@@ -266,7 +275,7 @@ def test_a_failed_compile_is_reported_logged_and_not_retried_by_the_next_process
     monkeypatch.setattr(extension, "installed_library", lambda: None)
     monkeypatch.setattr(build, "source_dir", lambda: src)
     monkeypatch.setattr(build, "_compile_locked", lambda *a: pytest.fail("compiled again"))
-    assert extension._find() == (None, "", f"pyattr._C is not built (a pure-Python install); {reason}",
+    assert extension._find() == (None, "", f"pyattr._C is not built (a pure-Python install); {NO_STABLE}; {reason}",
                                  f"fix that, then {HOW_REBUILD} (it retries)")
     # the build command retries, in a new process (torch builds an extension once per
     # process), and fails the same way
@@ -297,18 +306,29 @@ SCRIPT = textwrap.dedent("""\
     import pyattr, pyattr.backends.build as build, pyattr.backends.extension as extension
     src = Path(sys.argv[1])
     extension.installed_library = lambda: None
+    extension._load_stable = lambda torch: (None, "no prebuilt kernels here")
     build.source_dir = lambda: src
-    mod, origin, why, how = extension._find()
-    first = (mod.TINY, origin, why, how, sys.modules["pyattr._C"] is mod, pyattr._C is mod)
+    activated, ready = [], []
+    extension._activate = lambda mod, origin: activated.append((mod.TINY, origin))  # TINY has no ops
+    extension.ON_READY.append(lambda: ready.append(True))
+    first = extension._find()  # starts the compile in the background and returns at once
+    extension._find()  # a second probe while it runs starts nothing
+    extension.wait(300)
+    mod = sys.modules["pyattr._C"]
+    loaded = (mod.TINY, pyattr._C is mod, activated, ready)
     del sys.modules["pyattr._C"]
     extension.ORIGIN = ""
     build.compile = None  # a second process: the cache, no compile
     mod, origin, why, how = extension._find()
-    print(json.dumps([first, (mod.TINY, origin, why, how)]))
+    print(json.dumps([first, loaded, (mod.TINY, origin, why, how)]))
     """)
 
 
-def test_the_first_use_compile_goes_to_the_cache_says_so_once_and_is_loaded_as_pyattr_C(tmp_path, toolchain):
+def test_the_first_use_compile_runs_in_the_background_goes_to_the_cache_and_is_loaded_as_pyattr_C(
+        tmp_path, toolchain):
+    """Where no built kernels fit, the first probe starts the compile in a thread and
+    returns (pyattr runs on the torch backend meanwhile); when it ends the library is
+    pyattr._C, the backends probe again (ON_READY), and a second process loads the cache."""
     src = tmp_path / "tiny"
     src.mkdir()
     (src / "ops.cpp").write_text(TINY)
@@ -320,9 +340,18 @@ def test_the_first_use_compile_goes_to_the_cache_says_so_once_and_is_loaded_as_p
     plan_dir = next((tmp_path / "cache" / "ext").iterdir())
     assert re.fullmatch(rf"torch-{re.escape(V)}-{HERE}-cpu-[0-9a-f]{{12}}", plan_dir.name)
     origin = f"compiled on first use for torch {V}, {plan_dir}"
-    assert json.loads(p.stdout) == [[42, origin, "", "", True, True], [42, origin, "", ""]]
-    assert p.stderr == (f"pyattr: compiling the C++ kernels ({build.EXPECTED}) against torch {V} into "
-                        f"{plan_dir}, once per torch version ...\n")
+    first, loaded, second = json.loads(p.stdout)
+    assert first == [None, "", "pyattr._C is not built (a pure-Python install); no prebuilt kernels here; "
+                     "compiling pyattr._C in the background",
+                     f"wait for the line saying the kernels are ready, or {HOW_REBUILD} and waits"]
+    assert loaded == [42, True, [[42, origin]], [True]]
+    assert second == [42, origin, "", ""]
+    start, done = p.stderr.splitlines()
+    assert start == (f"pyattr: compiling the C++ kernels ({build.EXPECTED}) against torch {V} in the background, "
+                     f"once per torch version, into {plan_dir}; until they are ready pyattr runs on the torch "
+                     "backend (the same numbers, slower)")
+    assert re.fullmatch(r"pyattr: the C\+\+ kernels are ready \(compiled in \d+ s\); pyattr uses them from now on",
+                        done), done
     info = json.loads((plan_dir / "_C_build.json").read_text())
     assert {k: info[k] for k in ("torch", "torch_git", "python", "with_cuda", "key")} == dict(
         build.torch_info(torch), with_cuda=False, key=plan_dir.name)

@@ -140,6 +140,10 @@ def _load_stable(torch):
         spec = None
     if spec is None:
         return None, "this install ships no prebuilt kernels (pyattr._C_stable)"
+    if hasattr(torch.ops.pyattr, "identity_backward"):
+        # another build registered the pyattr ops in this process (a second definition of
+        # the namespace from a static initializer would end the process)
+        return None, "another build of pyattr's kernels registered its ops in this process"
     try:
         return importlib.import_module(STABLE), ""
     except (ImportError, OSError) as e:  # e.g. a C library older than the one it was built against
