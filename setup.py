@@ -59,8 +59,9 @@ class _BuildPy(_build_py):
     """Copies kernels/ into the wheel as pyattr/kernels (the Triton kernels: the folder has
     no __init__.py, so that a checkout's root on sys.path never shadows the `kernels`
     package transformers imports; pyattr/kernels/__init__.py is the package) and csrc/ as
-    pyattr/_csrc (every source and header), for the first-use compile. An editable install
-    reads both from the checkout instead."""
+    pyattr/_csrc (every source and header), for the first-use compile, and the Markdown
+    pages of docs/ as pyattr/_docs (``pyattr docs``). An editable install reads all three
+    from the checkout instead."""
 
     def run(self):
         super().run()
@@ -82,6 +83,17 @@ class _BuildPy(_build_py):
                     shutil.copyfile(os.path.join(d, f), os.path.join(dst, rel))
                     n += 1
         _say(f"{n} C++/CUDA sources shipped as pyattr/_csrc")
+        # the documentation pages, for `pyattr docs` (the site needs no network either)
+        dsrc, ddst = os.path.join(_ROOT, "docs"), os.path.join(self.build_lib, "pyattr", "_docs")
+        n = 0
+        for d, _, files in os.walk(dsrc):
+            for f in sorted(files):
+                if f.endswith(".md"):
+                    rel = os.path.relpath(os.path.join(d, f), dsrc)
+                    os.makedirs(os.path.dirname(os.path.join(ddst, rel)), exist_ok=True)
+                    shutil.copyfile(os.path.join(d, f), os.path.join(ddst, rel))
+                    n += 1
+        _say(f"{n} documentation pages shipped as pyattr/_docs (pyattr docs)")
 
 
 cmdclass = {"build_py": _BuildPy}

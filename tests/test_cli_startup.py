@@ -69,8 +69,8 @@ def test_import_pyattr_is_lazy_but_complete():
 @pytest.mark.parametrize(
     "args,line",
     [
-        ([], "pyattr: error: the following arguments are required: {explain,generate,cite,patch,run,bench}"),
-        (["frobnicate"], "pyattr: error: argument {explain,generate,cite,patch,run,bench}: invalid choice: 'frobnicate'"),
+        ([], "pyattr: error: the following arguments are required: {explain,generate,cite,patch,run,bench,docs}"),
+        (["frobnicate"], "pyattr: error: argument {explain,generate,cite,patch,run,bench,docs}: invalid choice: 'frobnicate'"),
         (["explain", "--attention", "bogus"], "pyattr explain: error: argument --attention: invalid choice: 'bogus'"),
         (["explain", "--backend"], "pyattr explain: error: argument --backend: expected one argument"),
         (["bench", "--repeats", "x"], "pyattr bench: error: argument --repeats: invalid int value: 'x'"),
@@ -162,7 +162,7 @@ def _examples(text):
     return [line.strip() for line in block.splitlines() if line.startswith("  ") and not line.startswith("      ")]
 
 
-@pytest.mark.parametrize("command", [None, "explain", "generate", "patch", "run", "bench"])
+@pytest.mark.parametrize("command", [None, "explain", "generate", "patch", "run", "bench", "docs"])
 def test_help_shows_examples_and_the_docs_without_torch(command):
     from pyattr.cli import DOCS
 
@@ -170,8 +170,9 @@ def test_help_shows_examples_and_the_docs_without_torch(command):
     assert r["code"] == 0 and r["torch"] is False and r["transformers"] is False
     out = r["stdout"]
     assert out.rstrip().endswith(DOCS) and "\nexamples:\n" in out
-    assert DOCS == ("documentation: docs/index.md of the pyattr source, a tutorial per task (make docs builds the "
-                    "site)\nevery command and option: docs/reference/cli.md")
+    # the installed package's own pages (pyattr docs), not a path into a source tree
+    assert DOCS == ("documentation: `pyattr docs` lists the pages shipped with pyattr (a tutorial per task), "
+                    "`pyattr docs PAGE` prints one\nevery command and option: pyattr docs reference/cli")
     examples = _examples(out)
     assert len(examples) >= 2
     import shlex

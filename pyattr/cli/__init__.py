@@ -15,8 +15,9 @@ from pyattr.cli._common import model_dir
 
 
 #: Where the documentation is: every ``--help`` ends with it.
-DOCS = ("documentation: docs/index.md of the pyattr source, a tutorial per task (make docs builds the site)\n"
-        "every command and option: docs/reference/cli.md")
+DOCS = ("documentation: `pyattr docs` lists the pages shipped with pyattr (a tutorial per task), "
+        "`pyattr docs PAGE` prints one\n"
+        "every command and option: pyattr docs reference/cli")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -92,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
              "which layers and heads carry the toy decoder's prediction"),
         ))
     p.add_argument("--version", action="version", version=f"pyattr {__version__}")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{explain,generate,cite,patch,run,bench}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{explain,generate,cite,patch,run,bench,docs}")
     e = sub.add_parser(
         "explain",
         help="token relevance heatmap",
@@ -372,7 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "float32 on the CPU, 8 prompts; --quick: 44M, float32): "
                         "prompts/s, tokens/s, peak RSS, with and without checkpointing, 1 vs 2 torchrun processes")
     b.set_defaults(func=_command("bench"))
-    p.commands = {"explain": e, "generate": g, "cite": c, "patch": pa, "run": r, "bench": b}
+    _docs_parser(sub)
+    p.commands = {"explain": e, "generate": g, "cite": c, "patch": pa, "run": r, "bench": b,
+                  "docs": sub.choices["docs"]}
     return p
 
 
@@ -397,6 +400,19 @@ class _TorchaoEnumNotice(logging.Filter):
 
 # the loggers those notices come from
 _NOTICE_LOGS = (logging.getLogger("torch.utils._pytree"), logging.getLogger("torchao"))
+
+
+def _docs_parser(sub) -> None:
+    d = sub.add_parser(
+        "docs", help="print a documentation page (shipped with pyattr; no network)",
+        description="The documentation pages shipped with pyattr: with no PAGE the list, with a PAGE its text "
+                    "(Markdown).",
+        epilog=_epilog(("pyattr docs", "the pages and their titles"),
+                       ("pyattr docs getting-started", "install, the kernels, the two commands"),
+                       ("pyattr docs causal-lm", "a page by its last part (tutorials/causal-lm)")))
+    d.add_argument("page", nargs="?", help="a page, as `pyattr docs` lists it")
+    d.add_argument("--path", action="store_true", help="print the folder of the pages instead")
+    d.set_defaults(func=_command("docs"))
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -89,3 +89,52 @@ def check_model(value) -> None:
         check_source(value)
     except ModelLoadError as e:
         raise UsageError(str(e)) from None
+
+
+def checkpoint_kind(value):
+    """``(kind, architecture)`` of the checkpoint ``--model`` names, read from its
+    config.json without loading anything (a local or bundled directory, or a hub id whose
+    config is in the local cache), else None. ``kind``: ``"causal LM"``, ``"image
+    classifier"``, ``"encoder-decoder"``, ``"sentence encoder"`` (an encoder saved by
+    sentence-transformers) or ``"encoder"``."""
+    import json
+
+    from pyattr.hub import ModelLoadError, resolve
+
+    try:
+        src = resolve(value)
+    except (ModelLoadError, TypeError):
+        return None
+    config = None
+    if src.local:
+        config = Path(src.location) / "config.json"
+    else:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            hit = try_to_load_from_cache(src.location, "config.json")
+            config = Path(hit) if isinstance(hit, str) else None
+        except ImportError:
+            config = None
+    try:
+        cfg = json.loads(config.read_text()) if config is not None else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    archs = [a for a in cfg.get("architectures") or () if isinstance(a, str)]
+    arch = archs[0] if archs else str(cfg.get("model_type", "unknown"))
+    if any(a.endswith("ForImageClassification") for a in archs):
+        return "image classifier", arch
+    if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        return "causal LM", arch
+    if cfg.get("is_encoder_decoder"):
+        return "encoder-decoder", arch
+    if src.local and any((Path(src.location) / f).is_file() for f in ("modules.json", "sentence_bert_config.json")):
+        return "sentence encoder", arch
+    return "encoder", arch
+
+
+def _article(kind: str) -> str:
+    """``"a causal LM"``, ``"an image classifier"``, ``"an encoder"``."""
+    return ("an " if kind[0] in "aeio" else "a ") + kind

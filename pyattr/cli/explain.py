@@ -6,7 +6,8 @@ import contextlib
 import json
 from pathlib import Path
 
-from pyattr.cli._common import UsageError, bundled_name, check_model, check_output_path, fail, is_toy
+from pyattr.cli._common import (UsageError, _article, bundled_name, check_model, check_output_path, checkpoint_kind,
+                                fail, is_toy)
 
 
 def rules_from_args(args):
@@ -57,6 +58,14 @@ def run(args) -> int:
         if args.png is not None:
             check_output_path("--png", args.png)
         check_model(args.model)
+        kind = checkpoint_kind(args.model) if args.model is not None else None
+        # read from config.json: no weights are loaded to find out
+        if kind is not None and kind[0] == "image classifier" and args.image is None:
+            raise UsageError(f"--model {args.model} is an image classifier ({kind[1]}): give --image FILE, the "
+                             "picture to explain (--text and --pair are for language models)")
+        if kind is not None and kind[0] != "image classifier" and args.image is not None:
+            raise UsageError(f"--image needs an image classifier; --model {args.model} is {_article(kind[0])} "
+                             f"({kind[1]})")
     except UsageError as e:
         return fail("explain", str(e))
 

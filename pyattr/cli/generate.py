@@ -6,7 +6,7 @@ import contextlib
 import json
 from pathlib import Path
 
-from pyattr.cli._common import UsageError, check_model, check_output_path, fail, is_toy
+from pyattr.cli._common import UsageError, _article, check_model, check_output_path, checkpoint_kind, fail, is_toy
 from pyattr.cli.explain import rules_from_args
 
 
@@ -27,9 +27,19 @@ def run(args) -> int:
             raise UsageError(f"--batch-targets must be >= 1, got {args.batch_targets}")
         if args.text is not None and not args.text.strip():
             raise UsageError("--text is empty")
+        check_model(args.model)
+        kind = checkpoint_kind(args.model) if args.model is not None else None
+        if kind is not None and kind[0] != "causal LM":
+            # read from config.json: no weights are loaded to find out
+            instead = (f"pyattr explain --model {args.model} --image FILE explains an image"
+                       if kind[0] == "image classifier" else
+                       f"pyattr explain --model {args.model} explains a pair's cosine similarity"
+                       if kind[0] == "sentence encoder" else "pyattr explain --model DIR --text TEXT --pair TEXT "
+                       "explains an encoder's pair similarity")
+            raise UsageError(f"--model {args.model} is {_article(kind[0])} ({kind[1]}), not a causal language "
+                             f"model: pyattr generate explains the text a causal LM generates; {instead}")
         if args.text is None and args.model is not None and not is_toy(args.model):
             raise UsageError("--model needs --text (the prompt); only the toy model has a built-in one")
-        check_model(args.model)
     except UsageError as e:
         return fail("generate", str(e))
 

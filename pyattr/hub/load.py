@@ -3,6 +3,8 @@ tokenizer, the checks that its weights are complete. :mod:`pyattr.hub` is the pu
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -20,14 +22,34 @@ if TYPE_CHECKING:
     import torch
 
 
-def _quiet_transformers() -> None:
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers' own progress bars ("Loading weights") and warnings off while pyattr
+    loads a checkpoint, as they were before afterwards: every bundled and hub load looks
+    the same (downloads keep huggingface_hub's bars)."""
     try:
         from transformers.utils import logging as hf_logging
+    except ImportError:  # pragma: no cover - transformers missing: the caller says so
+        yield
+        return
+    bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
-    except ImportError:  # pragma: no cover - older transformers
-        pass
+
+def _quietly(fn):
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with quiet_transformers():
+            return fn(*args, **kwargs)
+
+    return run
 
 
 def _import_transformers():
@@ -35,7 +57,6 @@ def _import_transformers():
         import transformers
     except ImportError:
         raise ModelLoadError("transformers is not installed (install pyattr with its hf extra: pip install '.[hf]' in a checkout, or pip install transformers)") from None
-    _quiet_transformers()
     return transformers
 
 
@@ -128,6 +149,7 @@ def _load_hub(src: Source, causal, dtype, placement):
                             dtype, placement, local=False, tokenizer=True)
 
 
+@_quietly
 def _from_pretrained(transformers, where: str, what: str, kind: Callable[[], str], causal, dtype, placement, *,
                      local: bool, tokenizer: bool):
     tok = None
@@ -174,6 +196,7 @@ def _from_pretrained(transformers, where: str, what: str, kind: Callable[[], str
     return tok, model
 
 
+@_quietly
 def load_image_classifier(name_or_path, dtype: Optional["torch.dtype"] = None):
     """``(image processor, model)`` of an image classifier (``AutoModelForImageClassification``)
     by directory, bundled name (``"squares"``) or hub id; the checks and messages of

@@ -47,9 +47,12 @@ def load(path=None):
     4-layer one)."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
+    from pyattr.hub.load import quiet_transformers
+
     path = Path(path) if path is not None else INDUCTION_DIR
-    model = LlamaForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
-    tok = AutoTokenizer.from_pretrained(path)
+    with quiet_transformers():  # no "Loading weights" bar, as pyattr.relevance("induction", ...) shows none
+        model = LlamaForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+        tok = AutoTokenizer.from_pretrained(path)
     circuit = json.loads((path / "circuit.json").read_text())
     return model, tok, circuit
 
@@ -61,6 +64,9 @@ def load_squares(path=None):
     (default: the shipped one)."""
     from transformers import AutoImageProcessor, ViTForImageClassification
 
+    from pyattr.hub.load import quiet_transformers
+
     path = Path(path) if path is not None else SQUARES_DIR
-    model = ViTForImageClassification.from_pretrained(path).eval()
-    return model, AutoImageProcessor.from_pretrained(path)
+    with quiet_transformers():
+        model = ViTForImageClassification.from_pretrained(path).eval()
+        return model, AutoImageProcessor.from_pretrained(path)
