@@ -42,6 +42,7 @@ _EXPORTS = {
     "integrated_gradients": "pyattr.methods.integrated_gradients",
     "AttributionResult": "pyattr.methods.integrated_gradients",
     "ConvergenceWarning": "pyattr.methods.integrated_gradients",
+    "sentence_similarity": "pyattr.methods.similarity",
     "generation_relevance": "pyattr.methods.generation",
     "GenerationRelevanceResult": "pyattr.methods.generation",
     "context_attribution": "pyattr.methods.context",

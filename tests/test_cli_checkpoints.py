@@ -55,8 +55,8 @@ def test_the_kind_of_a_checkpoint_is_read_from_its_config(tmp_path):
      "language model: pyattr generate explains the text a causal LM generates; pyattr explain --model squares "
      "--image FILE explains an image\n"),
     (["explain", "--model", "squares", "--text", "hello"],
-     "pyattr explain: error: --model squares is an image classifier (ViTForImageClassification): give --image FILE, "
-     "the picture to explain (--text and --pair are for language models)\n"),
+     "pyattr explain: error: --model squares is an image classifier (ViTForImageClassification): explain an image "
+     "with --image FILE (--text and --pair are for language models)\n"),
     (["explain", "--model", "induction", "--image", "x.png"],
      "pyattr explain: error: --image needs an image classifier; --model induction is a causal LM "
      "(LlamaForCausalLM)\n"),

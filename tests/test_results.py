@@ -143,6 +143,17 @@ def test_generation_view_marks_cells_outside_the_context(results):
     torch.testing.assert_close(torch.tensor(step0.relevance.to_numpy()),
                                g.token_relevance[0, 0, [j for j in real if j < own]].double())
     assert 'class="na"' in g._repr_html_()
+    # every column is a source of some step: the last generated token, in no step's
+    # context, is not drawn as a column hatched in every row
+    from pyattr.results.layouts import panels
+
+    matrices = [p for p in panels(g) if hasattr(p, "values")]
+    assert len(matrices) == g.sequences.shape[0]
+    for r, p in enumerate(matrices):
+        cols = list(zip(*p.values))
+        assert cols and all(any(v is not None for v in c) for c in cols), p.title
+        last = g.prompt_width + int(g.step_mask[r].nonzero().max())  # the last step's own column
+        assert len(p.cols) == int(g.attention_mask[r, :last].sum())
 
 
 def test_to_pandas_values_are_the_tensors(results):

@@ -406,9 +406,10 @@ def test_cli_image_target_label_and_terminal(image_dirs, tmp_path):
     (["--model", "{vit}", "--image", "{root}/not_an_image.png"], "cannot read image"),
     (["--model", "{vit}", "--image", "{img}", "--target", "zebra"], "--target 'zebra' is not one of the model's class labels"),
     (["--model", "{vit}", "--image", "{img}", "--target", "9"], "class index 9 is outside the model's 5 classes"),
-    (["--model", "{minilm}", "--image", "{img}"], "has no preprocessor_config.json"),
-    (["--model", "{root}/bert", "--image", "{img}"], "holds a 'bert' model, which is not an image classifier"),
-    (["--model", "{root}/vit_model", "--image", "{img}"], "has no weights for classifier"),
+    # decided from config.json before any weights load (pyattr.cli._common.checkpoint_kind)
+    (["--model", "{minilm}", "--image", "{img}"], "is a sentence encoder (BertModel)"),
+    (["--model", "{root}/bert", "--image", "{img}"], "--image needs an image classifier; --model "),
+    (["--model", "{root}/vit_model", "--image", "{img}"], "vit_model is an encoder (ViTModel)"),
 ])
 def test_cli_image_errors(image_dirs, args, message):
     from pyattr.apps.explain import bundled_model_dir

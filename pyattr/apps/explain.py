@@ -24,9 +24,7 @@ from pyattr.backends import available_backends
 import pyattr.apps.contention as _contention
 import pyattr.methods._core as core
 from pyattr.config import RelevanceRules
-from pyattr.methods._core.id_lists import _pad_rows
-from pyattr.methods._core.tokens import _encode, prompt_ids, target_token_id
-from pyattr.rules import half_rule, ln_rule
+from pyattr.methods._core.tokens import prompt_ids, target_token_id
 from pyattr.methods.relevance import relevance
 
 DEFAULT_PAIR = (
@@ -238,22 +236,6 @@ def _check_tokens(name: str, n_tokens: int, model, tok) -> None:
         raise ExplainError(f"{name} is {n_tokens} tokens long; the model reads at most {limit}")
 
 
-def _pair_embedding(model):
-    """The checkpoint's sentence embedding (:func:`~pyattr.methods._core.embedding.checkpoint_embedding`:
-    pooling, the prompt and lower-casing plain ``encode`` applies, the length it truncates
-    to); for an encoder whose checkpoint declares none, the mean over the tokens. What the
-    pair's cosine would not reproduce (a Dense layer, another pooling or similarity) is an
-    :class:`ExplainError` naming it."""
-    from pyattr.methods._core.embedding import SentenceEmbedding, checkpoint_embedding
-
-    try:
-        return checkpoint_embedding(model, None)
-    except ValueError as e:
-        if "declares no sentence-transformers pooling" in str(e):
-            return SentenceEmbedding("mean", tokenizer_limit=True)
-        raise ExplainError(f"--pair: {e}") from None
-
-
 def explain_pair(
     text_a: str, text_b: str, model_dir: Optional[Path] = None, rules: Optional[RelevanceRules] = None,
     generic: bool = False,
@@ -266,28 +248,15 @@ def explain_pair(
     path = bundled_model_dir() if model_dir is None else model_dir
     tok, model = _load(path, causal=False)
     rules = RelevanceRules.all() if rules is None else rules
-    spec = _pair_embedding(model)
-    pooling = spec.pooling
-    # each text as sentence-transformers' encode reads it: its prompt, lower-casing, the
-    # tokenizer's own markers
-    rows = [_encode(tok, spec.text(t, "encode")[0], markers="tokenizer")[0] for t in (text_a, text_b)]
-    most, where = spec.limit("encode", model, tok)
-    for name, row in (("--text", rows[0]), ("--pair", rows[1])):
-        _check_tokens(name, len(row), model, tok)
-        if most is not None and len(row) > most:
-            raise ExplainError(f"{name} is {len(row)} tokens long; the checkpoint embeds at most {most} ({where}; "
-                               "sentence-transformers truncates there)")
-    enc = _pad_rows(rows, tok, getattr(tok, "padding_side", "right") == "left")
-    mask = enc["attention_mask"]
+    from pyattr.methods.similarity import pair_batch, pair_cosine
 
-    def cosine(output):
-        h = output.last_hidden_state  # (2, seq, hidden)
-        m = mask.to(h.dtype).unsqueeze(-1)
-        # the checkpoint's pooling: the mean over the real tokens, or the first token's state
-        pooled = (h * m).sum(1) / m.sum(1) if pooling == "mean" else h[:, 0]
-        a = ln_rule(pooled[0], pooled[0].norm())
-        b = ln_rule(pooled[1], pooled[1].norm())
-        return half_rule(a, b).sum()
+    try:  # the checkpoint's embedding and each text as sentence-transformers' encode reads it
+        enc, pooling = pair_batch(model, tok, text_a, text_b, names=("--text", "--pair"))
+    except ValueError as e:
+        msg = str(e)
+        raise ExplainError(msg if msg.startswith(("--text", "--pair")) else f"--pair: {msg}") from None
+    mask = enc["attention_mask"]
+    cosine = pair_cosine(mask, pooling)
 
     available_backends()  # probe (imports, extension load) outside the timed pass
     t0 = time.perf_counter()

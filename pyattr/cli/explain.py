@@ -61,8 +61,8 @@ def run(args) -> int:
         kind = checkpoint_kind(args.model) if args.model is not None else None
         # read from config.json: no weights are loaded to find out
         if kind is not None and kind[0] == "image classifier" and args.image is None:
-            raise UsageError(f"--model {args.model} is an image classifier ({kind[1]}): give --image FILE, the "
-                             "picture to explain (--text and --pair are for language models)")
+            raise UsageError(f"--model {args.model} is an image classifier ({kind[1]}): explain an image with --image "
+                             "FILE (--text and --pair are for language models)")
         if kind is not None and kind[0] != "image classifier" and args.image is not None:
             raise UsageError(f"--image needs an image classifier; --model {args.model} is {_article(kind[0])} "
                              f"({kind[1]})")

@@ -27,7 +27,6 @@ def run(args) -> int:
             raise UsageError(f"--batch-targets must be >= 1, got {args.batch_targets}")
         if args.text is not None and not args.text.strip():
             raise UsageError("--text is empty")
-        check_model(args.model)
         kind = checkpoint_kind(args.model) if args.model is not None else None
         if kind is not None and kind[0] != "causal LM":
             # read from config.json: no weights are loaded to find out
@@ -40,6 +39,7 @@ def run(args) -> int:
                              f"model: pyattr generate explains the text a causal LM generates; {instead}")
         if args.text is None and args.model is not None and not is_toy(args.model):
             raise UsageError("--model needs --text (the prompt); only the toy model has a built-in one")
+        check_model(args.model)
     except UsageError as e:
         return fail("generate", str(e))
 

@@ -17,7 +17,7 @@ from pyattr.results import ResultViews
 
 import operator
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -36,6 +36,14 @@ from pyattr.methods._core.peak_memory import PeakMemory
 from pyattr.methods.relevance import relevance, relevance_in_chunks
 
 TARGETS = ("logit", "logprob", "prob")
+
+
+class TopSource(NamedTuple):
+    """One source of a generated step (:meth:`GenerationRelevanceResult.top_sources`)."""
+
+    column: int  #: position in ``sequences``
+    token: Union[str, int]  #: the token's text where the result has it, else its id
+    relevance: float
 
 
 @dataclass
@@ -93,11 +101,12 @@ class GenerationRelevanceResult(ResultViews):
     def _row(self, row) -> int:
         return _index(row, 0, self.token_relevance.shape[0], "row")
 
-    def top_sources(self, step: int, k: int = 5, row: int = 0) -> List[Tuple[int, int, float]]:
+    def top_sources(self, step: int, k: int = 5, row: int = 0) -> List["TopSource"]:
         """The ``k`` columns with the largest relevance for step ``step`` of row ``row``:
-        ``[(column, token id, relevance), …]``, largest first (positive relevance first;
-        columns the step cannot see are never listed; ``[]`` for a step that does not
-        exist, see ``step_mask``)."""
+        ``[TopSource(column, token, relevance), …]`` (named tuples), largest first
+        (positive relevance first; columns the step cannot see are never listed; ``[]`` for
+        a step that does not exist, see ``step_mask``). ``token`` is the token's text
+        where the result has it (text in, or ``tokenizer=``: ``tokens``), else its id."""
         step, row = self._step(step), self._row(row)
         k = core.check_count("k", k, allow_none=False)
         if not bool(self.step_mask[row, step]):
@@ -107,7 +116,12 @@ class GenerationRelevanceResult(ResultViews):
         cols = visible.nonzero()[:, 0]
         vals = rel[cols]
         order = torch.argsort(vals, descending=True, stable=True)[:k]
-        return [(int(cols[i]), int(self.sequences[row, cols[i]]), float(vals[i])) for i in order]
+        names = self.tokens[row] if self.tokens is not None else None
+
+        def token(c: int):
+            return names[c] if names is not None and names[c] is not None else int(self.sequences[row, c])
+
+        return [TopSource(int(cols[i]), token(int(cols[i])), float(vals[i])) for i in order]
 
     def span(self, start: int, end: int) -> torch.Tensor:
         """Relevance of the steps ``start … end − 1`` explained as one target (their summed

@@ -148,7 +148,11 @@ def generation(result, limit=MAX_ROWS) -> List:
     for r in _take(list(range(batch)), limit):
         labels = _labels(result, r, result.sequences.shape[1])
         real = result.attention_mask[r].bool().tolist()
-        cols = [j for j in range(len(labels)) if real[j]]
+        steps = [t for t in range(result.token_relevance.shape[1]) if bool(result.step_mask[r, t])]
+        # a column is a source of some step only before the last step's own token: the last
+        # generated token (and what follows the row's end) is in no step's context
+        end = width + steps[-1] if steps else 0
+        cols = [j for j in range(min(end, len(labels))) if real[j]]
         rows, vals = [], []
         for t in range(result.token_relevance.shape[1]):
             if not bool(result.step_mask[r, t]):

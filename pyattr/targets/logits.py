@@ -23,9 +23,14 @@ def _logits(output) -> torch.Tensor:
     if logits is None and isinstance(output, torch.Tensor):
         logits = output
     if logits is None or logits.dim() not in (2, 3):
+        encoder = ""
+        if getattr(output, "last_hidden_state", None) is not None:  # a sentence encoder, say
+            encoder = ("; this model returns hidden states (an encoder): pyattr.sentence_similarity(model, text_a, "
+                       "text_b) explains a sentence pair's cosine similarity, target=pyattr.targets.Cosine(reference) "
+                       "one sentence against a fixed embedding (a query)")
         raise ValueError(
             "target: a token or class id needs a model that returns logits of shape (batch, seq, vocab) "
-            "or (batch, classes); for other outputs pass ModuleOutput(...) or a callable target"
+            "or (batch, classes); for other outputs pass ModuleOutput(...) or a callable target" + encoder
         )
     return logits
 
