@@ -215,6 +215,9 @@ def test_views_and_save_load(decoder, tmp_path):
     assert "dog fish owl" in html and "foldover" in html
     df = r.to_pandas()
     assert len(df) == 2 and sorted(df["score"].tolist()) == sorted(r.scores[0].tolist())
+    # the sources under their own names, not a token column
+    assert list(df.columns) == ["panel", "row", "source_index", "source", "score"]
+    assert df.source.tolist() == ["sun cat red", "dog fish owl"]
     back = pyattr.load(r.save(tmp_path / "ca.safetensors"))
     assert torch.equal(back.scores, r.scores) and back.sources == r.sources and back.response == r.response
     assert [list(map(tuple, x)) for x in back.source_ranges] == r.source_ranges

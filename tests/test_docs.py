@@ -342,13 +342,14 @@ def test_site_builds_strict(tmp_path):
     missing = sorted(public - documented)
     assert not missing, f"public names without an API reference entry: {missing}"
     # what a reader sees: no private module path (pyattr.methods._core..., pyattr._repr)
-    # in the text of the rendered pages; pyattr._C, the compiled extension, is named where
-    # the build and the backends are described
+    # in the text of the rendered pages; pyattr._C and pyattr._C_stable, the compiled
+    # extension and the prebuilt kernels, are named where the build and the backends are
+    # described
     from html import unescape
 
     for page in (tmp_path / "site").rglob("index.html"):
         text = unescape(re.sub(r"<[^>]+>", "", page.read_text()))
-        private = sorted(set(re.findall(r"pyattr(?:\.\w+)*\._(?!C\b)\w+", text)))
+        private = sorted(set(re.findall(r"pyattr(?:\.\w+)*\._(?!C\b|C_stable\b)\w+", text)))
         assert not private, (str(page.relative_to(tmp_path / "site")), private)
     # a Returns section renders as one item under its title, never as stray text or split
     # into items at its line breaks

@@ -335,6 +335,17 @@ def test_results_show_themselves_and_load_back(toy_pairs, tmp_path):
     assert "m1-&gt;logits" in edges._repr_html_() and "CPR" in cf._repr_html_()
     table = edges.to_pandas()
     assert len(table) >= len(edges.edges)
+    # the grid wider than a page scrolls with the strongest rows and columns first (the cut
+    # columns held the strongest edges), after the top-edges table
+    from pyattr.results.layouts import panels
+
+    grid = next(p for p in panels(edges) if hasattr(p, "cols"))
+    strength = lambda vals: max((abs(v) for v in vals if v is not None and v == v), default=0.0)  # noqa: E731
+    cols = [strength(c) for c in zip(*grid.values)]
+    rows = [strength(r) for r in grid.values]
+    assert cols == sorted(cols, reverse=True) and rows == sorted(rows, reverse=True)
+    assert sorted(grid.cols) == sorted(edges.downstream) and sorted(grid.rows) == sorted(edges.upstream)
+    assert [type(p).__name__ for p in panels(edges)] == ["Graph", "Table", "Matrix"]
     assert edges.top(3) == sorted(((e, float(s)) for e, s in zip(edges.edges, edges.scores)),
                                   key=lambda t: -abs(t[1]))[:3]
 

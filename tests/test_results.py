@@ -232,3 +232,14 @@ def test_load_checks_each_fields_type_and_shape(results, tmp_path, field, value,
     save_file(enc.tensors, str(path), metadata={"format": "pyattr-result/1", "pyattr": json.dumps(doc)})
     with pytest.raises(ValueError, match=r"^load\(\): '.*edited\.safetensors': " + msg):
         pyattr.load(path)
+
+
+def test_to_pandas_is_one_tidy_table_named_for_what_it_holds(results):
+    # the batch row is a column, each panel's long title is said once (df.attrs), not per row
+    df = results["relevance"].to_pandas()
+    assert list(df.columns) == ["panel", "row", "position", "token", "relevance"]
+    assert sorted(df.row.unique().tolist()) == list(range(results["relevance"].token_relevance.shape[0]))
+    assert set(df.attrs["titles"]) == set(df.panel.unique().tolist())
+    assert df.attrs["titles"][0].startswith("row 0 · target")
+    g = results["generation"].to_pandas()
+    assert list(g.columns) == ["panel", "row", "step_index", "step", "token_index", "token", "relevance"]

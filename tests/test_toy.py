@@ -63,6 +63,18 @@ def test_shipped_model_is_small_and_solves_the_task(shipped):
     assert circuit["training"]["accuracy"] >= 0.99
 
 
+def test_the_known_circuit_shows_itself_in_a_few_lines(shipped):
+    import json
+
+    _, _, circuit = shipped
+    assert circuit == json.loads((toy.INDUCTION_DIR / "circuit.json").read_text())  # still the record, a dict
+    text = repr(circuit)
+    assert "\n" not in text and len(text) < 500  # printed bare it was 50 lines
+    assert text.startswith("KnownCircuit(previous-token 0.0, previous-token 0.3, induction 1.0, induction 1.1;")
+    page = circuit._repr_html_()
+    assert page.count("<tr>") == 5 and "<td>1.1</td><td>induction</td>" in page
+
+
 def test_stored_circuit_is_what_the_analysis_finds(shipped):
     model, _, circuit = shipped
     fresh = C.analyse(model)

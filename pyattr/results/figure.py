@@ -159,39 +159,51 @@ def _interactive() -> bool:
 
 
 def dataframe(panels: List):
-    """Every panel's cells as rows of one long table: ``panel``, then the panel's own
-    coordinates (``position``/``token``, row/column, series/x) and value; cells that do not
-    apply (None: after a generation step) left out, NaN values kept as NaN."""
+    """Every panel's cells as rows of one long, tidy table: ``panel``, the batch ``row`` and
+    ``target_set`` where the panels have them, then the panel's own coordinates (``position``
+    / ``token``, a context's ``source_index`` / ``source``, row and column of a matrix,
+    series and x) and the value; cells that do not apply (None: after a generation step)
+    left out, NaN values kept as NaN. Each panel's title is in ``df.attrs["titles"]``
+    (``{panel: title}``), not repeated on its rows."""
     try:
         import pandas as pd
     except ImportError:
         raise ImportError("to_pandas() needs pandas, which is not installed (pip install pandas)") from None
-    frames = []
+    frames, titles = [], {}
+    keys = [k for k in ("row", "target_set") if any(getattr(p, k, None) is not None for p in panels)]
     for n, p in enumerate(panels):
+        titles[n] = p.title
+        lead = [n] + [getattr(p, k, None) for k in keys]
+        head = ["panel"] + keys
         if isinstance(p, Tokens):
-            rows = [(n, p.title, i, lab, v) for i, (lab, v) in enumerate(zip(p.labels, p.values)) if lab is not None]
-            frames.append(pd.DataFrame(rows, columns=["panel", "title", "position", "token", p.value_name]))
+            rows = [lead + [i, lab, v] for i, (lab, v) in enumerate(zip(p.labels, p.values)) if lab is not None]
+            frames.append(pd.DataFrame(rows, columns=head + [p.index_name, p.label_name, p.value_name]))
         elif isinstance(p, Matrix):
-            rows = [(n, p.title, i, r, j, c, v) for i, (r, vals) in enumerate(zip(p.rows, p.values))
+            rows = [lead + [i, r, j, c, v] for i, (r, vals) in enumerate(zip(p.rows, p.values))
                     for j, (c, v) in enumerate(zip(p.cols, vals)) if v is not None]
-            frames.append(pd.DataFrame(rows, columns=["panel", "title", f"{p.row_name}_index", p.row_name,
-                                                      f"{p.col_name}_index", p.col_name, p.value_name]))
+            frames.append(pd.DataFrame(rows, columns=head + [f"{p.row_name}_index", p.row_name,
+                                                             f"{p.col_name}_index", p.col_name, p.value_name]))
         elif isinstance(p, Curves):
-            rows = [(n, p.title, name, x, v) for y, name in zip(p.ys, p.names) for x, v in zip(p.x, y)]
-            frames.append(pd.DataFrame(rows, columns=["panel", "title", "series", p.x_name, p.y_name]))
+            rows = [lead + [name, x, v] for y, name in zip(p.ys, p.names) for x, v in zip(p.x, y)]
+            frames.append(pd.DataFrame(rows, columns=head + ["series", p.x_name, p.y_name]))
         elif isinstance(p, Graph):
-            rows = [(n, p.title, a, b, lab, v) for a, b, lab, v in p.edges]
-            frames.append(pd.DataFrame(rows, columns=["panel", "title", "from", "to", "edge", p.value_name]))
+            rows = [lead + [a, b, lab, v] for a, b, lab, v in p.edges]
+            frames.append(pd.DataFrame(rows, columns=head + ["from", "to", "edge", p.value_name]))
         elif isinstance(p, Table):
             df = pd.DataFrame(p.rows, columns=p.columns)
-            df.insert(0, "title", p.title)
-            df.insert(0, "panel", n)
+            for i, k in reversed(list(enumerate(head))):
+                df.insert(0, k, lead[i])
             frames.append(df)
     if not frames:
-        return pd.DataFrame()
-    if len(frames) == 1:
-        return frames[0]
-    return pd.concat(frames, ignore_index=True, sort=False)
+        out = pd.DataFrame()
+    elif len(frames) == 1:
+        out = frames[0]
+    else:
+        out = pd.concat(frames, ignore_index=True, sort=False)
+    for k in keys:  # a panel without a batch row (a table of notes) has none: <NA>, not a float NaN
+        out[k] = out[k].astype("Int64")
+    out.attrs["titles"] = titles
+    return out
 
 
 def text(panels: List, heading: str, width: int = 100) -> str:

@@ -78,7 +78,7 @@ def _token_panels(result, values: torch.Tensor, name: str, delta_name: str, delt
         title = f"row {r}" + (f" · target set {k}" if k is not None else "") + \
             f" · target{_target_word(result, k, r)} = {num(target, '.4g')} · Σ {name} = {num(sum(v), '.4g')}" + \
             (f" · {delta_name} {num(d, '.3g')}" if d is not None else "")
-        panels.append(Tokens(title, _labels(result, r, len(v)), v, name))
+        panels.append(Tokens(title, _labels(result, r, len(v)), v, name, row=r, target_set=k))
     return _left_out(len(panels), len(pairs), _what(values, 2)) + panels
 
 
@@ -92,7 +92,7 @@ def relevance(result, limit=MAX_ROWS) -> List:
             out.append(Matrix(f"row {r} · image patches (the [CLS] token left out) · target"
                               f"{_target_word(result, k, r)} = {num(_value(result.target, k, r), '.4g')}",
                               [str(i) for i in range(g.shape[0])], [str(j) for j in range(g.shape[1])], g.tolist(),
-                              "patch row", "patch column"))
+                              "patch row", "patch column", row=r, target_set=k))
         return _left_out(len(out), len(pairs), _what(grid, 3)) + out
     return _token_panels(result, result.token_relevance, "relevance", "conservation delta", result.conservation_delta,
                          limit)
@@ -136,7 +136,7 @@ def layer_relevance(result, limit=MAX_ROWS) -> List:
                 continue
             panels.append(Matrix(f"row {r}" + (f" · target set {k}" if k is not None else "") +
                                  f" · target{_target_word(result, k, r)} = {num(_value(result.target, k, r), '.4g')}",
-                                 rows, _labels(result, r, seq), vals, "layer", "token"))
+                                 rows, _labels(result, r, seq), vals, "layer", "token", row=r, target_set=k))
     del base
     return panels
 
@@ -163,7 +163,7 @@ def generation(result, limit=MAX_ROWS) -> List:
             rows.append(f"{t}: {labels[own] if labels[own] is not None else ''}")
         panels.append(Matrix(f"row {r} · each generated token (rows) over its context (columns; cells after "
                              f"the step are not in its context) · target {result.target_kind}",
-                             rows, [labels[j] for j in cols], vals, "step", "token"))
+                             rows, [labels[j] for j in cols], vals, "step", "token", row=r))
     return _left_out(len(panels), batch) + panels
 
 
@@ -204,7 +204,7 @@ def patching(result, limit=MAX_ROWS) -> List:
                                  f"{num(float(result.clean_metric[r]), '.4g')}, corrupt "
                                  f"{num(float(result.corrupt_metric[r]), '.4g')}",
                                  [str(i) for i in range(e.shape[0])], cols, _cells(e, node in result.sampled),
-                                 "layer", cols_name, "effect"))
+                                 "layer", cols_name, "effect", row=r))
         share_scale(panels[first:])  # rows of one node type on one scale; node types differ in size
     return notes + panels
 
@@ -246,7 +246,7 @@ def captured(result, limit=MAX_ROWS) -> List:
         out += _left_out(len(_take(list(range(norms.shape[0])), limit)), norms.shape[0])
         for r in _take(list(range(norms.shape[0])), limit):
             out.append(Tokens(f"{result.path} · row {r} · norm of the latest gradient per position",
-                              [f"#{i}" for i in range(norms.shape[1])], norms[r].tolist(), "gradient norm"))
+                              [f"#{i}" for i in range(norms.shape[1])], norms[r].tolist(), "gradient norm", row=r))
     return out
 
 
@@ -279,7 +279,7 @@ def context(result, limit=MAX_ROWS) -> List:
             said = "query" if getattr(result, "outcome", "logprob") == "cosine" else "response"
             out.append(Tokens(f"row {r} · {said} {resp!r}{span} · {result.method} · {result.value_text(r)} · score: "
                               f"{result.score_unit}", list(result.sources[r]),
-                              vals[:k].tolist(), "score"))
+                              vals[:k].tolist(), "score", label_name="source", index_name="source_index", row=r))
     return out
 
 
@@ -332,12 +332,22 @@ def edges(result, limit=MAX_ROWS) -> List:
     """The strongest edges as a graph, every edge's mean score as an upstream × downstream
     grid (cells of no edge blank), and the top edges as a table."""
     index = {(u, d): i for i, (u, d) in enumerate(e.split("->") for e in result.edges)}
-    grid = [[float(result.scores[index[(u, d)]]) if (u, d) in index else None for d in result.downstream]
-            for u in result.upstream]
+    score = {k: float(result.scores[i]) for k, i in index.items()}
+
+    def strongest(node, upstream: bool) -> float:
+        vals = [abs(v) for (u, d), v in score.items() if (u if upstream else d) == node and v == v]
+        return max(vals, default=0.0)
+
+    # strongest rows and columns first: a grid wider than the page (27 downstream inputs on
+    # the toy decoder) scrolls, and what is out of sight is then the weakest
+    ups = sorted(result.upstream, key=lambda n: -strongest(n, True))
+    downs = sorted(result.downstream, key=lambda n: -strongest(n, False))
+    grid = [[score.get((u, d)) for d in downs] for u in ups]
     top = result.top(20 if limit is not None else len(result.edges))
-    return [edge_graph(result), Matrix(f"edge scores ({result.method}), mean over {result.per_pair.shape[0]} pairs", list(result.upstream),
-                   list(result.downstream), grid, "upstream", "downstream input", "score"),
-            Table("top edges by |score|", ["edge", "score"], [[e, v] for e, v in top])]
+    return [edge_graph(result),
+            Table("top edges by |score|", ["edge", "score"], [[e, v] for e, v in top]),
+            Matrix(f"edge scores ({result.method}), mean over {result.per_pair.shape[0]} pairs; rows and columns "
+                   "strongest first", ups, downs, grid, "upstream", "downstream input", "score")]
 
 
 def circuit(result, limit=MAX_ROWS) -> List:

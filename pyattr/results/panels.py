@@ -22,6 +22,12 @@ class Tokens:
     values: List[float]
     value_name: str = "relevance"
     scale: Optional[float] = None  # the colour scale's end; None: this panel's largest |value|
+    # what to_pandas() names the columns: the label and its index (a context's sources:
+    # "source", "source_index"), the batch row and the target set the panel shows
+    label_name: str = "token"
+    index_name: str = "position"
+    row: Optional[int] = None
+    target_set: Optional[int] = None
 
 
 @dataclass
@@ -36,6 +42,8 @@ class Matrix:
     col_name: str = "column"
     value_name: str = "relevance"
     scale: Optional[float] = None  # the colour scale's end; None: this panel's largest |value|
+    row: Optional[int] = None  # the batch row the panel shows (to_pandas()'s "row" column)
+    target_set: Optional[int] = None
 
 
 @dataclass

@@ -53,7 +53,9 @@ def load(path=None):
     with quiet_transformers():  # no "Loading weights" bar, as pyattr.relevance("induction", ...) shows none
         model = LlamaForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
         tok = AutoTokenizer.from_pretrained(path)
-    circuit = json.loads((path / "circuit.json").read_text())
+    from pyattr.toy.known import KnownCircuit
+
+    circuit = KnownCircuit(json.loads((path / "circuit.json").read_text()))
     return model, tok, circuit
 
 
