@@ -299,6 +299,14 @@ def test_edges_page(browser, artifacts, tmp_path):
     # every node label readable on its white box
     for t in page.locator("svg g.node text").all()[:3]:
         assert t.is_visible()
+    # the edge grid (27 downstream inputs) is wider than 1280 px and scrolls; its strongest
+    # rows and columns come first, so the strongest edge's cell is in view, not cut off
+    up, down = strongest["edge"].split("->")
+    cell = page.locator(f'td[title^="upstream {up} · downstream input \'{down}\' · score"]')
+    assert cell.count() == 1
+    grid_box = page.locator("table.grid").last.bounding_box()
+    cell_box = cell.bounding_box()
+    assert cell_box["x"] + cell_box["width"] <= VIEWPORT["width"], (cell_box, grid_box)
     p.finish(artifacts, "edges")
 
 
