@@ -66,7 +66,7 @@ def test_the_library_imports_nothing_of_torch_but_the_stable_c_shim():
 def _check(env_extra):
     env = dict(os.environ, **env_extra)
     env.pop("PYATTR_BACKEND", None)
-    return subprocess.run([sys.executable, "-m", "pyattr.backends.stable_check", "--prebuilt"], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "pyattr.bench.stable_check", "--prebuilt"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
 
 

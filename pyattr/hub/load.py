@@ -3,11 +3,11 @@ tokenizer, the checks that its weights are complete. :mod:`pyattr.hub` is the pu
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
+from pyattr._quiet import quiet_transformers
 from pyattr.hub.names import (
     TOKENIZER_FILES,
     ModelLoadError,
@@ -20,27 +20,6 @@ from pyattr.hub.names import (
 
 if TYPE_CHECKING:
     import torch
-
-
-@contextlib.contextmanager
-def quiet_transformers():
-    """transformers' own progress bars ("Loading weights") and warnings off while pyattr
-    loads a checkpoint, as they were before afterwards: every bundled and hub load looks
-    the same (downloads keep huggingface_hub's bars)."""
-    try:
-        from transformers.utils import logging as hf_logging
-    except ImportError:  # pragma: no cover - transformers missing: the caller says so
-        yield
-        return
-    bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
 
 
 def _quietly(fn):

@@ -47,7 +47,7 @@ def load(path=None):
     4-layer one)."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from pyattr.hub.load import quiet_transformers
+    from pyattr._quiet import quiet_transformers
 
     path = Path(path) if path is not None else INDUCTION_DIR
     with quiet_transformers():  # no "Loading weights" bar, as pyattr.relevance("induction", ...) shows none
@@ -66,7 +66,7 @@ def load_squares(path=None):
     (default: the shipped one)."""
     from transformers import AutoImageProcessor, ViTForImageClassification
 
-    from pyattr.hub.load import quiet_transformers
+    from pyattr._quiet import quiet_transformers
 
     path = Path(path) if path is not None else SQUARES_DIR
     with quiet_transformers():

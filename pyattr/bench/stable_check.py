@@ -1,4 +1,4 @@
-"""``python -m pyattr.backends.stable_check``: the kernels the ``cpp`` backend loaded
+"""``python -m pyattr.bench.stable_check``: the kernels the ``cpp`` backend loaded
 against the ``torch`` backend, op by op, where they run (README, Install).
 
 For the prebuilt stable-ABI library (``pyattr._C_stable``) this is the check that it loads
@@ -67,7 +67,7 @@ def _cases(torch):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pyattr.backends.stable_check", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m pyattr.bench.stable_check", description=__doc__.split("\n\n")[0])
     ap.add_argument("--prebuilt", action="store_true",
                     help="take the prebuilt pyattr._C_stable even where a pyattr._C fits")
     ap.add_argument("--json", help="write the results here")
