@@ -237,6 +237,30 @@ def test_image_page(browser, artifacts, tmp_path, vit_dir):
     p.finish(artifacts, "explain-image")
 
 
+def test_image_result_view(browser, artifacts, tmp_path):
+    """The notebook view of an image result (to_html: the same markup as _repr_html_) draws
+    the patch relevance over the image, whole inside 1280 px, before the patch grid."""
+    import numpy as np
+    from PIL import Image
+
+    import pyattr
+
+    model, proc = pyattr.toy.load_squares()
+    img = np.full((32, 32, 3), 255, np.uint8)
+    img[4:12, 20:28] = (255, 0, 0)
+    res = pyattr.relevance(model, dict(proc(Image.fromarray(img), return_tensors="pt")))
+    page_file = tmp_path / "image-result.html"
+    page_file.write_text(res.to_html(), encoding="utf-8")
+    p = Page(browser, page_file)
+    over = p.page.locator("img.overlay")
+    assert over.count() == 1 and over.is_visible() and over.evaluate("e => e.complete && e.naturalWidth > 0")
+    box = over.bounding_box()
+    assert box["width"] >= 256 and box["x"] + box["width"] <= VIEWPORT["width"], box
+    grid = p.page.locator("table.grid").first.bounding_box()
+    assert grid["y"] > box["y"] + box["height"] - 1  # the numbers follow the picture
+    p.finish(artifacts, "image-result")
+
+
 def test_patch_page(browser, artifacts, tmp_path):
     from pyattr.apps.render import num
 

@@ -20,8 +20,8 @@ from pyattr.apps.explain import ExplainError, Explanation, Segment, model_label,
 from pyattr.config import RelevanceRules
 from pyattr.methods.relevance import relevance
 
-# each patch is drawn this many pixels wide at least, so that small inputs stay readable
-_MIN_PATCH_PIXELS = 16
+from pyattr.results.overlay import (  # noqa: F401 - map_scale re-exported
+    _GREY_HI, _GREY_LO, _MIN_MAP_PIXELS, ALPHA, _blend, map_scale, overlay_rgb)
 
 
 # 8 bits per channel: what an image processor's rescale (1/255) expects
@@ -105,64 +105,12 @@ def _seen_image(proc, pixel_values: torch.Tensor):
     return arr[:, :, :3]
 
 
-# the overlay: the image in muted grey (luminance mapped into [_GREY_LO, _GREY_HI]), so
-# that whatever its own colours, the only hues on the map are the relevance's
-_GREY_LO, _GREY_HI = 96.0, 224.0
-_RED, _BLUE = (255.0, 0.0, 0.0), (0.0, 0.0, 255.0)
-#: opacity of the colour at the patches' largest |relevance|
-ALPHA = 0.85
-# the map is drawn at least this many pixels on its shorter side
-_MIN_MAP_PIXELS = 192
-
-
-def _grey(seen):
-    """``seen`` (H×W×3 uint8) as muted grey, float."""
-    import numpy as np
-
-    lum = seen[..., :3].astype(np.float64) @ np.array([0.299, 0.587, 0.114])
-    g = _GREY_LO + (_GREY_HI - _GREY_LO) * lum / 255.0
-    return np.repeat(g[..., None], 3, axis=2)
-
-
-def _blend(base, v, peak: float, alpha: float):
-    """``base`` (…×3) under the colour of relevance ``v`` (…): red for positive, blue for
-    negative, opacity ``alpha · |v| / peak``."""
-    import numpy as np
-
-    a = (np.abs(v) / peak if peak > 0 else np.zeros_like(v)) * alpha
-    color = np.where((v >= 0)[..., None], _RED, _BLUE)
-    return base * (1 - a[..., None]) + color * a[..., None]
-
-
-def map_scale(shape, patch, min_side: int = _MIN_MAP_PIXELS) -> int:
-    """The whole-pixel upscale of the map: a patch at least 16 pixels wide, the image at
-    least ``min_side`` pixels on its shorter side."""
-    rows, cols = shape
-    ph, pw = patch
-    by_patch = -(-_MIN_PATCH_PIXELS // max(1, min(ph, pw)))
-    by_image = -(-min_side // max(1, min(rows * ph, cols * pw))) if min_side > 0 else 1
-    return max(1, by_patch, by_image)
-
-
 def overlay(seen, patch_rel: torch.Tensor, patch, alpha: float = ALPHA, min_side: int = _MIN_MAP_PIXELS):
-    """Patch relevance drawn over ``seen`` (H×W×3 uint8) made muted grey (readable on any
-    image: a red image does not hide the red of positive relevance): red for positive,
-    blue for negative, opacity ``alpha · |v| / max |v|``; one flat block per ``patch``
-    (ph, pw) pixels, as the model cut the image (pixels past the last whole patch are left
-    out). Returns a Pillow RGB image upscaled by :func:`map_scale` (``min_side``: the
-    shorter side at least that many pixels; 0: a patch at least 16 pixels, no more)."""
-    import numpy as np
+    """:func:`pyattr.results.overlay.overlay_rgb` as a Pillow RGB image (the patch relevance
+    drawn over ``seen``, H×W×3 uint8, made muted grey; upscaled by :func:`map_scale`)."""
     from PIL import Image
 
-    rows, cols = patch_rel.shape
-    ph, pw = patch
-    v = patch_rel.detach().double().numpy()
-    peak = float(np.abs(v).max()) if v.size else 0.0
-    base = _grey(seen[: rows * ph, : cols * pw])
-    out = _blend(base, np.kron(v, np.ones((ph, pw))), peak, alpha)
-    im = Image.fromarray(out.round().clip(0, 255).astype(np.uint8), "RGB")
-    k = map_scale((rows, cols), patch, min_side)
-    return im.resize((im.width * k, im.height * k), Image.NEAREST) if k > 1 else im
+    return Image.fromarray(overlay_rgb(seen, patch_rel, patch, alpha, min_side), "RGB")
 
 
 def _font(size: int):

@@ -59,6 +59,9 @@ class RelevanceResult(ResultViews):
         patch_grid ((rows, cols) or None): for image inputs (``pixel_values``), the patch
             grid; ``token_relevance`` then holds the [CLS] token first and the patches row
             by row (see :meth:`patch_relevance`).
+        image (Tensor[batch, height, width, 3], uint8, or None): for image inputs, each image
+            for display (its ``pixel_values`` scaled from their min..max to 0..255): the
+            notebook view and ``plot()`` draw the patch relevance over it.
     """
 
     __repr__ = summary_repr
@@ -74,6 +77,7 @@ class RelevanceResult(ResultViews):
     patch_grid: Optional[Tuple[int, int]] = None
     tokens: Optional[List[List[Optional[str]]]] = None
     target_tokens: Optional[list] = None
+    image: Optional[torch.Tensor] = None
 
     def patch_relevance(self) -> torch.Tensor:
         """Relevance per image patch, ``Tensor[..., batch, rows, cols]`` (float32): the
@@ -256,4 +260,15 @@ def _relevance(model, prep: core.Prepared, tgts, several: bool, rules: Relevance
         backend=backend_name,
         baseline_target=None if base is None else f0,
         patch_grid=prep.patch_grid,
+        image=_display_image(prep),
     )
+
+
+def _display_image(prep):
+    """The images of an image batch for display (:func:`pyattr.results.overlay.display_image`)."""
+    px = prep.kwargs.get("pixel_values") if prep.patch_grid is not None else None
+    if not isinstance(px, torch.Tensor) or px.dim() != 4:
+        return None
+    from pyattr.results.overlay import display_image
+
+    return display_image(px)

@@ -9,7 +9,8 @@ import math
 import textwrap
 from typing import List
 
-from pyattr.results.panels import Curves, Graph, Matrix, Note, Table, Tokens, is_nan, label, port, scale_of
+from pyattr.results.panels import (Curves, Graph, Matrix, Note, Picture, Table, Tokens, is_nan, label, port,
+                                   scale_of)
 
 
 def _cmap():
@@ -38,7 +39,7 @@ def figure(panels: List, heading: str):
     if len(drawable) > len(panels):
         notes.append(f"the first {len(panels)} of {len(drawable)} panels are drawn; to_pandas() holds them all")
     heights = [max(1.6, 0.35 * len(p.rows) + 1.2) if isinstance(p, Matrix) else 3.0 if isinstance(p, Curves) else
-               4.5 if isinstance(p, Graph) else
+               4.5 if isinstance(p, (Graph, Picture)) else
                3.2 if isinstance(p, Tokens) and any(lab and len(label(lab)) > 12 for lab in p.labels) else 1.6
                for p in panels]
     widths = [max(6.0, 0.5 * len(p.cols) + 2) if isinstance(p, Matrix) else
@@ -51,6 +52,9 @@ def figure(panels: List, heading: str):
     for ax, p in zip(axes, panels):
         if isinstance(p, Graph):
             _draw_graph(fig, ax, p, cmap)
+        elif isinstance(p, Picture):
+            ax.imshow(p.rgb, interpolation="nearest")
+            ax.set_axis_off()
         elif isinstance(p, Curves):
             for y, name in zip(p.ys, p.names):
                 ax.plot(p.x, y, color="black" if name == "mean" else None, lw=2 if name == "mean" else 1,
@@ -243,6 +247,8 @@ def text(panels: List, heading: str, width: int = 100) -> str:
         elif isinstance(p, Graph):  # a drawing: in text, what it joins (its values are in the result's tables)
             nodes = sorted({n for a, b, *_ in p.edges for n in (a, b)})
             out.append(f"  {len(p.edges)} edges among {', '.join(nodes)} (drawn by the HTML view and plot())")
+        elif isinstance(p, Picture):  # an image: drawn by the HTML view and plot(); its values follow
+            out.append(f"  {p.rgb.shape[1]}×{p.rgb.shape[0]} pixels (drawn by the HTML view and plot())")
         elif isinstance(p, Table):
             out.append("  " + " | ".join(p.columns))
             for r in p.rows[:40]:

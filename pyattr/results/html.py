@@ -10,7 +10,8 @@ import hashlib
 from typing import Iterable
 
 from pyattr.results.colours import LEGEND_CSS, _ink, _rgb, legend_html, num
-from pyattr.results.panels import Curves, Graph, Matrix, Note, Table, Tokens, is_nan, label, port, scale_of
+from pyattr.results.panels import (Curves, Graph, Matrix, Note, Picture, Table, Tokens, is_nan, label, port,
+                                   scale_of)
 
 _CSS = """
 .pyattr-result { font-family: system-ui, sans-serif; font-size: 14px; color: #222; max-width: 100%; }
@@ -167,6 +168,29 @@ def _table(p: Table, limit: int = 200) -> str:
             f"</div>{more}")
 
 
+def _picture(p: Picture) -> str:
+    """The image inline as PNG (a data URI: the page stays one self-contained file)."""
+    import base64
+    import io
+    import zlib
+
+    h, w = p.rgb.shape[:2]
+    raw = b"".join(b"\x00" + p.rgb[y].tobytes() for y in range(h))  # filter 0 per scanline
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (len(data).to_bytes(4, "big") + kind + data
+                + (zlib.crc32(kind + data) & 0xFFFFFFFF).to_bytes(4, "big"))
+
+    png = io.BytesIO()
+    png.write(b"\x89PNG\r\n\x1a\n")
+    png.write(chunk(b"IHDR", w.to_bytes(4, "big") + h.to_bytes(4, "big") + bytes([8, 2, 0, 0, 0])))
+    png.write(chunk(b"IDAT", zlib.compress(raw, 9)))
+    png.write(chunk(b"IEND", b""))
+    data = base64.b64encode(png.getvalue()).decode()
+    return (f"<h4>{html.escape(p.title)}</h4><img class='overlay' alt='{html.escape(p.title)}' width='{w}' "
+            f"height='{h}' src='data:image/png;base64,{data}'>")
+
+
 def render(panels: Iterable, heading: str, notes: Iterable[str] = ()) -> str:
     """One ``<div>`` (with its own ``<style>``) holding every panel."""
     panels = list(panels)
@@ -188,6 +212,8 @@ def render(panels: Iterable, heading: str, notes: Iterable[str] = ()) -> str:
             parts.append(_graph(p, f"pyattr-{key}-{i}"))
         elif isinstance(p, Table):
             parts.append(_table(p))
+        elif isinstance(p, Picture):
+            parts.append(_picture(p))
     note = "".join(f"<div>{html.escape(n)}</div>" for n in notes)
     return f"<div class='pyattr-result'><style>{_CSS}</style><b>{html.escape(heading)}</b>{note}{''.join(parts)}</div>"
 

@@ -11,7 +11,7 @@ from typing import List, Optional
 import torch
 
 from pyattr.results.colours import num
-from pyattr.results.panels import Curves, Graph, Matrix, Note, Table, Tokens, share_scale
+from pyattr.results.panels import Curves, Graph, Matrix, Note, Picture, Table, Tokens, share_scale
 
 MAX_ROWS = 8
 
@@ -89,6 +89,11 @@ def relevance(result, limit=MAX_ROWS) -> List:
         pairs = _rows_k(grid, 3)
         for k, r in _take(pairs, limit):
             g = (grid[k] if k is not None else grid)[r].double()
+            picture = _over_image(result, g, r)
+            if picture is not None:
+                out.append(Picture(f"row {r} · relevance over the image (red +, blue −) · "
+                                   f"target{_target_word(result, k, r)} = {num(_value(result.target, k, r), '.4g')}",
+                                   picture))
             out.append(Matrix(f"row {r} · image patches (the [CLS] token left out) · target"
                               f"{_target_word(result, k, r)} = {num(_value(result.target, k, r), '.4g')}",
                               [str(i) for i in range(g.shape[0])], [str(j) for j in range(g.shape[1])], g.tolist(),
@@ -96,6 +101,20 @@ def relevance(result, limit=MAX_ROWS) -> List:
         return _left_out(len(out), len(pairs), _what(grid, 3)) + out
     return _token_panels(result, result.token_relevance, "relevance", "conservation delta", result.conservation_delta,
                          limit)
+
+
+def _over_image(result, grid: torch.Tensor, r: int):
+    """Row ``r``'s patch relevance drawn over its image (H×W×3 uint8), or None without one."""
+    image = getattr(result, "image", None)
+    if image is None or r >= image.shape[0]:
+        return None
+    from pyattr.results.overlay import overlay_rgb
+
+    rows, cols = grid.shape
+    h, w = image.shape[1], image.shape[2]
+    if h < rows or w < cols:
+        return None
+    return overlay_rgb(image[r].numpy(), grid, (h // rows, w // cols), min_side=256)
 
 
 def attribution(result, limit=MAX_ROWS) -> List:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import unicodedata
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 
 @dataclass
@@ -84,6 +84,15 @@ def port(edge_label: str) -> int:
     ``<k>``, ``<v>`` at the end of its label), so that a head's three inputs from one node are
     three lines, not one; 0 otherwise."""
     return {"<q>": -1, "<k>": 0, "<v>": 1}.get(edge_label[-3:], 0)
+
+
+@dataclass
+class Picture:
+    """An RGB image (``rgb``: height × width × 3, uint8, a numpy array): an image result's
+    relevance drawn over the image."""
+
+    title: str
+    rgb: Any
 
 
 @dataclass
