@@ -172,6 +172,10 @@ _VOLATILE = (
     (re.compile(r"\bpyattr-[0-9a-f]{10}-"), "pyattr-ID-"),  # element ids of a view: a hash of its titles
     (re.compile(r"0x[0-9a-fA-F]{6,}"), "0xADDR"),           # memory addresses in reprs
     (re.compile(r"backend(=| )(&#x27;|')?(cpp|torch|triton|cuda)\b"), r"backend\1\2BACKEND"),  # which ran
+    # an inline picture (an image result's overlay): its pixels follow the relevance, whose
+    # last bits differ by CPU; the picture's presence and size are compared, the pixels
+    # by the tests (tests/test_image_views.py)
+    (re.compile(r"data:image/png;base64,[A-Za-z0-9+/=]+"), "data:image/png;base64,PNG"),
 )
 _RGB = re.compile(r"rgb\((\d+), ?(\d+), ?(\d+)\)")
 
