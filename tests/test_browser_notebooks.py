@@ -218,9 +218,14 @@ def test_notebook_pages_in_the_docs(browser, artifacts, site, width):
             box = root.bounding_box()
             assert box["x"] >= content["x"] - 1 and box["x"] + box["width"] <= content["x"] + content["width"] + 1
             check_view(p, root)
-        imgs = page.locator(".md-content .nb-output img")
+        # the stored image outputs (plots), and the overlays image results draw in their views
+        imgs = page.locator(".md-content .nb-output img:not(.overlay)")
         assert imgs.count() == sum(any(k.startswith("image/") for k in o.get("data", {}))
                                    for c in nb.cells for o in c.get("outputs", []))
+        overlays = page.locator(".md-content .pyattr-result img.overlay")
+        assert overlays.count() == sum(_text(o).count("<img class='overlay'") for c in nb.cells
+                                       for o in c.get("outputs", []))
+        imgs = page.locator(".md-content .nb-output img")
         for k in range(imgs.count()):
             img = imgs.nth(k)
             assert img.evaluate("e => e.complete && e.naturalWidth > 0")
@@ -232,6 +237,12 @@ def test_notebook_pages_in_the_docs(browser, artifacts, site, width):
         assert link.count() == 1
         page.evaluate("window.scrollTo(0, 0)")  # the screenshot from the top (the header where it belongs)
         p.finish(artifacts, f"docs-{name}-{width}")
+
+
+def _text(output) -> str:
+    """An output's HTML (a view's markup), "" for other outputs."""
+    html = output.get("data", {}).get("text/html", "")
+    return "".join(html) if isinstance(html, list) else html
 
 
 def test_fresh_views_carry_their_tensors(browser, artifacts, tmp_path):
