@@ -24,7 +24,7 @@ from pyattr.backends import available_backends
 import pyattr.apps.contention as _contention
 import pyattr.methods._core as core
 from pyattr.config import RelevanceRules
-from pyattr.methods._core.tokens import prompt_ids, target_token_id
+from pyattr.methods._core.tokens import check_token_count, prompt_ids, target_token_id
 from pyattr.methods.relevance import relevance
 
 DEFAULT_PAIR = (
@@ -228,12 +228,10 @@ def check_prompt(name: str, ids: List[int], model, tok) -> None:
 
 
 def _check_tokens(name: str, n_tokens: int, model, tok) -> None:
-    n_special = tok.num_special_tokens_to_add() if hasattr(tok, "num_special_tokens_to_add") else 0
-    if n_tokens <= n_special:
-        raise ExplainError(f"{name} has no tokens the model can read after tokenisation")
-    limit = core.max_positions(model)
-    if limit is not None and n_tokens > limit:
-        raise ExplainError(f"{name} is {n_tokens} tokens long; the model reads at most {limit}")
+    try:
+        check_token_count(name, n_tokens, model, tok)
+    except ValueError as e:
+        raise ExplainError(str(e)) from None
 
 
 def explain_pair(

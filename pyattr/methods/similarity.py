@@ -40,9 +40,8 @@ def pair_batch(model, tokenizer, text_a: str, text_b: str, names: Tuple[str, str
             the checkpoint embeds, or a checkpoint whose embedding the cosine would not
             reproduce (a Dense layer, another pooling or similarity), each naming it.
     """
-    from pyattr.methods._core import max_positions
     from pyattr.methods._core.id_lists import _pad_rows
-    from pyattr.methods._core.tokens import _encode
+    from pyattr.methods._core.tokens import _encode, check_token_count
 
     for name, text in zip(names, (text_a, text_b)):
         if not isinstance(text, str):
@@ -52,13 +51,8 @@ def pair_batch(model, tokenizer, text_a: str, text_b: str, names: Tuple[str, str
     spec = _embedding(model)
     rows = [_encode(tokenizer, spec.text(t, "encode")[0], markers="tokenizer")[0] for t in (text_a, text_b)]
     most, where = spec.limit("encode", model, tokenizer)
-    specials = tokenizer.num_special_tokens_to_add() if hasattr(tokenizer, "num_special_tokens_to_add") else 0
-    limit = max_positions(model)
     for name, row in zip(names, rows):
-        if len(row) <= specials:
-            raise ValueError(f"{name} has no tokens the model can read after tokenisation")
-        if limit is not None and len(row) > limit:
-            raise ValueError(f"{name} is {len(row)} tokens long; the model reads at most {limit}")
+        check_token_count(name, len(row), model, tokenizer)
         if most is not None and len(row) > most:
             raise ValueError(f"{name} is {len(row)} tokens long; the checkpoint embeds at most {most} ({where}; "
                              "sentence-transformers truncates there)")

@@ -221,3 +221,16 @@ def continuation_ids(tokenizer, text: str, continuation: str) -> Tuple[List[int]
     if not cont:
         raise ValueError("continuation has no tokens")
     return prompt, cont
+
+
+def check_token_count(name: str, n_tokens: int, model, tokenizer) -> None:
+    """Raise ValueError when a text named ``name`` tokenizes to nothing but the tokenizer's
+    markers, or to more tokens than the model's positions."""
+    from pyattr.methods._core.inputs import max_positions
+
+    specials = tokenizer.num_special_tokens_to_add() if hasattr(tokenizer, "num_special_tokens_to_add") else 0
+    if n_tokens <= specials:
+        raise ValueError(f"{name} has no tokens the model can read after tokenisation")
+    limit = max_positions(model)
+    if limit is not None and n_tokens > limit:
+        raise ValueError(f"{name} is {n_tokens} tokens long; the model reads at most {limit}")
