@@ -89,16 +89,58 @@ def test_reference_equals_the_closed_form(case, monkeypatch):
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
 def test_cpp_kernel_equals_the_reference(case, dtype):
+    """float64 / float32: the reference to rounding. bfloat16 / float16: the kernel runs its
+    GEMMs on the 16-bit operands with float32 sums and rounds P to the input type as the
+    operand of Pᵀ·dO (as sdpa's CPU flash kernel does), so each dV element may differ from
+    the float32 reference by the unit roundoff u of that type times Σ P·|dO| (the same
+    bound the input dO's own rounding puts on it): checked against that bound, which the
+    float32 path (no rounding of P) meets with u = 0."""
     case = dict(case)
     causal, softcap = case.pop("causal", False), case.pop("softcap", None)
     q, k, do, m = _case(**case, dtype=dtype)
     ref = attention_dv_reference(q, k, do, m, 0.3, softcap, causal)
     got = compiled.attention_dv(q, k, do, m, 0.3, softcap, causal)
     assert got.dtype == ref.dtype and got.shape == ref.shape
-    tol = 1e-12 if dtype == torch.float64 else 2e-5
-    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+    if dtype in (torch.float64, torch.float32):
+        tol = 1e-12 if dtype == torch.float64 else 2e-5
+        torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+        return
+    u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11  # 8 and 11 significant bits
+    bound = u * closed_form(q, k, do.abs(), m, 0.3, softcap, causal) + 2e-5
+    err = (got.double() - ref.double()).abs()
+    assert bool((err <= bound).all()), float((err - bound).max())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", [dict(lq=9, causal=True), dict(lq=65, heads=6, kv=3, causal=True), dict(lq=37, kv=4)],
+                         ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()) if isinstance(c, dict) else str(c))
+def test_cpp_kernel_16bit_is_p_rounded_to_nearest(case, dtype):
+    """What the 16-bit path computes, exactly: float64 P rounded to the input type (round to
+    nearest even), then Pᵀ·dO summed over the group's heads; the float32 sums of the kernel
+    differ from it only in the float32 rounding."""
+    case = dict(case)
+    causal = case.pop("causal", False)
+    q, k, do, _ = _case(**case, dtype=dtype)
+    got = compiled.attention_dv(q, k, do, None, 0.3, None, causal).double()
+    b, h, lq, _ = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    s = q.double() @ k.double().repeat_interleave(h // hkv, dim=1).transpose(-1, -2) * 0.3
+    if causal:
+        s = s.masked_fill(torch.ones(lq, lk, dtype=torch.bool).triu(1), float("-inf"))
+    p64 = torch.softmax(s, -1)
+    p = p64.to(torch.float32).to(dtype).double()
+    want = (p.transpose(-1, -2) @ do.double()).view(b, hkv, h // hkv, lk, -1).sum(2)
+    # a P within float32 rounding of a tie between two 16-bit values may round the other way
+    # (one ulp, 2u·P): allowed for every element, and the rest equal to float32 rounding
+    u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    flips = 2 * u * (p64.transpose(-1, -2) @ do.double().abs()).view(b, hkv, h // hkv, lk, -1).sum(2)
+    err = (got - want).abs()
+    assert bool((err <= flips + 1e-5).all())
+    assert float((err <= 1e-5).double().mean()) >= 0.99
+    exact = closed_form(q, k, do, None, 0.3, None, causal)
+    assert float((got - exact).abs().max()) > 1e-4  # P was rounded: not the float32 path
 
 
 def test_cpp_kernel_splits_query_blocks_when_heads_are_few():

@@ -279,18 +279,22 @@ def test_check_tool_one_line_errors(tmp_path):
         (["--e2e", "--targets", "-1"], "--targets must be >= 0"),
         (["--ig-memory", "--chunk", "0"], "--chunk must be >= 1"),
         (["--e2e", "--conservation"], "--e2e, --conservation, --ig-memory, --patching, --dataset, --faithfulness, "
-                                      "--estimators, --generation, --long-context, --citations, --circuits and --frameworks are "
-                                      "separate runs"),
+                                      "--estimators, --generation, --long-context, --scale, --citations, --circuits and "
+                                      "--frameworks are separate runs"),
+        (["--scale", "--long-context"], "are separate runs; pass one"),
         (["--faithfulness", "--estimators"], "are separate runs; pass one"),
         (["--png", "/tmp/x.png"], "--png is the perturbation-curve plot of --faithfulness"),
         (["--faithfulness", "--png", "/nonexistent/dir/x.png"], "--png: cannot write"),
         (["--long-context", "--lxt-python", "/nonexistent/bin/python"],
          "--lxt-python: expected the path of a Python interpreter, got '/nonexistent/bin/python'"),
-        (["--generation", "--lxt-python", "python3"], "--lxt-python adds LXT to --long-context; pass --long-context"),
-        (["--long-context", "--context", "16384"], "--context sets the context lengths of --generation"),
+        (["--generation", "--lxt-python", "python3"], "--lxt-python adds LXT to --long-context and --scale; pass one"),
+        (["--long-context", "--context", "16384"], "--context sets the context lengths of --generation's long-context "
+                                                   "table and of --scale; pass one"),
+        (["--scale", "--context", "1k"], "--context: expected positive token counts separated by commas, got '1k'"),
         (["--generation", "--context", "0"], "--context: expected positive token counts separated by commas, got '0'"),
         (["--generation", "--rounds", "0"], "--rounds must be >= 1, got 0"),
-        (["--faithfulness", "--rounds", "2"], "--rounds sets the interleaved rounds of --generation, --long-context and --frameworks"),
+        (["--faithfulness", "--rounds", "2"], "--rounds sets the interleaved rounds of --generation, --long-context, "
+                                              "--scale and --frameworks; pass one"),
         (["--generation", "--context", "16k"], "--context: expected positive token counts separated by commas, got '16k'"),
     ],
 )

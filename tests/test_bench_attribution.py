@@ -122,7 +122,7 @@ def test_saved_attribution_documents_validate_and_bad_rows_are_named():
         report.validate(bad)
     bad["kind"] = "speed"
     with pytest.raises(ValueError, match=r"kind 'speed', expected one of \['micro', 'e2e', 'conservation', 'ig-memory', 'patching', 'generation', "
-                                         r"'generation-long', 'long-context', 'estimators', 'frameworks', 'faithfulness', 'citations', "
+                                         r"'generation-long', 'long-context', 'scale', 'estimators', 'frameworks', 'faithfulness', 'citations', "
                                          r"'circuits', 'dataset'\]"):
         report.validate(bad)
     bad["kind"] = "patching"

@@ -257,3 +257,38 @@ def test_a_forward_replaced_inside_an_open_scope_is_refused_and_kept():
     with torch.no_grad():
         assert torch.equal(m(IDS).logits, fresh(IDS).logits)
         assert not torch.equal(m(IDS).logits, _llama()(IDS).logits)
+
+
+def test_the_check_of_a_rebuilt_forward_runs_once_per_module_state(monkeypatch):
+    """A check that passed holds in later scopes (on a 1B model the two-row forwards of the
+    16 MLPs cost 0.2 s per call); a module whose submodules, forward or attributes changed
+    is checked again, and a module freed is not kept alive by the record."""
+    import gc
+    import weakref
+
+    import pyattr.integration.forwards as fw
+
+    checks = []
+    real = fw._submodule_hooks_held
+
+    def counting(module):
+        checks.append(module)
+        return real(module)
+
+    monkeypatch.setattr(fw, "_submodule_hooks_held", counting)
+    m = _llama()
+    first = pyattr.relevance(m, IDS, target=5)
+    assert len(checks) == len(m.model.layers)  # one per MLP
+    again = pyattr.relevance(m, IDS, target=5)
+    assert len(checks) == len(m.model.layers)  # held
+    torch.testing.assert_close(again.relevance, first.relevance, rtol=0, atol=0)
+    m.model.layers[1].mlp.act_fn = torch.nn.SiLU()  # another module in the same place
+    pyattr.relevance(m, IDS, target=5)
+    assert checks[-1] is m.model.layers[1].mlp and len(checks) == len(m.model.layers) + 1
+    m.model.layers[0].mlp.config_note = "changed"  # any other attribute
+    pyattr.relevance(m, IDS, target=5)
+    assert checks[-1] is m.model.layers[0].mlp and len(checks) == len(m.model.layers) + 2
+    ref = weakref.ref(m.model.layers[0].mlp)
+    del m, checks[:]
+    gc.collect()
+    assert ref() is None

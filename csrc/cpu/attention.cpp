@@ -1,6 +1,11 @@
 // Frozen attention (AH-rule) backward on CPU: dV = P^T dO, with P = softmax(s * q k^T
 // [softcap] + mask) recomputed per block of query rows and never kept whole.
 //
+// bfloat16 / float16 inputs keep their type in the GEMMs (at::native::cpublas::brgemm:
+// 16-bit products, float32 accumulation and output, 2-4x the float32 GEMMs' rate on a CPU
+// with bf16 instructions); scores, softmax and sums stay float32, and P is rounded to the
+// input type only as the operand of P^T dO, as sdpa's own CPU flash kernel rounds it.
+//
 // Work items are (batch, key/value head, share of the query blocks); each runs its GEMMs
 // single-threaded (inside at::parallel_for) on its own score buffer of
 // (groups * kBlockRows) x kv_len, so the scale, softcap, mask, softmax pass reads the
@@ -10,6 +15,7 @@
 #include <cmath>
 #include <limits>
 #include <optional>
+#include <vector>
 
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/Tensor.h>
@@ -20,7 +26,9 @@
 #include <ATen/ops/zeros.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <ATen/native/CPUBlas.h>
 #include "kernels.h"
 
 PYATTR_BEGIN
@@ -39,19 +47,36 @@ inline at::vec::Vectorized<A> vexp(const at::vec::Vectorized<A>& x) {
   }
 }
 
-// One score row in place: scale (and softcap), mask, keys >= limit dropped, softmax.
-// A row whose keys are all masked becomes 0 (no contribution), as in PyTorch's SDPA; a
-// row with a NaN or +inf score is NaN (softmax's own answer) except at keys >= limit
-// (pyattr/backends/reference.py, attention_dv_reference).
+// The two passes of a softmax row in place: scale (and softcap), mask and the max over keys
+// < limit, then exp(v - max) and its sum. Returns 1 / sum, or 0 when every key is masked
+// (the row contributes nothing, as in PyTorch's SDPA), or NaN when a score is NaN or +inf
+// (softmax's own answer). The first pass runs in lanes when there is no softcap and no mask
+// (a 4k-key row spent most of the 16-bit kernel's time there, scalar): the same values, and
+// the order does not change a max.
 template <typename A>
-void softmax_row(A* row, int64_t kend, int64_t limit, A scaling, std::optional<A> softcap, const A* mrow,
-                 int64_t mstride) {
+A softmax_exp(A* row, int64_t limit, A scaling, std::optional<A> softcap, const A* mrow, int64_t mstride) {
   using V = at::vec::Vectorized<A>;
   constexpr int64_t W = V::size();
   const A ninf = -std::numeric_limits<A>::infinity();
   A mx = ninf;
-  bool nan = false;  // tracked apart, so the max stays a plain (vectorizable) max
-  for (int64_t j = 0; j < limit; ++j) {
+  bool nan = false;  // tracked apart, so the max stays a plain max
+  int64_t j = 0;
+  A lanes[W];
+  if (!softcap && !mrow) {
+    const V vs(scaling);
+    V vmx(ninf);
+    for (; j + W <= limit; j += W) {
+      const V v = V::loadu(row + j) * vs;
+      v.store(row + j);
+      vmx = at::vec::maximum(vmx, v);  // NaN propagates
+    }
+    vmx.store(lanes);
+    for (int64_t l = 0; l < W; ++l) {
+      nan |= lanes[l] != lanes[l];
+      mx = lanes[l] > mx ? lanes[l] : mx;
+    }
+  }
+  for (; j < limit; ++j) {
     A v = row[j] * scaling;
     if (softcap) v = std::tanh(v / *softcap) * *softcap;
     if (mrow) v += mrow[j * mstride];
@@ -59,38 +84,65 @@ void softmax_row(A* row, int64_t kend, int64_t limit, A scaling, std::optional<A
     mx = v > mx ? v : mx;
     nan |= v != v;
   }
-  if (!nan && mx == ninf) {  // every key masked
-    std::fill(row, row + kend, A(0));
-    return;
-  }
-  if (nan || mx == -ninf) {  // NaN, or exp(inf - inf): the whole row
-    std::fill(row, row + limit, std::numeric_limits<A>::quiet_NaN());
-    std::fill(row + limit, row + kend, A(0));
-    return;
-  }
-  A sum = 0;
-  int64_t j = 0;
+  if (!nan && mx == ninf) return A(0);  // every key masked
+  if (nan || mx == -ninf) return std::numeric_limits<A>::quiet_NaN();  // NaN, or exp(inf - inf)
   const V vmx(mx);
   V vsum(A(0));
-  for (; j + W <= limit; j += W) {
+  for (j = 0; j + W <= limit; j += W) {
     V e = vexp<A>(V::loadu(row + j) - vmx);
     e.store(row + j);
     vsum = vsum + e;
   }
-  A lanes[W];
   vsum.store(lanes);
+  A sum = 0;
   for (int64_t l = 0; l < W; ++l) sum += lanes[l];
   for (; j < limit; ++j) {
     A e = std::exp(row[j] - mx);
     row[j] = e;
     sum += e;
   }
-  const A inv = A(1) / sum;
-  const V vinv(inv);
-  j = 0;
-  for (; j + W <= limit; j += W) (V::loadu(row + j) * vinv).store(row + j);
-  for (; j < limit; ++j) row[j] *= inv;
+  return A(1) / sum;
+}
+
+// One score row in place: scale (and softcap), mask, keys >= limit dropped, softmax.
+// A row whose keys are all masked becomes 0; a row with a NaN or +inf score is NaN except at
+// keys >= limit (pyattr/backends/reference.py, attention_dv_reference).
+template <typename A>
+void softmax_row(A* row, int64_t kend, int64_t limit, A scaling, std::optional<A> softcap, const A* mrow,
+                 int64_t mstride) {
+  using V = at::vec::Vectorized<A>;
+  constexpr int64_t W = V::size();
+  const A inv = softmax_exp<A>(row, limit, scaling, softcap, mrow, mstride);
+  if (inv != inv || inv == A(0)) {
+    std::fill(row, row + limit, inv);
+  } else {
+    const V vinv(inv);
+    int64_t j = 0;
+    for (; j + W <= limit; j += W) (V::loadu(row + j) * vinv).store(row + j);
+    for (; j < limit; ++j) row[j] *= inv;
+  }
   std::fill(row + limit, row + kend, A(0));
+}
+
+// softmax_row for the 16-bit kernels: the same answers, rounded to T into ``out`` (the float
+// row keeps the unnormalized exponentials), the normalization fused with the rounding.
+template <typename T>
+void softmax_row16(float* row, T* out, int64_t kend, int64_t limit, float scaling, std::optional<float> softcap,
+                   const float* mrow, int64_t mstride) {
+  using V = at::vec::Vectorized<float>;
+  constexpr int64_t W = V::size();
+  const float inv = softmax_exp<float>(row, limit, scaling, softcap, mrow, mstride);
+  int64_t j = 0;
+  if (inv != inv || inv == 0.f) {
+    std::fill(out, out + limit, T(inv));
+  } else {
+    const V vinv(inv);
+    for (; j + 2 * W <= limit; j += 2 * W) {
+      at::vec::convert_from_float<T>(V::loadu(row + j) * vinv, V::loadu(row + j + W) * vinv).store(out + j);
+    }
+    for (; j < limit; ++j) out[j] = T(row[j] * inv);
+  }
+  std::fill(out + limit, out + kend, T(0));
 }
 
 // One row of dS in place of dP: dS = s * P * (dP - sum(P * dP)) [* (1 - t^2), t = tanh of
@@ -137,6 +189,169 @@ at::Tensor mask_view(const std::optional<at::Tensor>& mask_opt, int64_t B, int64
   return m.narrow(3, 0, Lk).to(acc).expand({B, H, Lq, Lk});
 }
 
+// C (M x N, float, row stride ldc) (+)= A (M x K) . B (K x N), A and B row-major in a 16-bit
+// type (row strides lda, ldb): products exact in float32, float32 sums.
+// Columns go in chunks of kGemmCols: a (256 x 4096) float32 output tile leaves the L2 cache
+// and ran at a third of the rate of (256 x 512) tiles on one core.
+constexpr int64_t kGemmCols = 512;
+
+template <typename T>
+inline void gemm16(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb, float* C,
+                   int64_t ldc, bool add) {
+  for (int64_t j = 0; j < N; j += kGemmCols) {
+    at::native::cpublas::brgemm(M, std::min(kGemmCols, N - j), K, lda, ldb, ldc, add, A, B + j, C + j,
+                                /*is_vnni=*/false);
+  }
+}
+
+// attention_dv for bfloat16 / float16 q, k, dout (checked by the caller). Per block of query
+// rows (the group's heads stacked): S = Q K^T from the 16-bit operands (K^T copied once per
+// head), the float32 softmax in place, P rounded to T, then dV^T += dO^T P, so that both
+// GEMM operands are row-major without transposing P; dV^T is transposed once at the end.
+template <typename T>
+at::Tensor attention_dv_16(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& dout_in,
+                           const at::Tensor& mask, double scaling, std::optional<double> softcap, bool causal) {
+  const int64_t B = q_in.size(0), H = q_in.size(1), Lq = q_in.size(2), D = q_in.size(3);
+  const int64_t Hkv = k_in.size(1), Lk = k_in.size(2), Dv = dout_in.size(3);
+  const at::Tensor q = q_in.contiguous(), dout = dout_in.contiguous();
+  const at::Tensor kt = k_in.transpose(2, 3).contiguous();  // (B, Hkv, D, Lk)
+  const int64_t G = H / Hkv;
+  const bool skip_hidden = causal && at::isfinite(dout).all().item<bool>();
+  const int64_t nblk = (Lq + kBlockRows - 1) / kBlockRows;
+  const int64_t heads = B * Hkv;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t splits = heads >= threads ? 1 : std::max<int64_t>(1, std::min(nblk, (threads + heads - 1) / heads));
+  const auto fopt = q.options().dtype(at::kFloat);
+  at::Tensor dvt = at::zeros({splits, B, Hkv, Dv, Lk}, fopt);  // dV^T, one slab per split
+  const std::optional<float> cap = softcap ? std::optional<float>(float(*softcap)) : std::nullopt;
+  const T* qd = q.const_data_ptr<T>();
+  const T* kd = kt.const_data_ptr<T>();
+  const T* dd = dout.const_data_ptr<T>();
+  at::parallel_for(0, heads * splits, 1, [&](int64_t begin, int64_t end) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;  // see attention_dv
+    std::vector<float> scores(G * kBlockRows * Lk);
+    std::vector<T> p16(G * kBlockRows * Lk), qrows(G * kBlockRows * D), dot(Dv * G * kBlockRows);
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t bh = it / splits, sp = it % splits;
+      const int64_t b = bh / Hkv, hk = bh % Hkv;
+      float* target = dvt.data_ptr<float>() + ((sp * B + b) * Hkv + hk) * Dv * Lk;  // (Dv, Lk)
+      const T* kth = kd + (b * Hkv + hk) * D * Lk;                                   // (D, Lk)
+      for (int64_t blk = sp * nblk / splits; blk < (sp + 1) * nblk / splits; ++blk) {
+        const int64_t s = blk * kBlockRows, n = std::min(kBlockRows, Lq - s), rows = G * n;
+        const int64_t kend = skip_hidden ? std::min(Lk, s + n) : Lk;
+        for (int64_t g = 0; g < G; ++g) {
+          const T* src = qd + ((b * H + hk * G + g) * Lq + s) * D;
+          std::copy(src, src + n * D, qrows.data() + g * n * D);
+          const T* dsrc = dd + ((b * H + hk * G + g) * Lq + s) * Dv;
+          for (int64_t i = 0; i < n; ++i)
+            for (int64_t c = 0; c < Dv; ++c) dot[c * rows + g * n + i] = dsrc[i * Dv + c];
+        }
+        gemm16<T>(rows, kend, D, qrows.data(), D, kth, Lk, scores.data(), kend, false);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t g = r / n, i = s + r % n, h = hk * G + g;
+          const int64_t limit = causal ? std::min(kend, i + 1) : kend;
+          const float* mrow = nullptr;
+          int64_t mstride = 0;
+          if (mask.defined()) {
+            mrow = mask.const_data_ptr<float>() + b * mask.stride(0) + h * mask.stride(1) + i * mask.stride(2);
+            mstride = mask.stride(3);
+          }
+          softmax_row16<T>(scores.data() + r * kend, p16.data() + r * kend, kend, limit, float(scaling), cap, mrow,
+                           mstride);
+        }
+        gemm16<T>(Dv, kend, rows, dot.data(), rows, p16.data(), kend, target, Lk, true);
+      }
+    }
+    at::native::cpublas::brgemm_release(/*is_vnni=*/false);
+  });
+  return dvt.sum(0).transpose(2, 3).contiguous();
+}
+
+// attention_backward for bfloat16 / float16 q, k, v, dout (checked by the caller), with the
+// GEMMs of attention_dv_16: per block of query rows, S = Q K^T and dP = dO V^T from the
+// 16-bit operands, the float32 softmax and dS = P * (dP - rowsum(P * dP)) in place, P and dS
+// rounded to T as GEMM operands (as sdpa's CPU flash backward rounds them), then
+// dq = s dS K per head, dK^T += s Q^T dS and dV^T += dO^T P (transposed once at the end).
+template <typename T>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_16(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& dout_in,
+    const at::Tensor& mask, double scaling, std::optional<double> softcap, bool causal) {
+  const int64_t B = q_in.size(0), H = q_in.size(1), Lq = q_in.size(2), D = q_in.size(3);
+  const int64_t Hkv = k_in.size(1), Lk = k_in.size(2), Dv = v_in.size(3);
+  const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), dout = dout_in.contiguous();
+  const at::Tensor kt = k_in.transpose(2, 3).contiguous(), vt = v_in.transpose(2, 3).contiguous();
+  const int64_t G = H / Hkv;
+  const bool skip_hidden = causal && at::isfinite(dout).all().item<bool>() && at::isfinite(v_in).all().item<bool>();
+  const int64_t nblk = (Lq + kBlockRows - 1) / kBlockRows;
+  const int64_t heads = B * Hkv;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t splits = heads >= threads ? 1 : std::max<int64_t>(1, std::min(nblk, (threads + heads - 1) / heads));
+  const auto fopt = q.options().dtype(at::kFloat);
+  at::Tensor dq = at::empty({B, H, Lq, D}, fopt);
+  at::Tensor dkt = at::zeros({splits, B, Hkv, D, Lk}, fopt), dvt = at::zeros({splits, B, Hkv, Dv, Lk}, fopt);
+  const std::optional<float> cap = softcap ? std::optional<float>(float(*softcap)) : std::nullopt;
+  const float sc = float(scaling);
+  const T *qd = q.const_data_ptr<T>(), *kd = k.const_data_ptr<T>(), *ktd = kt.const_data_ptr<T>();
+  const T *vtd = vt.const_data_ptr<T>(), *dd = dout.const_data_ptr<T>();
+  at::parallel_for(0, heads * splits, 1, [&](int64_t begin, int64_t end) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;  // see attention_dv
+    const int64_t cap_rows = G * kBlockRows;
+    std::vector<float> scores(cap_rows * Lk), dprob(cap_rows * Lk), tanhs(cap ? cap_rows * Lk : 0);
+    std::vector<T> p16(cap_rows * Lk), ds16(cap_rows * Lk), qrows(cap_rows * D), dorows(cap_rows * Dv);
+    std::vector<T> qt(D * cap_rows), dot(Dv * cap_rows);
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t bh = it / splits, sp = it % splits;
+      const int64_t b = bh / Hkv, hk = bh % Hkv;
+      float* tk = dkt.data_ptr<float>() + ((sp * B + b) * Hkv + hk) * D * Lk;   // (D, Lk)
+      float* tv = dvt.data_ptr<float>() + ((sp * B + b) * Hkv + hk) * Dv * Lk;  // (Dv, Lk)
+      const int64_t kv = (b * Hkv + hk) * Lk;
+      for (int64_t blk = sp * nblk / splits; blk < (sp + 1) * nblk / splits; ++blk) {
+        const int64_t s = blk * kBlockRows, n = std::min(kBlockRows, Lq - s), rows = G * n;
+        const int64_t kend = skip_hidden ? std::min(Lk, s + n) : Lk;
+        for (int64_t g = 0; g < G; ++g) {
+          const T* qs = qd + ((b * H + hk * G + g) * Lq + s) * D;
+          const T* ds = dd + ((b * H + hk * G + g) * Lq + s) * Dv;
+          std::copy(qs, qs + n * D, qrows.data() + g * n * D);
+          std::copy(ds, ds + n * Dv, dorows.data() + g * n * Dv);
+          for (int64_t i = 0; i < n; ++i) {
+            for (int64_t c = 0; c < D; ++c) qt[c * rows + g * n + i] = qs[i * D + c];
+            for (int64_t c = 0; c < Dv; ++c) dot[c * rows + g * n + i] = ds[i * Dv + c];
+          }
+        }
+        gemm16<T>(rows, kend, D, qrows.data(), D, ktd + kv * D, Lk, scores.data(), kend, false);
+        gemm16<T>(rows, kend, Dv, dorows.data(), Dv, vtd + kv * Dv, Lk, dprob.data(), kend, false);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t g = r / n, i = s + r % n, h = hk * G + g;
+          const int64_t limit = causal ? std::min(kend, i + 1) : kend;
+          float* row = scores.data() + r * kend;
+          float* trow = cap ? tanhs.data() + r * kend : nullptr;
+          if (cap) {
+            for (int64_t j = 0; j < kend; ++j) trow[j] = std::tanh(row[j] * sc / *cap);
+          }
+          const float* mrow = nullptr;
+          int64_t mstride = 0;
+          if (mask.defined()) {
+            mrow = mask.const_data_ptr<float>() + b * mask.stride(0) + h * mask.stride(1) + i * mask.stride(2);
+            mstride = mask.stride(3);
+          }
+          softmax_row<float>(row, kend, limit, sc, cap, mrow, mstride);
+          score_grad_row<float>(row, dprob.data() + r * kend, trow, kend, sc);
+        }
+        at::vec::convert(scores.data(), p16.data(), rows * kend);
+        at::vec::convert(dprob.data(), ds16.data(), rows * kend);
+        for (int64_t g = 0; g < G; ++g) {
+          float* dqg = dq.data_ptr<float>() + ((b * H + hk * G + g) * Lq + s) * D;
+          gemm16<T>(n, D, kend, ds16.data() + g * n * kend, kend, kd + kv * D, D, dqg, D, false);
+        }
+        gemm16<T>(D, kend, rows, qt.data(), rows, ds16.data(), kend, tk, Lk, true);
+        gemm16<T>(Dv, kend, rows, dot.data(), rows, p16.data(), kend, tv, Lk, true);
+      }
+    }
+    at::native::cpublas::brgemm_release(/*is_vnni=*/false);
+  });
+  return {dq, dkt.sum(0).transpose(2, 3).contiguous(), dvt.sum(0).transpose(2, 3).contiguous()};
+}
+
 }  // namespace
 
 at::Tensor attention_dv(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& dout_in,
@@ -155,6 +370,12 @@ at::Tensor attention_dv(const at::Tensor& q_in, const at::Tensor& k_in, const at
   TORCH_CHECK_VALUE(k_in.device() == q_in.device() && dout_in.device() == q_in.device(),
                     "attention_dv: q, k and dout must be on one device");
   const at::ScalarType acc = q_in.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::ScalarType st = q_in.scalar_type();
+  if ((st == at::kBFloat16 || st == at::kHalf) && k_in.scalar_type() == st && dout_in.scalar_type() == st) {
+    const at::Tensor mask16 = mask_view(mask_opt, B, H, Lq, Lk, at::kFloat, "attention_dv");
+    if (st == at::kBFloat16) return attention_dv_16<at::BFloat16>(q_in, k_in, dout_in, mask16, scaling, softcap, causal);
+    return attention_dv_16<at::Half>(q_in, k_in, dout_in, mask16, scaling, softcap, causal);
+  }
   const at::Tensor q = q_in.to(acc).contiguous(), k = k_in.to(acc).contiguous(), dout = dout_in.to(acc).contiguous();
   const at::Tensor mask = mask_view(mask_opt, B, H, Lq, Lk, acc, "attention_dv");
   const int64_t G = H / Hkv;
@@ -247,6 +468,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
                         dout_in.device() == q_in.device(),
                     "attention_backward: q, k, v and dout must be on one device");
   const at::ScalarType acc = q_in.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::ScalarType st = q_in.scalar_type();
+  if ((st == at::kBFloat16 || st == at::kHalf) && k_in.scalar_type() == st && v_in.scalar_type() == st &&
+      dout_in.scalar_type() == st) {
+    const at::Tensor mask16 = mask_view(mask_opt, B, H, Lq, Lk, at::kFloat, "attention_backward");
+    if (st == at::kBFloat16) {
+      return attention_backward_16<at::BFloat16>(q_in, k_in, v_in, dout_in, mask16, scaling, softcap, causal);
+    }
+    return attention_backward_16<at::Half>(q_in, k_in, v_in, dout_in, mask16, scaling, softcap, causal);
+  }
   const at::Tensor q = q_in.to(acc).contiguous(), k = k_in.to(acc).contiguous(), v = v_in.to(acc).contiguous();
   const at::Tensor dout = dout_in.to(acc).contiguous();
   const at::Tensor mask = mask_view(mask_opt, B, H, Lq, Lk, acc, "attention_backward");

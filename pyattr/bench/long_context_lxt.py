@@ -11,6 +11,10 @@ configuration and seed, and prints one JSON row as the pyattr variants do.
   logit at the last position backpropagated, relevance = (embeddings × gradient) summed
   over the hidden size;
 - ``lxt_cut``: the same with ``logits_to_keep=1``, the head cut pyattr makes.
+
+With ``--checkpoint DIR`` (``pyattr bench --scale``) the model is that checkpoint, loaded in
+``--dtype`` with the shape its ``shape.json`` holds, and the peak memory is the call's own
+(the high-water mark reset just before it), as the pyattr variants of that run measure it.
 """
 
 from __future__ import annotations
@@ -29,7 +33,41 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def measure(variant: str, context: int, hidden: int = 512, layers: int = 4) -> dict:
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _checkpoint_model(path: str, dtype: str):
+    import torch
+    from transformers import LlamaConfig
+    from transformers.models.llama import modeling_llama
+
+    with open(f"{path}/shape.json") as f:
+        shape = json.load(f)
+    cfg = LlamaConfig(**shape)
+    model = modeling_llama.LlamaForCausalLM.from_pretrained(path, config=cfg, torch_dtype=getattr(torch, dtype),
+                                                            attn_implementation="sdpa")
+    n = sum(p.numel() for p in model.parameters())
+    what = (f"Llama-3.2-1B-shaped ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab "
+            f"{cfg.vocab_size}, {n / 1e9:.2f}B parameters, random weights), sdpa")
+    return model, what
+
+
+def measure(variant: str, context: int, hidden: int = 512, layers: int = 4, checkpoint: str = None,
+            dtype: str = "float32") -> dict:
     import torch
     import transformers
     from importlib import metadata
@@ -40,17 +78,23 @@ def measure(variant: str, context: int, hidden: int = 512, layers: int = 4) -> d
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     monkey_patch(modeling_llama)
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
-                      num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64,
-                      max_position_embeddings=65536)
-    cfg._attn_implementation = "sdpa"  # what from_pretrained picks on this torch
-    torch.manual_seed(0)
-    model = modeling_llama.LlamaForCausalLM(cfg).eval()
+    if checkpoint:
+        model, what = _checkpoint_model(checkpoint, dtype)
+    else:
+        cfg = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                          num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                          num_key_value_heads=hidden // 64, max_position_embeddings=65536)
+        cfg._attn_implementation = "sdpa"  # what from_pretrained picks on this torch
+        torch.manual_seed(0)
+        model = modeling_llama.LlamaForCausalLM(cfg)
+        what = f"Llama {layers} layers, hidden {hidden}, {hidden // 64} heads, sdpa, float32"
+    model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
+    vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 32000, (1, context), generator=g)
-    target = int(torch.randint(3, 32000, (1,), generator=g))
+    ids = torch.randint(3, vocab, (1, context), generator=g)
+    target = int(torch.randint(3, vocab, (1,), generator=g))
     keep = {"logits_to_keep": 1} if variant == "lxt_cut" else {}
 
     def once(x_ids):
@@ -60,16 +104,17 @@ def measure(variant: str, context: int, hidden: int = 512, layers: int = 4) -> d
         return (embeds * embeds.grad).float().sum(-1)
 
     once(ids[:, :16])  # warm-up, as the pyattr variants do
+    reset = checkpoint is not None and _reset_peak()  # the scale run's measure: the call's own peak
     base = _rss_bytes()
     t0 = time.perf_counter()
     once(ids)
     seconds = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _peak_bytes() if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     extra = max(0, peak - base)
+    row = {"dtype": dtype, "point": f"{dtype}:{context}", "peak_reset": reset} if checkpoint else {}
     return {"variant": variant, "context": context, "seconds": seconds, "peak_rss_bytes": peak,
-            "peak_extra_bytes": extra, "bytes_per_1k": extra / (context / 1024),
-            "model": f"Llama {layers} layers, hidden {hidden}, {hidden // 64} heads, sdpa, float32",
-            "threads": torch.get_num_threads(),
+            "peak_extra_bytes": extra, "bytes_per_1k": extra / (context / 1024), **row,
+            "model": what, "threads": torch.get_num_threads(),
             "peer_versions": f"Python {platform.python_version()}, torch {torch.__version__}, transformers "
                              f"{transformers.__version__}, lxt {metadata.version('lxt')}"}
 
@@ -77,11 +122,18 @@ def measure(variant: str, context: int, hidden: int = 512, layers: int = 4) -> d
 def _main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--variant", choices=VARIANTS, required=True)
-    p.add_argument("--context", type=int, required=True)
+    p.add_argument("--context", type=int)
+    p.add_argument("--point", help="DTYPE:TOKENS (with --checkpoint)")
+    p.add_argument("--checkpoint", help="a pyattr bench --scale checkpoint directory")
+    p.add_argument("--quick", action="store_true", help="ignored: the checkpoint sets the size")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
     a = p.parse_args(argv)
-    print(json.dumps(measure(a.variant, a.context, a.hidden, a.layers)))
+    if a.point:
+        dtype, _, context = a.point.partition(":")
+        print(json.dumps(measure(a.variant, int(context), checkpoint=a.checkpoint, dtype=dtype)))
+    else:
+        print(json.dumps(measure(a.variant, a.context, a.hidden, a.layers)))
 
 
 if __name__ == "__main__":

@@ -205,6 +205,8 @@ _ROW_NUMBERS = {
                                                "time_over_loop")),
     "long-context": (("variant", "model"), ("context", "seconds", "seconds_min", "seconds_max", "rounds",
                                             "peak_rss_bytes", "peak_extra_bytes", "bytes_per_1k", "memory_over_plain")),
+    "scale": (("variant", "model", "dtype"), ("context", "seconds", "seconds_min", "seconds_max", "rounds",
+                                              "peak_rss_bytes", "peak_extra_bytes", "memory_over_plain", "parameters")),
     "estimators": (("model", "variant", "node"), ("pairs", "seconds")),
     "frameworks": (("variant", "model"), ("seq", "seconds", "seconds_min", "seconds_max", "rounds", "peak_rss_bytes",
                                           "peak_extra_bytes")),

@@ -343,17 +343,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "ratios per round, peak RSS), instead")
     b.add_argument("--context", metavar="N[,N]",
                    help="--generation: instead, 16 tokens explained after contexts of these lengths (e.g. 16384) "
-                        "on the long-context Llama, the per-step loop against generation_relevance")
+                        "on the long-context Llama, the per-step loop against generation_relevance; --scale: the "
+                        "token counts (default 1024,4096)")
     b.add_argument("--rounds", type=int, default=None, metavar="N",
-                   help="--generation, --long-context: exactly N interleaved rounds (default: 3, up to 6 while "
+                   help="--generation, --long-context, --scale: exactly N interleaved rounds (default: 3, up to 6 while "
                         "a ratio's range is wider than 10%% of its median)")
     b.add_argument("--long-context", action="store_true",
                    help="one relevance map after a 4k / 8k / 16k-token context under every rule set (default, "
                         "AttnLRP, LN-rule only, none) against a plain forward + backward: time with its range over "
                         "interleaved rounds, peak memory, memory per 1k tokens, instead")
+    b.add_argument("--scale", action="store_true",
+                   help="one relevance map on a Llama-3.2-1B-shaped model (random weights, drawn once into the "
+                        "cache) in bfloat16 and float32 (--dtypes) after 1k and 4k tokens (--context) under every "
+                        "rule set against a plain forward + backward: time with its range over interleaved rounds, "
+                        "the call's peak memory, instead")
     b.add_argument("--lxt-python", metavar="PYTHON",
-                   help="--long-context: also time LXT's AttnLRP, run by this Python (a development environment "
-                        "with lxt and the transformers 4 it supports; LXT is not a pyattr dependency)")
+                   help="--long-context, --scale: also time LXT's AttnLRP, run by this Python (a development "
+                        "environment with lxt and the transformers 4 it supports; LXT is not a pyattr dependency)")
     b.add_argument("--estimators", action="store_true",
                    help="patching estimators (AtP, AtP*, RelP, EAP-IG) against exact patching and the known circuit "
                         "of the toy induction decoder, and their time on a 144-head model, instead")

@@ -10,7 +10,8 @@ from pyattr.cli._common import UsageError, check_output_path, fail
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 #: CPU runs whose module ``pyattr.bench.<name>`` has ``run_all(quick)`` and
 #: ``markdown(rows, contention)`` and whose JSON kind is the name
-SIMPLE_RUNS = ("faithfulness", "generation", "long_context", "estimators", "citations", "circuits", "frameworks")
+SIMPLE_RUNS = ("faithfulness", "generation", "long_context", "scale", "estimators", "citations", "circuits",
+               "frameworks")
 
 
 def parse_shapes(text: str):
@@ -40,22 +41,22 @@ def _check_args(args):
     if args.chunk < 1:
         raise UsageError(f"--chunk must be >= 1, got {args.chunk}")
     if sum(map(bool, (args.e2e, args.conservation, args.ig_memory, args.patching, args.dataset,
-                      args.faithfulness, args.estimators, args.generation, args.long_context,
+                      args.faithfulness, args.estimators, args.generation, args.long_context, args.scale,
                       args.citations, args.circuits, args.frameworks))) > 1:
         raise UsageError("--e2e, --conservation, --ig-memory, --patching, --dataset, --faithfulness, "
-                         "--estimators, --generation, --long-context, --citations, --circuits and --frameworks are "
-                         "separate runs; pass one")
+                         "--estimators, --generation, --long-context, --scale, --citations, --circuits and "
+                         "--frameworks are separate runs; pass one")
     if getattr(args, "rounds", None) is not None:
-        if not (args.generation or args.long_context or args.frameworks):
-            raise UsageError("--rounds sets the interleaved rounds of --generation, --long-context and --frameworks; "
-                             "pass one")
+        if not (args.generation or args.long_context or args.scale or args.frameworks):
+            raise UsageError("--rounds sets the interleaved rounds of --generation, --long-context, --scale and "
+                             "--frameworks; pass one")
         if args.rounds < 1:
             raise UsageError(f"--rounds must be >= 1, got {args.rounds}")
     contexts = getattr(args, "context", None)
     if contexts is not None:
-        if not args.generation:
-            raise UsageError("--context sets the context lengths of --generation's long-context table; pass "
-                             "--generation")
+        if not (args.generation or args.scale):
+            raise UsageError("--context sets the context lengths of --generation's long-context table and of "
+                             "--scale; pass one")
         try:
             args.context = [int(v) for v in contexts.split(",")]
         except ValueError:
@@ -67,8 +68,8 @@ def _check_args(args):
         import os
         import shutil
 
-        if not args.long_context:
-            raise UsageError("--lxt-python adds LXT to --long-context; pass --long-context")
+        if not (args.long_context or args.scale):
+            raise UsageError("--lxt-python adds LXT to --long-context and --scale; pass one")
         if shutil.which(lxt) is None or not os.access(shutil.which(lxt), os.X_OK):
             raise UsageError(f"--lxt-python: expected the path of a Python interpreter, got {lxt!r} (not an "
                              "executable file)")
@@ -135,11 +136,13 @@ def run(args) -> int:
                 extra["contexts"] = args.context
             if getattr(args, "rounds", None):
                 extra["rounds"] = args.rounds
+            if simple == "scale":
+                extra["dtypes"] = [n for n in names if n in module.DTYPES] or list(module.DTYPES)
             rows = module.run_all(quick=args.quick, **extra)
         except e2e.E2EError as e:  # a measurement process failed
             return fail("bench", str(e), status=1)
         cond = monitor.stop()
-        kind = "generation-long" if extra.get("contexts") else simple.replace("_", "-")
+        kind = "generation-long" if simple == "generation" and extra.get("contexts") else simple.replace("_", "-")
         doc = report.document(kind, device, rows, contention=cond)
         report.validate(doc)
         table = module.markdown(rows, cond)

@@ -98,7 +98,8 @@ class Planner:
         """One rule mount; ``rebuilt``: the rule forward computes the module's output itself
         (bypassing its own forward), so it is checked against it on the first call."""
         self.steps.append(Step(module, path, kind, value, make, check_output,
-                               verify_rebuilt(path) if rebuilt else None))
+                               verify_rebuilt(path, (kind, repr(value), getattr(make, "__qualname__", "")))
+                               if rebuilt else None))
         self.cov._add(kind, path)
         self.mounted.add(id(module))
 

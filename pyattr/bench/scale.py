@@ -1,0 +1,210 @@
+"""``pyattr bench --scale``: one relevance map on a Llama-3.2-1B-shaped model (random
+weights; 16 layers, hidden 2048, MLP 8192, 32 query / 8 key-value heads, a tied
+128256-token vocabulary: 1.24B parameters), in bfloat16 and float32, after 1k and 4k
+tokens, under every rule set, against one plain forward and backward:
+
+- ``plain``: the target logit's gradient with respect to the input embeddings, no rules,
+  the head cut to the last position (``logits_to_keep=1``) and no parameter gradients:
+  the floor any gradient method pays;
+- ``default``, ``attnlrp``, ``ln``: :func:`pyattr.relevance` under those rules;
+- with ``--lxt-python``: LXT's AttnLRP (``lxt.efficient``) as its README runs it (full
+  logits) and with the same head cut (``logits_to_keep=1``), run by that development
+  environment's Python on the same checkpoint (:mod:`pyattr.bench.long_context_lxt`).
+
+The weights are drawn once (seed 0) and saved in bfloat16 under
+``<cache>/bench/llama-1b-shaped`` (``PYATTR_CACHE_DIR``); float32 runs load the same
+weights upcast. Each measurement runs in its own process; its peak memory is the peak
+resident set size from just before the timed call to its end (the kernel's high-water
+mark, reset through ``/proc/self/clear_refs``), minus the resident size at that reset:
+what the call itself adds over the loaded model. Rounds rotate the order
+(:mod:`pyattr.bench.rounds`); times are medians with their range, ratios per round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+import torch
+
+VARIANTS = ("plain", "default", "attnlrp", "ln")
+RULES = {"default": None, "attnlrp": "attnlrp", "ln": "ln"}
+CONTEXTS = (1024, 4096)
+DTYPES = ("bfloat16", "float32")
+
+#: Llama-3.2-1B's shape (its published config), as LlamaConfig keyword arguments
+SHAPE = {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "tie_word_embeddings": True,
+         "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "bos_token_id": 128000,
+         "eos_token_id": 128001}
+#: ``--quick``: the same form, small enough for a test
+QUICK_SHAPE = {**SHAPE, "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
+QUICK_CONTEXTS = (64,)
+
+
+def checkpoint(quick: bool = False) -> Path:
+    """The directory of the benchmark's checkpoint (``config.json``, safetensors weights in
+    bfloat16, and ``shape.json``: :data:`SHAPE` for the peer's process), drawn and saved on
+    the first call."""
+    from pyattr.backends.build import cache_root
+
+    shape = QUICK_SHAPE if quick else SHAPE
+    path = cache_root() / "bench" / ("llama-1b-shaped-quick" if quick else "llama-1b-shaped")
+    if (path / "shape.json").is_file() and json.loads((path / "shape.json").read_text()) == shape:
+        return path
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM._from_config(LlamaConfig(**shape), dtype=torch.bfloat16)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    (tmp / "shape.json").write_text(json.dumps(shape))  # last: its presence marks a whole checkpoint
+    if path.exists():
+        import shutil
+
+        shutil.rmtree(path)
+    tmp.rename(path)
+    return path
+
+
+def reset_peak() -> bool:
+    """Reset this process's peak resident set size (Linux ≥ 4.0); False where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_bytes() -> int:
+    """This process's peak resident set size since the last :func:`reset_peak` (bytes)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    from pyattr.bench.e2e import peak_rss_bytes
+
+    return peak_rss_bytes()
+
+
+def _plain(model, ids, target: int) -> None:
+    x = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+    logit = model(inputs_embeds=x, logits_to_keep=1, use_cache=False).logits[0, -1, target]
+    torch.autograd.grad(logit, x)
+
+
+def measure(variant: str, context: int, dtype: str, quick: bool = False) -> Dict:
+    import pyattr
+    from pyattr.bench.e2e import rss_bytes
+    from transformers import LlamaForCausalLM
+
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    path = checkpoint(quick)
+    model = LlamaForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation="sdpa").eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (1, context), generator=g)
+    target = int(torch.randint(3, vocab, (1,), generator=g))
+
+    def once(x):
+        if variant == "plain":
+            _plain(model, x, target)
+        else:
+            pyattr.relevance(model, x, target=target, rules=RULES[variant])
+
+    once(ids[:, :16])  # warm-up: the scope's first install, the kernels' load, autograd's first pass
+    reset = reset_peak()
+    base = rss_bytes()
+    t0 = time.perf_counter()
+    once(ids)
+    seconds = time.perf_counter() - t0
+    peak = peak_bytes()
+    n = sum(p.numel() for p in model.parameters())
+    return {"variant": variant, "context": context, "dtype": dtype, "point": f"{dtype}:{context}",
+            "seconds": seconds, "peak_rss_bytes": peak, "peak_extra_bytes": max(0, peak - base),
+            "peak_reset": reset, "parameters": n,
+            "model": f"Llama-3.2-1B-shaped ({model.config.num_hidden_layers} layers, hidden "
+                     f"{model.config.hidden_size}, vocab {vocab}, {n / 1e9:.2f}B parameters, random weights), sdpa",
+            "threads": torch.get_num_threads()}
+
+
+def run_all(quick: bool = False, rounds: int = None, lxt_python: str = None,
+            contexts: Sequence[int] = None, dtypes: Sequence[str] = DTYPES) -> List[Dict]:
+    """Every variant at every (dtype, context) point in interleaved rounds; with
+    ``lxt_python`` also LXT's two variants, each in that Python's own process."""
+    from pyattr.bench.rounds import MAX_ROUNDS, ROUNDS, interleaved_grid
+
+    path = checkpoint(quick)  # drawn once, before any timed process
+    contexts = tuple(contexts or (QUICK_CONTEXTS if quick else CONTEXTS))
+    points = [f"{d}:{c}" for d in dtypes for c in contexts]
+    extra = ["--quick"] if quick else []
+    variants, commands = VARIANTS, {}
+    if lxt_python:
+        from pyattr.bench import long_context_lxt
+
+        variants = VARIANTS + long_context_lxt.VARIANTS
+        commands = {v: [lxt_python, long_context_lxt.__file__, "--checkpoint", str(path)]
+                    for v in long_context_lxt.VARIANTS}
+    pairs = [(v, "plain") for v in variants if v != "plain"]
+    if lxt_python:
+        pairs += [("attnlrp", "lxt"), ("attnlrp", "lxt_cut")]
+    rows = interleaved_grid("pyattr.bench.scale", "--point", points, variants, extra, "scale, dtype:tokens",
+                            pairs=pairs, rounds=rounds or (1 if quick else ROUNDS),
+                            max_rounds=rounds or (1 if quick else MAX_ROUNDS), commands=commands)
+    by = {(r["point"], r["variant"]): r for r in rows}
+    for r in rows:
+        r["memory_over_plain"] = r["peak_extra_bytes"] / max(1.0, by[(r["point"], "plain")]["peak_extra_bytes"])
+    return rows
+
+
+NAMES = {"plain": "plain forward + backward", "default": "default (AH-rule core)", "attnlrp": "AttnLRP",
+         "ln": "LN-rule only", "lxt": "LXT AttnLRP, as its README runs it", "lxt_cut": "LXT AttnLRP, logits_to_keep=1"}
+
+
+def markdown(rows: List[Dict], contention=None) -> str:
+    from pyattr.bench.report import with_conditions
+    from pyattr.bench.rounds import ratio_text, versions_line
+
+    lines = [f"One relevance map, one target at the last position: {rows[0]['model']}, CPU, "
+             f"{rows[0]['threads']} threads; time median (range) over {min(r['rounds'] for r in rows)} rounds, "
+             "ratios to the plain forward + backward per round; memory: the call's peak over the loaded model", "",
+             "| dtype | tokens | rules | time (s) | time / plain | peak over model (MB) | memory / plain |",
+             "|---|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['dtype']} | {r['context']} | {NAMES[r['variant']]} | {r['seconds']:.1f} "
+                     f"({r['seconds_min']:.1f}–{r['seconds_max']:.1f}) | {ratio_text(r.get('over_plain')) or '1'} | "
+                     f"{r['peak_extra_bytes'] / 2**20:.0f} | {r['memory_over_plain']:.2f} |")
+    peer = [r for r in rows if r["variant"] == "attnlrp" and "over_lxt" in r]
+    if peer:
+        lines += ["", "pyattr's AttnLRP over LXT's, per round (time):", "",
+                  "| dtype | tokens | / LXT as its README runs it | / LXT, logits_to_keep=1 |", "|---|---:|---:|---:|"]
+        lines += [f"| {r['dtype']} | {r['context']} | {ratio_text(r['over_lxt'])} | {ratio_text(r['over_lxt_cut'])} |"
+                  for r in peer]
+        lxt = next(r for r in rows if r["variant"] == "lxt")
+        lines += ["", f"LXT ran in its own environment: {lxt.get('peer_versions', 'versions not reported')}."]
+    return with_conditions(lines + ["", versions_line()], contention)
+
+
+def _main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--variant", choices=VARIANTS, required=True)
+    p.add_argument("--point", required=True, help="DTYPE:TOKENS")
+    p.add_argument("--quick", action="store_true")
+    a = p.parse_args(argv)
+    dtype, _, context = a.point.partition(":")
+    print(json.dumps(measure(a.variant, int(context), dtype, a.quick)))
+
+
+if __name__ == "__main__":
+    _main()
