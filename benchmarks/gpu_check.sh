@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # On a CUDA machine: install pyattr against the torch that is there, build pyattr._C with
-# its CUDA kernels, run the CUDA tests, the kernel microbenchmarks at the issue shapes and
+# its CUDA kernels, run the CUDA tests (tests/test_cuda.py includes the paths added on the
+# CPU since: sdpa_rows leaving CUDA calls to sdpa's own backward, and the edge values --
+# NaN, inf, subnormals -- through the Triton and CUDA rule kernels against the CPU
+# reference), the kernel microbenchmarks at the issue shapes and
 # the end-to-end relevance run, the frozen-attention kernel against
 # SDPA, and leave logs and JSON in OUTDIR. Budget: < 8 minutes.
 #   usage: benchmarks/gpu_check.sh OUTDIR

@@ -136,3 +136,56 @@ def test_triton_ops_compile_into_the_inductor_code(op):
         got, codes = run_and_get_code(lambda: torch.autograd.grad(cf(x).float().sum(), x)[0])
     _close(got, ref, torch.bfloat16)
     assert any(kernel in c for c in codes), "the kernel is not in inductor's code"
+
+
+# --- the paths added for the CPU since the last GPU run: each has its CUDA answer checked ---
+
+def test_sdpa_rows_leaves_cuda_calls_to_sdpas_own_backward():
+    """sparse_rows_sdpa reroutes CPU flash calls only: a CUDA call inside the block is the
+    native function, its gradient bit for bit the one outside the block."""
+    import torch.nn.functional as F
+
+    from pyattr.ops import sdpa_rows as SR
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 64, 16, device="cuda", generator=g).requires_grad_() for _ in range(3))
+    do = torch.zeros(1, 2, 64, 16, device="cuda")
+    do[:, :, -1] = 1.0  # one live row: the case the CPU path makes sparse
+    with SR.sparse_rows_sdpa():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.grad_fn is None or type(out.grad_fn).__name__ != "SdpaRowsFunctionBackward"
+    got = torch.autograd.grad(out, (q, k, v), do)
+    want = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), do)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", GPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_edge_values_on_cuda_follow_the_reference(name, dtype):
+    """NaN, ±inf, ±0, subnormals and the largest finite values through the Identity-rule,
+    the gated activation and the norm rules on CUDA tensors: the same NaN / inf / zero
+    pattern as the torch backend on the CPU (tests/test_edge_values.py for the CPU
+    backends), finite values within the type's rounding."""
+    from test_edge_values import _run, act_edges, assert_norm_close, factors, grid
+
+    from pyattr.ops import gated_activation, rms_norm
+    from pyattr.rules import identity_rule
+
+    x, dy = grid(act_edges(dtype), factors(dtype))
+    a, u = grid(act_edges(dtype), factors(dtype))
+    rows = torch.cat([act_edges(dtype), factors(dtype)])[: 16].reshape(2, 8)
+    w = torch.linspace(0.5, 1.5, 8, dtype=dtype)
+    cases = [
+        (lambda t: identity_rule(t, "silu"), [x], dy),
+        (lambda t, s: gated_activation(t, s, "silu"), [a, u], dy[: a.numel()]),
+        (lambda t: rms_norm(t, w.to(t.device), 1e-6), [rows], torch.ones_like(rows)),
+    ]
+    for fn, inputs, grad_out in cases:
+        with pyattr.backend("torch"):
+            y_ref, g_ref = _run(fn, inputs, grad_out)
+        with pyattr.backend(name):
+            y, g = _run(fn, [t.cuda() for t in inputs], grad_out.cuda())
+        assert_norm_close(y.cpu(), y_ref, dtype)
+        for got, ref in zip(g, g_ref):
+            assert_norm_close(got.cpu(), ref, dtype)

@@ -535,6 +535,27 @@ def test_attention_dv_edges(name, dtype, where, causal):
                 raise AssertionError(f"{where}={edge} at {pos}: {e}") from None
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("where", ["q", "k", "dout", "mask"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_dv_16bit_kernel_edges(dtype, where, causal):
+    """The C++ kernel's 16-bit path (GEMMs on the 16-bit operands, P rounded to the input
+    type): the same NaN / inf / zero pattern as the reference for every edge value, finite
+    values within the type's rounding budget."""
+    assert "cpp" in BACKENDS, "the C++ kernels are not loaded"
+    for edge in ATTENTION_EDGES:
+        for pos in [(1, 2), (3, 0)]:
+            q, k, do, mask = _attention_inputs(dtype, 6, where, _value(edge, torch.float32), pos)
+            with pyattr.backend("torch"):
+                ref = attention_dv(q, k, do, mask, 0.5, None, causal)
+            with pyattr.backend("cpp"):
+                got = attention_dv(q, k, do, mask, 0.5, None, causal)
+            try:
+                assert_norm_close(got, ref, dtype)
+            except AssertionError as e:
+                raise AssertionError(f"{where}={edge} at {pos}: {e}") from None
+
+
 @pytest.mark.parametrize("name", BACKENDS)
 def test_attention_dv_long_causal_non_finite_dout(name, monkeypatch):
     """Causal blocks skip the keys after their last row; with a non-finite dO the full
