@@ -111,7 +111,8 @@ def measure(variant: str, context: int, hidden: int = 512, layers: int = 4, chec
     seconds = time.perf_counter() - t0
     peak = _peak_bytes() if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     extra = max(0, peak - base)
-    row = {"dtype": dtype, "point": f"{dtype}:{context}", "peak_reset": reset} if checkpoint else {}
+    row = {"dtype": dtype, "point": f"{dtype}:{context}", "peak_reset": reset,
+           "parameters": sum(p.numel() for p in model.parameters())} if checkpoint else {}
     return {"variant": variant, "context": context, "seconds": seconds, "peak_rss_bytes": peak,
             "peak_extra_bytes": extra, "bytes_per_1k": extra / (context / 1024), **row,
             "model": what, "threads": torch.get_num_threads(),
