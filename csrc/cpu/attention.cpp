@@ -189,6 +189,21 @@ at::Tensor mask_view(const std::optional<at::Tensor>& mask_opt, int64_t B, int64
   return m.narrow(3, 0, Lk).to(acc).expand({B, H, Lq, Lk});
 }
 
+// The row of the additive mask view (mask_view) for (batch b, head h, query i), or null.
+template <typename A>
+inline const A* mask_row(const at::Tensor& mask, int64_t b, int64_t h, int64_t i) {
+  if (!mask.defined()) return nullptr;
+  return mask.const_data_ptr<A>() + b * mask.stride(0) + h * mask.stride(1) + i * mask.stride(2);
+}
+
+// How many shares of its query blocks each (batch, key/value head) work item gets: 1 when
+// the heads alone fill the threads, else enough shares for every thread (their partial
+// sums are added at the end).
+inline int64_t query_splits(int64_t heads, int64_t nblk) {
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  return heads >= threads ? 1 : std::max<int64_t>(1, std::min(nblk, (threads + heads - 1) / heads));
+}
+
 // C (M x N, float, row stride ldc) (+)= A (M x K) . B (K x N), A and B row-major in a 16-bit
 // type (row strides lda, ldb): products exact in float32, float32 sums.
 // Columns go in chunks of kGemmCols: a (256 x 4096) float32 output tile leaves the L2 cache
@@ -219,8 +234,7 @@ at::Tensor attention_dv_16(const at::Tensor& q_in, const at::Tensor& k_in, const
   const bool skip_hidden = causal && at::isfinite(dout).all().item<bool>();
   const int64_t nblk = (Lq + kBlockRows - 1) / kBlockRows;
   const int64_t heads = B * Hkv;
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t splits = heads >= threads ? 1 : std::max<int64_t>(1, std::min(nblk, (threads + heads - 1) / heads));
+  const int64_t splits = query_splits(heads, nblk);
   const auto fopt = q.options().dtype(at::kFloat);
   at::Tensor dvt = at::zeros({splits, B, Hkv, Dv, Lk}, fopt);  // dV^T, one slab per split
   const std::optional<float> cap = softcap ? std::optional<float>(float(*softcap)) : std::nullopt;
@@ -250,12 +264,8 @@ at::Tensor attention_dv_16(const at::Tensor& q_in, const at::Tensor& k_in, const
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t g = r / n, i = s + r % n, h = hk * G + g;
           const int64_t limit = causal ? std::min(kend, i + 1) : kend;
-          const float* mrow = nullptr;
-          int64_t mstride = 0;
-          if (mask.defined()) {
-            mrow = mask.const_data_ptr<float>() + b * mask.stride(0) + h * mask.stride(1) + i * mask.stride(2);
-            mstride = mask.stride(3);
-          }
+          const float* mrow = mask_row<float>(mask, b, h, i);
+          const int64_t mstride = mask.defined() ? mask.stride(3) : 0;
           softmax_row16<T>(scores.data() + r * kend, p16.data() + r * kend, kend, limit, float(scaling), cap, mrow,
                            mstride);
         }
@@ -284,8 +294,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_16(
   const bool skip_hidden = causal && at::isfinite(dout).all().item<bool>() && at::isfinite(v_in).all().item<bool>();
   const int64_t nblk = (Lq + kBlockRows - 1) / kBlockRows;
   const int64_t heads = B * Hkv;
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t splits = heads >= threads ? 1 : std::max<int64_t>(1, std::min(nblk, (threads + heads - 1) / heads));
+  const int64_t splits = query_splits(heads, nblk);
   const auto fopt = q.options().dtype(at::kFloat);
   at::Tensor dq = at::empty({B, H, Lq, D}, fopt);
   at::Tensor dkt = at::zeros({splits, B, Hkv, D, Lk}, fopt), dvt = at::zeros({splits, B, Hkv, Dv, Lk}, fopt);
@@ -328,12 +337,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_16(
           if (cap) {
             for (int64_t j = 0; j < kend; ++j) trow[j] = std::tanh(row[j] * sc / *cap);
           }
-          const float* mrow = nullptr;
-          int64_t mstride = 0;
-          if (mask.defined()) {
-            mrow = mask.const_data_ptr<float>() + b * mask.stride(0) + h * mask.stride(1) + i * mask.stride(2);
-            mstride = mask.stride(3);
-          }
+          const float* mrow = mask_row<float>(mask, b, h, i);
+          const int64_t mstride = mask.defined() ? mask.stride(3) : 0;
           softmax_row<float>(row, kend, limit, sc, cap, mrow, mstride);
           score_grad_row<float>(row, dprob.data() + r * kend, trow, kend, sc);
         }
@@ -384,8 +389,7 @@ at::Tensor attention_dv(const at::Tensor& q_in, const at::Tensor& k_in, const at
   const bool skip_hidden = causal && at::isfinite(dout).all().item<bool>();
   const int64_t nblk = (Lq + kBlockRows - 1) / kBlockRows;
   const int64_t heads = B * Hkv;
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t splits = heads >= threads ? 1 : std::max<int64_t>(1, std::min(nblk, (threads + heads - 1) / heads));
+  const int64_t splits = query_splits(heads, nblk);
   at::Tensor dv = at::zeros({B, Hkv, Lk, Dv}, q.options());
   at::Tensor partial = splits > 1 ? at::zeros({splits - 1, B, Hkv, Lk, Dv}, q.options()) : at::Tensor();
 
@@ -418,12 +422,8 @@ at::Tensor attention_dv(const at::Tensor& q_in, const at::Tensor& k_in, const at
           for (int64_t r = 0; r < G * n; ++r) {
             const int64_t g = r / n, i = s + r % n, h = hk * G + g;
             const int64_t limit = causal ? std::min(kend, i + 1) : kend;
-            const A* mrow = nullptr;
-            int64_t mstride = 0;
-            if (mask.defined()) {
-              mrow = mask.const_data_ptr<A>() + b * mask.stride(0) + h * mask.stride(1) + i * mask.stride(2);
-              mstride = mask.stride(3);
-            }
+            const A* mrow = mask_row<A>(mask, b, h, i);
+            const int64_t mstride = mask.defined() ? mask.stride(3) : 0;
             softmax_row<A>(base + r * kend, kend, limit, A(scaling), cap, mrow, mstride);
           }
           at::Tensor dO;
@@ -484,8 +484,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
   const bool skip_hidden = causal && at::isfinite(dout).all().item<bool>() && at::isfinite(v).all().item<bool>();
   const int64_t nblk = (Lq + kBlockRows - 1) / kBlockRows;
   const int64_t heads = B * Hkv;
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t splits = heads >= threads ? 1 : std::max<int64_t>(1, std::min(nblk, (threads + heads - 1) / heads));
+  const int64_t splits = query_splits(heads, nblk);
   at::Tensor dq = at::empty({B, H, Lq, D}, q.options());
   at::Tensor dk = at::zeros({B, Hkv, Lk, D}, q.options());
   at::Tensor dv = at::zeros({B, Hkv, Lk, Dv}, q.options());
@@ -533,12 +532,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
             if (cap) {
               for (int64_t j = 0; j < kend; ++j) tbase[r * kend + j] = std::tanh(row[j] * A(scaling) / *cap);
             }
-            const A* mrow = nullptr;
-            int64_t mstride = 0;
-            if (mask.defined()) {
-              mrow = mask.const_data_ptr<A>() + b * mask.stride(0) + h * mask.stride(1) + i * mask.stride(2);
-              mstride = mask.stride(3);
-            }
+            const A* mrow = mask_row<A>(mask, b, h, i);
+            const int64_t mstride = mask.defined() ? mask.stride(3) : 0;
             softmax_row<A>(row, kend, limit, A(scaling), cap, mrow, mstride);
             score_grad_row<A>(row, dbase + r * kend, cap ? tbase + r * kend : nullptr, kend, A(scaling));
           }

@@ -115,7 +115,7 @@ def run_all(quick: bool = False, rounds: int = None, lxt_python: str = None) -> 
 
 def markdown(rows: List[Dict], contention=None) -> str:
     from pyattr.bench.report import with_conditions
-    from pyattr.bench.rounds import ratio_text, versions_line
+    from pyattr.bench.rounds import lxt_lines, ratio_text, versions_line
 
     lines = [f"One relevance map after a long context: {rows[0]['model']}, CPU; time median (range) over "
              f"{min(r['rounds'] for r in rows)} rounds, ratios to the plain forward + backward per round", "",
@@ -129,13 +129,7 @@ def markdown(rows: List[Dict], contention=None) -> str:
                      f"{r['seconds_max']:.1f}) | {ratio_text(r.get('over_plain')) or '1'} | "
                      f"{r['peak_extra_bytes'] / 2**20:.0f} | {r['memory_over_plain']:.2f} | "
                      f"{r['bytes_per_1k'] / 2**20:.0f} |")
-    peer = [r for r in rows if r["variant"] == "attnlrp" and "over_lxt" in r]
-    if peer:
-        lines += ["", "pyattr's AttnLRP over LXT's, per round (time):", "",
-                  "| context | / LXT as its README runs it | / LXT, logits_to_keep=1 |", "|---:|---:|---:|"]
-        lines += [f"| {r['context']} | {ratio_text(r['over_lxt'])} | {ratio_text(r['over_lxt_cut'])} |" for r in peer]
-        lxt = next(r for r in rows if r["variant"] == "lxt")
-        lines += ["", f"LXT ran in its own environment: {lxt.get('peer_versions', 'versions not reported')}."]
+    lines += lxt_lines(rows, "context", "---:|", lambda r: str(r["context"]))
     return with_conditions(lines + ["", versions_line()], contention)
 
 

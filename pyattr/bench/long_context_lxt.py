@@ -33,7 +33,8 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def _reset_peak() -> bool:
+def reset_peak() -> bool:
+    """Reset this process's peak resident set size (Linux >= 4.0); False where it cannot."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -42,7 +43,8 @@ def _reset_peak() -> bool:
         return False
 
 
-def _peak_bytes() -> int:
+def peak_bytes() -> int:
+    """This process's peak resident set size since the last :func:`reset_peak` (bytes)."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmHWM:"):
@@ -104,12 +106,12 @@ def measure(variant: str, context: int, hidden: int = 512, layers: int = 4, chec
         return (embeds * embeds.grad).float().sum(-1)
 
     once(ids[:, :16])  # warm-up, as the pyattr variants do
-    reset = checkpoint is not None and _reset_peak()  # the scale run's measure: the call's own peak
+    reset = checkpoint is not None and reset_peak()  # the scale run's measure: the call's own peak
     base = _rss_bytes()
     t0 = time.perf_counter()
     once(ids)
     seconds = time.perf_counter() - t0
-    peak = _peak_bytes() if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_bytes() if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     extra = max(0, peak - base)
     row = {"dtype": dtype, "point": f"{dtype}:{context}", "peak_reset": reset,
            "parameters": sum(p.numel() for p in model.parameters())} if checkpoint else {}

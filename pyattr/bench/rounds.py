@@ -93,6 +93,20 @@ def ratio_text(stats) -> str:
     return f"{stats['median']:.2f} ({stats['min']:.2f}–{stats['max']:.2f})"
 
 
+def lxt_lines(rows: List[Dict], head: str, sep: str, cells) -> List[str]:
+    """The table of pyattr's AttnLRP over LXT's two forms, per round, and the line naming
+    LXT's environment (none without LXT rows): ``head`` / ``sep`` the key columns' header
+    and alignment cells, ``cells(row)`` their values."""
+    peer = [r for r in rows if r["variant"] == "attnlrp" and "over_lxt" in r]
+    if not peer:
+        return []
+    lines = ["", "pyattr's AttnLRP over LXT's, per round (time):", "",
+             f"| {head} | / LXT as its README runs it | / LXT, logits_to_keep=1 |", f"|{sep}---:|---:|"]
+    lines += [f"| {cells(r)} | {ratio_text(r['over_lxt'])} | {ratio_text(r['over_lxt_cut'])} |" for r in peer]
+    lxt = next(r for r in rows if r["variant"] == "lxt")
+    return lines + ["", f"LXT ran in its own environment: {lxt.get('peer_versions', 'versions not reported')}."]
+
+
 def versions_line(*packages: str) -> str:
     """The versions the numbers were measured with (Python, torch, transformers, pyattr and
     its commit, and ``packages`` where installed), and the machine (CPU model and kernel

@@ -31,6 +31,8 @@ from typing import Dict, List, Sequence
 
 import torch
 
+from pyattr.bench.long_context_lxt import peak_bytes, reset_peak  # the peer's script shares them
+
 VARIANTS = ("plain", "default", "attnlrp", "ln")
 RULES = {"default": None, "attnlrp": "attnlrp", "ln": "ln"}
 CONTEXTS = (1024, 4096)
@@ -70,27 +72,6 @@ def checkpoint(quick: bool = False) -> Path:
         shutil.rmtree(path)
     tmp.rename(path)
     return path
-
-
-def reset_peak() -> bool:
-    """Reset this process's peak resident set size (Linux ≥ 4.0); False where it cannot."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_bytes() -> int:
-    """This process's peak resident set size since the last :func:`reset_peak` (bytes)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    from pyattr.bench.e2e import peak_rss_bytes
-
-    return peak_rss_bytes()
 
 
 def _plain(model, ids, target: int) -> None:
@@ -174,7 +155,7 @@ NAMES = {"plain": "plain forward + backward", "default": "default (AH-rule core)
 
 def markdown(rows: List[Dict], contention=None) -> str:
     from pyattr.bench.report import with_conditions
-    from pyattr.bench.rounds import ratio_text, versions_line
+    from pyattr.bench.rounds import lxt_lines, ratio_text, versions_line
 
     lines = [f"One relevance map, one target at the last position: {rows[0]['model']}, CPU, "
              f"{rows[0]['threads']} threads; time median (range) over {min(r['rounds'] for r in rows)} rounds, "
@@ -185,14 +166,7 @@ def markdown(rows: List[Dict], contention=None) -> str:
         lines.append(f"| {r['dtype']} | {r['context']} | {NAMES[r['variant']]} | {r['seconds']:.1f} "
                      f"({r['seconds_min']:.1f}–{r['seconds_max']:.1f}) | {ratio_text(r.get('over_plain')) or '1'} | "
                      f"{r['peak_extra_bytes'] / 2**20:.0f} | {r['memory_over_plain']:.2f} |")
-    peer = [r for r in rows if r["variant"] == "attnlrp" and "over_lxt" in r]
-    if peer:
-        lines += ["", "pyattr's AttnLRP over LXT's, per round (time):", "",
-                  "| dtype | tokens | / LXT as its README runs it | / LXT, logits_to_keep=1 |", "|---|---:|---:|---:|"]
-        lines += [f"| {r['dtype']} | {r['context']} | {ratio_text(r['over_lxt'])} | {ratio_text(r['over_lxt_cut'])} |"
-                  for r in peer]
-        lxt = next(r for r in rows if r["variant"] == "lxt")
-        lines += ["", f"LXT ran in its own environment: {lxt.get('peer_versions', 'versions not reported')}."]
+    lines += lxt_lines(rows, "dtype | tokens", "---|---:|", lambda r: f"{r['dtype']} | {r['context']}")
     return with_conditions(lines + ["", versions_line()], contention)
 
 
