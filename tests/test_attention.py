@@ -119,7 +119,9 @@ def test_cpp_kernel_equals_the_reference(case, dtype):
 def test_cpp_kernel_16bit_is_p_rounded_to_nearest(case, dtype):
     """What the 16-bit path computes, exactly: float64 P rounded to the input type (round to
     nearest even), then Pᵀ·dO summed over the group's heads; the float32 sums of the kernel
-    differ from it only in the float32 rounding."""
+    differ from it only in the float32 rounding. The path runs where the CPU multiplies the
+    type natively (oneDNN packs it: AMX for bfloat16 here); elsewhere the kernel computes in
+    float32 and must give the float32 answer."""
     case = dict(case)
     causal = case.pop("causal", False)
     q, k, do, _ = _case(**case, dtype=dtype)
@@ -132,6 +134,11 @@ def test_cpp_kernel_16bit_is_p_rounded_to_nearest(case, dtype):
     p64 = torch.softmax(s, -1)
     p = p64.to(torch.float32).to(dtype).double()
     want = (p.transpose(-1, -2) @ do.double()).view(b, hkv, h // hkv, lk, -1).sum(2)
+    exact = closed_form(q, k, do, None, 0.3, None, causal)
+    if float((got - exact).abs().max()) <= 2e-5:  # the float32 path
+        assert not (dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported()), \
+            "this CPU has AMX: the bfloat16 GEMM path should have run"
+        return
     # a P within float32 rounding of a tie between two 16-bit values may round the other way
     # (one ulp, 2u·P): allowed for every element, and the rest equal to float32 rounding
     u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
@@ -139,8 +146,6 @@ def test_cpp_kernel_16bit_is_p_rounded_to_nearest(case, dtype):
     err = (got - want).abs()
     assert bool((err <= flips + 1e-5).all())
     assert float((err <= 1e-5).double().mean()) >= 0.99
-    exact = closed_form(q, k, do, None, 0.3, None, causal)
-    assert float((got - exact).abs().max()) > 1e-4  # P was rounded: not the float32 path
 
 
 def test_cpp_kernel_splits_query_blocks_when_heads_are_few():

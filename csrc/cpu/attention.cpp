@@ -189,6 +189,15 @@ at::Tensor mask_view(const std::optional<at::Tensor>& mask_opt, int64_t B, int64
   return m.narrow(3, 0, Lk).to(acc).expand({B, H, Lq, Lk});
 }
 
+// The 16-bit GEMM path only where the CPU multiplies that type natively (oneDNN's brgemm
+// ukernel packs it: AMX, AVX-512 bf16/fp16); elsewhere brgemm falls back to a loop that
+// is far slower than the float32 GEMMs, so the inputs go to float32 as before.
+inline bool gemm16_native(at::ScalarType st) {
+  static const bool bf16 = at::native::cpublas::could_pack(at::kBFloat16);
+  static const bool f16 = at::native::cpublas::could_pack(at::kHalf);
+  return st == at::kBFloat16 ? bf16 : st == at::kHalf ? f16 : false;
+}
+
 // The row of the additive mask view (mask_view) for (batch b, head h, query i), or null.
 template <typename A>
 inline const A* mask_row(const at::Tensor& mask, int64_t b, int64_t h, int64_t i) {
@@ -376,7 +385,7 @@ at::Tensor attention_dv(const at::Tensor& q_in, const at::Tensor& k_in, const at
                     "attention_dv: q, k and dout must be on one device");
   const at::ScalarType acc = q_in.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const at::ScalarType st = q_in.scalar_type();
-  if ((st == at::kBFloat16 || st == at::kHalf) && k_in.scalar_type() == st && dout_in.scalar_type() == st) {
+  if (gemm16_native(st) && k_in.scalar_type() == st && dout_in.scalar_type() == st) {
     const at::Tensor mask16 = mask_view(mask_opt, B, H, Lq, Lk, at::kFloat, "attention_dv");
     if (st == at::kBFloat16) return attention_dv_16<at::BFloat16>(q_in, k_in, dout_in, mask16, scaling, softcap, causal);
     return attention_dv_16<at::Half>(q_in, k_in, dout_in, mask16, scaling, softcap, causal);
@@ -469,7 +478,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
                     "attention_backward: q, k, v and dout must be on one device");
   const at::ScalarType acc = q_in.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const at::ScalarType st = q_in.scalar_type();
-  if ((st == at::kBFloat16 || st == at::kHalf) && k_in.scalar_type() == st && v_in.scalar_type() == st &&
+  if (gemm16_native(st) && k_in.scalar_type() == st && v_in.scalar_type() == st &&
       dout_in.scalar_type() == st) {
     const at::Tensor mask16 = mask_view(mask_opt, B, H, Lq, Lk, at::kFloat, "attention_backward");
     if (st == at::kBFloat16) {
