@@ -270,7 +270,7 @@ def test_architectures_the_graph_does_not_read_are_refused(arch, msg):
 
 
 @pytest.mark.parametrize("kwargs,err,msg", [
-    ({"method": "eap"}, ValueError, "method: expected one of \\['relp', 'atp', 'ig'\\]"),
+    ({"method": "eap"}, ValueError, "method: expected one of \\['relp', 'atp', 'ig', 'blockwise'\\]"),
     ({"method": "atp", "steps": 4}, ValueError, "steps: only method='ig' interpolates"),
     ({"method": "atp", "rules": RelevanceRules.all()}, ValueError, "rules: method='atp' uses the plain gradient"),
     ({"method": "ig", "steps": 0}, ValueError, "steps"),

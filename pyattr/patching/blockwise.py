@@ -155,7 +155,6 @@ def estimates(model: nn.Module, pair, fixed, flat, sources: List[torch.Tensor], 
     one (a node is patched by their difference); ``clean_value`` the clean run's metric (the
     replayed output head is checked against it)."""
     batch = pair.clean.input_ids.shape[0]
-    n_layers = len(calls.blocks)
     out = torch.zeros(len(jobs), dtype=torch.float64)
     order = sorted(range(len(jobs)), key=lambda j: (flat[jobs[j].site].layer, jobs[j].site))
     refs: Dict[tuple, torch.Tensor] = {}  # unpatched runs, per (stage, rows): chunks of one layout share them
@@ -167,26 +166,17 @@ def estimates(model: nn.Module, pair, fixed, flat, sources: List[torch.Tensor], 
                 chunks.setdefault(flat[jobs[j].site].layer, []).append(j)
             for layer, js in chunks.items():
                 out[js] = _chunk(model, pair, fixed, flat, (sources, bases), [jobs[j] for j in js], layer, calls,
-                                 batch, n_layers, refs, clean_value)
+                                 batch, refs, clean_value)
     return out
 
 
-def _chunk(model, pair, fixed, flat, sources, chunk: list, layer: int, calls: BlockCalls, batch: int, n_layers: int, refs: Dict[tuple, torch.Tensor], clean_value: torch.Tensor) -> torch.Tensor:
+def _chunk(model, pair, fixed, flat, sources, chunk: list, layer: int, calls: BlockCalls, batch: int,
+           refs: Dict[tuple, torch.Tensor], clean_value: torch.Tensor) -> torch.Tensor:
     from pyattr.patching.activation import patch_copies
 
     dev = calls.x[layer].device
     idx = torch.tensor([j.row for j in chunk], dtype=torch.long, device=dev)
     x = calls.x[layer].detach()[idx]
-    rows = tuple(idx.tolist())
-
-    def unpatched(stage: int, x_stage: torch.Tensor) -> torch.Tensor:
-        # the clean block on the same rows in the same batch shape as the patched run, so
-        # that a patch that changes nothing gives exactly 0
-        if (stage, rows) not in refs:
-            refs[(stage, rows)] = calls.run(stage, idx, x_stage, batch)
-        return refs[(stage, rows)]
-
-    reference = unpatched(layer, x)
     by_site: Dict[int, list] = {}
     for k, job in enumerate(chunk):
         by_site.setdefault(job.site, []).append((k, job))
@@ -200,10 +190,29 @@ def _chunk(model, pair, fixed, flat, sources, chunk: list, layer: int, calls: Bl
 
     with core.taps([(flat[i].module, flat[i].where) for i in used], fn_for):
         patched = calls.run(layer, idx, x, batch)
-    change = patched - reference            # the node's block's output, patched minus clean
-    for later in range(layer + 1, n_layers):  # each later block receives the change before it
+    change = patched - reference(calls, refs, layer, idx, batch)   # the node's block's output, patched minus clean
+    return downstream(model, pair, fixed, calls, idx, layer, change, batch, refs, clean_value)
+
+
+def reference(calls: BlockCalls, refs: Dict[tuple, torch.Tensor], stage: int, idx: torch.Tensor,
+              batch: int) -> torch.Tensor:
+    """Block ``stage`` unpatched on rows ``idx`` in the same batch shape as the patched run
+    (cached per stage and rows), so that a patch that changes nothing gives exactly 0."""
+    key = (stage, tuple(idx.tolist()))
+    if key not in refs:
+        refs[key] = calls.run(stage, idx, calls.x[stage].detach()[idx], batch)
+    return refs[key]
+
+
+def downstream(model, pair, fixed, calls: BlockCalls, idx: torch.Tensor, layer: int, change: torch.Tensor,
+               batch: int, refs: Dict[tuple, torch.Tensor], clean_value: torch.Tensor) -> torch.Tensor:
+    """The metric's change (float64, cpu, per row of ``idx``) when block ``layer``'s output
+    changes by ``change`` on those rows: each later block re-run on its recorded input plus
+    the change before it, then the output head on the last block's output plus its change."""
+    for later in range(layer + 1, len(calls.blocks)):  # each later block receives the change before it
         x_l = calls.x[later].detach()[idx]
-        change = calls.run(later, idx, x_l + change.to(x_l.dtype), batch) - unpatched(later, x_l)
+        change = calls.run(later, idx, x_l + change.to(x_l.dtype), batch) - reference(calls, refs, later, idx, batch)
+    rows = tuple(idx.tolist())
     if ("head", rows) not in refs:
         refs[("head", rows)] = _head(model, pair, fixed, calls, idx, torch.zeros_like(change), batch)
         check_reference(refs[("head", rows)], clean_value, idx, change.dtype)

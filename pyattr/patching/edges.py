@@ -30,8 +30,10 @@ from pyattr.results import ResultViews
 #: ``rules`` (default :data:`EDGE_RULES`); ``"atp"``: the plain gradient (EAP);
 #: ``"ig"``: EAP-IG with interpolated inputs (Hanna et al., COLM 2024, §3): the plain
 #: gradient averaged over ``steps`` midpoints on the line from the clean to the corrupt
-#: embeddings entering the first block
-EDGE_METHODS = ("relp", "atp", "ig")
+#: embeddings entering the first block; ``"blockwise"``: not an estimate but exact edge
+#: patching's effects (:func:`pyattr.patching.edge_effects`), computed from the clean run
+#: block by block (:mod:`pyattr.patching.edges_blockwise`)
+EDGE_METHODS = ("relp", "atp", "ig", "blockwise")
 #: chosen by ``pyattr bench --circuits`` (docs/tutorials/circuits.md), see :data:`EDGE_RULES`
 DEFAULT_EDGE_METHOD = "relp"
 #: ``"relp"``'s default rules: RelP's LN-, Identity- and Half-rules (its AH-rule on attention
@@ -81,12 +83,15 @@ class EdgeAttributionResult(ResultViews):
         return [(self.edges[i], float(self.scores[i])) for i in order]
 
 
-def _check_method(method, rules, steps):
+def _check_method(method, rules, steps, batch_size=None):
     method = DEFAULT_EDGE_METHOD if method is None else method
     if method not in EDGE_METHODS:
         raise ValueError(f"method: expected one of {list(EDGE_METHODS)}, got {method!r}")
     if method != "ig" and steps is not None:
         raise ValueError(f"steps: only method='ig' interpolates; method={method!r} takes none")
+    if method != "blockwise" and batch_size is not None:
+        raise ValueError(f"batch_size: only method='blockwise' (patched rows per block run) batches; "
+                         f"method={method!r} takes none")
     if method == "ig":
         steps = core.check_count("steps", IG_STEPS if steps is None else steps, allow_none=False)
     rules = method_rules(method, rules, EDGE_RULES)
@@ -139,7 +144,7 @@ def edge_attribution(model: nn.Module, clean, corrupt, metric, *, method: Option
                      rules: Optional[RelevanceRules] = None, steps: Optional[int] = None,
                      attention_mask: Optional[torch.Tensor] = None,
                      corrupt_attention_mask: Optional[torch.Tensor] = None,
-                     tokenizer=None) -> EdgeAttributionResult:
+                     batch_size: Optional[int] = None, tokenizer=None) -> EdgeAttributionResult:
     """Score every edge of the model's graph for patching it from ``corrupt`` into ``clean``.
 
     Args:
@@ -156,6 +161,8 @@ def edge_attribution(model: nn.Module, clean, corrupt, metric, *, method: Option
         rules (RelevanceRules, optional): ``"relp"`` only (default :data:`EDGE_RULES`; attention
             rules are refused).
         steps (int, optional): ``"ig"`` only (default 16).
+        batch_size (int, optional): ``"blockwise"`` only: rows (edge × pair) per block run
+            (default 1024).
         attention_mask (Tensor[batch, seq], optional): the mask of ``clean`` given as ids.
         corrupt_attention_mask (Tensor[batch, seq], optional): the mask of ``corrupt`` given as ids.
         tokenizer (optional): for text inputs.
@@ -164,19 +171,23 @@ def edge_attribution(model: nn.Module, clean, corrupt, metric, *, method: Option
         EdgeAttributionResult.
 
     Raises:
-        ValueError: an unknown method, ``rules`` or ``steps`` where the method takes none,
+        ValueError: an unknown method, ``rules``, ``steps`` or ``batch_size`` where the method
+            takes none, with ``"blockwise"`` blocks that do not chain or a metric read inside a
+            block,
             an architecture the graph does not read (named with the reason), a residual
             stream that is not the sum the graph reads (observed in the clean forward),
             clean and corrupt of different lengths or masks, a metric that is not one
             value per row.
     """
     model = unwrap(model)
-    method, rules, steps = _check_method(method, rules, steps)
+    method, rules, steps = _check_method(method, rules, steps, batch_size)
     lay = G.layout(model)
     graph = G.build_graph(lay)
     pair = prepare_pair(model, clean, corrupt, None, attention_mask, corrupt_attention_mask, "edge_attribution",
                         alignable=False)
     tgts = metric_targets(metric, pair.clean.input_ids.shape[0])
+    if method == "blockwise":
+        return _blockwise(model, lay, graph, pair, tgts, batch_size)
     with core.attribution_pass(model, rules, False, "edge_attribution"):
         value, acts_c, grads, fixed = downstream_gradients(model, lay, graph, pair, tgts, method, steps)
         with torch.no_grad():
@@ -192,3 +203,26 @@ def edge_attribution(model: nn.Module, clean, corrupt, metric, *, method: Option
     return EdgeAttributionResult(per_pair.mean(0), per_pair, graph.edge_names(), list(graph.upstream),
                                  list(graph.downstream), value.double().cpu(), value_x.double().cpu(), method,
                                  steps or 1)
+
+
+def _blockwise(model, lay, graph, pair, tgts, batch_size) -> EdgeAttributionResult:
+    """``method="blockwise"``: :mod:`pyattr.patching.edges_blockwise`."""
+    import pyattr.patching.blockwise as BW
+    import pyattr.patching.edges_blockwise as EB
+
+    batch_size = core.check_count("batch_size", batch_size) or EB.DEFAULT_BATCH
+    calls = BW.BlockCalls(lay.blocks)
+    BW.check_metric(model, tgts, calls)
+    with core.attribution_pass(model, RelevanceRules(), False, "edge_attribution"), torch.no_grad():
+        with calls.recording():
+            value, split_c, fixed = split_run(model, lay, graph, pair.clean, tgts, "record", check=True)
+        try:
+            calls.check(model, pair.clean.input_ids.shape[0])
+            value_x, split_x, _ = split_run(model, lay, graph, pair.corrupt, fixed, "record")
+            per_pair = EB.effects(model, lay, graph, pair, fixed, torch.stack(split_c.acts), torch.stack(split_x.acts),
+                                  calls, batch_size, value)
+        finally:
+            calls.release()
+    return EdgeAttributionResult(per_pair.mean(0), per_pair, graph.edge_names(), list(graph.upstream),
+                                 list(graph.downstream), value.double().cpu(), value_x.double().cpu(), "blockwise",
+                                 1)
