@@ -390,7 +390,7 @@ def test_patch_edges_command(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("args,msg", [
-    (["--method", "atp*"], "--edges: --method must be one of ['relp', 'atp', 'ig', 'exact']"),
+    (["--method", "atp*"], "--edges: --method must be one of ['relp', 'atp', 'ig', 'blockwise', 'exact']"),
     (["--nodes", "heads"], "--edges scores every edge of the graph; --nodes does not apply"),
     (["--pair", "x"], "--edges scores a causal LM's edges; --pair does not apply"),
     (["--clean", "sun cat red", "--corrupt", "sun cat"], "--clean is 4 tokens and --corrupt 3"),

@@ -119,3 +119,20 @@ def test_a_metric_read_inside_a_block_is_refused():
     with pytest.raises(ValueError, match="metric: method='blockwise' reads the metric after the last block"):
         P.edge_attribution(model, clean, corrupt, T.ModuleOutput("model.layers.0.mlp"),
                            method="blockwise")
+
+
+def test_patch_edges_command_blockwise_is_exact(tmp_path, capsys):
+    import json
+
+    from pyattr.cli import main
+
+    docs = {}
+    for method in ("blockwise", "exact"):
+        js = tmp_path / f"{method}.json"
+        assert main(["patch", "--edges", "--method", method, "--json", str(js), "--top", "3"]) == 0
+        docs[method] = json.loads(js.read_text())
+    assert "110 edges scored by blockwise in " in capsys.readouterr().out
+    assert docs["blockwise"]["method"] == "blockwise" and len(docs["blockwise"]["edges"]) == 110
+    assert [e["edge"] for e in docs["blockwise"]["edges"]] == [e["edge"] for e in docs["exact"]["edges"]]
+    assert [e["score"] for e in docs["blockwise"]["edges"]] == pytest.approx(
+        [e["score"] for e in docs["exact"]["edges"]], abs=1e-4)

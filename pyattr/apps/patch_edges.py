@@ -18,7 +18,7 @@ from pyattr.methods._core.tokens import prompt_ids
 #: effect runs through a previous-token head into the induction heads' keys
 DEFAULT_CLEAN = "sun cat red tree sun cat"
 DEFAULT_CORRUPT = "sun ant red tree sun cat"
-EDGE_CLI_METHODS = ("relp", "atp", "ig", "exact")
+EDGE_CLI_METHODS = ("relp", "atp", "ig", "blockwise", "exact")
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """``pyattr bench --circuits``: edge attribution methods (:func:`pyattr.patching.edge_attribution`)
-against exact edge patching (:func:`pyattr.patching.edge_effects`) on both toy induction
-decoders, key and value pairs (:func:`pyattr.toy.task.pairs`; 64 each, seed 11).
+against exact edge patching (:func:`pyattr.patching.edge_effects`) on the three toy induction
+decoders (two 2-layer, one 4-layer), key and value pairs (:func:`pyattr.toy.task.pairs`; 64 each, seed 11).
 
 Per method: **Pearson** of the edge scores (mean over pairs) with exact edge patching's;
 **top-2** the share of pairs whose two largest edges by magnitude are exact patching's two;
@@ -32,6 +32,7 @@ def variants():
 
     return [
         ("exact edge patching", None),
+        ("blockwise: exact, block by block", {"method": "blockwise"}),
         ("atp", {"method": "atp"}),
         ("relp, LN-rule", {"method": "relp", "rules": R(normalization=True)}),
         ("relp, LN-, Identity- and Half-rule (default)", {"method": "relp"}),
@@ -97,8 +98,9 @@ def run_all(quick: bool = False) -> List[Dict]:
 
     n = 8 if quick else PAIRS
     rows = []
-    for name, path in (("toy induction decoder (shipped)", None), ("toy induction decoder B (seed 1)",
-                                                                   toy.INDUCTION_B_DIR)):
+    for name, path in (("toy induction decoder (shipped)", None),
+                       ("toy induction decoder B (seed 1)", toy.INDUCTION_B_DIR),
+                       ("toy induction decoder, 4 layers", toy.INDUCTION_4L_DIR)):
         for kind in ("key", "value"):
             rows += model_rows(name, path, kind, n, repeats=1 if quick else 3)
     return rows

@@ -233,14 +233,15 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--edges", action="store_true",
                     help="score every edge of a causal LM's graph instead (heads' q/k/v inputs, MLPs, logits; "
                          "default model: the toy decoder and a built-in pair), and run circuits of the strongest "
-                         "edges exactly (MIB's CPR and CMD); --method relp, atp, ig or exact")
+                         "edges exactly (MIB's CPR and CMD); --method relp, atp, ig, blockwise or exact")
     pa.add_argument("--nodes", default="residual,attention,heads,mlp",
                     help="comma-separated: residual,attention,heads,mlp,neurons (default: all but neurons)")
     pa.add_argument("--method", choices=["relp", "atp", "atp*", "ig", "blockwise", "exact", "all"], default="relp",
                     help="relp, atp, atp* (AtP with the QK fix), ig (EAP-IG, 16 steps), blockwise (exact patching "
                          "computed block by block from the clean run: sees composition), exact (activation "
                          "patching), or all: relp, atp "
-                         "and exact with correlations (default relp); with --edges one of relp, atp, ig, exact")
+                         "and exact with correlations (default relp); with --edges one of relp, atp, ig, blockwise (exact edge "
+                         "patching block by block), exact")
     pa.add_argument("--sample", type=int, default=200, help="exact: neurons patched, a random sample (default 200)")
     pa.add_argument("--generic", action="store_true",
                     help="--model of an architecture without a rule map: its roles (blocks, heads, MLP) found "
