@@ -14,6 +14,10 @@ metric, when it is taken from a corrupted input instead of the clean one?
   ``method="blockwise"`` gives exact patching's effects computed from the clean run block by
   block (:mod:`pyattr.patching.blockwise`): the blocks before each node are not run again,
   the node's own block and every later block are, exactly, on the change before them.
+- :func:`edge_attribution` scores every edge of the model's graph (EAP, EAP-IG, RelP, or
+  exactly block by block); :func:`circuit_faithfulness` runs circuits of edges or of nodes
+  exactly (MIB's CPR and CMD); :func:`circuit_search` finds node circuits greedily by the
+  exact metric.
 
 Nodes, per layer and token position (``"heads"`` and ``"neurons"`` add a last dimension):
 
@@ -37,9 +41,10 @@ from pyattr.patching.activation import activation_patching
 from pyattr.patching.attribution import METHODS, PATCHING_RULES, attribution_patching
 from pyattr.patching.circuit import CircuitFaithfulness, circuit_faithfulness, edge_effects
 from pyattr.patching.edges import EDGE_METHODS, EDGE_RULES, EdgeAttributionResult, edge_attribution
+from pyattr.patching.node_circuit import CIRCUIT_NODES, circuit_search
 from pyattr.patching.nodes import NODES
 from pyattr.patching.result import PatchingResult
 
-__all__ = ["CircuitFaithfulness", "EDGE_METHODS", "EDGE_RULES", "EdgeAttributionResult", "METHODS", "NODES", "PATCHING_RULES",
-           "PatchingResult", "activation_patching", "attribution_patching", "circuit_faithfulness", "edge_attribution",
+__all__ = ["CIRCUIT_NODES", "CircuitFaithfulness", "EDGE_METHODS", "EDGE_RULES", "EdgeAttributionResult", "METHODS", "NODES", "PATCHING_RULES",
+           "PatchingResult", "activation_patching", "attribution_patching", "circuit_faithfulness", "circuit_search", "edge_attribution",
            "edge_effects"]

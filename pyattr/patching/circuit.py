@@ -53,8 +53,13 @@ class CircuitFaithfulness(ResultViews):
             (trapezoids).
         cmd (float): MIB's circuit–model difference, the area under ``|1 − curve|``.
         clean_metric (float): ``m(full)``, the clean run's mean metric.
-        corrupt_metric (float): ``m(∅)``, the corrupt run's.
+        corrupt_metric (float): ``m(∅)``, the corrupt run's (node circuits: the run with
+            every node patched, see :mod:`pyattr.patching.node_circuit`).
         edges (int): the graph's edge count.
+        kind (str): ``"edges"``, or ``"nodes"`` for node circuits: then ``edge_counts`` and
+            ``edges`` count nodes.
+        circuits (list[list[str]] or None): node circuits: the nodes of the circuit run at
+            each size; None for edge circuits (their edges are the top of the scores, pruned).
     """
 
     __repr__ = summary_repr
@@ -69,6 +74,8 @@ class CircuitFaithfulness(ResultViews):
     corrupt_metric: float
     edges: int
     tokens: Optional[list] = field(default=None)
+    kind: str = "edges"
+    circuits: Optional[List[List[str]]] = field(default=None)
 
 
 def prune(graph: G.Graph, keep: torch.Tensor) -> torch.Tensor:
@@ -154,8 +161,9 @@ def _areas(sizes: torch.Tensor, curve: torch.Tensor):
 def _circuit_masks(graph, edges_or_circuit, sizes):
     n_edges = len(graph.edges)
     if isinstance(edges_or_circuit, str) or not isinstance(edges_or_circuit, (EdgeAttributionResult, list, tuple)):
-        raise TypeError("edges_or_circuit: expected an EdgeAttributionResult or a list of edge names "
-                        f"('a0.h1->a1.h2<k>', ...), got {type(edges_or_circuit).__name__}")
+        raise TypeError("edges_or_circuit: expected an EdgeAttributionResult, a PatchingResult, a list of edge names "
+                        f"('a0.h1->a1.h2<k>', ...) or a list of node names ('a0.h1', 'm0', ...), got "
+                        f"{type(edges_or_circuit).__name__}")
     if isinstance(edges_or_circuit, EdgeAttributionResult):
         if edges_or_circuit.edges != graph.edge_names():
             raise ValueError("edges_or_circuit: the edge scores are of another model's graph")
@@ -187,7 +195,9 @@ def circuit_faithfulness(model: nn.Module, clean, corrupt, edges_or_circuit, *, 
                          sizes: Optional[Sequence[float]] = None, attention_mask: Optional[torch.Tensor] = None,
                          corrupt_attention_mask: Optional[torch.Tensor] = None, batch_size: Optional[int] = None,
                          tokenizer=None) -> CircuitFaithfulness:
-    """How much of the metric circuits of growing size recover, run exactly.
+    """How much of the metric circuits of growing size recover, run exactly: circuits of
+    edges (every edge outside patched) or of nodes (every node outside patched,
+    :mod:`pyattr.patching.node_circuit`).
 
     Args:
         model (nn.Module): as for :func:`pyattr.patching.edge_attribution`.
@@ -196,37 +206,47 @@ def circuit_faithfulness(model: nn.Module, clean, corrupt, edges_or_circuit, *, 
         edges_or_circuit: an :class:`EdgeAttributionResult` (circuits of its top-scored
             edges, by magnitude, at each size: ``int(size × edges)`` edges, as MIB counts
             them, then pruned) or a list of edge names (one circuit; pruned too, with a
-            warning naming the edges pruning drops).
+            warning naming the edges pruning drops); or for node circuits a
+            :class:`PatchingResult` computed with ``sum_positions=True`` over node types among
+            ``"heads"``, ``"attention"``, ``"mlp"`` (circuits of its top nodes by the magnitude
+            of their mean effect: ``int(size × nodes)`` nodes) or a list of node names
+            (``"a0.h1"`` a head, ``"attn0"`` an attention block, ``"m0"`` an MLP; one circuit).
         metric: a :mod:`pyattr.targets` target or a callable ``f(output) → Tensor[batch]``.
         sizes (sequence of float, optional): fractions of the edges in (0, 1], increasing
             (default :data:`MIB_SIZES`); with a list of edges, ignored (its own size).
         attention_mask (Tensor[batch, seq], optional): the mask of ``clean`` given as ids.
         corrupt_attention_mask (Tensor[batch, seq], optional): the mask of ``corrupt`` given as ids.
-        batch_size (int, optional): rows per forward (pairs × circuits; default 256).
+        batch_size (int, optional): rows per forward (pairs × circuits; default 256 for edge
+            circuits, 1024 for node circuits).
         tokenizer (optional): for text inputs.
 
     Returns:
         CircuitFaithfulness (``cpr`` and ``cmd`` NaN for a single circuit).
 
     Raises:
-        ValueError: sizes outside (0, 1] or not increasing, edge names not in the graph,
-            scores of another graph, clean and corrupt metrics equal on average (``f`` is
+        ValueError: sizes outside (0, 1] or not increasing, edge or node names not in the
+            model, scores of another graph, node effects per position or of node types a
+            circuit is not made of, clean and corrupt metrics equal on average (``f`` is
             undefined), and what :func:`edge_attribution` refuses.
+        TypeError: ``edges_or_circuit`` of another type.
     """
     model = unwrap(model)
-    if sizes is None:
-        sizes = MIB_SIZES
-    else:
-        given = sizes
-        try:
-            if isinstance(sizes, (str, bytes)) or any(isinstance(v, (str, bool)) for v in sizes):
-                raise TypeError
-            sizes = tuple(float(v) for v in sizes)
-        except (TypeError, ValueError):
-            raise ValueError(f"sizes: expected increasing fractions of the edges in (0, 1], got {given!r}") from None
-    if not sizes or any(not 0 < s <= 1 for s in sizes) or any(b <= a for a, b in zip(sizes, sizes[1:])):
-        raise ValueError(f"sizes: expected increasing fractions of the edges in (0, 1], got {list(sizes)}")
+    from pyattr.patching import node_circuit as NC
+
+    sizes = check_sizes(sizes)
     batch_size = core.check_count("batch_size", batch_size)
+    scored = isinstance(edges_or_circuit, (EdgeAttributionResult, NC.PatchingResult))
+    if NC.is_node_circuit(edges_or_circuit):
+        if isinstance(edges_or_circuit, NC.PatchingResult):
+            NC.result_nodes(edges_or_circuit)
+        pair = prepare_pair(model, clean, corrupt, None, attention_mask, corrupt_attention_mask,
+                            "circuit_faithfulness", alignable=False)
+        tgts = metric_targets(metric, pair.clean.input_ids.shape[0])
+        with core.attribution_pass(model, RelevanceRules(), False, "circuit_faithfulness"), torch.no_grad():
+            keep, curve, m, full, empty, names = NC.node_circuits(model, pair, tgts, edges_or_circuit, sizes,
+                                                                  batch_size or NC.DEFAULT_BATCH)
+        circuits = [[names[i] for i in k.nonzero().flatten().tolist()] for k in keep]
+        return curve_result(sizes, keep, curve, m, full, empty, len(names), scored, "nodes", circuits)
     lay = G.layout(model)
     graph = G.build_graph(lay)
     masks = _circuit_masks(graph, edges_or_circuit, sizes)
@@ -242,15 +262,39 @@ def circuit_faithfulness(model: nn.Module, clean, corrupt, edges_or_circuit, *, 
         raise ValueError("metric: clean and corrupt give the same mean metric, so faithfulness (m(C) − m(∅)) / "
                          "(m(full) − m(∅)) is undefined")
     curve = (m.mean(1) - corrupt_m) / (clean_m - corrupt_m)
-    counts = (masks.reshape(masks.shape[0], -1).sum(1)).long()
-    if isinstance(edges_or_circuit, EdgeAttributionResult):
+    return curve_result(sizes, masks.reshape(masks.shape[0], -1), curve, m.mean(1), clean_m, corrupt_m,
+                        len(graph.edges), scored, "edges", None)
+
+
+def check_sizes(sizes) -> tuple:
+    """``sizes`` as increasing fractions in (0, 1] (default :data:`MIB_SIZES`)."""
+    if sizes is None:
+        return MIB_SIZES
+    given = sizes
+    try:
+        if isinstance(sizes, (str, bytes)) or any(isinstance(v, (str, bool)) for v in sizes):
+            raise TypeError
+        sizes = tuple(float(v) for v in sizes)
+    except (TypeError, ValueError):
+        raise ValueError(f"sizes: expected increasing fractions of the edges in (0, 1], got {given!r}") from None
+    if not sizes or any(not 0 < s <= 1 for s in sizes) or any(b <= a for a, b in zip(sizes, sizes[1:])):
+        raise ValueError(f"sizes: expected increasing fractions of the edges in (0, 1], got {list(sizes)}")
+    return sizes
+
+
+def curve_result(sizes, keep: torch.Tensor, curve: torch.Tensor, metric: torch.Tensor, full: float, empty: float,
+                 n: int, scored: bool, kind: str, circuits) -> CircuitFaithfulness:
+    """The CircuitFaithfulness of circuits ``keep`` (BoolTensor[k, …], one per size where
+    ``scored``, else one circuit of its own size)."""
+    counts = keep.reshape(keep.shape[0], -1).sum(1).long()
+    if scored:
         xs = torch.tensor(sizes, dtype=torch.float64)
         # an area needs two sizes at least
         cpr, cmd = _areas(xs, curve) if len(sizes) > 1 else (float("nan"), float("nan"))
     else:
-        xs = counts.double() / len(graph.edges)
+        xs = counts.double() / n
         cpr = cmd = float("nan")
-    return CircuitFaithfulness(xs, counts, curve, m.mean(1), cpr, cmd, clean_m, corrupt_m, len(graph.edges))
+    return CircuitFaithfulness(xs, counts, curve, metric, cpr, cmd, full, empty, n, kind=kind, circuits=circuits)
 
 
 @text.text_inputs("edge_effects", inputs=("clean", "corrupt"), target=None)
