@@ -301,7 +301,7 @@ def test_bad_circuits_and_sizes_are_refused(toy_pairs):
     assert kept.edge_counts.tolist() == [2]
     with pytest.raises(ValueError, match="edge_attribution: clean and corrupt differ in length \\(10 and 9 tokens\\)"):
         P.edge_attribution(model, clean, corrupt[:, :-1], metric, method="atp")
-    with pytest.raises(TypeError, match="edges_or_circuit: expected an EdgeAttributionResult or a list of edge names"):
+    with pytest.raises(TypeError, match="edges_or_circuit: expected an EdgeAttributionResult, a PatchingResult, a list of edge names"):
         P.circuit_faithfulness(model, clean, corrupt, "m1->logits", metric=metric)
     with pytest.raises(ValueError, match="sizes: expected increasing fractions of the edges in \\(0, 1\\], got '0.5'"):
         P.circuit_faithfulness(model, clean, corrupt, ["m1->logits"], metric=metric, sizes="0.5")

@@ -194,7 +194,7 @@ def _circuit_masks(graph, edges_or_circuit, sizes):
 def circuit_faithfulness(model: nn.Module, clean, corrupt, edges_or_circuit, *, metric,
                          sizes: Optional[Sequence[float]] = None, attention_mask: Optional[torch.Tensor] = None,
                          corrupt_attention_mask: Optional[torch.Tensor] = None, batch_size: Optional[int] = None,
-                         tokenizer=None) -> CircuitFaithfulness:
+                         nodes: Optional[Sequence[str]] = None, tokenizer=None) -> CircuitFaithfulness:
     """How much of the metric circuits of growing size recover, run exactly: circuits of
     edges (every edge outside patched) or of nodes (every node outside patched,
     :mod:`pyattr.patching.node_circuit`).
@@ -218,6 +218,10 @@ def circuit_faithfulness(model: nn.Module, clean, corrupt, edges_or_circuit, *, 
         corrupt_attention_mask (Tensor[batch, seq], optional): the mask of ``corrupt`` given as ids.
         batch_size (int, optional): rows per forward (pairs × circuits; default 256 for edge
             circuits, 1024 for node circuits).
+        nodes (str | sequence of str, optional): for a list of node names only: the node
+            types among ``"heads"``, ``"attention"``, ``"mlp"`` the circuit is chosen from
+            (every other node of these types is patched). Default heads and MLPs, or
+            attention blocks and MLPs where the names are attention blocks.
         tokenizer (optional): for text inputs.
 
     Returns:
@@ -236,6 +240,9 @@ def circuit_faithfulness(model: nn.Module, clean, corrupt, edges_or_circuit, *, 
     sizes = check_sizes(sizes)
     batch_size = core.check_count("batch_size", batch_size)
     scored = isinstance(edges_or_circuit, (EdgeAttributionResult, NC.PatchingResult))
+    if nodes is not None and not NC.is_node_circuit(edges_or_circuit):
+        raise ValueError("nodes: only node circuits (a list of node names) are chosen among node types; edge "
+                         "circuits are chosen among the graph's edges")
     if NC.is_node_circuit(edges_or_circuit):
         if isinstance(edges_or_circuit, NC.PatchingResult):
             NC.result_nodes(edges_or_circuit)
@@ -244,7 +251,7 @@ def circuit_faithfulness(model: nn.Module, clean, corrupt, edges_or_circuit, *, 
         tgts = metric_targets(metric, pair.clean.input_ids.shape[0])
         with core.attribution_pass(model, RelevanceRules(), False, "circuit_faithfulness"), torch.no_grad():
             keep, curve, m, full, empty, names = NC.node_circuits(model, pair, tgts, edges_or_circuit, sizes,
-                                                                  batch_size or NC.DEFAULT_BATCH)
+                                                                  batch_size or NC.DEFAULT_BATCH, nodes)
         circuits = [[names[i] for i in k.nonzero().flatten().tolist()] for k in keep]
         return curve_result(sizes, keep, curve, m, full, empty, len(names), scored, "nodes", circuits)
     lay = G.layout(model)

@@ -285,13 +285,29 @@ def circuit_search(model: nn.Module, clean, corrupt, metric, *, nodes: Sequence[
     return curve_result(sizes, keep, curve, m, full, empty, n, True, "nodes", circuits)
 
 
-def node_circuits(model, pair, tgts, circuit, sizes, batch_size: int):
+def list_nodes(names: Sequence[str], nodes) -> List[str]:
+    """The node types of a circuit given as names: ``nodes``, or heads and MLPs (attention
+    blocks and MLPs where the names are attention blocks)."""
+    if nodes is not None:
+        return check_circuit_nodes(nodes)
+    attn = any(n.startswith("attn") for n in names)
+    if attn and any(n.startswith("a") and not n.startswith("attn") for n in names):
+        raise ValueError("edges_or_circuit: the names mix heads ('a0.h1') and attention blocks ('attn0'); a head's "
+                         "output is part of its attention block's, so a circuit keeps one or the other; pass "
+                         "nodes=('heads', 'attention', 'mlp') to mean both")
+    return ["attention", "mlp"] if attn else ["heads", "mlp"]
+
+
+def node_circuits(model, pair, tgts, circuit, sizes, batch_size: int, nodes=None):
     """``circuit_faithfulness`` of a PatchingResult (top nodes by magnitude at each size) or
-    a list of node names: ``(keep masks, curve, metric, m(full), m(∅), the model's node names)``."""
+    a list of node names among the node types ``nodes`` (:func:`list_nodes`):
+    ``(keep masks, curve, metric, m(full), m(∅), the model's node names)``."""
     if isinstance(circuit, PatchingResult):
+        if nodes is not None:
+            raise ValueError("nodes: a PatchingResult's circuits are made of its own node types; drop nodes=")
         node_list = result_nodes(circuit)
     else:
-        node_list = [n for n in CIRCUIT_NODES if any(_is(name, n) for name in circuit)] or ["heads", "mlp"]
+        node_list = list_nodes(list(circuit), nodes)
     runs = NodeRuns(model, pair, tgts, node_list, batch_size)
     n = len(runs.nodes)
     if isinstance(circuit, PatchingResult):
@@ -301,14 +317,6 @@ def node_circuits(model, pair, tgts, circuit, sizes, batch_size: int):
         keep = runs.nodes.mask(list(circuit))[None]
     curve, m, full, empty = faithfulness(runs, keep)
     return keep, curve, m, full, empty, runs.nodes.names
-
-
-def _is(name: str, node: str) -> bool:
-    if node == "heads":
-        return name.startswith("a") and not name.startswith("attn") and ".h" in name
-    if node == "attention":
-        return name.startswith("attn")
-    return name.startswith("m") and name[1:].isdigit()
 
 
 def is_node_circuit(circuit) -> bool:

@@ -372,11 +372,16 @@ def edges(result, limit=MAX_ROWS) -> List:
 def circuit(result, limit=MAX_ROWS) -> List:
     """The faithfulness curve over circuit sizes, and its points as a table."""
     head = f"faithfulness (CPR {num(result.cpr, '.3f')}, CMD {num(result.cmd, '.3f')})"
-    return [Curves(head, result.sizes.tolist(), [result.curve.tolist()], ["circuit"], "fraction of edges",
+    unit = getattr(result, "kind", "edges")
+    cols = ["fraction", unit, "faithfulness", "metric"]
+    rows = [[float(x), int(n), float(f), float(m)] for x, n, f, m in
+            zip(result.sizes, result.edge_counts, result.curve, result.metric)]
+    if getattr(result, "circuits", None) is not None:      # node circuits: which nodes at each size
+        cols.append("circuit")
+        rows = [r + [" ".join(c)] for r, c in zip(rows, result.circuits)]
+    return [Curves(head, result.sizes.tolist(), [result.curve.tolist()], ["circuit"], f"fraction of {unit}",
                    "faithfulness"),
-            Table("circuits", ["fraction", "edges", "faithfulness", "metric"],
-                  [[float(x), int(n), float(f), float(m)] for x, n, f, m in
-                   zip(result.sizes, result.edge_counts, result.curve, result.metric)])]
+            Table("circuits", cols, rows)]
 
 
 LAYOUTS = {
