@@ -357,8 +357,19 @@ def test_circuits_bench_rows_validate():
     rows = B.model_rows("toy", None, "key", 4, repeats=1)
     assert [r["variant"] for r in rows] == [v for v, _ in B.variants()]
     assert rows[0]["pearson"] == pytest.approx(1.0) and rows[0]["top2_equal_exact"] == 1.0
-    report.validate(report.document("circuits", torch.device("cpu"), rows))
-    assert "| exact edge patching | 1.000 | 1.00 |" in B.markdown(rows)
+    blockwise = rows[[r["variant"] for r in rows].index("blockwise: exact, block by block")]
+    assert blockwise["pearson"] == pytest.approx(1.0) and blockwise["cpr"] == pytest.approx(rows[0]["cpr"], abs=1e-6)
+    nodes = B.node_rows("toy", None, "key", 4)
+    assert [r["variant"] for r in nodes][-1] == "circuit_search (greedy both ways)"
+    assert all(r["nodes"] == 10 and 0 <= r["cpr"] <= 1.5 for r in nodes)
+    # the search's circuits are at least as faithful as thresholding's on the pairs it searched
+    assert nodes[-1]["cpr"] >= max(r["cpr"] for r in nodes[:-1]) - 1e-9
+    report.validate(report.document("circuits", torch.device("cpu"), rows + nodes))
+    md = B.markdown(rows + nodes)
+    assert "| exact edge patching | 1.000 | 1.00 |" in md and "| toy, key pairs | circuit_search (greedy both ways) | 10 |" in md
+    bad = dict(nodes[0], held_out_cpr=float("nan"))
+    with pytest.raises(ValueError, match="held_out_cpr"):
+        report.validate(report.document("circuits", torch.device("cpu"), rows + [bad]))
 
 
 def test_patch_edges_command(capsys, tmp_path):

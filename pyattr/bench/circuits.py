@@ -8,6 +8,12 @@ Per method: **Pearson** of the edge scores (mean over pairs) with exact edge pat
 top edges at MIB's sizes, run exactly; **time** of the scores (median of 3 calls after a
 warm-up, the methods interleaved call by call).
 
+Node circuits (heads and MLPs, :mod:`pyattr.patching.node_circuit`): circuits of the top
+nodes by activation patching, by RelP and by AtP (thresholding), against
+:func:`pyattr.patching.circuit_search`; CPR and CMD on the pairs the nodes were chosen on and,
+**held out**, the same circuits run on 64 other pairs (seed 12); time of the scores or the
+search (one call after a warm-up).
+
 Where the EAP-IG library (hannamw/EAP-IG, with TransformerLens) is installed in a development
 environment (never a dependency), its EAP, EAP-IG-inputs (16 steps) and EAP-IG-activations
 (4 steps) run on the same pairs as more rows (:mod:`pyattr.bench.circuits_peers`), their
@@ -93,6 +99,56 @@ def model_rows(name: str, path, kind: str, count: int, repeats: int = 3) -> List
     return rows
 
 
+def _held_out(model, circuits, sizes, clean, corrupt, metric):
+    """CPR and CMD of fixed node circuits (one per size) on other pairs."""
+    import pyattr.patching as P
+    from pyattr.patching.circuit import _areas
+
+    curve = torch.tensor([float(P.circuit_faithfulness(model, clean, corrupt, c, metric=metric).curve[0])
+                          if c else 0.0 for c in circuits], dtype=torch.float64)
+    return _areas(torch.tensor(sizes, dtype=torch.float64), curve)
+
+
+def node_rows(name: str, path, kind: str, count: int) -> List[Dict]:
+    import pyattr.patching as P
+    import pyattr.targets as T
+    import pyattr.toy as toy
+    import pyattr.toy.circuit as C
+    import pyattr.toy.task as task
+    from pyattr.patching.circuit import MIB_SIZES
+
+    model, _, _ = toy.load(path)
+    sets = []
+    for seed in (11, 12):
+        clean, corrupt, answer, alternative = C.pair_tensors(task.pairs(torch.Generator().manual_seed(seed), count,
+                                                                        kind=kind))
+        sets.append((clean, corrupt, T.LogitDiff(answer, alternative)))
+    (clean, corrupt, metric), held = sets
+    nodes = ("heads", "mlp")
+    calls = [
+        ("top nodes by activation patching", lambda: P.activation_patching(model, clean, corrupt, metric, nodes=nodes,
+                                                                           sum_positions=True, progress=False)),
+        ("top nodes by relp", lambda: P.attribution_patching(model, clean, corrupt, metric, nodes=nodes,
+                                                            sum_positions=True)),
+        ("top nodes by atp", lambda: P.attribution_patching(model, clean, corrupt, metric, nodes=nodes,
+                                                           method="atp", sum_positions=True)),
+        ("circuit_search (greedy both ways)", lambda: P.circuit_search(model, clean, corrupt, metric, nodes=nodes)),
+    ]
+    rows = []
+    for variant, call in calls:
+        call()  # warm-up
+        t0 = time.perf_counter()
+        res = call()
+        seconds = time.perf_counter() - t0
+        cf = res if isinstance(res, P.CircuitFaithfulness) else P.circuit_faithfulness(model, clean, corrupt, res,
+                                                                                        metric=metric)
+        h_cpr, h_cmd = _held_out(model, cf.circuits, MIB_SIZES, *held)
+        rows.append({"model": f"{name}, {kind} pairs", "variant": variant, "level": "nodes", "pairs": count,
+                     "nodes": cf.edges, "seconds": seconds, "cpr": cf.cpr, "cmd": cf.cmd, "held_out_cpr": h_cpr,
+                     "held_out_cmd": h_cmd})
+    return rows
+
+
 def run_all(quick: bool = False) -> List[Dict]:
     import pyattr.toy as toy
 
@@ -103,6 +159,7 @@ def run_all(quick: bool = False) -> List[Dict]:
                        ("toy induction decoder, 4 layers", toy.INDUCTION_4L_DIR)):
         for kind in ("key", "value"):
             rows += model_rows(name, path, kind, n, repeats=1 if quick else 3)
+            rows += node_rows(name, path, kind, n)
     return rows
 
 
@@ -110,6 +167,8 @@ def markdown(rows: List[Dict], contention=None) -> str:
     from pyattr.bench.report import conditions
 
     lines = [conditions(contention).rstrip("\n"), ""] if contention is not None else []
+    nodes = [r for r in rows if r.get("level") == "nodes"]
+    rows = [r for r in rows if r.get("level") != "nodes"]
     for model in dict.fromkeys(r["model"] for r in rows):
         rs = [r for r in rows if r["model"] == model]
         lines += [f"**{model}**: {rs[0]['pairs']} pairs, {rs[0]['edges']} edges:", "",
@@ -118,5 +177,13 @@ def markdown(rows: List[Dict], contention=None) -> str:
         for r in rs:
             lines.append(f"| {r['variant']} | {r['pearson']:.3f} | {r['top2_equal_exact']:.2f} | {r['cpr']:.3f} | "
                          f"{r['cmd']:.3f} | {r['seconds']:.3f} | {r['time_over_exact']:.2f} |")
+        lines.append("")
+    if nodes:
+        lines += ["Node circuits (heads and MLPs; held out: the same circuits on 64 other pairs):", "",
+                  "| model | circuits | nodes | CPR | CMD | held-out CPR | held-out CMD | time (s) |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|"]
+        for r in nodes:
+            lines.append(f"| {r['model']} | {r['variant']} | {r['nodes']} | {r['cpr']:.3f} | {r['cmd']:.3f} | "
+                         f"{r['held_out_cpr']:.3f} | {r['held_out_cmd']:.3f} | {r['seconds']:.3f} |")
         lines.append("")
     return "\n".join(lines)

@@ -177,10 +177,12 @@ def validate(doc: dict) -> None:
             if row["mode"] not in ("fwd", "bwd", "fwd+bwd"):
                 raise ValueError(f"benchmark JSON: row {i} mode {row['mode']!r}")
     elif doc["kind"] in _ROW_NUMBERS:
-        strings, numbers = _ROW_NUMBERS[doc["kind"]]
         for i, row in enumerate(doc["rows"]):
             if not isinstance(row, dict):
                 raise ValueError(f"benchmark JSON: row {i} is not an object")
+            # the circuits benchmark has rows of node circuits beside those of edges
+            strings, numbers = _NODE_CIRCUIT_ROWS if doc["kind"] == "circuits" and row.get("level") == "nodes" \
+                else _ROW_NUMBERS[doc["kind"]]
             for k in strings:
                 if not isinstance(row.get(k), str):
                     raise ValueError(f"benchmark JSON: row {i} field {k!r} missing or not a string")
@@ -217,6 +219,9 @@ _ROW_NUMBERS = {
     "dataset": (("config", "device", "dtype"), ("processes", "prompts", "tokens", "seconds", "prompts_per_s",
                                                "tokens_per_s", "peak_rss_bytes")),
 }
+# the circuits benchmark's rows of node circuits
+_NODE_CIRCUIT_ROWS = (("model", "variant", "level"), ("pairs", "nodes", "seconds", "cpr", "cmd", "held_out_cpr",
+                                                      "held_out_cmd"))
 # correlations: finite, in [-1, 1], or null where undefined (a constant estimate)
 _SIGNED = {"patching": ("pearson", "spearman"), "estimators": ("pearson", "spearman"), "citations": ("lds",),
            "circuits": ("pearson",)}
