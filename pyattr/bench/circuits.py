@@ -11,7 +11,7 @@ warm-up, the methods interleaved call by call).
 Node circuits (heads and MLPs, :mod:`pyattr.patching.node_circuit`): circuits of the top
 nodes by activation patching, by RelP and by AtP (thresholding), against
 :func:`pyattr.patching.circuit_search`; CPR and CMD on the pairs the nodes were chosen on and,
-**held out**, the same circuits run on 64 other pairs (seed 12); time of the scores or the
+**held out**, the same circuits run on as many other pairs (seed 12); time of the scores or the
 search (one call after a warm-up).
 
 Where the EAP-IG library (hannamw/EAP-IG, with TransformerLens) is installed in a development
@@ -179,7 +179,8 @@ def markdown(rows: List[Dict], contention=None) -> str:
                          f"{r['cmd']:.3f} | {r['seconds']:.3f} | {r['time_over_exact']:.2f} |")
         lines.append("")
     if nodes:
-        lines += ["Node circuits (heads and MLPs; held out: the same circuits on 64 other pairs):", "",
+        lines += [f"Node circuits (heads and MLPs; {nodes[0]['pairs']} pairs; held out: the same circuits on as many other "
+                  "pairs, seed 12):", "",
                   "| model | circuits | nodes | CPR | CMD | held-out CPR | held-out CMD | time (s) |",
                   "|---|---|---:|---:|---:|---:|---:|---:|"]
         for r in nodes:
