@@ -315,7 +315,10 @@ def test_citations_bench_rows_validate():
     rows = B.model_rows("toy", None, 3)
     assert [r["method"] for r in rows] == [v for v, _ in B.variants()]
     report.validate(report.document("citations", torch.device("cpu"), rows))
-    assert "| foldover, 16 ablations (default) |" in B.markdown(rows)
+    assert "| foldover (default) |" in B.markdown(rows)
+    many = B.task_rows(B.toy_task("toy, 20 sources", None, 2, 20, 1))
+    assert {r["sources"] for r in many} == {20} and many[0]["forwards"] == 85   # 4 (S + 1) ablations and the full
+    report.validate(report.document("citations", torch.device("cpu"), many))
 
 
 def test_cite_command(capsys):

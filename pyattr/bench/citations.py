@@ -34,12 +34,14 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 EVAL_MASKS = 100
+#: the many-source tasks' source counts (the toy vocabulary holds 46 words)
+MANY_SOURCES = (20, 40)
 
 
 def variants():
     """(name, context_attribution keyword arguments)."""
     return [
-        ("foldover, 16 ablations (default)", {"method": "foldover"}),
+        ("foldover (default)", {"method": "foldover"}),
         ("contextcite-style, 32 ablations", {"method": "contextcite", "ablations": 32}),
         ("contextcite-style, 256 ablations", {"method": "contextcite", "ablations": 256}),
         ("leave-one-out", {"method": "loo"}),
@@ -81,15 +83,18 @@ class Task:
     peers: Optional[Callable] = None
 
 
-def toy_task(name: str, path, count: int) -> Task:
+def toy_task(name: str, path, count: int, sources: Optional[int] = None, words: Optional[int] = None) -> Task:
     """A toy induction decoder's context task (:mod:`pyattr.toy.context`), on examples the
-    model answers."""
+    model answers; ``sources`` × ``words`` (default :data:`pyattr.toy.context.SOURCES` of
+    :data:`~pyattr.toy.context.WORDS_PER_SOURCE` words)."""
     import pyattr.methods._core.ablation as A
     import pyattr.toy as toy
     import pyattr.toy.context as C
 
     model, tok, _ = toy.load(path)
-    examples = C.answered(model, torch.Generator().manual_seed(0), count)
+    sources = C.SOURCES if sources is None else sources
+    words = C.WORDS_PER_SOURCE if words is None else words
+    examples = C.answered(model, torch.Generator().manual_seed(0), count, sources, words)
 
     def peers():
         from pyattr.bench.citations_peers import contextcite_available, contextcite_scores
@@ -103,7 +108,7 @@ def toy_task(name: str, path, count: int) -> Task:
                 lambda e: (torch.tensor(e.prompt), e.ranges, {"response": [e.answer]}),
                 lambda e, masks: A.response_logprobs(model, e.prompt, e.ranges, [e.answer], masks, [(0, 1)])[:, 0],
                 lambda e: e.answer_source, lambda e: e.cue_source if e.cue_source != e.answer_source else None,
-                C.SOURCES, peers)
+                sources, peers)
 
 
 def contextcite_version() -> str:
@@ -127,7 +132,7 @@ class RetrievalExample:
     answer_source: int
 
 
-def retrieval_task(count: int, sources: int = 4) -> Task:
+def retrieval_task(count: int, sources: int = 4, suffix: str = "") -> Task:
     """all-MiniLM-L6-v2 (bundled) retrieving a passage of ``sources`` sentences for a query
     that paraphrases one of them (``benchmarks/data/patching_pairs.jsonl``: a sentence and its
     paraphrase per line); the outcome is the cosine similarity of the passage's and the
@@ -164,7 +169,7 @@ def retrieval_task(count: int, sources: int = 4) -> Task:
         q = E.embed(model, [e.query], "mean")[0]
         return E.cosine(E.embed(model, A.ablated_rows(e.prompt, e.ranges, [], masks), "mean"), q)
 
-    return Task("all-MiniLM-L6-v2 retrieval (bundled)", model, out,
+    return Task(f"all-MiniLM-L6-v2 retrieval (bundled){suffix}", model, out,
                 lambda e: (torch.tensor(e.prompt), e.ranges, {"query": e.query, "pooling": "mean"}),
                 outcome, lambda e: e.answer_source, lambda e: None, sources)
 
@@ -238,9 +243,16 @@ def run_all(quick: bool = False) -> List[Dict]:
     import pyattr.toy as toy
 
     n = 12 if quick else 100
-    return (model_rows("toy induction decoder (shipped)", None, n)
+    rows = (model_rows("toy induction decoder (shipped)", None, n)
             + model_rows("toy induction decoder B (seed 1)", toy.INDUCTION_B_DIR, n)
             + task_rows(retrieval_task(n)))
+    # many sources: every context word its own source; passages of many sentences
+    for many in MANY_SOURCES:
+        for name, path in (("toy induction decoder (shipped)", None),
+                           ("toy induction decoder B (seed 1)", toy.INDUCTION_B_DIR)):
+            rows += task_rows(toy_task(f"{name}, {many} one-word sources", path, n // 2 if quick else 30, many, 1))
+    rows += task_rows(retrieval_task(6 if quick else 30, MANY_SOURCES[0], f", {MANY_SOURCES[0]} sentences"))
+    return rows
 
 
 def markdown(rows: List[Dict], contention=None) -> str:
