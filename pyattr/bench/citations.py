@@ -81,6 +81,8 @@ class Task:
     #: () -> [(name, fn(example) -> (scores Tensor[S], forwards))]: reference libraries
     #: measured beside pyattr where they are installed (None: none for this task)
     peers: Optional[Callable] = None
+    #: variant → why it does not run on this task (it refuses the model, by design)
+    refused: Optional[Dict[str, str]] = None
 
 
 def toy_task(name: str, path, count: int, sources: Optional[int] = None, words: Optional[int] = None) -> Task:
@@ -171,7 +173,8 @@ def retrieval_task(count: int, sources: int = 4, suffix: str = "") -> Task:
 
     return Task(f"all-MiniLM-L6-v2 retrieval (bundled){suffix}", model, out,
                 lambda e: (torch.tensor(e.prompt), e.ranges, {"query": e.query, "pooling": "mean"}),
-                outcome, lambda e: e.answer_source, lambda e: None, sources)
+                outcome, lambda e: e.answer_source, lambda e: None, sources,
+                refused={"gradient × input": "refused: zero up to rounding on BERT, whose embeddings pass a LayerNorm"})
 
 
 def task_rows(task: Task) -> List[Dict]:
@@ -181,7 +184,7 @@ def task_rows(task: Task) -> List[Dict]:
     examples, n_src = task.examples, task.sources
     masks = A.random_masks(torch.Generator().manual_seed(123), EVAL_MASKS, n_src)
     truth = [task.outcome(e, masks) for e in examples]
-    vs = variants()
+    vs = [(v, kw) for v, kw in variants() if v not in (task.refused or {})]
 
     def attribute(e, kw):
         inputs, sources, extra = task.call(e)
@@ -270,5 +273,8 @@ def markdown(rows: List[Dict], contention=None) -> str:
             lines.append(f"| {r['method']} | {r['lds']:.3f} ± {r['lds_se']:.3f} | {r['drop1']:.2f} | "
                          f"{r['drop3']:.2f} | {r['top1']:.2f} | {cue} | {r['forwards']} | "
                          f"{r['ms_per_example']:.1f} |")
+        missing = [v for v, _ in variants() if v not in {r["method"] for r in rs}]
+        if missing:  # a method that refuses the model by design (gradient × input on BERT)
+            lines += ["", f"Not run on this model, which the method refuses: {', '.join(missing)}."]
         lines.append("")
     return "\n".join(lines)
