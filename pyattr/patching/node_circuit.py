@@ -251,7 +251,8 @@ def circuit_search(model: nn.Module, clean, corrupt, metric, *, nodes: Sequence[
             ``"cmd"`` (the one closest to 1).
         sizes (sequence of float, optional): fractions of the nodes in (0, 1], increasing
             (default MIB's sizes), at which the result reports the circuit.
-        attention_mask, corrupt_attention_mask (Tensor[batch, seq], optional): masks of ids.
+        attention_mask (Tensor[batch, seq], optional): the mask of ``clean`` given as ids.
+        corrupt_attention_mask (Tensor[batch, seq], optional): the mask of ``corrupt`` given as ids.
         batch_size (int, optional): circuit rows (circuit × pair) per forward (default 1024).
         tokenizer (optional): for text inputs.
 
