@@ -180,6 +180,18 @@ def test_node_circuit_results_show_themselves_and_load_back(tmp_path):
     assert "fraction of nodes" in html and " ".join(found.circuits[0]) in html
     back = pyattr.load(found.save(tmp_path / "c.safetensors"))
     assert back.kind == "nodes" and back.circuits == found.circuits and torch.equal(back.curve, found.curve)
+    # a file written before the class moved to pyattr.patching.circuit_result (and before
+    # it had kind and circuits) still loads
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(tmp_path / "c.safetensors"), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    doc = meta["pyattr"].replace("pyattr.patching.circuit_result:", "pyattr.patching.circuit:")
+    doc = doc.replace('"kind": "nodes", ', "").replace('"kind": "nodes"', "")
+    save_file(tensors, str(tmp_path / "old.safetensors"), metadata={**meta, "pyattr": doc})
+    old = pyattr.load(tmp_path / "old.safetensors")
+    assert type(old) is P.CircuitFaithfulness and torch.equal(old.curve, found.curve)
 
 
 def test_a_list_of_heads_is_a_circuit_among_heads_and_mlps():

@@ -20,7 +20,6 @@ edges of the circuit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
 import torch
@@ -29,53 +28,15 @@ from torch import nn
 import pyattr.methods._core as core
 import pyattr.methods._core.text as text
 import pyattr.patching.graph as G
-from pyattr._repr import summary_repr
+import pyattr.patching.node_circuit as NC
 from pyattr.config import RelevanceRules
 from pyattr.integration.wrappers import unwrap
+from pyattr.patching.circuit_result import MIB_SIZES, CircuitFaithfulness, _areas, check_sizes, curve_result
 from pyattr.patching.edges import EdgeAttributionResult, split_run
 from pyattr.patching.pairs import metric_targets, prepare_pair
-from pyattr.results import ResultViews
 
-#: MIB's circuit sizes, as fractions of the edges
-MIB_SIZES = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
-
-
-@dataclass
-class CircuitFaithfulness(ResultViews):
-    """Output of :func:`circuit_faithfulness`.
-
-    Attributes:
-        sizes (Tensor[n], float64): circuit sizes as fractions of the edges.
-        edge_counts (Tensor[n], int64): edges kept at each size, after pruning.
-        curve (Tensor[n], float64): faithfulness ``f`` at each size.
-        metric (Tensor[n], float64): the circuit's metric, mean over the pairs.
-        cpr (float): MIB's circuit performance ratio, the area under ``curve`` over ``sizes``
-            (trapezoids).
-        cmd (float): MIB's circuit–model difference, the area under ``|1 − curve|``.
-        clean_metric (float): ``m(full)``, the clean run's mean metric.
-        corrupt_metric (float): ``m(∅)``, the corrupt run's (node circuits: the run with
-            every node patched, see :mod:`pyattr.patching.node_circuit`).
-        edges (int): the graph's edge count.
-        kind (str): ``"edges"``, or ``"nodes"`` for node circuits: then ``edge_counts`` and
-            ``edges`` count nodes.
-        circuits (list[list[str]] or None): node circuits: the nodes of the circuit run at
-            each size; None for edge circuits (their edges are the top of the scores, pruned).
-    """
-
-    __repr__ = summary_repr
-
-    sizes: torch.Tensor
-    edge_counts: torch.Tensor
-    curve: torch.Tensor
-    metric: torch.Tensor
-    cpr: float
-    cmd: float
-    clean_metric: float
-    corrupt_metric: float
-    edges: int
-    tokens: Optional[list] = field(default=None)
-    kind: str = "edges"
-    circuits: Optional[List[List[str]]] = field(default=None)
+__all__ = ["MIB_SIZES", "CircuitFaithfulness", "_areas", "circuit_faithfulness", "edge_effects", "patched_metrics",
+           "prune", "top_edges"]
 
 
 def prune(graph: G.Graph, keep: torch.Tensor) -> torch.Tensor:
@@ -148,14 +109,6 @@ def patched_metrics(model, lay, graph, pair, tgts, corrupt_acts: torch.Tensor, c
                                     patched=patched.to(corrupt.device))
         out.append(value.detach().double().cpu().reshape(nv, batch))
     return torch.cat(out)
-
-
-def _areas(sizes: torch.Tensor, curve: torch.Tensor):
-    dx = sizes[1:] - sizes[:-1]
-    cpr = float((dx * (curve[1:] + curve[:-1]) / 2).sum())
-    gap = (1 - curve).abs()
-    cmd = float((dx * (gap[1:] + gap[:-1]) / 2).sum())
-    return cpr, cmd
 
 
 def _circuit_masks(graph, edges_or_circuit, sizes):
@@ -235,8 +188,6 @@ def circuit_faithfulness(model: nn.Module, clean, corrupt, edges_or_circuit, *, 
         TypeError: ``edges_or_circuit`` of another type.
     """
     model = unwrap(model)
-    from pyattr.patching import node_circuit as NC
-
     sizes = check_sizes(sizes)
     batch_size = core.check_count("batch_size", batch_size)
     scored = isinstance(edges_or_circuit, (EdgeAttributionResult, NC.PatchingResult))
@@ -271,37 +222,6 @@ def circuit_faithfulness(model: nn.Module, clean, corrupt, edges_or_circuit, *, 
     curve = (m.mean(1) - corrupt_m) / (clean_m - corrupt_m)
     return curve_result(sizes, masks.reshape(masks.shape[0], -1), curve, m.mean(1), clean_m, corrupt_m,
                         len(graph.edges), scored, "edges", None)
-
-
-def check_sizes(sizes) -> tuple:
-    """``sizes`` as increasing fractions in (0, 1] (default :data:`MIB_SIZES`)."""
-    if sizes is None:
-        return MIB_SIZES
-    given = sizes
-    try:
-        if isinstance(sizes, (str, bytes)) or any(isinstance(v, (str, bool)) for v in sizes):
-            raise TypeError
-        sizes = tuple(float(v) for v in sizes)
-    except (TypeError, ValueError):
-        raise ValueError(f"sizes: expected increasing fractions of the edges in (0, 1], got {given!r}") from None
-    if not sizes or any(not 0 < s <= 1 for s in sizes) or any(b <= a for a, b in zip(sizes, sizes[1:])):
-        raise ValueError(f"sizes: expected increasing fractions of the edges in (0, 1], got {list(sizes)}")
-    return sizes
-
-
-def curve_result(sizes, keep: torch.Tensor, curve: torch.Tensor, metric: torch.Tensor, full: float, empty: float,
-                 n: int, scored: bool, kind: str, circuits) -> CircuitFaithfulness:
-    """The CircuitFaithfulness of circuits ``keep`` (BoolTensor[k, …], one per size where
-    ``scored``, else one circuit of its own size)."""
-    counts = keep.reshape(keep.shape[0], -1).sum(1).long()
-    if scored:
-        xs = torch.tensor(sizes, dtype=torch.float64)
-        # an area needs two sizes at least
-        cpr, cmd = _areas(xs, curve) if len(sizes) > 1 else (float("nan"), float("nan"))
-    else:
-        xs = counts.double() / n
-        cpr = cmd = float("nan")
-    return CircuitFaithfulness(xs, counts, curve, metric, cpr, cmd, full, empty, n, kind=kind, circuits=circuits)
 
 
 @text.text_inputs("edge_effects", inputs=("clean", "corrupt"), target=None)

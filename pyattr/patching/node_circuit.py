@@ -33,6 +33,7 @@ import pyattr.targets as T
 from pyattr.config import RelevanceRules
 from pyattr.integration.wrappers import unwrap
 from pyattr.methods._core.forward import evaluate_targets, run_model
+from pyattr.patching.circuit_result import check_sizes, curve_result
 from pyattr.patching.nodes import Site, check_nodes, node_sites
 from pyattr.patching.pairs import check_value, metric_targets, prepare_pair, recording_forward
 from pyattr.patching.result import PatchingResult
@@ -266,8 +267,6 @@ def circuit_search(model: nn.Module, clean, corrupt, metric, *, nodes: Sequence[
             sizes outside (0, 1] or not increasing, a metric equal on the clean run and with
             every node patched, and what :func:`activation_patching` refuses.
     """
-    from pyattr.patching.circuit import check_sizes, curve_result
-
     model = unwrap(model)
     node_list = check_circuit_nodes(nodes)
     objective = check_objective(objective)

@@ -32,7 +32,8 @@ LOADABLE = frozenset({
     "pyattr.methods.capture:GradientCapture",
     "pyattr.patching.result:PatchingResult",
     "pyattr.patching.edges:EdgeAttributionResult",
-    "pyattr.patching.circuit:CircuitFaithfulness",
+    "pyattr.patching.circuit:CircuitFaithfulness",          # files written before it moved
+    "pyattr.patching.circuit_result:CircuitFaithfulness",
     "pyattr.evaluate.perturbation:PerturbationCurve",
     "pyattr.integration.audit:RelevanceAudit",
     "pyattr.integration.audit:ModuleGap",
