@@ -238,3 +238,81 @@ def test_bad_node_circuits_are_refused_by_name():
         P.circuit_faithfulness(model, clean, corrupt, other, metric=metric)
     with pytest.raises(ValueError, match="the clean run and the run with every node patched give the same"):
         P.circuit_search(model, clean, clean, metric)
+
+
+def test_metrics_that_mix_rows_are_refused_wherever_rows_run_in_other_batches():
+    model, clean, corrupt, metric = _toy(n=4)
+    mixed = lambda out: out.logits[:, -1, 5] - out.logits[:, -1, 7].mean()   # noqa: E731  (reads every row)
+    calls = {
+        "edge_attribution(method='blockwise')": lambda: P.edge_attribution(model, clean, corrupt, mixed,
+                                                                           method="blockwise"),
+        "edge_effects": lambda: P.edge_effects(model, clean, corrupt, mixed),
+        "circuit_faithfulness": lambda: P.circuit_faithfulness(model, clean, corrupt, ["a1.h1"], metric=mixed),
+        "circuit_search": lambda: P.circuit_search(model, clean, corrupt, mixed),
+        "attribution_patching(method='blockwise')": lambda: P.attribution_patching(
+            model, clean, corrupt, mixed, nodes="heads", method="blockwise"),
+    }
+    for caller, call in calls.items():
+        with pytest.raises(ValueError, match=rf"metric: row 3 gives .* in a batch of rows \[3\] .*; "
+                                             rf"{caller.replace('(', '.').replace(')', '.')} runs rows in other batches"):
+            call()
+    flipped = lambda out: out.logits[:, -1, 5] - out.logits[:, -1, 7].flip(0)  # noqa: E731  (another row's logit)
+    with pytest.raises(ValueError, match=r"metric: row 3 gives .*; edge_attribution.method='blockwise'. runs rows"):
+        P.edge_attribution(model, clean, corrupt, flipped, method="blockwise")
+    per_row = lambda out: out.logits[:, -1, 5] - out.logits[:, -1, 7]          # noqa: E731
+    a = P.circuit_search(model, clean, corrupt, per_row, sizes=[0.2, 1.0])
+    b = P.circuit_search(model, clean, corrupt, per_row, sizes=[0.2, 1.0], batch_size=3)
+    assert torch.allclose(a.curve, b.curve, atol=1e-9) and a.circuits == b.circuits
+
+
+def test_hooks_the_edge_graph_would_skip_are_refused():
+    import copy
+
+    model, clean, corrupt, metric = _toy(n=2)
+    hooked = copy.deepcopy(model)
+    for mod, where in ((hooked.model.layers[1].input_layernorm, "model.layers.1.input_layernorm"),
+                       (hooked.model.layers[0].self_attn.q_proj, "model.layers.0.self_attn.q_proj"),
+                       (hooked.model.layers[1].self_attn.o_proj, "model.layers.1.self_attn.o_proj")):
+        h = mod.register_forward_hook(lambda m, a, o: o * 1.3)
+        for call in (lambda: P.edge_attribution(hooked, clean, corrupt, metric, method="blockwise"),
+                     lambda: P.edge_attribution(hooked, clean, corrupt, metric),
+                     lambda: P.edge_effects(hooked, clean, corrupt, metric),
+                     lambda: P.circuit_faithfulness(hooked, clean, corrupt, ["m1->logits"], metric=metric)):
+            with pytest.raises(ValueError, match=f"model: '{where}' has a forward hook; the edge graph norms"):
+                call()
+        h.remove()
+    # without the hooks the copy is the model
+    torch.testing.assert_close(P.edge_effects(hooked, clean, corrupt, metric).per_pair,
+                               P.edge_effects(model, clean, corrupt, metric).per_pair, atol=1e-12, rtol=0)
+    # node circuits run the model as it is: a hook acts in every run
+    h = hooked.model.layers[1].input_layernorm.register_forward_hook(lambda m, a, o: o * 1.3)
+    keep = {"a0.h3", "a1.h1"}
+    got = P.circuit_faithfulness(hooked, clean, corrupt, sorted(keep), metric=metric)
+    assert float(got.metric[0]) == pytest.approx(float(_by_hand(hooked, clean, corrupt, metric, keep)), abs=1e-9)
+    h.remove()
+
+
+def test_circuit_lists_and_scores_are_checked():
+    model, clean, corrupt, metric = _toy(n=2)
+    empty = P.circuit_faithfulness(model, clean, corrupt, [], metric=metric, nodes=("heads", "mlp"))
+    assert empty.kind == "nodes" and empty.edge_counts.tolist() == [0] and float(empty.curve[0]) == 0.0
+    with pytest.raises(ValueError, match="the list mixes edge names \\('a0.h0->m0'\\) and node names \\('a0.h1'\\)"):
+        P.circuit_faithfulness(model, clean, corrupt, ["a0.h1", "a0.h0->m0"], metric=metric)
+    with pytest.raises(TypeError, match="edges_or_circuit: names must be strings .*, got int 3"):
+        P.circuit_faithfulness(model, clean, corrupt, ["a0.h1", 3], metric=metric)
+    gen = P.circuit_search(model, clean, corrupt, metric, sizes=(x for x in [0.5, 1.0]))
+    assert gen.sizes.tolist() == [0.5, 1.0]
+    res = P.activation_patching(model, clean, corrupt, metric, nodes=("heads", "mlp"), sum_positions=True,
+                                progress=False)
+    res.effects["heads"][0, 1, 2] = float("nan")
+    with pytest.raises(ValueError, match="the effects of \\['a1.h2'\\] are not finite"):
+        P.circuit_faithfulness(model, clean, corrupt, res, metric=metric)
+    edges = P.edge_attribution(model, clean, corrupt, metric)
+    edges.scores[3] = float("inf")
+    with pytest.raises(ValueError, match=f"the scores of \\['{edges.edges[3]}'\\] are not finite"):
+        P.circuit_faithfulness(model, clean, corrupt, edges, metric=metric)
+    with pytest.raises(ValueError, match="circuit_search: clean and corrupt differ in their attention masks; a node "
+                                         "circuit patches position p"):
+        mask = torch.ones_like(clean)
+        mask[0, 0] = 0
+        P.circuit_search(model, clean, corrupt, metric, attention_mask=mask, corrupt_attention_mask=torch.ones_like(mask))

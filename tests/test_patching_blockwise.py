@@ -162,19 +162,22 @@ def _per_row(out):
     return out.logits[rows, -1, torch.tensor([5, 6])] - out.logits[rows, -1, torch.tensor([7, 8])]
 
 
-@pytest.mark.parametrize("metric, config", [
-    (_per_row, {}),
-    (lambda out: out.logits[:, -1, 5] * torch.tensor([1.0, -1.0]), {}),
-    (lambda out: (out.hidden_states[1][:, -1, :8] ** 2).sum(-1), {"output_hidden_states": True}),
-    (lambda out: out.attentions[-1][:, 0, -1, 0], {"output_attentions": True}),
+_ROWS = "metric: attribution_patching.method='blockwise'. runs rows in other batches, so the metric must compute each row"
+_REPLAY = "metric: method='blockwise' evaluates the metric on forwards that replay the blocks"
+
+
+@pytest.mark.parametrize("metric, config, msg", [
+    (_per_row, {}, _ROWS),
+    (lambda out: out.logits[:, -1, 5] * torch.tensor([1.0, -1.0]), {}, _ROWS),
+    (lambda out: (out.hidden_states[1][:, -1, :8] ** 2).sum(-1), {"output_hidden_states": True}, _REPLAY),
+    (lambda out: out.attentions[-1][:, 0, -1, 0], {"output_attentions": True}, _REPLAY),
 ], ids=["per-row ids", "per-row weights", "hidden states", "attentions"])
-def test_metrics_the_replay_cannot_serve_are_refused(metric, config):
+def test_metrics_the_replay_cannot_serve_are_refused(metric, config, msg):
     model = _llama(2).float()
     for k, v in config.items():
         setattr(model.config, k, v)
     for bs in (None, 2):
-        with pytest.raises(ValueError, match="metric: method='blockwise' evaluates the metric on forwards that replay "
-                                             "the blocks"):
+        with pytest.raises(ValueError, match=msg):
             attribution_patching(model, CLEAN, CORRUPT, metric, nodes="heads", method="blockwise", batch_size=bs)
     assert all(getattr(model.config, k) == v for k, v in config.items())  # restored
 

@@ -15,7 +15,7 @@ from pyattr.config import RelevanceRules
 from pyattr.integration.wrappers import unwrap
 import pyattr.patching.ig as IG
 from pyattr.patching.nodes import Site, check_nodes, node_sites
-from pyattr.patching.pairs import align, metric_targets, prepare_pair, recording_forward
+from pyattr.patching.pairs import align, check_row_metric, metric_targets, prepare_pair, recording_forward
 from pyattr.patching.result import PatchingResult, dims
 
 METHODS = ("relp", "atp", "atp*", "ig", "blockwise")
@@ -199,6 +199,7 @@ def attribution_patching(
             extra = attn_c.weights
         if blocks is not None:
             blocks.check(model, batch)
+            check_row_metric(model, pair.clean, fixed, value, "attribution_patching(method='blockwise')")
         if method == "ig":
             value = value.detach()
             grads = IG.path_gradients(model, pair, fixed, flat, steps, batch_size)

@@ -33,7 +33,7 @@ from pyattr.config import RelevanceRules
 from pyattr.integration.wrappers import unwrap
 from pyattr.patching.circuit_result import MIB_SIZES, CircuitFaithfulness, _areas, check_sizes, curve_result
 from pyattr.patching.edges import EdgeAttributionResult, split_run
-from pyattr.patching.pairs import metric_targets, prepare_pair
+from pyattr.patching.pairs import check_row_metric, metric_targets, prepare_pair
 
 __all__ = ["MIB_SIZES", "CircuitFaithfulness", "_areas", "circuit_faithfulness", "edge_effects", "patched_metrics",
            "prune", "top_edges"]
@@ -120,6 +120,10 @@ def _circuit_masks(graph, edges_or_circuit, sizes):
     if isinstance(edges_or_circuit, EdgeAttributionResult):
         if edges_or_circuit.edges != graph.edge_names():
             raise ValueError("edges_or_circuit: the edge scores are of another model's graph")
+        if not bool(torch.isfinite(edges_or_circuit.scores).all()):
+            bad = (~torch.isfinite(edges_or_circuit.scores)).nonzero().flatten().tolist()
+            raise ValueError(f"edges_or_circuit: the scores of {[graph.edge_names()[i] for i in bad[:4]]} are not "
+                             "finite; a ranking needs a number for every edge")
         counts = [int(s * n_edges) for s in sizes]
         return torch.stack([top_edges(graph, edges_or_circuit.scores, c) for c in counts])
     names = list(edges_or_circuit)
@@ -191,10 +195,11 @@ def circuit_faithfulness(model: nn.Module, clean, corrupt, edges_or_circuit, *, 
     sizes = check_sizes(sizes)
     batch_size = core.check_count("batch_size", batch_size)
     scored = isinstance(edges_or_circuit, (EdgeAttributionResult, NC.PatchingResult))
-    if nodes is not None and not NC.is_node_circuit(edges_or_circuit):
+    node_circuit = NC.is_node_circuit(edges_or_circuit, nodes)
+    if nodes is not None and not node_circuit:
         raise ValueError("nodes: only node circuits (a list of node names) are chosen among node types; edge "
                          "circuits are chosen among the graph's edges")
-    if NC.is_node_circuit(edges_or_circuit):
+    if node_circuit:
         if isinstance(edges_or_circuit, NC.PatchingResult):
             NC.result_nodes(edges_or_circuit)
         pair = prepare_pair(model, clean, corrupt, None, attention_mask, corrupt_attention_mask,
@@ -213,6 +218,7 @@ def circuit_faithfulness(model: nn.Module, clean, corrupt, edges_or_circuit, *, 
     tgts = metric_targets(metric, pair.clean.input_ids.shape[0])
     with core.attribution_pass(model, RelevanceRules(), False, "circuit_faithfulness"), torch.no_grad():
         v_c, split_c, fixed = split_run(model, lay, graph, pair.clean, tgts, "record", check=True)
+        check_row_metric(model, pair.clean, fixed, v_c, "circuit_faithfulness")
         v_x, split_x, _ = split_run(model, lay, graph, pair.corrupt, fixed, "record")
         m = patched_metrics(model, lay, graph, pair, fixed, torch.stack(split_x.acts), masks, batch_size)
     clean_m, corrupt_m = float(v_c.double().mean()), float(v_x.double().mean())
@@ -245,6 +251,7 @@ def edge_effects(model, clean, corrupt, metric, *, attention_mask=None, corrupt_
         masks[i, u, d] = False
     with core.attribution_pass(model, RelevanceRules(), False, "edge_effects"), torch.no_grad():
         v_c, _, fixed = split_run(model, lay, graph, pair.clean, tgts, "record", check=True)
+        check_row_metric(model, pair.clean, fixed, v_c, "edge_effects")
         v_x, split_x, _ = split_run(model, lay, graph, pair.corrupt, fixed, "record")
         m = patched_metrics(model, lay, graph, pair, fixed, torch.stack(split_x.acts), masks, batch_size)
     per_pair = (m - v_c.double().cpu()[None]).T

@@ -69,7 +69,10 @@ def check_sizes(sizes) -> tuple:
         return MIB_SIZES
     given = sizes
     try:
-        if isinstance(sizes, (str, bytes)) or any(isinstance(v, (str, bool)) for v in sizes):
+        if isinstance(sizes, (str, bytes)):
+            raise TypeError
+        sizes = given = tuple(sizes)   # once: a generator is read here only
+        if any(isinstance(v, (str, bool)) for v in sizes):
             raise TypeError
         sizes = tuple(float(v) for v in sizes)
     except (TypeError, ValueError):

@@ -23,7 +23,7 @@ from pyattr.config import RelevanceRules
 from pyattr.integration.wrappers import unwrap
 from pyattr.patching.attribution import method_rules
 from pyattr.patching.ig import DEFAULT_STEPS as IG_STEPS, entry_embeddings
-from pyattr.patching.pairs import metric_targets, prepare_pair, recording_forward
+from pyattr.patching.pairs import check_row_metric, metric_targets, prepare_pair, recording_forward
 from pyattr.results import ResultViews
 
 #: ``"relp"``: the rule-modified gradient (RelP, Jafari et al., arXiv 2508.21258) under
@@ -218,6 +218,7 @@ def _blockwise(model, lay, graph, pair, tgts, batch_size) -> EdgeAttributionResu
             value, split_c, fixed = split_run(model, lay, graph, pair.clean, tgts, "record", check=True)
         try:
             calls.check(model, pair.clean.input_ids.shape[0])
+            check_row_metric(model, pair.clean, fixed, value, "edge_attribution(method='blockwise')")
             value_x, split_x, _ = split_run(model, lay, graph, pair.corrupt, fixed, "record")
             per_pair = EB.effects(model, lay, graph, pair, fixed, torch.stack(split_c.acts), torch.stack(split_x.acts),
                                   calls, batch_size, value)

@@ -92,7 +92,39 @@ def layout(model: nn.Module) -> Layout:
         out.o_proj.append(get(f"{b}.{arch.heads}"))
         out.mlp.append(get(f"{b}.{arch.mlp_out}"))
     object.__setattr__(out, "final_norm", get(A.join(A.base_prefix(model), arch.outer_norms[-1])))
+    check_hooks(model, out)
     return out
+
+
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks")
+
+
+def check_hooks(model: nn.Module, lay: Layout) -> None:
+    """Refuse hooks that the edge graph's forwards would skip: each downstream input's copy
+    is normed and projected by calling the attention norm's and the projections' ``forward``
+    directly (and each head's contribution by the output projection's), so a hook of the
+    user's on those modules (or a global module hook) would act in the model's run and not
+    in the copies, and every number would be silently wrong. pyattr's own hooks (its rule
+    scopes' checks) are left alone."""
+    import torch.nn.modules.module as M
+
+    def foreign(table) -> bool:
+        return any(not str(getattr(fn, "__module__", "") or "").startswith("pyattr.") for fn in table.values())
+
+    for name in ("_global_forward_pre_hooks", "_global_forward_hooks"):
+        if foreign(getattr(M, name, {})):
+            raise ValueError("model: a global module forward hook is registered (torch.nn.modules.module."
+                             "register_module_forward_hook); the edge graph calls the attention norms' and projections' "
+                             "forward directly, which would skip it: remove it for the call")
+    names = {id(m): n for n, m in model.named_modules()}
+    for l in range(len(lay.blocks)):
+        for mod in (lay.attn_norm[l], *lay.proj[l], lay.o_proj[l]):
+            if any(foreign(getattr(mod, t, {})) for t in _HOOK_TABLES):
+                raise ValueError(
+                    f"model: {names.get(id(mod), type(mod).__name__)!r} has a forward hook; the edge graph norms and "
+                    "projects each downstream input's own copy of the residual stream by calling this module's forward "
+                    "directly, which skips the hook, so the numbers would not be the hooked model's. Remove the hook "
+                    "for the call (or patch nodes with activation_patching, which runs the model as it is)")
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from pyattr.integration.wrappers import unwrap
 from pyattr.methods._core.forward import evaluate_targets, run_model
 from pyattr.patching.circuit_result import check_sizes, curve_result
 from pyattr.patching.nodes import Site, check_nodes, node_sites
-from pyattr.patching.pairs import check_value, metric_targets, prepare_pair, recording_forward
+from pyattr.patching.pairs import check_row_metric, check_value, metric_targets, prepare_pair, recording_forward
 from pyattr.patching.result import PatchingResult
 
 #: the node types a node circuit is made of (one node per layer and unit, every position)
@@ -86,6 +86,10 @@ class NodeSet:
         for s, (lo, hi) in zip(self.sites, self.span):
             e = result.effects[s.node].double().mean(0)[s.layer]
             out[lo:hi] = e.reshape(-1)
+        if not bool(torch.isfinite(out).all()):
+            bad = [self.names[i] for i in (~torch.isfinite(out)).nonzero().flatten().tolist()]
+            raise ValueError(f"edges_or_circuit: the effects of {bad[:4]} are not finite (NaN: a neuron sample, or a "
+                             "metric that was not finite); a ranking needs a number for every node")
         return out
 
     def mask(self, names: Sequence[str]) -> torch.Tensor:
@@ -111,13 +115,14 @@ def result_nodes(result: PatchingResult) -> List[str]:
 class NodeRuns:
     """The clean and corrupt runs of a pair, and circuits run on it."""
 
-    def __init__(self, model: nn.Module, pair, tgts, node_list: List[str], batch_size: int):
+    def __init__(self, model: nn.Module, pair, tgts, node_list: List[str], batch_size: int, caller: str):
         self.model, self.pair, self.batch_size = model, pair, batch_size
         sites = node_sites(model, node_list)
         self.sites = [s for n in node_list for s in sites[n]]
         self.nodes = NodeSet(self.sites)
         self.batch = pair.clean.input_ids.shape[0]
         self.clean, _, self.fixed = recording_forward(model, pair.clean, tgts, self.sites, grad=False)
+        check_row_metric(model, pair.clean, self.fixed, self.clean, caller)
         self.corrupt_value, self.corrupt, _ = recording_forward(model, pair.corrupt, self.fixed, self.sites, grad=False)
 
     def metrics(self, keep: torch.Tensor) -> torch.Tensor:
@@ -276,7 +281,7 @@ def circuit_search(model: nn.Module, clean, corrupt, metric, *, nodes: Sequence[
                         alignable=False)
     tgts = metric_targets(metric, pair.clean.input_ids.shape[0])
     with core.attribution_pass(model, RelevanceRules(), False, "circuit_search"), torch.no_grad():
-        runs = NodeRuns(model, pair, tgts, node_list, batch_size)
+        runs = NodeRuns(model, pair, tgts, node_list, batch_size, "circuit_search")
         found, _ = search(runs, objective)
         n = len(runs.nodes)
         keep = found[counts_at(sizes, n)]
@@ -308,7 +313,7 @@ def node_circuits(model, pair, tgts, circuit, sizes, batch_size: int, nodes=None
         node_list = result_nodes(circuit)
     else:
         node_list = list_nodes(list(circuit), nodes)
-    runs = NodeRuns(model, pair, tgts, node_list, batch_size)
+    runs = NodeRuns(model, pair, tgts, node_list, batch_size, "circuit_faithfulness")
     n = len(runs.nodes)
     if isinstance(circuit, PatchingResult):
         order = runs.nodes.scores(circuit).abs().argsort(descending=True, stable=True).tolist()
@@ -319,10 +324,25 @@ def node_circuits(model, pair, tgts, circuit, sizes, batch_size: int, nodes=None
     return keep, curve, m, full, empty, runs.nodes.names
 
 
-def is_node_circuit(circuit) -> bool:
-    """A PatchingResult, or a list of names none of which is an edge (``u->d``)."""
+def is_node_circuit(circuit, nodes=None) -> bool:
+    """A PatchingResult, or a list of names none of which is an edge (``u->d``): non-empty,
+    or empty with node types given.
+
+    Raises:
+        TypeError: a name that is not a string. ValueError: edge and node names mixed.
+    """
     if isinstance(circuit, PatchingResult):
         return True
-    return isinstance(circuit, (list, tuple)) and bool(circuit) and all(
-        isinstance(c, str) and "->" not in c for c in circuit)
+    if isinstance(circuit, str) or not isinstance(circuit, (list, tuple)):
+        return False
+    odd = [c for c in circuit if not isinstance(c, str)]
+    if odd:
+        raise TypeError(f"edges_or_circuit: names must be strings ('a0.h1', 'a0.h1->m1'), got "
+                        f"{type(odd[0]).__name__} {odd[0]!r}")
+    edges = [c for c in circuit if "->" in c]
+    if edges and len(edges) < len(circuit):
+        raise ValueError(f"edges_or_circuit: the list mixes edge names ({edges[0]!r}) and node names "
+                         f"({next(c for c in circuit if '->' not in c)!r}); a circuit is a set of edges or a set of "
+                         "nodes")
+    return not edges and (bool(circuit) or nodes is not None)
 

@@ -63,10 +63,13 @@ def prepare_pair(model, clean, corrupt, alignment, clean_mask, corrupt_mask, cal
                 "embeddings position by position, so they must have the same length and mask (alignment= is not "
                 "possible there; method='atp' or 'relp' take alignment=)"
             )
+        what = ("a node circuit patches position p of the clean run with position p of the corrupt run"
+                if caller == "circuit_search" else
+                "an edge (or a node of a node circuit) joins position p of one run to position p of the other")
+        diff = f"differ in length ({sc} and {sx} tokens)" if sc != sx else "differ in their attention masks"
         raise ValueError(
-            f"{caller}: clean and corrupt differ in length ({sc} and {sx} tokens) or in their attention masks; an "
-            "edge joins position p of one run to position p of the other, so they must have the same length and "
-            "mask (with token ids and masks, give both attention_mask= and corrupt_attention_mask=)"
+            f"{caller}: clean and corrupt {diff}; {what}, so they must have the same length and mask (with token "
+            "ids and masks, give both attention_mask= and corrupt_attention_mask=)"
         )
     if alignment is None:
         if sc != sx:
@@ -108,6 +111,41 @@ def metric_targets(metric, batch: int):
     if several:
         raise ValueError("metric must be one target (one value per row), not k targets")
     return tgts
+
+
+def check_row_metric(model, prep: core.Prepared, fixed, clean_value: torch.Tensor, caller: str) -> None:
+    """The metric of each row must not depend on the other rows of its batch: methods that
+    run rows in other batches (repeated, partial) would otherwise give numbers that depend
+    on ``batch_size``. Checked on the last row alone and on the batch in reverse order,
+    against the clean run's metric (to float noise)."""
+    batch = prep.input_ids.shape[0]
+    if batch < 2:
+        return
+    want_all = clean_value.detach().double().cpu()
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    for idx in (torch.tensor([batch - 1]), torch.arange(batch - 1, -1, -1)):
+        tg = [t.rows(idx, batch) for t in fixed]
+        mods: dict = {}
+        try:
+            with torch.no_grad(), core.record_modules(model, T.module_paths(tg), mods):
+                fwd = run_model(model, core.select_rows(prep, idx.to(prep.input_ids.device)), tg, mods)
+                got = check_value(evaluate_targets(tg, fwd, False)[0], len(idx)).detach().double().cpu()
+        except (IndexError, RuntimeError, TypeError, ValueError) as e:
+            raise ValueError(
+                f"metric: {caller} runs rows in other batches, so the metric must compute each row from that row alone, "
+                f"and on rows {idx.tolist()[:4]}{'…' if len(idx) > 4 else ''} run apart it failed ({type(e).__name__}: "
+                f"{e}). For per-row ids or references use a pyattr.targets target (Logit(ids), LogitDiff(a, b), "
+                "Cosine(reference)), which follows the rows") from e
+        want = want_all[idx]
+        tol = max(1e-4, 16 * torch.finfo(dtype).eps) * want.abs().nan_to_num(0.0).clamp_min(1.0)
+        bad = ~(((got - want).abs() <= tol) | (got.isnan() & want.isnan()))
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(
+                f"metric: row {int(idx[i])} gives {float(got[i]):.6g} in a batch of rows {idx.tolist()[:4]}"
+                f"{'…' if len(idx) > 4 else ''} and {float(want[i]):.6g} in the whole batch; {caller} runs rows in other "
+                "batches, so the metric must compute each row from that row alone. For per-row ids or references use a "
+                "pyattr.targets target (Logit(ids), LogitDiff(a, b), Cosine(reference)), which follows the rows")
 
 
 def check_value(value: torch.Tensor, batch: int) -> torch.Tensor:
