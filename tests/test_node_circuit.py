@@ -210,6 +210,8 @@ def test_bad_node_circuits_are_refused_by_name():
     model, clean, corrupt, metric = _toy(n=2)
     with pytest.raises(ValueError, match="nodes: node circuits are made of \\['heads', 'attention', 'mlp'\\]"):
         P.circuit_search(model, clean, corrupt, metric, nodes=("residual", "mlp"))
+    with pytest.raises(TypeError, match="progress must be a bool, got 'yes'"):
+        P.circuit_search(model, clean, corrupt, metric, progress="yes")
     with pytest.raises(ValueError, match="objective: expected 'cpr'"):
         P.circuit_search(model, clean, corrupt, metric, objective="area")
     with pytest.raises(ValueError, match="sizes: expected increasing fractions"):
@@ -261,7 +263,7 @@ def test_metrics_that_mix_rows_are_refused_wherever_rows_run_in_other_batches():
         P.edge_attribution(model, clean, corrupt, flipped, method="blockwise")
     per_row = lambda out: out.logits[:, -1, 5] - out.logits[:, -1, 7]          # noqa: E731
     a = P.circuit_search(model, clean, corrupt, per_row, sizes=[0.2, 1.0])
-    b = P.circuit_search(model, clean, corrupt, per_row, sizes=[0.2, 1.0], batch_size=3)
+    b = P.circuit_search(model, clean, corrupt, per_row, sizes=[0.2, 1.0], batch_size=3, progress=False)
     assert torch.allclose(a.curve, b.curve, atol=1e-9) and a.circuits == b.circuits
 
 

@@ -184,7 +184,7 @@ def _score(f: torch.Tensor, objective: str) -> torch.Tensor:
     return f if objective == "cpr" else -(1 - f).abs()
 
 
-def greedy(runs: NodeRuns, objective: str, add: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+def greedy(runs: NodeRuns, objective: str, add: bool, step=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """One greedy pass (module docstring): adding to the empty circuit (``add``) or removing
     from the full one. ``(circuits BoolTensor[N+1, N], faithfulness Tensor[N+1])``, the
     circuit of k nodes at index k."""
@@ -202,17 +202,34 @@ def greedy(runs: NodeRuns, objective: str, add: bool) -> Tuple[torch.Tensor, tor
         keep = trial[best]
         masks[int(keep.sum())] = keep.clone()
         fs[int(keep.sum())] = float(f[best])
+        if step is not None:
+            step()
     last = n if add else 0          # the end the pass does not start from: every node, or none
     masks[last] = torch.full((n,), add, dtype=torch.bool)
     return torch.stack([masks[k] for k in range(n + 1)]), torch.tensor([fs[k] for k in range(n + 1)],
                                                                        dtype=torch.float64)
 
 
-def search(runs: NodeRuns, objective: str) -> Tuple[torch.Tensor, torch.Tensor]:
+def search(runs: NodeRuns, objective: str, progress: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per size k, the better (by ``objective``) of the forward and the backward greedy
     pass's circuit of k nodes: ``(circuits BoolTensor[N+1, N], faithfulness Tensor[N+1])``."""
-    fw, f_fw = greedy(runs, objective, True)
-    bw, f_bw = greedy(runs, objective, False)
+    from pyattr.methods._core.progress import Progress
+
+    n = len(runs.nodes)
+    bar = Progress(2 * max(n - 1, 0), "circuit search") if progress else None
+    done = [0]
+
+    def step():
+        done[0] += 1
+        if bar is not None:
+            bar.advance(done[0])
+
+    try:
+        fw, f_fw = greedy(runs, objective, True, step)
+        bw, f_bw = greedy(runs, objective, False, step)
+    finally:
+        if bar is not None:
+            bar.close()
     take = _score(f_bw, objective) > _score(f_fw, objective)
     return torch.where(take[:, None], bw, fw), torch.where(take, f_bw, f_fw)
 
@@ -241,7 +258,7 @@ def circuit_search(model: nn.Module, clean, corrupt, metric, *, nodes: Sequence[
                    objective: str = "cpr", sizes: Optional[Sequence[float]] = None,
                    attention_mask: Optional[torch.Tensor] = None,
                    corrupt_attention_mask: Optional[torch.Tensor] = None, batch_size: Optional[int] = None,
-                   tokenizer=None):
+                   progress: bool = True, tokenizer=None):
     """Node circuits of every size found greedily by the exact metric (module docstring),
     and their faithfulness at ``sizes``.
 
@@ -260,6 +277,8 @@ def circuit_search(model: nn.Module, clean, corrupt, metric, *, nodes: Sequence[
         attention_mask (Tensor[batch, seq], optional): the mask of ``clean`` given as ids.
         corrupt_attention_mask (Tensor[batch, seq], optional): the mask of ``corrupt`` given as ids.
         batch_size (int, optional): circuit rows (circuit × pair) per forward (default 1024).
+        progress (bool): a transient progress bar on stderr (on a terminal, after ~1 s): the
+            search runs about ``N²`` circuits per pair, minutes for a hundred nodes and more.
         tokenizer (optional): for text inputs.
 
     Returns:
@@ -268,6 +287,7 @@ def circuit_search(model: nn.Module, clean, corrupt, metric, *, nodes: Sequence[
         ``cmd`` the areas.
 
     Raises:
+        TypeError: ``progress`` not a bool.
         ValueError: node types outside :data:`CIRCUIT_NODES`, an unknown ``objective``,
             sizes outside (0, 1] or not increasing, a metric equal on the clean run and with
             every node patched, and what :func:`activation_patching` refuses.
@@ -275,6 +295,8 @@ def circuit_search(model: nn.Module, clean, corrupt, metric, *, nodes: Sequence[
     model = unwrap(model)
     node_list = check_circuit_nodes(nodes)
     objective = check_objective(objective)
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress must be a bool, got {progress!r}")
     sizes = check_sizes(sizes)
     batch_size = core.check_count("batch_size", batch_size) or DEFAULT_BATCH
     pair = prepare_pair(model, clean, corrupt, None, attention_mask, corrupt_attention_mask, "circuit_search",
@@ -282,7 +304,7 @@ def circuit_search(model: nn.Module, clean, corrupt, metric, *, nodes: Sequence[
     tgts = metric_targets(metric, pair.clean.input_ids.shape[0])
     with core.attribution_pass(model, RelevanceRules(), False, "circuit_search"), torch.no_grad():
         runs = NodeRuns(model, pair, tgts, node_list, batch_size, "circuit_search")
-        found, _ = search(runs, objective)
+        found, _ = search(runs, objective, progress)
         n = len(runs.nodes)
         keep = found[counts_at(sizes, n)]
         curve, m, full, empty = faithfulness(runs, keep)
