@@ -123,6 +123,7 @@ class NodeRuns:
         self.batch = pair.clean.input_ids.shape[0]
         self.clean, _, self.fixed = recording_forward(model, pair.clean, tgts, self.sites, grad=False)
         check_row_metric(model, pair.clean, self.fixed, self.clean, caller)
+        self.ends: Optional[Tuple[float, float]] = None     # (m(full), m(∅)), see _ends
         self.corrupt_value, self.corrupt, _ = recording_forward(model, pair.corrupt, self.fixed, self.sites, grad=False)
 
     def metrics(self, keep: torch.Tensor) -> torch.Tensor:
@@ -171,13 +172,18 @@ def faithfulness(runs: NodeRuns, keep: torch.Tensor):
 
 
 def _ends(runs: NodeRuns) -> Tuple[float, float]:
+    """``(m(full), m(∅))``: run once per NodeRuns (both greedy passes and the final curve
+    normalise by them)."""
+    if runs.ends is not None:
+        return runs.ends
     n = len(runs.nodes)
     ends = runs.metrics(torch.stack([torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)])).mean(1)
     full, empty = float(ends[0]), float(ends[1])
     if full == empty:
         raise ValueError("metric: the clean run and the run with every node patched give the same mean metric, so "
                          "faithfulness (m(C) − m(∅)) / (m(full) − m(∅)) is undefined")
-    return full, empty
+    runs.ends = (full, empty)
+    return runs.ends
 
 
 def _score(f: torch.Tensor, objective: str) -> torch.Tensor:
