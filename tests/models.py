@@ -204,3 +204,45 @@ def tiny_unmapped(config: str, dtype=torch.float64, attn: Optional[str] = "eager
         cfg._attn_implementation = attn
     torch.manual_seed(0)
     return T.AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
+
+
+#: the mapped encoder–decoder architectures tiny_seq2seq builds ("t5_gated": T5 v1.1's gated-GELU feed-forward)
+SEQ2SEQ_ARCHS = ("t5", "t5_gated", "bart", "mbart", "marian", "m2m_100", "pegasus")
+
+
+@functools.lru_cache(maxsize=None)
+def _tiny_seq2seq(arch: str):
+    import transformers as T
+
+    torch.manual_seed(7)
+    if arch in ("t5", "t5_gated"):
+        cfg = T.T5Config(vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=24, num_layers=2, num_decoder_layers=2, num_heads=4,
+                         feed_forward_proj="gated-gelu" if arch == "t5_gated" else "relu", initializer_factor=4.0,
+                         pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+                         tie_word_embeddings=arch == "t5")
+        return T.T5ForConditionalGeneration(cfg)
+    common = dict(vocab_size=VOCAB, d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                  decoder_attention_heads=4, encoder_ffn_dim=24, decoder_ffn_dim=24, max_position_embeddings=64,
+                  pad_token_id=1, eos_token_id=2, bos_token_id=0, decoder_start_token_id=2, init_std=0.3,
+                  scale_embedding=arch != "bart")
+    cls = {"bart": (T.BartConfig, T.BartForConditionalGeneration), "mbart": (T.MBartConfig, T.MBartForConditionalGeneration),
+           "marian": (T.MarianConfig, T.MarianMTModel), "m2m_100": (T.M2M100Config, T.M2M100ForConditionalGeneration),
+           "pegasus": (T.PegasusConfig, T.PegasusForConditionalGeneration)}[arch]
+    return cls[1](cls[0](**common))
+
+
+def tiny_seq2seq(arch: str, dtype=torch.float64, biases: bool = True):
+    """A tiny encoder–decoder (2 + 2 layers, hidden 16, 4 heads) in eval mode, a fresh copy
+    per call; ``biases``: every bias (and BART's final_logits_bias) drawn at random, else 0."""
+    import copy
+
+    model = copy.deepcopy(_tiny_seq2seq(arch)).to(dtype).eval()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=g, dtype=torch.float64) if biases else torch.zeros_like(p))
+        flb = getattr(model, "final_logits_bias", None)
+        if isinstance(flb, torch.Tensor):
+            flb.copy_(0.2 * torch.randn(flb.shape, generator=g, dtype=torch.float64) if biases else torch.zeros_like(flb))
+    return model

@@ -46,8 +46,8 @@ class Arch:
     layer_norms: Tuple[str, ...]      # per block, residual-stream norms
     outer_norms: Tuple[str, ...]      # norms outside the blocks (final / embedding norm)
     mlp: Tuple[str, str]              # ("gated", mlp path), ("gated_fused", mlp path with one
-                                      # gate_up_proj), ("moe", sparse block path) or ("act",
-                                      # activation module path)
+                                      # gate_up_proj), ("moe", sparse block path), ("gated_named",
+                                      # mlp path; see gated_extra) or ("act", activation path)
     attention: Tuple                  # ("separate", q, k, v), ("concat", fused), ("per_head", fused)
                                       # or ("split", fused): q | k | v with GQA widths
     entry: Tuple[str, str]            # (module path, "layer0") where relevance is measured
@@ -55,6 +55,8 @@ class Arch:
     # per-head q/k norms inside attention (Qwen3): LN-rule only under AttnLRP, where
     # gradient reaches q and k; under the AH-rule none does, and they stay native
     qk_norms: Tuple[str, ...] = field(default=())
+    # (gate, up, down, act) attribute names of a gated MLP under other names (mlp kind
+    # "gated_named": T5 v1.1's wi_0, wi_1, wo, act), its form checked on its first call
     gated_extra: Tuple[str, ...] = field(default=())
     # a task head's own norm and activation (BERT's masked-LM transform: dense → act →
     # LayerNorm), relative to the whole model; mounted where the model has the head

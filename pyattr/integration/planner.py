@@ -266,6 +266,7 @@ class Planner:
         mlp = self.need(path)
         act = getattr(mlp, act_name)
         kind = _kind_of_module(act) or "custom"
+        self.mounted.add(id(act))
         wanted = self.gated_kinds(path, mlp)
         if not wanted:
             return
@@ -418,6 +419,25 @@ class Planner:
                 self.cov._skip(name, "not a residual-stream norm")
 
 
+def plan_block(pl: Planner, layer: str, arch) -> None:
+    """The rules of one block (``layer``, its dotted path) of a stack ``arch`` describes."""
+    for p in arch.layer_norms:
+        pl.norm(A.join(layer, p), arch.norm, arch.offset)
+    pl.attention(layer, arch.attention)
+    pl.qk_norms([A.join(layer, p) for p in arch.qk_norms], arch.norm, arch.offset)
+    kind, p = arch.mlp
+    if kind == "gated":
+        pl.gated_mlp(A.join(layer, p))
+    elif kind == "gated_fused":
+        pl.gated_fused_mlp(A.join(layer, p), arch.fused_mlp)
+    elif kind == "moe":
+        pl.moe(A.join(layer, p))
+    elif kind == "gated_named":
+        pl.generic_gated_mlp(A.join(layer, p), arch.gated_extra)
+    else:
+        pl.activation(A.join(layer, p), A.join(layer, p.rsplit(".", 1)[0]))
+
+
 def plan_known(model: nn.Module, rules: RelevanceRules, model_type: str) -> Planner:
     arch = A.ARCHITECTURES[model_type]
     pl = Planner(model, rules, model_type)
@@ -441,19 +461,7 @@ def plan_known(model: nn.Module, rules: RelevanceRules, model_type: str) -> Plan
                 "which the rule map does not cover (its LayerNorm and its q/k paths would carry no rule); "
                 "use the model without add_cross_attention, or RelevanceRules() for plain gradients"
             )
-        for p in arch.layer_norms:
-            pl.norm(A.join(layer, p), arch.norm, arch.offset)
-        pl.attention(layer, arch.attention)
-        pl.qk_norms([A.join(layer, p) for p in arch.qk_norms], arch.norm, arch.offset)
-        kind, p = arch.mlp
-        if kind == "gated":
-            pl.gated_mlp(A.join(layer, p))
-        elif kind == "gated_fused":
-            pl.gated_fused_mlp(A.join(layer, p), arch.fused_mlp)
-        elif kind == "moe":
-            pl.moe(A.join(layer, p))
-        else:
-            pl.activation(A.join(layer, p), A.join(layer, p.rsplit(".", 1)[0]))
+        plan_block(pl, layer, arch)
     for p in arch.outer_norms:
         if not p.startswith("embeddings"):
             pl.norm(A.join(prefix, p), arch.norm, arch.offset)

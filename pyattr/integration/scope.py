@@ -36,6 +36,10 @@ def plan(model: nn.Module, rules: RelevanceRules, generic: bool = False) -> Plan
     mt = A.model_type(model)
     if mt in A.ARCHITECTURES:
         return plan_known(model, rules, mt)
+    if mt in A.SEQ2SEQ:
+        from pyattr.integration.planner_seq2seq import plan_seq2seq
+
+        return plan_seq2seq(model, rules, mt)
     if generic:
         from pyattr.integration.generic import (
             plan_generic,  # it builds on this module's planner
@@ -47,7 +51,7 @@ def plan(model: nn.Module, rules: RelevanceRules, generic: bool = False) -> Plan
         return Planner(model, rules, mt)
     raise RelevanceRuleUnsupportedError(
         f"model type {mt!r} ({type(model).__name__}) has no rule map; supported: "
-        f"{sorted(A.ARCHITECTURES)}. Pass generic=True for structural installation."
+        f"{sorted(A.ARCHITECTURES)}, encoder–decoder {sorted(A.SEQ2SEQ)}. Pass generic=True for structural installation."
     )
 
 
@@ -108,7 +112,7 @@ def use_relevance_rules(
     rules = RelevanceRules.all() if rules is None else rules
     generic = check_mode(generic)
     if not generic and isinstance(model, nn.Module):
-        model = mapped_inside(model, A.ARCHITECTURES)
+        model = mapped_inside(model, {**A.ARCHITECTURES, **A.SEQ2SEQ})
     pl = plan(model, rules, bool(generic))
     check_bridge(model, pl)
     pl.cov._name_mounts({st.path: names[id(st.module)] for st in pl.steps if id(st.module) in names})

@@ -42,6 +42,7 @@ import pyattr.methods._core.ablation as A
 import pyattr.methods._core.context_inputs as CI
 import pyattr.methods._core.embedding as E
 import pyattr.methods._core.sources as S
+from pyattr.methods._core.stacks import refuse_encoder_decoder
 from pyattr._repr import summary_repr
 from pyattr.results import ResultViews
 
@@ -380,6 +381,7 @@ def context_attribution(model: nn.Module, inputs, sources, *, response=None, max
             reproduce or none declared; a prompt longer than the checkpoint's
             ``max_seq_length`` (its embeddings would truncate it).
     """
+    refuse_encoder_decoder(model, "context_attribution")
     method = DEFAULT_METHOD if method is None else method
     if method not in METHODS:
         raise ValueError(f"method: expected one of {list(METHODS)}, got {method!r}")

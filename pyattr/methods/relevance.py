@@ -20,6 +20,7 @@ import pyattr.backends as backends
 import pyattr.targets as T
 from pyattr.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.integration.wrappers import unwrap
+from pyattr.methods.seq2seq import is_encoder_decoder, seq2seq_relevance
 from pyattr.methods._core.baseline import (
     baseline_forward,
     check_baseline,
@@ -105,6 +106,8 @@ def relevance(
     attention_mask: Optional[torch.Tensor] = None,
     generic: bool = False,
     tokenizer=None,
+    decoder_input_ids: Optional[torch.Tensor] = None,
+    decoder_attention_mask: Optional[torch.Tensor] = None,
 ) -> RelevanceResult:
     """Relevance of each input token for ``target``: gradient × input under the rules.
 
@@ -155,6 +158,17 @@ def relevance(
         tokenizer (optional): the model's Hugging Face tokenizer: reads text inputs and word
             targets, and fills the result's ``tokens`` (each token as a string) and
             ``target_tokens``.
+        decoder_input_ids (LongTensor[batch, target_len], optional): on an encoder–decoder
+            model (T5, mT5, BART, mBART, Marian, M2M100 / NLLB, Pegasus), the target prefix
+            the decoder reads (teacher forcing), starting with the decoder start token; or
+            ``decoder_input_ids`` / ``labels`` in the inputs mapping (labels shifted by the
+            model's own ``prepare_decoder_input_ids_from_labels``). The target is read on
+            the decoder side (default: the top-1 logit after the last real target token)
+            and the result is a :class:`~pyattr.methods.seq2seq.Seq2SeqRelevanceResult`
+            with ``source_relevance`` and ``target_relevance``. Default: None.
+        decoder_attention_mask (Tensor[batch, target_len], optional): 1 for real target
+            tokens (right padding; BART-family models refuse left padding, whose absolute
+            positions would shift). Default: None.
 
     Returns:
         RelevanceResult with ``token_relevance`` (batch, seq), ``relevance``
@@ -187,6 +201,9 @@ def relevance(
         RelevanceRuleUnsupportedError, RelevanceRuleConflictError: see :func:`use_relevance_rules`.
     """
     model = unwrap(model)
+    if is_encoder_decoder(model) or decoder_input_ids is not None or decoder_attention_mask is not None:
+        return _seq2seq(model, inputs, target, rules, baseline, grad_outputs, attention_mask, generic,
+                        decoder_input_ids, decoder_attention_mask)
     precheck_baseline(model, baseline, inputs)
     prep = core.prepare(model, inputs, attention_mask, "relevance", generic)
     batch = prep.input_ids.shape[0]
@@ -204,6 +221,19 @@ def relevance(
     dims = {"token_relevance": d, "relevance": d, "target": d, "conservation_delta": d, "target_ids": d,
             "baseline_target": d}
     return G.merge(parts, groups, batch, dims)
+
+
+def _seq2seq(model, inputs, target, rules, baseline, grad_outputs, attention_mask, generic, decoder_input_ids,
+             decoder_attention_mask):
+    if not is_encoder_decoder(model):
+        raise ValueError(f"decoder_input_ids / decoder_attention_mask: {type(model).__name__} is not an "
+                         "encoder–decoder model (config.is_encoder_decoder is false)")
+    for name, value in (("baseline", baseline), ("generic", generic)):
+        if value is not None and value is not False:
+            raise ValueError(f"{name}: not supported on encoder–decoder models yet")
+    return seq2seq_relevance(model, inputs, target, core.rule_defaults(rules), decoder_input_ids=decoder_input_ids,
+                             attention_mask=attention_mask, decoder_attention_mask=decoder_attention_mask,
+                             grad_outputs=grad_outputs)
 
 
 def relevance_in_chunks(model: nn.Module, inputs, targets: Sequence[Target], rules, baseline, chunks) -> RelevanceResult:

@@ -17,6 +17,7 @@ import pyattr.methods._core.readout as R
 import pyattr.methods._core.state as S
 from pyattr.config import RelevanceRules
 from pyattr.methods._core.passes import check_grad_mode, check_parameters_usable
+from pyattr.methods._core.stacks import refuse_encoder_decoder
 
 
 def is_pixels(inputs) -> bool:
@@ -278,6 +279,7 @@ def patch_grid(model: nn.Module, pixel_values: torch.Tensor, caller: str, generi
 def prepare(model: nn.Module, inputs, attention_mask, caller: str, generic: bool = False,
             name: str = "inputs") -> Prepared:
     check_grad_mode(caller)
+    refuse_encoder_decoder(model, caller)
     kwargs = normalise_inputs(inputs, attention_mask)
     entry, where = entry_module(model, generic)
     check_parameters_usable(model, caller)

@@ -18,6 +18,7 @@ from torch import nn
 
 from pyattr.config import RelevanceRules
 from pyattr.methods._core.id_lists import _pad_rows, ids_from_lists
+from pyattr.methods._core.stacks import refuse_encoder_decoder
 
 #: ``rules=`` shorthands, as the command line's ``--rules`` reads them
 RULE_SHORTHANDS = ("all", "attnlrp", "ln", "none")
@@ -428,6 +429,8 @@ def text_inputs(caller: str, *, inputs: Sequence[str] = ("inputs",), target: Opt
                     from pyattr.integration.wrappers import framework_tokenizer
 
                     a["tokenizer"] = framework_tokenizer(a["model"])
+            if caller != "relevance":  # relevance explains encoder–decoders (methods/seq2seq.py)
+                refuse_encoder_decoder(a["model"], caller)
             text_cont = (cont is not None and is_text(cont) and is_text(a.get(inputs[0])))
             named = isinstance(a["model"], str) or hasattr(a["model"], "__fspath__")
             if text_cont:  # prompts and continuations tokenized together (generation)
@@ -445,6 +448,8 @@ def text_inputs(caller: str, *, inputs: Sequence[str] = ("inputs",), target: Opt
                 real = [r[m.bool()].tolist() for r, m in zip(call.inputs["input_ids"], call.inputs["attention_mask"])]
                 _check_vocabulary(call.model, call.tokenizer, real + a["continuation"], inputs[0])
                 call.texts = texts
+            if caller != "relevance":
+                refuse_encoder_decoder(call.model, caller)
             a["model"], a[inputs[0]] = call.model, call.inputs
             if "tokenizer" in sig.parameters:
                 a["tokenizer"] = call.tokenizer

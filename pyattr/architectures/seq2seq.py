@@ -1,0 +1,83 @@
+"""The encoder–decoder table: per supported ``model_type``, the encoder stack and the
+decoder stack as two :class:`~pyattr.architectures.table.Arch` entries (paths relative to
+the base model, as in the decoder-only table) and the decoder blocks' cross-attention.
+
+Each stack is planned as a decoder-only model's blocks are; the cross-attention's q/k/v
+projections carry the attention rule of the self-attention (the AH-rule: only the value
+path, here from the encoder's output, carries relevance; AttnLRP: q, k and v scaled by
+(¼, ¼, ½)), and its norm is one more residual-stream norm of the decoder block. T5's
+relative position bias is a function of positions only (a constant under every rule);
+its RMS norm has no mean and no offset."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from pyattr.architectures.table import Arch
+
+
+@dataclass(frozen=True)
+class Seq2Seq:
+    """One encoder–decoder architecture.
+
+    ``encoder`` and ``decoder`` describe the two stacks; ``cross_attention`` is the
+    attention spec (as ``Arch.attention``) of each decoder block's cross-attention;
+    ``gated_ff``: (path of the feed-forward module in an encoder block, in a decoder
+    block, its (gate, up, down, act) names) for T5, whose feed-forward is a plain
+    ``act`` MLP (T5 v1.0) or a gated one (T5 v1.1, mT5, Flan-T5), read off the instance."""
+
+    encoder: Arch
+    decoder: Arch
+    cross_attention: Tuple
+    gated_ff: Optional[Tuple[str, str, Tuple[str, str, str, str]]] = None
+
+
+def _t5() -> Seq2Seq:
+    sa = ("separate", "layer.0.SelfAttention.q", "layer.0.SelfAttention.k", "layer.0.SelfAttention.v")
+    common = dict(norm="rms_norm", attention=sa, attention_out="layer.0.SelfAttention",
+                  heads="layer.0.SelfAttention.o")
+    enc = Arch(layers="encoder.block", layer_norms=("layer.0.layer_norm", "layer.1.layer_norm"),
+               outer_norms=("encoder.final_layer_norm",), mlp=("act", "layer.1.DenseReluDense.act"),
+               entry=("encoder.block.0", "hidden_states"), mlp_out="layer.1.DenseReluDense",
+               neurons=("layer.1.DenseReluDense.wo", "input"), **common)
+    dec = Arch(layers="decoder.block",
+               layer_norms=("layer.0.layer_norm", "layer.1.layer_norm", "layer.2.layer_norm"),
+               outer_norms=("decoder.final_layer_norm",), mlp=("act", "layer.2.DenseReluDense.act"),
+               entry=("decoder.block.0", "hidden_states"), mlp_out="layer.2.DenseReluDense",
+               neurons=("layer.2.DenseReluDense.wo", "input"), **common)
+    cross = ("separate", "layer.1.EncDecAttention.q", "layer.1.EncDecAttention.k", "layer.1.EncDecAttention.v")
+    return Seq2Seq(enc, dec, cross, ("layer.1.DenseReluDense", "layer.2.DenseReluDense", ("wi_0", "wi_1", "wo", "act")))
+
+
+def _bart_family(embedding_norm: bool, final_norm: bool) -> Seq2Seq:
+    """BART, mBART, Marian, M2M100 / NLLB, Pegasus: the same blocks; they differ in
+    where the norms sit (post-norm BART and Marian, pre-norm mBART, M2M100 and Pegasus
+    with a final norm per stack) and whether a LayerNorm follows the embeddings."""
+
+    def stack(side: str, norms: Tuple[str, ...]) -> Arch:
+        outer = ((f"{side}.layernorm_embedding",) if embedding_norm else ()) + \
+            ((f"{side}.layer_norm",) if final_norm else ())
+        # the residual stream as the first block sees it: the LayerNorm after the embeddings
+        # takes the scaled token embeddings plus positions as its input (BERT's entry)
+        entry = (f"{side}.layernorm_embedding", "input") if embedding_norm else (f"{side}.layers.0", "hidden_states")
+        return Arch(layers=f"{side}.layers", norm="layer_norm", layer_norms=norms, outer_norms=outer,
+                    mlp=("act", "activation_fn"),
+                    attention=("separate", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                    entry=entry, attention_out="self_attn", mlp_out="fc2", neurons=("fc2", "input"),
+                    heads="self_attn.out_proj")
+
+    enc = stack("encoder", ("self_attn_layer_norm", "final_layer_norm"))
+    dec = stack("decoder", ("self_attn_layer_norm", "encoder_attn_layer_norm", "final_layer_norm"))
+    return Seq2Seq(enc, dec, ("separate", "encoder_attn.q_proj", "encoder_attn.k_proj", "encoder_attn.v_proj"))
+
+
+SEQ2SEQ = {
+    "t5": _t5(),
+    "mt5": _t5(),
+    "bart": _bart_family(embedding_norm=True, final_norm=False),
+    "mbart": _bart_family(embedding_norm=True, final_norm=True),
+    "marian": _bart_family(embedding_norm=False, final_norm=False),
+    "m2m_100": _bart_family(embedding_norm=False, final_norm=True),
+    "pegasus": _bart_family(embedding_norm=False, final_norm=True),
+}

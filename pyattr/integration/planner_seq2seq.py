@@ -1,0 +1,67 @@
+"""The plan of an encoder–decoder model (:mod:`pyattr.architectures.seq2seq`): each stack's
+blocks as a decoder-only model's, the decoder blocks' cross-attention under the attention
+rule, and a refusal of any norm or activation module the map left without its rule."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import nn
+
+import pyattr.architectures as A
+from pyattr.activations import _kind_of_module
+from pyattr.architectures.seq2seq import SEQ2SEQ
+from pyattr.config import RelevanceRules
+from pyattr.integration.errors import RelevanceRuleUnsupportedError
+from pyattr.integration.planner import Planner, plan_block
+
+
+def plan_seq2seq(model: nn.Module, rules: RelevanceRules, model_type: str) -> Planner:
+    spec = SEQ2SEQ[model_type]
+    pl = Planner(model, rules, model_type)
+    prefix = A.base_prefix(model)
+    for i, arch in enumerate((spec.encoder, spec.decoder)):
+        layers = A.layer_paths(model, arch)
+        if not layers:
+            raise RelevanceRuleUnsupportedError(
+                f"{model_type}: expected a ModuleList of blocks at {A.join(prefix, arch.layers)!r}")
+        for p in arch.outer_norms:
+            pl.norm(A.join(prefix, p), arch.norm, arch.offset)
+        for layer in layers:
+            pl.mounted.add(id(A.get_submodule(model, layer)))
+            plan_block(pl, layer, _with_ff(model, layer, arch, spec, i))
+            if i == 1:
+                pl.attention(layer, spec.cross_attention)
+    pl.skip_lookalikes()
+    if rules.any():
+        _refuse_unmounted(pl)
+    if rules.activation or rules.multiplicative_gate:
+        pl.refuse_unobserved_forwards()
+    return pl
+
+
+def _with_ff(model: nn.Module, layer: str, arch, spec, side: int):
+    """T5's feed-forward as the instance has it: gated (v1.1, mT5, Flan-T5: ``wi_0``,
+    ``wi_1``) or a plain activation MLP (v1.0), read off the module, not the config."""
+    if spec.gated_ff is None:
+        return arch
+    path, names = spec.gated_ff[side], spec.gated_ff[2]
+    ff = A.get_submodule(model, A.join(layer, path))
+    if isinstance(getattr(ff, names[0], None), nn.Module):
+        return dataclasses.replace(arch, mlp=("gated_named", path), gated_extra=names)
+    return arch
+
+
+def _refuse_unmounted(pl: Planner) -> None:
+    """Fail closed: a norm or an activation module of the model that no mount of the map
+    covers (a variant of the architecture with one more norm, an activation the forward
+    calls where the map does not look) would carry no rule, and relevance would be lost or
+    wrong there without a word."""
+    for name, mod in pl.model.named_modules():
+        if not name or id(mod) in pl.mounted:
+            continue
+        cls = type(mod).__name__
+        if isinstance(mod, nn.LayerNorm) or cls.endswith(("RMSNorm", "LayerNorm")) or _kind_of_module(mod):
+            raise RelevanceRuleUnsupportedError(
+                f"{pl.cov.model_type}: {name!r} ({cls}) is a norm or activation the {pl.cov.model_type} rule map does "
+                "not cover, so its rule would be missing; use RelevanceRules() for plain gradients")

@@ -1,0 +1,198 @@
+"""Relevance on encoder–decoder models (T5, mT5, BART, mBART, Marian, M2M100 / NLLB,
+Pegasus): one forward of the encoder on the source and of the decoder on the target
+prefix (teacher forcing), one backward of the explained decoder value, and gradient ×
+input read where each stack's residual stream enters its first block. The source tokens
+and the target prefix each get their relevance; one conservation sum covers both, since
+relevance reaches the source only through the decoder's cross-attention (its value path
+under the AH-rule)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+from torch import nn
+
+import pyattr.architectures as A
+import pyattr.backends as backends
+import pyattr.methods._core as core
+import pyattr.targets as T
+from pyattr._repr import summary_repr
+from pyattr.config import RelevanceRuleCoverage, RelevanceRules
+from pyattr.methods._core.forward import backward, check_grad_outputs, evaluate_targets, leaf
+from pyattr.methods._core.inputs import check_token_ids, normalise_inputs
+from pyattr.methods._core.passes import check_grad_mode, check_parameters_usable
+from pyattr.methods._core.stacks import is_encoder_decoder, refuse_encoder_decoder  # noqa: F401 - re-exported
+
+
+@dataclass
+class Seq2SeqRelevanceResult:
+    """Output of :func:`pyattr.relevance` on an encoder–decoder model.
+
+    With k targets per row every tensor field gains a leading ``k`` dimension.
+
+    Attributes:
+        source_relevance (Tensor[batch, source_len], float32; float64 for a float64 model):
+            relevance per source token
+            (the encoder's input), summed over the hidden dimension.
+        target_relevance (Tensor[batch, target_len], like ``source_relevance``): relevance per token of the
+            target prefix (the decoder's input, ``decoder_input_ids``).
+        source_hidden_relevance (Tensor[batch, source_len, hidden]): ``x · g`` per
+            embedding dimension at the encoder's entry.
+        target_hidden_relevance (Tensor[batch, target_len, hidden]): the same at
+            the decoder's entry.
+        target (Tensor[batch], float64): the explained value f(x).
+        conservation_delta (Tensor like ``target``, float64): ``w·target − Σ source − Σ
+            target prefix``; near 0 for bias-free models with all rules on.
+        target_ids (Tensor[batch] or None): the token ids explained, for logit targets.
+        coverage (RelevanceRuleCoverage): what the rule scope installed and skipped.
+        backend (str): the backend that ran the rule backwards.
+    """
+
+    __repr__ = summary_repr
+
+    source_relevance: torch.Tensor
+    target_relevance: torch.Tensor
+    source_hidden_relevance: torch.Tensor
+    target_hidden_relevance: torch.Tensor
+    target: torch.Tensor
+    conservation_delta: torch.Tensor
+    target_ids: Optional[torch.Tensor]
+    coverage: RelevanceRuleCoverage
+    backend: str
+
+
+def _entries(model: nn.Module):
+    mt = A.model_type(model)
+    spec = A.SEQ2SEQ.get(mt)
+    if spec is None:
+        raise ValueError(
+            f"relevance(): {type(model).__name__} (model type {mt!r}) is an encoder–decoder model without a rule map "
+            f"and entries; supported encoder–decoders: {sorted(A.SEQ2SEQ)}")
+    prefix = A.base_prefix(model)
+    out = []
+    for side, arch in (("encoder", spec.encoder), ("decoder", spec.decoder)):
+        path = A.join(prefix, arch.entry[0])
+        mod = A.get_submodule(model, path)
+        if mod is None:
+            raise ValueError(f"relevance(): cannot find the {side}'s entry {path!r} in {type(model).__name__}")
+        out.append(mod)
+    return spec, out
+
+
+def _mask(mask, ids: torch.Tensor, name: str) -> Optional[torch.Tensor]:
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor of shape (batch, seq), got {type(mask).__name__}")
+    if mask.dim() == 1:
+        mask = mask.unsqueeze(0)
+    if tuple(mask.shape) != tuple(ids.shape):
+        raise ValueError(f"{name} of shape {tuple(mask.shape)} must match its ids' shape {tuple(ids.shape)}")
+    if bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError(f"{name} must hold 0 and 1 only")
+    if bool((mask.sum(-1) == 0).any()):
+        raise ValueError(f"{name}: a row has no real token")
+    return mask
+
+
+def _left_padded(mask: Optional[torch.Tensor]) -> bool:
+    """A 0 before a 1 in some row."""
+    return mask is not None and bool((mask.long().cummin(-1).values != mask.long()).any())
+
+
+def prepare(model: nn.Module, inputs, attention_mask, decoder_input_ids, decoder_attention_mask, caller: str):
+    """The model's kwargs: the source (``input_ids``, ``attention_mask``) and the target
+    prefix (``decoder_input_ids``, given, from the inputs, or from ``labels`` as the model
+    shifts them itself with ``prepare_decoder_input_ids_from_labels``)."""
+    check_grad_mode(caller)
+    kwargs = normalise_inputs(inputs, attention_mask)
+    check_parameters_usable(model, caller)
+    src = kwargs["input_ids"]
+    if decoder_input_ids is None:
+        decoder_input_ids = kwargs.pop("decoder_input_ids", None)
+    else:
+        kwargs.pop("decoder_input_ids", None)
+    labels = kwargs.pop("labels", None)
+    if decoder_input_ids is None and isinstance(labels, torch.Tensor):
+        shift = getattr(model, "prepare_decoder_input_ids_from_labels", None)
+        if callable(shift):
+            decoder_input_ids = shift(labels=labels)
+    if decoder_input_ids is None:
+        raise ValueError(
+            f"{caller}(): {type(model).__name__} is an encoder–decoder model: pass the target prefix as "
+            "decoder_input_ids (LongTensor[batch, target_len], starting with the decoder start token) or labels "
+            "in the inputs; the explained value is read on the decoder side")
+    dec = torch.as_tensor(decoder_input_ids)
+    if dec.dim() == 1:
+        dec = dec.unsqueeze(0)
+    if dec.dtype not in (torch.int64, torch.int32) or dec.dim() != 2 or dec.shape[1] == 0:
+        raise TypeError(f"decoder_input_ids must be an integer tensor of shape (batch, target_len) with "
+                        f"target_len > 0, got {dec.dtype} of shape {tuple(dec.shape)}")
+    if dec.shape[0] != src.shape[0]:
+        raise ValueError(f"decoder_input_ids has {dec.shape[0]} rows, the source (input_ids) has {src.shape[0]}")
+    if decoder_attention_mask is None:
+        decoder_attention_mask = kwargs.pop("decoder_attention_mask", None)
+    else:
+        kwargs.pop("decoder_attention_mask", None)
+    dmask = _mask(decoder_attention_mask, dec, "decoder_attention_mask")
+    smask = kwargs.get("attention_mask")
+    check_token_ids(model, src, "inputs")
+    check_token_ids(model, dec, "decoder_input_ids")
+    spec, entries = _entries(model)
+    if spec.gated_ff is None:  # absolute positions (BART family): a left pad shifts every real token's
+        for name, m in (("attention_mask", smask), ("decoder_attention_mask", dmask)):
+            if _left_padded(m):
+                raise ValueError(
+                    f"{name}: left padding on {type(model).__name__} shifts the real tokens' absolute positions (its "
+                    "forward takes no position ids), so a padded row would not equal the row alone; pad on the right")
+    kwargs["decoder_input_ids"] = dec
+    if dmask is not None:
+        kwargs["decoder_attention_mask"] = dmask
+    kwargs["use_cache"] = False
+    return kwargs, dec, dmask, entries
+
+
+def seq2seq_relevance(model: nn.Module, inputs, target, rules: RelevanceRules, *, decoder_input_ids=None,
+                      attention_mask=None, decoder_attention_mask=None, grad_outputs=None,
+                      caller: str = "relevance") -> Seq2SeqRelevanceResult:
+    """:func:`pyattr.relevance` of a decoder-side target of an encoder–decoder model."""
+    kwargs, dec, dmask, (enc_entry, dec_entry) = prepare(model, inputs, attention_mask, decoder_input_ids,
+                                                         decoder_attention_mask, caller)
+    tgts, several = T.normalize(target, dec.shape[0])
+    if any(T.module_paths([t]) for t in tgts):
+        raise ValueError("target: module-output targets are not supported on encoder–decoder models yet; explain a "
+                         "logit (a token id), a LogitDiff or a callable of the output")
+    with core.attribution_pass(model, rules, False, caller) as cov:
+        xs: List[List[torch.Tensor]] = [[], []]
+
+        def fn_for(i):
+            def fn(t):
+                xs[i].append(leaf(t))
+                return xs[i][-1]
+            return fn
+
+        with core.tap(enc_entry, "input", fn_for(0), once=True), core.tap(dec_entry, "input", fn_for(1), once=True):
+            out = model(**kwargs)
+        if not xs[0] or not xs[1]:
+            raise ValueError(f"{caller}(): the {'encoder' if not xs[0] else 'decoder'}'s entry was not reached during "
+                             f"{type(model).__name__}'s forward pass")
+        fwd = T.Forward(out, dec, dmask, {}, None)
+        value, tid, _ = evaluate_targets(tgts, fwd, several)
+        go = check_grad_outputs(grad_outputs, value)
+        x_src, x_tgt = xs[0][0], xs[1][0]
+        g_src, g_tgt = backward(value, [x_src, x_tgt], go, several)
+        backend_name = backends.select(x_src.device, "identity")
+    g_src = torch.zeros_like(x_src) if g_src is None else g_src
+    g_tgt = torch.zeros_like(x_tgt) if g_tgt is None else g_tgt
+    # float32, or the model's dtype where it is wider (a float64 oracle compares to 1e-10)
+    dt = torch.promote_types(torch.float32, x_src.dtype)
+    rel_s = x_src.detach().to(dt) * g_src.to(dt)
+    rel_t = x_tgt.detach().to(dt) * g_tgt.to(dt)
+    t64 = value.detach().double()
+    sums = rel_s.double().sum(dim=(-2, -1)) + rel_t.double().sum(dim=(-2, -1))
+    return Seq2SeqRelevanceResult(
+        source_relevance=rel_s.sum(-1), target_relevance=rel_t.sum(-1), source_hidden_relevance=rel_s,
+        target_hidden_relevance=rel_t, target=t64, conservation_delta=go.detach().double() * t64 - sums,
+        target_ids=tid, coverage=cov, backend=backend_name)

@@ -1,0 +1,288 @@
+"""Encoder–decoder models (T5, T5 v1.1, BART, mBART, Marian, M2M100, Pegasus): relevance of a
+decoder-side target over the source and the target prefix, against float64 oracles written
+here with hooks (independent of pyattr's rule forwards), conservation, padding, refusals."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import pyattr
+from pyattr import RelevanceRules, RelevanceRuleUnsupportedError
+from models import SEQ2SEQ_ARCHS, tiny_seq2seq
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+#: where each stack's residual stream enters its first block (written from the modeling files)
+ENTRIES = {
+    "t5": ("encoder.block.0", "decoder.block.0"),
+    "t5_gated": ("encoder.block.0", "decoder.block.0"),
+    "bart": ("model.encoder.layernorm_embedding", "model.decoder.layernorm_embedding"),
+    "mbart": ("model.encoder.layernorm_embedding", "model.decoder.layernorm_embedding"),
+    "marian": ("model.encoder.layers.0", "model.decoder.layers.0"),
+    "m2m_100": ("model.encoder.layers.0", "model.decoder.layers.0"),
+    "pegasus": ("model.encoder.layers.0", "model.decoder.layers.0"),
+}
+ACT_LIMIT = {"ReLU": 0.0}  # φ(0) = act(x)/x at 0: 0 for ReLU, ½ for the GELUs
+
+
+def _ids(arch, seed=0, batch=2, src=7, tgt=5):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 90, (batch, src), generator=g), torch.randint(3, 90, (batch, tgt), generator=g)
+
+
+def _ln_rule(mod, args, out):
+    """The LN-rule's gradient (σ, or T5's root mean square, constant) at the module's own
+    value: T5's norm computes its variance in float32 even in a float64 model."""
+    x = args[0]
+    if isinstance(mod, nn.LayerNorm):
+        mu = x.mean(-1, keepdim=True)
+        sigma = ((x - mu) ** 2).mean(-1, keepdim=True).add(mod.eps).sqrt().detach()
+        rule = (x - mu) / sigma * mod.weight + mod.bias
+    else:
+        rms = x.pow(2).mean(-1, keepdim=True).add(mod.variance_epsilon).sqrt().detach()  # T5: no mean, no bias
+        rule = mod.weight * (x / rms)
+    return out.detach() + (rule - rule.detach())
+
+
+def _identity_rule(mod, args, out):
+    x = args[0]
+    safe = torch.where(x == 0, torch.ones_like(x), x)
+    phi = torch.where(x == 0, torch.full_like(x, ACT_LIMIT.get(type(mod).__name__, 0.5)), out / safe)
+    return x * phi.detach()
+
+
+def _half_rule_gated(mod, args, out):
+    """T5 v1.1's wo(act(wi_0 x) · wi_1 x): each factor of the product gets half."""
+    x = args[0]
+    a, u = mod.act(mod.wi_0(x)), mod.wi_1(x)
+    return mod.wo(0.5 * a * u.detach() + 0.5 * a.detach() * u)
+
+
+def _scaled(s):
+    def hook(mod, args, out):
+        return out * s + (out * (1 - s)).detach()
+    return hook
+
+
+def _oracle(model, arch, src, dec, rules, token=None, smask=None, dmask=None):
+    """(source relevance, target-prefix relevance, value) by plain autograd with the rules
+    written as detaches; the explained value is the logit of ``token`` (top-1 if None) at
+    the last real decoder position."""
+    hooks, leaves = [], {}
+    attn = {"none": None, "all": (0.0, 0.0, 1.0), "attnlrp": (0.25, 0.25, 0.5)}[rules]
+    for name, mod in model.named_modules():
+        cls, last = type(mod).__name__, name.rsplit(".", 1)[-1]
+        if rules != "none" and (isinstance(mod, nn.LayerNorm) or cls == "T5LayerNorm"):
+            hooks.append(mod.register_forward_hook(_ln_rule))
+        elif rules != "none" and cls in ("ReLU", "GELUActivation", "NewGELUActivation"):
+            hooks.append(mod.register_forward_hook(_identity_rule))
+        elif rules != "none" and cls == "T5DenseGatedActDense":
+            hooks.append(mod.register_forward_hook(_half_rule_gated))
+        elif attn is not None and isinstance(mod, nn.Linear) and last in ("q", "k", "v", "q_proj", "k_proj", "v_proj"):
+            hooks.append(mod.register_forward_hook(_scaled(attn["qkv".index(last[0])])))
+    for side, path in zip(("source", "target"), ENTRIES[arch]):
+        def pre(mod, args, side=side):
+            if side in leaves:
+                return None
+            leaves[side] = args[0].detach().requires_grad_(True)
+            return (leaves[side], *args[1:])
+        hooks.append(model.get_submodule(path).register_forward_pre_hook(pre))
+    try:
+        with torch.enable_grad():
+            out = model(input_ids=src, attention_mask=smask, decoder_input_ids=dec, decoder_attention_mask=dmask,
+                        use_cache=False)
+            last = (dmask.sum(-1) - 1) if dmask is not None else torch.full((dec.shape[0],), dec.shape[1] - 1)
+            logits = out.logits[torch.arange(dec.shape[0]), last]
+            tok = logits.argmax(-1) if token is None else torch.as_tensor(token).expand(dec.shape[0])
+            value = logits.gather(-1, tok[:, None])[:, 0]
+            gs, gt = torch.autograd.grad(value.sum(), [leaves["source"], leaves["target"]])
+    finally:
+        for h in hooks:
+            h.remove()
+    return (leaves["source"] * gs).sum(-1).detach(), (leaves["target"] * gt).sum(-1).detach(), value.detach()
+
+
+def _check(r, oracle, tol):
+    s, t, v = oracle
+    scale = max(s.abs().max().item(), t.abs().max().item())
+    assert torch.allclose(r.target, v, atol=0, rtol=1e-12)
+    assert (r.source_relevance - s).abs().max().item() <= tol * scale
+    assert (r.target_relevance - t).abs().max().item() <= tol * scale
+
+
+@pytest.mark.parametrize("arch", SEQ2SEQ_ARCHS)
+def test_rules_off_is_plain_gradient_times_input_on_both_sides(arch):
+    model = tiny_seq2seq(arch)
+    src, dec = _ids(arch)
+    r = pyattr.relevance(model, src, rules=RelevanceRules(), decoder_input_ids=dec)
+    assert r.source_relevance.dtype == torch.float64 and r.source_relevance.shape == (2, 7)
+    assert r.target_relevance.shape == (2, 5)
+    _check(r, _oracle(model, arch, src, dec, "none"), 1e-10)
+
+
+@pytest.mark.parametrize("rules", ["all", "attnlrp"])
+@pytest.mark.parametrize("arch", SEQ2SEQ_ARCHS)
+def test_rules_on_equal_a_hand_written_float64_oracle(arch, rules):
+    model = tiny_seq2seq(arch)
+    src, dec = _ids(arch, seed=1)
+    r = pyattr.relevance(model, src, rules=rules, decoder_input_ids=dec, target=11)
+    _check(r, _oracle(model, arch, src, dec, rules, token=11), 1e-9)
+    # the oracle differs from plain gradients: the rules act on both stacks and the cross-attention
+    plain = _oracle(model, arch, src, dec, "none", token=11)
+    assert (r.source_relevance - plain[0]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("arch", SEQ2SEQ_ARCHS)
+def test_conservation_over_source_and_target_prefix_without_biases(arch):
+    model = tiny_seq2seq(arch, biases=False)
+    src, dec = _ids(arch, seed=2)
+    r = pyattr.relevance(model, src, decoder_input_ids=dec)
+    total = r.source_relevance.sum(-1) + r.target_relevance.sum(-1)
+    # T5's own norm computes its variance in float32 (even in a float64 model): its output
+    # is w·x/rms up to float32 rounding, and conservation holds to that
+    tol = 1e-6 if arch.startswith("t5") else 1e-10
+    assert torch.allclose(total, r.target, rtol=tol, atol=0)
+    assert (r.conservation_delta.abs() <= tol * r.target.abs()).all()
+    assert r.source_relevance.abs().sum() > 1e-3 * r.target.abs().sum()  # the source gets its share
+    with_biases = pyattr.relevance(tiny_seq2seq(arch), src, decoder_input_ids=dec)
+    if arch not in ("t5", "t5_gated"):  # T5 has no biases: it conserves either way
+        assert with_biases.conservation_delta.abs().max() > 1e-4
+
+
+def test_coverage_names_cross_attention_and_both_stacks():
+    model = tiny_seq2seq("bart")
+    with pyattr.use_relevance_rules(model) as cov:
+        pass
+    installed = set(cov.installed) if not isinstance(cov.installed, dict) else set(cov.installed)
+    flat = " ".join(sorted(map(str, installed)))
+    for path in ("model.encoder.layers.1.self_attn.q_proj", "model.decoder.layers.0.encoder_attn.k_proj",
+                 "model.decoder.layers.1.encoder_attn_layer_norm", "model.encoder.layernorm_embedding",
+                 "model.decoder.layers.1.activation_fn"):
+        assert path in flat
+
+
+@pytest.mark.parametrize("arch", ["t5", "bart", "m2m_100"])
+def test_right_padding_of_source_and_target_equals_each_row_alone(arch):
+    model = tiny_seq2seq(arch)
+    src, dec = _ids(arch, seed=4)
+    pad_s = torch.cat([src, torch.full((2, 3), 5)], 1)
+    pad_d = torch.cat([dec, torch.full((2, 2), 6)], 1)
+    smask = torch.cat([torch.ones(2, 7), torch.zeros(2, 3)], 1).long()
+    dmask = torch.cat([torch.ones(2, 5), torch.zeros(2, 2)], 1).long()
+    smask[1, 5:] = 0
+    dmask[1, 3:] = 0
+    r = pyattr.relevance(model, {"input_ids": pad_s, "attention_mask": smask}, decoder_input_ids=pad_d,
+                         decoder_attention_mask=dmask)
+    for row in range(2):
+        ns, nd = int(smask[row].sum()), int(dmask[row].sum())
+        alone = pyattr.relevance(model, src[row:row + 1, :ns], decoder_input_ids=dec[row:row + 1, :nd])
+        assert torch.allclose(r.source_relevance[row, :ns], alone.source_relevance[0], atol=1e-10, rtol=1e-8)
+        assert torch.allclose(r.target_relevance[row, :nd], alone.target_relevance[0], atol=1e-10, rtol=1e-8)
+        assert torch.equal(r.target_ids[row], alone.target_ids[0])
+        assert r.source_relevance[row, ns:].abs().max() < 1e-12
+        assert r.target_relevance[row, nd:].abs().max() < 1e-12
+
+
+def test_left_padded_source_on_t5_equals_the_row_alone_and_bart_refuses_it():
+    model = tiny_seq2seq("t5")
+    src, dec = _ids("t5", seed=5, batch=1)
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), src], 1)
+    mask = torch.cat([torch.zeros(1, 3), torch.ones(1, 7)], 1).long()
+    r = pyattr.relevance(model, {"input_ids": padded, "attention_mask": mask}, decoder_input_ids=dec)
+    alone = pyattr.relevance(model, src, decoder_input_ids=dec)
+    assert torch.allclose(r.source_relevance[0, 3:], alone.source_relevance[0], atol=1e-10, rtol=1e-8)
+    assert torch.allclose(r.target_relevance, alone.target_relevance, atol=1e-10, rtol=1e-8)
+    bart = tiny_seq2seq("bart")
+    with pytest.raises(ValueError, match="attention_mask: left padding on BartForConditionalGeneration"):
+        pyattr.relevance(bart, {"input_ids": padded, "attention_mask": mask}, decoder_input_ids=dec)
+    with pytest.raises(ValueError, match="decoder_attention_mask: left padding"):
+        pyattr.relevance(bart, src, decoder_input_ids=dec, decoder_attention_mask=torch.tensor([[0, 1, 1, 1, 1]]))
+
+
+def test_labels_are_shifted_by_the_model_itself():
+    model = tiny_seq2seq("bart")
+    src, dec = _ids("bart", seed=6)
+    labels = dec.clone()
+    r = pyattr.relevance(model, {"input_ids": src, "labels": labels}, target=9)
+    shifted = model.prepare_decoder_input_ids_from_labels(labels=labels)
+    assert shifted[0, 0].item() == model.config.decoder_start_token_id
+    alone = pyattr.relevance(model, src, decoder_input_ids=shifted, target=9)
+    assert torch.equal(r.source_relevance, alone.source_relevance)
+    assert torch.equal(r.target_relevance, alone.target_relevance)
+
+
+def test_several_targets_per_row_equal_one_call_each():
+    model = tiny_seq2seq("t5_gated")
+    src, dec = _ids("t5_gated", seed=8)
+    tgt = torch.tensor([[3, 17], [40, 5]])
+    r = pyattr.relevance(model, src, target=tgt, decoder_input_ids=dec)
+    assert r.source_relevance.shape == (2, 2, 7)
+    for k in range(2):
+        one = pyattr.relevance(model, src, target=tgt[:, k].tolist(), decoder_input_ids=dec)
+        assert torch.allclose(r.source_relevance[k], one.source_relevance, atol=1e-12, rtol=1e-9)
+        assert torch.allclose(r.target_relevance[k], one.target_relevance, atol=1e-12, rtol=1e-9)
+
+
+def test_a_norm_the_map_does_not_cover_is_refused():
+    model = tiny_seq2seq("marian")
+    model.model.encoder.layers[0].extra_norm = nn.LayerNorm(16).double()
+    with pytest.raises(RelevanceRuleUnsupportedError, match=r"'model.encoder.layers.0.extra_norm' \(LayerNorm\) is a norm "
+                       "or activation the marian rule map does not cover"):
+        pyattr.relevance(model, *_ids("marian")[:1], decoder_input_ids=_ids("marian")[1])
+    r = pyattr.relevance(model, *_ids("marian")[:1], decoder_input_ids=_ids("marian")[1], rules="none")
+    assert torch.isfinite(r.source_relevance).all()
+
+
+def test_bad_inputs_are_refused_by_name():
+    model = tiny_seq2seq("t5")
+    src, dec = _ids("t5")
+    with pytest.raises(ValueError, match="is an encoder–decoder model: pass the target prefix as decoder_input_ids"):
+        pyattr.relevance(model, src)
+    with pytest.raises(ValueError, match="decoder_input_ids has 1 rows, the source"):
+        pyattr.relevance(model, src, decoder_input_ids=dec[:1])
+    with pytest.raises(TypeError, match="decoder_input_ids must be an integer tensor"):
+        pyattr.relevance(model, src, decoder_input_ids=dec.double())
+    with pytest.raises(ValueError, match=r"decoder_input_ids: token ids must be in \[0, 96\)"):
+        pyattr.relevance(model, src, decoder_input_ids=dec + 200)
+    with pytest.raises(ValueError, match=r"decoder_attention_mask of shape \(2, 3\) must match"):
+        pyattr.relevance(model, src, decoder_input_ids=dec, decoder_attention_mask=torch.ones(2, 3))
+    with pytest.raises(ValueError, match="baseline: not supported on encoder–decoder models yet"):
+        pyattr.relevance(model, src, decoder_input_ids=dec, baseline="zeros")
+
+
+@pytest.mark.parametrize("method", ["generation_relevance", "layer_relevance", "integrated_gradients",
+                                    "context_attribution"])
+def test_one_stack_methods_refuse_encoder_decoders(method):
+    model = tiny_seq2seq("bart")
+    src, _ = _ids("bart", batch=1)
+    calls = {
+        "generation_relevance": lambda: pyattr.generation_relevance(model, src, max_new_tokens=2),
+        "layer_relevance": lambda: pyattr.layer_relevance(model, src, layers=["model.encoder.layers.0"]),
+        "integrated_gradients": lambda: pyattr.integrated_gradients(model, src),
+        "context_attribution": lambda: pyattr.context_attribution(model, src, sources=[(1, 3)]),
+    }
+    with pytest.raises(ValueError, match=f"{method}\\(\\): BartForConditionalGeneration is an encoder–decoder model"):
+        calls[method]()
+
+
+def test_decoder_input_ids_on_a_decoder_only_model_are_refused():
+    from models import tiny_causal_lm
+
+    model = tiny_causal_lm("llama")
+    with pytest.raises(ValueError, match="LlamaForCausalLM is not an encoder–decoder model"):
+        pyattr.relevance(model, torch.tensor([[3, 4, 5]]), decoder_input_ids=torch.tensor([[3]]))
+
+
+def test_t5_tied_head_rescale_is_observed_not_rederived():
+    """T5 with tied embeddings scales the decoder output by d_model**-0.5 before the head:
+    the explained logit is the model's own (equal to its forward's logits)."""
+    model = tiny_seq2seq("t5")
+    assert model.config.tie_word_embeddings
+    src, dec = _ids("t5")
+    r = pyattr.relevance(model, src, decoder_input_ids=dec)
+    with torch.no_grad():
+        logits = model(input_ids=src, decoder_input_ids=dec).logits[:, -1]
+    assert torch.equal(r.target, logits.max(-1).values.double())
+    assert (r.conservation_delta.abs() <= 1e-6 * r.target.abs()).all()  # float32 variance in T5's norm
