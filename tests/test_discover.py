@@ -209,17 +209,19 @@ def test_unmapped_block_without_an_mlp_module():
 
 def test_a_role_discovery_cannot_find_is_refused_naming_it():
     """Each method that needs a role discovery declared missing raises ValueError with the
-    role and the reason: two stacks of blocks (T5), experts (OLMoE), an attention module
+    role and the reason: two stacks of blocks (T5; the methods refuse an encoder–decoder first), experts (OLMoE), an attention module
     that does not return its probabilities; a gated MLP in an unknown form (Seed-OSS)
     refuses only the MLP rule's role, and its contribution and hidden units still work."""
     import transformers as T
 
     t5 = T.T5ForConditionalGeneration(T.T5Config(vocab_size=96, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4))
-    with pytest.raises(ValueError, match=r"'residual': needs the 'layers' role.*T5ForConditionalGeneration.*2 stacks of "
-                                         r"blocks \('encoder.block', 'decoder.block'\)"):
+    # an encoder–decoder is refused by every method that reads one stack, before discovery
+    with pytest.raises(ValueError, match=r"layer_relevance\(\): T5ForConditionalGeneration is an encoder–decoder model"):
         pyattr.layer_relevance(t5, _ids(), "residual", generic=True)
-    with pytest.raises(ValueError, match=r"nodes: 'residual': needs the 'layers' role.*2 stacks of blocks"):
+    with pytest.raises(ValueError, match=r"attribution_patching\(\): T5ForConditionalGeneration is an encoder–decoder"):
         attribution_patching(t5, _ids(), _ids(seed=2), pyattr.targets.Logit(5), method="atp", generic=True)
+    with pytest.raises(ValueError, match=r"2 stacks of blocks \('encoder.block', 'decoder.block'\)"):
+        A.require(A.discover(t5), "layers", t5, "'residual'")
 
     base = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, head_dim=8)
     olmoe = _unmapped("OlmoeConfig", torch.float32, **{**base, "intermediate_size": 24}, num_experts=4,

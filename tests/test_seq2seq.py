@@ -252,7 +252,7 @@ def test_bad_inputs_are_refused_by_name():
         pyattr.relevance(model, src, decoder_input_ids=dec, baseline="zeros")
 
 
-@pytest.mark.parametrize("method", ["generation_relevance", "layer_relevance", "integrated_gradients",
+@pytest.mark.parametrize("method", ["layer_relevance", "integrated_gradients",
                                     "context_attribution"])
 def test_one_stack_methods_refuse_encoder_decoders(method):
     model = tiny_seq2seq("bart")
@@ -286,3 +286,48 @@ def test_t5_tied_head_rescale_is_observed_not_rederived():
         logits = model(input_ids=src, decoder_input_ids=dec).logits[:, -1]
     assert torch.equal(r.target, logits.max(-1).values.double())
     assert (r.conservation_delta.abs() <= 1e-6 * r.target.abs()).all()  # float32 variance in T5's norm
+
+
+@pytest.mark.parametrize("arch", ["t5_gated", "bart", "marian"])
+def test_generation_relevance_equals_the_per_step_loop(arch):
+    model = tiny_seq2seq(arch)
+    src, _ = _ids(arch, seed=9, src=6)
+    r = pyattr.generation_relevance(model, src, max_new_tokens=4)
+    w = r.prefix_width
+    assert w == 1 and r.sequences.shape == (2, 5) and r.step_mask.all()
+    with torch.no_grad():
+        again = model.generate(input_ids=src, max_new_tokens=4, do_sample=False)
+    assert torch.equal(r.sequences, again)  # what generate itself returned
+    for b in range(2):
+        for t in range(4):
+            one = pyattr.relevance(model, src[b:b + 1], decoder_input_ids=r.sequences[b:b + 1, :w + t],
+                                   target=int(r.sequences[b, w + t]))
+            assert torch.allclose(r.source_relevance[b, t], one.source_relevance[0], atol=1e-10, rtol=1e-9)
+            assert torch.allclose(r.target_relevance[b, t, :w + t], one.target_relevance[0], atol=1e-10, rtol=1e-9)
+            assert (r.target_relevance[b, t, w + t:] == 0).all()
+            assert torch.allclose(r.target[b, t], one.target[0], rtol=1e-12, atol=0)
+    given = pyattr.generation_relevance(model, src, continuation=r.sequences[:, w:])
+    assert torch.equal(given.sequences, r.sequences)
+    assert torch.allclose(given.source_relevance, r.source_relevance, atol=1e-12, rtol=1e-10)
+
+
+def test_generation_stops_where_generate_stopped_each_row():
+    model = tiny_seq2seq("marian")
+    src, _ = _ids("marian", seed=9, src=6)
+    first = pyattr.generation_relevance(model, src, max_new_tokens=4)
+    stop = int(first.sequences[0, 2])  # row 0's second generated token ends row 0 when it is the eos id
+    r = pyattr.generation_relevance(model, src, max_new_tokens=4, generate_kwargs={"eos_token_id": stop})
+    k = int(r.step_mask[0].sum())
+    assert k == 2 and not r.step_mask[0, 2:].any()
+    assert torch.isnan(r.target[0, k:]).all() and r.source_relevance[0, k:].abs().max() == 0
+    assert torch.allclose(r.source_relevance[0, :k], first.source_relevance[0, :k], atol=1e-12, rtol=1e-10)
+
+
+def test_generation_arguments_not_supported_on_encoder_decoders_are_refused():
+    model = tiny_seq2seq("t5")
+    src, _ = _ids("t5", batch=1)
+    for kw, name in (({"target": "logprob"}, "target"), ({"contrast": 5}, "contrast"), ({"baseline": "zeros"}, "baseline")):
+        with pytest.raises(ValueError, match=f"{name}: not supported on encoder–decoder models yet"):
+            pyattr.generation_relevance(model, src, max_new_tokens=2, **kw)
+    with pytest.raises(ValueError, match="max_new_tokens: expected an int >= 1"):
+        pyattr.generation_relevance(model, src, max_new_tokens=0)

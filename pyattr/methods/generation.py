@@ -22,6 +22,8 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
+from pyattr.methods._core.stacks import is_encoder_decoder
+from pyattr.methods.seq2seq_generation import seq2seq_generation_relevance
 import pyattr.methods._core as core
 import pyattr.methods._core.text as text
 import pyattr.methods._core.positions as P
@@ -312,6 +314,13 @@ def generation_relevance(
             hub id, a directory or a bundled name, and ``rules`` a shorthand (``"all"``,
             ``"attnlrp"``, ``"ln"``, ``"none"``), as for :func:`pyattr.relevance`.
 
+    On an encoder–decoder model (T5, BART, Marian, …; see :func:`pyattr.relevance`) the
+    inputs are the source; the result is a
+    :class:`~pyattr.methods.seq2seq_generation.Seq2SeqGenerationResult` with each step's
+    relevance over the source and over the decoder's inputs before it (the generated ×
+    (source + target prefix) matrices), from one forward and one batched backward per row;
+    ``target``, ``contrast``, ``baseline`` and ``batch_targets`` keep their defaults there.
+
     Returns:
         GenerationRelevanceResult. Row ``t`` equals :func:`pyattr.relevance` on the
         sequence up to step ``t``'s token (exclusive) with that token as target.
@@ -333,6 +342,14 @@ def generation_relevance(
                          "(explain given tokens)")
     if generate_kwargs is not None and continuation is not None:
         raise ValueError("generate_kwargs: a continuation is given, nothing is generated")
+    if is_encoder_decoder(model):
+        for name, value, default in (("target", target, "logit"), ("contrast", contrast, None),
+                                     ("baseline", baseline, None), ("batch_targets", batch_targets, None)):
+            if value != default if isinstance(value, str) else value is not default:
+                raise ValueError(f"{name}: not supported on encoder–decoder models yet (each step's logit is "
+                                 "explained over the source and the decoder's inputs)")
+        return seq2seq_generation_relevance(model, inputs, max_new_tokens, continuation, generate_kwargs,
+                                            core.rule_defaults(rules), attention_mask)
     can = getattr(model, "can_generate", None)
     if not callable(can) or not can():
         raise ValueError(f"model: {type(model).__name__} is not a causal language model (can_generate() is False); "

@@ -99,7 +99,7 @@ _MULTI_TOKEN = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_
 
 
 def generate(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int,
-             generate_kwargs: Optional[dict]) -> Tuple[torch.Tensor, torch.Tensor]:
+             generate_kwargs: Optional[dict], prefix: Optional[list] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``model.generate`` on left-padded ``ids`` (greedy unless ``generate_kwargs`` or the
     model's generation config say otherwise; one sequence per prompt): the generated ids
     (batch, generated) and which steps exist (BoolTensor, the same shape), as
@@ -111,6 +111,10 @@ def generate(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, max_new_to
             the argument decides how many steps are generated and checked; beams or several
             sequences per prompt, from the arguments or the model's generation config;
             assisted or prompt-lookup decoding.
+
+    ``prefix`` (a list, encoder–decoder models): receives the decoder's columns before the
+    generated ones (its start token), as many as ``generate`` returned before the steps its
+    stopping criteria were consulted for.
     """
     model = getattr(model, "_orig_mod", model)  # torch.compile: generate on the module itself
     kw = dict(generate_kwargs or {})
@@ -157,5 +161,13 @@ def generate(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, max_new_to
     with torch.no_grad(), bitsandbytes_kept_for_gradients(model), _StopRecord(model) as record:
         out = model.generate(input_ids=ids, attention_mask=mask, **kw)
     out = out.sequences if hasattr(out, "sequences") else out
-    gen = out[:, ids.shape[1]:]
+    if prefix is not None:  # an encoder–decoder returns the decoder's sequence: its start, then the steps
+        start = out.shape[1] - len(record.done)
+        if start < 1:
+            raise ValueError(f"model: {type(model).__name__}.generate returned {out.shape[1]} columns for "
+                             f"{len(record.done)} steps, so the decoder's start cannot be observed")
+        prefix.append(out[:, :start])
+        gen = out[:, start:]
+    else:
+        gen = out[:, ids.shape[1]:]
     return gen, record.steps(gen.shape[0], gen.shape[1]).to(gen.device)

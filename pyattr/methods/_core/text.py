@@ -394,6 +394,10 @@ def prompt_and_continuation(tokenizer, texts: List[str], continuation) -> tuple:
     return _pad_rows(prompts, tokenizer, left=True), ids
 
 
+#: the methods that explain encoder–decoder models (methods/seq2seq.py, methods/seq2seq_generation.py)
+SEQ2SEQ_CALLERS = ("relevance", "generation_relevance")
+
+
 def text_inputs(caller: str, *, inputs: Sequence[str] = ("inputs",), target: Optional[str] = "target",
                 left: Optional[bool] = None, tokens_of=None):
     """Decorate a method whose signature has ``model``, the ``inputs`` arguments named,
@@ -429,7 +433,7 @@ def text_inputs(caller: str, *, inputs: Sequence[str] = ("inputs",), target: Opt
                     from pyattr.integration.wrappers import framework_tokenizer
 
                     a["tokenizer"] = framework_tokenizer(a["model"])
-            if caller != "relevance":  # relevance explains encoder–decoders (methods/seq2seq.py)
+            if caller not in SEQ2SEQ_CALLERS:
                 refuse_encoder_decoder(a["model"], caller)
             text_cont = (cont is not None and is_text(cont) and is_text(a.get(inputs[0])))
             named = isinstance(a["model"], str) or hasattr(a["model"], "__fspath__")
@@ -448,7 +452,7 @@ def text_inputs(caller: str, *, inputs: Sequence[str] = ("inputs",), target: Opt
                 real = [r[m.bool()].tolist() for r, m in zip(call.inputs["input_ids"], call.inputs["attention_mask"])]
                 _check_vocabulary(call.model, call.tokenizer, real + a["continuation"], inputs[0])
                 call.texts = texts
-            if caller != "relevance":
+            if caller not in SEQ2SEQ_CALLERS:
                 refuse_encoder_decoder(call.model, caller)
             a["model"], a[inputs[0]] = call.model, call.inputs
             if "tokenizer" in sig.parameters:

@@ -1,0 +1,112 @@
+"""Generation relevance on encoder–decoder models: ``generate`` runs first (its own
+stopping criteria observed), then each row's generated steps are explained from one
+encoder + decoder forward (teacher forcing) and one batched backward: the relevance of
+step ``t``'s logit over the source tokens and over the decoder's inputs before it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+import pyattr.targets as T
+from pyattr._repr import summary_repr
+from pyattr.config import RelevanceRuleCoverage, RelevanceRules
+from pyattr.methods._core.generate import generate
+from pyattr.methods._core.inputs import normalise_inputs
+from pyattr.methods.seq2seq import seq2seq_relevance
+
+
+@dataclass
+class Seq2SeqGenerationResult:
+    """Output of :func:`pyattr.generation_relevance` on an encoder–decoder model.
+
+    Attributes:
+        source_ids (LongTensor[batch, source_len]): the source (the encoder's input).
+        sequences (LongTensor[batch, prefix + generated]): the decoder's sequence as
+            ``generate`` returned it: its start token(s), then the generated tokens.
+        prefix_width (int): columns before the generated tokens; step ``t``'s token is at
+            column ``prefix_width + t`` and its logit is read at column ``prefix_width + t − 1``.
+        source_relevance (Tensor[batch, generated, source_len]): row ``t`` is step ``t``'s
+            relevance over the source tokens; 0 for steps that do not exist.
+        target_relevance (Tensor[batch, generated, prefix + generated − 1]): step ``t``'s
+            relevance over the decoder's inputs (start token, earlier generated tokens);
+            exactly 0 from column ``prefix_width + t`` on.
+        target (Tensor[batch, generated], float64): each step's logit (NaN where the step
+            does not exist).
+        conservation_delta (Tensor[batch, generated], float64): target minus the step's
+            relevance over source and decoder inputs (NaN where the step does not exist).
+        step_mask (BoolTensor[batch, generated]): steps that exist: up to and including the
+            step at which ``generate``'s own stopping criteria finished the row.
+        coverage (RelevanceRuleCoverage), backend (str): as :func:`pyattr.relevance`.
+    """
+
+    __repr__ = summary_repr
+
+    source_ids: torch.Tensor
+    sequences: torch.Tensor
+    prefix_width: int
+    source_relevance: torch.Tensor
+    target_relevance: torch.Tensor
+    target: torch.Tensor
+    conservation_delta: torch.Tensor
+    step_mask: torch.Tensor
+    coverage: Optional[RelevanceRuleCoverage]
+    backend: str
+
+
+def seq2seq_generation_relevance(model: nn.Module, inputs, max_new_tokens, continuation, generate_kwargs,
+                                 rules: RelevanceRules, attention_mask) -> Seq2SeqGenerationResult:
+    kwargs = normalise_inputs(inputs, attention_mask)
+    src = kwargs["input_ids"]
+    smask = kwargs.get("attention_mask")
+    if smask is None:
+        smask = torch.ones_like(src)
+    if continuation is not None:
+        if max_new_tokens is not None:
+            raise ValueError("max_new_tokens and continuation: give one (generate, or explain a given continuation)")
+        gen = torch.as_tensor(continuation)
+        gen = gen.unsqueeze(0) if gen.dim() == 1 else gen
+        if gen.dtype not in (torch.int64, torch.int32) or gen.dim() != 2 or gen.shape[0] != src.shape[0] or \
+                gen.shape[1] == 0:
+            raise ValueError(f"continuation: expected token ids of shape (batch {src.shape[0]}, generated > 0), got "
+                             f"{gen.dtype} of shape {tuple(gen.shape)}")
+        shift = getattr(model, "prepare_decoder_input_ids_from_labels", None)
+        if not callable(shift):
+            raise ValueError(f"continuation: {type(model).__name__} has no prepare_decoder_input_ids_from_labels to "
+                             "put its decoder start token before the continuation; pass max_new_tokens instead")
+        seq = torch.cat([shift(labels=gen[:, :1]), gen], 1)  # the model's own decoder start token first
+        width, steps = seq.shape[1] - gen.shape[1], torch.ones(gen.shape, dtype=torch.bool)
+    else:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: expected an int >= 1 (or continuation=), got {max_new_tokens!r}")
+        prefix: list = []
+        gen, steps = generate(model, src, smask, max_new_tokens, generate_kwargs, prefix=prefix)
+        seq = torch.cat([prefix[0], gen], 1)
+        width = prefix[0].shape[1]
+    batch, n = gen.shape
+    dt = torch.promote_types(torch.float32, next(model.parameters()).dtype)
+    s_rel = torch.zeros(batch, n, src.shape[1], dtype=dt)
+    t_rel = torch.zeros(batch, n, seq.shape[1] - 1, dtype=dt)
+    target = torch.full((batch, n), float("nan"), dtype=torch.float64)
+    delta = torch.full((batch, n), float("nan"), dtype=torch.float64)
+    cov, backend = None, ""
+    for b in range(batch):
+        k = int(steps[b].sum())
+        if k == 0:
+            continue
+        real = smask[b].bool()
+        dec = seq[b:b + 1, :width + k - 1]
+        tgts = [T.Logit(int(gen[b, t]), position=width + t - 1) for t in range(k)]
+        r = seq2seq_relevance(model, {"input_ids": src[b:b + 1, real], "attention_mask": smask[b:b + 1, real]},
+                              tgts, rules, decoder_input_ids=dec, caller="generation_relevance")
+        s_rel[b, :k, real] = r.source_relevance[:, 0].to(dt)
+        t_rel[b, :k, :dec.shape[1]] = r.target_relevance[:, 0].to(dt)
+        target[b, :k] = r.target[:, 0]
+        delta[b, :k] = r.conservation_delta[:, 0]
+        cov, backend = r.coverage, r.backend
+    return Seq2SeqGenerationResult(source_ids=src, sequences=seq, prefix_width=width, source_relevance=s_rel,
+                                   target_relevance=t_rel, target=target, conservation_delta=delta,
+                                   step_mask=steps.to("cpu"), coverage=cov, backend=backend)
