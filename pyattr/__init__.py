@@ -45,6 +45,8 @@ _EXPORTS = {
     "sentence_similarity": "pyattr.methods.similarity",
     "generation_relevance": "pyattr.methods.generation",
     "GenerationRelevanceResult": "pyattr.methods.generation",
+    "Seq2SeqRelevanceResult": "pyattr.methods.seq2seq",
+    "Seq2SeqGenerationResult": "pyattr.methods.seq2seq_generation",
     "context_attribution": "pyattr.methods.context",
     "ContextAttributionResult": "pyattr.methods.context",
     "run": "pyattr.apps.run",
@@ -88,6 +90,8 @@ if TYPE_CHECKING:  # what static tools see
     from pyattr import evaluate, ops, patching, rules, targets, toy
     from pyattr.apps.run import RunSummary, run
     from pyattr.methods.generation import GenerationRelevanceResult, generation_relevance
+    from pyattr.methods.seq2seq import Seq2SeqRelevanceResult
+    from pyattr.methods.seq2seq_generation import Seq2SeqGenerationResult
     from pyattr.methods.context import ContextAttributionResult, context_attribution
     from pyattr.methods.capture import Captured, GradientCapture, capture
     from pyattr.methods.integrated_gradients import AttributionResult, ConvergenceWarning, integrated_gradients
