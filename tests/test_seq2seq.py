@@ -331,3 +331,20 @@ def test_generation_arguments_not_supported_on_encoder_decoders_are_refused():
             pyattr.generation_relevance(model, src, max_new_tokens=2, **kw)
     with pytest.raises(ValueError, match="max_new_tokens: expected an int >= 1"):
         pyattr.generation_relevance(model, src, max_new_tokens=0)
+
+
+def test_one_stack_of_an_encoder_decoder_type_is_refused_with_rules_and_plain_without():
+    """BartForCausalLM is BART's decoder alone (model type 'bart'): the rules refuse it by
+    name; plain gradients (every rule off) need no map."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    cfg = T.BartConfig(vocab_size=96, d_model=16, encoder_layers=1, decoder_layers=2, encoder_attention_heads=4,
+                       decoder_attention_heads=4, encoder_ffn_dim=24, decoder_ffn_dim=24, max_position_embeddings=64)
+    m = T.BartForCausalLM(cfg).eval()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with pytest.raises(RelevanceRuleUnsupportedError, match=r"'model.encoder.layers' \(the model holds one stack of "
+                                                            "this encoder–decoder type, as a BartForCausalLM does"):
+        pyattr.relevance(m, ids)
+    r = pyattr.relevance(m, ids, rules=RelevanceRules())
+    assert r.token_relevance.shape == (1, 4) and torch.isfinite(r.token_relevance).all()

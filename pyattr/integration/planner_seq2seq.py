@@ -19,12 +19,17 @@ from pyattr.integration.planner import Planner, plan_block
 def plan_seq2seq(model: nn.Module, rules: RelevanceRules, model_type: str) -> Planner:
     spec = SEQ2SEQ[model_type]
     pl = Planner(model, rules, model_type)
+    if not rules.any():  # every rule off: nothing to install (plain gradients), whatever the model holds
+        return pl
     prefix = A.base_prefix(model)
     for i, arch in enumerate((spec.encoder, spec.decoder)):
         layers = A.layer_paths(model, arch)
         if not layers:
+            one = "" if i else (" (the model holds one stack of this encoder–decoder type, as a "
+                                f"{type(model).__name__} does; only the whole encoder–decoder is mapped)")
             raise RelevanceRuleUnsupportedError(
-                f"{model_type}: expected a ModuleList of blocks at {A.join(prefix, arch.layers)!r}")
+                f"{model_type}: expected a ModuleList of blocks at {A.join(prefix, arch.layers)!r}{one}; use "
+                "RelevanceRules() for plain gradients")
         for p in arch.outer_norms:
             pl.norm(A.join(prefix, p), arch.norm, arch.offset)
         for layer in layers:
@@ -33,8 +38,7 @@ def plan_seq2seq(model: nn.Module, rules: RelevanceRules, model_type: str) -> Pl
             if i == 1:
                 pl.attention(layer, spec.cross_attention)
     pl.skip_lookalikes()
-    if rules.any():
-        _refuse_unmounted(pl)
+    _refuse_unmounted(pl)
     if rules.activation or rules.multiplicative_gate:
         pl.refuse_unobserved_forwards()
     return pl
