@@ -348,3 +348,36 @@ def test_one_stack_of_an_encoder_decoder_type_is_refused_with_rules_and_plain_wi
         pyattr.relevance(m, ids)
     r = pyattr.relevance(m, ids, rules=RelevanceRules())
     assert r.token_relevance.shape == (1, 4) and torch.isfinite(r.token_relevance).all()
+
+
+@pytest.mark.parametrize("arch", ["t5", "bart"])
+def test_the_users_own_backward_inside_the_scope_equals_relevance(arch):
+    """DESIGN §12: the scope opened around the user's own forward and backward (embeddings
+    passed as inputs_embeds / decoder_inputs_embeds, parameters left trainable) gives what
+    relevance gives: x · grad at each stack's entry, and the same gradient at the token
+    embeddings (the entry is their sum with the positions, where the model adds any)."""
+    model = tiny_seq2seq(arch)
+    src, dec = _ids(arch, seed=12)
+    emb = model.get_input_embeddings()
+    xs = emb(src).detach().requires_grad_(True)
+    xd = emb(dec).detach().requires_grad_(True)
+    seen = []
+
+    def keep(mod, args):
+        args[0].retain_grad()
+        seen.append(args[0])
+
+    hooks = [model.get_submodule(p).register_forward_pre_hook(keep) for p in ENTRIES[arch]]
+    try:
+        with pyattr.use_relevance_rules(model):
+            out = model(inputs_embeds=xs, decoder_inputs_embeds=xd, use_cache=False)
+            out.logits[:, -1, 11].sum().backward()
+    finally:
+        for h in hooks:
+            h.remove()
+    assert model.lm_head.weight.grad is not None  # parameters left trainable: the user's own backward reached them
+    ref = pyattr.relevance(model, src, decoder_input_ids=dec, target=11)
+    assert torch.allclose((seen[0] * seen[0].grad).sum(-1), ref.source_relevance, atol=1e-10, rtol=1e-8)
+    assert torch.allclose((seen[1] * seen[1].grad).sum(-1), ref.target_relevance, atol=1e-10, rtol=1e-8)
+    assert torch.allclose(xs.grad, seen[0].grad, atol=1e-12, rtol=1e-10)
+    assert torch.allclose(xd.grad, seen[1].grad, atol=1e-12, rtol=1e-10)

@@ -64,7 +64,8 @@ def use_relevance_rules(
     Args:
         model (nn.Module): a Hugging Face model (Llama, Mistral, Qwen2, Qwen3, Gemma,
             Gemma2, Gemma 3 text, OLMo 2, Phi-3, GPT-2, GPT-NeoX/Pythia, BERT, RoBERTa,
-            DistilBERT), with or without its head; also placed by accelerate, or wrapped in
+            DistilBERT; encoder–decoders: T5 / mT5, BART, mBART, Marian, M2M100 / NLLB,
+            Pegasus, both stacks and the cross-attention), with or without its head; also placed by accelerate, or wrapped in
             DataParallel / DDP; a TransformerLens ``TransformerBridge`` (the rules at its mounts,
             :mod:`pyattr.integration.bridge`), an nnsight ``NNsight`` / ``LanguageModel`` (the
             rule forwards run inside its traces), a tdhook context or hooked module, or a
