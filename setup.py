@@ -183,7 +183,7 @@ setup(
                   "pyattr.toy": ["induction/*.json", "induction/*.safetensors", "induction_b/*.json",
                                  "induction_b/*.safetensors", "induction_4l/*.json",
                                  "induction_4l/*.safetensors", "squares/*.json",
-                                 "squares/*.safetensors"]},
+                                 "squares/*.safetensors", "translation/*.json", "translation/*.safetensors"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

@@ -349,7 +349,7 @@ def generation_relevance(
                 raise ValueError(f"{name}: not supported on encoder–decoder models yet (each step's logit is "
                                  "explained over the source and the decoder's inputs)")
         return seq2seq_generation_relevance(model, inputs, max_new_tokens, continuation, generate_kwargs,
-                                            core.rule_defaults(rules), attention_mask)
+                                            core.rule_defaults(rules), attention_mask, tokenizer)
     can = getattr(model, "can_generate", None)
     if not callable(can) or not can():
         raise ValueError(f"model: {type(model).__name__} is not a causal language model (can_generate() is False); "

@@ -158,11 +158,15 @@ def relevance(
         tokenizer (optional): the model's Hugging Face tokenizer: reads text inputs and word
             targets, and fills the result's ``tokens`` (each token as a string) and
             ``target_tokens``.
-        decoder_input_ids (LongTensor[batch, target_len], optional): on an encoder–decoder
+        decoder_input_ids (LongTensor[batch, target_len] | str | list[str], optional): on an encoder–decoder
             model (T5, mT5, BART, mBART, Marian, M2M100 / NLLB, Pegasus), the target prefix
             the decoder reads (teacher forcing), starting with the decoder start token; or
             ``decoder_input_ids`` / ``labels`` in the inputs mapping (labels shifted by the
-            model's own ``prepare_decoder_input_ids_from_labels``). The target is read on
+            model's own ``prepare_decoder_input_ids_from_labels``). As text (with
+            ``tokenizer=``): the target text's labels as the tokenizer makes them
+            (``text_target=``, language codes included), shifted by that same method, so
+            the last decoder position predicts the text's last label (a word target
+            ``"RED"`` there: give the text before it). The target is read on
             the decoder side (default: the top-1 logit after the last real target token)
             and the result is a :class:`~pyattr.methods.seq2seq.Seq2SeqRelevanceResult`
             with ``source_relevance`` and ``target_relevance``. Default: None.
@@ -203,7 +207,7 @@ def relevance(
     model = unwrap(model)
     if is_encoder_decoder(model) or decoder_input_ids is not None or decoder_attention_mask is not None:
         return _seq2seq(model, inputs, target, rules, baseline, grad_outputs, attention_mask, generic,
-                        decoder_input_ids, decoder_attention_mask)
+                        decoder_input_ids, decoder_attention_mask, tokenizer)
     precheck_baseline(model, baseline, inputs)
     prep = core.prepare(model, inputs, attention_mask, "relevance", generic)
     batch = prep.input_ids.shape[0]
@@ -224,7 +228,7 @@ def relevance(
 
 
 def _seq2seq(model, inputs, target, rules, baseline, grad_outputs, attention_mask, generic, decoder_input_ids,
-             decoder_attention_mask):
+             decoder_attention_mask, tokenizer):
     if not is_encoder_decoder(model):
         raise ValueError(f"decoder_input_ids / decoder_attention_mask: {type(model).__name__} is not an "
                          "encoder–decoder model (config.is_encoder_decoder is false)")
@@ -233,7 +237,7 @@ def _seq2seq(model, inputs, target, rules, baseline, grad_outputs, attention_mas
             raise ValueError(f"{name}: not supported on encoder–decoder models yet")
     return seq2seq_relevance(model, inputs, target, core.rule_defaults(rules), decoder_input_ids=decoder_input_ids,
                              attention_mask=attention_mask, decoder_attention_mask=decoder_attention_mask,
-                             grad_outputs=grad_outputs)
+                             grad_outputs=grad_outputs, tokenizer=tokenizer)
 
 
 def relevance_in_chunks(model: nn.Module, inputs, targets: Sequence[Target], rules, baseline, chunks) -> RelevanceResult:

@@ -48,9 +48,12 @@ class Seq2SeqRelevanceResult:
         target_ids (Tensor[batch] or None): the token ids explained, for logit targets.
         coverage (RelevanceRuleCoverage): what the rule scope installed and skipped.
         backend (str): the backend that ran the rule backwards.
+        source_tokens, target_tokens (list of lists of str, or None): with ``tokenizer=``,
+            each source token and each decoder input token as a string (None at padding).
     """
 
     __repr__ = summary_repr
+    own_tokens = True  # source_tokens / target_tokens, not the one-sequence ``tokens`` of other results
 
     source_relevance: torch.Tensor
     target_relevance: torch.Tensor
@@ -61,6 +64,8 @@ class Seq2SeqRelevanceResult:
     target_ids: Optional[torch.Tensor]
     coverage: RelevanceRuleCoverage
     backend: str
+    source_tokens: Optional[List[List[Optional[str]]]] = None
+    target_tokens: Optional[List[List[Optional[str]]]] = None
 
 
 def _entries(model: nn.Module):
@@ -102,7 +107,38 @@ def _left_padded(mask: Optional[torch.Tensor]) -> bool:
     return mask is not None and bool((mask.long().cummin(-1).values != mask.long()).any())
 
 
-def prepare(model: nn.Module, inputs, attention_mask, decoder_input_ids, decoder_attention_mask, caller: str):
+def decoder_inputs_from_text(model: nn.Module, tokenizer, text, rows: int):
+    """``(decoder_input_ids, decoder_attention_mask)`` of a target text (one string, or one
+    per row): each row's labels as the tokenizer makes them (``text_target=``, with the
+    language codes and end-of-text marker it adds), then the model's own teacher-forcing
+    shift (``prepare_decoder_input_ids_from_labels``: its decoder start first, the last
+    label dropped), rows padded on the right. The logit at a row's last decoder position
+    predicts its last label (the end-of-text marker for a whole sentence)."""
+    if tokenizer is None:
+        raise ValueError("decoder_input_ids: the target prefix is text; pass tokenizer= (the model's tokenizer)")
+    texts = [text] * rows if isinstance(text, str) else list(text)
+    if len(texts) != rows or not all(isinstance(t, str) and t.strip() for t in texts):
+        raise ValueError(f"decoder_input_ids: expected one non-empty target text, or one per source row ({rows}), "
+                         f"got {text!r}")
+    shift = getattr(model, "prepare_decoder_input_ids_from_labels", None)
+    if not callable(shift):
+        raise ValueError(f"decoder_input_ids: {type(model).__name__} has no prepare_decoder_input_ids_from_labels to "
+                         "shift the target text's labels; pass decoder_input_ids as token ids")
+    out = []
+    for t in texts:
+        labels = tokenizer(text_target=t, return_tensors="pt")["input_ids"]
+        out.append(shift(labels=labels)[0])
+    width = max(len(r) for r in out)
+    pad = getattr(tokenizer, "pad_token_id", None)
+    ids = torch.full((rows, width), 0 if pad is None else int(pad), dtype=torch.long)
+    mask = torch.zeros(rows, width, dtype=torch.long)
+    for i, r in enumerate(out):
+        ids[i, :len(r)], mask[i, :len(r)] = r, 1
+    return ids, mask
+
+
+def prepare(model: nn.Module, inputs, attention_mask, decoder_input_ids, decoder_attention_mask, caller: str,
+            tokenizer=None):
     """The model's kwargs: the source (``input_ids``, ``attention_mask``) and the target
     prefix (``decoder_input_ids``, given, from the inputs, or from ``labels`` as the model
     shifts them itself with ``prepare_decoder_input_ids_from_labels``)."""
@@ -119,6 +155,13 @@ def prepare(model: nn.Module, inputs, attention_mask, decoder_input_ids, decoder
         shift = getattr(model, "prepare_decoder_input_ids_from_labels", None)
         if callable(shift):
             decoder_input_ids = shift(labels=labels)
+    if isinstance(decoder_input_ids, str) or (isinstance(decoder_input_ids, (list, tuple)) and decoder_input_ids
+                                              and all(isinstance(t, str) for t in decoder_input_ids)):
+        if decoder_attention_mask is not None:
+            raise ValueError("decoder_attention_mask: the target prefix is text, whose mask the tokenizer gives; "
+                             "pass decoder_attention_mask= only with token ids")
+        decoder_input_ids, decoder_attention_mask = decoder_inputs_from_text(model, tokenizer, decoder_input_ids,
+                                                                             src.shape[0])
     if decoder_input_ids is None:
         raise ValueError(
             f"{caller}(): {type(model).__name__} is an encoder–decoder model: pass the target prefix as "
@@ -154,12 +197,33 @@ def prepare(model: nn.Module, inputs, attention_mask, decoder_input_ids, decoder
     return kwargs, dec, dmask, entries
 
 
+def _word(tokenizer, word: str) -> int:
+    """The token id of a target-side word: one token as the tokenizer reads it in a target
+    text (``text_target=``, no special tokens), else ValueError."""
+    if tokenizer is None:
+        raise ValueError(f"target={word!r}: a word target needs tokenizer=")
+    ids = tokenizer(text_target=word, add_special_tokens=False)["input_ids"]
+    if len(ids) != 1:
+        raise ValueError(f"target={word!r} is {len(ids)} tokens as the tokenizer reads it in a target text; explain a "
+                         "single token (or its pieces one by one with generation_relevance(continuation=...))")
+    return int(ids[0])
+
+
+def _words_to_ids(target, tokenizer):
+    if isinstance(target, str):
+        return _word(tokenizer, target)
+    if isinstance(target, (list, tuple)) and target and all(isinstance(t, str) for t in target):
+        return [_word(tokenizer, t) for t in target]
+    return target
+
+
 def seq2seq_relevance(model: nn.Module, inputs, target, rules: RelevanceRules, *, decoder_input_ids=None,
                       attention_mask=None, decoder_attention_mask=None, grad_outputs=None,
-                      caller: str = "relevance") -> Seq2SeqRelevanceResult:
+                      caller: str = "relevance", tokenizer=None) -> Seq2SeqRelevanceResult:
     """:func:`pyattr.relevance` of a decoder-side target of an encoder–decoder model."""
     kwargs, dec, dmask, (enc_entry, dec_entry) = prepare(model, inputs, attention_mask, decoder_input_ids,
-                                                         decoder_attention_mask, caller)
+                                                         decoder_attention_mask, caller, tokenizer)
+    target = _words_to_ids(target, tokenizer)
     tgts, several = T.normalize(target, dec.shape[0])
     if any(T.module_paths([t]) for t in tgts):
         raise ValueError("target: module-output targets are not supported on encoder–decoder models yet; explain a "
@@ -195,4 +259,17 @@ def seq2seq_relevance(model: nn.Module, inputs, target, rules: RelevanceRules, *
     return Seq2SeqRelevanceResult(
         source_relevance=rel_s.sum(-1), target_relevance=rel_t.sum(-1), source_hidden_relevance=rel_s,
         target_hidden_relevance=rel_t, target=t64, conservation_delta=go.detach().double() * t64 - sums,
-        target_ids=tid, coverage=cov, backend=backend_name)
+        target_ids=tid, coverage=cov, backend=backend_name,
+        source_tokens=strings(tokenizer, kwargs["input_ids"], kwargs.get("attention_mask")),
+        target_tokens=strings(tokenizer, dec, dmask))
+
+
+def strings(tokenizer, ids: torch.Tensor, mask) -> Optional[List[List[Optional[str]]]]:
+    """Each token as the tokenizer writes it (None at padding), or None without a tokenizer."""
+    if tokenizer is None:
+        return None
+    rows = []
+    for i, row in enumerate(ids.tolist()):
+        toks = tokenizer.convert_ids_to_tokens(row)
+        rows.append([t if mask is None or int(mask[i, j]) else None for j, t in enumerate(toks)])
+    return rows

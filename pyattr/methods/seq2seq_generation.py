@@ -6,7 +6,7 @@ step ``t``'s logit over the source tokens and over the decoder's inputs before i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 import torch
 from torch import nn
@@ -16,7 +16,7 @@ from pyattr._repr import summary_repr
 from pyattr.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.methods._core.generate import generate
 from pyattr.methods._core.inputs import normalise_inputs
-from pyattr.methods.seq2seq import seq2seq_relevance
+from pyattr.methods.seq2seq import seq2seq_relevance, strings
 
 
 @dataclass
@@ -41,9 +41,13 @@ class Seq2SeqGenerationResult:
         step_mask (BoolTensor[batch, generated]): steps that exist: up to and including the
             step at which ``generate``'s own stopping criteria finished the row.
         coverage (RelevanceRuleCoverage), backend (str): as :func:`pyattr.relevance`.
+        source_tokens, sequence_tokens (list of lists of str, or None): with ``tokenizer=``,
+            the source's and the decoder sequence's tokens as strings (None at padding and
+            after a row finished).
     """
 
     __repr__ = summary_repr
+    own_tokens = True
 
     source_ids: torch.Tensor
     sequences: torch.Tensor
@@ -55,10 +59,12 @@ class Seq2SeqGenerationResult:
     step_mask: torch.Tensor
     coverage: Optional[RelevanceRuleCoverage]
     backend: str
+    source_tokens: Optional[List[List[Optional[str]]]] = None
+    sequence_tokens: Optional[List[List[Optional[str]]]] = None
 
 
 def seq2seq_generation_relevance(model: nn.Module, inputs, max_new_tokens, continuation, generate_kwargs,
-                                 rules: RelevanceRules, attention_mask) -> Seq2SeqGenerationResult:
+                                 rules: RelevanceRules, attention_mask, tokenizer=None) -> Seq2SeqGenerationResult:
     kwargs = normalise_inputs(inputs, attention_mask)
     src = kwargs["input_ids"]
     smask = kwargs.get("attention_mask")
@@ -107,6 +113,9 @@ def seq2seq_generation_relevance(model: nn.Module, inputs, max_new_tokens, conti
         target[b, :k] = r.target[:, 0]
         delta[b, :k] = r.conservation_delta[:, 0]
         cov, backend = r.coverage, r.backend
+    seq_mask = torch.cat([torch.ones(batch, width, dtype=torch.long), steps.to("cpu").long()], 1)
     return Seq2SeqGenerationResult(source_ids=src, sequences=seq, prefix_width=width, source_relevance=s_rel,
                                    target_relevance=t_rel, target=target, conservation_delta=delta,
-                                   step_mask=steps.to("cpu"), coverage=cov, backend=backend)
+                                   step_mask=steps.to("cpu"), coverage=cov, backend=backend,
+                                   source_tokens=strings(tokenizer, src, smask),
+                                   sequence_tokens=strings(tokenizer, seq, seq_mask))

@@ -8,6 +8,11 @@ heads in layer 0, two induction heads in layer 1; ``circuit.json``, found by
 ``load_squares()`` returns a 2-layer ViT image classifier trained (``python -m
 pyattr.toy.vision``) to name the colour of the one square in a 32 × 32 image, and its image
 processor: the evidence for its class is the patches the square covers (about 0.1 MB).
+
+``load_translation()`` returns a 2 + 2-layer Marian encoder–decoder trained (``python -m
+pyattr.toy.translation``) to translate a sentence word for word into upper case, in
+reverse order, and its tokenizer: each output word's evidence is one known source word
+(about 0.7 MB).
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ INDUCTION_NAME = "induction"
 #: The directory of the shipped image classifier (``save_pretrained`` layout plus its
 #: ``preprocessor_config.json``).
 SQUARES_DIR = Path(__file__).resolve().parent / "squares"
+#: The directory of the shipped translation model (an encoder–decoder, ``save_pretrained``
+#: layout plus its tokenizer and ``training.json``).
+TRANSLATION_DIR = Path(__file__).resolve().parent / "translation"
 #: A 4-layer induction decoder, the same task and width (``python -m pyattr.toy.train DIR
 #: --layers 4``): estimates measured on a model where several blocks lie between a node and
 #: the output. Training found no head that passes the circuit thresholds alone (its
@@ -57,6 +65,17 @@ def load(path=None):
 
     circuit = KnownCircuit(json.loads((path / "circuit.json").read_text()))
     return model, tok, circuit
+
+
+def load_translation(path=None):
+    """(model, tokenizer) of the toy translation model (a 2 + 2-layer Marian that
+    translates a sentence into upper-case words in reverse order, so target step ``t`` of
+    ``n`` words is aligned to source word ``n − 1 − t``; see :mod:`pyattr.toy.translation`),
+    model in eval mode, float32. ``path``: a directory written by ``python -m
+    pyattr.toy.translation`` (default: the shipped one)."""
+    from pyattr.toy.translation import load as _load
+
+    return _load(path)
 
 
 def load_squares(path=None):

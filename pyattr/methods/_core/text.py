@@ -263,6 +263,8 @@ def resolve(model, inputs, tokenizer, caller: str, *, target=None, rules=None, l
 
 def _word_targets(model, tokenizer, target, inputs, texts):
     """A word or one word per row → a class id (a classifier's label) or one token id per row."""
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return target  # a target-side word: read with text_target= (pyattr.methods.seq2seq)
     words = [target] if isinstance(target, str) else list(target)
     labels = getattr(getattr(model, "config", None), "label2id", None) or {}
     if not _causal(model) and all(w in labels for w in words):
@@ -467,6 +469,8 @@ def text_inputs(caller: str, *, inputs: Sequence[str] = ("inputs",), target: Opt
                     a[name] = encode(call.tokenizer, [a[name]] if isinstance(a[name], str) else list(a[name]),
                                      call.model, caller, left=left, name=name)
             result = fn(*bound.args, **bound.kwargs)
+            if getattr(result, "own_tokens", False):  # an encoder–decoder result fills both sides' tokens itself
+                return result
             if call.tokenizer is None:
                 return _class_names(result, call.model)
             ids, mask = tokens_of(result) if tokens_of is not None else _ids_and_mask(call.inputs)
