@@ -47,6 +47,7 @@ _EXPORTS = {
     "GenerationRelevanceResult": "pyattr.methods.generation",
     "Seq2SeqRelevanceResult": "pyattr.methods.seq2seq",
     "Seq2SeqGenerationResult": "pyattr.methods.seq2seq_generation",
+    "Seq2SeqAttributionResult": "pyattr.methods.seq2seq_ig",
     "context_attribution": "pyattr.methods.context",
     "ContextAttributionResult": "pyattr.methods.context",
     "run": "pyattr.apps.run",
@@ -92,6 +93,7 @@ if TYPE_CHECKING:  # what static tools see
     from pyattr.methods.generation import GenerationRelevanceResult, generation_relevance
     from pyattr.methods.seq2seq import Seq2SeqRelevanceResult
     from pyattr.methods.seq2seq_generation import Seq2SeqGenerationResult
+    from pyattr.methods.seq2seq_ig import Seq2SeqAttributionResult
     from pyattr.methods.context import ContextAttributionResult, context_attribution
     from pyattr.methods.capture import Captured, GradientCapture, capture
     from pyattr.methods.integrated_gradients import AttributionResult, ConvergenceWarning, integrated_gradients

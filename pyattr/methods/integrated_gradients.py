@@ -19,6 +19,8 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
+from pyattr.methods._core.stacks import is_encoder_decoder
+from pyattr.methods.seq2seq_ig import seq2seq_integrated_gradients
 import pyattr.methods._core as core
 import pyattr.methods._core.text as text
 import pyattr.methods._core.groups as G
@@ -141,6 +143,8 @@ def integrated_gradients(
     attention_mask: Optional[torch.Tensor] = None,
     generic: bool = False,
     tokenizer=None,
+    decoder_input_ids=None,
+    decoder_attention_mask: Optional[torch.Tensor] = None,
 ) -> AttributionResult:
     """Integrated gradients of ``target`` at the input embeddings (or at ``layer``).
 
@@ -196,6 +200,14 @@ def integrated_gradients(
             token as a string). ``model`` may be a hub id, a directory or a bundled
             name, and ``rules`` a shorthand (``"all"``, ``"attnlrp"``, ``"ln"``,
             ``"none"``), as for :func:`pyattr.relevance`.
+        decoder_input_ids (LongTensor[batch, target_len] | str | list[str], optional): on an
+            encoder–decoder model, the target prefix, as for :func:`pyattr.relevance`; the
+            path then runs at both stacks' entries at once from a zero baseline, and the
+            result is a :class:`~pyattr.methods.seq2seq_ig.Seq2SeqAttributionResult`
+            (``layer``, ``internal_batch_size``, ``grad_outputs`` and
+            ``multiply_by_inputs=False`` are not supported there yet). Default: None.
+        decoder_attention_mask (Tensor[batch, target_len], optional): 1 for real target
+            tokens, as for :func:`pyattr.relevance`. Default: None.
 
     Returns:
         AttributionResult: ``attribution``, ``token_attribution``, ``convergence_delta``
@@ -221,6 +233,17 @@ def integrated_gradients(
     if attribute_to_layer_input and layer is None:
         raise ValueError("attribute_to_layer_input=True needs layer: without it the attribution is at the input embeddings")
     alphas, weights = path_points(method, n_steps)
+    if is_encoder_decoder(model):
+        if layer is not None or internal_batch_size is not None or grad_outputs is not None or not multiply_by_inputs:
+            raise ValueError("layer, internal_batch_size, grad_outputs, multiply_by_inputs=False: not supported on "
+                             "encoder–decoder models yet")
+        return seq2seq_integrated_gradients(
+            model, inputs, target, decoder_input_ids=decoder_input_ids, decoder_attention_mask=decoder_attention_mask,
+            attention_mask=attention_mask, baseline=baseline, alphas=alphas, weights=weights, method=method,
+            rules=RelevanceRules.none() if rules is None else rules, tokenizer=tokenizer)
+    if decoder_input_ids is not None or decoder_attention_mask is not None:
+        raise ValueError(f"decoder_input_ids / decoder_attention_mask: {type(model).__name__} is not an "
+                         "encoder–decoder model (config.is_encoder_decoder is false)")
     precheck_baseline(model, baseline, inputs)
     prep = core.prepare(model, inputs, attention_mask, "integrated_gradients", generic)
     batch = prep.input_ids.shape[0]

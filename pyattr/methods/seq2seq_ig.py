@@ -1,0 +1,123 @@
+"""Integrated gradients on encoder–decoder models: the straight path from a baseline to
+the input at both stacks' entries at once (the source's and the target prefix's residual
+streams), all path points in one batched forward and backward; the attribution of each
+source token and of each target-prefix token, with one completeness sum over both."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+from torch import nn
+
+import pyattr.methods._core as core
+import pyattr.targets as T
+from pyattr._repr import summary_repr
+from pyattr.config import RelevanceRuleCoverage, RelevanceRules
+from pyattr.methods._core.forward import evaluate_targets, leaf
+from pyattr.methods.seq2seq import _words_to_ids, prepare, strings
+
+
+@dataclass
+class Seq2SeqAttributionResult:
+    """Output of :func:`pyattr.integrated_gradients` on an encoder–decoder model.
+
+    Attributes:
+        source_attribution (Tensor[batch, source_len]): per source token, ``(x − x₀) ·
+            Σ_i w_i ∂f/∂x`` at the encoder's entry, summed over the hidden dimension
+            (float32, or float64 for a float64 model).
+        target_attribution (Tensor[batch, target_len]): the same at the decoder's entry.
+        convergence_delta (Tensor[batch], float64): ``Σ source + Σ target −
+            (f(x) − f(x₀))``.
+        target (Tensor[batch], float64): f(x); ``baseline_target`` f(x₀).
+        target_ids (Tensor[batch] or None): token ids of logit targets.
+        n_steps (int), method (str): the quadrature used.
+        coverage (RelevanceRuleCoverage): what the rule scope installed and skipped.
+        source_tokens, target_tokens: with ``tokenizer=``, the tokens as strings.
+    """
+
+    __repr__ = summary_repr
+    own_tokens = True
+
+    source_attribution: torch.Tensor
+    target_attribution: torch.Tensor
+    convergence_delta: torch.Tensor
+    target: torch.Tensor
+    baseline_target: torch.Tensor
+    target_ids: Optional[torch.Tensor]
+    n_steps: int
+    method: str
+    coverage: RelevanceRuleCoverage
+    source_tokens: Optional[List[List[Optional[str]]]] = None
+    target_tokens: Optional[List[List[Optional[str]]]] = None
+
+
+def _repeat(kwargs: dict, times: int) -> dict:
+    """Every batch-first tensor of the model's kwargs repeated ``times`` (path point major)."""
+    return {k: (v.repeat(times, *([1] * (v.dim() - 1))) if isinstance(v, torch.Tensor) and v.dim() >= 1 else v)
+            for k, v in kwargs.items()}
+
+
+def seq2seq_integrated_gradients(model: nn.Module, inputs, target, *, decoder_input_ids, decoder_attention_mask,
+                                 attention_mask, baseline, alphas, weights, method: str, rules: RelevanceRules,
+                                 tokenizer=None) -> Seq2SeqAttributionResult:
+    if baseline not in (None, "zeros"):
+        raise ValueError(f"baseline: on encoder–decoder models only 'zeros' (a zero residual stream at both entries) "
+                         f"is supported yet, got {baseline!r}")
+    kwargs, dec, dmask, (enc_entry, dec_entry) = prepare(model, inputs, attention_mask, decoder_input_ids,
+                                                         decoder_attention_mask, "integrated_gradients", tokenizer)
+    batch = dec.shape[0]
+    tgts, several = T.normalize(_words_to_ids(target, tokenizer), batch)
+    if several:
+        raise ValueError("target: integrated_gradients explains one target per row; call it once per target")
+    n = len(alphas)
+    with core.attribution_pass(model, rules, False, "integrated_gradients") as cov:
+        seen: List[List[torch.Tensor]] = [[], []]
+
+        def keep(i, scale=None, store=None):
+            def fn(t):
+                seen[i].append(t.detach())
+                if scale is None:
+                    return None
+                z = leaf(t.detach() * scale.view(-1, *([1] * (t.dim() - 1))).to(t.dtype))
+                store[i] = z
+                return z
+            return fn
+
+        # f(x) at the input (the top-1 ids fixed there) and f(x₀) at the zero baseline
+        with torch.no_grad():
+            with core.tap(enc_entry, "input", keep(0), once=True), core.tap(dec_entry, "input", keep(1), once=True):
+                out = model(**kwargs)
+            value, tid, fixed = evaluate_targets(tgts, T.Forward(out, dec, dmask, {}, None), False)
+            zero = torch.zeros(batch)
+            with core.tap(enc_entry, "input", keep(0, zero, {}), once=True), \
+                    core.tap(dec_entry, "input", keep(1, zero, {}), once=True):
+                out0 = model(**kwargs)
+            value0, _, _ = evaluate_targets(fixed, T.Forward(out0, dec, dmask, {}, None), False)
+        x_src, x_tgt = seen[0][0], seen[1][0]
+        scale = torch.tensor(alphas, dtype=torch.float64).repeat_interleave(batch)
+        zs: dict = {}
+        with core.tap(enc_entry, "input", keep(0, scale, zs), once=True), \
+                core.tap(dec_entry, "input", keep(1, scale, zs), once=True):
+            out_p = model(**_repeat(kwargs, n))
+        rows = torch.arange(n * batch) % batch
+        path = [t.rows(rows, batch) for t in fixed]
+        vals, _, _ = evaluate_targets(path, T.Forward(out_p, dec.repeat(n, 1), None if dmask is None else
+                                                      dmask.repeat(n, 1), {}, None), False)
+        w = torch.tensor(weights, dtype=vals.dtype, device=vals.device).repeat_interleave(batch)
+        g_src, g_tgt = torch.autograd.grad(vals, [zs[0], zs[1]], w, allow_unused=True)
+    dt = torch.promote_types(torch.float32, x_src.dtype)
+
+    def integrate(x, g):
+        g = torch.zeros((n * batch, *x.shape[1:]), dtype=x.dtype) if g is None else g
+        return (x.to(dt) * g.to(dt).view(n, batch, *x.shape[1:]).sum(0)).sum(-1)
+
+    a_src, a_tgt = integrate(x_src, g_src), integrate(x_tgt, g_tgt)
+    t64, b64 = value.detach().double(), value0.detach().double()
+    delta = a_src.double().sum(-1) + a_tgt.double().sum(-1) - (t64 - b64)
+    return Seq2SeqAttributionResult(
+        source_attribution=a_src, target_attribution=a_tgt, convergence_delta=delta, target=t64,
+        baseline_target=b64, target_ids=tid, n_steps=n, method=method, coverage=cov,
+        source_tokens=strings(tokenizer, kwargs["input_ids"], kwargs.get("attention_mask")),
+        target_tokens=strings(tokenizer, dec, dmask))
