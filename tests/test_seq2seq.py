@@ -258,13 +258,13 @@ def test_bad_inputs_are_refused_by_name():
         pyattr.relevance(model, src, decoder_input_ids=dec, baseline="zeros")
 
 
-@pytest.mark.parametrize("method", ["layer_relevance", "context_attribution"])
+@pytest.mark.parametrize("method", ["context_attribution", "perturbation_curve"])
 def test_one_stack_methods_refuse_encoder_decoders(method):
     model = tiny_seq2seq("bart")
     src, _ = _ids("bart", batch=1)
     calls = {
         "generation_relevance": lambda: pyattr.generation_relevance(model, src, max_new_tokens=2),
-        "layer_relevance": lambda: pyattr.layer_relevance(model, src, layers=["model.encoder.layers.0"]),
+        "perturbation_curve": lambda: pyattr.evaluate.perturbation_curve(model, src, torch.ones(1, src.shape[1])),
         "context_attribution": lambda: pyattr.context_attribution(model, src, sources=[(1, 3)]),
     }
     with pytest.raises(ValueError, match=f"{method}\\(\\): BartForConditionalGeneration is an encoder–decoder model"):

@@ -92,3 +92,48 @@ def test_integrated_gradients_refuse_what_is_not_supported_on_encoder_decoders()
         pyattr.integrated_gradients(model, src, decoder_input_ids=dec, layer="encoder.block.0")
     with pytest.raises(ValueError, match="target: integrated_gradients explains one target per row"):
         pyattr.integrated_gradients(model, src, decoder_input_ids=dec, target=torch.tensor([[1, 2], [3, 4]]))
+
+
+@pytest.mark.parametrize("arch", ["t5", "bart", "marian"])
+def test_layer_relevance_on_both_stacks_equals_the_oracle(arch):
+    """x · grad at every block's input of both stacks, under the rules (written as hooks here)."""
+    model = tiny_seq2seq(arch)
+    src, dec = _ids(arch, seed=14)
+    r = pyattr.layer_relevance(model, src, "residual", target=9, decoder_input_ids=dec)
+    prefix = "" if arch == "t5" else "model."
+    blocks = "block" if arch == "t5" else "layers"
+    want = [f"{prefix}{side}.{blocks}.{i}" for side in ("encoder", "decoder") for i in range(2)]
+    assert r.paths == want
+    seen, hooks = {}, _oracle_hooks(model, "all")
+
+    def keep(path):
+        def pre(mod, args):
+            if path not in seen:
+                args[0].retain_grad()
+                seen[path] = args[0]
+        return pre
+
+    hooks += [model.get_submodule(p).register_forward_pre_hook(keep(p)) for p in want]
+    try:
+        with torch.enable_grad():
+            model(input_ids=src, decoder_input_ids=dec, use_cache=False).logits[:, -1, 9].sum().backward()
+    finally:
+        for h in hooks:
+            h.remove()
+    for p in want:
+        expected = (seen[p] * seen[p].grad).detach()
+        assert torch.allclose(r[p].relevance, expected, atol=1e-10 * expected.abs().max().item(), rtol=0), p
+        assert r[p].where == "input" and r[p].conservation_delta is None
+    # the encoder's first block input is relevance()'s source entry (T5, Marian: no norm before it)
+    if arch != "bart":
+        rel = pyattr.relevance(model, src, target=9, decoder_input_ids=dec)
+        assert torch.allclose(r[want[0]].relevance.sum(-1), rel.source_relevance, atol=1e-10, rtol=1e-8)
+
+
+def test_layer_relevance_refuses_one_stack_shorthands_on_encoder_decoders():
+    model = tiny_seq2seq("t5")
+    src, dec = _ids("t5")
+    with pytest.raises(ValueError, match="layers: the shorthand 'mlp' is not supported on encoder–decoder models yet"):
+        pyattr.layer_relevance(model, src, "mlp", decoder_input_ids=dec)
+    with pytest.raises(ValueError, match="layers: T5ForConditionalGeneration has no module 'encoder.blok.0'"):
+        pyattr.layer_relevance(model, src, ["encoder.blok.0"], decoder_input_ids=dec)

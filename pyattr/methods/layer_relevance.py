@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import pyattr.architectures as A
+from pyattr.methods._core.stacks import is_encoder_decoder
 import pyattr.methods._core as core
 import pyattr.methods._core.text as text
 import pyattr.methods._core.groups as G
@@ -200,6 +201,8 @@ def layer_relevance(
     attention_mask: Optional[torch.Tensor] = None,
     generic: bool = False,
     tokenizer=None,
+    decoder_input_ids=None,
+    decoder_attention_mask: Optional[torch.Tensor] = None,
 ) -> LayerRelevanceResult:
     """Activation, gradient and relevance of ``target`` at each of ``layers``.
 
@@ -235,6 +238,15 @@ def layer_relevance(
             name, and ``rules`` a shorthand (``"all"``, ``"attnlrp"``, ``"ln"``,
             ``"none"``), as for :func:`pyattr.relevance`.
 
+        decoder_input_ids (LongTensor[batch, target_len] | str | list[str], optional): on an
+            encoder–decoder model, the target prefix, as for :func:`pyattr.relevance`;
+            ``layers`` are then dotted paths in either stack or ``"residual"`` (every
+            block's input, the encoder's blocks then the decoder's), and
+            ``conservation_delta`` is None (a block of one stack is not a cut of the graph:
+            the other stack's entry carries the rest). Default: None.
+        decoder_attention_mask (Tensor[batch, target_len], optional): 1 for real target
+            tokens. Default: None.
+
     Returns:
         LayerRelevanceResult: ``result[path].activation / .gradient / .relevance``
         (float32, the layer's shape), ``.conservation_delta`` for residual layers,
@@ -248,6 +260,18 @@ def layer_relevance(
         RuntimeError: a call under ``torch.inference_mode()``.
     """
     model = unwrap(model)
+    if is_encoder_decoder(model):
+        if baseline is not None or internal_batch_size is not None or generic:
+            raise ValueError("baseline, internal_batch_size, generic: not supported on encoder–decoder models yet")
+        from pyattr.methods.seq2seq_layers import seq2seq_layer_relevance  # it builds on this module's results
+
+        return seq2seq_layer_relevance(
+            model, inputs, layers, target, core.rule_defaults(rules), decoder_input_ids=decoder_input_ids,
+            decoder_attention_mask=decoder_attention_mask, attention_mask=attention_mask,
+            attribute_to_layer_input=attribute_to_layer_input, grad_outputs=grad_outputs, tokenizer=tokenizer)
+    if decoder_input_ids is not None or decoder_attention_mask is not None:
+        raise ValueError(f"decoder_input_ids / decoder_attention_mask: {type(model).__name__} is not an "
+                         "encoder–decoder model (config.is_encoder_decoder is false)")
     internal_batch_size = core.check_count("internal_batch_size", internal_batch_size)
     core.check_grad_mode("layer_relevance")
     # the layers first: a shorthand on an unmapped model names itself, before the search

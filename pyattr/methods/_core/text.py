@@ -397,7 +397,7 @@ def prompt_and_continuation(tokenizer, texts: List[str], continuation) -> tuple:
 
 
 #: the methods that explain encoder–decoder models (methods/seq2seq.py, methods/seq2seq_generation.py)
-SEQ2SEQ_CALLERS = ("relevance", "generation_relevance", "integrated_gradients")
+SEQ2SEQ_CALLERS = ("relevance", "generation_relevance", "integrated_gradients", "layer_relevance")
 
 
 def text_inputs(caller: str, *, inputs: Sequence[str] = ("inputs",), target: Optional[str] = "target",

@@ -1,0 +1,83 @@
+"""Layer relevance on encoder–decoder models: activation, rule-modified gradient and
+relevance at modules of both stacks from one forward and one backward."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, List, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+import pyattr.architectures as A
+import pyattr.methods._core as core
+import pyattr.targets as T
+from pyattr.config import RelevanceRules
+from pyattr.methods._core.forward import backward, check_grad_outputs, evaluate_targets, leaf
+from pyattr.methods.layer_relevance import LayerRelevance, LayerRelevanceResult
+from pyattr.methods.seq2seq import _words_to_ids, prepare
+
+
+def _expand(model: nn.Module, layers: Union[str, Sequence[str]], to_input: bool) -> List[Tuple[str, str]]:
+    """``(path, "input" | "output")`` per layer; ``"residual"``: every block's input, the
+    encoder's blocks then the decoder's."""
+    names = [layers] if isinstance(layers, str) else list(layers)
+    if not names:
+        raise ValueError("layers: expected at least one dotted module path or 'residual'")
+    spec = A.SEQ2SEQ.get(A.model_type(model))
+    out: List[Tuple[str, str]] = []
+    for name in names:
+        if name == "residual":
+            if spec is None:
+                raise ValueError(f"layers: 'residual' needs a mapped encoder–decoder; {type(model).__name__} has none")
+            out += [(p, "input") for arch in (spec.encoder, spec.decoder) for p in A.layer_paths(model, arch)]
+        elif name in ("attention", "mlp", "neurons"):
+            raise ValueError(f"layers: the shorthand {name!r} is not supported on encoder–decoder models yet; pass "
+                             "'residual' or dotted module paths")
+        else:
+            core.resolve_module(model, name, "layers")
+            out.append((name, "input" if to_input else "output"))
+    seen, unique = set(), []
+    for p in out:
+        if p not in seen:
+            seen.add(p)
+            unique.append(p)
+    return unique
+
+
+def seq2seq_layer_relevance(model: nn.Module, inputs, layers, target, rules: RelevanceRules, *, decoder_input_ids,
+                            decoder_attention_mask, attention_mask, attribute_to_layer_input: bool,
+                            grad_outputs=None, tokenizer=None) -> LayerRelevanceResult:
+    lays = _expand(model, layers, attribute_to_layer_input)
+    kwargs, dec, dmask, entries = prepare(model, inputs, attention_mask, decoder_input_ids, decoder_attention_mask,
+                                          "layer_relevance", tokenizer)
+    tgts, several = T.normalize(_words_to_ids(target, tokenizer), dec.shape[0])
+    store: Dict[Tuple[str, str], torch.Tensor] = {}
+    with core.attribution_pass(model, rules, False, "layer_relevance") as cov:
+        def fn_for(key):
+            def fn(t):
+                store[key] = t
+                return None
+            return fn
+
+        with contextlib.ExitStack() as stack:
+            for entry in entries:  # both stacks' entries as leaves: the graph the gradients run through
+                stack.enter_context(core.tap(entry, "input", leaf, once=True))
+            for key in lays:
+                stack.enter_context(core.tap(A.get_submodule(model, key[0]), key[1], fn_for(key), once=True))
+            out = model(**kwargs)
+        missing = [p for p in lays if p not in store]
+        if missing:
+            raise ValueError(f"layers: {missing[0][0]!r} did not run in {type(model).__name__}'s forward pass")
+        value, tid, _ = evaluate_targets(tgts, T.Forward(out, dec, dmask, {}, None), several)
+        go = check_grad_outputs(grad_outputs, value)
+        acts = [store[k] for k in lays]
+        grads = backward(value, acts, go, several)
+    dt = torch.promote_types(torch.float32, acts[0].dtype)
+    result = {}
+    for (path, where), a, g in zip(lays, acts, grads):
+        a = a.detach().to(dt)
+        g = torch.zeros((*value.shape[:1],) * several + a.shape, dtype=dt) if g is None else g.to(dt)
+        result[path] = LayerRelevance(activation=a, gradient=g, relevance=a * g, conservation_delta=None, where=where)
+    return LayerRelevanceResult(layers=result, paths=[p for p, _ in lays], target=value.detach().double(),
+                                target_ids=tid, coverage=cov)
