@@ -21,6 +21,7 @@ from torch import nn
 
 import pyattr.architectures as A
 from pyattr.methods._core.stacks import is_encoder_decoder
+from pyattr.methods.seq2seq_layers import seq2seq_layer_relevance
 import pyattr.methods._core as core
 import pyattr.methods._core.text as text
 import pyattr.methods._core.groups as G
@@ -263,12 +264,13 @@ def layer_relevance(
     if is_encoder_decoder(model):
         if baseline is not None or internal_batch_size is not None or generic:
             raise ValueError("baseline, internal_batch_size, generic: not supported on encoder–decoder models yet")
-        from pyattr.methods.seq2seq_layers import seq2seq_layer_relevance  # it builds on this module's results
-
-        return seq2seq_layer_relevance(
+        found, paths, value, tid, cov = seq2seq_layer_relevance(
             model, inputs, layers, target, core.rule_defaults(rules), decoder_input_ids=decoder_input_ids,
             decoder_attention_mask=decoder_attention_mask, attention_mask=attention_mask,
             attribute_to_layer_input=attribute_to_layer_input, grad_outputs=grad_outputs, tokenizer=tokenizer)
+        return LayerRelevanceResult(
+            layers={p: LayerRelevance(activation=a, gradient=g, relevance=a * g, where=w) for p, (a, g, w) in found.items()},
+            paths=paths, target=value, target_ids=tid, coverage=cov)
     if decoder_input_ids is not None or decoder_attention_mask is not None:
         raise ValueError(f"decoder_input_ids / decoder_attention_mask: {type(model).__name__} is not an "
                          "encoder–decoder model (config.is_encoder_decoder is false)")

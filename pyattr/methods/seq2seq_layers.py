@@ -14,7 +14,6 @@ import pyattr.methods._core as core
 import pyattr.targets as T
 from pyattr.config import RelevanceRules
 from pyattr.methods._core.forward import backward, check_grad_outputs, evaluate_targets, leaf
-from pyattr.methods.layer_relevance import LayerRelevance, LayerRelevanceResult
 from pyattr.methods.seq2seq import _words_to_ids, prepare
 
 
@@ -47,7 +46,9 @@ def _expand(model: nn.Module, layers: Union[str, Sequence[str]], to_input: bool)
 
 def seq2seq_layer_relevance(model: nn.Module, inputs, layers, target, rules: RelevanceRules, *, decoder_input_ids,
                             decoder_attention_mask, attention_mask, attribute_to_layer_input: bool,
-                            grad_outputs=None, tokenizer=None) -> LayerRelevanceResult:
+                            grad_outputs=None, tokenizer=None):
+    """``(layers, paths, target, target_ids, coverage)``: per path ``(activation, gradient,
+    where)``; :func:`pyattr.layer_relevance` makes its result of them."""
     lays = _expand(model, layers, attribute_to_layer_input)
     kwargs, dec, dmask, entries = prepare(model, inputs, attention_mask, decoder_input_ids, decoder_attention_mask,
                                           "layer_relevance", tokenizer)
@@ -78,6 +79,5 @@ def seq2seq_layer_relevance(model: nn.Module, inputs, layers, target, rules: Rel
     for (path, where), a, g in zip(lays, acts, grads):
         a = a.detach().to(dt)
         g = torch.zeros((*value.shape[:1],) * several + a.shape, dtype=dt) if g is None else g.to(dt)
-        result[path] = LayerRelevance(activation=a, gradient=g, relevance=a * g, conservation_delta=None, where=where)
-    return LayerRelevanceResult(layers=result, paths=[p for p, _ in lays], target=value.detach().double(),
-                                target_ids=tid, coverage=cov)
+        result[path] = (a, g, where)
+    return result, [p for p, _ in lays], value.detach().double(), tid, cov
