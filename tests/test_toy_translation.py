@@ -46,7 +46,7 @@ def test_text_in_both_sides_and_word_targets():
     r = pyattr.relevance(model, ["sun cat red", "dog owl fox bee"], tokenizer=tok,
                          decoder_input_ids=["RED CAT", "BEE"], target=["SUN", "FOX"])
     assert r.source_tokens == [["sun", "cat", "red", "</s>", None], ["dog", "owl", "fox", "bee", "</s>"]]
-    assert r.target_tokens == [["<pad>", "RED", "CAT"], ["<pad>", "BEE", None]]
+    assert r.decoder_tokens == [["<pad>", "RED", "CAT"], ["<pad>", "BEE", None]]
     assert r.target_ids.tolist() == [tok.convert_tokens_to_ids("SUN"), tok.convert_tokens_to_ids("FOX")]
     assert r.source_relevance[0].argmax() == 0 and r.source_relevance[1].argmax() == 2  # sun; fox
     ids = pyattr.relevance(model, tok("sun cat red", return_tensors="pt")["input_ids"],
@@ -58,3 +58,32 @@ def test_text_in_both_sides_and_word_targets():
         pyattr.relevance(model, "sun cat red", tokenizer=tok, decoder_input_ids="RED", target="SUN CAT")
     with pytest.raises(ValueError, match="decoder_input_ids: expected one non-empty target text, or one per source row"):
         pyattr.relevance(model, ["sun cat", "dog owl"], tokenizer=tok, decoder_input_ids=["RED"])
+
+
+def test_views_show_both_sides_and_results_save_and_load(tmp_path, capsys):
+    model, tok = toy.load_translation()
+    r = pyattr.relevance(model, ["sun cat red", "dog owl fox bee"], tokenizer=tok,
+                         decoder_input_ids=["RED CAT", "BEE"], target=["SUN", "FOX"])
+    g = pyattr.generation_relevance(model, "sun cat red fox", tokenizer=tok, max_new_tokens=5)
+    a = pyattr.integrated_gradients(model, "sun cat red", tokenizer=tok, decoder_input_ids="RED CAT", target="SUN",
+                                    n_steps=8)
+    assert r.target_tokens == ["SUN", "FOX"] and a.target_tokens == ["SUN"]
+    r.show()
+    text = capsys.readouterr().out
+    assert "row 0 · target 'SUN'" in text and "source (Σ" in text and "target prefix (Σ" in text
+    assert "fox(+" in text
+    g.show()
+    text = capsys.readouterr().out
+    assert "each generated token (rows) over the source" in text and "3: SUN" in text
+    df = r.to_pandas()
+    src_rows = df[(df.row == 1) & df.source_token.notna()]
+    assert src_rows.source_token.tolist() == ["dog", "owl", "fox", "bee", "</s>"]
+    assert df[(df.row == 1) & df.decoder_token.notna()].decoder_token.tolist() == ["<pad>", "BEE"]
+    assert torch.allclose(torch.tensor(src_rows.relevance.tolist(), dtype=torch.float32), r.source_relevance[1])
+    assert "<table" in g.to_html() or "<svg" in g.to_html()
+    for res in (r, g, a):
+        back = pyattr.load(res.save(tmp_path / f"{type(res).__name__}.safetensors"))
+        assert type(back) is type(res) and torch.equal(back.target, res.target)
+        first = res.source_relevance if hasattr(res, "source_relevance") else res.source_attribution
+        again = back.source_relevance if hasattr(back, "source_relevance") else back.source_attribution
+        assert torch.equal(first, again)

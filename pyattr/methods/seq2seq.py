@@ -19,6 +19,7 @@ import pyattr.backends as backends
 import pyattr.methods._core as core
 import pyattr.targets as T
 from pyattr._repr import summary_repr
+from pyattr.results import ResultViews
 from pyattr.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.methods._core.forward import backward, check_grad_outputs, evaluate_targets, leaf
 from pyattr.methods._core.inputs import check_token_ids, normalise_inputs
@@ -27,7 +28,7 @@ from pyattr.methods._core.stacks import is_encoder_decoder, refuse_encoder_decod
 
 
 @dataclass
-class Seq2SeqRelevanceResult:
+class Seq2SeqRelevanceResult(ResultViews):
     """Output of :func:`pyattr.relevance` on an encoder–decoder model.
 
     With k targets per row every tensor field gains a leading ``k`` dimension.
@@ -48,12 +49,14 @@ class Seq2SeqRelevanceResult:
         target_ids (Tensor[batch] or None): the token ids explained, for logit targets.
         coverage (RelevanceRuleCoverage): what the rule scope installed and skipped.
         backend (str): the backend that ran the rule backwards.
-        source_tokens, target_tokens (list of lists of str, or None): with ``tokenizer=``,
+        source_tokens, decoder_tokens (list of lists of str, or None): with ``tokenizer=``,
             each source token and each decoder input token as a string (None at padding).
+        target_tokens (list of str, or None): with ``tokenizer=``, the explained token of
+            each row (logit targets), as the other results name it.
     """
 
     __repr__ = summary_repr
-    own_tokens = True  # source_tokens / target_tokens, not the one-sequence ``tokens`` of other results
+    own_tokens = True  # source_tokens / decoder_tokens, not the one-sequence ``tokens`` of other results
 
     source_relevance: torch.Tensor
     target_relevance: torch.Tensor
@@ -65,7 +68,8 @@ class Seq2SeqRelevanceResult:
     coverage: RelevanceRuleCoverage
     backend: str
     source_tokens: Optional[List[List[Optional[str]]]] = None
-    target_tokens: Optional[List[List[Optional[str]]]] = None
+    decoder_tokens: Optional[List[List[Optional[str]]]] = None
+    target_tokens: Optional[list] = None
 
 
 def _entries(model: nn.Module):
@@ -261,7 +265,15 @@ def seq2seq_relevance(model: nn.Module, inputs, target, rules: RelevanceRules, *
         target_hidden_relevance=rel_t, target=t64, conservation_delta=go.detach().double() * t64 - sums,
         target_ids=tid, coverage=cov, backend=backend_name,
         source_tokens=strings(tokenizer, kwargs["input_ids"], kwargs.get("attention_mask")),
-        target_tokens=strings(tokenizer, dec, dmask))
+        decoder_tokens=strings(tokenizer, dec, dmask), target_tokens=explained(tokenizer, tid))
+
+
+def explained(tokenizer, tid: Optional[torch.Tensor]):
+    """The explained token ids as strings (nested for k targets), or None."""
+    if tokenizer is None or tid is None:
+        return None
+    return [tokenizer.convert_ids_to_tokens(row) for row in tid.tolist()] if tid.dim() > 1 else \
+        tokenizer.convert_ids_to_tokens(tid.tolist())
 
 
 def strings(tokenizer, ids: torch.Tensor, mask) -> Optional[List[List[Optional[str]]]]:

@@ -13,6 +13,7 @@ from torch import nn
 
 import pyattr.targets as T
 from pyattr._repr import summary_repr
+from pyattr.results import ResultViews
 from pyattr.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.methods._core.generate import generate
 from pyattr.methods._core.inputs import normalise_inputs
@@ -20,7 +21,7 @@ from pyattr.methods.seq2seq import seq2seq_relevance, strings
 
 
 @dataclass
-class Seq2SeqGenerationResult:
+class Seq2SeqGenerationResult(ResultViews):
     """Output of :func:`pyattr.generation_relevance` on an encoder–decoder model.
 
     Attributes:

@@ -14,13 +14,14 @@ from torch import nn
 import pyattr.methods._core as core
 import pyattr.targets as T
 from pyattr._repr import summary_repr
+from pyattr.results import ResultViews
 from pyattr.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.methods._core.forward import evaluate_targets, leaf
-from pyattr.methods.seq2seq import _words_to_ids, prepare, strings
+from pyattr.methods.seq2seq import _words_to_ids, explained, prepare, strings
 
 
 @dataclass
-class Seq2SeqAttributionResult:
+class Seq2SeqAttributionResult(ResultViews):
     """Output of :func:`pyattr.integrated_gradients` on an encoder–decoder model.
 
     Attributes:
@@ -34,7 +35,8 @@ class Seq2SeqAttributionResult:
         target_ids (Tensor[batch] or None): token ids of logit targets.
         n_steps (int), method (str): the quadrature used.
         coverage (RelevanceRuleCoverage): what the rule scope installed and skipped.
-        source_tokens, target_tokens: with ``tokenizer=``, the tokens as strings.
+        source_tokens, decoder_tokens: with ``tokenizer=``, the tokens as strings;
+            ``target_tokens`` the explained token of each row.
     """
 
     __repr__ = summary_repr
@@ -50,7 +52,8 @@ class Seq2SeqAttributionResult:
     method: str
     coverage: RelevanceRuleCoverage
     source_tokens: Optional[List[List[Optional[str]]]] = None
-    target_tokens: Optional[List[List[Optional[str]]]] = None
+    decoder_tokens: Optional[List[List[Optional[str]]]] = None
+    target_tokens: Optional[list] = None
 
 
 def _repeat(kwargs: dict, times: int) -> dict:
@@ -120,4 +123,4 @@ def seq2seq_integrated_gradients(model: nn.Module, inputs, target, *, decoder_in
         source_attribution=a_src, target_attribution=a_tgt, convergence_delta=delta, target=t64,
         baseline_target=b64, target_ids=tid, n_steps=n, method=method, coverage=cov,
         source_tokens=strings(tokenizer, kwargs["input_ids"], kwargs.get("attention_mask")),
-        target_tokens=strings(tokenizer, dec, dmask))
+        decoder_tokens=strings(tokenizer, dec, dmask), target_tokens=explained(tokenizer, tid))

@@ -12,6 +12,7 @@ import torch
 
 from pyattr.results.colours import num
 from pyattr.results.panels import Curves, Graph, Matrix, Note, Picture, Table, Tokens, share_scale
+import pyattr.results.seq2seq_layouts as S2S
 
 MAX_ROWS = 8
 
@@ -397,6 +398,9 @@ LAYOUTS = {
     "Captured": captured,
     "GradientCapture": gradient_capture,
     "RelevanceAudit": audit,
+    "Seq2SeqRelevanceResult": S2S.seq2seq_relevance,
+    "Seq2SeqAttributionResult": S2S.seq2seq_attribution,
+    "Seq2SeqGenerationResult": S2S.seq2seq_generation,
 }
 
 
