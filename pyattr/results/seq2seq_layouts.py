@@ -9,6 +9,7 @@ from typing import List, Optional
 import torch
 
 from pyattr.results.colours import num
+from pyattr.results.layout_rows import _left_out, _rows_k, _take, _target_word, _value, _what
 from pyattr.results.panels import Matrix, Tokens
 
 
@@ -20,8 +21,6 @@ def _names(tokens, row: int, ids: torch.Tensor) -> List[Optional[str]]:
 
 
 def _two_sides(result, src: torch.Tensor, tgt: torch.Tensor, name: str, delta, delta_name: str, limit) -> List:
-    from pyattr.results.layouts import _left_out, _rows_k, _take, _target_word, _value, _what
-
     panels = []
     pairs = _rows_k(src, 2)
     for k, r in _take(pairs, limit):
@@ -50,8 +49,6 @@ def seq2seq_attribution(result, limit) -> List:
 
 
 def seq2seq_generation(result, limit) -> List:
-    from pyattr.results.layouts import _left_out, _take
-
     panels = []
     width, batch = result.prefix_width, result.sequences.shape[0]
     for r in _take(list(range(batch)), limit):
