@@ -87,3 +87,23 @@ def test_views_show_both_sides_and_results_save_and_load(tmp_path, capsys):
         first = res.source_relevance if hasattr(res, "source_relevance") else res.source_attribution
         again = back.source_relevance if hasattr(back, "source_relevance") else back.source_attribution
         assert torch.equal(first, again)
+
+
+def test_generate_command_explains_a_translation_model():
+    import json
+
+    from conftest import run_cli
+
+    r = run_cli("generate", "--model", "translation", "--text", "sun cat red fox", "--max-new-tokens", "5", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["generated_text"] == "FOX RED CAT SUN"
+    assert doc["tokens"][:6] == ["sun", "cat", "red", "fox", "</s>", "<pad>"] and doc["prompt_tokens"] == 6
+    m = torch.tensor(doc["token_relevance"])
+    model, tok = toy.load_translation()
+    api = pyattr.generation_relevance(model, "sun cat red fox", tokenizer=tok, max_new_tokens=5)
+    torch.testing.assert_close(m[:, :5], api.source_relevance[0])  # the source columns
+    torch.testing.assert_close(m[:, 5:10], api.target_relevance[0])  # the decoder's inputs
+    assert [int(row[:5].argmax()) for row in m[:4]] == [3, 2, 1, 0]  # FOX <- fox, RED <- red, …
+    r = run_cli("generate", "--model", "translation", "--text", "sun cat red", "--target", "prob")
+    assert r.returncode != 0 and "--target prob: an encoder–decoder model's steps are explained by their logit" in r.stderr

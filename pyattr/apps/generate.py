@@ -54,6 +54,12 @@ def run_generate(model_dir: Path, text: str, max_new_tokens: Optional[int], cont
                  target: str, rules: RelevanceRules, batch_targets: Optional[int] = None) -> GenerationReport:
     from pyattr.methods.generation import generation_relevance
 
+    from pyattr.apps.generate_seq2seq import encoder_decoder_checkpoint, run_seq2seq
+
+    if encoder_decoder_checkpoint(model_dir):  # read from its config, before any weights load
+        tok, model = _load(model_dir, causal=None)  # the checkpoint's own class (MarianMTModel, T5…)
+        return run_seq2seq(model, tok, model_label(model_dir), text, max_new_tokens, continuation, target, rules,
+                           batch_targets)
     tok, model = _load(model_dir, causal=True)
     tok.padding_side = "left"
     import torch

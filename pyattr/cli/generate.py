@@ -28,7 +28,7 @@ def run(args) -> int:
         if args.text is not None and not args.text.strip():
             raise UsageError("--text is empty")
         kind = checkpoint_kind(args.model) if args.model is not None else None
-        if kind is not None and kind[0] != "causal LM":
+        if kind is not None and kind[0] not in ("causal LM", "encoder-decoder"):
             # read from config.json: no weights are loaded to find out
             instead = (f"pyattr explain --model {args.model} --image FILE explains an image"
                        if kind[0] == "image classifier" else

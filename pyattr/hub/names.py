@@ -42,6 +42,12 @@ def _squares_dir() -> Path:
     return Path(getattr(toy, "SQUARES_DIR", Path(toy.__file__).resolve().parent / "squares"))
 
 
+def _translation_dir() -> Path:
+    from pyattr.toy import TRANSLATION_DIR
+
+    return Path(TRANSLATION_DIR)
+
+
 @dataclass(frozen=True)
 class _Bundled:
     name: str                     # the name shown in listings and suggestions
@@ -55,6 +61,7 @@ BUNDLED = (
              ("all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2")),
     _Bundled("induction", "induction (bundled)", _induction_dir),
     _Bundled("squares", "squares (bundled)", _squares_dir),
+    _Bundled("translation", "translation (bundled)", _translation_dir),
 )
 #: The bundled names, as listed in messages.
 BUNDLED_NAMES = tuple(b.name for b in BUNDLED)
