@@ -22,7 +22,7 @@ from conftest import run_cli
 from pyattr.toy import INDUCTION_DIR
 
 TAIL = ". To load a model from disk, pass its directory (what save_pretrained writes, the tokenizer included)"
-LEAD = ("is not a local directory or a bundled model (minilm, induction, squares), so it was looked up on the "
+LEAD = ("is not a local directory or a bundled model (minilm, induction, squares, translation), so it was looked up on the "
         "Hugging Face Hub: ")
 
 
@@ -79,7 +79,7 @@ def test_a_local_directory_wins_over_a_bundled_name_or_hub_id(tmp_path, monkeypa
 def test_empty_and_wrong_types():
     with pytest.raises(hub.ModelLoadError) as e:
         hub.resolve("  ")
-    assert str(e.value) == ("the model name is empty: give a bundled name (minilm, induction, squares), a local "
+    assert str(e.value) == ("the model name is empty: give a bundled name (minilm, induction, squares, translation), a local "
                             "directory or a Hugging Face Hub id")
     with pytest.raises(TypeError, match="a model name is a string or a path, not int"):
         hub.resolve(3)

@@ -134,7 +134,7 @@ def test_model_by_bundled_name_and_directory(toy):
 def test_model_name_errors(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError, match=r"^model 'no-such-org/no-such-model' is not a local directory or a bundled "
-                                         r"model \(minilm, induction, squares\), so it was looked up on the Hugging "
+                                         r"model \(minilm, induction, squares, translation\), so it was looked up on the Hugging "
                                          r"Face Hub: offline mode is on \(HF_HUB_OFFLINE=1\) and .* To load a model "
                                          r"from disk, pass its directory"):
         pyattr.relevance("no-such-org/no-such-model", TEXT)
