@@ -107,3 +107,9 @@ def test_generate_command_explains_a_translation_model():
     assert [int(row[:5].argmax()) for row in m[:4]] == [3, 2, 1, 0]  # FOX <- fox, RED <- red, …
     r = run_cli("generate", "--model", "translation", "--text", "sun cat red", "--target", "prob")
     assert r.returncode != 0 and "--target prob: an encoder–decoder model's steps are explained by their logit" in r.stderr
+
+
+def test_the_bundled_name_loads_the_model_and_its_tokenizer():
+    r = pyattr.relevance("translation", "sun cat red", decoder_input_ids="RED CAT", target="SUN")
+    assert r.source_tokens == [["sun", "cat", "red", "</s>"]] and r.target_tokens == ["SUN"]
+    assert int(r.source_relevance[0].argmax()) == 0
