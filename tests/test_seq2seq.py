@@ -330,9 +330,27 @@ def test_generation_stops_where_generate_stopped_each_row():
 def test_generation_arguments_not_supported_on_encoder_decoders_are_refused():
     model = tiny_seq2seq("t5")
     src, _ = _ids("t5", batch=1)
-    for kw, name in (({"target": "logprob"}, "target"), ({"contrast": 5}, "contrast"), ({"baseline": "zeros"}, "baseline")):
+    for kw, name in (({"baseline": "zeros"}, "baseline"), ({"batch_targets": 2}, "batch_targets")):
         with pytest.raises(ValueError, match=f"{name}: not supported on encoder–decoder models yet"):
             pyattr.generation_relevance(model, src, max_new_tokens=2, **kw)
+    with pytest.raises(ValueError, match=r"contrast of shape \(1, 3\): expected \(batch, generated\) = \(1, 2\)"):
+        pyattr.generation_relevance(model, src, max_new_tokens=2, contrast=torch.tensor([4, 5, 6]))
+
+
+@pytest.mark.parametrize("kind", ["logprob", "prob"])
+def test_generation_log_probability_and_contrast_targets_equal_relevance_per_step(kind):
+    import pyattr.targets as T
+
+    model = tiny_seq2seq("bart")
+    src, _ = _ids("bart", seed=15, src=6)
+    r = pyattr.generation_relevance(model, src, max_new_tokens=3, target=kind, contrast=torch.tensor([7, 8, 9]))
+    w = r.prefix_width
+    for b in range(2):
+        for t in range(3):
+            tgt = T.LogProb(int(r.sequences[b, w + t]), position=w + t - 1, contrast=7 + t, prob=kind == "prob")
+            one = pyattr.relevance(model, src[b:b + 1], decoder_input_ids=r.sequences[b:b + 1, :w + t], target=tgt)
+            assert torch.allclose(r.source_relevance[b, t], one.source_relevance[0], atol=1e-10, rtol=1e-8)
+            assert torch.allclose(r.target[b, t], one.target[0], rtol=1e-10, atol=1e-12)
     with pytest.raises(ValueError, match="max_new_tokens: expected an int >= 1"):
         pyattr.generation_relevance(model, src, max_new_tokens=0)
 

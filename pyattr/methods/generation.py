@@ -319,7 +319,8 @@ def generation_relevance(
     :class:`~pyattr.methods.seq2seq_generation.Seq2SeqGenerationResult` with each step's
     relevance over the source and over the decoder's inputs before it (the generated ×
     (source + target prefix) matrices), from one forward and one batched backward per row;
-    ``target``, ``contrast``, ``baseline`` and ``batch_targets`` keep their defaults there.
+    ``target`` and ``contrast`` (one id, or one per step for every row) work as here;
+    ``baseline`` and ``batch_targets`` keep their defaults there.
 
     Returns:
         GenerationRelevanceResult. Row ``t`` equals :func:`pyattr.relevance` on the
@@ -343,13 +344,24 @@ def generation_relevance(
     if generate_kwargs is not None and continuation is not None:
         raise ValueError("generate_kwargs: a continuation is given, nothing is generated")
     if is_encoder_decoder(model):
-        for name, value, default in (("target", target, "logit"), ("contrast", contrast, None),
-                                     ("baseline", baseline, None), ("batch_targets", batch_targets, None)):
-            if value != default if isinstance(value, str) else value is not default:
-                raise ValueError(f"{name}: not supported on encoder–decoder models yet (each step's logit is "
-                                 "explained over the source and the decoder's inputs)")
+        for name, value in (("baseline", baseline), ("batch_targets", batch_targets)):
+            if value is not None:
+                raise ValueError(f"{name}: not supported on encoder–decoder models yet (each row's steps run as one "
+                                 "batched backward over the source and the decoder's inputs)")
+
+        def step_targets(row, tokens, width, generated):
+            alt = _contrast(contrast, 1, generated, tokens.device)
+            return [_step_target(target, tokens[t:t + 1], width + t - 1, None if alt is None else alt[0, t:t + 1])
+                    for t in range(tokens.shape[0])]
+
+        if contrast is not None and not isinstance(contrast, int):
+            c = torch.as_tensor(contrast)
+            contrast = c[0] if c.dim() == 2 and c.shape[0] == 1 else c
+            if contrast.dim() != 1:
+                raise ValueError("contrast: on an encoder–decoder model, one token id or one id per step "
+                                 "(generated,), the same for every row")
         return seq2seq_generation_relevance(model, inputs, max_new_tokens, continuation, generate_kwargs,
-                                            core.rule_defaults(rules), attention_mask, tokenizer)
+                                            core.rule_defaults(rules), attention_mask, tokenizer, step_targets)
     can = getattr(model, "can_generate", None)
     if not callable(can) or not can():
         raise ValueError(f"model: {type(model).__name__} is not a causal language model (can_generate() is False); "

@@ -35,8 +35,9 @@ class Seq2SeqGenerationResult(ResultViews):
         target_relevance (Tensor[batch, generated, prefix + generated − 1]): step ``t``'s
             relevance over the decoder's inputs (start token, earlier generated tokens);
             exactly 0 from column ``prefix_width + t`` on.
-        target (Tensor[batch, generated], float64): each step's logit (NaN where the step
-            does not exist).
+        target (Tensor[batch, generated], float64): each step's explained value (its logit,
+            log-probability or probability, or the difference to ``contrast``'s; NaN where
+            the step does not exist).
         conservation_delta (Tensor[batch, generated], float64): target minus the step's
             relevance over source and decoder inputs (NaN where the step does not exist).
         step_mask (BoolTensor[batch, generated]): steps that exist: up to and including the
@@ -65,7 +66,11 @@ class Seq2SeqGenerationResult(ResultViews):
 
 
 def seq2seq_generation_relevance(model: nn.Module, inputs, max_new_tokens, continuation, generate_kwargs,
-                                 rules: RelevanceRules, attention_mask, tokenizer=None) -> Seq2SeqGenerationResult:
+                                 rules: RelevanceRules, attention_mask, tokenizer=None,
+                                 step_targets=None) -> Seq2SeqGenerationResult:
+    """``step_targets(row, tokens, width, generated)``: the targets of one row's steps
+    (``tokens`` its generated ids, LongTensor[k]; step ``t`` read at decoder position
+    ``width + t − 1``); default each step's logit."""
     kwargs = normalise_inputs(inputs, attention_mask)
     src = kwargs["input_ids"]
     smask = kwargs.get("attention_mask")
@@ -106,7 +111,8 @@ def seq2seq_generation_relevance(model: nn.Module, inputs, max_new_tokens, conti
             continue
         real = smask[b].bool()
         dec = seq[b:b + 1, :width + k - 1]
-        tgts = [T.Logit(int(gen[b, t]), position=width + t - 1) for t in range(k)]
+        tgts = [T.Logit(int(gen[b, t]), position=width + t - 1) for t in range(k)] if step_targets is None else \
+            step_targets(b, gen[b, :k], width, n)
         r = seq2seq_relevance(model, {"input_ids": src[b:b + 1, real], "attention_mask": smask[b:b + 1, real]},
                               tgts, rules, decoder_input_ids=dec, caller="generation_relevance")
         s_rel[b, :k, real] = r.source_relevance[:, 0].to(dt)
