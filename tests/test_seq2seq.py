@@ -254,8 +254,8 @@ def test_bad_inputs_are_refused_by_name():
         pyattr.relevance(model, src, decoder_input_ids=dec + 200)
     with pytest.raises(ValueError, match=r"decoder_attention_mask of shape \(2, 3\) must match"):
         pyattr.relevance(model, src, decoder_input_ids=dec, decoder_attention_mask=torch.ones(2, 3))
-    with pytest.raises(ValueError, match="baseline: not supported on encoder–decoder models yet"):
-        pyattr.relevance(model, src, decoder_input_ids=dec, baseline="zeros")
+    with pytest.raises(ValueError, match=r"baseline: on encoder–decoder models one of \['zeros', 'pad'\]"):
+        pyattr.relevance(model, src, decoder_input_ids=dec, baseline=torch.zeros(2, 7, 16))
 
 
 @pytest.mark.parametrize("method", ["context_attribution", "perturbation_curve"])
@@ -403,3 +403,58 @@ def test_the_users_own_backward_inside_the_scope_equals_relevance(arch):
     assert torch.allclose((seen[1] * seen[1].grad).sum(-1), ref.target_relevance, atol=1e-10, rtol=1e-8)
     assert torch.allclose(xs.grad, seen[0].grad, atol=1e-12, rtol=1e-10)
     assert torch.allclose(xd.grad, seen[1].grad, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("arch", ["t5", "bart"])
+def test_baselines_take_relevance_against_the_entries_of_the_pad_sequence(arch):
+    """(x − x₀) · g with x₀ what both entries receive for an all-pad source and target (or
+    0), and f(x₀) the model's own value there."""
+    model = tiny_seq2seq(arch)
+    src, dec = _ids(arch, seed=16)
+    plain = pyattr.relevance(model, src, decoder_input_ids=dec, target=5, rules="none")
+    zero = pyattr.relevance(model, src, decoder_input_ids=dec, target=5, rules="none", baseline="zeros")
+    assert torch.allclose(zero.source_relevance, plain.source_relevance, atol=1e-12, rtol=1e-10)
+    r = pyattr.relevance(model, src, decoder_input_ids=dec, target=5, rules="none", baseline="pad")
+    pad = model.config.pad_token_id
+    x0 = {}
+
+    def keep(i):
+        def pre(mod, args):
+            x0.setdefault(i, args[0].detach())
+        return pre
+
+    hooks = [model.get_submodule(p).register_forward_pre_hook(keep(i)) for i, p in enumerate(ENTRIES[arch])]
+    try:
+        with torch.no_grad():
+            f0 = model(input_ids=torch.full_like(src, pad), decoder_input_ids=torch.full_like(dec, pad)).logits[:, -1, 5]
+    finally:
+        for h in hooks:
+            h.remove()
+    assert torch.allclose(r.baseline_target, f0.double(), rtol=1e-10, atol=1e-12)
+    x, g = _entry_and_gradient(model, arch, src, dec, 5)
+    assert torch.allclose(r.source_relevance, ((x[0] - x0[0]) * g[0]).sum(-1), atol=1e-10, rtol=1e-8)
+    assert torch.allclose(r.target_relevance, ((x[1] - x0[1]) * g[1]).sum(-1), atol=1e-10, rtol=1e-8)
+    assert torch.allclose(r.conservation_delta, r.target - r.baseline_target - r.source_relevance.sum(-1)
+                          - r.target_relevance.sum(-1), atol=1e-10, rtol=0)
+
+
+def _entry_and_gradient(model, arch, src, dec, token):
+    """Both entries' inputs and the plain gradient of the last position's ``token`` logit there."""
+    leaves = {}
+
+    def pre(i):
+        def hook(mod, args):
+            if i not in leaves:
+                leaves[i] = args[0].detach().requires_grad_(True)
+                return (leaves[i], *args[1:])
+        return hook
+
+    hooks = [model.get_submodule(p).register_forward_pre_hook(pre(i)) for i, p in enumerate(ENTRIES[arch])]
+    try:
+        with torch.enable_grad():
+            f = model(input_ids=src, decoder_input_ids=dec).logits[:, -1, token].sum()
+            g = torch.autograd.grad(f, [leaves[0], leaves[1]])
+    finally:
+        for h in hooks:
+            h.remove()
+    return (leaves[0].detach(), leaves[1].detach()), g

@@ -169,7 +169,8 @@ def relevance(
             ``"RED"`` there: give the text before it). The target is read on
             the decoder side (default: the top-1 logit after the last real target token)
             and the result is a :class:`~pyattr.methods.seq2seq.Seq2SeqRelevanceResult`
-            with ``source_relevance`` and ``target_relevance``. Default: None.
+            with ``source_relevance`` and ``target_relevance`` (``baseline`` there:
+            ``"zeros"`` or ``"pad"``, at both stacks' entries). Default: None.
         decoder_attention_mask (Tensor[batch, target_len], optional): 1 for real target
             tokens (right padding; BART-family models refuse left padding, whose absolute
             positions would shift). Default: None.
@@ -232,12 +233,12 @@ def _seq2seq(model, inputs, target, rules, baseline, grad_outputs, attention_mas
     if not is_encoder_decoder(model):
         raise ValueError(f"decoder_input_ids / decoder_attention_mask: {type(model).__name__} is not an "
                          "encoder–decoder model (config.is_encoder_decoder is false)")
-    for name, value in (("baseline", baseline), ("generic", generic)):
-        if value is not None and value is not False:
-            raise ValueError(f"{name}: not supported on encoder–decoder models yet")
+    if generic:
+        raise ValueError("generic: encoder–decoder models are planned from their own rule map (generic=True is "
+                         "for decoder-only and encoder models without one)")
     return seq2seq_relevance(model, inputs, target, core.rule_defaults(rules), decoder_input_ids=decoder_input_ids,
                              attention_mask=attention_mask, decoder_attention_mask=decoder_attention_mask,
-                             grad_outputs=grad_outputs, tokenizer=tokenizer)
+                             grad_outputs=grad_outputs, tokenizer=tokenizer, baseline=baseline)
 
 
 def relevance_in_chunks(model: nn.Module, inputs, targets: Sequence[Target], rules, baseline, chunks) -> RelevanceResult:

@@ -24,6 +24,7 @@ from pyattr.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.methods._core.forward import backward, check_grad_outputs, evaluate_targets, leaf
 from pyattr.methods._core.inputs import check_token_ids, normalise_inputs
 from pyattr.methods._core.passes import check_grad_mode, check_parameters_usable
+import pyattr.methods.seq2seq_baseline as B
 from pyattr.methods._core.stacks import is_encoder_decoder, refuse_encoder_decoder  # noqa: F401 - re-exported
 
 
@@ -53,6 +54,8 @@ class Seq2SeqRelevanceResult(ResultViews):
             each source token and each decoder input token as a string (None at padding).
         target_tokens (list of str, or None): with ``tokenizer=``, the explained token of
             each row (logit targets), as the other results name it.
+        baseline_target (Tensor like ``target``, float64, or None): f(x₀) with a baseline;
+            relevance is then ``(x − x₀) · g`` and the delta is taken against ``f(x) − f(x₀)``.
     """
 
     __repr__ = summary_repr
@@ -70,6 +73,7 @@ class Seq2SeqRelevanceResult(ResultViews):
     source_tokens: Optional[List[List[Optional[str]]]] = None
     decoder_tokens: Optional[List[List[Optional[str]]]] = None
     target_tokens: Optional[list] = None
+    baseline_target: Optional[torch.Tensor] = None
 
 
 def _entries(model: nn.Module):
@@ -223,8 +227,9 @@ def _words_to_ids(target, tokenizer):
 
 def seq2seq_relevance(model: nn.Module, inputs, target, rules: RelevanceRules, *, decoder_input_ids=None,
                       attention_mask=None, decoder_attention_mask=None, grad_outputs=None,
-                      caller: str = "relevance", tokenizer=None) -> Seq2SeqRelevanceResult:
+                      caller: str = "relevance", tokenizer=None, baseline=None) -> Seq2SeqRelevanceResult:
     """:func:`pyattr.relevance` of a decoder-side target of an encoder–decoder model."""
+    B.check(baseline)
     kwargs, dec, dmask, (enc_entry, dec_entry) = prepare(model, inputs, attention_mask, decoder_input_ids,
                                                          decoder_attention_mask, caller, tokenizer)
     target = _words_to_ids(target, tokenizer)
@@ -247,22 +252,30 @@ def seq2seq_relevance(model: nn.Module, inputs, target, rules: RelevanceRules, *
             raise ValueError(f"{caller}(): the {'encoder' if not xs[0] else 'decoder'}'s entry was not reached during "
                              f"{type(model).__name__}'s forward pass")
         fwd = T.Forward(out, dec, dmask, {}, None)
-        value, tid, _ = evaluate_targets(tgts, fwd, several)
+        value, tid, fixed = evaluate_targets(tgts, fwd, several)
         go = check_grad_outputs(grad_outputs, value)
         x_src, x_tgt = xs[0][0], xs[1][0]
         g_src, g_tgt = backward(value, [x_src, x_tgt], go, several)
         backend_name = backends.select(x_src.device, "identity")
+        del out, fwd
+        if baseline is not None:
+            x0 = B.entries_at(model, kwargs, (enc_entry, dec_entry), baseline, x_src, x_tgt)
+            f0 = B.value_at(model, kwargs, (enc_entry, dec_entry), x0, fixed, dec, dmask, several)
     g_src = torch.zeros_like(x_src) if g_src is None else g_src
     g_tgt = torch.zeros_like(x_tgt) if g_tgt is None else g_tgt
     # float32, or the model's dtype where it is wider (a float64 oracle compares to 1e-10)
     dt = torch.promote_types(torch.float32, x_src.dtype)
-    rel_s = x_src.detach().to(dt) * g_src.to(dt)
-    rel_t = x_tgt.detach().to(dt) * g_tgt.to(dt)
+    d_src, d_tgt = (x_src.detach(), x_tgt.detach()) if baseline is None else \
+        (x_src.detach() - x0[0], x_tgt.detach() - x0[1])
+    rel_s = d_src.to(dt) * g_src.to(dt)
+    rel_t = d_tgt.to(dt) * g_tgt.to(dt)
     t64 = value.detach().double()
     sums = rel_s.double().sum(dim=(-2, -1)) + rel_t.double().sum(dim=(-2, -1))
+    explained_value = t64 if baseline is None else t64 - f0
     return Seq2SeqRelevanceResult(
         source_relevance=rel_s.sum(-1), target_relevance=rel_t.sum(-1), source_hidden_relevance=rel_s,
-        target_hidden_relevance=rel_t, target=t64, conservation_delta=go.detach().double() * t64 - sums,
+        target_hidden_relevance=rel_t, target=t64, conservation_delta=go.detach().double() * explained_value - sums,
+        baseline_target=None if baseline is None else f0,
         target_ids=tid, coverage=cov, backend=backend_name,
         source_tokens=strings(tokenizer, kwargs["input_ids"], kwargs.get("attention_mask")),
         decoder_tokens=strings(tokenizer, dec, dmask), target_tokens=explained(tokenizer, tid))
