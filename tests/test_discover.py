@@ -216,7 +216,8 @@ def test_a_role_discovery_cannot_find_is_refused_naming_it():
 
     t5 = T.T5ForConditionalGeneration(T.T5Config(vocab_size=96, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4))
     # an encoder–decoder is refused by every method that reads one stack, before discovery
-    with pytest.raises(ValueError, match=r"layer_relevance\(\): T5ForConditionalGeneration is an encoder–decoder model"):
+    with pytest.raises(ValueError, match=r"layer_relevance\(\): generic is not supported on encoder–decoder models "
+                                         r"\(T5ForConditionalGeneration\)"):
         pyattr.layer_relevance(t5, _ids(), "residual", generic=True)
     with pytest.raises(ValueError, match=r"attribution_patching\(\): T5ForConditionalGeneration is an encoder–decoder"):
         attribution_patching(t5, _ids(), _ids(seed=2), pyattr.targets.Logit(5), method="atp", generic=True)

@@ -167,7 +167,7 @@ def test_a_file_and_a_broken_config_are_named(tmp_path, monkeypatch):
         pyattr.relevance(str(tmp_path), TEXT)
     # before: '' is the working directory ("directory '' has no config.json")
     with pytest.raises(ValueError, match=r"^the model name is empty: give a bundled name \(minilm, induction, "
-                                         r"squares\), a local directory or a Hugging Face Hub id$"):
+                                         r"squares, translation\), a local directory or a Hugging Face Hub id$"):
         pyattr.relevance("", TEXT)
 
 

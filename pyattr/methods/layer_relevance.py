@@ -262,8 +262,11 @@ def layer_relevance(
     """
     model = unwrap(model)
     if is_encoder_decoder(model):
-        if baseline is not None or internal_batch_size is not None or generic:
-            raise ValueError("baseline, internal_batch_size, generic: not supported on encoder–decoder models yet")
+        for name, value in (("baseline", baseline), ("internal_batch_size", internal_batch_size),
+                            ("generic", generic or None)):
+            if value is not None:
+                raise ValueError(f"layer_relevance(): {name} is not supported on encoder–decoder models "
+                                 f"({type(model).__name__}) yet")
         found, paths, value, tid, cov = seq2seq_layer_relevance(
             model, inputs, layers, target, core.rule_defaults(rules), decoder_input_ids=decoder_input_ids,
             decoder_attention_mask=decoder_attention_mask, attention_mask=attention_mask,
