@@ -201,9 +201,10 @@ def test_left_padded_source_on_t5_equals_the_row_alone_and_bart_refuses_it():
     assert torch.allclose(r.source_relevance[0, 3:], alone.source_relevance[0], atol=1e-10, rtol=1e-8)
     assert torch.allclose(r.target_relevance, alone.target_relevance, atol=1e-10, rtol=1e-8)
     bart = tiny_seq2seq("bart")
-    with pytest.raises(ValueError, match="attention_mask: left padding on BartForConditionalGeneration"):
+    with pytest.raises(ValueError, match=r"attention_mask: a 0 before a 1 \(left padding, or a hole\) on "
+                                         "BartForConditionalGeneration"):
         pyattr.relevance(bart, {"input_ids": padded, "attention_mask": mask}, decoder_input_ids=dec)
-    with pytest.raises(ValueError, match="decoder_attention_mask: left padding"):
+    with pytest.raises(ValueError, match=r"decoder_attention_mask: a 0 before a 1"):
         pyattr.relevance(bart, src, decoder_input_ids=dec, decoder_attention_mask=torch.tensor([[0, 1, 1, 1, 1]]))
 
 
@@ -458,3 +459,84 @@ def _entry_and_gradient(model, arch, src, dec, token):
         for h in hooks:
             h.remove()
     return (leaves[0].detach(), leaves[1].detach()), g
+
+
+def test_an_enclosing_scope_with_other_rules_is_refused_not_obeyed():
+    """Plain gradients asked for inside a scope that keeps the rules on would get the rules'
+    numbers: every method refuses, as on decoder-only models."""
+    model = tiny_seq2seq("bart")
+    src, dec = _ids("bart")
+    calls = [lambda: pyattr.relevance(model, src, target=7, decoder_input_ids=dec, rules="none"),
+             lambda: pyattr.integrated_gradients(model, src, target=7, decoder_input_ids=dec, n_steps=2),
+             lambda: pyattr.generation_relevance(model, src, max_new_tokens=2, rules="none"),
+             lambda: pyattr.layer_relevance(model, src, "residual", target=7, decoder_input_ids=dec, rules="none")]
+    with pyattr.use_relevance_rules(model):
+        for call in calls:
+            with pytest.raises(pyattr.RelevanceRuleConflictError, match="runs inside a use_relevance_rules scope"):
+                call()
+        inside = pyattr.relevance(model, src, target=7, decoder_input_ids=dec)  # the same rules: allowed
+    assert torch.equal(inside.source_relevance, pyattr.relevance(model, src, target=7, decoder_input_ids=dec).source_relevance)
+
+
+def test_labels_padded_with_the_ignore_index_are_each_rows_own_labels():
+    model = tiny_seq2seq("bart")
+    src, dec = _ids("bart", seed=17)
+    labels = dec.clone()
+    labels[1, 2:] = -100
+    r = pyattr.relevance(model, {"input_ids": src, "labels": labels}, target=7)
+    alone = pyattr.relevance(model, {"input_ids": src[1:], "labels": labels[1:, :2]}, target=7)
+    assert torch.allclose(r.target[1], alone.target[0], rtol=1e-12, atol=0)
+    assert torch.allclose(r.source_relevance[1], alone.source_relevance[0], atol=1e-10, rtol=1e-8)
+
+
+def test_ragged_and_malformed_decoder_inputs():
+    model = tiny_seq2seq("bart")
+    src, dec = _ids("bart", seed=18)
+    r = pyattr.relevance(model, src, decoder_input_ids=[dec[0, :3].tolist(), dec[1, :2].tolist()], target=4)
+    alone = pyattr.relevance(model, src[1:], decoder_input_ids=dec[1:, :2], target=4)
+    assert torch.allclose(r.target_relevance[1, :2], alone.target_relevance[0], atol=1e-10, rtol=1e-8)
+    assert r.target_relevance[1, 2] == 0
+    with pytest.raises(TypeError, match="decoder_input_ids must be token ids"):
+        pyattr.relevance(model, src, decoder_input_ids=["RED", 5])
+    with pytest.raises(ValueError, match=r"inputs: 70 positions, but BartForConditionalGeneration reads at most 64"):
+        pyattr.relevance(model, torch.randint(3, 90, (1, 70)), decoder_input_ids=dec[:1])
+    with pytest.raises(ValueError, match=r"max_new_tokens: 101 positions, but BartForConditionalGeneration reads at "
+                                         "most 64"):
+        pyattr.generation_relevance(model, src, max_new_tokens=100)
+    with pytest.raises(ValueError, match=r"inputs: token ids must be in \[0, 96\)"):
+        pyattr.generation_relevance(model, src + 200, max_new_tokens=2)
+    with pytest.raises(ValueError, match="generate_kwargs: attention_mask is given by the inputs"):
+        pyattr.generation_relevance(model, src, max_new_tokens=2, generate_kwargs={"attention_mask": None})
+    with pytest.raises(TypeError, match="generate_kwargs must be a dict, got list"):
+        pyattr.generation_relevance(model, src, max_new_tokens=2, generate_kwargs=[1])
+    with pytest.raises(ValueError, match="inputs: past_key_values is not supported on encoder–decoder models"):
+        pyattr.relevance(model, {"input_ids": src, "past_key_values": object()}, decoder_input_ids=dec)
+    with pytest.raises(ValueError, match=r"attention_mask: a 0 before a 1"):
+        pyattr.generation_relevance(model, torch.tensor([[1, 1, 5, 6, 7]]), attention_mask=torch.tensor([[0, 0, 1, 1, 1]]),
+                                    max_new_tokens=2)
+
+
+def test_decoder_ids_are_checked_against_the_decoders_own_embedding():
+    import transformers as T
+
+    torch.manual_seed(0)
+    cfg = T.MarianConfig(vocab_size=50, decoder_vocab_size=96, share_encoder_decoder_embeddings=False, d_model=16,
+                         encoder_layers=1, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
+                         encoder_ffn_dim=24, decoder_ffn_dim=24, max_position_embeddings=64, pad_token_id=1,
+                         eos_token_id=2, decoder_start_token_id=2)
+    model = T.MarianMTModel(cfg).eval()
+    src = torch.tensor([[5, 6, 7]])
+    r = pyattr.relevance(model, src, decoder_input_ids=torch.tensor([[2, 70]]))  # 70: a decoder id only
+    assert r.target_relevance.shape == (1, 2)
+    with pytest.raises(ValueError, match=r"decoder_input_ids: token ids must be in \[0, 96\) \(the decoder's"):
+        pyattr.relevance(model, src, decoder_input_ids=torch.tensor([[2, 99]]))
+    with pytest.raises(ValueError, match=r"inputs: token ids must be in \[0, 50\)"):
+        pyattr.relevance(model, torch.tensor([[5, 70]]), decoder_input_ids=torch.tensor([[2, 7]]))
+
+
+def test_models_without_a_language_model_head_are_refused():
+    import transformers as T
+
+    base = T.BartModel(tiny_seq2seq("bart").config).eval()
+    with pytest.raises(ValueError, match="BartModel has no language-model head"):
+        pyattr.relevance(base, *_ids("bart")[:1], decoder_input_ids=_ids("bart")[1])

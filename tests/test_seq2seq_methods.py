@@ -137,3 +137,23 @@ def test_layer_relevance_refuses_one_stack_shorthands_on_encoder_decoders():
         pyattr.layer_relevance(model, src, "mlp", decoder_input_ids=dec)
     with pytest.raises(ValueError, match="layers: T5ForConditionalGeneration has no module 'encoder.blok.0'"):
         pyattr.layer_relevance(model, src, ["encoder.blok.0"], decoder_input_ids=dec)
+
+
+def test_layer_relevance_refuses_layers_it_cannot_describe():
+    model = tiny_seq2seq("bart")
+    src, dec = _ids("bart")
+    with pytest.raises(ValueError, match="layers: 'model.encoder.embed_tokens' is computed before the entries"):
+        pyattr.layer_relevance(model, src, ["model.encoder.embed_tokens"], target=7, decoder_input_ids=dec)
+    r = pyattr.layer_relevance(model, src, ["residual", "model.encoder.layers.0"], target=7, decoder_input_ids=dec)
+    assert r.paths == ["model.encoder.layers.0", "model.encoder.layers.1", "model.decoder.layers.0",
+                       "model.decoder.layers.1"]
+    model.model.decoder.layers[1] = model.model.decoder.layers[0]
+    with pytest.raises(ValueError, match="layers: 'model.decoder.layers.0' runs 2 times in one forward"):
+        pyattr.layer_relevance(model, src, "residual", target=7, decoder_input_ids=dec)
+
+
+def test_integrated_gradients_need_one_value_per_row():
+    model = tiny_seq2seq("bart")
+    src, dec = _ids("bart")
+    with pytest.raises(ValueError, match=r"target: integrated_gradients needs one value per row \(2,\), got shape"):
+        pyattr.integrated_gradients(model, src, target=lambda o: o.logits[:, -1, 7].sum(), decoder_input_ids=dec)

@@ -113,3 +113,20 @@ def test_the_bundled_name_loads_the_model_and_its_tokenizer():
     r = pyattr.relevance("translation", "sun cat red", decoder_input_ids="RED CAT", target="SUN")
     assert r.source_tokens == [["sun", "cat", "red", "</s>"]] and r.target_tokens == ["SUN"]
     assert int(r.source_relevance[0].argmax()) == 0
+
+
+def test_text_sources_are_not_left_padded_and_text_continuations_are_target_text():
+    model, tok = toy.load_translation()
+    g = pyattr.generation_relevance(model, ["sun cat red fox", "dog owl fox"], max_new_tokens=6, tokenizer=tok)
+    assert g.source_tokens == [["sun", "cat", "red", "fox", "</s>"], ["dog", "owl", "fox", "</s>", None]]
+    alone = pyattr.generation_relevance(model, "dog owl fox", max_new_tokens=6, tokenizer=tok)
+    assert g.sequence_tokens[1][:5] == alone.sequence_tokens[0][:5] == ["<pad>", "FOX", "OWL", "DOG", "</s>"]
+    c = pyattr.generation_relevance(model, ["sun cat red", "dog owl fox"], continuation=["RED CAT SUN", "FOX OWL"],
+                                    tokenizer=tok)
+    assert c.sequence_tokens[0] == ["<pad>", "RED", "CAT", "SUN", "</s>"]
+    assert c.sequence_tokens[1] == ["<pad>", "FOX", "OWL", "</s>", None] and c.step_mask[1].tolist() == [1, 1, 1, 0]
+    ids = pyattr.generation_relevance(model, tok("sun cat red", return_tensors="pt")["input_ids"],
+                                      continuation=tok(text_target="RED CAT SUN")["input_ids"])
+    assert torch.allclose(c.target[0], ids.target[0], rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="target token 'zebra' is not in the vocabulary"):
+        pyattr.relevance(model, "sun cat red", target="zebra", decoder_input_ids="RED CAT", tokenizer=tok)

@@ -46,7 +46,7 @@ def run_seq2seq(model, tok, label: str, text: str, max_new_tokens: Optional[int]
     kw = {}
     if continuation is not None:
         ids = [int(i) for i in tok(text_target=continuation)["input_ids"]]
-        if not ids:
+        if not continuation.strip() or all(i in set(tok.all_special_ids) for i in ids):
             raise ExplainError("--continuation has no tokens after tokenisation")
         kw["continuation"] = torch.tensor([ids])
     else:

@@ -19,8 +19,10 @@ from pyattr.integration.planner import Planner, plan_block
 def plan_seq2seq(model: nn.Module, rules: RelevanceRules, model_type: str) -> Planner:
     spec = SEQ2SEQ[model_type]
     pl = Planner(model, rules, model_type)
-    if not rules.any():  # every rule off: nothing to install (plain gradients), whatever the model holds
-        return pl
+    if not rules.any() and not all(A.layer_paths(model, arch) for arch in (spec.encoder, spec.decoder)):
+        return pl  # every rule off on one stack of the type (BartForCausalLM): plain gradients need no map
+    # with every rule off the mounts are still walked: each records the rule an enclosing
+    # scope holds there (inherited), which a method asking for plain gradients refuses
     prefix = A.base_prefix(model)
     for i, arch in enumerate((spec.encoder, spec.decoder)):
         layers = A.layer_paths(model, arch)
@@ -38,7 +40,8 @@ def plan_seq2seq(model: nn.Module, rules: RelevanceRules, model_type: str) -> Pl
             if i == 1:
                 pl.attention(layer, spec.cross_attention)
     pl.skip_lookalikes()
-    _refuse_unmounted(pl)
+    if rules.any():
+        _refuse_unmounted(pl)
     if rules.activation or rules.multiplicative_gate:
         pl.refuse_unobserved_forwards()
     return pl

@@ -22,9 +22,8 @@ from pyattr._repr import summary_repr
 from pyattr.results import ResultViews
 from pyattr.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.methods._core.forward import backward, check_grad_outputs, evaluate_targets, leaf
-from pyattr.methods._core.inputs import check_token_ids, normalise_inputs
-from pyattr.methods._core.passes import check_grad_mode, check_parameters_usable
 import pyattr.methods.seq2seq_baseline as B
+from pyattr.methods.seq2seq_inputs import prepare  # noqa: F401 - read from here by the other seq2seq methods
 from pyattr.methods._core.stacks import is_encoder_decoder, refuse_encoder_decoder  # noqa: F401 - re-exported
 
 
@@ -76,135 +75,6 @@ class Seq2SeqRelevanceResult(ResultViews):
     baseline_target: Optional[torch.Tensor] = None
 
 
-def _entries(model: nn.Module):
-    mt = A.model_type(model)
-    spec = A.SEQ2SEQ.get(mt)
-    if spec is None:
-        raise ValueError(
-            f"relevance(): {type(model).__name__} (model type {mt!r}) is an encoder–decoder model without a rule map "
-            f"and entries; supported encoder–decoders: {sorted(A.SEQ2SEQ)}")
-    prefix = A.base_prefix(model)
-    out = []
-    for side, arch in (("encoder", spec.encoder), ("decoder", spec.decoder)):
-        path = A.join(prefix, arch.entry[0])
-        mod = A.get_submodule(model, path)
-        if mod is None:
-            raise ValueError(f"relevance(): cannot find the {side}'s entry {path!r} in {type(model).__name__}")
-        out.append(mod)
-    return spec, out
-
-
-def _mask(mask, ids: torch.Tensor, name: str) -> Optional[torch.Tensor]:
-    if mask is None:
-        return None
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"{name} must be a tensor of shape (batch, seq), got {type(mask).__name__}")
-    if mask.dim() == 1:
-        mask = mask.unsqueeze(0)
-    if tuple(mask.shape) != tuple(ids.shape):
-        raise ValueError(f"{name} of shape {tuple(mask.shape)} must match its ids' shape {tuple(ids.shape)}")
-    if bool(((mask != 0) & (mask != 1)).any()):
-        raise ValueError(f"{name} must hold 0 and 1 only")
-    if bool((mask.sum(-1) == 0).any()):
-        raise ValueError(f"{name}: a row has no real token")
-    return mask
-
-
-def _left_padded(mask: Optional[torch.Tensor]) -> bool:
-    """A 0 before a 1 in some row."""
-    return mask is not None and bool((mask.long().cummin(-1).values != mask.long()).any())
-
-
-def decoder_inputs_from_text(model: nn.Module, tokenizer, text, rows: int):
-    """``(decoder_input_ids, decoder_attention_mask)`` of a target text (one string, or one
-    per row): each row's labels as the tokenizer makes them (``text_target=``, with the
-    language codes and end-of-text marker it adds), then the model's own teacher-forcing
-    shift (``prepare_decoder_input_ids_from_labels``: its decoder start first, the last
-    label dropped), rows padded on the right. The logit at a row's last decoder position
-    predicts its last label (the end-of-text marker for a whole sentence)."""
-    if tokenizer is None:
-        raise ValueError("decoder_input_ids: the target prefix is text; pass tokenizer= (the model's tokenizer)")
-    texts = [text] * rows if isinstance(text, str) else list(text)
-    if len(texts) != rows or not all(isinstance(t, str) and t.strip() for t in texts):
-        raise ValueError(f"decoder_input_ids: expected one non-empty target text, or one per source row ({rows}), "
-                         f"got {text!r}")
-    shift = getattr(model, "prepare_decoder_input_ids_from_labels", None)
-    if not callable(shift):
-        raise ValueError(f"decoder_input_ids: {type(model).__name__} has no prepare_decoder_input_ids_from_labels to "
-                         "shift the target text's labels; pass decoder_input_ids as token ids")
-    out = []
-    for t in texts:
-        labels = tokenizer(text_target=t, return_tensors="pt")["input_ids"]
-        out.append(shift(labels=labels)[0])
-    width = max(len(r) for r in out)
-    pad = getattr(tokenizer, "pad_token_id", None)
-    ids = torch.full((rows, width), 0 if pad is None else int(pad), dtype=torch.long)
-    mask = torch.zeros(rows, width, dtype=torch.long)
-    for i, r in enumerate(out):
-        ids[i, :len(r)], mask[i, :len(r)] = r, 1
-    return ids, mask
-
-
-def prepare(model: nn.Module, inputs, attention_mask, decoder_input_ids, decoder_attention_mask, caller: str,
-            tokenizer=None):
-    """The model's kwargs: the source (``input_ids``, ``attention_mask``) and the target
-    prefix (``decoder_input_ids``, given, from the inputs, or from ``labels`` as the model
-    shifts them itself with ``prepare_decoder_input_ids_from_labels``)."""
-    check_grad_mode(caller)
-    kwargs = normalise_inputs(inputs, attention_mask)
-    check_parameters_usable(model, caller)
-    src = kwargs["input_ids"]
-    if decoder_input_ids is None:
-        decoder_input_ids = kwargs.pop("decoder_input_ids", None)
-    else:
-        kwargs.pop("decoder_input_ids", None)
-    labels = kwargs.pop("labels", None)
-    if decoder_input_ids is None and isinstance(labels, torch.Tensor):
-        shift = getattr(model, "prepare_decoder_input_ids_from_labels", None)
-        if callable(shift):
-            decoder_input_ids = shift(labels=labels)
-    if isinstance(decoder_input_ids, str) or (isinstance(decoder_input_ids, (list, tuple)) and decoder_input_ids
-                                              and all(isinstance(t, str) for t in decoder_input_ids)):
-        if decoder_attention_mask is not None:
-            raise ValueError("decoder_attention_mask: the target prefix is text, whose mask the tokenizer gives; "
-                             "pass decoder_attention_mask= only with token ids")
-        decoder_input_ids, decoder_attention_mask = decoder_inputs_from_text(model, tokenizer, decoder_input_ids,
-                                                                             src.shape[0])
-    if decoder_input_ids is None:
-        raise ValueError(
-            f"{caller}(): {type(model).__name__} is an encoder–decoder model: pass the target prefix as "
-            "decoder_input_ids (LongTensor[batch, target_len], starting with the decoder start token) or labels "
-            "in the inputs; the explained value is read on the decoder side")
-    dec = torch.as_tensor(decoder_input_ids)
-    if dec.dim() == 1:
-        dec = dec.unsqueeze(0)
-    if dec.dtype not in (torch.int64, torch.int32) or dec.dim() != 2 or dec.shape[1] == 0:
-        raise TypeError(f"decoder_input_ids must be an integer tensor of shape (batch, target_len) with "
-                        f"target_len > 0, got {dec.dtype} of shape {tuple(dec.shape)}")
-    if dec.shape[0] != src.shape[0]:
-        raise ValueError(f"decoder_input_ids has {dec.shape[0]} rows, the source (input_ids) has {src.shape[0]}")
-    if decoder_attention_mask is None:
-        decoder_attention_mask = kwargs.pop("decoder_attention_mask", None)
-    else:
-        kwargs.pop("decoder_attention_mask", None)
-    dmask = _mask(decoder_attention_mask, dec, "decoder_attention_mask")
-    smask = kwargs.get("attention_mask")
-    check_token_ids(model, src, "inputs")
-    check_token_ids(model, dec, "decoder_input_ids")
-    spec, entries = _entries(model)
-    if spec.gated_ff is None:  # absolute positions (BART family): a left pad shifts every real token's
-        for name, m in (("attention_mask", smask), ("decoder_attention_mask", dmask)):
-            if _left_padded(m):
-                raise ValueError(
-                    f"{name}: left padding on {type(model).__name__} shifts the real tokens' absolute positions (its "
-                    "forward takes no position ids), so a padded row would not equal the row alone; pad on the right")
-    kwargs["decoder_input_ids"] = dec
-    if dmask is not None:
-        kwargs["decoder_attention_mask"] = dmask
-    kwargs["use_cache"] = False
-    return kwargs, dec, dmask, entries
-
-
 def _word(tokenizer, word: str) -> int:
     """The token id of a target-side word: one token as the tokenizer reads it in a target
     text (``text_target=``, no special tokens), else ValueError."""
@@ -214,6 +84,10 @@ def _word(tokenizer, word: str) -> int:
     if len(ids) != 1:
         raise ValueError(f"target={word!r} is {len(ids)} tokens as the tokenizer reads it in a target text; explain a "
                          "single token (or its pieces one by one with generation_relevance(continuation=...))")
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is not None and int(ids[0]) == int(unk) and word != getattr(tokenizer, "unk_token", None):
+        raise ValueError(f"target token {word!r} is not in the vocabulary (the tokenizer reads it as its unknown "
+                         "token)")
     return int(ids[0])
 
 

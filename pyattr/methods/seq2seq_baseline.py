@@ -18,8 +18,9 @@ BASELINES = ("zeros", "pad")
 
 def check(baseline) -> None:
     if baseline is not None and not (isinstance(baseline, str) and baseline in BASELINES):
+        shown = f"a tensor of shape {tuple(baseline.shape)}" if isinstance(baseline, torch.Tensor) else repr(baseline)
         raise ValueError(f"baseline: on encoder–decoder models one of {list(BASELINES)} (at both stacks' entries), "
-                         f"got {baseline!r}")
+                         f"got {shown}")
 
 
 def entries_at(model: nn.Module, kwargs: dict, entries, baseline: str, x_src: torch.Tensor,

@@ -16,7 +16,8 @@ from pyattr._repr import summary_repr
 from pyattr.results import ResultViews
 from pyattr.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.methods._core.generate import generate
-from pyattr.methods._core.inputs import normalise_inputs
+from pyattr.methods._core.inputs import check_token_ids, normalise_inputs
+import pyattr.methods.seq2seq_inputs as SI
 from pyattr.methods.seq2seq import seq2seq_relevance, strings
 
 
@@ -65,6 +66,41 @@ class Seq2SeqGenerationResult(ResultViews):
     sequence_tokens: Optional[List[List[Optional[str]]]] = None
 
 
+def _continuation(model: nn.Module, continuation, batch: int, tokenizer):
+    """``(ids LongTensor[batch, generated], steps BoolTensor)``: given ids (a tensor, one id
+    list, or one per row, lengths may differ) or text (one per row, read with
+    ``text_target=`` as the target side, the markers the tokenizer adds included)."""
+    if isinstance(continuation, str) or (isinstance(continuation, (list, tuple)) and continuation
+                                         and all(isinstance(c, str) for c in continuation)):
+        if tokenizer is None:
+            raise ValueError("continuation: text needs tokenizer=")
+        texts = [continuation] * batch if isinstance(continuation, str) else list(continuation)
+        if len(texts) != batch or not all(t.strip() for t in texts):
+            raise ValueError(f"continuation: expected one non-empty text, or one per source row ({batch})")
+        rows = [[int(i) for i in tokenizer(text_target=t)["input_ids"]] for t in texts]
+    else:
+        rows = SI.as_id_rows(continuation, "continuation")
+        if rows is None:
+            try:
+                gen = torch.as_tensor(continuation)
+            except (TypeError, ValueError, RuntimeError):
+                raise TypeError("continuation must be token ids (a LongTensor, a list of ints or of rows of ints) "
+                                f"or text, got {type(continuation).__name__}") from None
+            gen = gen.unsqueeze(0) if gen.dim() == 1 else gen
+            if gen.dtype not in (torch.int64, torch.int32) or gen.dim() != 2 or gen.shape[1] == 0:
+                raise ValueError(f"continuation: expected token ids of shape (batch {batch}, generated > 0), got "
+                                 f"{gen.dtype} of shape {tuple(gen.shape)}")
+            rows = gen.tolist()
+        if len(rows) == 1 and batch > 1:
+            rows = rows * batch
+    if len(rows) != batch:
+        raise ValueError(f"continuation: {len(rows)} rows for a source of {batch} rows")
+    pad = getattr(getattr(model, "config", None), "pad_token_id", None)
+    gen, mask = SI.padded_rows(rows, pad if isinstance(pad, int) else 0, "continuation")
+    SI.check_decoder_ids(model, gen, "continuation")
+    return gen, mask.bool()
+
+
 def seq2seq_generation_relevance(model: nn.Module, inputs, max_new_tokens, continuation, generate_kwargs,
                                  rules: RelevanceRules, attention_mask, tokenizer=None,
                                  step_targets=None) -> Seq2SeqGenerationResult:
@@ -74,30 +110,43 @@ def seq2seq_generation_relevance(model: nn.Module, inputs, max_new_tokens, conti
     kwargs = normalise_inputs(inputs, attention_mask)
     src = kwargs["input_ids"]
     smask = kwargs.get("attention_mask")
+    for key in ("decoder_input_ids", "decoder_attention_mask", "labels", "past_key_values", "encoder_outputs"):
+        if kwargs.get(key) is not None:
+            raise ValueError(f"inputs: {key} is not read by generation_relevance on an encoder–decoder model (the "
+                             "decoder's inputs are its start token and the generated or given tokens)")
     if smask is None:
         smask = torch.ones_like(src)
+    spec, _ = SI.entries(model, "generation_relevance")
+    check_token_ids(model, src, "inputs")
+    SI.check_length(model, src.shape[1], "inputs")
+    SI.refuse_shifted_positions(model, spec, (("attention_mask", smask),))
     if continuation is not None:
         if max_new_tokens is not None:
             raise ValueError("max_new_tokens and continuation: give one (generate, or explain a given continuation)")
-        gen = torch.as_tensor(continuation)
-        gen = gen.unsqueeze(0) if gen.dim() == 1 else gen
-        if gen.dtype not in (torch.int64, torch.int32) or gen.dim() != 2 or gen.shape[0] != src.shape[0] or \
-                gen.shape[1] == 0:
-            raise ValueError(f"continuation: expected token ids of shape (batch {src.shape[0]}, generated > 0), got "
-                             f"{gen.dtype} of shape {tuple(gen.shape)}")
+        gen, steps = _continuation(model, continuation, src.shape[0], tokenizer)
         shift = getattr(model, "prepare_decoder_input_ids_from_labels", None)
         if not callable(shift):
             raise ValueError(f"continuation: {type(model).__name__} has no prepare_decoder_input_ids_from_labels to "
                              "put its decoder start token before the continuation; pass max_new_tokens instead")
         seq = torch.cat([shift(labels=gen[:, :1]), gen], 1)  # the model's own decoder start token first
-        width, steps = seq.shape[1] - gen.shape[1], torch.ones(gen.shape, dtype=torch.bool)
+        width = seq.shape[1] - gen.shape[1]
     else:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected an int >= 1 (or continuation=), got {max_new_tokens!r}")
+        if generate_kwargs is not None:
+            if not isinstance(generate_kwargs, dict):
+                raise TypeError(f"generate_kwargs must be a dict, got {type(generate_kwargs).__name__}")
+            given = [k for k in ("input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask",
+                                 "inputs_embeds", "encoder_outputs") if k in generate_kwargs]
+            if given:
+                raise ValueError(f"generate_kwargs: {given[0]} is given by the inputs (the source) or by the decoder's "
+                                 "own start; drop it from generate_kwargs (or pass continuation=)")
+        SI.check_length(model, 1 + max_new_tokens, "max_new_tokens")
         prefix: list = []
         gen, steps = generate(model, src, smask, max_new_tokens, generate_kwargs, prefix=prefix)
         seq = torch.cat([prefix[0], gen], 1)
         width = prefix[0].shape[1]
+    SI.check_length(model, seq.shape[1] - 1, "continuation")
     batch, n = gen.shape
     dt = torch.promote_types(torch.float32, next(model.parameters()).dtype)
     s_rel = torch.zeros(batch, n, src.shape[1], dtype=dt)

@@ -93,6 +93,9 @@ def seq2seq_integrated_gradients(model: nn.Module, inputs, target, *, decoder_in
             with core.tap(enc_entry, "input", keep(0), once=True), core.tap(dec_entry, "input", keep(1), once=True):
                 out = model(**kwargs)
             value, tid, fixed = evaluate_targets(tgts, T.Forward(out, dec, dmask, {}, None), False)
+            if value.dim() != 1 or value.shape[0] != batch:
+                raise ValueError(f"target: integrated_gradients needs one value per row ({batch},), got shape "
+                                 f"{tuple(value.shape)} (a callable target must not sum over the rows)")
             zero = torch.zeros(batch)
             with core.tap(enc_entry, "input", keep(0, zero, {}), once=True), \
                     core.tap(dec_entry, "input", keep(1, zero, {}), once=True):

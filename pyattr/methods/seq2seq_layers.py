@@ -37,9 +37,9 @@ def _expand(model: nn.Module, layers: Union[str, Sequence[str]], to_input: bool)
             core.resolve_module(model, name, "layers")
             out.append((name, "input" if to_input else "output"))
     seen, unique = set(), []
-    for p in out:
-        if p not in seen:
-            seen.add(p)
+    for p in out:  # one entry per path (the result is keyed by path): the first way it was asked for
+        if p[0] not in seen:
+            seen.add(p[0])
             unique.append(p)
     return unique
 
@@ -55,9 +55,12 @@ def seq2seq_layer_relevance(model: nn.Module, inputs, layers, target, rules: Rel
     tgts, several = T.normalize(_words_to_ids(target, tokenizer), dec.shape[0])
     store: Dict[Tuple[str, str], torch.Tensor] = {}
     with core.attribution_pass(model, rules, False, "layer_relevance") as cov:
+        calls: Dict[Tuple[str, str], int] = {}
+
         def fn_for(key):
             def fn(t):
-                store[key] = t
+                calls[key] = calls.get(key, 0) + 1
+                store.setdefault(key, t)
                 return None
             return fn
 
@@ -65,11 +68,21 @@ def seq2seq_layer_relevance(model: nn.Module, inputs, layers, target, rules: Rel
             for entry in entries:  # both stacks' entries as leaves: the graph the gradients run through
                 stack.enter_context(core.tap(entry, "input", leaf, once=True))
             for key in lays:
-                stack.enter_context(core.tap(A.get_submodule(model, key[0]), key[1], fn_for(key), once=True))
+                stack.enter_context(core.tap(A.get_submodule(model, key[0]), key[1], fn_for(key)))
             out = model(**kwargs)
         missing = [p for p in lays if p not in store]
         if missing:
             raise ValueError(f"layers: {missing[0][0]!r} did not run in {type(model).__name__}'s forward pass")
+        twice = [p for p in lays if calls.get(p, 0) > 1]
+        if twice:
+            raise ValueError(f"layers: {twice[0][0]!r} runs {calls[twice[0]]} times in one forward (a module shared "
+                             "between places), so one activation per position cannot describe it; pass a module "
+                             "that runs once")
+        before = [p for p in lays if not store[p].requires_grad]
+        if before:
+            raise ValueError(f"layers: {before[0][0]!r} is computed before the entries where the residual streams "
+                             "start (an embedding, a position table) or off the explained value's gradient path, so "
+                             "no relevance reaches it; pass a module inside the blocks")
         value, tid, _ = evaluate_targets(tgts, T.Forward(out, dec, dmask, {}, None), several)
         go = check_grad_outputs(grad_outputs, value)
         acts = [store[k] for k in lays]

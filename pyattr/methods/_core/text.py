@@ -437,14 +437,23 @@ def text_inputs(caller: str, *, inputs: Sequence[str] = ("inputs",), target: Opt
                     a["tokenizer"] = framework_tokenizer(a["model"])
             if caller not in SEQ2SEQ_CALLERS:
                 refuse_encoder_decoder(a["model"], caller)
-            text_cont = (cont is not None and is_text(cont) and is_text(a.get(inputs[0])))
             named = isinstance(a["model"], str) or hasattr(a["model"], "__fspath__")
+            # an encoder–decoder's source is read as the tokenizer pads it (not left-padded as a
+            # prompt) and its continuation as target text, apart from it (methods/seq2seq_generation.py)
+            encdec = bool(getattr(getattr(a["model"], "config", None), "is_encoder_decoder", False))
+            side = None if encdec else left
+            text_cont = (cont is not None and is_text(cont) and is_text(a.get(inputs[0])) and not encdec)
             if text_cont:  # prompts and continuations tokenized together (generation)
                 if a.get("tokenizer") is None and not named:
                     raise ValueError(f"{caller}(): a text continuation needs tokenizer=")
             call = resolve(a["model"], a[inputs[0]] if not text_cont else None, a.get("tokenizer"), caller,
-                           target=a.get(target) if target else None, rules=a.get("rules"), left=left,
+                           target=a.get(target) if target else None, rules=a.get("rules"), left=side,
                            word_target_ok=target is not None, inputs_name=inputs[0])
+            if (text_cont or (left and is_text(a.get(inputs[0])))) and \
+                    getattr(getattr(call.model, "config", None), "is_encoder_decoder", False):
+                # a model named by a string turned out an encoder–decoder: its source read as above
+                texts = [a[inputs[0]]] if isinstance(a[inputs[0]], str) else list(a[inputs[0]])
+                call.inputs, call.texts, text_cont = encode(call.tokenizer, texts, call.model, caller), texts, False
             if text_cont:
                 if call.tokenizer is None:
                     raise ValueError(f"{caller}(): a text continuation needs tokenizer= (the model "
