@@ -41,15 +41,9 @@ def vocabulary() -> dict:
 def tokenizer():
     """A ``PreTrainedTokenizerFast`` for the task: whitespace-split words, ``<s>`` prepended,
     ``<pad>`` for padding (left, as for generation). Save it with ``save_pretrained``."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
+    from pyattr.toy.fit import word_tokenizer
 
-    vocab = vocabulary()
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, vocab[BOS])])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, pad_token=PAD, unk_token=UNK,
-                                   padding_side="left")
+    return word_tokenizer(vocabulary(), f"{BOS} $A", BOS, "left", bos_token=BOS, pad_token=PAD, unk_token=UNK)
 
 
 def word_ids(words: List[str]) -> List[int]:

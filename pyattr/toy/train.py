@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 import pyattr.toy.task as task
+from pyattr.toy.fit import fit, one_thread
 
 #: Where the shipped model lives.
 SHIPPED = Path(__file__).resolve().parent / "induction"
@@ -51,30 +52,12 @@ def train(steps: int = STEPS, seed: int = SEED, log=None, layers: int = 2):
     learning rate, loss on the determined positions only."""
     from transformers import LlamaForCausalLM
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one thread: the same sums in the same order on every machine
-    try:
+    with one_thread():  # the same sums in the same order on every machine
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config(layers)).float()
         model.config._attn_implementation = "eager"
         g = torch.Generator().manual_seed(seed)
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, betas=(0.9, 0.98))
-        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=LR, total_steps=steps, pct_start=0.1)
-        model.train()
-        for step in range(steps):
-            ids, determined = task.batch(g, BATCH)
-            loss = loss_of(model, ids, determined)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            if log is not None and (step % 100 == 0 or step == steps - 1):
-                log(f"step {step:5d}  loss {loss.item():.4f}")
-        model.eval()
-    finally:
-        torch.set_num_threads(threads)
-    return model
+        return fit(model, lambda: loss_of(model, *task.batch(g, BATCH)), steps, LR, log, betas=(0.9, 0.98))
 
 
 @torch.no_grad()

@@ -22,6 +22,7 @@ from typing import List, Tuple
 
 import torch
 
+from pyattr.toy.fit import fit, one_thread, word_tokenizer
 from pyattr.toy.task import WORDS
 
 #: Where the shipped model lives.
@@ -46,15 +47,7 @@ def translate(words: List[str]) -> List[str]:
 def tokenizer():
     """A ``PreTrainedTokenizerFast``: whitespace-split words, ``</s>`` appended (source and
     ``text_target``), ``<pad>`` on the right."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = vocabulary()
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.post_processor = processors.TemplateProcessing(single=f"$A {EOS}", special_tokens=[(EOS, vocab[EOS])])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, unk_token=UNK,
-                                   padding_side="right")
+    return word_tokenizer(vocabulary(), f"$A {EOS}", EOS, "right", eos_token=EOS, pad_token=PAD, unk_token=UNK)
 
 
 def config():
@@ -94,29 +87,11 @@ def train(steps: int = STEPS, seed: int = SEED, log=None):
     cross-entropy on the target tokens."""
     from transformers import MarianMTModel
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one thread: the same sums in the same order on every machine
-    try:
+    with one_thread():  # the same sums in the same order on every machine
         torch.manual_seed(seed)
         model = MarianMTModel(config()).float()
         g = torch.Generator().manual_seed(seed)
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, betas=(0.9, 0.98))
-        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=LR, total_steps=steps, pct_start=0.1)
-        model.train()
-        for step in range(steps):
-            enc, _ = batch(g, BATCH)
-            loss = model(**enc).loss
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            if log is not None and (step % 100 == 0 or step == steps - 1):
-                log(f"step {step:5d}  loss {loss.item():.4f}")
-        model.eval()
-    finally:
-        torch.set_num_threads(threads)
-    return model
+        return fit(model, lambda: model(**batch(g, BATCH)[0]).loss, steps, LR, log, betas=(0.9, 0.98))
 
 
 @torch.no_grad()

@@ -22,6 +22,8 @@ from typing import Tuple
 
 import torch
 
+from pyattr.toy.fit import fit, one_thread
+
 #: Where the shipped model lives.
 SHIPPED = Path(__file__).resolve().parent / "squares"
 
@@ -111,30 +113,17 @@ def train(steps: int = STEPS, seed: int = SEED, log=None):
     learning rate, fresh images every step."""
     from transformers import ViTForImageClassification
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one thread: the same sums in the same order on every machine
-    try:
+    with one_thread():  # the same sums in the same order on every machine
         torch.manual_seed(seed)
         model = ViTForImageClassification(config()).float()
         model.config._attn_implementation = "eager"
         g = torch.Generator().manual_seed(seed)
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=LR, total_steps=steps, pct_start=0.1)
-        model.train()
-        for step in range(steps):
+
+        def loss():
             images, labels, _ = draw(g, BATCH)
-            loss = torch.nn.functional.cross_entropy(model(pixel_values=normalise(images)).logits, labels)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            if log is not None and (step % 100 == 0 or step == steps - 1):
-                log(f"step {step:5d}  loss {loss.item():.4f}")
-        model.eval()
-    finally:
-        torch.set_num_threads(threads)
-    return model
+            return torch.nn.functional.cross_entropy(model(pixel_values=normalise(images)).logits, labels)
+
+        return fit(model, loss, steps, LR, log)
 
 
 @torch.no_grad()
