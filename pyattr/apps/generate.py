@@ -17,37 +17,10 @@ from pyattr.methods._core.tokens import continuation_ids, prompt_ids
 import pyattr.methods._core as core
 from pyattr.apps.explain import ExplainError, _load, check_prompt, model_label
 from pyattr.apps.render import LEGEND_CSS, _display, _rgb, legend_html, num
+from pyattr.apps.generation_report import GenerationReport  # noqa: F401 - the report's home before
 from pyattr.config import RelevanceRules
 
 DEFAULT_PROMPT = "sun cat red tree sun"
-
-
-@dataclass
-class GenerationReport:
-    model: str
-    tokens: List[str]             # every column of the (one-row) sequence, padding excluded
-    prompt_tokens: int            # how many of them are the prompt
-    generated_text: str
-    matrix: List[List[float]]     # (generated, tokens)
-    targets: List[float]
-    deltas: List[float]
-    target_kind: str
-    seconds: float
-    backend: str
-    batch_targets: int
-
-    def to_json(self) -> dict:
-        return {"model": self.model, "tokens": self.tokens, "prompt_tokens": self.prompt_tokens,
-                "generated_text": self.generated_text, "target": self.target_kind,
-                "target_values": self.targets, "conservation_delta": self.deltas,
-                "token_relevance": self.matrix, "wall_time_s": self.seconds, "backend": self.backend,
-                "batch_targets": self.batch_targets}
-
-    def top_sources(self, step: int, k: int = 3):
-        own = self.prompt_tokens + step
-        row = self.matrix[step][:own]
-        order = sorted(range(own), key=lambda i: -row[i])[:k]
-        return [(i, self.tokens[i], row[i]) for i in order]
 
 
 def run_generate(model_dir: Path, text: str, max_new_tokens: Optional[int], continuation: Optional[str],

@@ -1,7 +1,7 @@
 """``pyattr generate`` on an encoder–decoder model (a translation or summarisation model):
 the source is the text, the model generates (or a continuation is given as the target),
 and each generated token is explained over the source and the decoder's inputs before it.
-The report is :class:`~pyattr.apps.generate.GenerationReport`'s, with the source and the
+The report is :class:`~pyattr.apps.generation_report.GenerationReport`'s, with the source and the
 decoder's start as its "prompt" columns, so the terminal, JSON, HTML and PNG views serve
 both kinds of model."""
 
@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from pyattr.apps.explain import ExplainError, check_prompt
+from pyattr.apps.generation_report import GenerationReport
 from pyattr.config import RelevanceRules
 
 
@@ -34,7 +35,6 @@ def encoder_decoder_checkpoint(name_or_path) -> bool:
 
 def run_seq2seq(model, tok, label: str, text: str, max_new_tokens: Optional[int], continuation: Optional[str],
                 target: str, rules: RelevanceRules, batch_targets: Optional[int]):
-    from pyattr.apps.generate import GenerationReport
     from pyattr.methods.generation import generation_relevance
 
     if target != "logit":

@@ -53,3 +53,22 @@ def word_tokenizer(vocab: dict, template: str, special: str, padding_side: str, 
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.post_processor = processors.TemplateProcessing(single=template, special_tokens=[(special, vocab[special])])
     return PreTrainedTokenizerFast(tokenizer_object=tok, padding_side=padding_side, **tokens)
+
+
+def train_main(argv, prog: str, doc: str, shipped, steps: int, seed: int, train, accuracy, what: str = "accuracy"):
+    """The command line of a toy's training module: ``(args, model, {"steps", "seed",
+    "torch", "accuracy", "seconds"})`` after training and measuring."""
+    import argparse
+    import time
+
+    p = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
+    p.add_argument("out", nargs="?", default=str(shipped), help="output directory (default: the shipped copy)")
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--seed", type=int, default=seed)
+    a = p.parse_args(argv)
+    t0 = time.perf_counter()
+    model = train(a.steps, a.seed, log=print)
+    seconds = time.perf_counter() - t0
+    acc = accuracy(model)
+    print(f"trained in {seconds:.1f} s, {what} {acc:.4f}")
+    return a, model, {"steps": a.steps, "seed": a.seed, "torch": torch.__version__, "accuracy": acc}

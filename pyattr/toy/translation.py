@@ -14,15 +14,13 @@ shipped in the package, about 0.5 MB); :func:`load` reads it offline.
 
 from __future__ import annotations
 
-import argparse
 import json
-import time
 from pathlib import Path
 from typing import List, Tuple
 
 import torch
 
-from pyattr.toy.fit import fit, one_thread, word_tokenizer
+from pyattr.toy.fit import fit, one_thread, train_main, word_tokenizer
 from pyattr.toy.task import WORDS
 
 #: Where the shipped model lives.
@@ -121,22 +119,13 @@ def load(path=None):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pyattr.toy.translation", description=__doc__.splitlines()[0])
-    p.add_argument("out", nargs="?", default=str(SHIPPED), help="output directory (default: the shipped copy)")
-    p.add_argument("--steps", type=int, default=STEPS)
-    p.add_argument("--seed", type=int, default=SEED)
-    a = p.parse_args(argv)
-    t0 = time.perf_counter()
-    model = train(a.steps, a.seed, log=print)
-    seconds = time.perf_counter() - t0
-    acc = accuracy(model)
-    print(f"trained in {seconds:.1f} s, exact-match accuracy {acc:.4f}")
+    a, model, meta = train_main(argv, "python -m pyattr.toy.translation", __doc__, SHIPPED, STEPS, SEED, train,
+                                accuracy, "exact-match accuracy")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer().save_pretrained(out)
-    (out / "training.json").write_text(json.dumps({"steps": a.steps, "seed": a.seed, "batch": BATCH, "lr": LR,
-                                                   "torch": torch.__version__, "accuracy": acc}, indent=1) + "\n")
+    (out / "training.json").write_text(json.dumps({**meta, "batch": BATCH, "lr": LR}, indent=1) + "\n")
     print(f"saved to {a.out}")
     return 0
 

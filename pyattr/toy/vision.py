@@ -14,15 +14,13 @@ package, :data:`pyattr.toy.SQUARES_DIR`); :func:`pyattr.toy.load_squares` loads 
 
 from __future__ import annotations
 
-import argparse
 import json
-import time
 from pathlib import Path
 from typing import Tuple
 
 import torch
 
-from pyattr.toy.fit import fit, one_thread
+from pyattr.toy.fit import fit, one_thread, train_main
 
 #: Where the shipped model lives.
 SHIPPED = Path(__file__).resolve().parent / "squares"
@@ -151,18 +149,8 @@ def save(model, out: Path, meta: dict) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pyattr.toy.vision", description=__doc__.splitlines()[0])
-    p.add_argument("out", nargs="?", default=str(SHIPPED), help="output directory (default: the shipped copy)")
-    p.add_argument("--steps", type=int, default=STEPS)
-    p.add_argument("--seed", type=int, default=SEED)
-    a = p.parse_args(argv)
-    t0 = time.perf_counter()
-    model = train(a.steps, a.seed, log=print)
-    seconds = time.perf_counter() - t0
-    acc = accuracy(model)
-    print(f"trained in {seconds:.1f} s, accuracy {acc:.4f}")
-    save(model, Path(a.out), {"steps": a.steps, "seed": a.seed, "batch": BATCH, "lr": LR,
-                              "torch": torch.__version__, "accuracy": acc})
+    a, model, meta = train_main(argv, "python -m pyattr.toy.vision", __doc__, SHIPPED, STEPS, SEED, train, accuracy)
+    save(model, Path(a.out), {**meta, "batch": BATCH, "lr": LR})
     print(f"saved to {a.out}")
     return 0
 
