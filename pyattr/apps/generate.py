@@ -8,9 +8,8 @@ from __future__ import annotations
 import html
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 
 
 from pyattr.methods._core.tokens import continuation_ids, prompt_ids

@@ -14,7 +14,6 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-import pyattr.architectures as A
 import pyattr.backends as backends
 import pyattr.methods._core as core
 import pyattr.targets as T
