@@ -207,7 +207,8 @@ def tiny_unmapped(config: str, dtype=torch.float64, attn: Optional[str] = "eager
 
 
 #: the mapped encoder–decoder architectures tiny_seq2seq builds ("t5_gated": T5 v1.1's gated-GELU feed-forward)
-SEQ2SEQ_ARCHS = ("t5", "t5_gated", "bart", "mbart", "marian", "m2m_100", "pegasus")
+SEQ2SEQ_ARCHS = ("t5", "t5_gated", "bart", "mbart", "marian", "m2m_100", "pegasus", "umt5", "mvp", "plbart",
+                 "blenderbot")
 
 
 @functools.lru_cache(maxsize=None)
@@ -215,6 +216,10 @@ def _tiny_seq2seq(arch: str):
     import transformers as T
 
     torch.manual_seed(7)
+    if arch == "umt5":
+        cfg = T.UMT5Config(vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=24, num_layers=2, num_decoder_layers=2,
+                           num_heads=4, initializer_factor=4.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+        return T.UMT5ForConditionalGeneration(cfg)
     if arch in ("t5", "t5_gated"):
         cfg = T.T5Config(vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=24, num_layers=2, num_decoder_layers=2, num_heads=4,
                          feed_forward_proj="gated-gelu" if arch == "t5_gated" else "relu", initializer_factor=4.0,
@@ -227,7 +232,9 @@ def _tiny_seq2seq(arch: str):
                   scale_embedding=arch != "bart")
     cls = {"bart": (T.BartConfig, T.BartForConditionalGeneration), "mbart": (T.MBartConfig, T.MBartForConditionalGeneration),
            "marian": (T.MarianConfig, T.MarianMTModel), "m2m_100": (T.M2M100Config, T.M2M100ForConditionalGeneration),
-           "pegasus": (T.PegasusConfig, T.PegasusForConditionalGeneration)}[arch]
+           "pegasus": (T.PegasusConfig, T.PegasusForConditionalGeneration), "mvp": (T.MvpConfig, T.MvpForConditionalGeneration),
+           "plbart": (T.PLBartConfig, T.PLBartForConditionalGeneration),
+           "blenderbot": (T.BlenderbotConfig, T.BlenderbotForConditionalGeneration)}[arch]
     return cls[1](cls[0](**common))
 
 

@@ -216,8 +216,8 @@ def test_a_role_discovery_cannot_find_is_refused_naming_it():
 
     t5 = T.T5ForConditionalGeneration(T.T5Config(vocab_size=96, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4))
     # an encoder–decoder is refused by every method that reads one stack, before discovery
-    with pytest.raises(ValueError, match=r"layer_relevance\(\): generic is not supported on encoder–decoder models "
-                                         r"\(T5ForConditionalGeneration\)"):
+    with pytest.raises(ValueError, match=r"layer_relevance\(\): T5ForConditionalGeneration is an encoder–decoder "
+                                         r"model that does not make its decoder's inputs"):
         pyattr.layer_relevance(t5, _ids(), "residual", generic=True)
     with pytest.raises(ValueError, match=r"attribution_patching\(\): T5ForConditionalGeneration is an encoder–decoder"):
         attribution_patching(t5, _ids(), _ids(seed=2), pyattr.targets.Logit(5), method="atp", generic=True)
@@ -232,10 +232,8 @@ def test_a_role_discovery_cannot_find_is_refused_naming_it():
     with pytest.raises(ValueError, match=r"nodes: 'neurons': needs the 'neurons' role"):
         attribution_patching(olmoe, _ids(), _ids(seed=2), pyattr.targets.Logit(5), nodes="neurons", method="atp",
                              generic=True)
-    with pytest.raises(pyattr.RelevanceRuleUnsupportedError, match=r"'model.layers.0.mlp' \(OlmoeSparseMoeBlock\)"):
-        pyattr.layer_relevance(olmoe, _ids(), "mlp", target=5, generic=True)  # the experts carry no rule
-    with pytest.warns(pyattr.PartialRelevanceWarning, match="mixture-of-experts"):
-        r = pyattr.layer_relevance(olmoe, _ids(), "mlp", target=5, generic="partial")
+    # the block's rules are placed (router held constant, dispatched experts): its layer works
+    r = pyattr.layer_relevance(olmoe, _ids(), "mlp", target=5, generic=True)
     assert r.paths == ["model.layers.0.mlp", "model.layers.1.mlp"]
 
     seed = _unmapped("SeedOssConfig", attention_bias=False, **base)

@@ -145,11 +145,20 @@ def test_reported_reasons_are_true():
 
     torch.manual_seed(0)
     cfg = T.OlmoeConfig(**{**UNMAPPED_COMMON, "intermediate_size": 24}, num_experts=4, num_experts_per_tok=2, **base)
-    olmoe = T.AutoModelForCausalLM.from_config(cfg).eval()
+    # eager experts compute act(gate)·up inline, where no rule reaches: left native, refused
+    olmoe = T.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager").eval()
     with pytest.raises(pyattr.RelevanceRuleUnsupportedError,
-                       match=r"'model.layers.0.mlp' \(OlmoeSparseMoeBlock\) loses [-0-9.e]+: generic: mixture-of-experts"):
+                       match=r"'model.layers.0.mlp' \(OlmoeSparseMoeBlock\) loses [-0-9.e]+: generic: mixture-of-experts "
+                             r"block whose router or experts have no form .*experts_implementation 'eager'"):
         pyattr.relevance(olmoe, _ids(), generic=True)
     with pytest.warns(pyattr.PartialRelevanceWarning, match="mixture-of-experts block"):
         with pyattr.use_relevance_rules(olmoe, generic="partial") as cov:
-            assert cov.reasons["model.layers.0.mlp"].startswith("generic: mixture-of-experts block (router and experts) not covered")
+            assert cov.reasons["model.layers.0.mlp"].startswith("generic: mixture-of-experts block whose router")
         assert not any(p.startswith("model.layers.0.mlp.") for p in cov.installed)
+    # transformers' dispatched experts: the routing and gated rules, and it conserves
+    olmoe = T.AutoModelForCausalLM.from_config(cfg, experts_implementation="batched_mm").eval()
+    with pyattr.use_relevance_rules(olmoe, generic=True) as cov:
+        assert "model.layers.0.mlp.gate" in cov.by_kind["routing"]
+        assert "model.layers.0.mlp.experts" in cov.by_kind["multiplicative_gate"]
+    r = pyattr.relevance(olmoe, _ids(), generic=True)
+    assert (r.conservation_delta.abs() <= 1e-4 * r.target.abs()).all()

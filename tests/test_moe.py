@@ -87,6 +87,30 @@ def test_conservation_float64_batched_experts(arch):
 
 
 @pytest.mark.parametrize("arch", MOE)
+@pytest.mark.parametrize("rules", ["all", "attnlrp"])
+def test_generic_on_a_renamed_twin_equals_the_map(arch, rules):
+    """generic=True on the same model under a model type the table does not map (a renamed
+    twin): the router's outputs held constant, the experts' gate through the fused op, a
+    shared expert found as any gated MLP — equal to the mapped plan's relevance, itself
+    checked against the oracles above (float64, batched experts)."""
+    import copy
+
+    m = _moe(arch, "batched_mm", torch.float64)
+    twin = copy.deepcopy(m)
+    twin.config.model_type = f"{arch}_renamed"
+    ids = _ids(2, 9)
+    want = pyattr.relevance(m, ids, rules=rules)
+    have = pyattr.relevance(twin, ids, rules=rules, generic=True)
+    assert torch.allclose(have.relevance.double(), want.relevance.double(), rtol=1e-5, atol=1e-7 * float(
+        want.relevance.abs().max()))
+    with pyattr.use_relevance_rules(twin, generic=True) as cov:
+        assert "model.layers.0.mlp.gate" in cov.by_kind["routing"]
+        assert "model.layers.0.mlp.experts" in cov.by_kind["activation"]
+    with pytest.raises(pyattr.RelevanceRuleUnsupportedError, match="no rule map"):
+        pyattr.relevance(twin, ids)
+
+
+@pytest.mark.parametrize("arch", MOE)
 def test_each_rule_is_load_bearing(arch):
     """Without the routing rule, gradient also flows through the routing weights into the
     router and relevance is no longer conserved; the same without the gated rules."""

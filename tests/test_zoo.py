@@ -27,7 +27,14 @@ FAST = [
     ("masked_lm", "fnet", "FNetForMaskedLM", "refused", "'entry' role"),              # no entry: never a fallback
     ("masked_lm", "mpnet", "MPNetForMaskedLM", "refused", "MPNetSelfAttention"),      # its attention, named
     ("masked_lm", "ibert", "IBertForMaskedLM", "refused", "QuantLinear"),             # q/k/v returning tuples
-    ("causal_lm", "roformer", "RoFormerForCausalLM", "refused", "padded: ValueError"),  # left padding, no position_ids
+    # left padding refused (no position_ids), then the row padded on the right = alone
+    ("causal_lm", "roformer", "RoFormerForCausalLM", "right", "left padding refused (no position_ids)"),
+    # encoder–decoders: both stacks checked (the decoder's inputs the model's own shift)
+    ("masked_lm", "bart", "BartForConditionalGeneration", "right", "both stacks"),
+    ("sequence_classification", "t5", "T5ForSequenceClassification", "right", "both stacks"),  # head's tanh
+    ("causal_lm", "marian", "MarianForCausalLM", "right", "|delta|/|target|"),         # one stack of a mapped enc–dec
+    ("sequence_classification", "t5gemma", "T5GemmaForSequenceClassification", "refused", "without a rule map"),
+    ("causal_lm", "olmoe", "OlmoeForCausalLM", "right", "|delta|/|target|"),           # generic mixture of experts
     ("image_classification", "resnet", "ResNetForImageClassification", "refused", "'entry' role"),
 ]
 

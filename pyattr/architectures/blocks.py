@@ -28,6 +28,7 @@ from pyattr.architectures.table import (
     FusedGatedForm,
 )
 
+#: examples of the q/k/v names :func:`qkv_names` reads (any name with those stems is read)
 QKV_NAMES = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("q_lin", "k_lin", "v_lin"))
 FUSED_QKV = ("qkv_proj", "Wqkv", "c_attn", "query_key_value", "qkv")
 ACT_NAMES = ("act", "act_fn", "activation_fn", "activation")
@@ -44,9 +45,24 @@ BLOCK_ROLES = ("layer_norms", "attention", "qk_norms", "heads", "attention_out",
 # --------------------------------------------------------------------------- finders (the planner reads them too)
 
 
+# a child of an attention module that projects its queries, keys or values, read off the
+# module graph by its name: the stem (q / query, k / key, v / value) with an optional ``W``
+# before it and a projection suffix after it — q_proj (Llama), query (BERT), q_lin
+# (DistilBERT), q (MPNet, T5), query_proj (DeBERTa), Wq (CTRL), q_head (Funnel)
+_QKV_PART = {part: re.compile(rf"(?i)^(?:w_?)?(?:{stems})(?:_?(?:proj|lin|linear|head|layer))?$")
+             for part, stems in (("q", "q|query"), ("k", "k|key"), ("v", "v|value"))}
+
+
 def qkv_names(mod: nn.Module) -> Optional[Tuple[str, str, str]]:
-    """The names of ``mod``'s separate q/k/v projections, or None."""
-    return next((n for n in QKV_NAMES if all(isinstance(getattr(mod, a, None), nn.Module) for a in n)), None)
+    """The names of ``mod``'s separate q/k/v projections, or None: for each of q, k and v
+    exactly one child with parameters whose name has that stem (:data:`_QKV_PART`)."""
+    found = []
+    for part in "qkv":
+        names = [n for n, c in mod.named_children() if _QKV_PART[part].match(n) and next(c.parameters(), None) is not None]
+        if len(names) != 1:
+            return None
+        found.append(names[0])
+    return tuple(found)
 
 
 def fused_qkv(mod: nn.Module) -> Optional[str]:
@@ -242,7 +258,8 @@ def _attention(mods: Dict[str, nn.Module], hidden, found, refused) -> Optional[s
         if n and not _under(n, [a for a, _ in attn]) and (qkv_names(m) or fused_qkv(m)):
             attn.append((n, qkv_names(m) or fused_qkv(m)))
     if len(attn) != 1:
-        why = ("no attention module with q/k/v projections (" + ", ".join("/".join(n) for n in QKV_NAMES) + ") or "
+        why = ("no attention module with q/k/v projections (named by stem: " + ", ".join("/".join(n) for n in QKV_NAMES)
+               + ", …) or "
                "a fused q|k|v projection (" + ", ".join(FUSED_QKV) + ")") if not attn else (
             f"{len(attn)} attention modules in a block ({', '.join(repr(a) for a, _ in attn)}): cross-attention or "
             "several attentions, which the roles (one attention per block) do not describe")

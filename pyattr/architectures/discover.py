@@ -54,6 +54,7 @@ from pyattr.architectures.blocks import (  # noqa: F401 - the finders, also read
 from pyattr.architectures.forms import classify_norm
 from pyattr.architectures.position_probe import observed_positions, padding_idx_embeddings
 from pyattr.architectures.paths import base_prefix, get_submodule, input_embeddings, join, model_type
+from pyattr.architectures.seq2seq import one_stack
 from pyattr.architectures.table import ARCHITECTURES, Arch
 
 
@@ -202,8 +203,9 @@ def discover(model: nn.Module) -> Arch:
 
 def arch_of(model: nn.Module, generic: bool = False) -> Optional[Arch]:
     """The entry every method reads: the table's for a mapped ``model_type``; for another,
-    the discovered one when the caller opted in with ``generic=True``; else None."""
-    entry = ARCHITECTURES.get(model_type(model))
+    the discovered one when the caller opted in with ``generic=True``; else None. One
+    stack of a mapped encoder–decoder type (BartForCausalLM) reads its decoder's entry."""
+    entry = ARCHITECTURES.get(model_type(model)) or one_stack(model, model_type(model))
     if entry is None and generic:
         return discover(model)
     return entry

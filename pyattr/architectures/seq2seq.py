@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from pyattr.architectures.paths import layer_paths
 from pyattr.architectures.table import Arch
 
 
@@ -75,9 +76,42 @@ def _bart_family(embedding_norm: bool, final_norm: bool) -> Seq2Seq:
 SEQ2SEQ = {
     "t5": _t5(),
     "mt5": _t5(),
+    "umt5": _t5(),  # T5's module names; each block keeps its own relative position bias (a constant too)
     "bart": _bart_family(embedding_norm=True, final_norm=False),
     "mbart": _bart_family(embedding_norm=True, final_norm=True),
     "marian": _bart_family(embedding_norm=False, final_norm=False),
     "m2m_100": _bart_family(embedding_norm=False, final_norm=True),
     "pegasus": _bart_family(embedding_norm=False, final_norm=True),
+    # the same blocks and embeddings under other names (read off their modeling files):
+    # MVP (without its prompts, whose modules the plan would find unmounted and refuse) and
+    # PLBART as BART; Blenderbot as Pegasus (pre-norm, a final norm per stack)
+    "mvp": _bart_family(embedding_norm=True, final_norm=False),
+    "plbart": _bart_family(embedding_norm=True, final_norm=False),
+    "blenderbot": _bart_family(embedding_norm=False, final_norm=True),
 }
+
+
+#: where an encoder–decoder sequence classifier (BART, mBART, PLBART, MVP, T5, mT5, UMT5)
+#: keeps its head: dense → ``torch.tanh`` → out_proj on the decoder's state at the
+#: source's last end-of-text token
+CLASSIFIER_HEAD = "classification_head"
+
+
+def classifier_head(model):
+    """The head module of an encoder–decoder sequence classifier, else None."""
+    from torch import nn
+
+    head = getattr(model, CLASSIFIER_HEAD, None)
+    return head if isinstance(head, nn.Module) else None
+
+
+def one_stack(model, model_type: str):
+    """The decoder stack's :class:`Arch` when ``model`` holds only the decoder of an
+    encoder–decoder type (BartForCausalLM, MarianForCausalLM, …: a decoder-only model
+    whose blocks keep an unused cross-attention), else None."""
+    spec = SEQ2SEQ.get(model_type)
+    if spec is None or bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False)):
+        return None
+    if layer_paths(model, spec.encoder) or not layer_paths(model, spec.decoder):
+        return None
+    return spec.decoder

@@ -10,7 +10,9 @@ that LRP conservation is exact when every nonlinearity has its rule) and
 with the rules on, Σ relevance against the target; the user's own scope
 (``use_relevance_rules(model, generic=True)`` around their forward and backward) with the
 parameters left trainable against it; and a padded row (left for decoders, right for
-encoders) against the row alone. Statuses:
+encoders; a decoder whose forward takes no position ids must refuse left padding, and is
+then padded on the right) against the row alone. Encoder–decoder entries are checked the
+same four ways at both entries (:mod:`pyattr.bench.zoo_seq2seq`). Statuses:
 
 - ``right``: rules off = autograd (relative 1e-5), Σ relevance = target (1e-6 of |target|
   or of Σ|relevance|, whichever is larger: relevance is float32), the trainable scope =
@@ -26,7 +28,7 @@ encoders) against the row alone. Statuses:
   it: a classification head's ``torch.tanh``, Gemma 2's logit soft-capping);
 - ``transformers``: the model itself is not pad-invariant, or gives a non-finite output;
 - ``not buildable``: the tiny config or model cannot be made or run here (extra
-  libraries, encoder–decoder, a config that needs more than sizes, float64 kernels).
+  libraries, a config that needs more than sizes, float64 kernels).
 
 Run: ``python -m pyattr.bench.zoo [--only TYPE,...] [--json OUT] [--markdown OUT]``; the
 table in the docs (docs/reference/zoo.md) is its ``--markdown`` output.
@@ -81,6 +83,8 @@ def classify(mapping: str, model_type: str, cls_name: str, phase: Optional[dict]
     import pyattr
     import pyattr.architectures as A
     from pyattr.bench import zoo_build as B
+    from pyattr.bench import zoo_seq2seq
+    from pyattr.methods._core.stacks import is_encoder_decoder
 
     phase = {} if phase is None else phase
     row = dict(mapping=mapping, model_type=model_type, cls=cls_name)
@@ -103,6 +107,8 @@ def classify(mapping: str, model_type: str, cls_name: str, phase: Optional[dict]
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
+            if is_encoder_decoder(model):
+                return {**row, **zoo_seq2seq.classify(pyattr, model, x, tid, phase)}
             phase["step"] = "rules off: "
             off = _rules_off(pyattr, model, x, tid)
             phase["step"] = ""
@@ -110,7 +116,7 @@ def classify(mapping: str, model_type: str, cls_name: str, phase: Optional[dict]
             phase["step"] = "trainable scope: "
             scope = _trainable_scope(model, x, tid, r)
             phase["step"] = "padded: "
-            pad = None if pixels else _padded(pyattr, model, x, r, tid)
+            pad = None if pixels else _padded(pyattr, model, x, r, tid, phase)
     except (ValueError, TypeError, NotImplementedError, pyattr.RelevanceRuleUnsupportedError) as e:
         if _from_pyattr(e):
             return {**row, **_refusal(e, model, phase.get("step", ""))}
@@ -133,7 +139,7 @@ def classify(mapping: str, model_type: str, cls_name: str, phase: Optional[dict]
         return {**row, "status": "wrong", "detail": f"conservation |delta| {d:.3g} for |target| {t:.3g}" + also}
     if pad is not None:
         return {**row, **pad}
-    return {**row, "status": "right", "detail": f"|delta|/|target| {d / max(t, 1e-300):.1e}"}
+    return {**row, "status": "right", "detail": f"|delta|/|target| {d / max(t, 1e-300):.1e}{phase.get('padding', '')}"}
 
 
 def _plain_kwargs(model) -> dict:
@@ -225,7 +231,7 @@ def _refusal(e: BaseException, model, step: str) -> Dict[str, str]:
     return {"status": "refused" if clear else "unclear refusal", "detail": f"{step}{type(e).__name__}: {msg[:240]}"}
 
 
-def _padded(pyattr, model, x, r, tid: int) -> Optional[Dict[str, str]]:
+def _padded(pyattr, model, x, r, tid: int, note: Optional[dict] = None) -> Optional[Dict[str, str]]:
     """A row padded (left for decoders, right for encoders) against the row alone: None
     when equal, else the status (``transformers`` when the model itself is not pad-invariant).
 
@@ -246,9 +252,18 @@ def _padded(pyattr, model, x, r, tid: int) -> Optional[Dict[str, str]]:
     try:
         rp = pyattr.relevance(model, {"input_ids": ids, "attention_mask": mask}, target=tid, generic=True)
     except (ValueError, TypeError, NotImplementedError, pyattr.RelevanceRuleUnsupportedError) as e:
-        if _from_pyattr(e):
+        if not _from_pyattr(e):
+            raise
+        if not (causal and "pad on the right" in str(e)):
             return _refusal(e, model, "padded: ")
-        raise
+        # left padding refused as it should be (the forward takes no position ids): the
+        # row padded on the right instead, as such a model is batched
+        causal = False
+        if note is not None:
+            note["padding"] = "; left padding refused (no position_ids), padded on the right"
+        ids, mask, real = torch.cat([x, pad], 1), torch.ones(1, x.shape[1] + 2, dtype=x.dtype), slice(0, x.shape[1])
+        mask[:, -2:] = 0
+        rp = pyattr.relevance(model, {"input_ids": ids, "attention_mask": mask}, target=tid, generic=True)
     # the model's own pad noise: its output padded (positions counted along the mask where
     # its forward names position_ids) against alone
     kw = {"input_ids": ids, "attention_mask": mask}
@@ -351,7 +366,10 @@ LEGEND = [
     "gradient × input at the same entry, Σ relevance against the target with the rules on, the user's own "
     "scope (`use_relevance_rules(model, generic=True)` around their forward and backward, the parameters "
     "left trainable as loaded) against it, and a padded row (left for decoders, right for encoders) against "
-    "the row alone.",
+    "the row alone (a decoder whose forward takes no position ids must refuse left padding; it is then padded on "
+    "the right). Encoder–decoder entries are checked the same four ways at both entries (the source and the target "
+    "prefix; the decoder's inputs the model's own shift of the source; `pyattr/bench/zoo_seq2seq.py`). Mixture-of-"
+    "experts models run transformers' `batched_mm` experts (its `grouped_mm` has no float64 kernel).",
     "",
     "- **right**: all four hold (1e-5 relative rules off, 1e-6 conservation, 1e-5 the user's scope, 1e-5 "
     "padded).",
@@ -365,7 +383,7 @@ LEGEND = [
     "- **crash**: any other exception, one raised inside transformers or torch, or pyattr's calls over the time "
     "limit.",
     "- **transformers**: the model itself is not pad-invariant, or not finite, in float64 (plain forwards).",
-    "- **not buildable**: the tiny config or model cannot be made or run here (encoder–decoder, extra "
+    "- **not buildable**: the tiny config or model cannot be made or run here (extra "
     "libraries, sizes the config does not take, float32-only kernels, a build over the time limit).",
 ]
 

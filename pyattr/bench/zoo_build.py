@@ -237,8 +237,6 @@ def build(mapping: str, model_type: str, cls_name: str, seq: int = 7):
     import transformers as T
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    if getattr(CONFIG_MAPPING[model_type](), "is_encoder_decoder", False):
-        raise NotImplementedError("encoder-decoder")
     cls = getattr(T, cls_name)
     first = None
     for make in (tiny_config, plain_config):
@@ -264,7 +262,10 @@ def _make(mapping: str, cls, cfg):
         cfg.num_labels = 3
     if mapping == "causal_lm" and hasattr(cfg, "is_decoder"):
         cfg.is_decoder = True  # BertLMHeadModel and kin are decoders only so
-    cfg._experts_implementation = "eager"  # grouped_mm has no float64 kernel
+    # grouped_mm has no float64 kernel; eager computes act(gate)·up inline, where no rule reaches
+    cfg._experts_implementation = "batched_mm"
+    if getattr(cfg, "is_encoder_decoder", False) and getattr(cfg, "decoder_start_token_id", None) is None:
+        cfg.decoder_start_token_id = cfg.pad_token_id  # T5's checkpoints start the decoder at the pad token
     torch.manual_seed(0)
     model = cls(cfg).to(torch.float64).eval()
     if hasattr(model, "set_default_language"):  # X-MOD
@@ -334,4 +335,8 @@ def inputs(model, mapping: str, seq: int, seed: int = 1) -> torch.Tensor:
     vocab = min(int(getattr(cfg, "vocab_size", None) or VOCAB), VOCAB)
     allowed = [i for i in range(3, vocab) if i not in special_ids(model.config)]
     pick = torch.randint(0, len(allowed), (1, seq), generator=g)
-    return torch.tensor(allowed)[pick]
+    x = torch.tensor(allowed)[pick]
+    eos = getattr(model.config, "eos_token_id", None)
+    if mapping == "sequence_classification" and getattr(model.config, "is_encoder_decoder", False) and _int(eos):
+        x[0, -1] = eos  # the encoder–decoder classifiers pool the hidden state at the end-of-text token
+    return x

@@ -62,6 +62,31 @@ class _Call:
         self.entry = False
 
 
+def _depends_on(entry: torch.Tensor, tensors: Sequence[torch.Tensor]) -> set:
+    """The ids of the tensors in ``tensors`` whose autograd graph reaches the leaf ``entry``
+    (memoised over the graph's nodes, iteratively: the graph may be deep)."""
+    memo: Dict[object, bool] = {}
+
+    def reaches(root) -> bool:
+        stack = [(root, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if node is None or node in memo:
+                continue
+            if getattr(node, "variable", None) is entry:
+                memo[node] = True
+                continue
+            kids = [n for n, _ in getattr(node, "next_functions", ()) if n is not None]
+            if expanded:
+                memo[node] = any(memo.get(k, False) for k in kids)
+                continue
+            stack.append((node, True))
+            stack.extend((k, False) for k in kids if k not in memo)
+        return memo.get(root, False)
+
+    return {id(t) for t in tensors if t.grad_fn is not None and reaches(t.grad_fn)}
+
+
 def _path_tensors(t) -> bool:
     return isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad
 
@@ -288,9 +313,13 @@ class ModuleAudit:
                 bias_at.setdefault(owner, []).append(p)
                 tensors.append(p)
         grads = torch.autograd.grad(value, tensors, go, allow_unused=True)
+        # a tensor that does not depend on the entry (a relative position bias, or anything
+        # computed from parameters alone, when the parameters are trainable) carries no
+        # relevance: its share is a constant's, counted neither in nor out
+        on_path = _depends_on(self.entry, tensors) | {id(p) for ps in bias_at.values() for p in ps}
 
         def rel(t) -> tuple:
-            g = grads[index[id(t)]] if id(t) in index else None
+            g = grads[index[id(t)]] if id(t) in index and (id(t) in on_path or t is self.entry) else None
             if g is None:
                 return 0.0, 0.0
             r = t.detach().double() * g.double()

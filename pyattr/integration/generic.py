@@ -34,6 +34,7 @@ from pyattr.architectures.blocks import (
 )
 from pyattr.config import RelevanceRules
 from pyattr.integration.errors import RelevanceRuleUnsupportedError
+from pyattr.integration.moe_plan import plan_generic_moe
 from pyattr.integration.planner import Planner
 from pyattr.integration.structural import _eps, classify_norm, structural_norm_forward
 
@@ -69,8 +70,17 @@ def plan_generic(model: nn.Module, rules: RelevanceRules) -> Planner:
     inside_attention = [n for n, _ in attention]
     gated, fused = {}, {}
     moe = [n for n, m in modules.items() if n and isinstance(getattr(m, "experts", None), nn.Module)]
+    # a sparse block whose router and experts have a known form gets the routing and gated
+    # rules (its shared expert, if any, is found below as any gated MLP); any other is left
+    # native with the reason, and the plan check refuses the model
+    native_moe, placed = {}, set()
+    for name in moe:
+        why, ids = plan_generic_moe(pl, name, modules[name])
+        placed |= ids
+        if why is not None:
+            native_moe[name] = why
     for name, mod in modules.items():
-        if not name or any(name == b or name.startswith(b + ".") for b in moe):
+        if not name or id(mod) in placed or any(name == b or name.startswith(b + ".") for b in native_moe):
             continue
         names = generic_gated_names(mod)
         if names:
@@ -81,13 +91,13 @@ def plan_generic(model: nn.Module, rules: RelevanceRules) -> Planner:
         if form is not None:
             fused[name] = form
             pl.mounted.add(id(getattr(mod, form.act)))
-    for name in moe:  # routing and 3-D experts need the library's forms: only the mapped MoE models have them
+    for name, why in native_moe.items():
         pl.native.append(modules[name])
         for sub, m in modules.items():
             if sub == name or sub.startswith(name + "."):
                 pl.mounted.add(id(m))
-        pl.cov._skip(name, "generic: mixture-of-experts block (router and experts) not covered in generic mode: "
-                           "left native, relevance is not conserved through it")
+        pl.cov._skip(name, f"generic: mixture-of-experts block whose router or experts have no form the rules can be "
+                           f"placed on ({why[:160]}): left native, relevance is not conserved through it")
     for name, (q, k, v) in attention:
         mod = modules[name]
         for proj in (q, k, v):

@@ -50,7 +50,8 @@ from pyattr.integration.install import (
     has_hooks,
     state_of,
 )
-from pyattr.integration.moe_checks import check_experts, check_moe_block
+from pyattr.integration.moe_checks import check_moe_block
+from pyattr.integration.moe_plan import plan_experts, plan_gates
 
 
 #: norms observed to compute the formula their rule assumes: module -> (forward, (kind, offset))
@@ -235,20 +236,8 @@ class Planner:
         shared_gate = getattr(block, "shared_expert_gate", None)
         if isinstance(shared_gate, nn.Module):
             gates.append((A.join(path, "shared_expert_gate"), shared_gate, projection_forward(0.0)))
-        for p, mod, make in gates:
-            self.mounted.add(id(mod))
-            if self.rules.routing:
-                self.add("routing", p, mod, self.rules.routing, make)
-            else:
-                self.off("routing", p, mod, "routing rule off")
-        epath = A.join(path, "experts")
-        wanted = self.gated_kinds(epath, experts)
-        if wanted:
-            check_experts(epath, experts)
-            kind = _kind_of_module(experts.act_fn) or "custom"
-            self.mounted.add(id(experts.act_fn))
-            for k in wanted:
-                self.add(k, epath, experts, True, experts_forward(kind), check_output=False)
+        plan_gates(self, gates)
+        plan_experts(self, A.join(path, "experts"), experts)
         if isinstance(getattr(block, "shared_expert", None), nn.Module):
             self.gated_mlp(A.join(path, "shared_expert"))
 

@@ -19,18 +19,17 @@ from pyattr.integration.planner import Planner, plan_block
 def plan_seq2seq(model: nn.Module, rules: RelevanceRules, model_type: str) -> Planner:
     spec = SEQ2SEQ[model_type]
     pl = Planner(model, rules, model_type)
-    if not rules.any() and not all(A.layer_paths(model, arch) for arch in (spec.encoder, spec.decoder)):
-        return pl  # every rule off on one stack of the type (BartForCausalLM): plain gradients need no map
+    dec = A.one_stack(model, model_type)
+    stacks = (spec.encoder, spec.decoder) if dec is None else (dec,)
     # with every rule off the mounts are still walked: each records the rule an enclosing
     # scope holds there (inherited), which a method asking for plain gradients refuses
     prefix = A.base_prefix(model)
-    for i, arch in enumerate((spec.encoder, spec.decoder)):
+    for arch in stacks:
+        i = int(arch is spec.decoder)
         layers = A.layer_paths(model, arch)
         if not layers:
-            one = "" if i else (" (the model holds one stack of this encoder–decoder type, as a "
-                                f"{type(model).__name__} does; only the whole encoder–decoder is mapped)")
             raise RelevanceRuleUnsupportedError(
-                f"{model_type}: expected a ModuleList of blocks at {A.join(prefix, arch.layers)!r}{one}; use "
+                f"{model_type}: expected a ModuleList of blocks at {A.join(prefix, arch.layers)!r}; use "
                 "RelevanceRules() for plain gradients")
         for p in arch.outer_norms:
             pl.norm(A.join(prefix, p), arch.norm, arch.offset)
@@ -39,6 +38,12 @@ def plan_seq2seq(model: nn.Module, rules: RelevanceRules, model_type: str) -> Pl
             plan_block(pl, layer, _with_ff(model, layer, arch, spec, i))
             if i == 1:
                 pl.attention(layer, spec.cross_attention)
+    head = A.classifier_head(model)
+    if head is not None:
+        # the classifier's head calls torch.tanh as a function after the base model returns:
+        # the functional Identity-rule of the head region takes it (its modules are linear)
+        pl.mounted.add(id(head))
+        pl.head_functional(A.CLASSIFIER_HEAD, f"{type(head).__name__} applies torch.tanh as a function")
     pl.skip_lookalikes()
     if rules.any():
         _refuse_unmounted(pl)

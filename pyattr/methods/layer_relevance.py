@@ -262,8 +262,8 @@ def layer_relevance(
     """
     model = unwrap(model)
     if is_encoder_decoder(model):
-        for name, value in (("baseline", baseline), ("internal_batch_size", internal_batch_size),
-                            ("generic", generic or None)):
+        # generic=True: a mapped encoder–decoder's map is its plan (an unmapped one is refused by name)
+        for name, value in (("baseline", baseline), ("internal_batch_size", internal_batch_size)):
             if value is not None:
                 raise ValueError(f"layer_relevance(): {name} is not supported on encoder–decoder models "
                                  f"({type(model).__name__}) yet")

@@ -233,9 +233,8 @@ def _seq2seq(model, inputs, target, rules, baseline, grad_outputs, attention_mas
     if not is_encoder_decoder(model):
         raise ValueError(f"decoder_input_ids / decoder_attention_mask: {type(model).__name__} is not an "
                          "encoder–decoder model (config.is_encoder_decoder is false)")
-    if generic:
-        raise ValueError("generic: encoder–decoder models are planned from their own rule map (generic=True is "
-                         "for decoder-only and encoder models without one)")
+    # generic=True changes nothing on a mapped encoder–decoder (its map is the plan, as for a
+    # mapped decoder); an unmapped one is refused by name when its entries are looked up
     return seq2seq_relevance(model, inputs, target, core.rule_defaults(rules), decoder_input_ids=decoder_input_ids,
                              attention_mask=attention_mask, decoder_attention_mask=decoder_attention_mask,
                              grad_outputs=grad_outputs, tokenizer=tokenizer, baseline=baseline)

@@ -27,11 +27,12 @@ def entries(model: nn.Module, caller: str = "relevance"):
             f"{caller}(): {type(model).__name__} (model type {mt!r}) is an encoder–decoder model without a rule map "
             f"and entries; supported encoder–decoders: {sorted(A.SEQ2SEQ)}")
     head = getattr(model, "get_output_embeddings", lambda: None)()
-    if not isinstance(head, nn.Module):
+    if not isinstance(head, nn.Module) and A.classifier_head(model) is None:
         raise ValueError(
-            f"{caller}(): {type(model).__name__} has no language-model head (a base model or a classifier); "
-            "encoder–decoder models are explained through their conditional-generation class (T5ForConditionalGeneration, "
-            "BartForConditionalGeneration, MarianMTModel, …)")
+            f"{caller}(): {type(model).__name__} has neither a language-model head nor a sequence classifier's "
+            f"{A.CLASSIFIER_HEAD} (a base model, or another head); encoder–decoder models are explained through their "
+            "conditional-generation class (T5ForConditionalGeneration, BartForConditionalGeneration, MarianMTModel, …) "
+            "or their sequence-classification class")
     prefix = A.base_prefix(model)
     out = []
     for side, arch in (("encoder", spec.encoder), ("decoder", spec.decoder)):
@@ -177,10 +178,7 @@ def _decoder_ids(model, kwargs, src, decoder_input_ids, decoder_attention_mask, 
                              "pass decoder_attention_mask= only with token ids")
         return decoder_inputs_from_text(model, tokenizer, decoder_input_ids, src.shape[0])
     if decoder_input_ids is None:
-        raise ValueError(
-            f"{caller}(): {type(model).__name__} is an encoder–decoder model: pass the target prefix as "
-            "decoder_input_ids (LongTensor[batch, target_len], starting with the decoder start token) or labels "
-            "in the inputs; the explained value is read on the decoder side")
+        return derived_decoder_ids(model, kwargs, caller), None
     rows = as_id_rows(decoder_input_ids, "decoder_input_ids")
     if rows is not None and len({len(r) for r in rows}) > 1:
         if decoder_attention_mask is not None:
@@ -193,6 +191,47 @@ def _decoder_ids(model, kwargs, src, decoder_input_ids, decoder_attention_mask, 
         raise TypeError("decoder_input_ids must be token ids: a LongTensor[batch, target_len], a list of ints or of "
                         f"rows of ints, or text with tokenizer=; got {type(decoder_input_ids).__name__}") from None
     return dec, decoder_attention_mask
+
+
+class _Seen(Exception):
+    """Stops the observing forward once the decoder's inputs are seen."""
+
+
+def derived_decoder_ids(model: nn.Module, kwargs: dict, caller: str) -> torch.Tensor:
+    """The target prefix the model makes itself from the source when none is given (BART,
+    mBART, PLBART and MVP shift ``input_ids`` right: their denoising use, and their
+    classifiers'), read back from the ids its decoder receives in a forward that stops
+    there — observed, not re-derived. A model that makes none (T5, Marian) is refused."""
+    get = getattr(model, "get_decoder", None)
+    dec = get() if callable(get) else None
+    need = ValueError(
+        f"{caller}(): {type(model).__name__} is an encoder–decoder model that does not make its decoder's inputs "
+        "from the source: pass the target prefix as decoder_input_ids (LongTensor[batch, target_len], starting with "
+        "the decoder start token), as text with tokenizer=, or labels in the inputs; the explained value is read on "
+        "the decoder side")
+    if not isinstance(dec, nn.Module):
+        raise need
+    seen: List[torch.Tensor] = []
+
+    def pre(mod, args, kw):
+        ids = kw.get("input_ids", args[0] if args else None)
+        if isinstance(ids, torch.Tensor):
+            seen.append(ids.detach().clone())
+        raise _Seen()
+
+    handle = dec.register_forward_pre_hook(pre, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(**{k: v for k, v in kwargs.items() if k in ("input_ids", "attention_mask")}, use_cache=False)
+    except _Seen:
+        pass
+    except (ValueError, TypeError) as e:  # the model's own refusal to run without decoder inputs
+        raise need from e
+    finally:
+        handle.remove()
+    if not seen:
+        raise need
+    return seen[0]
 
 
 def prepare(model: nn.Module, inputs, attention_mask, decoder_input_ids, decoder_attention_mask, caller: str,
