@@ -208,7 +208,7 @@ def tiny_unmapped(config: str, dtype=torch.float64, attn: Optional[str] = "eager
 
 #: the mapped encoder–decoder architectures tiny_seq2seq builds ("t5_gated": T5 v1.1's gated-GELU feed-forward)
 SEQ2SEQ_ARCHS = ("t5", "t5_gated", "bart", "mbart", "marian", "m2m_100", "pegasus", "umt5", "mvp", "plbart",
-                 "blenderbot")
+                 "blenderbot", "t5gemma")
 
 
 @functools.lru_cache(maxsize=None)
@@ -216,6 +216,15 @@ def _tiny_seq2seq(arch: str):
     import transformers as T
 
     torch.manual_seed(7)
+    if arch == "t5gemma":
+        module = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=4, max_position_embeddings=64,
+                      initializer_range=0.3, final_logit_softcapping=None, attn_logit_softcapping=None,
+                      query_pre_attn_scalar=4, sliding_window=64, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+        cfg = T.T5GemmaConfig(encoder=module, decoder=module, vocab_size=VOCAB, pad_token_id=0, eos_token_id=1,
+                              bos_token_id=2, decoder_start_token_id=2, final_logit_softcapping=None,
+                              attn_logit_softcapping=None, attn_implementation="eager")
+        return T.T5GemmaForConditionalGeneration(cfg)
     if arch == "umt5":
         cfg = T.UMT5Config(vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=24, num_layers=2, num_decoder_layers=2,
                            num_heads=4, initializer_factor=4.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)

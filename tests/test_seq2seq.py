@@ -2,6 +2,7 @@
 decoder-side target over the source and the target prefix, against float64 oracles written
 here with hooks (independent of pyattr's rule forwards), conservation, padding, refusals."""
 
+import dataclasses
 import math
 
 import pytest
@@ -27,6 +28,7 @@ ENTRIES = {
     "mvp": ("model.encoder.layernorm_embedding", "model.decoder.layernorm_embedding"),
     "plbart": ("model.encoder.layernorm_embedding", "model.decoder.layernorm_embedding"),
     "blenderbot": ("model.encoder.layers.0", "model.decoder.layers.0"),
+    "t5gemma": ("model.encoder.layers.0", "model.decoder.layers.0"),
 }
 ACT_LIMIT = {"ReLU": 0.0}  # φ(0) = act(x)/x at 0: 0 for ReLU, ½ for the GELUs
 
@@ -44,6 +46,9 @@ def _ln_rule(mod, args, out):
         mu = x.mean(-1, keepdim=True)
         sigma = ((x - mu) ** 2).mean(-1, keepdim=True).add(mod.eps).sqrt().detach()
         rule = (x - mu) / sigma * mod.weight + mod.bias
+    elif type(mod).__name__ == "T5GemmaRMSNorm":  # Gemma's (1 + w), its variance in float32 too
+        rms = x.pow(2).mean(-1, keepdim=True).add(mod.eps).sqrt().detach()
+        rule = (1.0 + mod.weight) * (x / rms)
     else:
         rms = x.pow(2).mean(-1, keepdim=True).add(mod.variance_epsilon).sqrt().detach()  # T5: no mean, no bias
         rule = mod.weight * (x / rms)
@@ -58,10 +63,14 @@ def _identity_rule(mod, args, out):
 
 
 def _half_rule_gated(mod, args, out):
-    """T5 v1.1's wo(act(wi_0 x) · wi_1 x): each factor of the product gets half."""
+    """T5 v1.1's wo(act(wi_0 x) · wi_1 x) (T5Gemma's down(act(gate x) · up x)): each factor
+    of the product gets half."""
     x = args[0]
-    a, u = mod.act(mod.wi_0(x)), mod.wi_1(x)
-    return mod.wo(0.5 * a * u.detach() + 0.5 * a.detach() * u)
+    if hasattr(mod, "wi_0"):
+        a, u, down = mod.act(mod.wi_0(x)), mod.wi_1(x), mod.wo
+    else:
+        a, u, down = mod.act_fn(mod.gate_proj(x)), mod.up_proj(x), mod.down_proj
+    return down(0.5 * a * u.detach() + 0.5 * a.detach() * u)
 
 
 def _scaled(s):
@@ -76,11 +85,13 @@ def _oracle_hooks(model, rules):
     attn = {"none": None, "all": (0.0, 0.0, 1.0), "attnlrp": (0.25, 0.25, 0.5)}[rules]
     for name, mod in model.named_modules():
         cls, last = type(mod).__name__, name.rsplit(".", 1)[-1]
-        if rules != "none" and (isinstance(mod, nn.LayerNorm) or cls in ("T5LayerNorm", "UMT5LayerNorm")):
+        if rules != "none" and (isinstance(mod, nn.LayerNorm) or cls in ("T5LayerNorm", "UMT5LayerNorm",
+                                                                           "T5GemmaRMSNorm")):
             hooks.append(mod.register_forward_hook(_ln_rule))
-        elif rules != "none" and cls in ("ReLU", "GELUActivation", "NewGELUActivation"):
+        elif rules != "none" and cls in ("ReLU", "GELUActivation", "NewGELUActivation", "GELUTanh",
+                                         "PytorchGELUTanh"):
             hooks.append(mod.register_forward_hook(_identity_rule))
-        elif rules != "none" and cls in ("T5DenseGatedActDense", "UMT5DenseGatedActDense"):
+        elif rules != "none" and cls in ("T5DenseGatedActDense", "UMT5DenseGatedActDense", "T5GemmaMLP"):
             hooks.append(mod.register_forward_hook(_half_rule_gated))
         elif attn is not None and isinstance(mod, nn.Linear) and last in ("q", "k", "v", "q_proj", "k_proj", "v_proj"):
             hooks.append(mod.register_forward_hook(_scaled(attn["qkv".index(last[0])])))
@@ -138,7 +149,8 @@ def test_rules_on_equal_a_hand_written_float64_oracle(arch, rules):
     model = tiny_seq2seq(arch)
     src, dec = _ids(arch, seed=1)
     r = pyattr.relevance(model, src, rules=rules, decoder_input_ids=dec, target=11)
-    _check(r, _oracle(model, arch, src, dec, rules, token=11), 1e-9)
+    # T5Gemma's norm computes in float32 even in a float64 model (x.float()): its rule to that
+    _check(r, _oracle(model, arch, src, dec, rules, token=11), 1e-6 if arch == "t5gemma" else 1e-9)
     # the oracle differs from plain gradients: the rules act on both stacks and the cross-attention
     plain = _oracle(model, arch, src, dec, "none", token=11)
     assert (r.source_relevance - plain[0]).abs().max() > 1e-3
@@ -152,7 +164,7 @@ def test_conservation_over_source_and_target_prefix_without_biases(arch):
     total = r.source_relevance.sum(-1) + r.target_relevance.sum(-1)
     # T5's own norm computes its variance in float32 (even in a float64 model): its output
     # is w·x/rms up to float32 rounding, and conservation holds to that
-    tol = 1e-6 if "t5" in arch else 1e-10
+    tol = 1e-6 if "t5" in arch else 1e-10  # T5 and T5Gemma norms compute in float32
     assert torch.allclose(total, r.target, rtol=tol, atol=0)
     assert (r.conservation_delta.abs() <= tol * r.target.abs()).all()
     assert r.source_relevance.abs().sum() > 1e-3 * r.target.abs().sum()  # the source gets its share
@@ -643,3 +655,21 @@ def test_models_without_a_language_model_head_are_refused():
     base = T.BartModel(tiny_seq2seq("bart").config).eval()
     with pytest.raises(ValueError, match="BartModel has neither a language-model head nor a sequence classifier's"):
         pyattr.relevance(base, *_ids("bart")[:1], decoder_input_ids=_ids("bart")[1])
+
+
+def test_t5gemma_logit_softcapping_gets_the_identity_rule():
+    """T5Gemma computes cap·tanh(logits/cap) in its own forward after the LM head: the
+    functional Identity-rule of the head region takes it, so relevance is conserved (and
+    is not without the activation rule)."""
+    import copy
+
+    model = copy.deepcopy(tiny_seq2seq("t5gemma"))
+    for cfg in (model.config, model.config.decoder):
+        cfg.final_logit_softcapping = 0.5  # small: the logits leave tanh's linear regime
+    src, dec = _ids("t5gemma", seed=3)
+    r = pyattr.relevance(model, src, decoder_input_ids=dec)
+    total = r.source_relevance.sum(-1) + r.target_relevance.sum(-1)
+    assert torch.allclose(total, r.target, rtol=1e-6, atol=0)
+    assert "lm_head" in " ".join(map(str, r.coverage.installed))
+    off = pyattr.relevance(model, src, decoder_input_ids=dec, rules=dataclasses.replace(RelevanceRules.all(), activation=False))
+    assert (off.conservation_delta.abs() > 1e-3 * off.target.abs()).any()

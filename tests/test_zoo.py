@@ -25,7 +25,6 @@ FAST = [
     # its head's functional torch.tanh takes the Identity-rule (it was "declared", a loss)
     ("sequence_classification", "roberta", "RobertaForSequenceClassification", "right", "|delta|/|target|"),
     ("masked_lm", "fnet", "FNetForMaskedLM", "refused", "'entry' role"),              # no entry: never a fallback
-    ("masked_lm", "mpnet", "MPNetForMaskedLM", "refused", "MPNetSelfAttention"),      # its attention, named
     ("masked_lm", "ibert", "IBertForMaskedLM", "refused", "QuantLinear"),             # q/k/v returning tuples
     # left padding refused (no position_ids), then the row padded on the right = alone
     ("causal_lm", "roformer", "RoFormerForCausalLM", "right", "left padding refused (no position_ids)"),
@@ -35,6 +34,8 @@ FAST = [
     ("causal_lm", "marian", "MarianForCausalLM", "right", "|delta|/|target|"),         # one stack of a mapped enc–dec
     ("sequence_classification", "t5gemma", "T5GemmaForSequenceClassification", "refused", "without a rule map"),
     ("causal_lm", "olmoe", "OlmoeForCausalLM", "right", "|delta|/|target|"),           # generic mixture of experts
+    ("causal_lm", "codegen", "CodeGenForCausalLM", "right", "|delta|/|target|"),       # fused q | v | k, observed
+    ("masked_lm", "mpnet", "MPNetForMaskedLM", "right", "|delta|/|target|"),           # q / k / v by name stems
     ("image_classification", "resnet", "ResNetForImageClassification", "refused", "'entry' role"),
 ]
 

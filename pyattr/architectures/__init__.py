@@ -23,5 +23,5 @@ from pyattr.architectures.table import (  # noqa: F401
     Arch,
     FusedGatedForm,
 )
-from pyattr.architectures.seq2seq import CLASSIFIER_HEAD, SEQ2SEQ, Seq2Seq, classifier_head, one_stack  # noqa: F401
+from pyattr.architectures.seq2seq import CLASSIFIER_HEADS, SEQ2SEQ, Seq2Seq, classifier_head, one_stack  # noqa: F401
 from pyattr.architectures.discover import arch_of, discover, padding_idx_embeddings, require  # noqa: F401, I001 - after the table it reads

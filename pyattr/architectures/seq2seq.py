@@ -73,6 +73,25 @@ def _bart_family(embedding_norm: bool, final_norm: bool) -> Seq2Seq:
     return Seq2Seq(enc, dec, ("separate", "encoder_attn.q_proj", "encoder_attn.k_proj", "encoder_attn.v_proj"))
 
 
+def _t5gemma() -> Seq2Seq:
+    """T5Gemma: two Gemma 2 stacks — (1 + w) RMSNorms before and after each sublayer (the
+    decoder's cross-attention has its pair too), rotary positions, a gated-GELU MLP with a
+    dropout before its down projection (planned as T5 v1.1's, by the instance's names)."""
+
+    def stack(side: str, extra: Tuple[str, ...]) -> Arch:
+        return Arch(layers=f"{side}.layers", norm="rms_norm", offset=1.0,
+                    layer_norms=("pre_self_attn_layernorm", "post_self_attn_layernorm") + extra
+                    + ("pre_feedforward_layernorm", "post_feedforward_layernorm"),
+                    outer_norms=(f"{side}.norm",), mlp=("gated_named", "mlp"),
+                    gated_extra=("gate_proj", "up_proj", "down_proj", "act_fn"),
+                    attention=("separate", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                    entry=(f"{side}.layers.0", "hidden_states"), attention_out="self_attn", mlp_out="mlp",
+                    neurons=("mlp.down_proj", "input"), heads="self_attn.o_proj")
+
+    return Seq2Seq(stack("encoder", ()), stack("decoder", ("pre_cross_attn_layernorm", "post_cross_attn_layernorm")),
+                   ("separate", "cross_attn.q_proj", "cross_attn.k_proj", "cross_attn.v_proj"))
+
+
 SEQ2SEQ = {
     "t5": _t5(),
     "mt5": _t5(),
@@ -88,21 +107,23 @@ SEQ2SEQ = {
     "mvp": _bart_family(embedding_norm=True, final_norm=False),
     "plbart": _bart_family(embedding_norm=True, final_norm=False),
     "blenderbot": _bart_family(embedding_norm=False, final_norm=True),
+    "t5gemma": _t5gemma(),
 }
 
 
-#: where an encoder–decoder sequence classifier (BART, mBART, PLBART, MVP, T5, mT5, UMT5)
-#: keeps its head: dense → ``torch.tanh`` → out_proj on the decoder's state at the
-#: source's last end-of-text token
-CLASSIFIER_HEAD = "classification_head"
+#: where an encoder–decoder sequence classifier keeps its head: BART, mBART, PLBART, MVP,
+#: T5, mT5, UMT5 a ``classification_head`` (dense → ``torch.tanh`` → out_proj) on the
+#: decoder's state at the source's last end-of-text token; T5Gemma a linear ``score`` at
+#: the last non-pad token
+CLASSIFIER_HEADS = ("classification_head", "score")
 
 
 def classifier_head(model):
-    """The head module of an encoder–decoder sequence classifier, else None."""
+    """``(path, module)`` of an encoder–decoder sequence classifier's head, else None."""
     from torch import nn
 
-    head = getattr(model, CLASSIFIER_HEAD, None)
-    return head if isinstance(head, nn.Module) else None
+    return next(((p, getattr(model, p)) for p in CLASSIFIER_HEADS if isinstance(getattr(model, p, None), nn.Module)),
+                None)
 
 
 def one_stack(model, model_type: str):

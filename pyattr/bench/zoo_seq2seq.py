@@ -29,7 +29,7 @@ def _at_entries(model, x: torch.Tensor, dec: Optional[torch.Tensor], tid: int, s
     leaves (their first call, as pyattr taps them) and the logit of ``tid`` at the last
     decoder position; differentiate inside the caller's ``with``."""
     from pyattr.methods._core.taps import tap
-    from pyattr.methods.seq2seq_inputs import entries
+    from pyattr.methods.seq2seq_inputs import entries, no_cache
 
     _, (enc, dec_entry) = entries(model, "zoo")
     xs: Dict[int, list] = {0: [], 1: []}
@@ -40,7 +40,7 @@ def _at_entries(model, x: torch.Tensor, dec: Optional[torch.Tensor], tid: int, s
             return xs[i][-1]
         return fn
 
-    kw = {"input_ids": x, "use_cache": False}
+    kw = {"input_ids": x, **no_cache(model)}
     if dec is not None:
         kw["decoder_input_ids"] = dec
     if smask is not None:
@@ -103,7 +103,7 @@ def trainable_scope(model, x, tid: int, r) -> Optional[str]:
 def padded(pyattr, model, x, r, tid: int) -> Optional[Dict[str, str]]:
     """The source padded on the right (the decoder's inputs as made from the row alone)
     against the row alone: None when equal, else the status."""
-    from pyattr.methods.seq2seq_inputs import derived_decoder_ids
+    from pyattr.methods.seq2seq_inputs import derived_decoder_ids, no_cache
 
     pad = int(getattr(model.config, "pad_token_id", 0) or 0)
     ids = torch.cat([x, torch.full((1, 2), pad, dtype=x.dtype)], 1)
@@ -128,8 +128,8 @@ def padded(pyattr, model, x, r, tid: int) -> Optional[Dict[str, str]]:
     if max(err, terr) <= 1e-5:
         return None
     with torch.no_grad():
-        alone = model(input_ids=x, decoder_input_ids=dec, use_cache=False).logits
-        pl = model(input_ids=ids, attention_mask=mask, decoder_input_ids=dec, use_cache=False).logits
+        alone = model(input_ids=x, decoder_input_ids=dec, **no_cache(model)).logits
+        pl = model(input_ids=ids, attention_mask=mask, decoder_input_ids=dec, **no_cache(model)).logits
     if alone.dim() == 3:
         pl = pl[:, :alone.shape[1]]
     noise = float((alone - pl).abs().max()) / (float(alone.abs().max()) + 1e-300)

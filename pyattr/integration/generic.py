@@ -34,6 +34,8 @@ from pyattr.architectures.blocks import (
 )
 from pyattr.config import RelevanceRules
 from pyattr.integration.errors import RelevanceRuleUnsupportedError
+from pyattr.integration.forwards import ATTN_SCALES, fused_projection_forward
+from pyattr.integration.fused_qkv import role_pattern, value_columns
 from pyattr.integration.moe_plan import plan_generic_moe
 from pyattr.integration.planner import Planner
 from pyattr.integration.structural import _eps, classify_norm, structural_norm_forward
@@ -170,8 +172,7 @@ def plan_generic(model: nn.Module, rules: RelevanceRules) -> Planner:
                                "no known form: left native")
         qkv = fused_qkv(mod)  # an nn.Linear or GPT-2's Conv1D
         if qkv and name not in dict(attention):
-            pl.cov._skip(A.join(name, qkv), "attention rule off" if not rules.attention else
-                         "generic: fused q/k/v projection whose split is unknown: left native")
+            _fused_attention(pl, name, mod, qkv)
         if "Attention" in type(mod).__name__ and name not in dict(attention) and not any(
                 name.startswith(a + ".") or a.startswith(name + ".") for a in inside_attention) and not qkv:
             pl.cov._skip(name, "generic: attention without recognisable q/k/v projections: its pattern is not "
@@ -179,6 +180,24 @@ def plan_generic(model: nn.Module, rules: RelevanceRules) -> Planner:
     pl.skip_lookalikes()
     return pl
 
+
+
+def _fused_attention(pl: Planner, name: str, mod: nn.Module, qkv: str) -> None:
+    """A fused q|k|v projection: the attention rule by the value columns observed on the
+    module (:mod:`pyattr.integration.fused_qkv`), or left native with the reason."""
+    path = A.join(name, qkv)
+    if not pl.rules.attention:
+        pl.cov._skip(path, "attention rule off")
+        return
+    values, why = value_columns(pl.model, mod, qkv)
+    if values is None:
+        pl.cov._skip(path, f"generic: fused q/k/v projection whose split could not be observed ({why[:160]}): left "
+                           "native")
+        return
+    mode = pl.rules.attention
+    pl.add("attention", path, getattr(mod, qkv), (mode, "qkv"),
+           fused_projection_forward(role_pattern(ATTN_SCALES[mode], values)))
+    pl.freeze(path)
 
 
 def projection_problem(mod: nn.Module):

@@ -42,14 +42,30 @@ def plan_seq2seq(model: nn.Module, rules: RelevanceRules, model_type: str) -> Pl
     if head is not None:
         # the classifier's head calls torch.tanh as a function after the base model returns:
         # the functional Identity-rule of the head region takes it (its modules are linear)
-        pl.mounted.add(id(head))
-        pl.head_functional(A.CLASSIFIER_HEAD, f"{type(head).__name__} applies torch.tanh as a function")
+        pl.mounted.add(id(head[1]))
+        pl.head_functional(head[0], f"{type(head[1]).__name__}: functions after the base model (torch.tanh)")
+    cap = _softcap(model)
+    lm = getattr(model, "get_output_embeddings", lambda: None)()
+    if rules.any() and cap and isinstance(lm, nn.Module):
+        # T5Gemma's logits are cap·tanh(logits/cap), computed in the model's own forward
+        path = next(n for n, m in model.named_modules() if m is lm)
+        pl.head_functional(path, f"final_logit_softcapping={cap}: cap·tanh(logits/cap) in the model's own forward")
     pl.skip_lookalikes()
     if rules.any():
         _refuse_unmounted(pl)
     if rules.activation or rules.multiplicative_gate:
         pl.refuse_unobserved_forwards()
     return pl
+
+
+def _softcap(model: nn.Module):
+    """The final logit soft-capping the model's config (or its decoder's) asks for, else None."""
+    cfg = getattr(model, "config", None)
+    for c in (cfg, getattr(cfg, "decoder", None)):
+        cap = getattr(c, "final_logit_softcapping", None)
+        if isinstance(cap, (int, float)) and cap:
+            return cap
+    return None
 
 
 def _with_ff(model: nn.Module, layer: str, arch, spec, side: int):

@@ -30,7 +30,8 @@ def entries(model: nn.Module, caller: str = "relevance"):
     if not isinstance(head, nn.Module) and A.classifier_head(model) is None:
         raise ValueError(
             f"{caller}(): {type(model).__name__} has neither a language-model head nor a sequence classifier's "
-            f"{A.CLASSIFIER_HEAD} (a base model, or another head); encoder–decoder models are explained through their "
+            f"head ({' or '.join(A.CLASSIFIER_HEADS)}: a base model, or another head); encoder–decoder models are "
+            "explained through their "
             "conditional-generation class (T5ForConditionalGeneration, BartForConditionalGeneration, MarianMTModel, …) "
             "or their sequence-classification class")
     prefix = A.base_prefix(model)
@@ -193,6 +194,18 @@ def _decoder_ids(model, kwargs, src, decoder_input_ids, decoder_attention_mask, 
     return dec, decoder_attention_mask
 
 
+def no_cache(model: nn.Module) -> dict:
+    """``use_cache=False`` where the model's forward names it (T5Gemma's classifier passes
+    its own and takes none)."""
+    import inspect
+
+    try:
+        named = "use_cache" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        named = False
+    return {"use_cache": False} if named else {}
+
+
 class _Seen(Exception):
     """Stops the observing forward once the decoder's inputs are seen."""
 
@@ -222,7 +235,7 @@ def derived_decoder_ids(model: nn.Module, kwargs: dict, caller: str) -> torch.Te
     handle = dec.register_forward_pre_hook(pre, with_kwargs=True)
     try:
         with torch.no_grad():
-            model(**{k: v for k, v in kwargs.items() if k in ("input_ids", "attention_mask")}, use_cache=False)
+            model(**{k: v for k, v in kwargs.items() if k in ("input_ids", "attention_mask")}, **no_cache(model))
     except _Seen:
         pass
     except (ValueError, TypeError) as e:  # the model's own refusal to run without decoder inputs
@@ -267,5 +280,5 @@ def prepare(model: nn.Module, inputs, attention_mask, decoder_input_ids, decoder
     kwargs["decoder_input_ids"] = dec
     if dmask is not None:
         kwargs["decoder_attention_mask"] = dmask
-    kwargs["use_cache"] = False
+    kwargs.update(no_cache(model))
     return kwargs, dec, dmask, ents
