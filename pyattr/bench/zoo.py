@@ -107,16 +107,19 @@ def classify(mapping: str, model_type: str, cls_name: str, phase: Optional[dict]
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            if is_encoder_decoder(model):
-                return {**row, **zoo_seq2seq.classify(pyattr, model, x, tid, phase)}
+            # an encoder–decoder is checked the same four ways at both of its entries
+            two = is_encoder_decoder(model)
             phase["step"] = "rules off: "
-            off = _rules_off(pyattr, model, x, tid)
+            off = (zoo_seq2seq.rules_off if two else _rules_off)(pyattr, model, x, tid)
             phase["step"] = ""
             r = pyattr.relevance(model, x, target=tid, generic=True)
             phase["step"] = "trainable scope: "
-            scope = _trainable_scope(model, x, tid, r)
+            scope = (zoo_seq2seq.trainable_scope if two else _trainable_scope)(model, x, tid, r)
             phase["step"] = "padded: "
-            pad = None if pixels else _padded(pyattr, model, x, r, tid, phase)
+            pad = zoo_seq2seq.padded(pyattr, model, x, r, tid) if two else \
+                None if pixels else _padded(pyattr, model, x, r, tid, phase)
+            if two:
+                return {**row, **zoo_seq2seq.verdict(r, off, scope, pad)}
     except (ValueError, TypeError, NotImplementedError, pyattr.RelevanceRuleUnsupportedError) as e:
         if _from_pyattr(e):
             return {**row, **_refusal(e, model, phase.get("step", ""))}

@@ -140,17 +140,9 @@ def padded(pyattr, model, x, r, tid: int) -> Optional[Dict[str, str]]:
                                          f"relevance (target by {terr:.2g})"}
 
 
-def classify(pyattr, model, x, tid: int, phase: dict) -> Dict[str, str]:
-    """The status of an encoder–decoder entry whose checks all ran (refusals and crashes
+def verdict(r, off: Optional[str], scope: Optional[str], pad: Optional[Dict[str, str]]) -> Dict[str, str]:
+    """The status of an encoder–decoder entry whose four checks ran (refusals and crashes
     are the caller's to classify, as for one stack)."""
-    phase["step"] = "rules off: "
-    off = rules_off(pyattr, model, x, tid)
-    phase["step"] = ""
-    r = pyattr.relevance(model, x, target=tid, generic=True)
-    phase["step"] = "trainable scope: "
-    scope = trainable_scope(model, x, tid, r)
-    phase["step"] = "padded: "
-    pad = padded(pyattr, model, x, r, tid)
     for detail in (off, scope, conserved(r)):
         if detail is not None:
             return {"status": "wrong", "detail": detail}
