@@ -167,3 +167,125 @@ def test_a_relative_position_bias_from_trainable_parameters_is_not_a_leak():
             h.remove()
     have = (xs[0] * xs[0].grad).sum(-1).detach()
     assert (have - r.token_relevance.double()).abs().max() <= 1e-6 * have.abs().max()
+
+
+def _deepseek_v3(dense=True):
+    torch.manual_seed(0)
+    cfg = T.DeepseekV3Config(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16,
+                             kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                             n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                             first_k_dense_replace=2 if dense else 1, max_position_embeddings=64,
+                             initializer_range=0.2, attn_implementation="eager")
+    m = T.DeepseekV3ForCausalLM(cfg).to(torch.float64).eval()
+    m.config.model_type = "deepseek_v3_unmapped"  # (it is not mapped: kept explicit)
+    return m
+
+
+def test_multi_head_latent_attention_roles_are_observed_column_by_column():
+    """DeepSeek-V3's attention: q_a_proj and the compressed part of kv_a_proj_with_mqa feed
+    the next projection (pass-through), q_b_proj is all query, kv_a_proj's rotary part is
+    key, and kv_b_proj is per head k_nope (key) then v (value) — found by observation, not
+    by these names."""
+    from pyattr.integration.fused_qkv import QK, THROUGH, VALUE, column_roles
+
+    m = _deepseek_v3()
+    roles, why = column_roles(m, m.model.layers[0].self_attn)
+    assert why == ""
+    assert set(roles) == {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"}
+    assert bool((roles["q_a_proj"] == THROUGH).all()) and bool((roles["q_b_proj"] == QK).all())
+    assert roles["kv_a_proj_with_mqa"].tolist() == [THROUGH] * 16 + [QK] * 4
+    assert roles["kv_b_proj"].tolist() == ([QK] * 8 + [VALUE] * 8) * 4
+
+
+def test_multi_head_latent_attention_equals_an_oracle_with_its_key_columns_detached():
+    """The AH-rule on DeepSeek-V3's attention written from its modeling file — queries
+    detached, kv_b_proj's k_nope columns and kv_a_proj's rotary key columns detached,
+    values and the compressed latent kept — with the LN-rule on every RMSNorm (σ held;
+    they compute in float32) and the gated MLP's Identity- and Half-rules."""
+    m = _deepseek_v3()
+    ids = _ids()
+    r = pyattr.relevance(m, ids, target=11, generic=True)
+    hooks, leaf = [], {}
+
+    def keep(mask):
+        def hook(mod, a, out):
+            mk = mask.to(out.dtype)
+            return out * mk + (out * (1 - mk)).detach()
+        return hook
+
+    def rms(mod, args, out):
+        x = args[0]
+        s = x.pow(2).mean(-1, keepdim=True).add(mod.variance_epsilon).sqrt().detach()
+        rule = mod.weight * (x / s)
+        return out.detach() + (rule - rule.detach())
+
+    def gated(mod, args, out):
+        x = args[0]
+        g, u = mod.gate_proj(x), mod.up_proj(x)
+        a = g * (mod.act_fn(g) / torch.where(g == 0, torch.ones_like(g), g)).detach()
+        return mod.down_proj(0.5 * a * u.detach() + 0.5 * a.detach() * u)
+
+    for layer in m.model.layers:
+        at = layer.self_attn
+        hooks.append(at.q_b_proj.register_forward_hook(keep(torch.zeros(at.q_b_proj.out_features))))
+        hooks.append(at.kv_a_proj_with_mqa.register_forward_hook(keep(torch.tensor([1.0] * 16 + [0.0] * 4))))
+        hooks.append(at.kv_b_proj.register_forward_hook(keep(torch.tensor(([0.0] * 8 + [1.0] * 8) * 4))))
+        hooks.append(layer.mlp.register_forward_hook(gated))
+    for name, mod in m.named_modules():
+        if type(mod).__name__ == "DeepseekV3RMSNorm" and not name.endswith("q_a_layernorm"):
+            hooks.append(mod.register_forward_hook(rms))
+
+    def pre(mod, args, kwargs):
+        leaf["x"] = kwargs["hidden_states"].detach().requires_grad_(True) if "hidden_states" in kwargs else None
+        if leaf["x"] is None:
+            leaf["x"] = args[0].detach().requires_grad_(True)
+            return (leaf["x"],) + tuple(args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": leaf["x"]}
+
+    hooks.append(m.model.layers[0].register_forward_pre_hook(pre, with_kwargs=True))
+    try:
+        value = m(ids).logits[0, -1, 11]
+        (g,) = torch.autograd.grad(value, leaf["x"])
+    finally:
+        for hk in hooks:
+            hk.remove()
+    want = (leaf["x"] * g).sum(-1).detach()
+    assert (r.token_relevance.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if n.endswith("bias"):
+                p.zero_()
+    r0 = pyattr.relevance(m, ids, target=11, generic=True)
+    assert r0.conservation_delta.abs().max() <= 1e-6 * r0.target.abs().max()
+
+
+def test_linear_attention_without_a_softmax_is_refused_not_guessed():
+    """An attention whose output is linear in every projected column (no softmax: a
+    linear-attention form) has no query or key to detach: refused with that reason."""
+    from pyattr.integration.fused_qkv import column_roles
+
+    class Linear(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a_proj, self.o_proj = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.o_proj(self.a_proj(x))
+
+    class Model(nn.Module):
+        main_input_name = "input_ids"
+
+        def __init__(self):
+            super().__init__()
+            self.embed, self.attn = nn.Embedding(30, 8), Linear()
+
+        def get_input_embeddings(self):
+            return self.embed
+
+        def forward(self, input_ids, attention_mask=None):
+            return self.attn(self.embed(input_ids))
+
+    m = Model()
+    roles, why = column_roles(m, m.attn)
+    assert roles is None and "no query or key found" in why

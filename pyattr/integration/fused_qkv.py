@@ -1,24 +1,35 @@
-"""``generic=True`` on a fused q|k|v projection: which output columns are values, observed.
+"""``generic=True`` on attention whose q/k/v projections are not separate modules: which
+output columns of each projection are queries and keys, values, or neither — observed.
 
-A model without a rule map may compute queries, keys and values with one projection and
-split its output in a layout of its own (q | k | v, per head, per key-value group, or
-CodeGen's q | v | k per model-parallel chunk). Rather than guess the layout from names,
-pyattr observes it on the attention module itself: the module's call is captured once on
-the plan check's probe input, replayed in float64 on a copy of the module, and each block
-of the projection's output columns (a head's width where the module says it, else one
-column) is moved by +δ and −δ. The attention output is linear in a value column (the
-pattern does not depend on it), so its second difference ``f(+δ) + f(−δ) − 2 f(0)`` is zero
-to rounding; a query or key column moves the pattern through the softmax, which it is not.
-The AH-rule then scales the value columns' gradient by 1 and the others' by 0 (AttnLRP:
-½ and ¼), as the mapped fused layouts do; a column wrongly taken as a query or key would
-cut relevance, which the plan check measures and refuses.
+A model without a rule map may compute queries, keys and values with one fused projection
+and split its output in a layout of its own (q | k | v, per head, per key-value group,
+CodeGen's q | v | k per model-parallel chunk), or through low-rank chains (multi-head latent
+attention: ``kv_a_proj`` → norm → ``kv_b_proj`` gives k and v, ``kv_a_proj`` also the
+rotary key part). Rather than guess layouts from names, pyattr observes them on the
+attention module itself: its call is captured once on the plan check's probe input and
+replayed in float64 on a copy; each block of a projection's output columns (the greatest
+common divisor of the module's head and rank sizes, else one column) is moved by +δ and
+−δ, and the block is
+
+- a **value** block where the attention output is linear in it (second difference
+  ``f(+δ) + f(−δ) − 2 f(0)`` zero to 1e-7 of the first): the pattern does not depend on it;
+- **pass-through** where it changes the input of another projection of the module (the
+  low-rank chains' first step): the rules apply where that projection's columns are read;
+- a **query or key** block otherwise: it moves the pattern through the softmax.
+
+The output projection (the one whose output the module returns, else the last to run) is
+left alone. The
+AH-rule then scales the value columns' gradient by 1 and the query and key columns' by 0
+(AttnLRP: ½ and ¼), pass-through columns keep theirs; a column wrongly taken as a query or
+key would cut relevance, which the plan check measures and refuses.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import weakref
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -27,6 +38,7 @@ from pyattr.integration.plan_check import probe_inputs
 
 #: relative size of the second difference below which a column block counts as linear
 LINEAR_TOL = 1e-7
+QK, VALUE, THROUGH = 0, 1, 2
 
 _SEEN: "weakref.WeakKeyDictionary[nn.Module, Dict[tuple, object]]" = weakref.WeakKeyDictionary()
 
@@ -55,25 +67,6 @@ def _first(out) -> Optional[torch.Tensor]:
     return None
 
 
-def _call_of(model: nn.Module, attn: nn.Module):
-    """``(args, kwargs)`` of ``attn``'s first call in a probe forward of ``model``."""
-    seen = []
-
-    def pre(mod, args, kwargs):
-        seen.append((args, kwargs))
-        raise _Captured()
-
-    handle = attn.register_forward_pre_hook(pre, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            model(**probe_inputs(model), **({"use_cache": False} if _takes_cache(model) else {}))
-    except _Captured:
-        pass
-    finally:
-        handle.remove()
-    return seen[0] if seen else None
-
-
 def _takes_cache(model: nn.Module) -> bool:
     import inspect
 
@@ -83,93 +76,169 @@ def _takes_cache(model: nn.Module) -> bool:
         return False
 
 
-def value_columns(model: nn.Module, attn: nn.Module, proj: str) -> Tuple[Optional[torch.Tensor], str]:
-    """``(mask, "")``: a bool tensor over the fused projection's output columns, True at the
-    value columns (observed as above), or ``(None, reason)``. Kept per model and attention
-    class: every attention module of one class splits its projection alike."""
-    key = (type(attn), proj)
-    cache = _SEEN.setdefault(model, {})
-    if key in cache:
-        return cache[key]
-    cache[key] = found = _observe(model, attn, proj)
-    return found
+def _call_of(model: nn.Module, attn: nn.Module):
+    """``(args, kwargs)`` of ``attn``'s first call in a probe forward of ``model``."""
+    seen = []
 
+    def pre(mod, args, kwargs):
+        seen.append((args, kwargs))
+        raise _Captured()
 
-def _observe(model: nn.Module, attn: nn.Module, proj: str) -> Tuple[Optional[torch.Tensor], str]:
+    handle = attn.register_forward_pre_hook(pre, with_kwargs=True)
     was = {m: m.training for m in model.modules()}
     model.eval()
     try:
-        call = _call_of(model, attn)
-    except Exception as e:  # noqa: BLE001 - the probe forward of a model pyattr does not know
-        return None, f"the probe forward failed ({type(e).__name__}: {e})"
+        with torch.no_grad():
+            model(**probe_inputs(model), **({"use_cache": False} if _takes_cache(model) else {}))
+    except _Captured:
+        pass
     finally:
+        handle.remove()
         for m, t in was.items():
             m.training = t
+    return seen[0] if seen else None
+
+
+def projections(attn: nn.Module) -> List[str]:
+    """The direct children of ``attn`` that project (a 2-D weight: ``nn.Linear``, GPT-2's Conv1D)."""
+    return [n for n, c in attn.named_children()
+            if isinstance(getattr(c, "weight", None), torch.Tensor) and c.weight.dim() == 2]
+
+
+def _block(attn: nn.Module, widths: List[int]) -> int:
+    """The column block: the greatest common divisor of the module's (and its config's)
+    head and rank sizes that divides every projection's width, else 1."""
+    sizes = []
+    for obj in (attn, getattr(attn, "config", None)):
+        for k, v in vars(obj).items() if obj is not None else ():
+            if isinstance(v, int) and not isinstance(v, bool) and v > 1 and k.endswith(
+                    ("head_dim", "head_size", "rank", "attention_head_size")):
+                sizes.append(v)
+    size = 0
+    for v in sizes:
+        size = math.gcd(size, v)
+    return size if size > 1 and all(w % size == 0 for w in widths) else 1
+
+
+def column_roles(model: nn.Module, attn: nn.Module, names: Optional[List[str]] = None
+                 ) -> Tuple[Optional[Dict[str, torch.Tensor]], str]:
+    """``({projection name: LongTensor of roles per output column}, "")`` for ``names`` (by
+    default every projection but the output one), roles :data:`QK`, :data:`VALUE`,
+    :data:`THROUGH`; or ``(None, reason)``. Kept per model and attention class: every
+    attention module of one class splits its projections alike."""
+    key = (type(attn), tuple(names or ()))
+    cache = _SEEN.setdefault(model, {})
+    if key not in cache:
+        try:
+            cache[key] = _observe(model, attn, names)
+        except Exception as e:  # noqa: BLE001 - a module that cannot be replayed alone
+            cache[key] = None, f"its call could not be replayed in float64 ({type(e).__name__}: {e})"
+    return cache[key]
+
+
+def _observe(model: nn.Module, attn: nn.Module, names: Optional[List[str]]):
+    call = _call_of(model, attn)
     if call is None:
         return None, "the attention module did not run in the probe forward"
     args, kwargs = _to64(call[0]), _to64(call[1])
     twin = copy.deepcopy(attn).to(torch.float64).eval()
-    fused = getattr(twin, proj)
-    shift: Dict[str, object] = {}
+    every = projections(twin)
+    state: Dict[str, object] = {"shift": None}
+    outs: Dict[str, torch.Tensor] = {}
+    ins: Dict[str, torch.Tensor] = {}
+    order: List[str] = []
 
-    def hook(mod, a, out):
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"{proj!r} returns a {type(out).__name__}, not a tensor")
-        shift["width"] = out.shape[-1]
-        shift["scale"] = float(out.std())
-        if "delta" in shift:
-            out = out.clone()
-            out[..., shift["cols"]] += shift["delta"]
-        return out
+    def hook(name):
+        def fn(mod, a, out):
+            if not isinstance(out, torch.Tensor):
+                raise TypeError(f"{name!r} returns a {type(out).__name__}, not a tensor")
+            ins[name] = a[0].detach().clone() if a and isinstance(a[0], torch.Tensor) else None
+            order.append(name)
+            shift = state["shift"]
+            if shift is not None and shift[0] == name:
+                out = out.clone()
+                out[..., shift[1]] += shift[2]
+            outs[name] = out.detach()
+            return out
+        return fn
 
-    handle = fused.register_forward_hook(hook)
+    handles = [getattr(twin, n).register_forward_hook(hook(n)) for n in every]
     try:
         with torch.no_grad():
             def run():
+                ins.clear()
                 y = _first(twin(*args, **kwargs))
                 if y is None:
                     raise TypeError("the attention module returns no tensor")
-                return y
+                return y, dict(ins)
 
-            base = run()
-            n = int(shift["width"])
-            size = next((int(getattr(attn, a)) for a in ("head_dim", "head_size", "attention_head_size")
-                         if isinstance(getattr(attn, a, None), int) and n % int(getattr(attn, a)) == 0), 1)
+            order.clear()
+            base, base_in = run()
+            # the output projection: the one whose output the module returns, else the last to
+            # run (Bloom adds the residual inside its attention)
+            output = next((n for n in every if outs.get(n) is not None and outs[n].shape == base.shape
+                           and torch.equal(outs[n], base)), order[-1] if order else None)
+            todo = [n for n in (names or every) if n != output and n in outs]
+            if not todo:
+                return None, "no projection of the module ran besides its output projection"
+            size = _block(attn, [outs[n].shape[-1] for n in todo])
             g = torch.Generator().manual_seed(0)
-            mask = torch.zeros(n, dtype=torch.bool)
-            for start in range(0, n, size):
-                cols = slice(start, start + size)
-                delta = torch.randn(size, generator=g, dtype=torch.float64) * max(shift["scale"], 1e-3)
-                shift.update(cols=cols, delta=delta)
-                up = run()
-                shift["delta"] = -delta
-                down = run()
-                shift.pop("delta")
-                first = float((up - base).abs().max())
-                second = float((up + down - 2 * base).abs().max())
-                mask[cols] = first > 0 and second <= LINEAR_TOL * first
-    except Exception as e:  # noqa: BLE001 - a module that cannot be replayed alone
-        return None, f"its call could not be replayed in float64 ({type(e).__name__}: {e})"
+            roles: Dict[str, torch.Tensor] = {}
+            for n in todo:
+                width, scale = outs[n].shape[-1], max(float(outs[n].std()), 1e-3)
+                r = torch.full((width,), QK, dtype=torch.long)
+                for start in range(0, width, size):
+                    cols = slice(start, start + size)
+                    delta = torch.randn(size, generator=g, dtype=torch.float64) * scale
+                    state["shift"] = (n, cols, delta)
+                    up, up_in = run()
+                    state["shift"] = (n, cols, -delta)
+                    down, _ = run()
+                    state["shift"] = None
+                    first = float((up - base).abs().max())
+                    second = float((up + down - 2 * base).abs().max())
+                    fed = any(m not in (n, output) and base_in.get(m) is not None and up_in.get(m) is not None
+                              and not torch.equal(base_in[m], up_in[m]) for m in every)
+                    r[cols] = THROUGH if fed else VALUE if first > 0 and second <= LINEAR_TOL * first else QK
+                roles[n] = r
     finally:
-        handle.remove()
-    if not mask.any() or mask.all():
-        return None, (f"no column of its output enters the attention output linearly" if not mask.any()
-                      else "every column enters the attention output linearly (no query or key among them)")
-    return mask, ""
+        for h in handles:
+            h.remove()
+    if not any(bool((r == QK).any()) for r in roles.values()):
+        return None, "no column of its projections moves the attention pattern (no query or key found)"
+    if not any(bool((r == VALUE).any()) for r in roles.values()):
+        return None, "no column of its projections enters the attention output linearly (no value found)"
+    return roles, ""
 
 
-def role_pattern(scales, values: torch.Tensor):
+def value_columns(model: nn.Module, attn: nn.Module, proj: str) -> Tuple[Optional[torch.Tensor], str]:
+    """``(mask, "")``: a bool tensor over a fused q|k|v projection's output columns, True at
+    the value columns (:func:`column_roles`), or ``(None, reason)``."""
+    roles, why = column_roles(model, attn, [proj])
+    if roles is None:
+        return None, why
+    r = roles.get(proj)
+    if r is None or bool((r == THROUGH).any()):
+        return None, f"{proj!r} feeds another projection of the module: not a fused q|k|v projection"
+    return r == VALUE, ""
+
+
+def role_pattern(scales, roles: torch.Tensor):
     """The per-column gradient scale: ``scales[2]`` on the value columns, ``scales[0]`` (the
-    queries' and keys' share, equal under both attention rules) on the others."""
+    queries' and keys' share, equal under both attention rules) on the query and key
+    columns, 1 on pass-through columns (``roles``: a bool mask of values, or roles)."""
     assert scales[0] == scales[1]
-    out = torch.where(values, torch.tensor(scales[2]), torch.tensor(scales[0])).to(torch.float32)
+    if roles.dtype == torch.bool:
+        roles = torch.where(roles, VALUE, QK)
+    table = torch.tensor([scales[0], scales[2], 1.0], dtype=torch.float32)
+    out = table[roles]
 
     def pattern(n: int) -> torch.Tensor:
         if n != out.numel():
             from pyattr.integration.errors import RelevanceRuleUnsupportedError
 
             raise RelevanceRuleUnsupportedError(
-                f"fused q/k/v projection of width {n}, observed with width {out.numel()}")
+                f"projection of width {n} inside attention, observed with width {out.numel()}")
         return out
 
     return pattern

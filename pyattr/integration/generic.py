@@ -35,7 +35,7 @@ from pyattr.architectures.blocks import (
 from pyattr.config import RelevanceRules
 from pyattr.integration.errors import RelevanceRuleUnsupportedError
 from pyattr.integration.forwards import ATTN_SCALES, fused_projection_forward
-from pyattr.integration.fused_qkv import role_pattern, value_columns
+from pyattr.integration.fused_qkv import THROUGH, column_roles, projections, role_pattern, value_columns
 from pyattr.integration.moe_plan import plan_generic_moe
 from pyattr.integration.planner import Planner
 from pyattr.integration.structural import _eps, classify_norm, structural_norm_forward
@@ -175,11 +175,33 @@ def plan_generic(model: nn.Module, rules: RelevanceRules) -> Planner:
             _fused_attention(pl, name, mod, qkv)
         if "Attention" in type(mod).__name__ and name not in dict(attention) and not any(
                 name.startswith(a + ".") or a.startswith(name + ".") for a in inside_attention) and not qkv:
-            pl.cov._skip(name, "generic: attention without recognisable q/k/v projections: its pattern is not "
-                               "frozen (no attention rule)")
+            _observed_attention(pl, name, mod)
     pl.skip_lookalikes()
     return pl
 
+
+
+def _observed_attention(pl: Planner, name: str, mod: nn.Module) -> None:
+    """Attention without separate q/k/v projections by name (multi-head latent attention's
+    low-rank chains): the attention rule on each projection's columns by the roles observed
+    on the module (:func:`~pyattr.integration.fused_qkv.column_roles`), or its pattern left
+    unfrozen with the reason."""
+    if not pl.rules.attention:
+        pl.cov._skip(name, "attention rule off")
+        return
+    roles, why = column_roles(pl.model, mod) if projections(mod) else (None, "no projection children")
+    if roles is None:
+        pl.cov._skip(name, f"generic: attention without recognisable q/k/v projections, whose roles could not be "
+                           f"observed ({why[:160]}): its pattern is not frozen (no attention rule)")
+        return
+    mode = pl.rules.attention
+    for proj, r in roles.items():
+        if bool((r == THROUGH).all()):
+            continue  # the first step of a low-rank chain: its columns are read by the next projection
+        path = A.join(name, proj)
+        pl.add("attention", path, getattr(mod, proj), (mode, "observed"),
+               fused_projection_forward(role_pattern(ATTN_SCALES[mode], r)))
+        pl.freeze(path)
 
 
 def _fused_attention(pl: Planner, name: str, mod: nn.Module, qkv: str) -> None:
