@@ -289,3 +289,28 @@ def test_linear_attention_without_a_softmax_is_refused_not_guessed():
     m = Model()
     roles, why = column_roles(m, m.attn)
     assert roles is None and "no query or key found" in why
+
+
+def test_the_replay_runs_no_user_hook_and_an_uncopyable_module_is_refused_cleanly():
+    """The column observation replays a hook-free copy of the attention module: a user's
+    forward hook runs only for the model's own calls; a module that cannot be copied (a
+    non-leaf tensor attribute) leaves the projection native with the reason, and the plan
+    check refuses the model by name."""
+    torch.manual_seed(0)
+    m = T.BloomForCausalLM(T.BloomConfig(vocab_size=96, hidden_size=16, n_layer=2, n_head=4)).double().eval()
+    calls = []
+    handles = [layer.self_attention.register_forward_hook(lambda mod, a, out: calls.append(out[0].dtype))
+               for layer in m.transformer.h]
+    pyattr.relevance(m, _ids(), target=5, generic=True)
+    for h in handles:
+        h.remove()
+    # the plan check's probe forward and the explained forward, two blocks each: no replay
+    # (hundreds of calls before the copy dropped the hooks)
+    assert len(calls) == 4
+    p = nn.Parameter(torch.ones(3, dtype=torch.float64))
+    torch.manual_seed(0)  # a fresh model: what was observed is kept per model
+    m = T.BloomForCausalLM(T.BloomConfig(vocab_size=96, hidden_size=16, n_layer=2, n_head=4)).double().eval()
+    for layer in m.transformer.h:
+        layer.self_attention.cached = p * 2
+    with pytest.raises(pyattr.RelevanceRuleUnsupportedError, match="could not be observed .*could not be replayed"):
+        pyattr.relevance(m, _ids(), target=5, generic=True)

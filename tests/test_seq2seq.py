@@ -458,6 +458,9 @@ def test_sequence_classifier_equals_the_oracle_with_the_heads_tanh_under_the_ide
         for hk in hooks:
             hk.remove()
     r = pyattr.relevance(m, src, target=2)
+    # class labels in the inputs are the classifier's (its loss's), not a target text
+    with_labels = pyattr.relevance(m, {"input_ids": src, "labels": torch.tensor([1])}, target=2)
+    assert torch.equal(with_labels.target, r.target)
     s, t = (leaves["source"] * gs).sum(-1).detach(), (leaves["target"] * gt).sum(-1).detach()
     scale = max(s.abs().max().item(), t.abs().max().item())
     assert torch.allclose(r.target, value.detach().reshape(1), rtol=1e-12, atol=0)
@@ -485,6 +488,20 @@ def test_decoder_inputs_the_model_makes_from_the_source_are_read_back():
     assert torch.allclose(r.target_relevance, want.target_relevance, rtol=1e-12, atol=1e-15)
     with pytest.raises(ValueError, match="T5ForConditionalGeneration is an encoder–decoder model that does not make"):
         pyattr.relevance(tiny_seq2seq("t5"), src)
+    # a right-padded source: the derived decoder inputs are masked by the source's mask (the
+    # shift keeps the length), so the padded row is explained at its last real position
+    padded = torch.cat([src, torch.full((2, 2), model.config.pad_token_id)], 1)
+    mask = torch.cat([torch.ones(2, 7), torch.zeros(2, 2)], 1).long()
+    mask[1, 5:] = 0
+    padded[1, 5:] = model.config.pad_token_id
+    rp = pyattr.relevance(model, {"input_ids": padded, "attention_mask": mask})
+    for row, n in ((0, 7), (1, 5)):
+        alone = pyattr.relevance(model, src[row:row + 1, :n])
+        assert torch.equal(rp.target_ids[row], alone.target_ids[0])
+        assert torch.allclose(rp.target[row], alone.target[0], rtol=1e-10, atol=0)
+        assert torch.allclose(rp.source_relevance[row, :n], alone.source_relevance[0], rtol=1e-8, atol=1e-12)
+        assert torch.allclose(rp.target_relevance[row, :n], alone.target_relevance[0], rtol=1e-8, atol=1e-12)
+        assert rp.target_relevance[row, n:].abs().max() < 1e-12
 
 
 @pytest.mark.parametrize("arch", ["t5", "bart"])

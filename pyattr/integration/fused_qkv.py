@@ -99,6 +99,29 @@ def _call_of(model: nn.Module, attn: nn.Module):
     return seen[0] if seen else None
 
 
+_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+          "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _bare_copy(attn: nn.Module) -> nn.Module:
+    """A deep copy of ``attn`` without the hooks its modules carry (a user's hook must not
+    run, or record, during the replay): they are set aside on the original while copying."""
+    import collections
+
+    kept = []
+    for m in attn.modules():
+        for h in _HOOKS:
+            d = getattr(m, h, None)
+            if isinstance(d, dict) and d:
+                kept.append((m, h, d))
+                setattr(m, h, collections.OrderedDict())
+    try:
+        return copy.deepcopy(attn)
+    finally:
+        for m, h, d in kept:
+            setattr(m, h, d)
+
+
 def projections(attn: nn.Module) -> List[str]:
     """The direct children of ``attn`` that project (a 2-D weight: ``nn.Linear``, GPT-2's Conv1D)."""
     return [n for n, c in attn.named_children()
@@ -109,7 +132,14 @@ def _block(attn: nn.Module, widths: List[int]) -> int:
     """The column block: the greatest common divisor of the module's (and its config's)
     head and rank sizes that divides every projection's width, else 1."""
     sizes = []
-    for obj in (attn, getattr(attn, "config", None)):
+    cfg = getattr(attn, "config", None)
+    hidden = next((getattr(cfg, k) for k in ("hidden_size", "n_embd", "d_model") if isinstance(getattr(cfg, k, None), int)),
+                  None)
+    heads = next((getattr(o, k) for o in (attn, cfg) for k in ("num_heads", "n_head", "num_attention_heads")
+                  if isinstance(getattr(o, k, None), int) and getattr(o, k) > 0), None)
+    if hidden and heads and hidden % heads == 0:
+        sizes.append(hidden // heads)  # the head width, where the module names no head_dim (OpenAI GPT)
+    for obj in (attn, cfg):
         for k, v in vars(obj).items() if obj is not None else ():
             if isinstance(v, int) and not isinstance(v, bool) and v > 1 and k.endswith(
                     ("head_dim", "head_size", "rank", "attention_head_size")):
@@ -141,7 +171,7 @@ def _observe(model: nn.Module, attn: nn.Module, names: Optional[List[str]]):
     if call is None:
         return None, "the attention module did not run in the probe forward"
     args, kwargs = _to64(call[0]), _to64(call[1])
-    twin = copy.deepcopy(attn).to(torch.float64).eval()
+    twin = _bare_copy(attn).to(torch.float64).eval()
     every = projections(twin)
     state: Dict[str, object] = {"shift": None}
     outs: Dict[str, torch.Tensor] = {}

@@ -167,6 +167,8 @@ def _decoder_ids(model, kwargs, src, decoder_input_ids, decoder_attention_mask, 
     else:
         kwargs.pop("decoder_attention_mask", None)
     labels = kwargs.pop("labels", None)
+    if A.classifier_head(model) is not None:
+        labels = None  # a classifier's labels are classes (its loss's), not a target text
     if decoder_input_ids is None and labels is not None:
         lab = torch.as_tensor(labels)
         lab = lab.unsqueeze(0) if lab.dim() == 1 else lab
@@ -179,7 +181,14 @@ def _decoder_ids(model, kwargs, src, decoder_input_ids, decoder_attention_mask, 
                              "pass decoder_attention_mask= only with token ids")
         return decoder_inputs_from_text(model, tokenizer, decoder_input_ids, src.shape[0])
     if decoder_input_ids is None:
-        return derived_decoder_ids(model, kwargs, caller), None
+        # the model's own shift of the source: the same length, its real positions the
+        # source's (a right-padded row's last real decoder position is the row alone's), so
+        # the source mask masks the decoder's pads unless the caller gave a decoder mask
+        derived = derived_decoder_ids(model, kwargs, caller)
+        if decoder_attention_mask is None and kwargs.get("attention_mask") is not None \
+                and tuple(kwargs["attention_mask"].shape) == tuple(derived.shape):
+            decoder_attention_mask = kwargs["attention_mask"]
+        return derived, decoder_attention_mask
     rows = as_id_rows(decoder_input_ids, "decoder_input_ids")
     if rows is not None and len({len(r) for r in rows}) > 1:
         if decoder_attention_mask is not None:
@@ -239,7 +248,7 @@ def derived_decoder_ids(model: nn.Module, kwargs: dict, caller: str) -> torch.Te
     except _Seen:
         pass
     except (ValueError, TypeError) as e:  # the model's own refusal to run without decoder inputs
-        raise need from e
+        raise ValueError(f"{need} (the model's forward said: {' '.join(str(e).split())[:200]})") from e
     finally:
         handle.remove()
     if not seen:
