@@ -8,6 +8,7 @@ with all rules, and a coverage report that names what was found and what was not
 
 import pytest
 import torch
+from torch import nn
 
 import pyattr
 from models import UNMAPPED_COMMON
@@ -83,17 +84,36 @@ def test_qk_norms_inside_attention_are_never_residual_norms():
         assert "model.layers.1.input_layernorm" in cov.installed
 
 
+class _MixingAct(nn.Module):
+    """An activation-like module with a parameter that mixes features (not element-wise)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return x + self.w * (torch.exp(0.3 * x.mean(-1, keepdim=True)) - 1.0)  # exp: no rule covers it
+
+
 def test_what_cannot_be_classified_is_reported():
-    """Apertus' xIELU activation has parameters (no known form): left native with the
-    reason, and since the probe measures relevance lost there, generic=True refuses,
-    naming the module, its class and the reason; generic="partial" runs and warns."""
+    """Apertus' xIELU activation has parameters but acts element by element (probed): the
+    Identity-rule's general form φ = act(x)/x, and it conserves. An activation-like module
+    with a parameter that mixes features has no known form: left native with the reason,
+    and since the probe measures relevance lost there, generic=True refuses, naming the
+    module, its class and the reason; generic="partial" runs and warns."""
     m = _model("ApertusConfig")
+    with pyattr.use_relevance_rules(m, generic=True) as cov:
+        assert "model.layers.0.mlp.act_fn" in cov.by_kind["activation"]
+    r = pyattr.relevance(m, _ids(), generic=True)
+    assert (r.conservation_delta.abs() <= 1e-4 * r.target.abs()).all()
+    for layer in m.model.layers:
+        layer.mlp.act_fn = _MixingAct()
     with pytest.raises(pyattr.RelevanceRuleUnsupportedError,
-                       match=r"'model.layers.0.mlp.act_fn' \(XIELUActivation\) loses [-0-9.e]+: generic: "
+                       match=r"'model.layers.0.mlp.act_fn' \(_MixingAct\) loses [-0-9.e]+: generic: "
                              r"activation-like module with parameters .* Pass generic='partial'"):
         with pyattr.use_relevance_rules(m, generic=True):
             pass
-    with pytest.warns(pyattr.PartialRelevanceWarning, match=r"'model.layers.1.mlp.act_fn' \(XIELUActivation\)") as w:
+    with pytest.warns(pyattr.PartialRelevanceWarning, match=r"'model.layers.1.mlp.act_fn' \(_MixingAct\)") as w:
         with pyattr.use_relevance_rules(m, generic="partial") as cov:
             p = "model.layers.0.mlp.act_fn"
             assert p in cov.skipped and p not in cov.installed

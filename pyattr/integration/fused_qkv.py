@@ -17,8 +17,8 @@ common divisor of the module's head and rank sizes, else one column) is moved by
   low-rank chains' first step): the rules apply where that projection's columns are read;
 - a **query or key** block otherwise: it moves the pattern through the softmax.
 
-The output projection (the one whose output the module returns, else the last to run) is
-left alone. The
+The output projection (the one whose output the module returns, else the last of several
+to run, of the output's width) is left alone. The
 AH-rule then scales the value columns' gradient by 1 and the query and key columns' by 0
 (AttnLRP: ½ and ¼), pass-through columns keep theirs; a column wrongly taken as a query or
 key would cut relevance, which the plan check measures and refuses.
@@ -204,10 +204,12 @@ def _observe(model: nn.Module, attn: nn.Module, names: Optional[List[str]]):
 
             order.clear()
             base, base_in = run()
-            # the output projection: the one whose output the module returns, else the last to
-            # run (Bloom adds the residual inside its attention)
+            # the output projection: the one whose output the module returns, else the last of
+            # several to run, of the output's width (Bloom adds the residual inside its
+            # attention; DeBERTa's has its in_proj only, the output projection comes after it)
+            last = order[-1] if len(order) > 1 and outs[order[-1]].shape[-1] == base.shape[-1] else None
             output = next((n for n in every if outs.get(n) is not None and outs[n].shape == base.shape
-                           and torch.equal(outs[n], base)), order[-1] if order else None)
+                           and torch.equal(outs[n], base)), last)
             todo = [n for n in (names or every) if n != output and n in outs]
             if not todo:
                 return None, "no projection of the module ran besides its output projection"

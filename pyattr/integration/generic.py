@@ -156,7 +156,7 @@ def plan_generic(model: nn.Module, rules: RelevanceRules) -> Planner:
         kind = _kind_of_module(mod)
         leaf = name.rsplit(".", 1)[-1]
         act_like = leaf in ACT_NAMES or bool(ACT_CLASS.search(type(mod).__name__))
-        bare = not list(mod.children()) and not list(mod.parameters())
+        bare = not list(mod.children()) and (not list(mod.parameters()) or _elementwise(mod))
         if kind is not None or (act_like and bare):
             parent = name.rsplit(".", 1)[0] if "." in name else ""
             if multiplies(modules.get(parent), leaf):
@@ -179,6 +179,31 @@ def plan_generic(model: nn.Module, rules: RelevanceRules) -> Planner:
     pl.skip_lookalikes()
     return pl
 
+
+
+def _elementwise(mod: nn.Module) -> bool:
+    """An activation with parameters of its own (xIELU's learned α) that acts element by
+    element: each of a few entries of a probe moved alone moves its own output only. Its
+    parameters are constants of the Identity-rule's φ = act(x)/x."""
+    p = next(iter(mod.parameters()), None)
+    if p is None or p.device.type == "meta" or not p.is_floating_point():
+        return False
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 16, generator=g, dtype=torch.float64).to(p.dtype).to(p.device)
+    try:
+        with torch.no_grad():
+            y = mod(x)
+            if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+                return False
+            for j in (0, 5, 11):
+                x2 = x.clone()
+                x2[0, j] += 1.0
+                moved = (mod(x2) != y)
+                if not bool(moved[0, j]) or int(moved.sum()) != 1:
+                    return False
+    except Exception:  # noqa: BLE001 - not a module of one tensor
+        return False
+    return True
 
 
 def _observed_attention(pl: Planner, name: str, mod: nn.Module) -> None:
