@@ -314,3 +314,18 @@ def test_the_replay_runs_no_user_hook_and_an_uncopyable_module_is_refused_cleanl
         layer.self_attention.cached = p * 2
     with pytest.raises(pyattr.RelevanceRuleUnsupportedError, match="could not be observed .*could not be replayed"):
         pyattr.relevance(m, _ids(), target=5, generic=True)
+
+
+def test_two_candidates_for_one_projection_are_named_not_guessed():
+    from pyattr.architectures.blocks import _layers
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = _Attn("q", "k", "v", "value", extra=("o",))
+
+    base = nn.Module()
+    base.layers = nn.ModuleList([Block(), Block()])
+    path, why = _layers(base)
+    assert path is None
+    assert "'layers.0.attn' has several children named as its v projection ('v', 'value'), which is not guessed" in why

@@ -53,16 +53,19 @@ _QKV_PART = {part: re.compile(rf"(?i)^(?:w_?)?(?:{stems})(?:_?(?:proj|lin|linear
              for part, stems in (("q", "q|query"), ("k", "k|key"), ("v", "v|value"))}
 
 
+def qkv_candidates(mod: nn.Module) -> Dict[str, List[str]]:
+    """For each of q, k and v, the children with parameters whose name has that stem."""
+    return {part: [n for n, c in mod.named_children() if _QKV_PART[part].match(n) and next(c.parameters(), None) is not None]
+            for part in "qkv"}
+
+
 def qkv_names(mod: nn.Module) -> Optional[Tuple[str, str, str]]:
     """The names of ``mod``'s separate q/k/v projections, or None: for each of q, k and v
     exactly one child with parameters whose name has that stem (:data:`_QKV_PART`)."""
-    found = []
-    for part in "qkv":
-        names = [n for n, c in mod.named_children() if _QKV_PART[part].match(n) and next(c.parameters(), None) is not None]
-        if len(names) != 1:
-            return None
-        found.append(names[0])
-    return tuple(found)
+    found = qkv_candidates(mod)
+    if any(len(v) != 1 for v in found.values()):
+        return None
+    return tuple(found[p][0] for p in "qkv")
 
 
 def fused_qkv(mod: nn.Module) -> Optional[str]:
@@ -223,7 +226,11 @@ def _layers(base: nn.Module) -> Tuple[Optional[str], str]:
         if any(qkv_names(m) or fused_qkv(m) or "Attention" in type(m).__name__ for m in first.modules()):
             found.append(name)
     if not found:
-        return None, f"no nn.ModuleList of blocks with an attention module in {type(base).__name__}"
+        amb = next((f"{n!r} has several children named as its {part} projection ({', '.join(map(repr, c))}), which "
+                    "is not guessed" for n, m in base.named_modules() for part, c in qkv_candidates(m).items()
+                    if len(c) > 1), None)
+        return None, f"no nn.ModuleList of blocks with an attention module in {type(base).__name__}" + (
+            f" ({amb})" if amb else "")
     if len(found) > 1:
         return None, (f"{len(found)} stacks of blocks ({', '.join(map(repr, found))}): an encoder-decoder or several "
                       "towers, and which one carries the residual stream cannot be read from the module graph")
