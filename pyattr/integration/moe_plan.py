@@ -26,14 +26,21 @@ from pyattr.integration.moe_checks import check_experts
 ROUTER_NAMES = ("gate", "router")
 
 
-def plan_gates(pl, gates: List[Tuple[str, nn.Module, object]]) -> None:
-    """Each ``(path, module, make)`` under the routing rule (or recorded as off)."""
+def plan_gates(pl, path: str, block: nn.Module, router: str, make) -> List[nn.Module]:
+    """The block's router (``router``: its attribute name, ``make``: its rule forward) and
+    its shared-expert gate, if any (held constant), under the routing rule (or recorded
+    as off); returns the modules placed."""
+    gates = [(A.join(path, router), getattr(block, router), make)]
+    shared_gate = getattr(block, "shared_expert_gate", None)
+    if isinstance(shared_gate, nn.Module):
+        gates.append((A.join(path, "shared_expert_gate"), shared_gate, projection_forward(0.0)))
     for p, mod, make in gates:
         pl.mounted.add(id(mod))
         if pl.rules.routing:
             pl.add("routing", p, mod, pl.rules.routing, make)
         else:
             pl.off("routing", p, mod, "routing rule off")
+    return [mod for _, mod, _ in gates]
 
 
 def plan_experts(pl, epath: str, experts: nn.Module) -> None:
@@ -89,13 +96,8 @@ def plan_generic_moe(pl, path: str, block: nn.Module) -> Tuple[Optional[str], Se
             check_experts(epath, experts)
         except RelevanceRuleUnsupportedError as e:
             return str(e), set()
-    router = getattr(block, router_name)
-    gates = [(A.join(path, router_name), router, frozen_router_forward())]
-    shared_gate = getattr(block, "shared_expert_gate", None)
-    if isinstance(shared_gate, nn.Module):
-        gates.append((A.join(path, "shared_expert_gate"), shared_gate, projection_forward(0.0)))
-    plan_gates(pl, gates)
+    gates = plan_gates(pl, path, block, router_name, frozen_router_forward())
     plan_experts(pl, epath, experts)
-    placed = {id(block)} | {id(m) for _, m, _ in gates for m in m.modules()} | {id(m) for m in experts.modules()}
+    placed = {id(block)} | {id(m) for g in gates for m in g.modules()} | {id(m) for m in experts.modules()}
     pl.mounted |= placed
     return None, placed

@@ -32,7 +32,6 @@ from pyattr.integration.forwards import (
     activation_forward,
     bypass_message,
     concat_pattern,
-    experts_forward,
     fused_projection_forward,
     gated_forward,
     gated_fused_forward,
@@ -232,11 +231,7 @@ class Planner:
             raise RelevanceRuleUnsupportedError(f"{path!r}: a mixture-of-experts block needs a gate (router) module")
         if self.rules.any():
             check_moe_block(self.cov.model_type, path, block)
-        gates = [(A.join(path, "gate"), router, router_forward())]
-        shared_gate = getattr(block, "shared_expert_gate", None)
-        if isinstance(shared_gate, nn.Module):
-            gates.append((A.join(path, "shared_expert_gate"), shared_gate, projection_forward(0.0)))
-        plan_gates(self, gates)
+        plan_gates(self, path, block, "gate", router_forward())
         plan_experts(self, A.join(path, "experts"), experts)
         if isinstance(getattr(block, "shared_expert", None), nn.Module):
             self.gated_mlp(A.join(path, "shared_expert"))
