@@ -276,17 +276,13 @@ def test_bad_inputs_are_refused_by_name():
         pyattr.relevance(model, src, decoder_input_ids=dec, baseline=torch.zeros(2, 7, 16))
 
 
-@pytest.mark.parametrize("method", ["context_attribution", "perturbation_curve"])
+@pytest.mark.parametrize("method", ["attribution_patching", "activation_patching"])
 def test_one_stack_methods_refuse_encoder_decoders(method):
     model = tiny_seq2seq("bart")
     src, _ = _ids("bart", batch=1)
-    calls = {
-        "generation_relevance": lambda: pyattr.generation_relevance(model, src, max_new_tokens=2),
-        "perturbation_curve": lambda: pyattr.evaluate.perturbation_curve(model, src, torch.ones(1, src.shape[1])),
-        "context_attribution": lambda: pyattr.context_attribution(model, src, sources=[(1, 3)]),
-    }
+    call = getattr(pyattr.patching, method)
     with pytest.raises(ValueError, match=f"{method}\\(\\): BartForConditionalGeneration is an encoder–decoder model"):
-        calls[method]()
+        call(model, src, src.flip(-1), 5)
 
 
 def test_decoder_input_ids_on_a_decoder_only_model_are_refused():

@@ -183,13 +183,18 @@ def build_parser() -> argparse.ArgumentParser:
              "a Hugging Face Hub model, two sources and the question kept"),
             ("pyattr cite --text 'The lake is cold. A man plays the guitar.' --query 'someone making music'",
              "the bundled MiniLM: which sentence of the passage matches the query"),
+            ("pyattr cite --model translation --text 'sun cat red fox' --split word --response 'FOX RED CAT SUN' "
+             "--method attnlrp", "an encoder–decoder (the bundled translation toy): the source words the "
+             "translation rests on"),
         ),
     )
     c.add_argument("--text", help="the prompt: context and question (with --query: the passage)")
     c.add_argument("--model", type=model_dir,
-                   help="a causal LM: a local Hugging Face directory, a Hugging Face Hub id, or 'induction' (the "
-                        "default: the shipped toy induction decoder); with --query a sentence-embedding model "
-                        "(default 'minilm', the bundled all-MiniLM-L6-v2)")
+                   help="a causal LM or an encoder–decoder (its sources in the source text, the response on the "
+                        "decoder side): a local Hugging Face directory, a Hugging Face Hub id, 'translation' (the "
+                        "shipped toy translation model), or 'induction' (the default: the shipped toy induction "
+                        "decoder); with --query a sentence-embedding model (default 'minilm', the bundled "
+                        "all-MiniLM-L6-v2)")
     c.add_argument("--query", help="score the passage's sentences for a sentence-embedding model's cosine "
                                    "similarity to this query, instead of a response")
     c.add_argument("--source", action="append", metavar="TEXT",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pyattr.cli._common import UsageError, check_model, check_output_path, fail
+from pyattr.cli._common import UsageError, check_model, check_output_path, checkpoint_kind, fail
 
 #: the toy decoder's built-in example: four "documents" and the question word "fish"
 DEFAULT_PROMPT = "sun cat red dog fish owl bee tea key moon ring gold fish"
@@ -68,7 +68,11 @@ def run(args) -> int:
     if embedding:
         response = new = None
     try:
-        tok, model = load_pretrained(args.model or ("minilm" if embedding else "induction"), causal=not embedding)
+        kind = checkpoint_kind(args.model) if args.model is not None else None
+        # an encoder–decoder checkpoint loads as its own class (MarianMTModel, T5…): the
+        # sources are in its source text, the response on its decoder side
+        causal = None if (kind is not None and kind[0] == "encoder-decoder") else not embedding
+        tok, model = load_pretrained(args.model or ("minilm" if embedding else "induction"), causal=causal)
         kinds = getattr(model.config, "architectures", None) or []
         if embedding and any(k.endswith(("ForCausalLM", "LMHeadModel")) for k in kinds):
             return fail("cite", f"--query scores a sentence-embedding model's similarity; --model is a causal LM "

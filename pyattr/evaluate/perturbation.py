@@ -25,7 +25,9 @@ import pyattr.methods._core.text as text
 import pyattr.methods._core.groups as G
 import pyattr.methods._core.positions as P
 import pyattr.targets as T
+from pyattr.evaluate.perturbation_seq2seq import seq2seq_curve
 from pyattr.integration.wrappers import unwrap
+from pyattr.methods._core.stacks import is_encoder_decoder
 from pyattr.methods._core.forward import evaluate_targets, run_model
 
 ORDERS = ("morf", "lerf", "insertion")
@@ -146,7 +148,8 @@ def _replacement_id(model: nn.Module, perturbation: str, token_id) -> Optional[i
 def perturbation_curve(model: nn.Module, inputs, relevance, target=None, *, order: str = "morf",
                        perturbation: str = "zero_embedding", steps: int = 20, batch_size: Optional[int] = None,
                        token_id: Optional[int] = None, attention_mask: Optional[torch.Tensor] = None,
-                       tokenizer=None) -> PerturbationCurve:
+                       tokenizer=None, decoder_input_ids=None,
+                       decoder_attention_mask: Optional[torch.Tensor] = None) -> PerturbationCurve:
     """The target as the tokens are perturbed in the order of their relevance.
 
     Args:
@@ -191,6 +194,12 @@ def perturbation_curve(model: nn.Module, inputs, relevance, target=None, *, orde
             token as a string). ``model`` may be a hub id, a directory or a bundled
             name, and ``rules`` a shorthand (``"all"``, ``"attnlrp"``, ``"ln"``,
             ``"none"``), as for :func:`pyattr.relevance`.
+        decoder_input_ids, decoder_attention_mask (optional): on an encoder–decoder model,
+            the target prefix the decoder reads (ids, text with ``tokenizer=``, or from
+            ``labels`` in the inputs), as :func:`pyattr.relevance`; ``relevance`` is then the
+            source's (``source_relevance`` of its result, Tensor[batch, source_len]) and the
+            source tokens are perturbed, the decoder's inputs kept
+            (:mod:`pyattr.evaluate.perturbation_seq2seq`).
 
     Returns:
         PerturbationCurve (``fractions`` (steps + 1,), ``values`` (batch, steps + 1),
@@ -208,6 +217,15 @@ def perturbation_curve(model: nn.Module, inputs, relevance, target=None, *, orde
     steps = _check(order, perturbation, steps)
     batch_size = core.check_count("batch_size", batch_size) or DEFAULT_BATCH
     model = unwrap(model)
+    if is_encoder_decoder(model) or decoder_input_ids is not None or decoder_attention_mask is not None:
+        if not is_encoder_decoder(model):
+            raise ValueError(f"decoder_input_ids / decoder_attention_mask: {type(model).__name__} is not an "
+                             "encoder–decoder model (config.is_encoder_decoder is false)")
+        values = seq2seq_curve(model, inputs, relevance, target, order, perturbation, steps, batch_size,
+                               _replacement_id(model, perturbation, token_id), attention_mask, decoder_input_ids,
+                               decoder_attention_mask, tokenizer, _vocabulary_mean)
+        fractions = torch.arange(steps + 1, dtype=torch.float64) / steps
+        return PerturbationCurve(fractions, values, area(values, fractions), order, perturbation)
     prep = core.prepare(model, inputs, attention_mask, "perturbation_curve")
     ids = prep.input_ids
     batch, seq = ids.shape
@@ -259,8 +277,10 @@ _MEAN_CHUNK = 8192
 def _vocabulary_mean(model: nn.Module) -> torch.Tensor:
     """The mean of what the input embedding module outputs over every id of its table
     (float64, (hidden,)): the module itself run on the ids, in chunks, so that a scale it
-    applies (Gemma's √hidden) or any other transform of its weight is in the mean."""
-    emb = model.get_input_embeddings()
+    applies (Gemma's √hidden) or any other transform of its weight is in the mean.
+    ``model``: the model (its ``get_input_embeddings()``) or the embedding module itself."""
+    emb = model if isinstance(model, nn.Embedding) or not callable(getattr(model, "get_input_embeddings", None)) \
+        else model.get_input_embeddings()
     rows = getattr(emb, "num_embeddings", None)
     if not isinstance(rows, int):
         w = getattr(emb, "weight", None)

@@ -42,7 +42,8 @@ import pyattr.methods._core.ablation as A
 import pyattr.methods._core.context_inputs as CI
 import pyattr.methods._core.embedding as E
 import pyattr.methods._core.sources as S
-from pyattr.methods._core.stacks import refuse_encoder_decoder
+import pyattr.methods.seq2seq_context as S2C
+from pyattr.methods._core.stacks import is_encoder_decoder
 from pyattr._repr import summary_repr
 from pyattr.results import ResultViews
 
@@ -194,9 +195,11 @@ def contextcite_fit(x: torch.Tensor, y: torch.Tensor, tokens=None) -> torch.Tens
     return (w / scale[:, None] * n).T
 
 
-def _ablation_scores(model, prompt, ranges, response, spans, method, ablations, seed, batch_size):
+def _ablation_scores(model, prompt, ranges, response, spans, method, ablations, seed, batch_size, prefix=None):
+    """``prefix``: an encoder–decoder's decoder start (the prompt is then its source)."""
     masks = _masks(method, ablations, seed, len(ranges))
-    v = A.response_logprobs(model, prompt, ranges, response, masks, spans, batch_size)
+    v = A.response_logprobs(model, prompt, ranges, response, masks, spans, batch_size) if prefix is None else \
+        S2C.response_logprobs(model, prompt, ranges, prefix, response, masks, spans, batch_size)
     return _fit(method, masks, v, _logit_prob, [b - a for a, b in spans]), v[0], masks.shape[0]
 
 
@@ -280,8 +283,12 @@ def _rows(model, tokenizer, rows, per_sources, per_response, embedding, method, 
     scores, texts, ranges_all, resp_text, resp_ids, values, cost = [], [], [], [], [], [], 0
     pooling = spec.pooling if spec is not None else None
     for row, (inp, src, resp) in enumerate(zip(rows, per_sources, per_response)):
-        prompt, offsets, special, text, joint_resp = CI.prompt_of(model, tokenizer, inp, resp, "inputs", embedding,
-                                                                  spec)
+        encdec = is_encoder_decoder(model)
+        if encdec:  # the sources are in the encoder's input; the response is the decoder's
+            (prompt, offsets, special, text), joint_resp = S2C.source_of(model, tokenizer, inp), None
+        else:
+            prompt, offsets, special, text, joint_resp = CI.prompt_of(model, tokenizer, inp, resp, "inputs",
+                                                                      embedding, spec)
         ranges = S.resolve(src, text, offsets, special, len(prompt))
         if method in ABLATION_METHODS and sum(b - a for a, b in ranges) == len(prompt):
             raise ValueError(f"sources: row {row}'s sources cover every token of the prompt, so the ablation that "
@@ -302,17 +309,25 @@ def _rows(model, tokenizer, rows, per_sources, per_response, embedding, method, 
             if method in ABLATION_METHODS:
                 cost = max(cost, n)
         else:
-            r_ids = joint_resp if joint_resp is not None else CI.response_ids(model, prompt, resp, max_new_tokens, row)
+            prefix = None
+            if encdec:
+                prefix, r_ids = S2C.response_of(model, tokenizer, prompt, resp, max_new_tokens, row)
+            else:
+                r_ids = joint_resp if joint_resp is not None else CI.response_ids(model, prompt, resp,
+                                                                                  max_new_tokens, row)
             if not r_ids:
                 raise ValueError(f"response[{row}]: the model generated no token to explain")
             sp = CI.check_spans(spans, len(r_ids))
             if method in ABLATION_METHODS:
-                sc, val, n = _ablation_scores(model, prompt, ranges, r_ids, sp, method, ablations, seed, batch_size)
+                sc, val, n = _ablation_scores(model, prompt, ranges, r_ids, sp, method, ablations, seed, batch_size,
+                                              prefix)
                 cost = max(cost, n)
             elif method == "attention":
-                sc, val = _attention_scores(model, prompt, ranges, r_ids, sp)
+                sc, val = (_attention_scores(model, prompt, ranges, r_ids, sp) if prefix is None else
+                           S2C.attention_scores(model, prompt, ranges, prefix, r_ids, sp))
             else:
-                sc, val = _relevance_scores(model, prompt, ranges, r_ids, sp, method)
+                sc, val = (_relevance_scores(model, prompt, ranges, r_ids, sp, method) if prefix is None else
+                           S2C.relevance_scores(model, prompt, ranges, prefix, r_ids, sp, method))
         scores.append(sc)
         values.append(val)
         ranges_all.append(ranges)
@@ -381,7 +396,10 @@ def context_attribution(model: nn.Module, inputs, sources, *, response=None, max
             reproduce or none declared; a prompt longer than the checkpoint's
             ``max_seq_length`` (its embeddings would truncate it).
     """
-    refuse_encoder_decoder(model, "context_attribution")
+    if is_encoder_decoder(model) and not CI.has_lm_head(model):
+        raise ValueError(f"model: {type(model).__name__} is an encoder–decoder model without a language-model head; "
+                         "context_attribution explains a response its decoder generates (load the "
+                         "conditional-generation class: T5ForConditionalGeneration, MarianMTModel, …)")
     method = DEFAULT_METHOD if method is None else method
     if method not in METHODS:
         raise ValueError(f"method: expected one of {list(METHODS)}, got {method!r}")

@@ -124,11 +124,10 @@ def seq2seq_generation_relevance(model: nn.Module, inputs, max_new_tokens, conti
         if max_new_tokens is not None:
             raise ValueError("max_new_tokens and continuation: give one (generate, or explain a given continuation)")
         gen, steps = _continuation(model, continuation, src.shape[0], tokenizer)
-        shift = getattr(model, "prepare_decoder_input_ids_from_labels", None)
-        if not callable(shift):
-            raise ValueError(f"continuation: {type(model).__name__} has no prepare_decoder_input_ids_from_labels to "
-                             "put its decoder start token before the continuation; pass max_new_tokens instead")
-        seq = torch.cat([shift(labels=gen[:, :1]), gen], 1)  # the model's own decoder start token first
+        # the model's own start column: its shift of the whole continuation (mBART wraps each
+        # row's last real token, its language code, to the front; the others put
+        # decoder_start_token_id there)
+        seq = torch.cat([SI.shift_labels(model, gen, "continuation")[:, :1].to(gen.device), gen], 1)
         width = seq.shape[1] - gen.shape[1]
     else:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:

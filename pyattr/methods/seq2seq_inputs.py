@@ -109,14 +109,29 @@ def _pad_id(model: nn.Module, tokenizer=None) -> int:
     return int(pad) if isinstance(pad, int) else 0
 
 
-def shifted(model: nn.Module, rows: List[torch.Tensor], name: str, tokenizer=None):
-    """Each row of labels shifted by the model's own ``prepare_decoder_input_ids_from_labels``
-    (its decoder start first, the last label dropped), right-padded with a mask."""
+def shift_labels(model: nn.Module, labels: torch.Tensor, name: str) -> torch.Tensor:
+    """The decoder's inputs the model makes from ``labels`` (LongTensor[batch, n], right-padded
+    with the pad id) for teacher forcing: its own ``prepare_decoder_input_ids_from_labels``
+    (the decoder start first, the last label dropped; mBART wraps each row's last real label,
+    its language code, to the front), or, where the model has none (M2M100 / NLLB shift in
+    their forward), the ids its decoder receives in a forward given ``labels`` alone, stopped
+    there: observed, not re-derived."""
     shift = getattr(model, "prepare_decoder_input_ids_from_labels", None)
-    if not callable(shift):
-        raise ValueError(f"{name}: {type(model).__name__} has no prepare_decoder_input_ids_from_labels to shift "
-                         "labels into the decoder's inputs; pass decoder_input_ids as token ids")
-    return padded_rows([shift(labels=r.reshape(1, -1))[0].tolist() for r in rows], _pad_id(model, tokenizer), name)
+    if callable(shift):
+        return shift(labels=labels)
+    source = torch.zeros(labels.shape[0], 1, dtype=torch.long, device=labels.device)  # any source: the encoder's
+    try:                                                                                # output is not read
+        return derived_decoder_ids(model, {"input_ids": source, "labels": labels}, name)
+    except ValueError:
+        raise ValueError(f"{name}: {type(model).__name__} has no prepare_decoder_input_ids_from_labels, and its "
+                         "forward makes no decoder inputs from labels; pass decoder_input_ids as token ids") from None
+
+
+def shifted(model: nn.Module, rows: List[torch.Tensor], name: str, tokenizer=None):
+    """Each row of labels shifted by the model's own teacher-forcing shift
+    (:func:`shift_labels`), right-padded with a mask."""
+    return padded_rows([shift_labels(model, r.reshape(1, -1), name)[0].tolist() for r in rows],
+                       _pad_id(model, tokenizer), name)
 
 
 def decoder_inputs_from_text(model: nn.Module, tokenizer, text, rows: int):
@@ -244,7 +259,8 @@ def derived_decoder_ids(model: nn.Module, kwargs: dict, caller: str) -> torch.Te
     handle = dec.register_forward_pre_hook(pre, with_kwargs=True)
     try:
         with torch.no_grad():
-            model(**{k: v for k, v in kwargs.items() if k in ("input_ids", "attention_mask")}, **no_cache(model))
+            model(**{k: v for k, v in kwargs.items() if k in ("input_ids", "attention_mask", "labels")},
+                  **no_cache(model))
     except _Seen:
         pass
     except (ValueError, TypeError) as e:  # the model's own refusal to run without decoder inputs
