@@ -194,12 +194,14 @@ def perturbation_curve(model: nn.Module, inputs, relevance, target=None, *, orde
             token as a string). ``model`` may be a hub id, a directory or a bundled
             name, and ``rules`` a shorthand (``"all"``, ``"attnlrp"``, ``"ln"``,
             ``"none"``), as for :func:`pyattr.relevance`.
-        decoder_input_ids, decoder_attention_mask (optional): on an encoder–decoder model,
-            the target prefix the decoder reads (ids, text with ``tokenizer=``, or from
-            ``labels`` in the inputs), as :func:`pyattr.relevance`; ``relevance`` is then the
-            source's (``source_relevance`` of its result, Tensor[batch, source_len]) and the
-            source tokens are perturbed, the decoder's inputs kept
+        decoder_input_ids (optional): on an encoder–decoder model, the target prefix the
+            decoder reads (ids, text with ``tokenizer=``, or from ``labels`` in the inputs),
+            as :func:`pyattr.relevance`; ``relevance`` is then the source's
+            (``source_relevance`` of its result, Tensor[batch, source_len]) and the source
+            tokens are perturbed, the decoder's inputs kept
             (:mod:`pyattr.evaluate.perturbation_seq2seq`).
+        decoder_attention_mask (Tensor[batch, target_len], optional): 1 for the target
+            prefix's real tokens, as :func:`pyattr.relevance`.
 
     Returns:
         PerturbationCurve (``fractions`` (steps + 1,), ``values`` (batch, steps + 1),
