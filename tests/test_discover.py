@@ -261,7 +261,8 @@ def test_a_role_discovery_cannot_find_is_refused_naming_it():
     with pytest.raises(ValueError, match=r"layer_relevance\(\): T5ForConditionalGeneration is an encoder–decoder "
                                          r"model that does not make its decoder's inputs"):
         pyattr.layer_relevance(t5, _ids(), "residual", generic=True)
-    with pytest.raises(ValueError, match=r"attribution_patching\(\): T5ForConditionalGeneration is an encoder–decoder"):
+    with pytest.raises(ValueError, match=r"attribution_patching\(\): T5ForConditionalGeneration is an encoder–decoder "
+                                         r"model that does not make its decoder's inputs"):
         attribution_patching(t5, _ids(), _ids(seed=2), pyattr.targets.Logit(5), method="atp", generic=True)
     with pytest.raises(ValueError, match=r"2 stacks of blocks \('encoder.block', 'decoder.block'\)"):
         A.require(A.discover(t5), "layers", t5, "'residual'")

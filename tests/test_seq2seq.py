@@ -276,7 +276,7 @@ def test_bad_inputs_are_refused_by_name():
         pyattr.relevance(model, src, decoder_input_ids=dec, baseline=torch.zeros(2, 7, 16))
 
 
-@pytest.mark.parametrize("method", ["attribution_patching", "activation_patching"])
+@pytest.mark.parametrize("method", ["edge_attribution", "circuit_search"])
 def test_one_stack_methods_refuse_encoder_decoders(method):
     model = tiny_seq2seq("bart")
     src, _ = _ids("bart", batch=1)

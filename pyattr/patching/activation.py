@@ -24,6 +24,8 @@ from pyattr.patching.pairs import (
     recording_forward,
 )
 from pyattr.patching.result import PatchingResult, dims
+import pyattr.patching.seq2seq as S2P
+from pyattr.methods._core.stacks import is_encoder_decoder
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,9 @@ def activation_patching(
     progress: bool = True,
     generic: bool = False,
     tokenizer=None,
+    decoder_input_ids=None,
+    corrupt_decoder_input_ids=None,
+    decoder_attention_mask: Optional[torch.Tensor] = None,
 ) -> PatchingResult:
     """The exact effect of each single-node patch: ``metric(clean run with the node's
     activation taken from the corrupt run) − metric(clean run)`` (the ground truth that
@@ -91,6 +96,16 @@ def activation_patching(
             may be texts. ``model`` may be a hub id, a directory or a bundled name, and
             ``rules`` a shorthand (``"all"``, ``"attnlrp"``, ``"ln"``, ``"none"``), as
             for :func:`pyattr.relevance`.
+        decoder_input_ids (optional): on an encoder–decoder model, the clean run's target
+            prefix (ids, text with ``tokenizer=``, or ``labels`` in the inputs), as
+            :func:`pyattr.relevance`; ``clean`` and ``corrupt`` are then sources of one
+            length, the metric is read on the decoder side, and the nodes are on both
+            stacks (``"encoder.residual"``, ``"decoder.cross_heads"``, …;
+            :mod:`pyattr.patching.seq2seq`).
+        corrupt_decoder_input_ids (optional): the corrupt run's target prefix, of the
+            clean one's length (default: the clean one).
+        decoder_attention_mask (Tensor[batch, target_len], optional): 1 for the target
+            prefix's real tokens (both runs).
 
     Returns:
         PatchingResult with ``method="exact"``.
@@ -100,6 +115,14 @@ def activation_patching(
         RuntimeError: a call under ``torch.inference_mode()``.
     """
     model = unwrap(model)
+    if is_encoder_decoder(model) or any(v is not None for v in (decoder_input_ids, corrupt_decoder_input_ids,
+                                                                decoder_attention_mask)):
+        return S2P.patching(model, clean, corrupt, metric, nodes, "exact", "activation_patching",
+                            sum_positions=sum_positions, alignment=alignment, attention_mask=attention_mask,
+                            corrupt_attention_mask=corrupt_attention_mask, decoder_input_ids=decoder_input_ids,
+                            corrupt_decoder_input_ids=corrupt_decoder_input_ids,
+                            decoder_attention_mask=decoder_attention_mask, tokenizer=tokenizer,
+                            batch_size=batch_size, unsupported=(("sample", sample),))
     from pyattr.methods._core.progress import Progress
 
     node_list = check_nodes(nodes)

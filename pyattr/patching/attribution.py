@@ -17,6 +17,8 @@ import pyattr.patching.ig as IG
 from pyattr.patching.nodes import Site, check_nodes, node_sites
 from pyattr.patching.pairs import align, check_row_metric, metric_targets, prepare_pair, recording_forward
 from pyattr.patching.result import PatchingResult, dims
+import pyattr.patching.seq2seq as S2P
+from pyattr.methods._core.stacks import is_encoder_decoder
 
 METHODS = ("relp", "atp", "atp*", "ig", "blockwise")
 
@@ -63,6 +65,9 @@ def attribution_patching(
     batch_size: Optional[int] = None,
     generic: bool = False,
     tokenizer=None,
+    decoder_input_ids=None,
+    corrupt_decoder_input_ids=None,
+    decoder_attention_mask: Optional[torch.Tensor] = None,
 ) -> PatchingResult:
     """Estimated effect of patching each node from ``corrupt`` into ``clean``, for every
     node at once: ``(a_corrupt − a_clean) · ∂metric/∂a`` at the clean run.
@@ -133,6 +138,16 @@ def attribution_patching(
             may be texts. ``model`` may be a hub id, a directory or a bundled name, and
             ``rules`` a shorthand (``"all"``, ``"attnlrp"``, ``"ln"``, ``"none"``), as
             for :func:`pyattr.relevance`.
+        decoder_input_ids (optional): on an encoder–decoder model, the clean run's target
+            prefix (ids, text with ``tokenizer=``, or ``labels`` in the inputs), as
+            :func:`pyattr.relevance`; ``clean`` and ``corrupt`` are then sources of one
+            length, the metric is read on the decoder side, and the nodes are on both
+            stacks (``"encoder.residual"``, ``"decoder.cross_heads"``, …;
+            :mod:`pyattr.patching.seq2seq`).
+        corrupt_decoder_input_ids (optional): the corrupt run's target prefix, of the
+            clean one's length (default: the clean one).
+        decoder_attention_mask (Tensor[batch, target_len], optional): 1 for the target
+            prefix's real tokens (both runs).
 
     Returns:
         PatchingResult: ``result[node]`` float32 ``(batch, layer, position[, head | neuron])``,
@@ -149,6 +164,14 @@ def attribution_patching(
         RuntimeError: a call under ``torch.inference_mode()``.
     """
     model = unwrap(model)
+    if is_encoder_decoder(model) or any(v is not None for v in (decoder_input_ids, corrupt_decoder_input_ids,
+                                                                decoder_attention_mask)):
+        return S2P.patching(model, clean, corrupt, metric, nodes, method, "attribution_patching", rules=rules,
+                            sum_positions=sum_positions, alignment=alignment, attention_mask=attention_mask,
+                            corrupt_attention_mask=corrupt_attention_mask, decoder_input_ids=decoder_input_ids,
+                            corrupt_decoder_input_ids=corrupt_decoder_input_ids,
+                            decoder_attention_mask=decoder_attention_mask, tokenizer=tokenizer,
+                            unsupported=(("steps", steps), ("batch_size", batch_size)))
     node_list = check_nodes(nodes)
     if not isinstance(sum_positions, bool):
         raise TypeError(f"sum_positions must be a bool, got {sum_positions!r}")

@@ -34,6 +34,11 @@ class PatchingResult(ResultViews):
         rules (RelevanceRules or None): the rules of the backward (``"relp"``).
         sampled (dict): node type → bool mask of the nodes patched, where a sample was taken.
         coverage (RelevanceRuleCoverage or None): what the rule scope installed (``"relp"``).
+        tokens (list of lists of str, or None): with ``tokenizer=``, each clean input token
+            as a string (on an encoder–decoder model: the source's).
+        decoder_tokens (list of lists of str, or None): on an encoder–decoder model with
+            ``tokenizer=``, each token of the decoder's inputs (the positions of the
+            ``"decoder.*"`` nodes).
     """
 
     __repr__ = summary_repr
@@ -47,6 +52,7 @@ class PatchingResult(ResultViews):
     sampled: Dict[str, torch.Tensor] = field(default_factory=dict)
     coverage: Optional[RelevanceRuleCoverage] = None
     tokens: Optional[List[List[Optional[str]]]] = None
+    decoder_tokens: Optional[List[List[Optional[str]]]] = None
 
     @property
     def nodes(self) -> List[str]:

@@ -139,9 +139,10 @@ def generation(result, limit=MAX_ROWS) -> List:
 
 def patching(result, limit=MAX_ROWS) -> List:
     panels, notes = [], []
-    labels = getattr(result, "tokens", None)
     per_node = None if limit is None else (limit if len(result.effects) == 1 else min(limit, 2))
     for node, eff in result.effects.items():
+        # an encoder–decoder's "decoder.*" nodes sit at the decoder's inputs
+        labels = getattr(result, "decoder_tokens" if node.startswith("decoder.") else "tokens", None)
         names = result.dims[node]
         rows = _take(list(range(eff.shape[0])), per_node)
         first = len(panels)

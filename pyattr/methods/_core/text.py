@@ -398,7 +398,8 @@ def prompt_and_continuation(tokenizer, texts: List[str], continuation) -> tuple:
 
 #: the methods that explain encoder–decoder models (methods/seq2seq.py, methods/seq2seq_generation.py)
 SEQ2SEQ_CALLERS = ("relevance", "generation_relevance", "integrated_gradients", "layer_relevance",
-                   "perturbation_curve")
+                   "perturbation_curve",
+                   "attribution_patching", "activation_patching")
 
 
 def text_inputs(caller: str, *, inputs: Sequence[str] = ("inputs",), target: Optional[str] = "target",
