@@ -25,6 +25,7 @@ import pyattr.methods._core.text as text
 import pyattr.methods._core.groups as G
 import pyattr.methods._core.positions as P
 import pyattr.targets as T
+from pyattr.evaluate.levels import perturbed_masks
 from pyattr.evaluate.perturbation_seq2seq import seq2seq_curve
 from pyattr.integration.wrappers import unwrap
 from pyattr.methods._core.stacks import is_encoder_decoder
@@ -99,23 +100,6 @@ def _check(order: str, perturbation: str, steps) -> int:
     if perturbation not in PERTURBATIONS:
         raise ValueError(f"perturbation must be one of {PERTURBATIONS}, got {perturbation!r}")
     return core.check_count("steps", steps, allow_none=False)
-
-
-def perturbed_masks(relevance: torch.Tensor, real: torch.Tensor, order: str, steps: int) -> torch.Tensor:
-    """Which tokens each level perturbs: BoolTensor[batch, steps + 1, seq].
-
-    Ties in relevance are broken by position (earlier first), so a curve is reproducible."""
-    descending = order in ("morf", "insertion")
-    key = relevance.double().masked_fill(~real, float("-inf") if descending else float("inf"))
-    ranked = torch.sort(key, dim=-1, descending=descending, stable=True).indices
-    rank = torch.empty_like(ranked)
-    rank.scatter_(-1, ranked, torch.arange(key.shape[-1], device=key.device).expand_as(ranked))
-    n = real.sum(-1, keepdim=True).double()                                  # (batch, 1)
-    j = torch.arange(steps + 1, device=key.device, dtype=torch.float64)
-    counts = torch.floor(j[None, :] * n / steps + 0.5).long()                # (batch, steps + 1)
-    first = rank[:, None, :] < counts[:, :, None]                            # (batch, steps + 1, seq)
-    first &= real[:, None, :]
-    return (real[:, None, :] & ~first) if order == "insertion" else first
 
 
 def _replacement_id(model: nn.Module, perturbation: str, token_id) -> Optional[int]:

@@ -18,6 +18,7 @@ from torch import nn
 import pyattr.methods._core as core
 import pyattr.methods.seq2seq_inputs as SI
 import pyattr.targets as T
+from pyattr.evaluate.levels import perturbed_masks
 from pyattr.methods._core.forward import evaluate_targets
 
 
@@ -62,7 +63,6 @@ def seq2seq_curve(model: nn.Module, inputs, relevance, target, order: str, pertu
     """``(values Tensor[batch, steps + 1] float64, masks)`` of the decoder-side target as the
     source is perturbed (``mean_of(embedding module)``: the vocabulary mean of an input
     embedding, :func:`pyattr.evaluate.perturbation._vocabulary_mean`)."""
-    from pyattr.evaluate.perturbation import perturbed_masks
     from pyattr.methods.seq2seq import _words_to_ids
 
     kwargs, dec, dmask, (enc_entry, _) = SI.prepare(model, inputs, attention_mask, decoder_input_ids,

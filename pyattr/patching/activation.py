@@ -14,7 +14,7 @@ import pyattr.methods._core.text as text
 import pyattr.targets as T
 from pyattr.integration.wrappers import unwrap
 from pyattr.methods._core.forward import evaluate_targets, run_model
-from pyattr.patching.nodes import Site, check_nodes, node_sites
+from pyattr.patching.nodes import Site, check_nodes, node_sites, width_slice
 from pyattr.patching.pairs import (
     Pair,
     align,
@@ -34,15 +34,6 @@ class _Job:
     site: int          # index into the flat site list
     position: int      # -1: every valid position (sum_positions)
     unit: int          # head or neuron index; -1 for the whole width
-
-
-def _width_slice(site: Site, width: int, unit: int) -> slice:
-    if unit < 0:
-        return slice(None)
-    if site.node == "heads":
-        d = width // site.heads
-        return slice(unit * d, (unit + 1) * d)
-    return slice(unit, unit + 1)
 
 
 @text.text_inputs("activation_patching", inputs=("clean", "corrupt"), target="metric")
@@ -267,7 +258,7 @@ def patch_copies(site: Site, jobs: Sequence[Tuple[int, _Job]], sources: torch.Te
         step = None if base is None else (sources.double() - base.double()).to(t.dtype)
         new = t.clone()
         for j, job in jobs:
-            w = _width_slice(site, t.shape[-1], job.unit)
+            w = width_slice(site, t.shape[-1], job.unit)
             pos = [job.position] if job.position >= 0 else valid[j].nonzero().flatten().to(t.device)
             if step is None:
                 new[j, pos, w] = src[j, pos, w]

@@ -166,7 +166,8 @@ def attribution_patching(
     model = unwrap(model)
     if is_encoder_decoder(model) or any(v is not None for v in (decoder_input_ids, corrupt_decoder_input_ids,
                                                                 decoder_attention_mask)):
-        return S2P.patching(model, clean, corrupt, metric, nodes, method, "attribution_patching", rules=rules,
+        return S2P.patching(model, clean, corrupt, metric, nodes, method, "attribution_patching",
+                            rules=method_rules(method, rules, PATCHING_RULES),
                             sum_positions=sum_positions, alignment=alignment, attention_mask=attention_mask,
                             corrupt_attention_mask=corrupt_attention_mask, decoder_input_ids=decoder_input_ids,
                             corrupt_decoder_input_ids=corrupt_decoder_input_ids,

@@ -80,3 +80,13 @@ def node_sites(model: nn.Module, nodes: Sequence[str], generic: bool = False) ->
             sites.append(Site(node, i, path, model.get_submodule(path), where, heads))
         out[node] = sites
     return out
+
+
+def width_slice(site: Site, width: int, unit: int) -> slice:
+    """The columns of unit ``unit`` of a site's width (a head's slice, a neuron; -1: all)."""
+    if unit < 0:
+        return slice(None)
+    if site.node == "heads":
+        d = width // site.heads
+        return slice(unit * d, (unit + 1) * d)
+    return slice(unit, unit + 1)

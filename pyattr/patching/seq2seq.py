@@ -29,7 +29,7 @@ import pyattr.methods._core as core
 import pyattr.methods.seq2seq_inputs as SI
 import pyattr.targets as T
 from pyattr.methods._core.forward import evaluate_targets, leaf
-from pyattr.patching.nodes import NODES, Site
+from pyattr.patching.nodes import NODES, Site, width_slice
 from pyattr.patching.result import PatchingResult
 
 SEQ2SEQ_NODES = NODES + ("cross_attention", "cross_heads")
@@ -210,8 +210,6 @@ def exact(model, kc, kx, dec, dmask, tgts, names, batch_size: int) -> PatchingRe
     activation (at one position, one head or neuron) taken from the corrupt run, minus
     the metric of an unpatched copy in a forward of as many copies (so identical clean and
     corrupt give exactly 0)."""
-    from pyattr.patching.activation import _width_slice
-
     flat = sites(model, names)
     batch = dec.shape[0]
     with torch.no_grad(), core.inference_state(model):
@@ -254,7 +252,7 @@ def exact(model, kc, kx, dec, dmask, tgts, names, batch_size: int) -> PatchingRe
                     def fn(t):
                         new = t.clone()
                         for j, p, u in by_site[i]:
-                            w = _width_slice(flat[i][1], t.shape[-1], u)
+                            w = width_slice(flat[i][1], t.shape[-1], u)
                             new[j, p, w] = src[i][j, p, w].to(t.dtype)
                         return new
                     return fn
@@ -276,7 +274,8 @@ def patching(model, clean, corrupt, metric, nodes, method: str, caller: str, *, 
              corrupt_decoder_input_ids=None, decoder_attention_mask=None, tokenizer=None,
              batch_size: Optional[int] = None, unsupported: Sequence[Tuple[str, object]] = ()) -> PatchingResult:
     """The encoder–decoder path of ``caller`` (``method`` ``"exact"`` for activation
-    patching); ``unsupported``: the caller's other arguments, refused by name where set."""
+    patching; ``rules``: the estimate's, resolved by the caller); ``unsupported``: the
+    caller's other arguments, refused by name where set."""
     from pyattr.methods._core.stacks import is_encoder_decoder
 
     if not is_encoder_decoder(model):
@@ -310,10 +309,7 @@ def patching(model, clean, corrupt, metric, nodes, method: str, caller: str, *, 
     if method == "exact":
         res = exact(model, kc, kx, dec, dmask, tgts, names, core.check_count("batch_size", batch_size) or 32)
     else:
-        from pyattr.patching.attribution import PATCHING_RULES, method_rules
-
-        res = estimate(model, kc, kx, dec, dmask, tgts, names, method, method_rules(method, rules, PATCHING_RULES),
-                       caller)
+        res = estimate(model, kc, kx, dec, dmask, tgts, names, method, rules, caller)
     if sum_positions:
         res.effects = {n: e.sum(2) for n, e in res.effects.items()}
         res.dims = {n: d[:2] + d[3:] for n, d in res.dims.items()}
