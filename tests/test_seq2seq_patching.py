@@ -29,7 +29,7 @@ SITES = {
            "decoder.cross_attention": ("decoder.block.{i}.layer.1.EncDecAttention", "output"),
            "decoder.cross_heads": ("decoder.block.{i}.layer.1.EncDecAttention.o", "input")},
 }
-SITES["marian"] = SITES["bart"]
+SITES["marian"] = SITES["mbart"] = SITES["m2m_100"] = SITES["bart"]
 NODES = ["residual", "mlp", "decoder.attention", "cross_attention", "cross_heads"]
 
 
@@ -74,7 +74,7 @@ def _patched(model, arch, src, dec, node, layer, fn):
         h.remove()
 
 
-@pytest.mark.parametrize("arch", ["bart", "t5"])
+@pytest.mark.parametrize("arch", ["bart", "t5", "marian", "mbart", "m2m_100"])
 def test_exact_patching_equals_the_loop_over_the_model(arch):
     model = tiny_seq2seq(arch)
     src, dec = _ids(arch, seed=31, batch=1, src=5, tgt=3)
@@ -106,7 +106,7 @@ def test_exact_patching_equals_the_loop_over_the_model(arch):
 
 
 @pytest.mark.parametrize("method", ["atp", "relp"])
-@pytest.mark.parametrize("arch", ["bart", "t5", "marian"])
+@pytest.mark.parametrize("arch", ["bart", "t5", "marian", "mbart", "m2m_100"])
 def test_estimates_equal_gradient_times_difference(arch, method):
     model = tiny_seq2seq(arch)
     src, dec = _ids(arch, seed=33, batch=2, src=6, tgt=4)

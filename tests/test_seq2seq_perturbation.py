@@ -45,7 +45,7 @@ def _loop(model, arch, src, dec, token, rel, steps, perturbation, mask=None, pad
 
 
 @pytest.mark.parametrize("perturbation", ["zero_embedding", "pad"])
-@pytest.mark.parametrize("arch", ["t5", "bart", "marian"])
+@pytest.mark.parametrize("arch", ["t5", "bart", "marian", "mbart", "m2m_100"])
 def test_curve_equals_the_loop_over_the_model(arch, perturbation):
     model = tiny_seq2seq(arch)
     src, dec = _ids(arch, seed=21, src=7, tgt=4)
