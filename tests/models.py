@@ -208,7 +208,7 @@ def tiny_unmapped(config: str, dtype=torch.float64, attn: Optional[str] = "eager
 
 #: the mapped encoder–decoder architectures tiny_seq2seq builds ("t5_gated": T5 v1.1's gated-GELU feed-forward)
 SEQ2SEQ_ARCHS = ("t5", "t5_gated", "bart", "mbart", "marian", "m2m_100", "pegasus", "umt5", "mvp", "plbart",
-                 "blenderbot", "t5gemma")
+                 "blenderbot", "t5gemma", "bigbird_pegasus")
 
 
 @functools.lru_cache(maxsize=None)
@@ -243,7 +243,10 @@ def _tiny_seq2seq(arch: str):
            "marian": (T.MarianConfig, T.MarianMTModel), "m2m_100": (T.M2M100Config, T.M2M100ForConditionalGeneration),
            "pegasus": (T.PegasusConfig, T.PegasusForConditionalGeneration), "mvp": (T.MvpConfig, T.MvpForConditionalGeneration),
            "plbart": (T.PLBartConfig, T.PLBartForConditionalGeneration),
-           "blenderbot": (T.BlenderbotConfig, T.BlenderbotForConditionalGeneration)}[arch]
+           "blenderbot": (T.BlenderbotConfig, T.BlenderbotForConditionalGeneration),
+           "bigbird_pegasus": (T.BigBirdPegasusConfig, T.BigBirdPegasusForConditionalGeneration)}[arch]
+    if arch == "bigbird_pegasus":  # full attention (block-sparse needs sources of many blocks)
+        common.update(attention_type="original_full")
     return cls[1](cls[0](**common))
 
 

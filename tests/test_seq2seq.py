@@ -29,6 +29,7 @@ ENTRIES = {
     "plbart": ("model.encoder.layernorm_embedding", "model.decoder.layernorm_embedding"),
     "blenderbot": ("model.encoder.layers.0", "model.decoder.layers.0"),
     "t5gemma": ("model.encoder.layers.0", "model.decoder.layers.0"),
+    "bigbird_pegasus": ("model.encoder.layers.0", "model.decoder.layers.0"),
 }
 ACT_LIMIT = {"ReLU": 0.0}  # φ(0) = act(x)/x at 0: 0 for ReLU, ½ for the GELUs
 
@@ -93,7 +94,8 @@ def _oracle_hooks(model, rules):
             hooks.append(mod.register_forward_hook(_identity_rule))
         elif rules != "none" and cls in ("T5DenseGatedActDense", "UMT5DenseGatedActDense", "T5GemmaMLP"):
             hooks.append(mod.register_forward_hook(_half_rule_gated))
-        elif attn is not None and isinstance(mod, nn.Linear) and last in ("q", "k", "v", "q_proj", "k_proj", "v_proj"):
+        elif attn is not None and isinstance(mod, nn.Linear) and last in ("q", "k", "v", "q_proj", "k_proj", "v_proj",
+                                                                          "query", "key", "value"):
             hooks.append(mod.register_forward_hook(_scaled(attn["qkv".index(last[0])])))
     return hooks
 
@@ -686,3 +688,39 @@ def test_t5gemma_logit_softcapping_gets_the_identity_rule():
     assert "lm_head" in " ".join(map(str, r.coverage.installed))
     off = pyattr.relevance(model, src, decoder_input_ids=dec, rules=dataclasses.replace(RelevanceRules.all(), activation=False))
     assert (off.conservation_delta.abs() > 1e-3 * off.target.abs()).any()
+
+
+def _bigbird_sparse():
+    import transformers as T
+
+    torch.manual_seed(0)
+    cfg = T.BigBirdPegasusConfig(vocab_size=96, d_model=16, encoder_layers=2, decoder_layers=2,
+                                 encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=24,
+                                 decoder_ffn_dim=24, attention_type="block_sparse", block_size=2, num_random_blocks=1,
+                                 max_position_embeddings=64, init_std=0.3)
+    model = T.BigBirdPegasusForConditionalGeneration(cfg).double().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+    return model
+
+
+def test_bigbird_pegasus_block_sparse_source_is_explained_and_kept_sparse():
+    """BigBird-Pegasus' block-sparse encoder (16 source tokens, blocks of 2): rules off =
+    gradient × input read with hooks, all rules conserve; pyattr's short probes must not
+    switch the model to full attention (its own forward does that on a short input); a
+    source it would pad itself to whole blocks is refused by name."""
+    model = _bigbird_sparse()
+    g = torch.Generator().manual_seed(4)
+    src, dec = torch.randint(3, 90, (1, 16), generator=g), torch.randint(3, 90, (1, 3), generator=g)
+    off = pyattr.relevance(model, src, target=5, decoder_input_ids=dec, rules="none")
+    assert model.model.encoder.attention_type == "block_sparse"
+    s, t, _ = _oracle(model, "bigbird_pegasus", src, dec, "none", token=5)
+    assert torch.allclose(off.source_relevance, s, rtol=1e-9, atol=1e-10)
+    assert torch.allclose(off.target_relevance, t, rtol=1e-9, atol=1e-10)
+    on = pyattr.relevance(model, src, target=5, decoder_input_ids=dec)
+    assert on.conservation_delta.abs().max() < 1e-9 * on.target.abs().max()
+    with pytest.raises(ValueError, match=r"relevance\(\): BigBirdPegasusForConditionalGeneration's encoder runs on 18 "
+                                         r"positions for a source of 17 tokens"):
+        pyattr.relevance(model, torch.randint(3, 90, (1, 17), generator=g), target=5, decoder_input_ids=dec)

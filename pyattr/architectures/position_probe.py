@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from pyattr._module_state import kept_state
 from pyattr.architectures.paths import input_embeddings
 
 from pyattr.architectures.forms import flat_body
@@ -121,7 +122,7 @@ def _probe(owner: nn.Module, tables, kwargs: dict) -> List[torch.Tensor]:
                 raise _Seen
         return hook
 
-    with torch.no_grad(), _own_hooks_only(list(owner.modules())):
+    with torch.no_grad(), kept_state(owner), _own_hooks_only(list(owner.modules())):
         for i, t in enumerate(tables):
             t.register_forward_pre_hook(pre(i))
         try:

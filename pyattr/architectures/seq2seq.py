@@ -73,6 +73,28 @@ def _bart_family(embedding_norm: bool, final_norm: bool) -> Seq2Seq:
     return Seq2Seq(enc, dec, ("separate", "encoder_attn.q_proj", "encoder_attn.k_proj", "encoder_attn.v_proj"))
 
 
+def _bigbird_pegasus() -> Seq2Seq:
+    """BigBird-Pegasus: Pegasus' pre-norm blocks with the final norm of each stack named
+    ``layernorm_embedding`` (applied after the last block, not after the embeddings), and
+    an encoder self-attention (full or block-sparse) whose q/k/v are ``self.query`` /
+    ``self.key`` / ``self.value`` and whose output projection is ``output``. Block-sparse
+    attention is the same bilinear form of q, k and v over chosen key blocks, so the
+    attention rule of its projections is the rule; the source it pads internally to whole
+    blocks is refused by the entry check (the encoder's entry longer than the source)."""
+
+    def stack(side: str, attention: Tuple[str, str, str], heads: str, norms: Tuple[str, ...]) -> Arch:
+        return Arch(layers=f"{side}.layers", norm="layer_norm", layer_norms=norms,
+                    outer_norms=(f"{side}.layernorm_embedding",), mlp=("act", "activation_fn"),
+                    attention=("separate",) + attention, entry=(f"{side}.layers.0", "hidden_states"),
+                    attention_out="self_attn", mlp_out="fc2", neurons=("fc2", "input"), heads=heads)
+
+    enc = stack("encoder", ("self_attn.self.query", "self_attn.self.key", "self_attn.self.value"),
+                "self_attn.output", ("self_attn_layer_norm", "final_layer_norm"))
+    dec = stack("decoder", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn.out_proj",
+                ("self_attn_layer_norm", "encoder_attn_layer_norm", "final_layer_norm"))
+    return Seq2Seq(enc, dec, ("separate", "encoder_attn.q_proj", "encoder_attn.k_proj", "encoder_attn.v_proj"))
+
+
 def _t5gemma() -> Seq2Seq:
     """T5Gemma: two Gemma 2 stacks — (1 + w) RMSNorms before and after each sublayer (the
     decoder's cross-attention has its pair too), rotary positions, a gated-GELU MLP with a
@@ -108,6 +130,7 @@ SEQ2SEQ = {
     "plbart": _bart_family(embedding_norm=True, final_norm=False),
     "blenderbot": _bart_family(embedding_norm=False, final_norm=True),
     "t5gemma": _t5gemma(),
+    "bigbird_pegasus": _bigbird_pegasus(),
 }
 
 

@@ -81,7 +81,8 @@ def seq2seq_curve(model: nn.Module, inputs, relevance, target, order: str, pertu
     values = torch.empty(batch, steps + 1, dtype=torch.float64)
     mean = mean_of(_encoder_embedding(model)) if perturbation == "mean_embedding" else None
     with core.inference_state(model):
-        out = model(**kwargs)
+        with core.tap(enc_entry, "input", SI.one_per_token(None, seq, model, "perturbation_curve"), once=True):
+            out = model(**kwargs)
         _, _, fixed = evaluate_targets(tgts, T.Forward(out, dec, dmask, {}, None), False)
         pairs = torch.cartesian_prod(torch.arange(batch), torch.arange(steps + 1)).reshape(-1, 2)
         for chunk in pairs.split(batch_size):

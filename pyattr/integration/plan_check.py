@@ -29,6 +29,7 @@ import warnings
 import weakref
 from typing import Callable, Dict, Iterator, Optional, Tuple
 
+from pyattr._module_state import kept_state
 import torch
 from torch import nn
 
@@ -157,7 +158,7 @@ def run_probe(model: nn.Module, pl, installed: Callable) -> RelevanceAudit:
     handle = (module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True) if where == "input"
               else module.register_forward_hook(post, prepend=True))
     try:
-        with torch.enable_grad(), installed(model, pl):
+        with torch.enable_grad(), kept_state(model), installed(model, pl):
             audit = ModuleAudit(model, absorbed, exempt, bypassed_activations(model))
             audit.__enter__()
             out = model(**inputs, **({"use_cache": False} if _takes(model, "use_cache") else {}))

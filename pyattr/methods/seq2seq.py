@@ -22,6 +22,7 @@ from pyattr.results import ResultViews
 from pyattr.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.methods._core.forward import backward, check_grad_outputs, evaluate_targets, leaf
 import pyattr.methods.seq2seq_baseline as B
+import pyattr.methods.seq2seq_inputs as SI
 from pyattr.methods.seq2seq_inputs import prepare  # noqa: F401 - read from here by the other seq2seq methods
 from pyattr.methods._core.stacks import is_encoder_decoder, refuse_encoder_decoder  # noqa: F401 - re-exported
 
@@ -119,7 +120,8 @@ def seq2seq_relevance(model: nn.Module, inputs, target, rules: RelevanceRules, *
                 return xs[i][-1]
             return fn
 
-        with core.tap(enc_entry, "input", fn_for(0), once=True), core.tap(dec_entry, "input", fn_for(1), once=True):
+        src_fn = SI.one_per_token(fn_for(0), kwargs["input_ids"].shape[1], model, caller)
+        with core.tap(enc_entry, "input", src_fn, once=True), core.tap(dec_entry, "input", fn_for(1), once=True):
             out = model(**kwargs)
         if not xs[0] or not xs[1]:
             raise ValueError(f"{caller}(): the {'encoder' if not xs[0] else 'decoder'}'s entry was not reached during "

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import pyattr.methods._core as core
+import pyattr.methods.seq2seq_inputs as SI
 import pyattr.targets as T
 from pyattr._repr import summary_repr
 from pyattr.results import ResultViews
@@ -90,7 +91,9 @@ def seq2seq_integrated_gradients(model: nn.Module, inputs, target, *, decoder_in
 
         # f(x) at the input (the top-1 ids fixed there) and f(x₀) at the zero baseline
         with torch.no_grad():
-            with core.tap(enc_entry, "input", keep(0), once=True), core.tap(dec_entry, "input", keep(1), once=True):
+            with core.tap(enc_entry, "input", SI.one_per_token(keep(0), kwargs["input_ids"].shape[1], model,
+                                                               "integrated_gradients"), once=True), \
+                    core.tap(dec_entry, "input", keep(1), once=True):
                 out = model(**kwargs)
             value, tid, fixed = evaluate_targets(tgts, T.Forward(out, dec, dmask, {}, None), False)
             if value.dim() != 1 or value.shape[0] != batch:

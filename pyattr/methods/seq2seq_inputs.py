@@ -66,6 +66,23 @@ def not_right_padded(mask: Optional[torch.Tensor]) -> bool:
     return mask is not None and bool((mask.long().cummin(-1).values != mask.long()).any())
 
 
+def one_per_token(fn, length: int, model: nn.Module, caller: str):
+    """A tap body for the encoder's entry that first checks it holds one position per
+    source token, then calls ``fn`` (None: leaves the tensor as it is). BigBird-Pegasus'
+    block-sparse encoder pads the source itself to whole blocks: its relevance would have
+    positions no token of the input has (fail closed)."""
+    def checked(t):
+        if t.dim() >= 2 and t.shape[1] != length:
+            raise ValueError(
+                f"{caller}(): {type(model).__name__}'s encoder runs on {t.shape[1]} positions for a source of {length} "
+                "tokens (it pads the source itself, as block-sparse attention pads to whole blocks), so its relevance "
+                "has positions no input token has; pad the source on the right yourself (attention_mask 0) to a "
+                "length the encoder keeps (a multiple of config.block_size), or load it with "
+                "attention_type='original_full'")
+        return None if fn is None else fn(t)
+    return checked
+
+
 def refuse_shifted_positions(model: nn.Module, spec, masks) -> None:
     """BART-family models number positions absolutely and take no position ids: a 0 before
     a 1 in a mask would shift the real tokens' positions (T5's relative bias does not)."""

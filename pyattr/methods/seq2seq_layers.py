@@ -11,6 +11,7 @@ from torch import nn
 
 import pyattr.architectures as A
 import pyattr.methods._core as core
+import pyattr.methods.seq2seq_inputs as SI
 import pyattr.targets as T
 from pyattr.config import RelevanceRules
 from pyattr.methods._core.forward import backward, check_grad_outputs, evaluate_targets, leaf
@@ -65,8 +66,10 @@ def seq2seq_layer_relevance(model: nn.Module, inputs, layers, target, rules: Rel
             return fn
 
         with contextlib.ExitStack() as stack:
-            for entry in entries:  # both stacks' entries as leaves: the graph the gradients run through
-                stack.enter_context(core.tap(entry, "input", leaf, once=True))
+            # both stacks' entries as leaves: the graph the gradients run through
+            stack.enter_context(core.tap(entries[0], "input", SI.one_per_token(leaf, kwargs["input_ids"].shape[1],
+                                                                               model, "layer_relevance"), once=True))
+            stack.enter_context(core.tap(entries[1], "input", leaf, once=True))
             for key in lays:
                 stack.enter_context(core.tap(A.get_submodule(model, key[0]), key[1], fn_for(key)))
             out = model(**kwargs)

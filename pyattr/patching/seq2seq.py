@@ -127,10 +127,11 @@ def _valid(kwargs, dec, dmask, side: str) -> torch.Tensor:
     return dmask.bool() if dmask is not None else torch.ones_like(dec, dtype=torch.bool)
 
 
-def _run(model, kwargs, dec, dmask, tgts, flat, record: bool, patch=None):
+def _run(model, kwargs, dec, dmask, tgts, flat, record: bool, patch=None, caller: str = "patching"):
     """The metric (Tensor[batch]) and, with ``record``, every site's activation (in the
     graph); ``patch(i)``: a tap body for site ``i`` (or None)."""
     acts: List[Optional[torch.Tensor]] = [None] * len(flat)
+    _, (enc_entry, _) = SI.entries(model, caller)
 
     def fn_for(i):
         body = patch(i) if patch is not None else None
@@ -142,7 +143,8 @@ def _run(model, kwargs, dec, dmask, tgts, flat, record: bool, patch=None):
             return new
         return fn
 
-    with core.taps([(s.module, s.where) for _, s in flat], fn_for):
+    with core.tap(enc_entry, "input", SI.one_per_token(None, kwargs["input_ids"].shape[1], model, caller), once=True), \
+            core.taps([(s.module, s.where) for _, s in flat], fn_for):
         out = model(**kwargs)
     value, _, fixed = evaluate_targets(tgts, T.Forward(out, dec, dmask, {}, None), False)
     if value.dim() != 1 or value.shape[0] != dec.shape[0]:
@@ -179,7 +181,7 @@ def estimate(model, kc, kx, dec, dmask, tgts, names, method: str, rules, caller:
     with core.attribution_pass(model, rules, False, caller) as cov:
         # the stacks' entries made leaves, so every site downstream is in the graph
         with core.tap(enc_entry, "input", leaf, once=True), core.tap(dec_entry, "input", leaf, once=True):
-            value, acts_c, fixed = _run(model, kc, dec, dmask, tgts, flat, record=True)
+            value, acts_c, fixed = _run(model, kc, dec, dmask, tgts, flat, record=True, caller=caller)
         missing = [flat[i][1].path for i, a in enumerate(acts_c) if a is None]
         if missing:
             raise ValueError(f"{caller}(): the node {missing[0]!r} was not reached during the forward pass")
@@ -205,7 +207,8 @@ def _copies(kwargs, row: int, n: int) -> dict:
             for k, v in kwargs.items()}
 
 
-def exact(model, kc, kx, dec, dmask, tgts, names, batch_size: int) -> PatchingResult:
+def exact(model, kc, kx, dec, dmask, tgts, names, batch_size: int,
+          caller: str = "activation_patching") -> PatchingResult:
     """Each node's effect: the metric of a copy of the clean row with that node's
     activation (at one position, one head or neuron) taken from the corrupt run, minus
     the metric of an unpatched copy in a forward of as many copies (so identical clean and
@@ -213,8 +216,8 @@ def exact(model, kc, kx, dec, dmask, tgts, names, batch_size: int) -> PatchingRe
     flat = sites(model, names)
     batch = dec.shape[0]
     with torch.no_grad(), core.inference_state(model):
-        value, acts_c, fixed = _run(model, kc, dec, dmask, tgts, flat, record=True)
-        value_x, _, _ = _run(model, kx, kx["decoder_input_ids"], dmask, fixed, flat, record=False)
+        value, acts_c, fixed = _run(model, kc, dec, dmask, tgts, flat, record=True, caller=caller)
+        value_x, _, _ = _run(model, kx, kx["decoder_input_ids"], dmask, fixed, flat, record=False, caller=caller)
         widths = [a.shape[-1] for a in acts_c]
         del acts_c
         out: Dict[int, torch.Tensor] = {}
