@@ -350,8 +350,12 @@ def context_attribution(model: nn.Module, inputs, sources, *, response=None, max
     match with a query.
 
     Args:
-        model (nn.Module): a Hugging Face causal LM; or a sentence-embedding model (an
-            encoder without a language-model head, such as all-MiniLM-L6-v2) with ``query=``.
+        model (nn.Module): a Hugging Face causal LM; an encoder–decoder with its
+            language-model head (T5, BART, Marian, …: the sources are spans of the source,
+            the encoder's input, and the response is on the decoder side, its inputs the
+            model's own teacher-forcing shift of it; :mod:`pyattr.methods.seq2seq_context`);
+            or a sentence-embedding model (an encoder without a language-model head, such as
+            all-MiniLM-L6-v2) with ``query=``.
         inputs (str | list[str] | LongTensor[seq] | LongTensor[1, seq]): the prompt (context
             and query; for an embedding model the passage), a list of prompts (a batch), or
             one prompt's token ids.
@@ -361,8 +365,10 @@ def context_attribution(model: nn.Module, inputs, sources, *, response=None, max
             (a split name applies to every row). Tokens in no source (the query, a system
             line, ``[CLS]``/``[SEP]``) are always kept.
         response (str | LongTensor | list[int] | list, optional): the response to explain
-            (teacher-forced); or ``max_new_tokens=`` to generate it (greedy; the steps
-            ``generate`` ran, observed from its stopping criteria). For a batch, a list is one
+            (teacher-forced; on an encoder–decoder a text is read as the target side,
+            ``text_target=``, with the markers the tokenizer adds); or ``max_new_tokens=``
+            to generate it (greedy; the steps ``generate`` ran, observed from its stopping
+            criteria). For a batch, a list is one
             entry per prompt (a text, a list of ids, a tensor, or an int: a one-token
             response), and a tensor or a single text is every prompt's response.
         tokenizer (optional): the model's tokenizer, for text inputs and the views.
@@ -387,7 +393,7 @@ def context_attribution(model: nn.Module, inputs, sources, *, response=None, max
         holds the query, ``value`` the similarity).
 
     Raises:
-        ValueError: an unknown method, bad sources (a split name not in ``sentence``,
+        ValueError: an encoder–decoder model without a language-model head; an unknown method, bad sources (a split name not in ``sentence``,
             ``line``, ``paragraph``, ``word``; a span not in the prompt; a range outside it;
             overlapping sources), no response and no ``max_new_tokens``, both, bad spans,
             ``ablations`` < 2, a batch whose sources, responses or queries do not match its
