@@ -17,6 +17,7 @@ from torch import nn
 
 import pyattr.methods._core as core
 import pyattr.methods.seq2seq_inputs as SI
+import pyattr.methods.seq2seq_targets as ST
 import pyattr.targets as T
 from pyattr.evaluate.levels import perturbed_masks
 from pyattr.methods._core.forward import evaluate_targets
@@ -73,17 +74,17 @@ def seq2seq_curve(model: nn.Module, inputs, relevance, target, order: str, pertu
     tgts, several = T.normalize(_words_to_ids(target, tokenizer), batch)
     if several:
         raise ValueError("target: a perturbation curve scores one target per row, got k targets per row")
-    if any(T.module_paths([t]) for t in tgts):
-        raise ValueError("target: module-output targets are not supported on encoder–decoder models yet")
+    side = ST.side_of(model, tgts, "perturbation_curve")
     smask = kwargs.get("attention_mask")
     real = smask.bool() if smask is not None else torch.ones(batch, seq, dtype=torch.bool, device=src.device)
     levels = perturbed_masks(rel, real, order, steps)
     values = torch.empty(batch, steps + 1, dtype=torch.float64)
     mean = mean_of(_encoder_embedding(model)) if perturbation == "mean_embedding" else None
     with core.inference_state(model):
-        with core.tap(enc_entry, "input", SI.one_per_token(None, seq, model, "perturbation_curve"), once=True):
+        with core.tap(enc_entry, "input", SI.one_per_token(None, seq, model, "perturbation_curve"), once=True), \
+                ST.recording(model, tgts, store := {}):
             out = model(**kwargs)
-        _, _, fixed = evaluate_targets(tgts, T.Forward(out, dec, dmask, {}, None), False)
+        _, _, fixed = evaluate_targets(tgts, ST.forward(side, out, kwargs, store), False)
         pairs = torch.cartesian_prod(torch.arange(batch), torch.arange(steps + 1)).reshape(-1, 2)
         for chunk in pairs.split(batch_size):
             r, lv = chunk[:, 0].to(src.device), chunk[:, 1].to(src.device)
@@ -99,10 +100,9 @@ def seq2seq_curve(model: nn.Module, inputs, relevance, target, order: str, pertu
                 tap = core.tap(_encoder_embedding(model), "output",
                                lambda t, m=mask: torch.where(m[..., None], mean.to(device=t.device, dtype=t.dtype), t),
                                once=True)
-            with tap:
-                o = model(**kw)
             tg = [t.rows(r, batch) for t in fixed]
-            value, _, _ = evaluate_targets(tg, T.Forward(o, kw["decoder_input_ids"], kw.get("decoder_attention_mask"),
-                                                         {}, None), False)
+            with tap, ST.recording(model, tg, store := {}):
+                o = model(**kw)
+            value, _, _ = evaluate_targets(tg, ST.forward(side, o, kw, store), False)
             values[r.cpu(), lv.cpu()] = value.double().cpu()
     return values

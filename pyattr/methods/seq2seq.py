@@ -23,6 +23,7 @@ from pyattr.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.methods._core.forward import backward, check_grad_outputs, evaluate_targets, leaf
 import pyattr.methods.seq2seq_baseline as B
 import pyattr.methods.seq2seq_inputs as SI
+import pyattr.methods.seq2seq_targets as ST
 from pyattr.methods.seq2seq_inputs import prepare  # noqa: F401 - read from here by the other seq2seq methods
 from pyattr.methods._core.stacks import is_encoder_decoder, refuse_encoder_decoder  # noqa: F401 - re-exported
 
@@ -108,9 +109,7 @@ def seq2seq_relevance(model: nn.Module, inputs, target, rules: RelevanceRules, *
                                                          decoder_attention_mask, caller, tokenizer)
     target = _words_to_ids(target, tokenizer)
     tgts, several = T.normalize(target, dec.shape[0])
-    if any(T.module_paths([t]) for t in tgts):
-        raise ValueError("target: module-output targets are not supported on encoder–decoder models yet; explain a "
-                         "logit (a token id), a LogitDiff or a callable of the output")
+    side = ST.side_of(model, tgts, caller)
     with core.attribution_pass(model, rules, False, caller) as cov:
         xs: List[List[torch.Tensor]] = [[], []]
 
@@ -121,21 +120,23 @@ def seq2seq_relevance(model: nn.Module, inputs, target, rules: RelevanceRules, *
             return fn
 
         src_fn = SI.one_per_token(fn_for(0), kwargs["input_ids"].shape[1], model, caller)
-        with core.tap(enc_entry, "input", src_fn, once=True), core.tap(dec_entry, "input", fn_for(1), once=True):
+        store: dict = {}
+        with core.tap(enc_entry, "input", src_fn, once=True), core.tap(dec_entry, "input", fn_for(1), once=True), \
+                ST.recording(model, tgts, store):
             out = model(**kwargs)
         if not xs[0] or not xs[1]:
             raise ValueError(f"{caller}(): the {'encoder' if not xs[0] else 'decoder'}'s entry was not reached during "
                              f"{type(model).__name__}'s forward pass")
-        fwd = T.Forward(out, dec, dmask, {}, None)
+        fwd = ST.forward(side, out, kwargs, store)
         value, tid, fixed = evaluate_targets(tgts, fwd, several)
         go = check_grad_outputs(grad_outputs, value)
         x_src, x_tgt = xs[0][0], xs[1][0]
         g_src, g_tgt = backward(value, [x_src, x_tgt], go, several)
         backend_name = backends.select(x_src.device, "identity")
-        del out, fwd
+        del out, fwd, store
         if baseline is not None:
             x0 = B.entries_at(model, kwargs, (enc_entry, dec_entry), baseline, x_src, x_tgt)
-            f0 = B.value_at(model, kwargs, (enc_entry, dec_entry), x0, fixed, dec, dmask, several)
+            f0 = B.value_at(model, kwargs, (enc_entry, dec_entry), x0, fixed, side, several)
     g_src = torch.zeros_like(x_src) if g_src is None else g_src
     g_tgt = torch.zeros_like(x_tgt) if g_tgt is None else g_tgt
     # float32, or the model's dtype where it is wider (a float64 oracle compares to 1e-10)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import pyattr.methods._core as core
-import pyattr.targets as T
+import pyattr.methods.seq2seq_targets as ST
 from pyattr.methods._core.forward import evaluate_targets
 
 BASELINES = ("zeros", "pad")
@@ -49,11 +49,13 @@ def entries_at(model: nn.Module, kwargs: dict, entries, baseline: str, x_src: to
     return seen[0][0], seen[1][0]
 
 
-def value_at(model: nn.Module, kwargs: dict, entries, x0: Tuple[torch.Tensor, torch.Tensor], fixed, dec, dmask,
+def value_at(model: nn.Module, kwargs: dict, entries, x0: Tuple[torch.Tensor, torch.Tensor], fixed, side: str,
              several: bool) -> torch.Tensor:
-    """f(x₀): the targets (token ids fixed at the input) with x₀ at both entries, float64."""
+    """f(x₀): the targets (token ids fixed at the input; read on ``side``'s stack) with x₀
+    at both entries, float64."""
+    store: dict = {}
     with torch.no_grad(), core.tap(entries[0], "input", lambda t: x0[0], once=True), \
-            core.tap(entries[1], "input", lambda t: x0[1], once=True):
+            core.tap(entries[1], "input", lambda t: x0[1], once=True), ST.recording(model, fixed, store):
         out = model(**kwargs)
-    value, _, _ = evaluate_targets(fixed, T.Forward(out, dec, dmask, {}, None), several)
+    value, _, _ = evaluate_targets(fixed, ST.forward(side, out, kwargs, store), several)
     return value.detach().double()

@@ -13,6 +13,7 @@ from torch import nn
 
 import pyattr.methods._core as core
 import pyattr.methods.seq2seq_inputs as SI
+import pyattr.methods.seq2seq_targets as ST
 import pyattr.targets as T
 from pyattr._repr import summary_repr
 from pyattr.results import ResultViews
@@ -75,6 +76,7 @@ def seq2seq_integrated_gradients(model: nn.Module, inputs, target, *, decoder_in
     tgts, several = T.normalize(_words_to_ids(target, tokenizer), batch)
     if several:
         raise ValueError("target: integrated_gradients explains one target per row; call it once per target")
+    side = ST.side_of(model, tgts, "integrated_gradients")
     n = len(alphas)
     with core.attribution_pass(model, rules, False, "integrated_gradients") as cov:
         seen: List[List[torch.Tensor]] = [[], []]
@@ -93,27 +95,27 @@ def seq2seq_integrated_gradients(model: nn.Module, inputs, target, *, decoder_in
         with torch.no_grad():
             with core.tap(enc_entry, "input", SI.one_per_token(keep(0), kwargs["input_ids"].shape[1], model,
                                                                "integrated_gradients"), once=True), \
-                    core.tap(dec_entry, "input", keep(1), once=True):
+                    core.tap(dec_entry, "input", keep(1), once=True), ST.recording(model, tgts, store := {}):
                 out = model(**kwargs)
-            value, tid, fixed = evaluate_targets(tgts, T.Forward(out, dec, dmask, {}, None), False)
+            value, tid, fixed = evaluate_targets(tgts, ST.forward(side, out, kwargs, store), False)
             if value.dim() != 1 or value.shape[0] != batch:
                 raise ValueError(f"target: integrated_gradients needs one value per row ({batch},), got shape "
                                  f"{tuple(value.shape)} (a callable target must not sum over the rows)")
             zero = torch.zeros(batch)
             with core.tap(enc_entry, "input", keep(0, zero, {}), once=True), \
-                    core.tap(dec_entry, "input", keep(1, zero, {}), once=True):
+                    core.tap(dec_entry, "input", keep(1, zero, {}), once=True), ST.recording(model, fixed, store := {}):
                 out0 = model(**kwargs)
-            value0, _, _ = evaluate_targets(fixed, T.Forward(out0, dec, dmask, {}, None), False)
+            value0, _, _ = evaluate_targets(fixed, ST.forward(side, out0, kwargs, store), False)
         x_src, x_tgt = seen[0][0], seen[1][0]
         scale = torch.tensor(alphas, dtype=torch.float64).repeat_interleave(batch)
         zs: dict = {}
-        with core.tap(enc_entry, "input", keep(0, scale, zs), once=True), \
-                core.tap(dec_entry, "input", keep(1, scale, zs), once=True):
-            out_p = model(**_repeat(kwargs, n))
         rows = torch.arange(n * batch) % batch
         path = [t.rows(rows, batch) for t in fixed]
-        vals, _, _ = evaluate_targets(path, T.Forward(out_p, dec.repeat(n, 1), None if dmask is None else
-                                                      dmask.repeat(n, 1), {}, None), False)
+        repeated = _repeat(kwargs, n)
+        with core.tap(enc_entry, "input", keep(0, scale, zs), once=True), \
+                core.tap(dec_entry, "input", keep(1, scale, zs), once=True), ST.recording(model, path, store := {}):
+            out_p = model(**repeated)
+        vals, _, _ = evaluate_targets(path, ST.forward(side, out_p, repeated, store), False)
         w = torch.tensor(weights, dtype=vals.dtype, device=vals.device).repeat_interleave(batch)
         g_src, g_tgt = torch.autograd.grad(vals, [zs[0], zs[1]], w, allow_unused=True)
     dt = torch.promote_types(torch.float32, x_src.dtype)

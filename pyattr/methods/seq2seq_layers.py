@@ -12,6 +12,7 @@ from torch import nn
 import pyattr.architectures as A
 import pyattr.methods._core as core
 import pyattr.methods.seq2seq_inputs as SI
+import pyattr.methods.seq2seq_targets as ST
 import pyattr.targets as T
 from pyattr.config import RelevanceRules
 from pyattr.methods._core.forward import backward, check_grad_outputs, evaluate_targets, leaf
@@ -54,6 +55,7 @@ def seq2seq_layer_relevance(model: nn.Module, inputs, layers, target, rules: Rel
     kwargs, dec, dmask, entries = prepare(model, inputs, attention_mask, decoder_input_ids, decoder_attention_mask,
                                           "layer_relevance", tokenizer)
     tgts, several = T.normalize(_words_to_ids(target, tokenizer), dec.shape[0])
+    side = ST.side_of(model, tgts, "layer_relevance")
     store: Dict[Tuple[str, str], torch.Tensor] = {}
     with core.attribution_pass(model, rules, False, "layer_relevance") as cov:
         calls: Dict[Tuple[str, str], int] = {}
@@ -72,6 +74,7 @@ def seq2seq_layer_relevance(model: nn.Module, inputs, layers, target, rules: Rel
             stack.enter_context(core.tap(entries[1], "input", leaf, once=True))
             for key in lays:
                 stack.enter_context(core.tap(A.get_submodule(model, key[0]), key[1], fn_for(key)))
+            stack.enter_context(ST.recording(model, tgts, targets_store := {}))
             out = model(**kwargs)
         missing = [p for p in lays if p not in store]
         if missing:
@@ -86,7 +89,7 @@ def seq2seq_layer_relevance(model: nn.Module, inputs, layers, target, rules: Rel
             raise ValueError(f"layers: {before[0][0]!r} is computed before the entries where the residual streams "
                              "start (an embedding, a position table) or off the explained value's gradient path, so "
                              "no relevance reaches it; pass a module inside the blocks")
-        value, tid, _ = evaluate_targets(tgts, T.Forward(out, dec, dmask, {}, None), several)
+        value, tid, _ = evaluate_targets(tgts, ST.forward(side, out, kwargs, targets_store), several)
         go = check_grad_outputs(grad_outputs, value)
         acts = [store[k] for k in lays]
         grads = backward(value, acts, go, several)

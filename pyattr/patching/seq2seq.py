@@ -27,6 +27,7 @@ from torch import nn
 import pyattr.architectures as A
 import pyattr.methods._core as core
 import pyattr.methods.seq2seq_inputs as SI
+import pyattr.methods.seq2seq_targets as ST
 import pyattr.targets as T
 from pyattr.methods._core.forward import evaluate_targets, leaf
 from pyattr.patching.nodes import NODES, Site, width_slice
@@ -129,7 +130,8 @@ def _valid(kwargs, dec, dmask, side: str) -> torch.Tensor:
 
 def _run(model, kwargs, dec, dmask, tgts, flat, record: bool, patch=None, caller: str = "patching"):
     """The metric (Tensor[batch]) and, with ``record``, every site's activation (in the
-    graph); ``patch(i)``: a tap body for site ``i`` (or None)."""
+    graph); ``patch(i)``: a tap body for site ``i`` (or None). The metric is read on the
+    stack its targets read (``dec`` and ``dmask``: the decoder's inputs of this call)."""
     acts: List[Optional[torch.Tensor]] = [None] * len(flat)
     _, (enc_entry, _) = SI.entries(model, caller)
 
@@ -144,9 +146,10 @@ def _run(model, kwargs, dec, dmask, tgts, flat, record: bool, patch=None, caller
         return fn
 
     with core.tap(enc_entry, "input", SI.one_per_token(None, kwargs["input_ids"].shape[1], model, caller), once=True), \
-            core.taps([(s.module, s.where) for _, s in flat], fn_for):
+            core.taps([(s.module, s.where) for _, s in flat], fn_for), ST.recording(model, tgts, store := {}):
         out = model(**kwargs)
-    value, _, fixed = evaluate_targets(tgts, T.Forward(out, dec, dmask, {}, None), False)
+    call = {**kwargs, "decoder_input_ids": dec, "decoder_attention_mask": dmask}
+    value, _, fixed = evaluate_targets(tgts, ST.forward(ST.side_of(model, tgts, caller), out, call, store), False)
     if value.dim() != 1 or value.shape[0] != dec.shape[0]:
         raise ValueError(f"metric must give one value per row, shape ({dec.shape[0]},), got shape {tuple(value.shape)}")
     return value, acts, fixed
@@ -305,8 +308,7 @@ def patching(model, clean, corrupt, metric, nodes, method: str, caller: str, *, 
     tgts, several = T.normalize(metric, dec.shape[0])
     if several:
         raise ValueError("metric must be one target (one value per row), not k targets")
-    if any(T.module_paths([t]) for t in tgts):
-        raise ValueError("metric: module-output targets are not supported on encoder–decoder models yet")
+    ST.side_of(model, tgts, caller)  # one stack's targets (refused before any forward)
     from pyattr.methods._core.text import token_strings
 
     if method == "exact":
