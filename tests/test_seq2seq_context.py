@@ -233,3 +233,17 @@ def test_cite_command_on_an_encoder_decoder(capsys):
                  "5"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "response: 'RED CAT SUN </s>'  (method foldover, 9 forwards)"
+
+
+@pytest.mark.parametrize("command,says", [
+    (["explain", "--model", "translation", "--text", "sun cat"], "pyattr explain reads one stack; pyattr generate"),
+    (["patch", "--model", "translation", "--clean", "sun cat", "--corrupt", "sun dog"],
+     "pyattr patch runs causal LMs; patch it from Python with pyattr.patching.attribution_patching"),
+])
+def test_one_stack_commands_name_the_encoder_decoder_before_loading(command, says, capsys):
+    from pyattr.cli import main
+
+    assert main(command) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pyattr {command[0]}: error: --model translation is an encoder–decoder (MarianMTModel): ")
+    assert says in err

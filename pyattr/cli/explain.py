@@ -63,6 +63,10 @@ def run(args) -> int:
         if kind is not None and kind[0] == "image classifier" and args.image is None:
             raise UsageError(f"--model {args.model} is an image classifier ({kind[1]}): explain an image with --image "
                              "FILE (--text and --pair are for language models)")
+        if kind is not None and kind[0] == "encoder-decoder":
+            raise UsageError(f"--model {args.model} is an encoder–decoder ({kind[1]}): pyattr explain reads one stack; "
+                             f"pyattr generate --model {args.model} --text SOURCE explains its translation over the "
+                             "source and the target prefix, pyattr cite which source words it rests on")
         if kind is not None and kind[0] != "image classifier" and args.image is not None:
             raise UsageError(f"--image needs an image classifier; --model {args.model} is {_article(kind[0])} "
                              f"({kind[1]})")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pyattr.cli._common import UsageError, check_model, check_output_path, fail
+from pyattr.cli._common import UsageError, check_model, check_output_path, checkpoint_kind, fail
 
 NODE_TYPES = ("residual", "attention", "heads", "mlp", "neurons")
 NODES_DEFAULT = "residual,attention,heads,mlp"
@@ -81,6 +81,11 @@ def run(args) -> int:
         if not args.edges:
             nodes = _nodes(args.nodes)
         check_model(args.model)
+        kind = checkpoint_kind(args.model) if args.model is not None else None
+        if kind is not None and kind[0] == "encoder-decoder":  # read from config.json, before any weights load
+            raise UsageError(f"--model {args.model} is an encoder–decoder ({kind[1]}): pyattr patch runs causal LMs; "
+                             "patch it from Python with pyattr.patching.attribution_patching(model, clean, corrupt, "
+                             "metric, decoder_input_ids=...)")
     except UsageError as e:
         return fail("patch", str(e))
     if args.edges:
