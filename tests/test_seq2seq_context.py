@@ -239,10 +239,14 @@ def test_cite_command_on_an_encoder_decoder(capsys):
     (["explain", "--model", "translation", "--text", "sun cat"], "pyattr explain reads one stack; pyattr generate"),
     (["patch", "--model", "translation", "--clean", "sun cat", "--corrupt", "sun dog"],
      "pyattr patch runs causal LMs; patch it from Python with pyattr.patching.attribution_patching"),
+    (["run", "--model", "translation", "--data", "prompts.jsonl", "--out", "out"],
+     "pyattr run explains causal LMs' prompts"),
 ])
-def test_one_stack_commands_name_the_encoder_decoder_before_loading(command, says, capsys):
+def test_one_stack_commands_name_the_encoder_decoder_before_loading(command, says, capsys, tmp_path):
     from pyattr.cli import main
 
+    (tmp_path / "prompts.jsonl").write_text('{"text": "sun cat"}\n')
+    command = [str(tmp_path / c) if c in ("prompts.jsonl", "out") else c for c in command]
     assert main(command) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"pyattr {command[0]}: error: --model translation is an encoder–decoder (MarianMTModel): ")

@@ -9,7 +9,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from pyattr.cli._common import UsageError, check_model, fail
+from pyattr.cli._common import UsageError, check_model, checkpoint_kind, fail
 
 _RULE_FIELDS = ("normalization", "activation", "multiplicative_gate", "attention", "routing")
 
@@ -122,6 +122,11 @@ def run(args) -> int:
                 "give each rank its own device with --device cuda"
             )
         check_model(args.model)
+        kind = checkpoint_kind(args.model)
+        if kind is not None and kind[0] == "encoder-decoder":  # read from config.json, before any weights load
+            raise UsageError(f"--model {args.model} is an encoder–decoder ({kind[1]}): pyattr run explains causal "
+                             "LMs' prompts; explain it from Python with pyattr.relevance(model, source, "
+                             "decoder_input_ids=...) or pyattr.generation_relevance")
     except UsageError as e:
         return fail("run", str(e))
 
