@@ -210,3 +210,29 @@ def test_encoder_decoder_patching_refuses_by_name():
 
     with pytest.raises(ValueError, match="LlamaForCausalLM is not an encoder–decoder model"):
         P.attribution_patching(tiny_causal_lm("llama"), src, src, 7, decoder_input_ids=dec)
+
+
+def test_the_corrupt_run_reads_the_clean_decoder_inputs_however_they_are_given():
+    """decoder_input_ids inside the clean inputs mapping: the corrupt run reads them too (as
+    with decoder_input_ids=), not BART's own shift of the corrupt source."""
+    model = tiny_seq2seq("bart")
+    clean, corrupt = torch.tensor([[5, 6, 7, 8, 9, 10]]), torch.tensor([[5, 6, 30, 8, 9, 10]])
+    dec = torch.tensor([[2, 20, 21, 22, 23, 24]])
+    for f in (pyattr.patching.activation_patching, pyattr.patching.attribution_patching):
+        arg = f(model, clean, corrupt, 3, nodes="mlp", decoder_input_ids=dec)
+        mapping = f(model, {"input_ids": clean, "decoder_input_ids": dec}, corrupt, 3, nodes="mlp")
+        assert torch.equal(arg.corrupt_metric, mapping.corrupt_metric)
+        assert all(torch.equal(arg[n], mapping[n]) for n in arg.nodes)
+    with torch.no_grad():
+        want = model(input_ids=corrupt, decoder_input_ids=dec).logits[0, -1, 3].double()
+    assert torch.allclose(arg.corrupt_metric[0], want, rtol=1e-12)
+
+
+def test_a_metric_that_reads_other_rows_is_refused_by_exact_patching():
+    model = tiny_seq2seq("bart")
+    clean, corrupt = torch.tensor([[5, 6, 7, 8], [11, 12, 13, 14]]), torch.tensor([[5, 30, 7, 8], [11, 40, 13, 14]])
+    dec = torch.tensor([[2, 20], [2, 22]])
+    centred = lambda out: out.logits[:, -1, 3] - out.logits[:, -1, 3].mean()  # noqa: E731
+    with pytest.raises(ValueError, match="metric: on .* copies of clean row 0 it gives .* activation patching runs "
+                                         "each row as copies of itself"):
+        pyattr.patching.activation_patching(model, clean, corrupt, centred, nodes="mlp", decoder_input_ids=dec)

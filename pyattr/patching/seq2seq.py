@@ -105,9 +105,16 @@ def prepare(model, clean, corrupt, attention_mask, corrupt_attention_mask, decod
     """The clean and corrupt kwargs (source, decoder inputs, masks), checked to line up."""
     kc, dec, dmask, _ = SI.prepare(model, clean, attention_mask, decoder_input_ids, decoder_attention_mask, caller,
                                    tokenizer)
-    kx, dec_x, dmask_x, _ = SI.prepare(model, corrupt, corrupt_attention_mask,
-                                       decoder_input_ids if corrupt_decoder_input_ids is None
-                                       else corrupt_decoder_input_ids, decoder_attention_mask, caller, tokenizer)
+    # the corrupt run reads the clean run's decoder inputs unless it is given its own (the
+    # argument, or decoder_input_ids / labels in its inputs mapping)
+    own = hasattr(corrupt, "keys") and any(k in corrupt for k in ("decoder_input_ids", "labels"))
+    if corrupt_decoder_input_ids is not None:
+        dx, dmx = corrupt_decoder_input_ids, decoder_attention_mask
+    elif own:
+        dx, dmx = None, None
+    else:
+        dx, dmx = dec, dmask
+    kx, dec_x, dmask_x, _ = SI.prepare(model, corrupt, corrupt_attention_mask, dx, dmx, caller, tokenizer)
     for what, a, b in (("source (input_ids)", kc["input_ids"], kx["input_ids"]), ("decoder_input_ids", dec, dec_x)):
         if a.shape != b.shape:
             raise ValueError(f"clean and corrupt: their {what} differ in shape, {tuple(a.shape)} and "
@@ -210,6 +217,19 @@ def _copies(kwargs, row: int, n: int) -> dict:
             for k, v in kwargs.items()}
 
 
+def _check_copies(model, reference: torch.Tensor, clean_value: float, row: int, n: int) -> None:
+    """Exact patching runs each row as copies of itself: a metric that reads other rows of
+    its batch (a callable centred on the batch mean) gives other numbers there, refused."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    tol = max(1e-4, 16 * torch.finfo(dtype).eps) * max(1.0, abs(clean_value))
+    if not bool(torch.isfinite(reference).all()) or float((reference.double() - clean_value).abs().max()) > tol:
+        raise ValueError(
+            f"metric: on {n} copies of clean row {row} it gives {reference[:3].tolist()}…, but {clean_value} on the "
+            "batch; activation patching runs each row as copies of itself, so a callable metric must compute each "
+            "row from that row alone. For per-row ids use a pyattr.targets target (Logit(ids), LogitDiff(a, b)), "
+            "which follows the rows")
+
+
 def exact(model, kc, kx, dec, dmask, tgts, names, batch_size: int,
           caller: str = "activation_patching") -> PatchingResult:
     """Each node's effect: the metric of a copy of the clean row with that node's
@@ -243,6 +263,7 @@ def exact(model, kc, kx, dec, dmask, tgts, names, batch_size: int,
                     kc_n, kx_n = _copies(kc, row, n), _copies(kx, row, n)
                     ref, _, _ = _run(model, kc_n, kc_n["decoder_input_ids"], kc_n.get("decoder_attention_mask"),
                                      [t.rows(torch.full((n,), row), batch) for t in fixed], flat, record=False)
+                    _check_copies(model, ref, float(value[row]), row, n)
                     _, src, _ = _run(model, kx_n, kx_n["decoder_input_ids"], kx_n.get("decoder_attention_mask"),
                                      [t.rows(torch.full((n,), row), batch) for t in fixed], flat, record=True)
                     cache[n] = (ref, src, kc_n)
