@@ -80,7 +80,7 @@ def _grad_x_input(model, arch, src, dec, response):
     try:
         with torch.enable_grad():
             logits = model(input_ids=torch.tensor([src]), decoder_input_ids=torch.tensor([dec]), use_cache=False).logits
-            lp = logits[0].float().log_softmax(-1)
+            lp = logits[0].double().log_softmax(-1)
             rows = []
             for t, tok in enumerate(response):
                 g, = torch.autograd.grad(lp[t, tok], xs["x"], retain_graph=True)
@@ -90,7 +90,7 @@ def _grad_x_input(model, arch, src, dec, response):
     return torch.stack(rows).double()
 
 
-@pytest.mark.parametrize("arch", ["t5", "bart", "marian"])
+@pytest.mark.parametrize("arch", ["t5", "marian", "m2m_100"])
 def test_gradient_method_is_gradient_times_input_at_the_encoder(arch):
     model = tiny_seq2seq(arch)
     src, response = _source(3), [30, 31, 32]
@@ -251,3 +251,62 @@ def test_one_stack_commands_name_the_encoder_decoder_before_loading(command, say
     err = capsys.readouterr().err
     assert err.startswith(f"pyattr {command[0]}: error: --model translation is an encoder–decoder (MarianMTModel): ")
     assert says in err
+
+
+@pytest.mark.parametrize("arch", ["bart", "mbart"])
+def test_gradient_method_is_refused_where_the_source_enters_through_a_layernorm(arch):
+    """BART's source relevance is read at its embedding LayerNorm's input, where x · ∂f/∂x is
+    0 token by token (no token's own scale changes the norm's output): noise, refused."""
+    model = tiny_seq2seq(arch)
+    with pytest.raises(ValueError, match="method='gradient': gradient × input is zero on .*'s source up to rounding"):
+        pyattr.context_attribution(model, torch.tensor(_source(8)), [(0, 2), (2, 5)], response=[11, 12],
+                                   method="gradient")
+
+
+def test_relevance_methods_read_float64_log_probabilities_on_a_float64_model():
+    model = tiny_seq2seq("marian")
+    src, ranges, resp = torch.tensor(_source(9)), [(0, 3), (3, 6)], [11, 12, 13]
+    loo = pyattr.context_attribution(model, src, ranges, response=resp, method="loo")
+    lrp = pyattr.context_attribution(model, src, ranges, response=resp, method="attnlrp")
+    assert abs(float(loo.value[0]) - float(lrp.value[0])) <= 1e-12 * abs(float(loo.value[0]))
+
+
+def test_a_generation_config_context_attribution_cannot_run_is_named():
+    model = tiny_seq2seq("bart")
+    model.generation_config.num_beams = 3
+    with pytest.raises(ValueError, match=r"max_new_tokens: context_attribution generates one greedy sequence with the "
+                                         r"model's generation config, and it cannot here \(one sequence per prompt"):
+        pyattr.context_attribution(model, torch.tensor(_source(10)), [(0, 2)], max_new_tokens=2, method="loo")
+
+
+def test_block_sparse_bigbird_ablations_are_each_source_alone_and_leave_the_model_as_it_was():
+    """BigBird-Pegasus' block-sparse encoder computes a padded row otherwise than the row
+    alone, and switches itself to full attention on a short source: the ablated sources run
+    one at a time, each as the model runs it fresh, and the model keeps its attention."""
+    from test_seq2seq import _bigbird_sparse
+
+    model = _bigbird_sparse()
+    g = torch.Generator().manual_seed(4)
+    src = torch.randint(3, 90, (16,), generator=g)
+    ranges, resp = [(0, 4), (4, 8), (8, 12)], [11, 12, 13]
+    res = pyattr.context_attribution(model, src, ranges, response=resp, method="loo", batch_size=64)
+    assert model.model.encoder.attention_type == "block_sparse"
+    dec = model.prepare_decoder_input_ids_from_labels(labels=torch.tensor([resp]))
+
+    def logprob(ids):
+        fresh = _bigbird_sparse()   # the model as loaded: no earlier call switched it
+        with torch.no_grad():
+            lp = fresh(input_ids=ids[None], decoder_input_ids=dec).logits[0].double().log_softmax(-1)
+        return sum(float(lp[t, tok]) for t, tok in enumerate(resp))
+
+    full = logprob(src)
+    for s, (a, b) in enumerate(ranges):
+        want = full - logprob(torch.cat([src[:a], src[b:]]))
+        assert abs(float(res.scores[0, s]) - want) <= 1e-9 * max(1.0, abs(full))
+    with pytest.raises(ValueError, match="attention_mask: BigBirdPegasusForConditionalGeneration's encoder runs "
+                                         "block-sparse attention, whose output on a padded row is not the row alone"):
+        mask = torch.ones(2, 16, dtype=torch.long)
+        mask[1, 12:] = 0
+        pyattr.relevance(model, src.expand(2, -1), attention_mask=mask, target=5,
+                         decoder_input_ids=torch.tensor([[2, 11], [2, 12]]))
+    assert model.model.encoder.attention_type == "block_sparse"

@@ -236,3 +236,14 @@ def test_a_metric_that_reads_other_rows_is_refused_by_exact_patching():
     with pytest.raises(ValueError, match="metric: on .* copies of clean row 0 it gives .* activation patching runs "
                                          "each row as copies of itself"):
         pyattr.patching.activation_patching(model, clean, corrupt, centred, nodes="mlp", decoder_input_ids=dec)
+
+
+def test_a_word_metric_is_a_target_side_token():
+    from pyattr.toy import translation as TR
+
+    model, tok = TR.load()
+    kw = dict(nodes="residual", decoder_input_ids="FOX RED", tokenizer=tok)
+    word = pyattr.patching.attribution_patching(model, "sun cat red fox", "sun dog red fox", "CAT", **kw)
+    ids = pyattr.patching.attribution_patching(model, "sun cat red fox", "sun dog red fox",
+                                               tok.convert_tokens_to_ids("CAT"), **kw)
+    assert all(torch.equal(word[n], ids[n]) for n in ids.nodes)

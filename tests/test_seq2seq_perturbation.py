@@ -107,3 +107,25 @@ def test_encoder_decoder_curves_refuse_by_name():
         pyattr.evaluate.perturbation_curve(tiny_causal_lm("llama"), src, one, decoder_input_ids=dec)
     with pytest.raises(ValueError, match="perturbation_curve\\(\\): .* does not make its decoder's inputs"):
         pyattr.evaluate.perturbation_curve(tiny_seq2seq("t5"), src, one, target=3)
+
+
+def test_a_callable_target_giving_one_value_for_all_levels_is_refused():
+    """Every level of a row is a copy in one batched forward: a callable returning one
+    scalar would give every level the first copy's value (a flat curve), so it is refused,
+    on an encoder–decoder as on a decoder."""
+    from models import tiny_causal_lm
+
+    model = tiny_seq2seq("bart")
+    src, dec = _ids("bart", seed=24, batch=1, src=6, tgt=3)
+    rel = pyattr.relevance(model, src, decoder_input_ids=dec)
+    with pytest.raises(ValueError, match="target: the callable returned one value for a forward of several rows"):
+        pyattr.evaluate.perturbation_curve(model, src, rel, lambda out: out.logits[0, -1, 3], decoder_input_ids=dec,
+                                           steps=3)
+    per_row = pyattr.evaluate.perturbation_curve(model, src, rel, lambda out: out.logits[:, -1, 3],
+                                                 decoder_input_ids=dec, steps=3)
+    assert not torch.allclose(per_row.values[0, 1:], per_row.values[0, :1].expand(3))
+    lm = tiny_causal_lm("llama")
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with pytest.raises(ValueError, match="target: the callable returned one value for a forward of several rows"):
+        pyattr.evaluate.perturbation_curve(lm, ids, pyattr.relevance(lm, ids), lambda out: out.logits[0, -1, 3],
+                                           steps=3)

@@ -44,6 +44,7 @@ import pyattr.methods._core.embedding as E
 import pyattr.methods._core.sources as S
 import pyattr.methods.seq2seq_context as S2C
 from pyattr.methods._core.stacks import is_encoder_decoder
+from pyattr._module_state import kept_state
 from pyattr._repr import summary_repr
 from pyattr.results import ResultViews
 
@@ -458,8 +459,10 @@ def context_attribution(model: nn.Module, inputs, sources, *, response=None, max
     spec = E.checkpoint_embedding(model, pooling) if embedding else None
     from pyattr.methods._core.passes import inference_state
 
-    # eval mode for every forward (dropout off: the ablated runs compare with each other), restored after
-    with inference_state(model):
+    # eval mode for every forward (dropout off: the ablated runs compare with each other), restored after;
+    # the model's structure and settings as the call found them (BigBird switches itself to full attention
+    # on a short input)
+    with inference_state(model), kept_state(model):
         parts = _rows(model, tokenizer, rows, per_sources, per_response, embedding, method, spans, ablations,
                       seed, batch_size, max_new_tokens, spec)
     scores, texts, ranges_all, resp_text, resp_ids, values, cost = parts

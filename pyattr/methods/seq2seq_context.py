@@ -28,6 +28,7 @@ from torch import nn
 import pyattr.methods._core.ablation as A
 import pyattr.methods._core.context_inputs as CI
 import pyattr.methods.seq2seq_inputs as SI
+from pyattr._module_state import kept_state
 
 
 def source_of(model: nn.Module, tokenizer, text_or_ids):
@@ -71,7 +72,8 @@ def response_of(model: nn.Module, tokenizer, source: Sequence[int], response, ma
         ids = torch.tensor([list(source)], device=device)
         prefix: list = []
         SI.check_length(model, 1 + max_new_tokens, "max_new_tokens")
-        gen, steps = generate(model, ids, torch.ones_like(ids), max_new_tokens, None, prefix=prefix)
+        with CI.generation_config_named():
+            gen, steps = generate(model, ids, torch.ones_like(ids), max_new_tokens, None, prefix=prefix)
         return prefix[0][0].tolist(), gen[0][steps[0].to(gen.device)].tolist()
     if isinstance(response, str):
         if tokenizer is None:
@@ -114,12 +116,17 @@ def response_logprobs(model: nn.Module, source, ranges, prefix, response, masks:
     resp = torch.as_tensor(list(response), device=device)
     pad = getattr(getattr(model, "config", None), "pad_token_id", None)
     out = torch.empty(len(rows), len(spans), dtype=torch.float64)
+    if SI.block_sparse(model):
+        batch_size = 1  # a padded row is not the row alone under block-sparse attention
     for lo in range(0, len(rows), batch_size):
         ids, mask = SI.padded_rows(rows[lo:lo + batch_size], pad if isinstance(pad, int) else 0, "inputs")
         n = ids.shape[0]
         kwargs = {"input_ids": ids.to(device), "attention_mask": mask.to(device),
                   "decoder_input_ids": dec.expand(n, -1)}
-        logits = model(**kwargs, **SI.no_cache(model)).logits[:, first:first + r]
+        # each ablated source as the model runs it fresh (BigBird switches itself to full
+        # attention on a short source, for every later call)
+        with kept_state(model):
+            logits = model(**kwargs, **SI.no_cache(model)).logits[:, first:first + r]
         # float64: the logit-probability of a near-certain token is a small difference of large terms
         lp = logits.double().log_softmax(-1).gather(-1, resp[None, :, None].expand(n, -1, 1))[..., 0].cpu()
         out[lo:lo + n] = _span_sums(lp, spans)
@@ -136,6 +143,15 @@ def relevance_scores(model: nn.Module, source, ranges, prefix, response, spans, 
 
     rules = {"attnlrp": RelevanceRules.all("attnlrp"), "relevance": RelevanceRules.all(),
              "gradient": RelevanceRules()}[method]
+    _, (entry, _) = SI.entries(model, "context_attribution")
+    if method == "gradient" and (isinstance(entry, nn.LayerNorm) or type(entry).__name__.endswith(("LayerNorm",
+                                                                                                 "RMSNorm"))):
+        # source relevance is read at a norm's input (BART's, mBART's embedding LayerNorm): no
+        # token's own scale changes the norm's output, so x · ∂f/∂x there is 0 token by token
+        # (up to the norm's eps)
+        raise ValueError(f"method='gradient': gradient × input is zero on {type(model).__name__}'s source up to "
+                         "rounding (the source enters through a LayerNorm, which no token's own scale changes); "
+                         "use 'relevance' or 'attnlrp', whose LN-rule passes relevance through that norm")
     device = next(model.parameters()).device
     dec, first = _decoder_inputs(prefix, response, device)
     src = torch.tensor([list(source)], device=device)
@@ -143,8 +159,8 @@ def relevance_scores(model: nn.Module, source, ranges, prefix, response, spans, 
     res = seq2seq_relevance(model, {"input_ids": src, "attention_mask": torch.ones_like(src)}, tgts, rules,
                             decoder_input_ids=dec, caller="context_attribution")
     tok = res.source_relevance[:, 0].double().cpu()           # (response, source)
-    per = torch.stack([tok[:, a:b].sum(-1) for a, b in ranges], -1)
     lp = res.target[:, 0].double().cpu()
+    per = torch.stack([tok[:, a:b].sum(-1) for a, b in ranges], -1)
     return torch.stack([per[a:b].sum(0) for a, b in spans]), _span_sums(lp, spans)
 
 

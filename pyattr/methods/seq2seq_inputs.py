@@ -83,6 +83,16 @@ def one_per_token(fn, length: int, model: nn.Module, caller: str):
     return checked
 
 
+def block_sparse(model: nn.Module) -> bool:
+    """The encoder runs block-sparse attention now (BigBird-Pegasus' ``attention_type``, as
+    the model has it set): its output on a padded row is not the row alone's (the padded
+    length decides the sparse pattern, and a short row alone runs full attention)."""
+    get = getattr(model, "get_encoder", None)
+    enc = get() if callable(get) else None
+    return isinstance(enc, nn.Module) and any(getattr(m, "attention_type", None) == "block_sparse"
+                                              for m in enc.modules())
+
+
 def refuse_shifted_positions(model: nn.Module, spec, masks) -> None:
     """BART-family models number positions absolutely and take no position ids: a 0 before
     a 1 in a mask would shift the real tokens' positions (T5's relative bias does not)."""
@@ -319,6 +329,11 @@ def prepare(model: nn.Module, inputs, attention_mask, decoder_input_ids, decoder
     check_length(model, dec.shape[1], "decoder_input_ids")
     refuse_shifted_positions(model, spec, (("attention_mask", kwargs.get("attention_mask")),
                                            ("decoder_attention_mask", dmask)))
+    smask = kwargs.get("attention_mask")
+    if smask is not None and not bool(torch.as_tensor(smask).bool().all()) and block_sparse(model):
+        raise ValueError(f"attention_mask: {type(model).__name__}'s encoder runs block-sparse attention, whose output "
+                         "on a padded row is not the row alone's (the padded length chooses the sparse pattern); "
+                         "explain the rows one at a time, or load the model with attention_type='original_full'")
     kwargs["decoder_input_ids"] = dec
     if dmask is not None:
         kwargs["decoder_attention_mask"] = dmask

@@ -326,7 +326,9 @@ def patching(model, clean, corrupt, metric, nodes, method: str, caller: str, *, 
         raise ValueError("metric is required: a callable(output) -> Tensor[batch] or a pyattr.targets target")
     kc, kx, dec, dmask = prepare(model, clean, corrupt, attention_mask, corrupt_attention_mask, decoder_input_ids,
                                  corrupt_decoder_input_ids, decoder_attention_mask, caller, tokenizer)
-    tgts, several = T.normalize(metric, dec.shape[0])
+    from pyattr.methods.seq2seq import _words_to_ids
+
+    tgts, several = T.normalize(_words_to_ids(metric, tokenizer), dec.shape[0])
     if several:
         raise ValueError("metric must be one target (one value per row), not k targets")
     ST.side_of(model, tgts, caller)  # one stack's targets (refused before any forward)

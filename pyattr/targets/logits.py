@@ -195,7 +195,9 @@ class LogProb(Target):
             raise ValueError("target: LogProb reads next-token logits of shape (batch, seq, vocab)")
         pos = _kept_index(logits, _positions(self.position, fwd), fwd)
         rows = torch.arange(logits.shape[0], device=logits.device)
-        lp = torch.log_softmax(logits[rows, pos.to(logits.device)].float(), dim=-1)
+        # float32 at least, float64 for a float64 model (a float64 oracle compares to 1e-10)
+        picked = logits[rows, pos.to(logits.device)]
+        lp = torch.log_softmax(picked.to(torch.promote_types(picked.dtype, torch.float32)), dim=-1)
         out = lp.exp() if self.prob else lp
         tid = token_ids(self.token_id, logits.shape[0]).to(logits.device)
         if bool(((tid < 0) | (tid >= out.shape[-1])).any()):

@@ -57,7 +57,7 @@ def stacked_values(targets: Sequence[Target], fwd: Forward) -> Optional[Tuple[to
         tb = _ids(targets, "b", batch, "target (LogitDiff b)", dev, vocab)
         vals = rows[at, tid] - rows[at, tb]
     else:
-        lp = torch.log_softmax(rows.float(), dim=-1)
+        lp = torch.log_softmax(rows.to(torch.promote_types(rows.dtype, torch.float32)), dim=-1)  # float64 model: float64
         out = lp.exp() if targets[0].prob else lp
         tid = _ids(targets, "token_id", batch, "target", dev, vocab)
         vals = out[at, tid]

@@ -12,17 +12,26 @@ from pyattr.targets.logits import Logit
 
 
 class _Callable(Target):
-    def __init__(self, fn):
+    def __init__(self, fn, per_row: bool = False):
         self.fn = fn
+        self.per_row = per_row  # the rows are copies or subsets of the call's (levels, path points, patched runs)
 
     def __repr__(self):
         return f"{getattr(self.fn, '__name__', 'callable')}(output)"
+
+    def rows(self, index, batch):
+        return _Callable(self.fn, per_row=True)
 
     def value(self, fwd):
         t = self.fn(fwd.output)
         batch = fwd.input_ids.shape[0]
         if not isinstance(t, torch.Tensor) or t.dim() > 1 or (t.dim() == 1 and t.shape[0] != batch):
             raise ValueError("target: the callable must return a scalar tensor or one value per batch row")
+        if self.per_row and t.dim() == 0 and batch > 1:
+            # one value for a forward of several copies would be given to every copy
+            raise ValueError("target: the callable returned one value for a forward of several rows; this method "
+                             "runs copies of the rows (perturbed levels, path points, patched runs) in one forward, "
+                             "so return one value per row (Tensor[batch], e.g. out.logits[:, -1, token_id])")
         if not t.is_floating_point():
             raise TypeError(
                 f"target: the callable returned a {t.dtype} tensor; it must return a floating value "

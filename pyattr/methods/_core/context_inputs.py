@@ -4,6 +4,7 @@ response spans, and whether the model is a causal LM or a sentence-embedding mod
 
 from __future__ import annotations
 
+import contextlib
 from typing import List
 
 import torch
@@ -101,11 +102,28 @@ def response_ids(model, prompt, response, max_new_tokens, row):
 
         device = next(model.parameters()).device
         ids = torch.tensor([list(prompt)], device=device)
-        gen, steps = generate(model, ids, torch.ones_like(ids), max_new_tokens, None)
+        with generation_config_named():
+            gen, steps = generate(model, ids, torch.ones_like(ids), max_new_tokens, None)
         return gen[0][steps[0]].tolist()
     if isinstance(response, str):
         raise ValueError(f"response[{row}]: a text response needs the prompt as text with tokenizer=")
     return ids_of(model, response, f"response[{row}]")
+
+
+@contextlib.contextmanager
+def generation_config_named():
+    """context_attribution has no ``generate_kwargs``: a generation config it cannot run
+    (beams, several sequences, assisted decoding) is named as the model's, with what to do."""
+    try:
+        yield
+    except ValueError as e:
+        text = str(e)
+        if not text.startswith("generate_kwargs: "):
+            raise
+        why = text[len("generate_kwargs: "):].split(" (pass them in generate_kwargs")[0]
+        raise ValueError(f"max_new_tokens: context_attribution generates one greedy sequence with the model's "
+                         f"generation config, and it cannot here ({why}); set model.generation_config (num_beams=1, "
+                         "num_return_sequences=1, no assisted decoding) or pass the response= to explain") from None
 
 
 def check_spans(spans, length: int):

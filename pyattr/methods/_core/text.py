@@ -10,12 +10,14 @@ each token's string is what the tokenizer's own decoding adds for it
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import torch
 from torch import nn
 
+from pyattr._module_state import kept_state
 from pyattr.config import RelevanceRules
 from pyattr.methods._core.id_lists import _pad_rows, ids_from_lists
 from pyattr.methods._core.stacks import refuse_encoder_decoder
@@ -479,7 +481,10 @@ def text_inputs(caller: str, *, inputs: Sequence[str] = ("inputs",), target: Opt
                 if is_text(a.get(name)):
                     a[name] = encode(call.tokenizer, [a[name]] if isinstance(a[name], str) else list(a[name]),
                                      call.model, caller, left=left, name=name)
-            result = fn(*bound.args, **bound.kwargs)
+            # the model as the call found it: a forward may change the model it runs on
+            # (BigBird switches itself to full attention on a short input, for every later call)
+            with kept_state(a["model"]) if isinstance(a["model"], nn.Module) else contextlib.nullcontext():
+                result = fn(*bound.args, **bound.kwargs)
             if getattr(result, "own_tokens", False):  # an encoder–decoder result fills both sides' tokens itself
                 return result
             if call.tokenizer is None:
