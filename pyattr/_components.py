@@ -37,3 +37,15 @@ def native(mod):
             break
         mod = inner
     return mod
+
+
+def written_by_component(mod: nn.Module, fn, wrapper) -> bool:
+    """Whether ``fn``, the forward set on ``mod``'s instance, is one the TransformerLens
+    component ``wrapper`` around it wrote (``T5BlockBridge`` patches the T5 block's forward
+    to run hook points between the block's own sublayer calls): a function of that
+    component's class, in TransformerLens."""
+    if wrapper is None or not is_component(wrapper):
+        return False
+    owner = getattr(fn, "__qualname__", "").split(".")[0]
+    return getattr(fn, "__module__", "").startswith(_TL) and any(
+        c.__name__ == owner and c.__module__.startswith(_TL) for c in type(wrapper).__mro__)

@@ -1,7 +1,7 @@
 """DESIGN §12 on encoder–decoder models: the rule scope opened on an nnsight wrapper, around
 Captum's own layer attribution, and on a TransformerLens 4 bridge, under the user's own
-forward and backward, gives ``pyattr.relevance``'s numbers at both stacks' entries. A bridge
-whose blocks run a forward TransformerLens wrote (T5's) is refused by name."""
+forward and backward, gives ``pyattr.relevance``'s numbers at both stacks' entries, also on
+T5, whose bridge runs each block through a forward TransformerLens wrote."""
 
 import copy
 import warnings
@@ -74,30 +74,40 @@ def _bridge(model):
         return build_bridge_from_module(model, type(model).__name__, hf_config=model.config)
 
 
-@pytest.mark.parametrize("arch", ["bart", "marian", "mbart", "m2m_100", "pegasus"])
-def test_transformer_lens_bridge_forward_and_backward_give_relevance(arch):
+@pytest.mark.parametrize("rules", ["all", "attnlrp"])
+@pytest.mark.parametrize("arch", ["bart", "marian", "mbart", "m2m_100", "pegasus", "t5", "t5_gated"])
+def test_transformer_lens_bridge_forward_and_backward_give_relevance(arch, rules):
+    """The bridge's forward on source and decoder inputs, the user's own backward of a
+    logit: gradient × input at the encoder's entry is pyattr.relevance's source relevance.
+    TransformerLens replaces each T5 block's forward with its own (hook points between the
+    block's own sublayer calls): a forward a bridge component wrote is the block's."""
     model = tiny_seq2seq(arch)
-    src, dec, want = _want(model, arch)
+    scope_rules = {"all": None, "attnlrp": pyattr.RelevanceRules.all("attnlrp")}[rules]
+    src, dec = _ids(arch, seed=3, batch=1, src=6, tgt=4)
+    want = pyattr.relevance(copy.deepcopy(model), src, target=7, decoder_input_ids=dec, rules=rules)
     bridge = _bridge(model)
     kept = {}
-    h = model.get_submodule(ENTRIES[arch][0]).register_forward_pre_hook(
+    h = bridge.original_model.get_submodule(ENTRIES[arch][0]).register_forward_pre_hook(
         lambda mod, a, k: kept.__setitem__("x", a[0] if a else k["hidden_states"]), with_kwargs=True)
     try:
-        with use_relevance_rules(bridge) as cov:
+        with use_relevance_rules(bridge, scope_rules) as cov:
             logits = bridge(src, decoder_input_ids=dec, return_type="logits")
             (g,) = torch.autograd.grad(logits[0, -1, 7], kept["x"])
     finally:
         h.remove()
-    assert cov.model_type == arch and cov.installed
+    assert cov.model_type == arch.split("_gated")[0] and cov.installed
     _close((kept["x"] * g).sum(-1).detach(), want.source_relevance)
 
 
-def test_transformer_lens_t5_bridge_is_refused_by_name():
-    """TransformerLens replaces each T5 block's forward with its own (hook points between
-    the sublayers): pyattr cannot show what that forward computes, and refuses."""
+def test_a_users_forward_on_a_bridged_t5_block_is_still_refused():
+    """Only a forward the wrapping TransformerLens component wrote is taken as the block's:
+    one the user sets on the block (a steering edit) is refused by name."""
     bridge = _bridge(tiny_seq2seq("t5"))
-    with pytest.raises(pyattr.RelevanceRuleUnsupportedError,
-                       match=r"'encoder.block.0._original_component': the forward replaced on this T5Block instance "
-                             r"\(T5BlockBridge._patch_t5_block_forward"):
+    block = bridge.original_model.encoder.block[0]
+    block = getattr(block, "_original_component", block)
+    written = block.forward
+    block.forward = lambda *a, **k: written(*a, **k)
+    with pytest.raises(pyattr.RelevanceRuleUnsupportedError, match=r"the forward replaced on this T5Block instance "
+                                                                   r"\(.*<lambda>\) is not the t5 forward"):
         with use_relevance_rules(bridge):
             pass

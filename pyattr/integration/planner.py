@@ -385,9 +385,15 @@ class Planner:
         whose forward pyattr does not itself observe (a norm's formula, an activation's
         Identity-rule of what it computes) could hide a nonlinearity no rule reaches (a tanh
         in an ``o_proj``, an ``exp`` in the head): refused by name."""
+        from pyattr._components import written_by_component
+        from pyattr.integration.bridge import components
+
+        wrappers = components(self.model)
         for name, mod in self.model.named_modules():
             if type(mod).__name__ == "OptimizedModule":  # torch.compile's wrapper: the module it compiles runs
                 continue
+            if written_by_component(mod, forward_of(mod), wrappers.get(id(mod))):
+                continue  # a TransformerLens bridge's own forward: its hook points around the module's own calls
             if id(mod) not in self.observed and replaced_on_instance(mod):
                 raise RelevanceRuleUnsupportedError(
                     f"{name!r}: {forward_name(mod)} is not the {self.cov.model_type} forward the rule map is written "
