@@ -208,7 +208,7 @@ def tiny_unmapped(config: str, dtype=torch.float64, attn: Optional[str] = "eager
 
 #: the mapped encoder–decoder architectures tiny_seq2seq builds ("t5_gated": T5 v1.1's gated-GELU feed-forward)
 SEQ2SEQ_ARCHS = ("t5", "t5_gated", "bart", "mbart", "marian", "m2m_100", "pegasus", "umt5", "mvp", "plbart",
-                 "blenderbot", "t5gemma", "bigbird_pegasus")
+                 "blenderbot", "t5gemma", "bigbird_pegasus", "t5gemma2")
 
 
 @functools.lru_cache(maxsize=None)
@@ -225,6 +225,21 @@ def _tiny_seq2seq(arch: str):
                               bos_token_id=2, decoder_start_token_id=2, final_logit_softcapping=None,
                               attn_logit_softcapping=None, attn_implementation="eager")
         return T.T5GemmaForConditionalGeneration(cfg)
+    if arch == "t5gemma2":  # the encoder's text stack beside a vision tower (text inputs never run it)
+        text = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=4, max_position_embeddings=64, initializer_range=0.3,
+                    final_logit_softcapping=None, attn_logit_softcapping=None, query_pre_attn_scalar=4,
+                    sliding_window=64, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+        vision = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2, image_size=16,
+                      patch_size=8)
+        enc = T.T5Gemma2EncoderConfig(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                      boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2, image_token_index=VOCAB - 1)
+        cfg = T.T5Gemma2Config(encoder=enc, decoder=T.T5Gemma2DecoderConfig(**text), eoi_token_index=VOCAB - 2,
+                               image_token_index=VOCAB - 1)
+        cfg.decoder_start_token_id, cfg.pad_token_id, cfg.eos_token_id = 2, 0, 1
+        model = T.T5Gemma2ForConditionalGeneration(cfg)
+        model.set_attn_implementation("eager")
+        return model
     if arch == "umt5":
         cfg = T.UMT5Config(vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=24, num_layers=2, num_decoder_layers=2,
                            num_heads=4, initializer_factor=4.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)

@@ -29,6 +29,7 @@ ENTRIES = {
     "plbart": ("model.encoder.layernorm_embedding", "model.decoder.layernorm_embedding"),
     "blenderbot": ("model.encoder.layers.0", "model.decoder.layers.0"),
     "t5gemma": ("model.encoder.layers.0", "model.decoder.layers.0"),
+    "t5gemma2": ("model.encoder.text_model.layers.0", "model.decoder.layers.0"),
     "bigbird_pegasus": ("model.encoder.layers.0", "model.decoder.layers.0"),
 }
 ACT_LIMIT = {"ReLU": 0.0}  # φ(0) = act(x)/x at 0: 0 for ReLU, ½ for the GELUs
@@ -47,7 +48,7 @@ def _ln_rule(mod, args, out):
         mu = x.mean(-1, keepdim=True)
         sigma = ((x - mu) ** 2).mean(-1, keepdim=True).add(mod.eps).sqrt().detach()
         rule = (x - mu) / sigma * mod.weight + mod.bias
-    elif type(mod).__name__ == "T5GemmaRMSNorm":  # Gemma's (1 + w), its variance in float32 too
+    elif type(mod).__name__ in ("T5GemmaRMSNorm", "T5Gemma2RMSNorm"):  # Gemma's (1 + w), its variance in float32 too
         rms = x.pow(2).mean(-1, keepdim=True).add(mod.eps).sqrt().detach()
         rule = (1.0 + mod.weight) * (x / rms)
     else:
@@ -87,12 +88,12 @@ def _oracle_hooks(model, rules):
     for name, mod in model.named_modules():
         cls, last = type(mod).__name__, name.rsplit(".", 1)[-1]
         if rules != "none" and (isinstance(mod, nn.LayerNorm) or cls in ("T5LayerNorm", "UMT5LayerNorm",
-                                                                           "T5GemmaRMSNorm")):
+                                                                           "T5GemmaRMSNorm", "T5Gemma2RMSNorm")):
             hooks.append(mod.register_forward_hook(_ln_rule))
         elif rules != "none" and cls in ("ReLU", "GELUActivation", "NewGELUActivation", "GELUTanh",
                                          "PytorchGELUTanh"):
             hooks.append(mod.register_forward_hook(_identity_rule))
-        elif rules != "none" and cls in ("T5DenseGatedActDense", "UMT5DenseGatedActDense", "T5GemmaMLP"):
+        elif rules != "none" and cls in ("T5DenseGatedActDense", "UMT5DenseGatedActDense", "T5GemmaMLP", "T5Gemma2MLP"):
             hooks.append(mod.register_forward_hook(_half_rule_gated))
         elif attn is not None and isinstance(mod, nn.Linear) and last in ("q", "k", "v", "q_proj", "k_proj", "v_proj",
                                                                           "query", "key", "value"):
@@ -152,7 +153,7 @@ def test_rules_on_equal_a_hand_written_float64_oracle(arch, rules):
     src, dec = _ids(arch, seed=1)
     r = pyattr.relevance(model, src, rules=rules, decoder_input_ids=dec, target=11)
     # T5Gemma's norm computes in float32 even in a float64 model (x.float()): its rule to that
-    _check(r, _oracle(model, arch, src, dec, rules, token=11), 1e-6 if arch == "t5gemma" else 1e-9)
+    _check(r, _oracle(model, arch, src, dec, rules, token=11), 1e-6 if arch.startswith("t5gemma") else 1e-9)
     # the oracle differs from plain gradients: the rules act on both stacks and the cross-attention
     plain = _oracle(model, arch, src, dec, "none", token=11)
     assert (r.source_relevance - plain[0]).abs().max() > 1e-3
@@ -724,3 +725,22 @@ def test_bigbird_pegasus_block_sparse_source_is_explained_and_kept_sparse():
     with pytest.raises(ValueError, match=r"relevance\(\): BigBirdPegasusForConditionalGeneration's encoder runs on 18 "
                                          r"positions for a source of 17 tokens"):
         pyattr.relevance(model, torch.randint(3, 90, (1, 17), generator=g), target=5, decoder_input_ids=dec)
+
+
+def test_t5gemma2_vision_tower_refuses_to_run_under_the_rules():
+    """T5Gemma 2's encoder holds a vision tower the text rule map does not cover: text
+    inputs never run it; an image would, and is refused rather than explained without its
+    rules. Its decoder attends to the encoder in its self-attention: no cross-attention
+    nodes to patch."""
+    model = tiny_seq2seq("t5gemma2")
+    src, dec = _ids("t5gemma2", batch=1)
+    src[0, 1] = model.config.image_token_index
+    pixels = torch.zeros(1, 3, 16, 16, dtype=torch.float64)
+    with pytest.raises(RelevanceRuleUnsupportedError, match=r"'model.encoder.vision_tower' is not on the text path "
+                                                            r"the t5gemma2 rule map covers"):
+        pyattr.relevance(model, {"input_ids": src, "pixel_values": pixels}, decoder_input_ids=dec)
+    cov = pyattr.relevance(model, src, decoder_input_ids=dec).coverage
+    assert "model.encoder.vision_tower" in cov.skipped
+    with pytest.raises(ValueError, match="nodes: 'decoder.cross_heads': T5Gemma2ForConditionalGeneration's decoder "
+                                         "attends to the encoder in its self-attention"):
+        pyattr.patching.attribution_patching(model, src, src, 5, nodes="cross_heads", decoder_input_ids=dec)

@@ -23,15 +23,19 @@ class Seq2Seq:
     """One encoder–decoder architecture.
 
     ``encoder`` and ``decoder`` describe the two stacks; ``cross_attention`` is the
-    attention spec (as ``Arch.attention``) of each decoder block's cross-attention;
+    attention spec (as ``Arch.attention``) of each decoder block's cross-attention (None:
+    merged into the decoder's self-attention, whose q/k/v run on both the decoder's states
+    and the encoder's output: T5Gemma 2); ``off_path``: modules of the model that text
+    inputs never run (T5Gemma 2's vision tower), refused if they run;
     ``gated_ff``: (path of the feed-forward module in an encoder block, in a decoder
     block, its (gate, up, down, act) names) for T5, whose feed-forward is a plain
     ``act`` MLP (T5 v1.0) or a gated one (T5 v1.1, mT5, Flan-T5), read off the instance."""
 
     encoder: Arch
     decoder: Arch
-    cross_attention: Tuple
+    cross_attention: Optional[Tuple]
     gated_ff: Optional[Tuple[str, str, Tuple[str, str, str, str]]] = None
+    off_path: Tuple[str, ...] = ()
 
 
 def _t5() -> Seq2Seq:
@@ -114,6 +118,29 @@ def _t5gemma() -> Seq2Seq:
                    ("separate", "cross_attn.q_proj", "cross_attn.k_proj", "cross_attn.v_proj"))
 
 
+def _t5gemma2() -> Seq2Seq:
+    """T5Gemma 2: Gemma 3 stacks ((1 + w) RMSNorms before and after each sublayer, q/k
+    norms, rotary positions, a gated-GELU MLP); the encoder's text stack under
+    ``encoder.text_model`` beside a vision tower text inputs never run; the decoder's
+    attention merged: one softmax over its own keys and the encoder's, the same q/k/v
+    projections on both (so the attention rule of those projections is the rule of both)."""
+
+    def stack(layers: str, outer: str) -> Arch:
+        return Arch(layers=layers, norm="rms_norm", offset=1.0,
+                    layer_norms=("pre_self_attn_layernorm", "post_self_attn_layernorm", "pre_feedforward_layernorm",
+                                 "post_feedforward_layernorm"),
+                    outer_norms=(outer,), mlp=("gated_named", "mlp"),
+                    gated_extra=("gate_proj", "up_proj", "down_proj", "act_fn"),
+                    attention=("separate", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                    qk_norms=("self_attn.q_norm", "self_attn.k_norm"), entry=(f"{layers}.0", "hidden_states"),
+                    attention_out="self_attn", mlp_out="mlp", neurons=("mlp.down_proj", "input"),
+                    heads="self_attn.o_proj")
+
+    return Seq2Seq(stack("encoder.text_model.layers", "encoder.text_model.norm"),
+                   stack("decoder.layers", "decoder.norm"), None,
+                   off_path=("encoder.vision_tower", "encoder.multi_modal_projector"))
+
+
 SEQ2SEQ = {
     "t5": _t5(),
     "mt5": _t5(),
@@ -131,6 +158,7 @@ SEQ2SEQ = {
     "blenderbot": _bart_family(embedding_norm=False, final_norm=True),
     "t5gemma": _t5gemma(),
     "bigbird_pegasus": _bigbird_pegasus(),
+    "t5gemma2": _t5gemma2(),
 }
 
 

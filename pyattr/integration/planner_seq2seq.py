@@ -13,6 +13,7 @@ from pyattr.activations import _kind_of_module
 from pyattr.architectures.seq2seq import SEQ2SEQ
 from pyattr.config import RelevanceRules
 from pyattr.integration.errors import RelevanceRuleUnsupportedError
+from pyattr.integration.forwards import Step
 from pyattr.integration.planner import Planner, plan_block
 
 
@@ -36,8 +37,10 @@ def plan_seq2seq(model: nn.Module, rules: RelevanceRules, model_type: str) -> Pl
         for layer in layers:
             pl.mounted.add(id(A.get_submodule(model, layer)))
             plan_block(pl, layer, _with_ff(model, layer, arch, spec, i))
-            if i == 1:
+            if i == 1 and spec.cross_attention is not None:
                 pl.attention(layer, spec.cross_attention)
+    for p in spec.off_path:
+        _off_path(pl, A.join(prefix, p))
     head = A.classifier_head(model)
     if head is not None:
         # the classifier's head calls torch.tanh as a function after the base model returns:
@@ -56,6 +59,25 @@ def plan_seq2seq(model: nn.Module, rules: RelevanceRules, model_type: str) -> Pl
     if rules.activation or rules.multiplicative_gate:
         pl.refuse_unobserved_forwards()
     return pl
+
+
+def _off_path(pl: Planner, path: str) -> None:
+    """A module text inputs never run (a vision tower): no rule inside, so it refuses to
+    run under the scope rather than pass relevance through it without its rules."""
+    mod = A.get_submodule(pl.model, path)
+    if not isinstance(mod, nn.Module):
+        return
+    reason = (f"{path!r} is not on the text path the {pl.cov.model_type} rule map covers (its norms and activations "
+              "carry no rule); explain text inputs, or use RelevanceRules() for plain gradients")
+
+    def make(module, state):
+        def forward(*args, **kwargs):
+            raise RelevanceRuleUnsupportedError(reason)
+        return forward
+
+    pl.steps.append(Step(mod, path, "off_path", None, make, False, None))
+    pl.cov._skip(path, "not on the text path: refused if it runs")
+    pl.mounted.update(id(m) for m in mod.modules())
 
 
 def _softcap(model: nn.Module):

@@ -84,7 +84,10 @@ def sites(model: nn.Module, names: Sequence[str]) -> List[Tuple[str, Site]]:
         if base == "neurons" and arch.neurons is None:
             raise ValueError(f"nodes: {name!r}: no neuron site in the map of {type(model).__name__}")
         blocks = A.get_submodule(model, A.join(prefix, arch.layers))
-        cross = spec.cross_attention[1].rsplit(".", 1)[0]         # the cross-attention module in a block
+        if base.startswith("cross_") and spec.cross_attention is None:
+            raise ValueError(f"nodes: {name!r}: {type(model).__name__}'s decoder attends to the encoder in its "
+                             "self-attention (one softmax over both); patch 'decoder.attention' / 'decoder.heads'")
+        cross = spec.cross_attention[1].rsplit(".", 1)[0] if spec.cross_attention else ""  # its module in a block
         out_proj = arch.heads.rsplit(".", 1)[1]                    # its output projection's name
         rel = {"attention": (arch.attention_out, "output"), "mlp": (arch.mlp_out, "output"),
                "heads": (arch.heads, "input"), "neurons": arch.neurons,
