@@ -32,7 +32,8 @@ FAST = [
     ("masked_lm", "bart", "BartForConditionalGeneration", "right", "both stacks"),
     ("sequence_classification", "t5", "T5ForSequenceClassification", "right", "both stacks"),  # head's tanh
     ("causal_lm", "marian", "MarianForCausalLM", "right", "|delta|/|target|"),         # one stack of a mapped enc–dec
-    ("sequence_classification", "t5gemma2", "T5Gemma2ForSequenceClassification", "refused", "without a rule map"),
+    ("sequence_classification", "bigbird_pegasus", "BigBirdPegasusForSequenceClassification", "right", "both stacks"),
+    ("causal_lm", "prophetnet", "ProphetNetForCausalLM", "refused", "another layout"),  # n-gram streams
     ("causal_lm", "olmoe", "OlmoeForCausalLM", "right", "|delta|/|target|"),           # generic mixture of experts
     ("causal_lm", "codegen", "CodeGenForCausalLM", "right", "|delta|/|target|"),       # fused q | v | k, observed
     ("masked_lm", "mpnet", "MPNetForMaskedLM", "right", "|delta|/|target|"),           # q / k / v by name stems
