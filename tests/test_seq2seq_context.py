@@ -310,3 +310,17 @@ def test_block_sparse_bigbird_ablations_are_each_source_alone_and_leave_the_mode
         pyattr.relevance(model, src.expand(2, -1), attention_mask=mask, target=5,
                          decoder_input_ids=torch.tensor([[2, 11], [2, 12]]))
     assert model.model.encoder.attention_type == "block_sparse"
+
+
+def test_per_token_spans_are_named_by_their_tokens_in_the_views(tmp_path):
+    from pyattr.toy import translation as TR
+
+    model, tok = TR.load()
+    c = pyattr.context_attribution(model, "sun cat red fox", "word", response="FOX RED CAT SUN", tokenizer=tok,
+                                   spans="tokens", method="relevance")
+    assert c.response_tokens == [["FOX", " RED", " CAT", " SUN", "</s>"]]
+    titles = [p.title for p in c._panels()]
+    assert "response tokens 0:1 'FOX'" in titles[0] and f"log-probability {float(c.value[0, 0]):.4g}" in titles[0]
+    assert "response tokens 4:5 '</s>'" in titles[4]
+    back = pyattr.load(c.save(tmp_path / "c.safetensors"))
+    assert back.response_tokens == c.response_tokens

@@ -82,6 +82,8 @@ class ContextAttributionResult(ResultViews):
         method (str); ablations (int): forwards per row the method ran (0 for relevance methods).
         outcome (str): ``"logprob"`` (a causal LM's response) or ``"cosine"`` (an embedding
             model's similarity to ``query=``; ``response`` then holds the query).
+        response_tokens (list[list[str]] | None): with ``tokenizer=``, each response token as
+            the tokenizer's decoding writes it (the views name each span by them).
     """
 
     __repr__ = summary_repr
@@ -96,6 +98,7 @@ class ContextAttributionResult(ResultViews):
     ablations: int
     spans: Optional[List[Tuple[int, int]]] = None
     outcome: str = "logprob"
+    response_tokens: Optional[List[List[Optional[str]]]] = None
 
     @property
     def score_unit(self) -> str:
@@ -110,10 +113,11 @@ class ContextAttributionResult(ResultViews):
             return "attention weight on the source's tokens"
         return f"relevance of {what or 'the response log-probability'}, summed over the source's tokens"
 
-    def value_text(self, row: int = 0) -> str:
-        """The outcome with every source kept, in words (``"log-probability -0.01"``)."""
+    def value_text(self, row: int = 0, span: Optional[int] = None) -> str:
+        """The outcome with every source kept, in words (``"log-probability -0.01"``): of
+        the whole response, or of response span ``span``."""
         v = self.value[row]
-        v = float(v if v.dim() == 0 else v.sum())
+        v = float(v if v.dim() == 0 else v[span] if span is not None else v.sum())
         return f"{'cosine similarity' if self.outcome == 'cosine' else 'log-probability'} {v:.4g}"
 
     def top(self, k: int = 1, row: int = 0) -> List[Tuple[str, float]]:
@@ -477,6 +481,11 @@ def context_attribution(model: nn.Module, inputs, sources, *, response=None, max
     value = torch.stack(values).double()
     if spans is None:
         out, value = out[:, 0], value[:, 0]
+    toks = None
+    if tokenizer is not None and not embedding:
+        from pyattr.methods._core.text import token_strings
+
+        toks = [token_strings(tokenizer, torch.tensor([ids]))[0] for ids in resp_ids]
     return ContextAttributionResult(out, texts, ranges_all, resp_text, resp_ids, value, method, cost,
                                     None if spans is None else CI.check_spans(spans, len(resp_ids[0])),
-                                    "cosine" if embedding else "logprob")
+                                    "cosine" if embedding else "logprob", toks)

@@ -245,10 +245,16 @@ def context(result, limit=MAX_ROWS) -> List:
         k = len(result.sources[r])
         resp = result.response[r] if result.response[r] is not None else f"{len(result.response_ids[r])} tokens"
         rows = [result.scores[r]] if result.scores.dim() == 2 else list(result.scores[r])
+        toks = getattr(result, "response_tokens", None)
         for j, vals in enumerate(rows):
-            span = "" if result.spans is None else f" · response tokens {result.spans[j][0]}:{result.spans[j][1]}"
+            span = ""
+            if result.spans is not None:
+                a, b = result.spans[j]
+                words = "".join(t or "" for t in toks[r][a:b]) if toks is not None and r < len(toks) else None
+                span = f" · response tokens {a}:{b}" + (f" {words!r}" if words is not None else "")
             said = "query" if getattr(result, "outcome", "logprob") == "cosine" else "response"
-            out.append(Tokens(f"row {r} · {said} {resp!r}{span} · {result.method} · {result.value_text(r)} · score: "
+            value = result.value_text(r, j if result.spans is not None else None)
+            out.append(Tokens(f"row {r} · {said} {resp!r}{span} · {result.method} · {value} · score: "
                               f"{result.score_unit}", list(result.sources[r]),
                               vals[:k].tolist(), "score", label_name="source", index_name="source_index", row=r))
     return out
