@@ -347,9 +347,10 @@ def test_generation_stops_where_generate_stopped_each_row():
 def test_generation_arguments_not_supported_on_encoder_decoders_are_refused():
     model = tiny_seq2seq("t5")
     src, _ = _ids("t5", batch=1)
-    for kw, name in (({"baseline": "zeros"}, "baseline"), ({"batch_targets": 2}, "batch_targets")):
-        with pytest.raises(ValueError, match=f"{name}: not supported on encoder–decoder models yet"):
-            pyattr.generation_relevance(model, src, max_new_tokens=2, **kw)
+    with pytest.raises(ValueError, match="baseline: not supported on encoder–decoder models yet"):
+        pyattr.generation_relevance(model, src, max_new_tokens=2, baseline="zeros")
+    with pytest.raises(ValueError, match="batch_targets"):
+        pyattr.generation_relevance(model, src, max_new_tokens=2, batch_targets=0)
     with pytest.raises(ValueError, match=r"contrast of shape \(1, 3\): expected \(batch, generated\) = \(1, 2\)"):
         pyattr.generation_relevance(model, src, max_new_tokens=2, contrast=torch.tensor([4, 5, 6]))
 
@@ -744,3 +745,18 @@ def test_t5gemma2_vision_tower_refuses_to_run_under_the_rules():
     with pytest.raises(ValueError, match="nodes: 'decoder.cross_heads': T5Gemma2ForConditionalGeneration's decoder "
                                          "attends to the encoder in its self-attention"):
         pyattr.patching.attribution_patching(model, src, src, 5, nodes="cross_heads", decoder_input_ids=dec)
+
+
+@pytest.mark.parametrize("arch", ["t5", "bart"])
+def test_generation_batch_targets_chunk_the_steps_backward_to_the_same_numbers(arch):
+    """batch_targets: each row's steps run as backwards of at most that many steps over the
+    row's one forward; the same relevance as all steps in one batched backward."""
+    model = tiny_seq2seq(arch)
+    src, _ = _ids(arch, batch=2, seed=5)
+    cont = torch.tensor([[11, 12, 13, 14, 15], [21, 22, 23, 24, 25]])
+    whole = pyattr.generation_relevance(model, src, continuation=cont)
+    for k in (1, 2, 5):
+        part = pyattr.generation_relevance(model, src, continuation=cont, batch_targets=k)
+        assert torch.allclose(part.source_relevance, whole.source_relevance, rtol=1e-10, atol=1e-12)
+        assert torch.allclose(part.target_relevance, whole.target_relevance, rtol=1e-10, atol=1e-12)
+        assert torch.equal(part.target, whole.target)

@@ -39,8 +39,6 @@ def run_seq2seq(model, tok, label: str, text: str, max_new_tokens: Optional[int]
 
     if target != "logit":
         raise ExplainError(f"--target {target}: an encoder–decoder model's steps are explained by their logit only")
-    if batch_targets is not None:
-        raise ExplainError("--batch-targets: an encoder–decoder model's steps run as one batched backward per row")
     src = [int(i) for i in tok(text)["input_ids"]]  # the source as the tokenizer makes it, its markers included
     check_prompt("--text", src, model, tok)
     kw = {}
@@ -53,7 +51,7 @@ def run_seq2seq(model, tok, label: str, text: str, max_new_tokens: Optional[int]
         kw["max_new_tokens"] = max_new_tokens
     t0 = time.perf_counter()
     try:
-        r = generation_relevance(model, torch.tensor([src]), rules=rules, **kw)
+        r = generation_relevance(model, torch.tensor([src]), rules=rules, batch_targets=batch_targets, **kw)
     except ValueError as e:
         raise ExplainError(str(e)) from None
     seconds = time.perf_counter() - t0
@@ -70,4 +68,4 @@ def run_seq2seq(model, tok, label: str, text: str, max_new_tokens: Optional[int]
         model=label, tokens=tokens, prompt_tokens=n_src + width,
         generated_text=tok.decode(dec[width:], skip_special_tokens=True), matrix=matrix,
         targets=r.target[0, :steps].tolist(), deltas=r.conservation_delta[0, :steps].tolist(), target_kind="logit",
-        seconds=seconds, backend=r.backend, batch_targets=steps)
+        seconds=seconds, backend=r.backend, batch_targets=min(steps, batch_targets or steps))

@@ -306,6 +306,8 @@ def generation_relevance(
             (:func:`default_batch_targets`). On a model whose forward depends on the
             length it runs at (dynamic-NTK RoPE, LongRoPE) every step runs at its own length
             and this is 1 whatever is asked: a longer cut would change the earlier values.
+            On an encoder–decoder model each row's steps share its one forward, run as
+            backwards of at most this many steps (default: all at once).
         tokenizer (optional): the model's Hugging Face tokenizer, for text inputs and
             the result's ``tokens`` (each token as a string). Prompts as text (a string
             or list of strings) are left-padded and read without the end-of-text markers
@@ -344,10 +346,10 @@ def generation_relevance(
     if generate_kwargs is not None and continuation is not None:
         raise ValueError("generate_kwargs: a continuation is given, nothing is generated")
     if is_encoder_decoder(model):
-        for name, value in (("baseline", baseline), ("batch_targets", batch_targets)):
-            if value is not None:
-                raise ValueError(f"{name}: not supported on encoder–decoder models yet (each row's steps run as one "
-                                 "batched backward over the source and the decoder's inputs)")
+        if baseline is not None:
+            raise ValueError("baseline: not supported on encoder–decoder models yet (each row's steps run as one "
+                             "batched backward over the source and the decoder's inputs)")
+        batch_targets = core.check_count("batch_targets", batch_targets)
 
         def step_targets(row, tokens, width, generated):
             alt = _contrast(contrast, 1, generated, tokens.device)
@@ -361,7 +363,8 @@ def generation_relevance(
                 raise ValueError("contrast: on an encoder–decoder model, one token id or one id per step "
                                  "(generated,), the same for every row")
         return seq2seq_generation_relevance(model, inputs, max_new_tokens, continuation, generate_kwargs,
-                                            core.rule_defaults(rules), attention_mask, tokenizer, step_targets)
+                                            core.rule_defaults(rules), attention_mask, tokenizer, step_targets,
+                                            batch_targets)
     can = getattr(model, "can_generate", None)
     if not callable(can) or not can():
         raise ValueError(f"model: {type(model).__name__} is not a causal language model (can_generate() is False); "

@@ -102,8 +102,11 @@ def _words_to_ids(target, tokenizer):
 
 def seq2seq_relevance(model: nn.Module, inputs, target, rules: RelevanceRules, *, decoder_input_ids=None,
                       attention_mask=None, decoder_attention_mask=None, grad_outputs=None,
-                      caller: str = "relevance", tokenizer=None, baseline=None) -> Seq2SeqRelevanceResult:
-    """:func:`pyattr.relevance` of a decoder-side target of an encoder–decoder model."""
+                      caller: str = "relevance", tokenizer=None, baseline=None,
+                      batch_targets: Optional[int] = None) -> Seq2SeqRelevanceResult:
+    """:func:`pyattr.relevance` of a decoder-side target of an encoder–decoder model
+    (``batch_targets``: with k targets, at most this many per batched backward over the
+    one forward's graph)."""
     B.check(baseline)
     kwargs, dec, dmask, (enc_entry, dec_entry) = prepare(model, inputs, attention_mask, decoder_input_ids,
                                                          decoder_attention_mask, caller, tokenizer)
@@ -131,7 +134,12 @@ def seq2seq_relevance(model: nn.Module, inputs, target, rules: RelevanceRules, *
         value, tid, fixed = evaluate_targets(tgts, fwd, several)
         go = check_grad_outputs(grad_outputs, value)
         x_src, x_tgt = xs[0][0], xs[1][0]
-        g_src, g_tgt = backward(value, [x_src, x_tgt], go, several)
+        chunks = None
+        if several and batch_targets is not None:
+            from pyattr.methods._core.chunks import ChunkSizes
+
+            chunks = ChunkSizes(batch_targets, fixed=True)
+        g_src, g_tgt = backward(value, [x_src, x_tgt], go, several, chunks=chunks)
         backend_name = backends.select(x_src.device, "identity")
         del out, fwd, store
         if baseline is not None:

@@ -103,10 +103,11 @@ def _continuation(model: nn.Module, continuation, batch: int, tokenizer):
 
 def seq2seq_generation_relevance(model: nn.Module, inputs, max_new_tokens, continuation, generate_kwargs,
                                  rules: RelevanceRules, attention_mask, tokenizer=None,
-                                 step_targets=None) -> Seq2SeqGenerationResult:
+                                 step_targets=None, batch_targets=None) -> Seq2SeqGenerationResult:
     """``step_targets(row, tokens, width, generated)``: the targets of one row's steps
     (``tokens`` its generated ids, LongTensor[k]; step ``t`` read at decoder position
-    ``width + t − 1``); default each step's logit."""
+    ``width + t − 1``); default each step's logit. ``batch_targets``: at most this many
+    steps per batched backward over the row's one forward (default: all of them)."""
     kwargs = normalise_inputs(inputs, attention_mask)
     src = kwargs["input_ids"]
     smask = kwargs.get("attention_mask")
@@ -162,7 +163,8 @@ def seq2seq_generation_relevance(model: nn.Module, inputs, max_new_tokens, conti
         tgts = [T.Logit(int(gen[b, t]), position=width + t - 1) for t in range(k)] if step_targets is None else \
             step_targets(b, gen[b, :k], width, n)
         r = seq2seq_relevance(model, {"input_ids": src[b:b + 1, real], "attention_mask": smask[b:b + 1, real]},
-                              tgts, rules, decoder_input_ids=dec, caller="generation_relevance")
+                              tgts, rules, decoder_input_ids=dec, caller="generation_relevance",
+                              batch_targets=batch_targets)
         s_rel[b, :k, real] = r.source_relevance[:, 0].to(dt)
         t_rel[b, :k, :dec.shape[1]] = r.target_relevance[:, 0].to(dt)
         target[b, :k] = r.target[:, 0]
