@@ -105,8 +105,11 @@ def test_generate_command_explains_a_translation_model():
     torch.testing.assert_close(m[:, :5], api.source_relevance[0])  # the source columns
     torch.testing.assert_close(m[:, 5:10], api.target_relevance[0])  # the decoder's inputs
     assert [int(row[:5].argmax()) for row in m[:4]] == [3, 2, 1, 0]  # FOX <- fox, RED <- red, …
-    r = run_cli("generate", "--model", "translation", "--text", "sun cat red", "--target", "prob")
-    assert r.returncode != 0 and "--target prob: an encoder–decoder model's steps are explained by their logit" in r.stderr
+    r = run_cli("generate", "--model", "translation", "--text", "sun cat red fox", "--target", "logprob", "--json")
+    assert r.returncode == 0, r.stderr
+    lp = pyattr.generation_relevance(model, "sun cat red fox", tokenizer=tok, max_new_tokens=5, target="logprob")
+    torch.testing.assert_close(torch.tensor(json.loads(r.stdout)["target_values"], dtype=torch.float64), lp.target[0, :5],
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_the_bundled_name_loads_the_model_and_its_tokenizer():

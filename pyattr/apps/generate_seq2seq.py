@@ -37,8 +37,6 @@ def run_seq2seq(model, tok, label: str, text: str, max_new_tokens: Optional[int]
                 target: str, rules: RelevanceRules, batch_targets: Optional[int]):
     from pyattr.methods.generation import generation_relevance
 
-    if target != "logit":
-        raise ExplainError(f"--target {target}: an encoder–decoder model's steps are explained by their logit only")
     src = [int(i) for i in tok(text)["input_ids"]]  # the source as the tokenizer makes it, its markers included
     check_prompt("--text", src, model, tok)
     kw = {}
@@ -51,7 +49,8 @@ def run_seq2seq(model, tok, label: str, text: str, max_new_tokens: Optional[int]
         kw["max_new_tokens"] = max_new_tokens
     t0 = time.perf_counter()
     try:
-        r = generation_relevance(model, torch.tensor([src]), rules=rules, batch_targets=batch_targets, **kw)
+        r = generation_relevance(model, torch.tensor([src]), rules=rules, batch_targets=batch_targets, target=target,
+                                 **kw)
     except ValueError as e:
         raise ExplainError(str(e)) from None
     seconds = time.perf_counter() - t0
@@ -67,5 +66,5 @@ def run_seq2seq(model, tok, label: str, text: str, max_new_tokens: Optional[int]
     return GenerationReport(
         model=label, tokens=tokens, prompt_tokens=n_src + width,
         generated_text=tok.decode(dec[width:], skip_special_tokens=True), matrix=matrix,
-        targets=r.target[0, :steps].tolist(), deltas=r.conservation_delta[0, :steps].tolist(), target_kind="logit",
+        targets=r.target[0, :steps].tolist(), deltas=r.conservation_delta[0, :steps].tolist(), target_kind=target,
         seconds=seconds, backend=r.backend, batch_targets=min(steps, batch_targets or steps))
