@@ -157,3 +157,31 @@ def test_integrated_gradients_need_one_value_per_row():
     src, dec = _ids("bart")
     with pytest.raises(ValueError, match=r"target: integrated_gradients needs one value per row \(2,\), got shape"):
         pyattr.integrated_gradients(model, src, target=lambda o: o.logits[:, -1, 7].sum(), decoder_input_ids=dec)
+
+
+def test_layer_relevance_views_show_both_stacks_with_their_tokens(tmp_path):
+    from pyattr.toy import translation as TR
+
+    model, tok = TR.load()
+    lr = pyattr.layer_relevance(model, "sun cat red fox", "residual", tokenizer=tok, decoder_input_ids="FOX RED",
+                                target="CAT")
+    assert lr.sides == ["encoder", "encoder", "decoder", "decoder"]
+    assert lr.tokens == [["sun", " cat", " red", " fox", "</s>"]] and lr.decoder_tokens[0][1:] == ["FOX", " RED"]
+    assert lr.target_tokens == ["CAT"]
+    panels = lr._panels()
+    assert [p.rows for p in panels] == [lr.paths[:2], lr.paths[2:]]
+    assert panels[0].cols == lr.tokens[0] and panels[1].cols == lr.decoder_tokens[0]
+    assert "· decoder · target 'CAT'" in panels[1].title
+    frame = lr.to_pandas()
+    assert set(frame.layer) == set(lr.paths)
+    back = pyattr.load(lr.save(tmp_path / "lr.safetensors"))
+    assert back.sides == lr.sides and back.decoder_tokens == lr.decoder_tokens
+
+
+def test_generation_views_name_their_columns_as_the_relevance_views_do():
+    from pyattr.toy import translation as TR
+
+    model, tok = TR.load()
+    g = pyattr.generation_relevance(model, "sun cat red fox", tokenizer=tok, max_new_tokens=5)
+    cols = g.to_pandas().columns
+    assert {"source_token", "decoder_token", "step"} <= set(cols)

@@ -82,6 +82,10 @@ class LayerRelevanceResult(ResultViews):
         target (Tensor[batch] float64, (k, batch) with k targets): the explained value f(x).
         target_ids (Tensor or None): token ids of logit targets.
         coverage (RelevanceRuleCoverage): what the rule scope installed and skipped.
+        sides (list of str, or None): on an encoder–decoder model, each path's stack
+            (``"encoder"``: positions are the source's, ``"decoder"``: the decoder inputs').
+        decoder_tokens (list of lists of str, or None): on an encoder–decoder model with
+            ``tokenizer=``, the decoder inputs' tokens (``tokens`` holds the source's).
     """
 
     __repr__ = summary_repr
@@ -94,6 +98,8 @@ class LayerRelevanceResult(ResultViews):
     baseline_target: Optional[torch.Tensor] = None
     tokens: Optional[List[List[Optional[str]]]] = None
     target_tokens: Optional[list] = None
+    sides: Optional[List[str]] = None
+    decoder_tokens: Optional[List[List[Optional[str]]]] = None
 
     def __getitem__(self, path: str) -> LayerRelevance:
         if path not in self.layers:
@@ -267,13 +273,16 @@ def layer_relevance(
             if value is not None:
                 raise ValueError(f"layer_relevance(): {name} is not supported on encoder–decoder models "
                                  f"({type(model).__name__}) yet")
-        found, paths, value, tid, cov = seq2seq_layer_relevance(
+        found, paths, value, tid, cov, sides, (src_toks, dec_toks) = seq2seq_layer_relevance(
             model, inputs, layers, target, core.rule_defaults(rules), decoder_input_ids=decoder_input_ids,
             decoder_attention_mask=decoder_attention_mask, attention_mask=attention_mask,
             attribute_to_layer_input=attribute_to_layer_input, grad_outputs=grad_outputs, tokenizer=tokenizer)
+        from pyattr.methods.seq2seq import explained
+
         return LayerRelevanceResult(
             layers={p: LayerRelevance(activation=a, gradient=g, relevance=a * g, where=w) for p, (a, g, w) in found.items()},
-            paths=paths, target=value, target_ids=tid, coverage=cov)
+            paths=paths, target=value, target_ids=tid, coverage=cov, tokens=src_toks,
+            target_tokens=explained(tokenizer, tid), sides=sides, decoder_tokens=dec_toks)
     if decoder_input_ids is not None or decoder_attention_mask is not None:
         raise ValueError(f"decoder_input_ids / decoder_attention_mask: {type(model).__name__} is not an "
                          "encoder–decoder model (config.is_encoder_decoder is false)")

@@ -49,8 +49,10 @@ def _expand(model: nn.Module, layers: Union[str, Sequence[str]], to_input: bool)
 def seq2seq_layer_relevance(model: nn.Module, inputs, layers, target, rules: RelevanceRules, *, decoder_input_ids,
                             decoder_attention_mask, attention_mask, attribute_to_layer_input: bool,
                             grad_outputs=None, tokenizer=None):
-    """``(layers, paths, target, target_ids, coverage)``: per path ``(activation, gradient,
-    where)``; :func:`pyattr.layer_relevance` makes its result of them."""
+    """``(layers, paths, target, target_ids, coverage, sides, (source tokens, decoder
+    tokens))``: per path ``(activation, gradient, where)``, each path's stack
+    (``"encoder"`` / ``"decoder"``), the token strings with ``tokenizer``;
+    :func:`pyattr.layer_relevance` makes its result of them."""
     lays = _expand(model, layers, attribute_to_layer_input)
     kwargs, dec, dmask, entries = prepare(model, inputs, attention_mask, decoder_input_ids, decoder_attention_mask,
                                           "layer_relevance", tokenizer)
@@ -99,4 +101,15 @@ def seq2seq_layer_relevance(model: nn.Module, inputs, layers, target, rules: Rel
         a = a.detach().to(dt)
         g = torch.zeros((*value.shape[:1],) * several + a.shape, dtype=dt) if g is None else g.to(dt)
         result[path] = (a, g, where)
-    return result, [p for p, _ in lays], value.detach().double(), tid, cov
+    enc = model.get_encoder() if callable(getattr(model, "get_encoder", None)) else None
+    inside = {id(m) for m in enc.modules()} if isinstance(enc, nn.Module) else set()
+    sides = ["encoder" if id(A.get_submodule(model, p)) in inside else "decoder" for p, _ in lays]
+    if tokenizer is not None:
+        from pyattr.methods._core.text import token_strings
+
+        mask = kwargs.get("attention_mask")
+        tokens = (token_strings(tokenizer, kwargs["input_ids"].cpu(), None if mask is None else mask.cpu()),
+                  token_strings(tokenizer, dec.cpu(), None if dmask is None else dmask.cpu()))
+    else:
+        tokens = (None, None)
+    return result, [p for p, _ in lays], value.detach().double(), tid, cov, sides, tokens

@@ -91,24 +91,38 @@ def layer_relevance(result, limit=MAX_ROWS) -> List:
         for r in range(batch):
             if limit is not None and len(panels) >= limit:
                 return _left_out(len(panels), total, "rows" if ks[0] is None else "(target set, row) pairs") + panels
-            rows, vals = [], []
-            seq = None
-            for path in result.paths:
-                rel = result.layers[path].relevance
-                rel = (rel[k] if k is not None else rel)[r].double()
-                per = rel.sum(-1) if rel.dim() == 2 else rel if rel.dim() == 1 else None
-                if per is None or (seq is not None and per.shape[0] != seq):
+            sides = getattr(result, "sides", None) or [None] * len(result.paths)
+            # an encoder–decoder: one panel per stack, its positions the source's or the decoder inputs'
+            for side in dict.fromkeys(sides):
+                rows, vals = [], []
+                seq = None
+                for path, s in zip(result.paths, sides):
+                    rel = result.layers[path].relevance
+                    rel = (rel[k] if k is not None else rel)[r].double()
+                    per = rel.sum(-1) if rel.dim() == 2 else rel if rel.dim() == 1 else None
+                    if s != side or per is None or (seq is not None and per.shape[0] != seq):
+                        continue
+                    seq = per.shape[0]
+                    rows.append(path)
+                    vals.append(per.tolist())
+                if not rows:
                     continue
-                seq = per.shape[0]
-                rows.append(path)
-                vals.append(per.tolist())
-            if not rows:
-                continue
-            panels.append(Matrix(f"row {r}" + (f" · target set {k}" if k is not None else "") +
-                                 f" · target{_target_word(result, k, r)} = {num(_value(result.target, k, r), '.4g')}",
-                                 rows, _labels(result, r, seq), vals, "layer", "token", row=r, target_set=k))
+                toks = _labels(result, r, seq) if side != "decoder" else _side_labels(result, r, seq)
+                panels.append(Matrix(f"row {r}" + (f" · {side}" if side else "") +
+                                     (f" · target set {k}" if k is not None else "") +
+                                     f" · target{_target_word(result, k, r)} = "
+                                     f"{num(_value(result.target, k, r), '.4g')}",
+                                     rows, toks, vals, "layer", "token", row=r, target_set=k))
     del base
     return panels
+
+
+def _side_labels(result, row: int, seq: int) -> List:
+    """The decoder inputs' tokens of an encoder–decoder result (``#i`` without them)."""
+    toks = getattr(result, "decoder_tokens", None)
+    if toks is not None and row < len(toks) and len(toks[row]) == seq:
+        return list(toks[row])
+    return [f"#{i}" for i in range(seq)]
 
 
 def generation(result, limit=MAX_ROWS) -> List:

@@ -60,10 +60,10 @@ def seq2seq_generation(result, limit) -> List:
         panels.append(Matrix(f"row {r} · each generated token (rows) over the source (columns)", rows,
                              [src[j] for j in cols],
                              [[float(result.source_relevance[r, t, j]) for j in cols] for t in steps],
-                             "step", "source token", row=r))
+                             "step", "source_token", row=r))
         inputs = list(range(result.target_relevance.shape[2]))
         panels.append(Matrix(f"row {r} · each generated token (rows) over the decoder's inputs before it (cells "
                              "at or after the step are not its inputs)", rows, [seq[j] or "" for j in inputs],
                              [[float(result.target_relevance[r, t, j]) if j < width + t else None for j in inputs]
-                              for t in steps], "step", "decoder input", row=r))
+                              for t in steps], "step", "decoder_token", row=r))
     return _left_out(len(panels) // 2, batch) + panels
