@@ -99,6 +99,10 @@ def test_generate_command_explains_a_translation_model():
     doc = json.loads(r.stdout)
     assert doc["generated_text"] == "FOX RED CAT SUN"
     assert doc["tokens"][:6] == ["sun", "cat", "red", "fox", "</s>", "<pad>"] and doc["prompt_tokens"] == 6
+    assert doc["source_tokens"] == 5   # the source's columns; the decoder's start follows
+    shown = run_cli("generate", "--model", "translation", "--text", "sun cat red fox", "--max-new-tokens", "5")
+    assert "source     sun cat red fox </s>\ndecoder start <pad>\n" in shown.stdout
+    assert "source 3 'fox'" in shown.stdout and "decoder 0 '<pad>'" in shown.stdout
     m = torch.tensor(doc["token_relevance"])
     model, tok = toy.load_translation()
     api = pyattr.generation_relevance(model, "sun cat red fox", tokenizer=tok, max_new_tokens=5)

@@ -82,13 +82,19 @@ def print_terminal(rep: GenerationReport, top: int = 3, console=None) -> None:
 
     console = console or Console(soft_wrap=True)
     console.print(f"[bold]model[/bold]      {escape(rep.model)}")
-    console.print(f"[bold]prompt[/bold]     {escape(' '.join(_display(t) for t in rep.tokens[:rep.prompt_tokens]))}")
+    if rep.source_tokens is None:
+        console.print(f"[bold]prompt[/bold]     {escape(' '.join(_display(t) for t in rep.tokens[:rep.prompt_tokens]))}")
+    else:  # an encoder–decoder: the source, then the decoder's own start
+        n = rep.source_tokens
+        console.print(f"[bold]source[/bold]     {escape(' '.join(_display(t) for t in rep.tokens[:n]))}")
+        console.print(f"[bold]decoder start[/bold] "
+                      f"{escape(' '.join(_display(t) for t in rep.tokens[n:rep.prompt_tokens]))}")
     console.print(f"[bold]generated[/bold]  {escape(rep.generated_text)}")
     t = Table(title=f"per generated token: its {rep.target_kind} and top {top} sources")
     for c in ("step", "token", rep.target_kind, "conservation delta", "top sources (position 'token' relevance)"):
         t.add_column(c)
     for s in range(len(rep.matrix)):
-        src = ", ".join(f"{i} '{_display(w)}' {num(v, '+.3f')}" for i, w, v in rep.top_sources(s, top))
+        src = ", ".join(f"{rep.position(i)} '{_display(w)}' {num(v, '+.3f')}" for i, w, v in rep.top_sources(s, top))
         t.add_row(str(s), escape(_display(rep.tokens[rep.prompt_tokens + s])), num(rep.targets[s], "+.4f"),
                   num(rep.deltas[s], "+.2e"), escape(src))
     console.print(t)

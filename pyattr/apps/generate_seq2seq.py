@@ -67,4 +67,4 @@ def run_seq2seq(model, tok, label: str, text: str, max_new_tokens: Optional[int]
         model=label, tokens=tokens, prompt_tokens=n_src + width,
         generated_text=tok.decode(dec[width:], skip_special_tokens=True), matrix=matrix,
         targets=r.target[0, :steps].tolist(), deltas=r.conservation_delta[0, :steps].tolist(), target_kind=target,
-        seconds=seconds, backend=r.backend, batch_targets=min(steps, batch_targets or steps))
+        seconds=seconds, backend=r.backend, batch_targets=min(steps, batch_targets or steps), source_tokens=n_src)

@@ -5,7 +5,7 @@ decoders: the source and the decoder's start)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 
 @dataclass
@@ -21,13 +21,23 @@ class GenerationReport:
     seconds: float
     backend: str
     batch_targets: int
+    source_tokens: Optional[int] = None  # an encoder–decoder: the source's columns; the decoder's inputs follow
 
     def to_json(self) -> dict:
-        return {"model": self.model, "tokens": self.tokens, "prompt_tokens": self.prompt_tokens,
-                "generated_text": self.generated_text, "target": self.target_kind,
-                "target_values": self.targets, "conservation_delta": self.deltas,
-                "token_relevance": self.matrix, "wall_time_s": self.seconds, "backend": self.backend,
-                "batch_targets": self.batch_targets}
+        out = {"model": self.model, "tokens": self.tokens, "prompt_tokens": self.prompt_tokens,
+               "generated_text": self.generated_text, "target": self.target_kind,
+               "target_values": self.targets, "conservation_delta": self.deltas,
+               "token_relevance": self.matrix, "wall_time_s": self.seconds, "backend": self.backend,
+               "batch_targets": self.batch_targets}
+        if self.source_tokens is not None:
+            out["source_tokens"] = self.source_tokens
+        return out
+
+    def position(self, i: int) -> str:
+        """Column ``i`` in words: its index, and on an encoder–decoder its side."""
+        if self.source_tokens is None:
+            return str(i)
+        return f"source {i}" if i < self.source_tokens else f"decoder {i - self.source_tokens}"
 
     def top_sources(self, step: int, k: int = 3):
         own = self.prompt_tokens + step

@@ -45,10 +45,12 @@ def _epilog(*examples) -> str:
     return "\n".join(lines + ["", DOCS])
 
 
-def _causal_model_flag(parser) -> None:
+def _generate_model_flag(parser) -> None:
     parser.add_argument("--model", type=model_dir,
-                        help="a causal LM: a local Hugging Face directory, a Hugging Face Hub id, or 'induction' "
-                             "(the default: the shipped toy induction decoder)")
+                        help="a causal LM or an encoder–decoder (its source is --text, each generated token "
+                             "explained over the source and the decoder's inputs before it): a local Hugging Face "
+                             "directory, a Hugging Face Hub id, 'translation' (the shipped toy translation model), or "
+                             "'induction' (the default: the shipped toy induction decoder)")
 
 
 def _command(name: str):
@@ -152,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     g.add_argument("--text", help="the prompt")
-    _causal_model_flag(g)
+    _generate_model_flag(g)
     g.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate (default 8)")
     g.add_argument("--continuation", help="explain this continuation instead of generating (teacher-forced)")
     g.add_argument("--target", choices=["logit", "logprob", "prob"], default="logit",
