@@ -233,6 +233,14 @@ def test_cite_command_on_an_encoder_decoder(capsys):
                  "5"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "response: 'RED CAT SUN </s>'  (method foldover, 9 forwards)"
+    # --per-token: each translated word's own sources, its aligned source word first
+    assert main(["cite", "--model", "translation", "--text", "sun cat red fox", "--split", "word", "--response",
+                 "FOX RED CAT SUN", "--method", "attnlrp", "--per-token", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [(t["token"].strip(), t["sources"][0]["text"]) for t in doc["tokens"][:4]] == [
+        ("FOX", "fox"), ("RED", "red"), ("CAT", "cat"), ("SUN", "sun")]
+    assert main(["cite", "--text", "a b", "--query", "q", "--per-token"]) == 2
+    assert "--per-token splits a response into its tokens" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command,says", [

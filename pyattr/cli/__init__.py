@@ -186,8 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
             ("pyattr cite --text 'The lake is cold. A man plays the guitar.' --query 'someone making music'",
              "the bundled MiniLM: which sentence of the passage matches the query"),
             ("pyattr cite --model translation --text 'sun cat red fox' --split word --response 'FOX RED CAT SUN' "
-             "--method attnlrp", "an encoder–decoder (the bundled translation toy): the source words the "
-             "translation rests on"),
+             "--method attnlrp --per-token", "an encoder–decoder (the bundled translation toy): the source word "
+             "each translated word rests on"),
         ),
     )
     c.add_argument("--text", help="the prompt: context and question (with --query: the passage)")
@@ -206,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--response", help="the response to explain (teacher-forced)")
     c.add_argument("--max-new-tokens", type=int, default=None, help="generate this many tokens instead (default 16)")
     c.add_argument("--method", help="foldover (default), contextcite, loo, attnlrp, relevance, gradient, attention")
+    c.add_argument("--per-token", action="store_true",
+                   help="score the sources for each response token apart (its own log-probability) instead of "
+                        "the whole response")
     c.add_argument("--html", metavar="PATH", help="write the sources as an HTML heatmap")
     c.add_argument("--json", action="store_true", help="print machine-readable JSON instead")
     c.set_defaults(func=_command("cite"))

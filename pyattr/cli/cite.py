@@ -21,6 +21,28 @@ def _cost(res) -> str:
     return "one forward" if res.method == "attention" else "one forward and backward"
 
 
+def _per_token(res, as_json: bool) -> int:
+    """Each response token's sources, best first (``--per-token``)."""
+    toks = res.response_tokens[0] if res.response_tokens else [str(i) for i in res.response_ids[0]]
+    n = len(res.sources[0])
+    rows = []
+    for j, (a, b) in enumerate(res.spans):
+        s = res.scores[0, j, :n]
+        order = s.argsort(descending=True).tolist()
+        rows.append({"token": "".join(t or "" for t in toks[a:b]), "value": float(res.value[0, j]),
+                     "sources": [{"text": res.sources[0][i], "score": float(s[i])} for i in order]})
+    if as_json:
+        print(json.dumps({"method": res.method, "response": res.response[0], "score_unit": res.score_unit,
+                          "ablations": res.ablations, "tokens": rows}))
+        return 0
+    print(f"response: {res.response[0]!r}  (method {res.method}, {_cost(res)}; each token apart)")
+    print(f"score: {res.score_unit}")
+    for row in rows:
+        best = ", ".join(f"{d['text']} {d['score']:+.4g}" for d in row["sources"][:3])
+        print(f"  {row['token']!r:>12}  {best}")
+    return 0
+
+
 def run(args) -> int:
     from pyattr.methods.context import METHODS
 
@@ -34,6 +56,8 @@ def run(args) -> int:
             raise UsageError("--query needs --text (the passage retrieved for it)")
         if args.query is not None and not args.query.strip():
             raise UsageError("--query is empty")
+        if args.query is not None and args.per_token:
+            raise UsageError("--per-token splits a response into its tokens; --query scores one similarity")
         if args.response is not None and args.max_new_tokens is not None:
             raise UsageError("--response explains given text, --max-new-tokens generates; pass one")
         if args.max_new_tokens is not None and args.max_new_tokens < 1:
@@ -80,11 +104,14 @@ def run(args) -> int:
         if args.method == "attention" and hasattr(model, "set_attn_implementation"):
             model.set_attn_implementation("eager")  # the attention weights are read from the model's output
         res = pyattr.context_attribution(model, text, sources, response=response, max_new_tokens=new,
-                                         tokenizer=tok, method=args.method, query=args.query)
+                                         tokenizer=tok, method=args.method, query=args.query,
+                                         spans="tokens" if args.per_token else None)
     except (ModelLoadError, ValueError, TypeError) as e:
         return fail("cite", str(e))
     if args.html:
         Path(args.html).write_text(res.to_html(), encoding="utf-8")
+    if args.per_token:
+        return _per_token(res, args.json)
     ranked = res.top(len(res.sources[0]))
     if args.json:
         said = {"query": res.response[0]} if embedding else {"response": res.response[0]}
