@@ -279,7 +279,10 @@ def generation_relevance(
     """Relevance of every generated token over the prompt and the tokens before it.
 
     Args:
-        model (nn.Module): a Hugging Face causal LM (``model.can_generate()``).
+        model (nn.Module): a Hugging Face causal LM (``model.can_generate()``), or an
+            encoder–decoder with its language-model head (the prompt is its source; the
+            result a :class:`~pyattr.methods.seq2seq_generation.Seq2SeqGenerationResult`
+            over the source and the decoder's inputs).
         inputs (LongTensor[batch, seq] | Mapping): the prompt ids, or a tokenizer output;
             rows of different lengths left-padded (``attention_mask``).
         max_new_tokens (int): generate this many tokens first (greedy unless

@@ -177,7 +177,10 @@ def relevance(
 
     Returns:
         RelevanceResult with ``token_relevance`` (batch, seq), ``relevance``
-        (batch, seq, hidden), ``target`` and ``conservation_delta``.
+        (batch, seq, hidden), ``target`` and ``conservation_delta``; on an encoder–decoder
+        model a :class:`~pyattr.methods.seq2seq.Seq2SeqRelevanceResult` (``source_relevance``
+        and ``target_relevance`` in place of ``token_relevance``, ``source_tokens`` and
+        ``decoder_tokens`` in place of ``tokens``).
 
     Logit targets run the language-model head at their positions only
     (``logits_to_keep``, where the model's forward takes it): ``target`` is the model's

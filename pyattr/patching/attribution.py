@@ -78,7 +78,8 @@ def attribution_patching(
     Args:
         model (nn.Module): a Hugging Face model of a mapped architecture (llama, mistral,
             qwen2, qwen3, gemma, gemma2, gemma3_text, olmo2, phi3, gpt2, gpt_neox, bert,
-            roberta, distilbert).
+            roberta, distilbert, …; ``generic=True`` for others), or a mapped encoder–decoder
+            with ``decoder_input_ids`` (nodes on both stacks, see below).
         clean (LongTensor[batch, seq] | Mapping): token ids or tokenizer outputs.
         corrupt (LongTensor[batch, seq] | Mapping): as ``clean``; row i of ``corrupt`` is
             the counterfactual of row i of ``clean``.
