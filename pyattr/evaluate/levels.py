@@ -21,3 +21,16 @@ def perturbed_masks(relevance: torch.Tensor, real: torch.Tensor, order: str, ste
     first = rank[:, None, :] < counts[:, :, None]                            # (batch, steps + 1, seq)
     first &= real[:, None, :]
     return (real[:, None, :] & ~first) if order == "insertion" else first
+
+
+def checked_relevance(r, shape, inputs: str = "the inputs", layout: str = "(batch, seq), one value per token"):
+    """``r`` detached: a floating tensor of ``shape`` with finite values, else the error
+    naming ``relevance`` and what was expected."""
+    if tuple(r.shape) != tuple(shape):
+        raise ValueError(f"relevance of shape {tuple(r.shape)} does not match {inputs}: expected {tuple(shape)} "
+                         f"{layout}")
+    if not r.is_floating_point():
+        raise TypeError(f"relevance must be a floating tensor, got dtype {r.dtype}")
+    if not torch.isfinite(r).all():
+        raise ValueError("relevance has non-finite values (NaN or inf); a ranking needs finite values")
+    return r.detach()

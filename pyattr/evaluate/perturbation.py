@@ -25,7 +25,7 @@ import pyattr.methods._core.text as text
 import pyattr.methods._core.groups as G
 import pyattr.methods._core.positions as P
 import pyattr.targets as T
-from pyattr.evaluate.levels import perturbed_masks
+from pyattr.evaluate.levels import checked_relevance, perturbed_masks
 from pyattr.evaluate.perturbation_seq2seq import seq2seq_curve
 from pyattr.integration.wrappers import unwrap
 from pyattr.methods._core.stacks import is_encoder_decoder
@@ -84,14 +84,7 @@ def _token_relevance(relevance, shape) -> torch.Tensor:
         raise TypeError(f"relevance must be a Tensor[batch, seq] or a result with token_relevance / "
                         f"token_attribution, "
                         f"got {type(relevance).__name__}")
-    if tuple(r.shape) != tuple(shape):
-        raise ValueError(f"relevance of shape {tuple(r.shape)} does not match the inputs: expected "
-                         f"{tuple(shape)} (batch, seq), one value per token")
-    if not r.is_floating_point():
-        raise TypeError(f"relevance must be a floating tensor, got dtype {r.dtype}")
-    if not torch.isfinite(r).all():
-        raise ValueError("relevance has non-finite values (NaN or inf); a ranking needs finite values")
-    return r.detach()
+    return checked_relevance(r, shape)
 
 
 def _check(order: str, perturbation: str, steps) -> int:

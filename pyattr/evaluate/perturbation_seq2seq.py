@@ -19,7 +19,7 @@ import pyattr.methods._core as core
 import pyattr.methods.seq2seq_inputs as SI
 import pyattr.methods.seq2seq_targets as ST
 import pyattr.targets as T
-from pyattr.evaluate.levels import perturbed_masks
+from pyattr.evaluate.levels import checked_relevance, perturbed_masks
 from pyattr.methods._core.forward import evaluate_targets
 
 
@@ -38,14 +38,7 @@ def source_relevance(relevance, shape) -> torch.Tensor:
     if not isinstance(relevance, torch.Tensor):
         raise TypeError("relevance must be a Tensor[batch, source_len] or a result with source_relevance / "
                         f"source_attribution, got {type(relevance).__name__}")
-    if tuple(relevance.shape) != tuple(shape):
-        raise ValueError(f"relevance of shape {tuple(relevance.shape)} does not match the source: expected "
-                         f"{tuple(shape)} (batch, source_len), one value per source token")
-    if not relevance.is_floating_point():
-        raise TypeError(f"relevance must be a floating tensor, got dtype {relevance.dtype}")
-    if not torch.isfinite(relevance).all():
-        raise ValueError("relevance has non-finite values (NaN or inf); a ranking needs finite values")
-    return relevance.detach()
+    return checked_relevance(relevance, shape, "the source", "(batch, source_len), one value per source token")
 
 
 def _encoder_embedding(model: nn.Module) -> nn.Module:

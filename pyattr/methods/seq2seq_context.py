@@ -63,18 +63,10 @@ def response_of(model: nn.Module, tokenizer, source: Sequence[int], response, ma
     :func:`pyattr.generation_relevance` reads one), ids, or ``max_new_tokens`` generated
     (greedy, the steps ``generate``'s stopping criteria kept)."""
     if response is None:
-        if max_new_tokens is None or max_new_tokens < 1:
-            raise ValueError("context_attribution: give response= (text or token ids) or max_new_tokens= (>= 1) "
-                             "to generate it")
-        from pyattr.methods._core.generate import generate
-
-        device = next(model.parameters()).device
-        ids = torch.tensor([list(source)], device=device)
+        SI.check_length(model, 1 + max_new_tokens if isinstance(max_new_tokens, int) else 1, "max_new_tokens")
         prefix: list = []
-        SI.check_length(model, 1 + max_new_tokens, "max_new_tokens")
-        with CI.generation_config_named():
-            gen, steps = generate(model, ids, torch.ones_like(ids), max_new_tokens, None, prefix=prefix)
-        return prefix[0][0].tolist(), gen[0][steps[0].to(gen.device)].tolist()
+        ids = CI.generated(model, source, max_new_tokens, prefix)
+        return prefix[0][0].tolist(), ids
     if isinstance(response, str):
         if tokenizer is None:
             raise ValueError(f"response[{row}]: a text response needs tokenizer=")

@@ -88,15 +88,9 @@ def activation_patching(
             ``rules`` a shorthand (``"all"``, ``"attnlrp"``, ``"ln"``, ``"none"``), as
             for :func:`pyattr.relevance`.
         decoder_input_ids (optional): on an encoder–decoder model, the clean run's target
-            prefix (ids, text with ``tokenizer=``, or ``labels`` in the inputs), as
-            :func:`pyattr.relevance`; ``clean`` and ``corrupt`` are then sources of one
-            length, the metric is read on the decoder side, and the nodes are on both
-            stacks (``"encoder.residual"``, ``"decoder.cross_heads"``, …;
-            :mod:`pyattr.patching.seq2seq`).
-        corrupt_decoder_input_ids (optional): the corrupt run's target prefix, of the
-            clean one's length (default: the clean one).
-        decoder_attention_mask (Tensor[batch, target_len], optional): 1 for the target
-            prefix's real tokens (both runs).
+            prefix, as in :func:`attribution_patching` (nodes on both stacks).
+        corrupt_decoder_input_ids (optional): the corrupt run's, as there.
+        decoder_attention_mask (Tensor[batch, target_len], optional): as there.
 
     Returns:
         PatchingResult with ``method="exact"``.

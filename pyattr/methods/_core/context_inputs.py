@@ -93,18 +93,24 @@ def _one_row(ids) -> bool:
     return t.dim() == 1 or (t.dim() == 2 and t.shape[0] == 1)
 
 
+def generated(model, prompt, max_new_tokens, prefix=None) -> List[int]:
+    """The response ``generate`` gives after ``prompt`` (greedy, the steps its stopping
+    criteria kept); ``prefix`` (a list, encoder–decoders) receives the decoder's start."""
+    if max_new_tokens is None or max_new_tokens < 1:
+        raise ValueError("context_attribution: give response= (text or token ids) or max_new_tokens= (>= 1) "
+                         "to generate it")
+    from pyattr.methods._core.generate import generate
+
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(prompt)], device=device)
+    with generation_config_named():
+        gen, steps = generate(model, ids, torch.ones_like(ids), max_new_tokens, None, prefix=prefix)
+    return gen[0][steps[0].to(gen.device)].tolist()
+
+
 def response_ids(model, prompt, response, max_new_tokens, row):
     if response is None:
-        if max_new_tokens is None or max_new_tokens < 1:
-            raise ValueError("context_attribution: give response= (text or token ids) or max_new_tokens= (>= 1) "
-                             "to generate it")
-        from pyattr.methods._core.generate import generate
-
-        device = next(model.parameters()).device
-        ids = torch.tensor([list(prompt)], device=device)
-        with generation_config_named():
-            gen, steps = generate(model, ids, torch.ones_like(ids), max_new_tokens, None)
-        return gen[0][steps[0]].tolist()
+        return generated(model, prompt, max_new_tokens)
     if isinstance(response, str):
         raise ValueError(f"response[{row}]: a text response needs the prompt as text with tokenizer=")
     return ids_of(model, response, f"response[{row}]")
