@@ -347,8 +347,8 @@ def test_generation_stops_where_generate_stopped_each_row():
 def test_generation_arguments_not_supported_on_encoder_decoders_are_refused():
     model = tiny_seq2seq("t5")
     src, _ = _ids("t5", batch=1)
-    with pytest.raises(ValueError, match="baseline: not supported on encoder–decoder models yet"):
-        pyattr.generation_relevance(model, src, max_new_tokens=2, baseline="zeros")
+    with pytest.raises(ValueError, match=r"baseline: on encoder–decoder models one of \['zeros', 'pad'\]"):
+        pyattr.generation_relevance(model, src, max_new_tokens=2, baseline=torch.zeros(1, 7, 16))
     with pytest.raises(ValueError, match="batch_targets"):
         pyattr.generation_relevance(model, src, max_new_tokens=2, batch_targets=0)
     with pytest.raises(ValueError, match=r"contrast of shape \(1, 3\): expected \(batch, generated\) = \(1, 2\)"):
@@ -760,3 +760,19 @@ def test_generation_batch_targets_chunk_the_steps_backward_to_the_same_numbers(a
         assert torch.allclose(part.source_relevance, whole.source_relevance, rtol=1e-10, atol=1e-12)
         assert torch.allclose(part.target_relevance, whole.target_relevance, rtol=1e-10, atol=1e-12)
         assert torch.equal(part.target, whole.target)
+
+
+@pytest.mark.parametrize("baseline", ["zeros", "pad"])
+def test_generation_with_a_baseline_is_relevance_with_that_baseline_per_step(baseline):
+    model = tiny_seq2seq("bart", biases=False)
+    src, _ = _ids("bart", batch=1, seed=6)
+    cont = torch.tensor([[11, 12, 13]])
+    g = pyattr.generation_relevance(model, src, continuation=cont, baseline=baseline)
+    seq = g.sequences
+    for t in range(3):
+        one = pyattr.relevance(model, src, decoder_input_ids=seq[:, :1 + t], target=int(cont[0, t]), baseline=baseline)
+        assert torch.allclose(g.source_relevance[0, t], one.source_relevance[0], rtol=1e-9, atol=1e-12)
+        assert torch.allclose(g.baseline_target[0, t], one.baseline_target[0], rtol=1e-12)
+    # completeness against f(x) - f(x0): Σ relevance + delta
+    total = g.source_relevance.sum(-1) + g.target_relevance.sum(-1) + g.conservation_delta
+    assert torch.allclose(total, g.target - g.baseline_target, rtol=1e-9, atol=1e-9)

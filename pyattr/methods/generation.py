@@ -298,7 +298,8 @@ def generation_relevance(
         rules (RelevanceRules, optional): as :func:`pyattr.relevance` (default all four
             rules; ``RelevanceRules()`` is gradient × input).
         baseline: as :func:`pyattr.relevance`; a tensor baseline covers the whole sequence
-            (prompt and generated tokens): (batch, seq, hidden) or (seq, hidden).
+            (prompt and generated tokens): (batch, seq, hidden) or (seq, hidden). On an
+            encoder–decoder model ``"zeros"`` or ``"pad"`` at both stacks' entries.
         attention_mask (Tensor[batch, seq], optional): the prompt's mask, with ids.
         batch_targets (int, optional): steps per batched backward; the steps of one
             segment share one forward whatever this is (a segment ends where its cut
@@ -324,8 +325,9 @@ def generation_relevance(
     :class:`~pyattr.methods.seq2seq_generation.Seq2SeqGenerationResult` with each step's
     relevance over the source and over the decoder's inputs before it (the generated ×
     (source + target prefix) matrices), from one forward and one batched backward per row;
-    ``target`` and ``contrast`` (one id, or one per step for every row) work as here;
-    ``baseline`` and ``batch_targets`` keep their defaults there.
+    ``target``, ``contrast`` (one id, or one per step for every row), ``batch_targets``
+    (steps per backward over the row's one forward) and ``baseline`` (``"zeros"`` /
+    ``"pad"``) work as here.
 
     Returns:
         GenerationRelevanceResult. Row ``t`` equals :func:`pyattr.relevance` on the
@@ -349,9 +351,6 @@ def generation_relevance(
     if generate_kwargs is not None and continuation is not None:
         raise ValueError("generate_kwargs: a continuation is given, nothing is generated")
     if is_encoder_decoder(model):
-        if baseline is not None:
-            raise ValueError("baseline: not supported on encoder–decoder models yet (each row's steps run as one "
-                             "batched backward over the source and the decoder's inputs)")
         batch_targets = core.check_count("batch_targets", batch_targets)
 
         def step_targets(row, tokens, width, generated):
@@ -367,7 +366,7 @@ def generation_relevance(
                                  "(generated,), the same for every row")
         return seq2seq_generation_relevance(model, inputs, max_new_tokens, continuation, generate_kwargs,
                                             core.rule_defaults(rules), attention_mask, tokenizer, step_targets,
-                                            batch_targets)
+                                            batch_targets, baseline)
     can = getattr(model, "can_generate", None)
     if not callable(can) or not can():
         raise ValueError(f"model: {type(model).__name__} is not a causal language model (can_generate() is False); "

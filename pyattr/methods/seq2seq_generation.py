@@ -17,6 +17,7 @@ from pyattr.results import ResultViews
 from pyattr.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.methods._core.generate import generate
 from pyattr.methods._core.inputs import check_token_ids, normalise_inputs
+import pyattr.methods.seq2seq_baseline as B
 import pyattr.methods.seq2seq_inputs as SI
 from pyattr.methods.seq2seq import seq2seq_relevance, strings
 
@@ -47,6 +48,9 @@ class Seq2SeqGenerationResult(ResultViews):
         source_tokens, sequence_tokens (list of lists of str, or None): with ``tokenizer=``,
             the source's and the decoder sequence's tokens as strings (None at padding and
             after a row finished).
+        baseline_target (Tensor[batch, generated], float64, or None): with a baseline,
+            each step's value at it; relevance is then ``(x − x₀) · g`` and the delta is
+            taken against ``target − baseline_target``.
     """
 
     __repr__ = summary_repr
@@ -64,6 +68,7 @@ class Seq2SeqGenerationResult(ResultViews):
     backend: str
     source_tokens: Optional[List[List[Optional[str]]]] = None
     sequence_tokens: Optional[List[List[Optional[str]]]] = None
+    baseline_target: Optional[torch.Tensor] = None
 
 
 def _continuation(model: nn.Module, continuation, batch: int, tokenizer):
@@ -103,11 +108,13 @@ def _continuation(model: nn.Module, continuation, batch: int, tokenizer):
 
 def seq2seq_generation_relevance(model: nn.Module, inputs, max_new_tokens, continuation, generate_kwargs,
                                  rules: RelevanceRules, attention_mask, tokenizer=None,
-                                 step_targets=None, batch_targets=None) -> Seq2SeqGenerationResult:
+                                 step_targets=None, batch_targets=None, baseline=None) -> Seq2SeqGenerationResult:
     """``step_targets(row, tokens, width, generated)``: the targets of one row's steps
     (``tokens`` its generated ids, LongTensor[k]; step ``t`` read at decoder position
     ``width + t − 1``); default each step's logit. ``batch_targets``: at most this many
-    steps per batched backward over the row's one forward (default: all of them)."""
+    steps per batched backward over the row's one forward (default: all of them);
+    ``baseline``: ``"zeros"`` or ``"pad"`` at both entries, as :func:`pyattr.relevance`."""
+    B.check(baseline)
     kwargs = normalise_inputs(inputs, attention_mask)
     src = kwargs["input_ids"]
     smask = kwargs.get("attention_mask")
@@ -153,6 +160,7 @@ def seq2seq_generation_relevance(model: nn.Module, inputs, max_new_tokens, conti
     t_rel = torch.zeros(batch, n, seq.shape[1] - 1, dtype=dt)
     target = torch.full((batch, n), float("nan"), dtype=torch.float64)
     delta = torch.full((batch, n), float("nan"), dtype=torch.float64)
+    base = None if baseline is None else torch.full((batch, n), float("nan"), dtype=torch.float64)
     cov, backend = None, ""
     for b in range(batch):
         k = int(steps[b].sum())
@@ -164,15 +172,17 @@ def seq2seq_generation_relevance(model: nn.Module, inputs, max_new_tokens, conti
             step_targets(b, gen[b, :k], width, n)
         r = seq2seq_relevance(model, {"input_ids": src[b:b + 1, real], "attention_mask": smask[b:b + 1, real]},
                               tgts, rules, decoder_input_ids=dec, caller="generation_relevance",
-                              batch_targets=batch_targets)
+                              batch_targets=batch_targets, baseline=baseline)
         s_rel[b, :k, real] = r.source_relevance[:, 0].to(dt)
         t_rel[b, :k, :dec.shape[1]] = r.target_relevance[:, 0].to(dt)
         target[b, :k] = r.target[:, 0]
         delta[b, :k] = r.conservation_delta[:, 0]
+        if base is not None:
+            base[b, :k] = r.baseline_target[:, 0]
         cov, backend = r.coverage, r.backend
     seq_mask = torch.cat([torch.ones(batch, width, dtype=torch.long), steps.to("cpu").long()], 1)
     return Seq2SeqGenerationResult(source_ids=src, sequences=seq, prefix_width=width, source_relevance=s_rel,
                                    target_relevance=t_rel, target=target, conservation_delta=delta,
                                    step_mask=steps.to("cpu"), coverage=cov, backend=backend,
                                    source_tokens=strings(tokenizer, src, smask),
-                                   sequence_tokens=strings(tokenizer, seq, seq_mask))
+                                   sequence_tokens=strings(tokenizer, seq, seq_mask), baseline_target=base)
