@@ -85,8 +85,8 @@ def test_integrated_gradients_complete_over_both_sides():
 def test_integrated_gradients_refuse_what_is_not_supported_on_encoder_decoders():
     model = tiny_seq2seq("t5")
     src, dec = _ids("t5")
-    with pytest.raises(ValueError, match="baseline: on encoder–decoder models only 'zeros'"):
-        pyattr.integrated_gradients(model, src, decoder_input_ids=dec, baseline="pad")
+    with pytest.raises(ValueError, match=r"baseline: on encoder–decoder models one of \['zeros', 'pad'\]"):
+        pyattr.integrated_gradients(model, src, decoder_input_ids=dec, baseline=torch.zeros(2, 7, 16))
     with pytest.raises(ValueError, match="layer, internal_batch_size, grad_outputs, multiply_by_inputs=False: not "
                                          "supported on encoder–decoder models yet"):
         pyattr.integrated_gradients(model, src, decoder_input_ids=dec, layer="encoder.block.0")
@@ -185,3 +185,53 @@ def test_generation_views_name_their_columns_as_the_relevance_views_do():
     g = pyattr.generation_relevance(model, "sun cat red fox", tokenizer=tok, max_new_tokens=5)
     cols = g.to_pandas().columns
     assert {"source_token", "decoder_token", "step"} <= set(cols)
+
+
+def test_integrated_gradients_from_the_pad_baseline_equal_the_explicit_path_loop():
+    """baseline='pad': the path from what both entries receive for an all-pad source and
+    target prefix (read off the model's own forward) to the input; against a loop written
+    here with hooks, and complete as the quadrature converges."""
+    model = tiny_seq2seq("bart")
+    src, dec = _ids("bart", seed=14, src=6, tgt=4)
+    pad = model.config.pad_token_id
+    x0, hooks = {}, []
+    for i, p in enumerate(ENTRIES["bart"]):
+        hooks.append(model.get_submodule(p).register_forward_pre_hook(
+            lambda mod, args, i=i: x0.__setitem__(i, args[0].detach())))
+    with torch.no_grad():
+        model(input_ids=torch.full_like(src, pad), decoder_input_ids=torch.full_like(dec, pad), use_cache=False)
+        xs = {}
+        for h in hooks:
+            h.remove()
+        hooks = [model.get_submodule(p).register_forward_pre_hook(lambda mod, args, i=i: xs.__setitem__(i, args[0]))
+                 for i, p in enumerate(ENTRIES["bart"])]
+        model(input_ids=src, decoder_input_ids=dec, use_cache=False)
+    for h in hooks:
+        h.remove()
+    total = [0, 0]
+    for a, w in zip(*path_points("riemann_right", 5)):
+        z = {}
+
+        def rep(i, a=a):
+            def pre(mod, args):
+                z[i] = (x0[i] + a * (xs[i] - x0[i])).requires_grad_(True)
+                return (z[i], *args[1:])
+            return pre
+
+        hs = [model.get_submodule(p).register_forward_pre_hook(rep(i)) for i, p in enumerate(ENTRIES["bart"])]
+        try:
+            with torch.enable_grad():
+                f = model(input_ids=src, decoder_input_ids=dec, use_cache=False).logits[:, -1, 7].sum()
+                g = torch.autograd.grad(f, [z[0], z[1]])
+        finally:
+            for h in hs:
+                h.remove()
+        total = [total[0] + w * g[0], total[1] + w * g[1]]
+    r = pyattr.integrated_gradients(model, src, target=7, decoder_input_ids=dec, n_steps=5, method="riemann_right",
+                                    rules="none", baseline="pad")
+    want_s, want_t = ((xs[0] - x0[0]) * total[0]).sum(-1), ((xs[1] - x0[1]) * total[1]).sum(-1)
+    scale = float(want_s.abs().max())
+    assert (r.source_attribution - want_s).abs().max() <= 1e-10 * scale
+    assert (r.target_attribution - want_t).abs().max() <= 1e-10 * scale
+    fine = pyattr.integrated_gradients(model, src, target=7, decoder_input_ids=dec, n_steps=256, baseline="pad")
+    assert (fine.convergence_delta.abs() <= 1e-3 * (fine.target - fine.baseline_target).abs().clamp(min=1)).all()

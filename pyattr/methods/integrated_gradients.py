@@ -202,7 +202,8 @@ def integrated_gradients(
             ``"none"``), as for :func:`pyattr.relevance`.
         decoder_input_ids (LongTensor[batch, target_len] | str | list[str], optional): on an
             encoder–decoder model, the target prefix, as for :func:`pyattr.relevance`; the
-            path then runs at both stacks' entries at once from a zero baseline, and the
+            path then runs at both stacks' entries at once from a zero baseline (or
+            ``baseline="pad"``: what both entries receive for all-pad inputs), and the
             result is a :class:`~pyattr.methods.seq2seq_ig.Seq2SeqAttributionResult`
             (``layer``, ``internal_batch_size``, ``grad_outputs`` and
             ``multiply_by_inputs=False`` are not supported there yet). Default: None.

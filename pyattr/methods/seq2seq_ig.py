@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import pyattr.methods._core as core
+import pyattr.methods.seq2seq_baseline as B
 import pyattr.methods.seq2seq_inputs as SI
 import pyattr.methods.seq2seq_targets as ST
 import pyattr.targets as T
@@ -67,9 +68,7 @@ def _repeat(kwargs: dict, times: int) -> dict:
 def seq2seq_integrated_gradients(model: nn.Module, inputs, target, *, decoder_input_ids, decoder_attention_mask,
                                  attention_mask, baseline, alphas, weights, method: str, rules: RelevanceRules,
                                  tokenizer=None) -> Seq2SeqAttributionResult:
-    if baseline not in (None, "zeros"):
-        raise ValueError(f"baseline: on encoder–decoder models only 'zeros' (a zero residual stream at both entries) "
-                         f"is supported yet, got {baseline!r}")
+    B.check(baseline)
     kwargs, dec, dmask, (enc_entry, dec_entry) = prepare(model, inputs, attention_mask, decoder_input_ids,
                                                          decoder_attention_mask, "integrated_gradients", tokenizer)
     batch = dec.shape[0]
@@ -81,12 +80,15 @@ def seq2seq_integrated_gradients(model: nn.Module, inputs, target, *, decoder_in
     with core.attribution_pass(model, rules, False, "integrated_gradients") as cov:
         seen: List[List[torch.Tensor]] = [[], []]
 
-        def keep(i, scale=None, store=None):
+        def keep(i, scale=None, store=None, x0=None):
+            """Record the entry; with ``scale``: x₀ + α (x − x₀) in its place (x₀ 0 or given)."""
             def fn(t):
                 seen[i].append(t.detach())
                 if scale is None:
                     return None
-                z = leaf(t.detach() * scale.view(-1, *([1] * (t.dim() - 1))).to(t.dtype))
+                a = scale.view(-1, *([1] * (t.dim() - 1))).to(t.dtype)
+                base = torch.zeros_like(t) if x0 is None else x0.to(device=t.device, dtype=t.dtype)
+                z = leaf(base + a * (t.detach() - base))
                 store[i] = z
                 return z
             return fn
@@ -102,8 +104,11 @@ def seq2seq_integrated_gradients(model: nn.Module, inputs, target, *, decoder_in
                 raise ValueError(f"target: integrated_gradients needs one value per row ({batch},), got shape "
                                  f"{tuple(value.shape)} (a callable target must not sum over the rows)")
             zero = torch.zeros(batch)
-            with core.tap(enc_entry, "input", keep(0, zero, {}), once=True), \
-                    core.tap(dec_entry, "input", keep(1, zero, {}), once=True), ST.recording(model, fixed, store := {}):
+            x0 = (None, None) if baseline in (None, "zeros") else \
+                B.entries_at(model, kwargs, (enc_entry, dec_entry), baseline, seen[0][0], seen[1][0])
+            with core.tap(enc_entry, "input", keep(0, zero, {}, x0[0]), once=True), \
+                    core.tap(dec_entry, "input", keep(1, zero, {}, x0[1]), once=True), \
+                    ST.recording(model, fixed, store := {}):
                 out0 = model(**kwargs)
             value0, _, _ = evaluate_targets(fixed, ST.forward(side, out0, kwargs, store), False)
         x_src, x_tgt = seen[0][0], seen[1][0]
@@ -112,19 +117,22 @@ def seq2seq_integrated_gradients(model: nn.Module, inputs, target, *, decoder_in
         rows = torch.arange(n * batch) % batch
         path = [t.rows(rows, batch) for t in fixed]
         repeated = _repeat(kwargs, n)
-        with core.tap(enc_entry, "input", keep(0, scale, zs), once=True), \
-                core.tap(dec_entry, "input", keep(1, scale, zs), once=True), ST.recording(model, path, store := {}):
+        x0_path = [None if b is None else b.repeat(n, *([1] * (b.dim() - 1))) for b in x0]
+        with core.tap(enc_entry, "input", keep(0, scale, zs, x0_path[0]), once=True), \
+                core.tap(dec_entry, "input", keep(1, scale, zs, x0_path[1]), once=True), \
+                ST.recording(model, path, store := {}):
             out_p = model(**repeated)
         vals, _, _ = evaluate_targets(path, ST.forward(side, out_p, repeated, store), False)
         w = torch.tensor(weights, dtype=vals.dtype, device=vals.device).repeat_interleave(batch)
         g_src, g_tgt = torch.autograd.grad(vals, [zs[0], zs[1]], w, allow_unused=True)
     dt = torch.promote_types(torch.float32, x_src.dtype)
 
-    def integrate(x, g):
+    def integrate(x, base, g):
         g = torch.zeros((n * batch, *x.shape[1:]), dtype=x.dtype) if g is None else g
-        return (x.to(dt) * g.to(dt).view(n, batch, *x.shape[1:]).sum(0)).sum(-1)
+        d = x if base is None else x - base.to(x.dtype)
+        return (d.to(dt) * g.to(dt).view(n, batch, *x.shape[1:]).sum(0)).sum(-1)
 
-    a_src, a_tgt = integrate(x_src, g_src), integrate(x_tgt, g_tgt)
+    a_src, a_tgt = integrate(x_src, x0[0], g_src), integrate(x_tgt, x0[1], g_tgt)
     t64, b64 = value.detach().double(), value0.detach().double()
     delta = a_src.double().sum(-1) + a_tgt.double().sum(-1) - (t64 - b64)
     return Seq2SeqAttributionResult(
