@@ -776,3 +776,27 @@ def test_generation_with_a_baseline_is_relevance_with_that_baseline_per_step(bas
     # completeness against f(x) - f(x0): Σ relevance + delta
     total = g.source_relevance.sum(-1) + g.target_relevance.sum(-1) + g.conservation_delta
     assert torch.allclose(total, g.target - g.baseline_target, rtol=1e-9, atol=1e-9)
+
+
+def test_generation_refuses_inputs_its_explained_forward_would_drop():
+    """generation_relevance explains each step from the ids alone: an image in the inputs,
+    or a forward input in generate_kwargs (which would condition what is generated), would
+    be explained without it; refused on encoder–decoders and decoders alike."""
+    from models import tiny_causal_lm
+
+    model = tiny_seq2seq("t5gemma2")
+    src, _ = _ids("t5gemma2", batch=1)
+    pixels = torch.zeros(1, 3, 16, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match="inputs: pixel_values is not read by generation_relevance"):
+        pyattr.generation_relevance(model, {"input_ids": src, "pixel_values": pixels}, max_new_tokens=2)
+    with pytest.raises(ValueError, match="generate_kwargs: pixel_values is an input of "
+                                         "T5Gemma2ForConditionalGeneration's forward"):
+        pyattr.generation_relevance(model, src, max_new_tokens=2, generate_kwargs={"pixel_values": pixels})
+    lm = tiny_causal_lm("llama")
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match="inputs: position_ids is not read by generation_relevance"):
+        pyattr.generation_relevance(lm, {"input_ids": ids, "position_ids": torch.tensor([[0, 1, 2]])},
+                                    max_new_tokens=2)
+    zeros = pyattr.generation_relevance(lm, {"input_ids": ids, "token_type_ids": torch.zeros_like(ids)},
+                                        max_new_tokens=2)
+    assert torch.equal(zeros.token_relevance, pyattr.generation_relevance(lm, ids, max_new_tokens=2).token_relevance)

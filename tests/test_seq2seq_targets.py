@@ -104,3 +104,36 @@ def test_targets_of_both_stacks_are_refused():
         pyattr.relevance(model, src, target=[ModuleOutput(PATHS["bart"][0]), Logit(3)], decoder_input_ids=dec)
     with pytest.raises(ValueError, match="target: module 'model.encoder.nothing'|has no module 'model.encoder.nothing'"):
         pyattr.relevance(model, src, target=ModuleOutput("model.encoder.nothing"), decoder_input_ids=dec)
+
+
+def test_a_decoder_layer_for_an_encoder_target_is_refused_by_name():
+    model = tiny_seq2seq("bart")
+    src, dec = _ids("bart", seed=46)
+    with pytest.raises(ValueError, match="layers: 'model.decoder.layers.0' is in the decoder, which runs after the "
+                                         "encoder module the target reads"):
+        pyattr.layer_relevance(model, src, "model.decoder.layers.0", target=ModuleOutput(PATHS["bart"][0], (1, 2)),
+                               decoder_input_ids=dec)
+
+
+@pytest.mark.parametrize("stack", ["encoder", "decoder"])
+def test_a_node_at_the_targets_own_tensor_is_not_upstream_of_it(stack):
+    """Target: block 0's output; node: block 1's input, the same tensor. Patching block 1's
+    input cannot change what was read before it, and the estimates agree (they gave the
+    whole difference)."""
+    from models import tiny_causal_lm
+
+    if stack == "decoder":  # a decoder-only model: the one-stack path
+        model = tiny_causal_lm("llama", dtype=torch.float64)
+        clean, corrupt = torch.tensor([[5, 6, 7, 8, 9]]), torch.tensor([[5, 30, 7, 8, 9]])  # causal: at or before 1
+        metric, kw, node = ModuleOutput("model.layers.0", (1, 2)), {}, "residual"
+    else:
+        model = tiny_seq2seq("bart")
+        clean, corrupt = torch.tensor([[5, 6, 7, 8, 9]]), torch.tensor([[5, 30, 7, 8, 9]])
+        metric, kw, node = ModuleOutput("model.encoder.layers.0", (1, 2)), {"decoder_input_ids": torch.tensor([[2, 20]])}, \
+            "encoder.residual"
+    exact = pyattr.patching.activation_patching(model, clean, corrupt, metric, nodes="residual", **kw)
+    assert bool((exact[node][:, 1] == 0).all())
+    for method in ("atp", "relp"):
+        est = pyattr.patching.attribution_patching(model, clean, corrupt, metric, nodes="residual", method=method, **kw)
+        assert bool((est[node][:, 1] == 0).all()), method
+        assert float(est[node][:, 0].abs().max()) > 0     # block 0's input is upstream of the target

@@ -173,6 +173,24 @@ def _index(value, lo: int, hi: int, name: str) -> int:
     return i
 
 
+def refuse_other_inputs(inputs) -> None:
+    """The steps are explained from the prompt's ids alone (one forward of ids and mask):
+    another input in the mapping (an image's ``pixel_values``, embeddings, positions, a
+    cache) would be dropped from that forward, and the explanation would be of another
+    model call. ``token_type_ids`` of zeros (a tokenizer's default) change nothing."""
+    if not hasattr(inputs, "keys"):
+        return
+    for key in inputs.keys():
+        value = inputs[key]
+        if key in ("input_ids", "attention_mask") or value is None:
+            continue
+        if key == "token_type_ids" and not bool(torch.as_tensor(value).any()):
+            continue
+        raise ValueError(f"inputs: {key} is not read by generation_relevance, which explains each step from the "
+                         "prompt's token ids and attention mask alone; pass those (an image or other inputs are not "
+                         "explained here)")
+
+
 def _as_batch(inputs, attention_mask) -> Tuple[torch.Tensor, torch.Tensor]:
     if isinstance(inputs, torch.Tensor):
         ids, mask = inputs, attention_mask
@@ -350,6 +368,7 @@ def generation_relevance(
                          "(explain given tokens)")
     if generate_kwargs is not None and continuation is not None:
         raise ValueError("generate_kwargs: a continuation is given, nothing is generated")
+    refuse_other_inputs(inputs)
     if is_encoder_decoder(model):
         batch_targets = core.check_count("batch_targets", batch_targets)
 

@@ -58,6 +58,13 @@ def seq2seq_layer_relevance(model: nn.Module, inputs, layers, target, rules: Rel
                                           "layer_relevance", tokenizer)
     tgts, several = T.normalize(_words_to_ids(target, tokenizer), dec.shape[0])
     side = ST.side_of(model, tgts, "layer_relevance")
+    enc = model.get_encoder() if callable(getattr(model, "get_encoder", None)) else None
+    inside = {id(m) for m in enc.modules()} if isinstance(enc, nn.Module) else set()
+    sides = ["encoder" if id(A.get_submodule(model, p)) in inside else "decoder" for p, _ in lays]
+    if side == "encoder" and "decoder" in sides:
+        p = lays[sides.index("decoder")][0]
+        raise ValueError(f"layers: {p!r} is in the decoder, which runs after the encoder module the target reads, "
+                         "so no relevance reaches it; pass layers of the encoder (or a decoder-side target)")
     store: Dict[Tuple[str, str], torch.Tensor] = {}
     with core.attribution_pass(model, rules, False, "layer_relevance") as cov:
         calls: Dict[Tuple[str, str], int] = {}
@@ -101,9 +108,6 @@ def seq2seq_layer_relevance(model: nn.Module, inputs, layers, target, rules: Rel
         a = a.detach().to(dt)
         g = torch.zeros((*value.shape[:1],) * several + a.shape, dtype=dt) if g is None else g.to(dt)
         result[path] = (a, g, where)
-    enc = model.get_encoder() if callable(getattr(model, "get_encoder", None)) else None
-    inside = {id(m) for m in enc.modules()} if isinstance(enc, nn.Module) else set()
-    sides = ["encoder" if id(A.get_submodule(model, p)) in inside else "decoder" for p, _ in lays]
     if tokenizer is not None:
         from pyattr.methods._core.text import token_strings
 

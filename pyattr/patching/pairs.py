@@ -166,9 +166,13 @@ def _recording(sites: List[Site], store: List[Optional[torch.Tensor]], check: Li
     def fn_for(i):
         def fn(t):
             check[i] += 1
-            store[i] = t
+            # a node at a module's input is the value as that module receives it: an alias, so
+            # a target read from the same tensor before it (the previous block's output) is
+            # not downstream of the node (exact patching there leaves it unchanged too)
+            alias = t.view_as(t) if sites[i].where == "input" and t.requires_grad else None
+            store[i] = t if alias is None else alias
             versions[i] = t._version
-            return None
+            return alias
 
         return fn
 

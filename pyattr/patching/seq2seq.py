@@ -150,6 +150,8 @@ def _run(model, kwargs, dec, dmask, tgts, flat, record: bool, patch=None, caller
 
         def fn(t):
             new = body(t) if body is not None else None
+            if new is None and record and flat[i][1].where == "input" and t.requires_grad:
+                new = t.view_as(t)  # the node as its module receives it (see pairs._recording)
             if record:
                 acts[i] = t if new is None else new
             return new

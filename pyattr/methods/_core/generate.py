@@ -98,6 +98,23 @@ class _StopRecord:
 _MULTI_TOKEN = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
 
 
+def _refuse_model_inputs(model: nn.Module, kw: dict) -> None:
+    """A tensor in ``generate_kwargs`` that the model's forward takes (``pixel_values``,
+    ``token_type_ids``, …) would change what is generated, while the explained forward runs
+    on the ids alone: refused, so the explanation is of the generation that ran."""
+    import inspect
+
+    try:
+        params = set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        params = set()
+    for key, value in kw.items():
+        if isinstance(value, torch.Tensor) and key in params:
+            raise ValueError(f"generate_kwargs: {key} is an input of {type(model).__name__}'s forward; the steps are "
+                             "explained from the prompt's ids alone, so a generation conditioned on it would be "
+                             "explained without it")
+
+
 def generate(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int,
              generate_kwargs: Optional[dict], prefix: Optional[list] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``model.generate`` on left-padded ``ids`` (greedy unless ``generate_kwargs`` or the
@@ -118,6 +135,7 @@ def generate(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, max_new_to
     """
     model = getattr(model, "_orig_mod", model)  # torch.compile: generate on the module itself
     kw = dict(generate_kwargs or {})
+    _refuse_model_inputs(model, kw)
     for key in ("max_new_tokens", "max_length"):
         if key in kw:
             raise ValueError(f"generate_kwargs: {key} is given by max_new_tokens= of generation_relevance "
