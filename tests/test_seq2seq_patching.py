@@ -247,3 +247,19 @@ def test_a_word_metric_is_a_target_side_token():
     ids = pyattr.patching.attribution_patching(model, "sun cat red fox", "sun dog red fox",
                                                tok.convert_tokens_to_ids("CAT"), **kw)
     assert all(torch.equal(word[n], ids[n]) for n in ids.nodes)
+
+
+@pytest.mark.parametrize("arch", __import__("models").SEQ2SEQ_ARCHS)
+def test_every_node_type_on_every_mapped_encoder_decoder(arch):
+    """Each mapped type: every node type on both stacks (T5Gemma 2's decoder attends to the
+    encoder in its self-attention: no cross nodes), identical inputs give exactly 0, and a
+    head node per attention head (4 in the tiny models)."""
+    model = tiny_seq2seq(arch)
+    src, dec = _ids(arch, seed=47, batch=1, src=5, tgt=3)
+    nodes = ["residual", "attention", "heads", "mlp", "neurons"]
+    if arch != "t5gemma2":
+        nodes += ["cross_attention", "cross_heads"]
+    res = pyattr.patching.attribution_patching(model, src, src.clone(), 5, nodes=nodes, decoder_input_ids=dec)
+    assert all(bool((e == 0).all()) for e in res.effects.values())
+    assert res["encoder.heads"].shape == (1, 2, 5, 4) and res["decoder.heads"].shape == (1, 2, 3, 4)
+    assert sum(n.startswith("decoder.cross") for n in res.nodes) == (0 if arch == "t5gemma2" else 2)

@@ -61,16 +61,22 @@ def check_nodes(nodes) -> List[str]:
     return out
 
 
-def _heads(model: nn.Module, side: str) -> int:
+def _heads(model: nn.Module, side: str, attention: nn.Module) -> int:
+    """The number of heads of an attention module: as the module holds it (``n_heads``,
+    ``num_heads``, its config's ``num_attention_heads``), else the model's config for that
+    stack (T5Gemma's per-stack configs, T5Gemma 2's text config)."""
+    own = [getattr(attention, k, None) for k in ("n_heads", "num_heads", "num_attention_heads")]
+    own.append(getattr(getattr(attention, "config", None), "num_attention_heads", None))
     cfg = getattr(model, "config", None)
-    sub = getattr(cfg, side, None)  # T5Gemma: a config per stack
-    for c in (sub, cfg):
-        for key in (f"{side}_attention_heads", "num_heads", "num_attention_heads"):
-            n = getattr(c, key, None)
-            if isinstance(n, int) and n > 0:
-                return n
-    raise ValueError(f"nodes: 'heads' needs the {side}'s number of heads in the config, and {type(model).__name__} "
-                     "names none")
+    sub = getattr(cfg, side, None)
+    configs = (sub, getattr(sub, "text_config", None), cfg)
+    found = own + [getattr(c, k, None) for c in configs for k in (f"{side}_attention_heads", "num_heads",
+                                                                   "num_attention_heads")]
+    n = next((v for v in found if isinstance(v, int) and v > 0), None)
+    if n is None:
+        raise ValueError(f"nodes: 'heads' needs the {side}'s number of heads, and neither its attention module nor "
+                         f"{type(model).__name__}'s config names it")
+    return n
 
 
 def sites(model: nn.Module, names: Sequence[str]) -> List[Tuple[str, Site]]:
@@ -98,7 +104,8 @@ def sites(model: nn.Module, names: Sequence[str]) -> List[Tuple[str, Site]]:
             mod = A.get_submodule(model, path)
             if mod is None:
                 raise ValueError(f"nodes: {name!r}: {type(model).__name__} has no module {path!r}")
-            heads = _heads(model, side) if base in ("heads", "cross_heads") else 0
+            heads = _heads(model, side, A.get_submodule(model, path.rsplit(".", 1)[0])) \
+                if base in ("heads", "cross_heads") else 0
             out.append((name, Site(base.replace("cross_", ""), i, path, mod, where, heads)))
     return out
 
