@@ -129,3 +129,32 @@ def test_a_callable_target_giving_one_value_for_all_levels_is_refused():
     with pytest.raises(ValueError, match="target: the callable returned one value for a forward of several rows"):
         pyattr.evaluate.perturbation_curve(lm, ids, pyattr.relevance(lm, ids), lambda out: out.logits[0, -1, 3],
                                            steps=3)
+
+
+@pytest.mark.parametrize("arch", ["bart", "t5"])
+def test_mean_embedding_replaces_the_encoders_token_embedding_by_its_vocabulary_mean(arch):
+    model = tiny_seq2seq(arch)
+    src, dec = _ids(arch, seed=25, batch=1, src=6, tgt=3)
+    rel = torch.arange(6, dtype=torch.float64)[None]                 # the last token most relevant
+    c = pyattr.evaluate.perturbation_curve(model, src, rel, target=9, decoder_input_ids=dec, steps=6,
+                                           perturbation="mean_embedding")
+    emb = model.get_encoder().embed_tokens
+    with torch.no_grad():
+        mean = emb(torch.arange(emb.num_embeddings)[None])[0].mean(0)
+        for j in (0, 2, 6):
+            hit = torch.zeros(6, dtype=torch.bool)
+            hit[6 - j:] = True                                            # the j most relevant: the last j
+            calls = []
+
+            def hook(mod, args, out, hit=hit):
+                if calls:
+                    return None                                            # the decoder's call of a shared table
+                calls.append(1)
+                return torch.where(hit[None, :, None], mean, out)
+
+            h = emb.register_forward_hook(hook)
+            try:
+                want = model(input_ids=src, decoder_input_ids=dec, use_cache=False).logits[0, -1, 9].double()
+            finally:
+                h.remove()
+            assert torch.allclose(c.values[0, j], want, rtol=1e-10, atol=1e-10), j

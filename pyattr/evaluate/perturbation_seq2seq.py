@@ -12,6 +12,8 @@ The source's attention mask stays the unperturbed one.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -72,7 +74,8 @@ def seq2seq_curve(model: nn.Module, inputs, relevance, target, order: str, pertu
     real = smask.bool() if smask is not None else torch.ones(batch, seq, dtype=torch.bool, device=src.device)
     levels = perturbed_masks(rel, real, order, steps)
     values = torch.empty(batch, steps + 1, dtype=torch.float64)
-    mean = mean_of(_encoder_embedding(model)) if perturbation == "mean_embedding" else None
+    emb = _encoder_embedding(model) if perturbation == "mean_embedding" else None
+    mean = mean_of(emb) if emb is not None else None
     with core.inference_state(model):
         with core.tap(enc_entry, "input", SI.one_per_token(None, seq, model, "perturbation_curve"), once=True), \
                 ST.recording(model, tgts, store := {}):
@@ -86,11 +89,11 @@ def seq2seq_curve(model: nn.Module, inputs, relevance, target, order: str, pertu
                   for k, v in kwargs.items()}
             if replace_id is not None:
                 kw["input_ids"] = kw["input_ids"].masked_fill(mask, replace_id)
-                tap = core.tap(enc_entry, "input", lambda t: t, once=True)
+                tap = contextlib.nullcontext()
             elif perturbation == "zero_embedding":
                 tap = core.tap(enc_entry, "input", lambda t, m=mask: t.masked_fill(m[..., None], 0.0), once=True)
             else:  # mean_embedding, at the encoder's own embedding (a shared table is also the decoder's)
-                tap = core.tap(_encoder_embedding(model), "output",
+                tap = core.tap(emb, "output",
                                lambda t, m=mask: torch.where(m[..., None], mean.to(device=t.device, dtype=t.dtype), t),
                                once=True)
             tg = [t.rows(r, batch) for t in fixed]

@@ -58,8 +58,7 @@ def seq2seq_layer_relevance(model: nn.Module, inputs, layers, target, rules: Rel
                                           "layer_relevance", tokenizer)
     tgts, several = T.normalize(_words_to_ids(target, tokenizer), dec.shape[0])
     side = ST.side_of(model, tgts, "layer_relevance")
-    enc = model.get_encoder() if callable(getattr(model, "get_encoder", None)) else None
-    inside = {id(m) for m in enc.modules()} if isinstance(enc, nn.Module) else set()
+    inside = ST.encoder_modules(model)
     sides = ["encoder" if id(A.get_submodule(model, p)) in inside else "decoder" for p, _ in lays]
     if side == "encoder" and "decoder" in sides:
         p = lays[sides.index("decoder")][0]

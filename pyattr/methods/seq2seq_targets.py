@@ -15,12 +15,18 @@ import pyattr.methods._core as core
 import pyattr.targets as T
 
 
+def encoder_modules(model: nn.Module) -> set:
+    """The ids of the modules of the model's encoder (``get_encoder()``), the stack a module
+    belongs to read off the model itself."""
+    get = getattr(model, "get_encoder", None)
+    enc = get() if callable(get) else None
+    return {id(m) for m in enc.modules()} if isinstance(enc, nn.Module) else set()
+
+
 def side_of(model: nn.Module, targets: Sequence, caller: str) -> str:
     """``"encoder"`` or ``"decoder"``: the one stack every target reads; ValueError for
     targets that read both."""
-    get = getattr(model, "get_encoder", None)
-    enc = get() if callable(get) else None
-    inside = {id(m) for m in enc.modules()} if isinstance(enc, nn.Module) else set()
+    inside = encoder_modules(model)
     sides = []
     for t in targets:
         paths = T.module_paths([t])

@@ -19,6 +19,7 @@ a copy of the clean run, copies batched, against an unpatched forward of as many
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -145,12 +146,22 @@ def _valid(kwargs, dec, dmask, side: str) -> torch.Tensor:
     return dmask.bool() if dmask is not None else torch.ones_like(dec, dtype=torch.bool)
 
 
-def _run(model, kwargs, dec, dmask, tgts, flat, record: bool, patch=None, caller: str = "patching"):
+@dataclass(frozen=True)
+class Call:
+    """What every forward of one patching call shares, found once: the stacks' entries (the
+    encoder's checked to hold one position per source token), the stack the metric reads,
+    the caller's name for messages."""
+    enc_entry: nn.Module
+    dec_entry: nn.Module
+    side: str
+    caller: str
+
+
+def _run(model, kwargs, dec, dmask, tgts, flat, record: bool, call: Call, patch=None):
     """The metric (Tensor[batch]) and, with ``record``, every site's activation (in the
     graph); ``patch(i)``: a tap body for site ``i`` (or None). The metric is read on the
     stack its targets read (``dec`` and ``dmask``: the decoder's inputs of this call)."""
     acts: List[Optional[torch.Tensor]] = [None] * len(flat)
-    _, (enc_entry, _) = SI.entries(model, caller)
 
     def fn_for(i):
         body = patch(i) if patch is not None else None
@@ -164,11 +175,12 @@ def _run(model, kwargs, dec, dmask, tgts, flat, record: bool, patch=None, caller
             return new
         return fn
 
-    with core.tap(enc_entry, "input", SI.one_per_token(None, kwargs["input_ids"].shape[1], model, caller), once=True), \
+    one = SI.one_per_token(None, kwargs["input_ids"].shape[1], model, call.caller)
+    with core.tap(call.enc_entry, "input", one, once=True), \
             core.taps([(s.module, s.where) for _, s in flat], fn_for), ST.recording(model, tgts, store := {}):
         out = model(**kwargs)
-    call = {**kwargs, "decoder_input_ids": dec, "decoder_attention_mask": dmask}
-    value, _, fixed = evaluate_targets(tgts, ST.forward(ST.side_of(model, tgts, caller), out, call, store), False)
+    read = {**kwargs, "decoder_input_ids": dec, "decoder_attention_mask": dmask}
+    value, _, fixed = evaluate_targets(tgts, ST.forward(call.side, out, read, store), False)
     if value.dim() != 1 or value.shape[0] != dec.shape[0]:
         raise ValueError(f"metric must give one value per row, shape ({dec.shape[0]},), got shape {tuple(value.shape)}")
     return value, acts, fixed
@@ -195,22 +207,22 @@ def _stack(flat, name, per_site, batch) -> torch.Tensor:
     return torch.stack([per_site[i] for i, (n, _) in enumerate(flat) if n == name], 1)
 
 
-def estimate(model, kc, kx, dec, dmask, tgts, names, method: str, rules, caller: str) -> PatchingResult:
+def estimate(model, kc, kx, dec, dmask, tgts, names, method: str, rules, call: Call) -> PatchingResult:
     """``"relp"`` / ``"atp"``: ``(a_corrupt − a_clean) · ∂metric/∂a`` at the clean run,
     the gradient under ``rules`` for ``"relp"``, plain for ``"atp"``."""
     flat = sites(model, names)
-    _, (enc_entry, dec_entry) = SI.entries(model, caller)
+    caller, enc_entry, dec_entry = call.caller, call.enc_entry, call.dec_entry
     with core.attribution_pass(model, rules, False, caller) as cov:
         # the stacks' entries made leaves, so every site downstream is in the graph
         with core.tap(enc_entry, "input", leaf, once=True), core.tap(dec_entry, "input", leaf, once=True):
-            value, acts_c, fixed = _run(model, kc, dec, dmask, tgts, flat, record=True, caller=caller)
+            value, acts_c, fixed = _run(model, kc, dec, dmask, tgts, flat, True, call)
         missing = [flat[i][1].path for i, a in enumerate(acts_c) if a is None]
         if missing:
             raise ValueError(f"{caller}(): the node {missing[0]!r} was not reached during the forward pass")
         grads = torch.autograd.grad(value, acts_c, torch.ones_like(value), allow_unused=True)
         value = value.detach()
         with torch.no_grad():
-            value_x, acts_x, _ = _run(model, kx, kx["decoder_input_ids"], dmask, fixed, flat, record=True)
+            value_x, acts_x, _ = _run(model, kx, kx["decoder_input_ids"], dmask, fixed, flat, True, call)
     per_site = []
     for i, (name, s) in enumerate(flat):
         diff = acts_x[i].detach().float() - acts_c[i].detach().float()
@@ -242,8 +254,7 @@ def _check_copies(model, reference: torch.Tensor, clean_value: float, row: int, 
             "which follows the rows")
 
 
-def exact(model, kc, kx, dec, dmask, tgts, names, batch_size: int,
-          caller: str = "activation_patching") -> PatchingResult:
+def exact(model, kc, kx, dec, dmask, tgts, names, batch_size: int, call: Call) -> PatchingResult:
     """Each node's effect: the metric of a copy of the clean row with that node's
     activation (at one position, one head or neuron) taken from the corrupt run, minus
     the metric of an unpatched copy in a forward of as many copies (so identical clean and
@@ -251,8 +262,8 @@ def exact(model, kc, kx, dec, dmask, tgts, names, batch_size: int,
     flat = sites(model, names)
     batch = dec.shape[0]
     with torch.no_grad(), core.inference_state(model):
-        value, acts_c, fixed = _run(model, kc, dec, dmask, tgts, flat, record=True, caller=caller)
-        value_x, _, _ = _run(model, kx, kx["decoder_input_ids"], dmask, fixed, flat, record=False, caller=caller)
+        value, acts_c, fixed = _run(model, kc, dec, dmask, tgts, flat, True, call)
+        value_x, _, _ = _run(model, kx, kx["decoder_input_ids"], dmask, fixed, flat, False, call)
         widths = [a.shape[-1] for a in acts_c]
         del acts_c
         out: Dict[int, torch.Tensor] = {}
@@ -273,13 +284,14 @@ def exact(model, kc, kx, dec, dmask, tgts, names, batch_size: int,
                 n = len(chunk)
                 if n not in cache:
                     kc_n, kx_n = _copies(kc, row, n), _copies(kx, row, n)
-                    ref, _, _ = _run(model, kc_n, kc_n["decoder_input_ids"], kc_n.get("decoder_attention_mask"),
-                                     [t.rows(torch.full((n,), row), batch) for t in fixed], flat, record=False)
+                    tg = [t.rows(torch.full((n,), row), batch) for t in fixed]
+                    ref, _, _ = _run(model, kc_n, kc_n["decoder_input_ids"], kc_n.get("decoder_attention_mask"), tg,
+                                     flat, False, call)
                     _check_copies(model, ref, float(value[row]), row, n)
-                    _, src, _ = _run(model, kx_n, kx_n["decoder_input_ids"], kx_n.get("decoder_attention_mask"),
-                                     [t.rows(torch.full((n,), row), batch) for t in fixed], flat, record=True)
-                    cache[n] = (ref, src, kc_n)
-                ref, src, kc_n = cache[n]
+                    _, src, _ = _run(model, kx_n, kx_n["decoder_input_ids"], kx_n.get("decoder_attention_mask"), tg,
+                                     flat, True, call)
+                    cache[n] = (ref, src, kc_n, tg)
+                ref, src, kc_n, tg = cache[n]
                 by_site: Dict[int, List[Tuple[int, int, int]]] = {}
                 for j, (i, p, u) in enumerate(chunk):
                     by_site.setdefault(i, []).append((j, p, u))
@@ -296,9 +308,8 @@ def exact(model, kc, kx, dec, dmask, tgts, names, batch_size: int,
                         return new
                     return fn
 
-                vals, _, _ = _run(model, kc_n, kc_n["decoder_input_ids"], kc_n.get("decoder_attention_mask"),
-                                  [t.rows(torch.full((n,), row), batch) for t in fixed], flat, record=False,
-                                  patch=patch)
+                vals, _, _ = _run(model, kc_n, kc_n["decoder_input_ids"], kc_n.get("decoder_attention_mask"), tg,
+                                  flat, False, call, patch)
                 eff = (vals.double() - ref.double()).cpu()
                 for j, (i, p, u) in enumerate(chunk):
                     out[i][(row, p) + ((u,) if u >= 0 else ())] = eff[j]
@@ -343,13 +354,14 @@ def patching(model, clean, corrupt, metric, nodes, method: str, caller: str, *, 
     tgts, several = T.normalize(_words_to_ids(metric, tokenizer), dec.shape[0])
     if several:
         raise ValueError("metric must be one target (one value per row), not k targets")
-    ST.side_of(model, tgts, caller)  # one stack's targets (refused before any forward)
+    # one stack's targets (refused before any forward); the encoder's entry, found once
+    call = Call(*SI.entries(model, caller)[1], ST.side_of(model, tgts, caller), caller)
     from pyattr.methods._core.text import token_strings
 
     if method == "exact":
-        res = exact(model, kc, kx, dec, dmask, tgts, names, core.check_count("batch_size", batch_size) or 32)
+        res = exact(model, kc, kx, dec, dmask, tgts, names, core.check_count("batch_size", batch_size) or 32, call)
     else:
-        res = estimate(model, kc, kx, dec, dmask, tgts, names, method, rules, caller)
+        res = estimate(model, kc, kx, dec, dmask, tgts, names, method, rules, call)
     if sum_positions:
         res.effects = {n: e.sum(2) for n, e in res.effects.items()}
         res.dims = {n: d[:2] + d[3:] for n, d in res.dims.items()}
