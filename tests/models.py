@@ -208,7 +208,7 @@ def tiny_unmapped(config: str, dtype=torch.float64, attn: Optional[str] = "eager
 
 #: the mapped encoder–decoder architectures tiny_seq2seq builds ("t5_gated": T5 v1.1's gated-GELU feed-forward)
 SEQ2SEQ_ARCHS = ("t5", "t5_gated", "bart", "mbart", "marian", "m2m_100", "pegasus", "umt5", "mvp", "plbart",
-                 "blenderbot", "t5gemma", "bigbird_pegasus", "t5gemma2")
+                 "blenderbot", "t5gemma", "bigbird_pegasus", "t5gemma2", "prophetnet")
 
 
 @functools.lru_cache(maxsize=None)
@@ -240,6 +240,13 @@ def _tiny_seq2seq(arch: str):
         model = T.T5Gemma2ForConditionalGeneration(cfg)
         model.set_attn_implementation("eager")
         return model
+    if arch == "prophetnet":  # the decoder's two n-gram predicting streams after the tokens'
+        cfg = T.ProphetNetConfig(vocab_size=VOCAB, hidden_size=16, encoder_ffn_dim=24, decoder_ffn_dim=24,
+                                 num_encoder_layers=2, num_decoder_layers=2, num_encoder_attention_heads=4,
+                                 num_decoder_attention_heads=4, ngram=2, num_buckets=8, relative_max_distance=16,
+                                 max_position_embeddings=64, init_std=0.3, pad_token_id=0, eos_token_id=1,
+                                 bos_token_id=2, decoder_start_token_id=2)
+        return T.ProphetNetForConditionalGeneration(cfg)
     if arch == "umt5":
         cfg = T.UMT5Config(vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=24, num_layers=2, num_decoder_layers=2,
                            num_heads=4, initializer_factor=4.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)

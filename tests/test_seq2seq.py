@@ -31,7 +31,10 @@ ENTRIES = {
     "t5gemma": ("model.encoder.layers.0", "model.decoder.layers.0"),
     "t5gemma2": ("model.encoder.text_model.layers.0", "model.decoder.layers.0"),
     "bigbird_pegasus": ("model.encoder.layers.0", "model.decoder.layers.0"),
+    "prophetnet": ("prophetnet.encoder.embeddings_layer_norm", "prophetnet.decoder.embeddings_layer_norm"),
 }
+#: the decoders whose entry appends streams after the tokens (ProphetNet: 1 + ngram streams)
+STREAMS = {"prophetnet": 3}
 ACT_LIMIT = {"ReLU": 0.0}  # φ(0) = act(x)/x at 0: 0 for ReLU, ½ for the GELUs
 
 
@@ -96,8 +99,13 @@ def _oracle_hooks(model, rules):
         elif rules != "none" and cls in ("T5DenseGatedActDense", "UMT5DenseGatedActDense", "T5GemmaMLP", "T5Gemma2MLP"):
             hooks.append(mod.register_forward_hook(_half_rule_gated))
         elif attn is not None and isinstance(mod, nn.Linear) and last in ("q", "k", "v", "q_proj", "k_proj", "v_proj",
-                                                                          "query", "key", "value"):
+                                                                          "query", "key", "value", "query_proj",
+                                                                          "key_proj", "value_proj"):
             hooks.append(mod.register_forward_hook(_scaled(attn["qkv".index(last[0])])))
+        elif attn is not None and last == "relative_pos_embeddings":
+            # ProphetNet's position bias, a projection of the hidden states added to the
+            # logits: the logits' share, q·k's twice over (AH-rule 0, AttnLRP ½)
+            hooks.append(mod.register_forward_hook(_scaled(2 * attn[0])))
     return hooks
 
 
@@ -110,8 +118,10 @@ def _oracle(model, arch, src, dec, rules, token=None, smask=None, dmask=None):
         def pre(mod, args, side=side):
             if side in leaves:
                 return None
-            leaves[side] = args[0].detach().requires_grad_(True)
-            return (leaves[side], *args[1:])
+            n = STREAMS.get(arch, 1) if side == "target" else 1
+            x = args[0][:, :args[0].shape[1] // n]  # the tokens' stream; the appended ones stay constants
+            leaves[side] = x.detach().requires_grad_(True)
+            return (torch.cat([leaves[side], args[0][:, x.shape[1]:]], 1), *args[1:])
         hooks.append(model.get_submodule(path).register_forward_pre_hook(pre))
     try:
         with torch.enable_grad():
@@ -165,6 +175,11 @@ def test_conservation_over_source_and_target_prefix_without_biases(arch):
     src, dec = _ids(arch, seed=2)
     r = pyattr.relevance(model, src, decoder_input_ids=dec)
     total = r.source_relevance.sum(-1) + r.target_relevance.sum(-1)
+    if arch in STREAMS:  # the appended streams take their share, reported apart
+        assert r.stream_relevance.shape == (2, STREAMS[arch] - 1, 5) and r.stream_relevance.abs().sum() > 0
+        total = total + r.stream_relevance.sum(dim=(-2, -1))
+    else:
+        assert r.stream_relevance is None
     # T5's own norm computes its variance in float32 (even in a float64 model): its output
     # is w·x/rms up to float32 rounding, and conservation holds to that
     tol = 1e-6 if "t5" in arch else 1e-10  # T5 and T5Gemma norms compute in float32

@@ -23,5 +23,13 @@ from pyattr.architectures.table import (  # noqa: F401
     Arch,
     FusedGatedForm,
 )
-from pyattr.architectures.seq2seq import CLASSIFIER_HEADS, SEQ2SEQ, Seq2Seq, classifier_head, one_stack  # noqa: F401
+from pyattr.architectures.seq2seq import (  # noqa: F401
+    CLASSIFIER_HEADS,
+    SEQ2SEQ,
+    Seq2Seq,
+    classifier_head,
+    one_stack,
+    refuse_one_forward_of_steps,
+    streams_decoder,
+)
 from pyattr.architectures.discover import arch_of, discover, padding_idx_embeddings, require  # noqa: F401, I001 - after the table it reads

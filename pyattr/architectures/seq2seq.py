@@ -29,13 +29,18 @@ class Seq2Seq:
     inputs never run (T5Gemma 2's vision tower), refused if they run;
     ``gated_ff``: (path of the feed-forward module in an encoder block, in a decoder
     block, its (gate, up, down, act) names) for T5, whose feed-forward is a plain
-    ``act`` MLP (T5 v1.0) or a gated one (T5 v1.1, mT5, Flan-T5), read off the instance."""
+    ``act`` MLP (T5 v1.0) or a gated one (T5 v1.1, mT5, Flan-T5), read off the instance;
+    ``cross_norms``: the decoder block's norms of an optional cross-attention (planned with
+    it where the block has it, else left out with it)."""
 
     encoder: Arch
     decoder: Arch
     cross_attention: Optional[Tuple]
     gated_ff: Optional[Tuple[str, str, Tuple[str, str, str, str]]] = None
     off_path: Tuple[str, ...] = ()
+    # decoder-block norms that exist only with the cross-attention, which a decoder built
+    # alone may leave out (ProphetNetForCausalLM with add_cross_attention=False)
+    cross_norms: Tuple[str, ...] = ()
 
 
 def _t5() -> Seq2Seq:
@@ -141,6 +146,31 @@ def _t5gemma2() -> Seq2Seq:
                    off_path=("encoder.vision_tower", "encoder.multi_modal_projector"))
 
 
+def _prophetnet() -> Seq2Seq:
+    """ProphetNet: post-norm blocks (LayerNorm after each residual add), learned positions
+    added before a LayerNorm after the embeddings, a plain GELU feed-forward. The decoder
+    appends ``config.ngram`` predicting streams after the tokens at its entry (inputs: an
+    n-gram embedding plus the next position's embedding, no token); its self-attention
+    runs the main stream causally and each predicting stream over the main stream and
+    itself, with a relative position bias that is a projection of the hidden states
+    (``relative_pos_embeddings``, on the logit path). The logits are read from the first
+    predicting stream, which reaches the tokens only through attention."""
+
+    def stack(side: str, norms: Tuple[str, ...], **extra) -> Arch:
+        return Arch(layers=f"{side}.layers", norm="layer_norm", layer_norms=norms,
+                    outer_norms=(f"{side}.embeddings_layer_norm",), mlp=("act", "feed_forward.activation_fn"),
+                    attention=("separate", "self_attn.query_proj", "self_attn.key_proj", "self_attn.value_proj"),
+                    entry=(f"{side}.embeddings_layer_norm", "input"), attention_out="self_attn",
+                    mlp_out="feed_forward", neurons=("feed_forward.output", "input"), heads="self_attn.out_proj",
+                    **extra)
+
+    enc = stack("encoder", ("self_attn_layer_norm", "feed_forward_layer_norm"))
+    dec = stack("decoder", ("self_attn_layer_norm", "cross_attn_layer_norm", "feed_forward_layer_norm"),
+                score_bias=("self_attn.relative_pos_embeddings",), streams="ngram")
+    return Seq2Seq(enc, dec, ("separate", "cross_attn.query_proj", "cross_attn.key_proj", "cross_attn.value_proj"),
+                   cross_norms=("cross_attn_layer_norm",))
+
+
 SEQ2SEQ = {
     "t5": _t5(),
     "mt5": _t5(),
@@ -159,6 +189,7 @@ SEQ2SEQ = {
     "t5gemma": _t5gemma(),
     "bigbird_pegasus": _bigbird_pegasus(),
     "t5gemma2": _t5gemma2(),
+    "prophetnet": _prophetnet(),
 }
 
 
@@ -187,3 +218,27 @@ def one_stack(model, model_type: str):
     if layer_paths(model, spec.encoder) or not layer_paths(model, spec.decoder):
         return None
     return spec.decoder
+
+
+def streams_decoder(model) -> Optional[str]:
+    """The config attribute counting the streams the decoder of ``model`` appends after the
+    tokens (``Arch.streams``: ProphetNet's ``ngram``), else None."""
+    from pyattr.architectures.paths import model_type
+
+    spec = SEQ2SEQ.get(model_type(model))
+    return None if spec is None else spec.decoder.streams
+
+
+def refuse_one_forward_of_steps(model, caller: str) -> None:
+    """A decoder with appended streams (ProphetNet) gathers its predicting streams'
+    position bias by an index that depends on the input's length (transformers' own
+    layout), so its logits at a position change when later tokens are appended: one
+    teacher-forced forward over every generated step does not give the logits that
+    generated them. ValueError naming the model."""
+    if streams_decoder(model) is not None:
+        raise ValueError(
+            f"{caller}(): {type(model).__name__}'s logits at a position depend on the length of its decoder input (its "
+            "predicting streams' position bias is gathered by a length-dependent index), so one teacher-forced forward "
+            "over the generated steps does not reproduce the logits that generated them; explain each step with "
+            "pyattr.relevance on the tokens up to it")
+

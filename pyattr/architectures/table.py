@@ -97,6 +97,14 @@ class Arch:
     # a vision transformer: its inputs are pixel_values, cut into patches of
     # config.patch_size, with a [CLS] token first
     vision: bool = False
+    # block-relative projections of the hidden states added to the attention logits
+    # (ProphetNet's relative_pos_embeddings): on the logit path as q·k is, so they carry
+    # the logit path's rule (the AH-rule: no gradient; AttnLRP: the ½ of the p·v product)
+    score_bias: Tuple[str, ...] = field(default=())
+    # a config attribute counting the streams the model appends after the tokens at its
+    # entry (ProphetNet's decoder: ``ngram`` predicting streams, each as long as the input,
+    # whose inputs hold no token); the entry's first stream is the tokens'
+    streams: Optional[str] = None
 
     def refusal(self, role: str) -> Optional[str]:
         """Why this entry has no ``role`` (a field name), or None when it declares none."""

@@ -345,6 +345,19 @@ class Planner:
             if isinstance(parent, nn.Module):
                 (self.frozen_attention if self.rules.attention == "frozen" else self.attnlrp_attention).append(parent)
 
+    def score_bias(self, paths) -> None:
+        """Projections of the hidden states added to the attention logits (ProphetNet's
+        relative position bias): the logit path's rule, as q·k's — no gradient under the
+        AH-rule, under AttnLRP the ½ the p·v product leaves the logits (q and k each take
+        half of that again)."""
+        mode = self.rules.attention
+        for path in paths:
+            mod = self.need(path)
+            if not mode:
+                self.off("attention", path, mod, "attention rule off")
+                continue
+            self.add("attention", path, mod, (mode, "score"), projection_forward(2 * ATTN_SCALES[mode][0]))
+
     def qk_norms(self, paths, norm: str, offset: float) -> None:
         """Per-head q/k norms (Qwen3): the LN-rule under AttnLRP with ``normalization`` on,
         as the AttnLRP reference treats every norm; native otherwise (under the AH-rule no
@@ -414,6 +427,7 @@ def plan_block(pl: Planner, layer: str, arch) -> None:
     for p in arch.layer_norms:
         pl.norm(A.join(layer, p), arch.norm, arch.offset)
     pl.attention(layer, arch.attention)
+    pl.score_bias([A.join(layer, p) for p in arch.score_bias])
     pl.qk_norms([A.join(layer, p) for p in arch.qk_norms], arch.norm, arch.offset)
     kind, p = arch.mlp
     if kind == "gated":

@@ -36,8 +36,15 @@ def plan_seq2seq(model: nn.Module, rules: RelevanceRules, model_type: str) -> Pl
             pl.norm(A.join(prefix, p), arch.norm, arch.offset)
         for layer in layers:
             pl.mounted.add(id(A.get_submodule(model, layer)))
-            plan_block(pl, layer, _with_ff(model, layer, arch, spec, i))
-            if i == 1 and spec.cross_attention is not None:
+            block = _with_ff(model, layer, arch, spec, i)
+            # an optional cross-attention the block was built without: its norms go with it
+            crossed = i == 1 and spec.cross_attention is not None and \
+                (not spec.cross_norms or A.get_submodule(model, A.join(layer, spec.cross_attention[1])) is not None)
+            if i == 1 and not crossed:
+                block = dataclasses.replace(block, layer_norms=tuple(p for p in block.layer_norms
+                                                                     if p not in spec.cross_norms))
+            plan_block(pl, layer, block)
+            if crossed:
                 pl.attention(layer, spec.cross_attention)
     for p in spec.off_path:
         _off_path(pl, A.join(prefix, p))

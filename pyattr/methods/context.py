@@ -264,6 +264,9 @@ def _mean_attention(out) -> torch.Tensor:
     if not getattr(out, "attentions", None) or any(a is None for a in out.attentions):
         raise ValueError("method='attention': the model returned no attention weights (load it with "
                          "attn_implementation='eager', or call model.set_attn_implementation('eager'))")
+    if getattr(out, "ngram_attentions", None) is not None:  # ProphetNet: logits from a predicting stream
+        raise ValueError("method='attention': the model's logits come from its predicting streams, whose attention "
+                         "is not the tokens' own (ProphetNet); use 'attnlrp' or 'relevance'")
     return torch.stack([a[0].double().mean(0) for a in out.attentions]).mean(0).cpu()
 
 

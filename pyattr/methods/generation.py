@@ -24,6 +24,7 @@ from torch import nn
 
 from pyattr.methods._core.stacks import is_encoder_decoder
 from pyattr.methods.seq2seq_generation import seq2seq_generation_relevance
+import pyattr.architectures as A
 import pyattr.methods._core as core
 import pyattr.methods._core.text as text
 import pyattr.methods._core.positions as P
@@ -369,6 +370,7 @@ def generation_relevance(
     if generate_kwargs is not None and continuation is not None:
         raise ValueError("generate_kwargs: a continuation is given, nothing is generated")
     refuse_other_inputs(inputs)
+    A.refuse_one_forward_of_steps(model, "generation_relevance")
     if is_encoder_decoder(model):
         batch_targets = core.check_count("batch_targets", batch_targets)
 

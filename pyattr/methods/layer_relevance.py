@@ -408,6 +408,7 @@ def _layer_pass(model, prep, lays, tgts, several, rules, generic, baseline, grad
         if not xs:
             raise core.entry_not_reached(model, prep)
         for lay, c, v in zip(lays, calls, versions):
+            core.check_not_streams(prep.entry, lay.path, c, xs[0].shape[1])
             if len(c) != 1:
                 raise ValueError(
                     f"layers: {lay.path!r} ran {len(c)} times in one forward pass; layer_relevance needs a "

@@ -63,6 +63,11 @@ class RelevanceResult(ResultViews):
         image (Tensor[batch, height, width, 3], uint8, or None): for image inputs, each image
             for display (its ``pixel_values`` scaled from their min..max to 0..255): the
             notebook view and ``plot()`` draw the patch relevance over it.
+        stream_relevance (Tensor[batch, streams, seq], float32, or None): for a model that
+            appends streams after the tokens at its entry (ProphetNet's ``ngram``
+            predicting streams, whose inputs are an n-gram embedding and a position
+            embedding, no token), the relevance reaching each stream position's input;
+            part of the conservation sum. None for every other model.
     """
 
     __repr__ = summary_repr
@@ -79,6 +84,7 @@ class RelevanceResult(ResultViews):
     tokens: Optional[List[List[Optional[str]]]] = None
     target_tokens: Optional[list] = None
     image: Optional[torch.Tensor] = None
+    stream_relevance: Optional[torch.Tensor] = None
 
     def patch_relevance(self) -> torch.Tensor:
         """Relevance per image patch, ``Tensor[..., batch, rows, cols]`` (float32): the
@@ -227,7 +233,7 @@ def relevance(
                         G.rows_of(baseline, idx, batch) if isinstance(baseline, torch.Tensor) and baseline.dim() == 3
                         else baseline, G.rows_of(grad_outputs, idx, batch, d), generic) for idx in groups]
     dims = {"token_relevance": d, "relevance": d, "target": d, "conservation_delta": d, "target_ids": d,
-            "baseline_target": d}
+            "baseline_target": d, "stream_relevance": d}
     return G.merge(parts, groups, batch, dims)
 
 
@@ -265,7 +271,8 @@ def _relevance(model, prep: core.Prepared, tgts, several: bool, rules: Relevance
             xs.append(leaf(t))
             return xs[-1]
 
-        with core.tap(prep.entry, prep.where, entry_fn, once=True), core.record_modules(model, T.module_paths(tgts), store):
+        with core.tap(prep.entry, prep.where, entry_fn, once=True), core.record_modules(model, T.module_paths(tgts), store), \
+                core.stream_tails() as tails:
             fwd = run_model(model, prep, tgts, store, keep_logits=True)
         if not xs:
             raise core.entry_not_reached(model, prep)
@@ -273,7 +280,7 @@ def _relevance(model, prep: core.Prepared, tgts, several: bool, rules: Relevance
         value, tid, fixed = evaluate_targets(tgts, fwd, several)
         go = check_grad_outputs(grad_outputs, value)
         base = check_baseline(baseline, x)
-        (grad,) = backward(value, [x], go, several, chunks=chunks if several else None)
+        grad, *g_tails = backward(value, [x] + tails[-1:], go, several, chunks=chunks if several else None)
         backend_name = backends.select(x.device, "identity")
         del fwd, store
         if base is not None:
@@ -286,6 +293,13 @@ def _relevance(model, prep: core.Prepared, tgts, several: bool, rules: Relevance
     w = go.detach().double()
     explained = t64 if base is None else t64 - f0
     sums = rel.double().sum(dim=(-2, -1)) if t64.dim() >= 1 else rel.double().sum()
+    # the streams a model appends after the tokens (ProphetNet): their inputs hold no token
+    # and take their share of the target, reported apart and in the conservation sum
+    streams = core.streams_relevance(tails, g_tails, x.shape[1], torch.float32)
+    if streams is not None and base is not None:  # the baseline keeps them: x − x₀ is 0 there
+        streams = torch.zeros_like(streams)
+    if streams is not None:
+        sums = sums + (streams.double().sum(dim=(-2, -1)) if t64.dim() >= 1 else streams.double().sum())
     delta = w * explained - sums
     return RelevanceResult(
         token_relevance=tok,
@@ -298,6 +312,7 @@ def _relevance(model, prep: core.Prepared, tgts, several: bool, rules: Relevance
         baseline_target=None if base is None else f0,
         patch_grid=prep.patch_grid,
         image=_display_image(prep),
+        stream_relevance=streams,
     )
 
 

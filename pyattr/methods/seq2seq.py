@@ -56,6 +56,11 @@ class Seq2SeqRelevanceResult(ResultViews):
             each row (logit targets), as the other results name it.
         baseline_target (Tensor like ``target``, float64, or None): f(x₀) with a baseline;
             relevance is then ``(x − x₀) · g`` and the delta is taken against ``f(x) − f(x₀)``.
+        stream_relevance (Tensor[batch, streams, target_len], like ``source_relevance``, or
+            None): for a decoder that appends streams after the tokens (ProphetNet's
+            ``ngram`` predicting streams: an n-gram embedding and a position embedding, no
+            token), the relevance reaching each stream position's input; part of the
+            conservation sum. None for every other model.
     """
 
     __repr__ = summary_repr
@@ -74,6 +79,7 @@ class Seq2SeqRelevanceResult(ResultViews):
     decoder_tokens: Optional[List[List[Optional[str]]]] = None
     target_tokens: Optional[list] = None
     baseline_target: Optional[torch.Tensor] = None
+    stream_relevance: Optional[torch.Tensor] = None
 
 
 def _word(tokenizer, word: str) -> int:
@@ -125,7 +131,7 @@ def seq2seq_relevance(model: nn.Module, inputs, target, rules: RelevanceRules, *
         src_fn = SI.one_per_token(fn_for(0), kwargs["input_ids"].shape[1], model, caller)
         store: dict = {}
         with core.tap(enc_entry, "input", src_fn, once=True), core.tap(dec_entry, "input", fn_for(1), once=True), \
-                ST.recording(model, tgts, store):
+                ST.recording(model, tgts, store), core.stream_tails() as tails:
             out = model(**kwargs)
         if not xs[0] or not xs[1]:
             raise ValueError(f"{caller}(): the {'encoder' if not xs[0] else 'decoder'}'s entry was not reached during "
@@ -139,7 +145,7 @@ def seq2seq_relevance(model: nn.Module, inputs, target, rules: RelevanceRules, *
             from pyattr.methods._core.chunks import ChunkSizes
 
             chunks = ChunkSizes(batch_targets, fixed=True)
-        g_src, g_tgt = backward(value, [x_src, x_tgt], go, several, chunks=chunks)
+        g_src, g_tgt, *g_tails = backward(value, [x_src, x_tgt] + tails[-1:], go, several, chunks=chunks)
         backend_name = backends.select(x_src.device, "identity")
         del out, fwd, store
         if baseline is not None:
@@ -155,6 +161,12 @@ def seq2seq_relevance(model: nn.Module, inputs, target, rules: RelevanceRules, *
     rel_t = d_tgt.to(dt) * g_tgt.to(dt)
     t64 = value.detach().double()
     sums = rel_s.double().sum(dim=(-2, -1)) + rel_t.double().sum(dim=(-2, -1))
+    # the decoder's appended streams (ProphetNet): no token, their share reported apart
+    streams = core.streams_relevance(tails, g_tails, x_tgt.shape[1], dt)
+    if streams is not None and baseline is not None:  # the baseline keeps them: x − x₀ is 0 there
+        streams = torch.zeros_like(streams)
+    if streams is not None:
+        sums = sums + streams.double().sum(dim=(-2, -1))
     explained_value = t64 if baseline is None else t64 - f0
     return Seq2SeqRelevanceResult(
         source_relevance=rel_s.sum(-1), target_relevance=rel_t.sum(-1), source_hidden_relevance=rel_s,
@@ -162,7 +174,8 @@ def seq2seq_relevance(model: nn.Module, inputs, target, rules: RelevanceRules, *
         baseline_target=None if baseline is None else f0,
         target_ids=tid, coverage=cov, backend=backend_name,
         source_tokens=strings(tokenizer, kwargs["input_ids"], kwargs.get("attention_mask")),
-        decoder_tokens=strings(tokenizer, dec, dmask), target_tokens=explained(tokenizer, tid))
+        decoder_tokens=strings(tokenizer, dec, dmask), target_tokens=explained(tokenizer, tid),
+        stream_relevance=streams)
 
 
 def explained(tokenizer, tid: Optional[torch.Tensor]):

@@ -168,6 +168,11 @@ def attention_scores(model: nn.Module, source, ranges, prefix, response, spans):
     if not cross or any(a is None for a in cross):
         raise ValueError("method='attention': the model returned no cross-attention weights (load it with "
                          "attn_implementation='eager', or call model.set_attn_implementation('eager'))")
+    if cross[0].shape[-2] != dec.shape[1]:
+        raise ValueError(
+            f"method='attention': {type(model).__name__}'s cross-attention has {cross[0].shape[-2]} rows for "
+            f"{dec.shape[1]} decoder positions (its decoder runs more streams than the tokens', as ProphetNet's "
+            "predicting streams), so its rows are not one per response position; use 'attnlrp' or 'relevance'")
     att = torch.stack([a[0].double().mean(0) for a in cross]).mean(0).cpu()   # (decoder, source)
     rows = att[first:first + len(response)]
     per = torch.stack([rows[:, a:b].sum(-1) for a, b in ranges], -1)

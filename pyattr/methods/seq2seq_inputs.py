@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import pyattr.architectures as A
-from pyattr.methods._core.inputs import check_token_ids, max_positions, normalise_inputs
+from pyattr.methods._core.inputs import check_token_ids, mark_entry_streams, max_positions, normalise_inputs
 from pyattr.methods._core.passes import check_grad_mode, check_parameters_usable
 
 #: inputs that would replace what the explained forward computes from the source
@@ -41,6 +41,7 @@ def entries(model: nn.Module, caller: str = "relevance"):
         mod = A.get_submodule(model, path)
         if mod is None:
             raise ValueError(f"{caller}(): cannot find the {side}'s entry {path!r} in {type(model).__name__}")
+        mark_entry_streams(model, arch, mod)
         out.append(mod)
     return spec, out
 

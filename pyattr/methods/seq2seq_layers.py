@@ -87,6 +87,8 @@ def seq2seq_layer_relevance(model: nn.Module, inputs, layers, target, rules: Rel
         missing = [p for p in lays if p not in store]
         if missing:
             raise ValueError(f"layers: {missing[0][0]!r} did not run in {type(model).__name__}'s forward pass")
+        for p in lays:
+            core.check_not_streams(entries[1], p[0], [store[p]], kwargs["decoder_input_ids"].shape[1])
         twice = [p for p in lays if calls.get(p, 0) > 1]
         if twice:
             raise ValueError(f"layers: {twice[0][0]!r} runs {calls[twice[0]]} times in one forward (a module shared "

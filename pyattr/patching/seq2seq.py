@@ -91,6 +91,12 @@ def sites(model: nn.Module, names: Sequence[str]) -> List[Tuple[str, Site]]:
         if base == "neurons" and arch.neurons is None:
             raise ValueError(f"nodes: {name!r}: no neuron site in the map of {type(model).__name__}")
         blocks = A.get_submodule(model, A.join(prefix, arch.layers))
+        if arch.streams is not None:
+            raise ValueError(
+                f"nodes: {name!r}: {type(model).__name__}'s {side} blocks run {arch.streams} predicting streams after "
+                "the tokens' (every block's states hold 1 + config."
+                f"{arch.streams} streams of the target's length), so its nodes are not one per decoder position; "
+                "patch the encoder's nodes ('encoder.<node>')")
         if base.startswith("cross_") and spec.cross_attention is None:
             raise ValueError(f"nodes: {name!r}: {type(model).__name__}'s decoder attends to the encoder in its "
                              "self-attention (one softmax over both); patch 'decoder.attention' / 'decoder.heads'")

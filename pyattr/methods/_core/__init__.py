@@ -3,7 +3,7 @@ inputs (ids or pixels, masks, positions by the model's convention, caches, basel
 the pass state, module taps, the forward and the backward. Each job is its own module;
 this face names what the methods use."""
 
-from pyattr.methods._core.taps import ARG_KEYS, record_modules, resolve_module, tap, taps  # noqa: F401
+from pyattr.methods._core.taps import ARG_KEYS, check_not_streams, record_modules, resolve_module, stream_tails, streams_relevance, tap, taps  # noqa: F401
 from pyattr.methods._core.inputs import (  # noqa: F401
     Prepared, check_count, check_length, check_token_ids, entry_not_reached, is_pixels, max_positions, prepare, rule_defaults,
     select_rows,

@@ -435,6 +435,7 @@ def entry_module(model: nn.Module, generic: bool = False):
         path, _ = arch.entry
         mod = A.get_submodule(model, A.join(A.base_prefix(model), path))
         if mod is not None:
+            mark_entry_streams(model, arch, mod)
             return mod, "input"
     if arch is not None and arch.refusal("entry") is not None and A.model_type(model) not in A.ARCHITECTURES:
         # discovery declared no entry: the raw word embeddings are not where the residual
@@ -446,6 +447,20 @@ def entry_module(model: nn.Module, generic: bool = False):
                          "input embeddings (get_input_embeddings) and no entry the architecture table or structural "
                          "discovery declares")
     return emb, "output"
+
+
+def mark_entry_streams(model: nn.Module, arch, mod: nn.Module) -> None:
+    """An entry whose input appends streams after the tokens' (``Arch.streams``: ProphetNet's
+    n-gram predicting streams) is marked, so that every tap there sees the tokens' stream."""
+    if arch.streams is None:
+        return
+    count = getattr(getattr(model, "config", None), arch.streams, None)
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise ValueError(f"inputs: {type(model).__name__}'s config.{arch.streams} (the streams its entry appends) "
+                         f"must be an int ≥ 0, got {count!r}")
+    from pyattr.methods._core.taps import mark_streams
+
+    mark_streams(mod, 1 + count)
 
 
 def entry_not_reached(model: nn.Module, prep) -> ValueError:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-from typing import Callable, Dict, Iterator, Mapping, Optional, Sequence
+import weakref
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -48,6 +49,80 @@ def _replace_first(value, new):
 
 ARG_KEYS = ("hidden_states", "input", "x", "inputs_embeds")
 
+# entry modules whose input holds streams appended after the tokens' (ProphetNet's decoder
+# runs ``ngram`` predicting streams, each as long as the input, whose inputs hold no token):
+# module -> the number of streams, the tokens' first. A tap on such an input sees the
+# tokens' stream only; the rest passes through unchanged (constants of the parameters)
+_STREAMS: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
+# while :func:`stream_tails` is open: the appended streams of each tapped call, as leaves
+_TAILS: List[List[torch.Tensor]] = []
+
+
+def mark_streams(module: nn.Module, count: int) -> None:
+    """``module``'s input holds ``count`` streams of equal length, the tokens' first."""
+    _STREAMS[module] = int(count)
+
+
+@contextlib.contextmanager
+def stream_tails() -> Iterator[List[torch.Tensor]]:
+    """Collect the appended streams of the tapped entries (leaves, (batch, (n − 1)·seq,
+    hidden)) in the order the forward taps them, so that their relevance can be read."""
+    got: List[torch.Tensor] = []
+    _TAILS.append(got)
+    try:
+        yield got
+    finally:
+        _TAILS.remove(got)
+
+
+def streams_relevance(tails: List[torch.Tensor], grads, seq: int, dtype) -> Optional[torch.Tensor]:
+    """Relevance (input × gradient, summed over hidden) of the appended streams of the last
+    tapped call, ``(…, batch, streams, seq)`` in ``dtype``; None without streams. A stream no
+    gradient reached holds 0."""
+    if not tails:
+        return None
+    x, g = tails[-1].detach(), grads[-1]
+    rel = (x.to(dtype) * (torch.zeros_like(x) if g is None else g).to(dtype)).sum(-1)
+    return rel.reshape(*rel.shape[:-1], rel.shape[-1] // seq, seq)
+
+
+def check_not_streams(entry: nn.Module, path: str, calls: List[torch.Tensor], seq: int) -> None:
+    """A module read per position inside a model whose ``entry`` appends streams (see
+    ``_STREAMS``) holds every stream when its positions are the streams' total: ValueError,
+    since its positions are not one per token."""
+    n = _STREAMS.get(entry)
+    if n is None or n == 1:
+        return
+    t = calls[0] if calls else None
+    if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == n * seq:
+        raise ValueError(f"layers: {path!r} holds {n} streams of {seq} positions (shape {tuple(t.shape)}: the tokens' "
+                         f"stream and the {n - 1} the model appends, ProphetNet's predicting streams), not one position "
+                         "per token; read the relevance of the tokens with pyattr.relevance (stream_relevance gives "
+                         "the appended streams' share)")
+
+
+def _on_tokens(module: nn.Module, fn):
+    """``fn`` applied to the tokens' stream of a stream entry's input (see ``_STREAMS``)."""
+    n = _STREAMS.get(module)
+    if n is None:
+        return fn
+
+    def on_tokens(t):
+        if t.dim() < 2 or t.shape[1] % n:
+            raise ValueError(f"inputs: {type(module).__name__} expected {n} streams of equal length at the entry, got "
+                             f"shape {tuple(t.shape)}")
+        seq = t.shape[1] // n
+        out = fn(t[:, :seq])
+        if out is None:  # an observer: the input stays as it is
+            return None
+        tail = t[:, seq:]
+        if _TAILS:  # only a tap that replaces the input makes the streams a leaf
+            tail = tail.detach().requires_grad_(True)
+            _TAILS[-1].append(tail)
+        return torch.cat([out, tail], 1)
+
+    return on_tokens
+
 
 @contextlib.contextmanager
 def tap(module: nn.Module, where: str, fn: Callable[[torch.Tensor], Optional[torch.Tensor]], once: bool = False):
@@ -59,6 +134,8 @@ def tap(module: nn.Module, where: str, fn: Callable[[torch.Tensor], Optional[tor
     the module again, gets back what the forward's calls got (the first call's tensor,
     ``fn`` not called again), so the recomputed block sees the replaced value too."""
     state = {"calls": 0, "first": None, "replays": 0}
+    if where == "input":
+        fn = _on_tokens(module, fn)
 
     def apply(t):
         if t is None:
