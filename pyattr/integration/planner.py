@@ -346,17 +346,14 @@ class Planner:
                 (self.frozen_attention if self.rules.attention == "frozen" else self.attnlrp_attention).append(parent)
 
     def score_bias(self, paths) -> None:
-        """Projections of the hidden states added to the attention logits (ProphetNet's
-        relative position bias): the logit path's rule, as q·k's — no gradient under the
-        AH-rule, under AttnLRP the ½ the p·v product leaves the logits (q and k each take
-        half of that again)."""
-        mode = self.rules.attention
+        """Projections of the hidden states added to the attention logits (ProphetNet's position
+        bias): q·k's logit-path rule — none under the AH-rule, the ½ p·v leaves under AttnLRP."""
         for path in paths:
-            mod = self.need(path)
-            if not mode:
+            mod, mode = self.need(path), self.rules.attention
+            if mode:
+                self.add("attention", path, mod, (mode, "score"), projection_forward(2 * ATTN_SCALES[mode][0]))
+            else:
                 self.off("attention", path, mod, "attention rule off")
-                continue
-            self.add("attention", path, mod, (mode, "score"), projection_forward(2 * ATTN_SCALES[mode][0]))
 
     def qk_norms(self, paths, norm: str, offset: float) -> None:
         """Per-head q/k norms (Qwen3): the LN-rule under AttnLRP with ``normalization`` on,

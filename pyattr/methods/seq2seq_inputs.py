@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 import pyattr.architectures as A
-from pyattr.methods._core.inputs import check_token_ids, mark_entry_streams, max_positions, normalise_inputs
+from pyattr.methods._core.inputs import check_token_ids, max_positions, normalise_inputs
+from pyattr.methods._core.taps import mark_entry_streams
 from pyattr.methods._core.passes import check_grad_mode, check_parameters_usable
 
 #: inputs that would replace what the explained forward computes from the source

@@ -14,6 +14,7 @@ from torch import nn
 import pyattr.architectures as A
 import pyattr.methods._core.positions as P
 import pyattr.methods._core.readout as R
+from pyattr.methods._core.taps import mark_entry_streams
 import pyattr.methods._core.state as S
 from pyattr.config import RelevanceRules
 from pyattr.methods._core.passes import check_grad_mode, check_parameters_usable
@@ -447,20 +448,6 @@ def entry_module(model: nn.Module, generic: bool = False):
                          "input embeddings (get_input_embeddings) and no entry the architecture table or structural "
                          "discovery declares")
     return emb, "output"
-
-
-def mark_entry_streams(model: nn.Module, arch, mod: nn.Module) -> None:
-    """An entry whose input appends streams after the tokens' (``Arch.streams``: ProphetNet's
-    n-gram predicting streams) is marked, so that every tap there sees the tokens' stream."""
-    if arch.streams is None:
-        return
-    count = getattr(getattr(model, "config", None), arch.streams, None)
-    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-        raise ValueError(f"inputs: {type(model).__name__}'s config.{arch.streams} (the streams its entry appends) "
-                         f"must be an int ≥ 0, got {count!r}")
-    from pyattr.methods._core.taps import mark_streams
-
-    mark_streams(mod, 1 + count)
 
 
 def entry_not_reached(model: nn.Module, prep) -> ValueError:

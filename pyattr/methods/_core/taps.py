@@ -58,9 +58,17 @@ _STREAMS: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionar
 _TAILS: List[List[torch.Tensor]] = []
 
 
-def mark_streams(module: nn.Module, count: int) -> None:
-    """``module``'s input holds ``count`` streams of equal length, the tokens' first."""
-    _STREAMS[module] = int(count)
+def mark_entry_streams(model: nn.Module, arch, mod: nn.Module) -> None:
+    """An entry ``mod`` whose input appends streams after the tokens' (``Arch.streams``:
+    ProphetNet's n-gram predicting streams) is marked, so that every tap there sees the
+    tokens' stream."""
+    if arch.streams is None:
+        return
+    count = getattr(getattr(model, "config", None), arch.streams, None)
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise ValueError(f"inputs: {type(model).__name__}'s config.{arch.streams} (the streams its entry appends) "
+                         f"must be an int ≥ 0, got {count!r}")
+    _STREAMS[mod] = 1 + count
 
 
 @contextlib.contextmanager
