@@ -289,8 +289,8 @@ def _padded(pyattr, model, x, r, tid: int, note: Optional[dict] = None) -> Optio
     if max(err, terr) <= max(1e-5, min(1e-3, 1e3 * noise)):
         return None
     if not torch.isfinite(padded).all():
-        return {"status": "transformers", "detail": "the model's own output with an attention mask is not finite in "
-                "float64 (its mask adds float64 minima to -inf)"}
+        return {"status": "transformers", "detail": "the model's own output with an attention mask (the padded row) "
+                "is not finite in float64"}
     if not noise <= 1e-6:  # NaN included
         if causal and not named:  # positions shift under left padding: a refusal was due
             return {"status": "wrong", "detail": "left-padded row differs from the row alone and "
