@@ -56,11 +56,11 @@ class Seq2SeqRelevanceResult(ResultViews):
             each row (logit targets), as the other results name it.
         baseline_target (Tensor like ``target``, float64, or None): f(x₀) with a baseline;
             relevance is then ``(x − x₀) · g`` and the delta is taken against ``f(x) − f(x₀)``.
-        stream_relevance (Tensor[batch, streams, target_len], like ``source_relevance``, or
-            None): for a decoder that appends streams after the tokens (ProphetNet's
-            ``ngram`` predicting streams: an n-gram embedding and a position embedding, no
-            token), the relevance reaching each stream position's input; part of the
-            conservation sum. None for every other model.
+        stream_relevance (Tensor[batch, streams, target_len] or None): like
+            ``source_relevance``, for a decoder that appends streams after the tokens
+            (ProphetNet's ``ngram`` predicting streams: an n-gram embedding and a position
+            embedding, no token), the relevance reaching each stream position's input;
+            part of the conservation sum. None for every other model.
     """
 
     __repr__ = summary_repr
