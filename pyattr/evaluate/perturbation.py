@@ -231,7 +231,7 @@ def perturbation_curve(model: nn.Module, inputs, relevance, target=None, *, orde
         # leaves it where it is
         observe = P.observe_pooling(model, poolers=True) if replace_id is not None else contextlib.nullcontext()
         with core.record_modules(model, T.module_paths(tgts), store), observe as pooled:
-            fwd = run_model(model, prep, tgts, store)
+            fwd = run_model(model, prep, tgts, store, keep_logits=True)
         if pooled is not None:
             pooled.read(fwd.output).refuse_unseen(f"perturbation={perturbation!r}")
         _, _, fixed = evaluate_targets(tgts, fwd, False)
@@ -328,7 +328,7 @@ def _perturbed_values(model, prep, targets, rows: torch.Tensor, mask: torch.Tens
     # the pooled position is kept after the targets' recording hooks: a target reading the
     # head itself reads what it computed
     with tap, core.record_modules(model, T.module_paths(tg), store), (keep or contextlib.nullcontext()):
-        fwd = run_model(model, sub, tg, store, kwargs)
+        fwd = run_model(model, sub, tg, store, kwargs, keep_logits=True)
     value, _, _ = evaluate_targets(tg, fwd, False)
     return value
 

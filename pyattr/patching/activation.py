@@ -13,7 +13,7 @@ import pyattr.methods._core as core
 import pyattr.methods._core.text as text
 import pyattr.targets as T
 from pyattr.integration.wrappers import unwrap
-from pyattr.methods._core.forward import evaluate_targets, run_model
+from pyattr.methods._core.forward import evaluate_targets, head_free, run_model
 from pyattr.patching.nodes import Site, check_nodes, node_sites, width_slice
 from pyattr.patching.pairs import (
     Pair,
@@ -285,7 +285,7 @@ def _patched_forward(model, pair: Pair, fixed, flat, sources, row: int, chunk) -
     mods: dict = {}
     with core.taps([(flat[i].module, flat[i].where) for i in used], fn_for), \
             core.record_modules(model, T.module_paths(tg), mods):
-        fwd = run_model(model, sub, tg, mods)
+        fwd = run_model(model, sub, tg, mods, keep_logits=head_free(model, [flat[i].module for i in used]))
     try:
         value, _, _ = evaluate_targets(tg, fwd, False)
         value = check_value(value, k)

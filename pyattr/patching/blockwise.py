@@ -231,7 +231,7 @@ def _head(model, pair, fixed, calls: BlockCalls, idx: torch.Tensor, carried: tor
     try:
         with calls.replay(idx, batch, carried), _only_final_outputs(model), \
                 core.record_modules(model, T.module_paths(tg), mods):
-            fwd = run_model(model, sub, tg, mods)
+            fwd = run_model(model, sub, tg, mods, keep_logits=True)  # the head at the metric's positions only
         value, _, _ = evaluate_targets(tg, fwd, False)
         return check_value(value, len(idx)).double().cpu()
     except (AttributeError, IndexError, KeyError, RuntimeError, TypeError, ValueError) as e:

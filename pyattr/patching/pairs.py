@@ -13,7 +13,7 @@ import pyattr.methods._core as core
 import pyattr.methods._core.groups as G
 import pyattr.methods._core.positions as P
 import pyattr.targets as T
-from pyattr.methods._core.forward import evaluate_targets, leaf, run_model
+from pyattr.methods._core.forward import evaluate_targets, head_free, leaf, run_model
 from pyattr.patching.nodes import Site
 
 
@@ -128,7 +128,7 @@ def check_row_metric(model, prep: core.Prepared, fixed, clean_value: torch.Tenso
         mods: dict = {}
         try:
             with torch.no_grad(), core.record_modules(model, T.module_paths(tg), mods):
-                fwd = run_model(model, core.select_rows(prep, idx.to(prep.input_ids.device)), tg, mods)
+                fwd = run_model(model, core.select_rows(prep, idx.to(prep.input_ids.device)), tg, mods, keep_logits=True)
                 got = check_value(evaluate_targets(tg, fwd, False)[0], len(idx)).detach().double().cpu()
         except (IndexError, RuntimeError, TypeError, ValueError) as e:
             raise ValueError(
@@ -201,6 +201,19 @@ def _check_recorded(sites: List[Site], store: List[torch.Tensor], versions: List
                 f"not be the module's {s.where}; the {s.node!r} node cannot be read there")
 
 
+def _head_cut(model, prep: core.Prepared, tgts, sites: List[Site], metric: str) -> bool:
+    """Whether the head may run at the metric's positions only (``logits_to_keep``): not
+    for an optional metric, which may name a position this input lacks (it reads NaN
+    there), nor where the positions cannot be read on this input (a skipped metric)."""
+    if metric == "optional" or not head_free(model, [s.module for s in sites]):
+        return False
+    try:
+        T.logit_positions(tgts, prep.input_ids, prep.attention_mask)
+    except (IndexError, ValueError):
+        return False
+    return True
+
+
 def recording_forward(model, prep: core.Prepared, tgts, sites: List[Site], grad: bool, metric: str = "required"):
     """One forward recording every site's activation: ``(metric value, activations, fixed
     targets)``.
@@ -216,7 +229,7 @@ def recording_forward(model, prep: core.Prepared, tgts, sites: List[Site], grad:
     versions: List[int] = [0] * len(sites)
     with core.tap(prep.entry, prep.where, lambda t: leaf(t), once=True), _recording(sites, store, calls, versions), \
             core.record_modules(model, T.module_paths(tgts), mods):
-        fwd = run_model(model, prep, tgts, mods)
+        fwd = run_model(model, prep, tgts, mods, keep_logits=_head_cut(model, prep, tgts, sites, metric))
     _check_once(sites, calls)
     _check_recorded(sites, store, versions, tuple(prep.input_ids.shape[:2]))
     batch = prep.input_ids.shape[0]
