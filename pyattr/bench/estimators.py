@@ -116,26 +116,31 @@ def toy_rows(kind: str, count: int = 64, path=None, model_name: str = "toy induc
     return rows
 
 
+#: GPT-2's vocabulary size
+VOCAB_GPT2 = 50257
+
+
 def gpt2_size_rows(pairs: int = 8, seq: int = 16) -> List[Dict]:
     """Time of each estimator and of exact head patching (each head summed over positions:
-    one forward per head) on a random Llama of GPT-2 small's shape (12 layers × 12 heads,
-    hidden 768), float32; the median of :data:`REPEATS` runs."""
+    one forward per head) on a random Llama of GPT-2 small's shape and vocabulary (12
+    layers × 12 heads, hidden 768, 50,257 tokens: the head's share of a forward is a real
+    model's), float32; the median of :data:`REPEATS` runs."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import pyattr.patching as P
     import pyattr.targets as T
 
     cfg = LlamaConfig(hidden_size=768, intermediate_size=2048, num_attention_heads=12, num_key_value_heads=12,
-                      num_hidden_layers=12, vocab_size=1024)
+                      num_hidden_layers=12, vocab_size=VOCAB_GPT2)
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).eval()
     g = torch.Generator().manual_seed(1)
-    clean = torch.randint(3, 1024, (pairs, seq), generator=g)
+    clean = torch.randint(3, VOCAB_GPT2, (pairs, seq), generator=g)
     corrupt = clean.clone()
-    corrupt[:, seq // 2] = torch.randint(3, 1024, (pairs,), generator=g)
+    corrupt[:, seq // 2] = torch.randint(3, VOCAB_GPT2, (pairs,), generator=g)
     metric = T.LogitDiff(3, 7)
-    name = "random Llama, 12 layers x 12 heads (144), hidden 768"
+    name = "random Llama, 12 layers x 12 heads (144), hidden 768, GPT-2's vocabulary"
     P.attribution_patching(model, clean, corrupt, metric, nodes="heads", method="atp")  # warm-up
     _, t_exact = _median_timed(lambda: P.activation_patching(model, clean, corrupt, metric, nodes="heads",
                                                              sum_positions=True, progress=False))
