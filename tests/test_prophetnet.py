@@ -167,3 +167,20 @@ def test_methods_reading_the_decoders_positions_refuse_by_name():
     assert exact.effects["encoder.residual"].shape[-1] == 4 and exact.effects["encoder.residual"].abs().max() > 0
     lr = pyattr.layer_relevance(s2s, src, ["prophetnet.encoder.layers.1"], decoder_input_ids=dec)
     assert lr["prophetnet.encoder.layers.1"].relevance.shape == (1, 4, 16)
+
+
+def test_views_show_the_streams_share_beside_the_tokens():
+    s2s = tiny_seq2seq("prophetnet", dtype=torch.float32)
+    r = pyattr.relevance(s2s, torch.tensor([[5, 9, 17, 33]]), decoder_input_ids=torch.tensor([[2, 7, 8]]))
+    df = r.to_pandas()
+    streams = df[df["stream_input"].notna()]
+    assert len(streams) == 2 * 3 and streams["stream_input"].iloc[0] == "stream 1 · 0"
+    # the panels' sums add up to the target but for the conservation delta
+    total = float(df["relevance"].sum())
+    assert total == pytest.approx(float(r.target[0] - r.conservation_delta[0]), rel=1e-5)
+    assert "predicting streams (inputs without a token" in r.to_html()
+    one = pyattr.relevance(_causal(dtype=torch.float32), torch.tensor([[5, 9, 17, 33]]))
+    assert "predicting streams (inputs without a token" in one.to_html()
+    assert float(one.to_pandas()["relevance"].sum()) == pytest.approx(float(one.target[0] - one.conservation_delta[0]),
+                                                                     rel=1e-5)
+

@@ -1,6 +1,8 @@
 """Integrated gradients on encoder–decoder models against an explicit path loop written
 here with hooks, and its completeness over source and target prefix."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -73,10 +75,15 @@ def test_integrated_gradients_complete_over_both_sides():
     model = tiny_seq2seq("bart")
     src, dec = _ids("bart", seed=13, src=6, tgt=4)
     coarse = pyattr.integrated_gradients(model, src, target=7, decoder_input_ids=dec, n_steps=16)
-    fine = pyattr.integrated_gradients(model, src, target=7, decoder_input_ids=dec, n_steps=512)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pyattr.ConvergenceWarning)   # converged: no warning
+        fine = pyattr.integrated_gradients(model, src, target=7, decoder_input_ids=dec, n_steps=512)
     change = (fine.target - fine.baseline_target).abs()
     assert (fine.convergence_delta.abs() <= 1e-4 * change.clamp(min=1)).all()
     assert fine.convergence_delta.abs().max() < coarse.convergence_delta.abs().max()
+    # not converged: the completeness check warns, as on one stack
+    with pytest.warns(pyattr.ConvergenceWarning, match=r"the attributions miss f\(x\) - f\(baseline\) by .* n_steps=2"):
+        pyattr.integrated_gradients(model, src, target=7, decoder_input_ids=dec, n_steps=2)
     with torch.no_grad():
         logits = model(input_ids=src, decoder_input_ids=dec).logits[:, -1, 7]
     assert torch.allclose(fine.target, logits.double(), rtol=1e-12, atol=0)

@@ -18,10 +18,11 @@ from pyattr.results.layout_rows import (  # noqa: F401 - MAX_ROWS is read from h
     MAX_ROWS, _labels, _left_out, _rows_k, _take, _target_word, _value, _what)
 
 
-def _token_panels(result, values: torch.Tensor, name: str, delta_name: str, delta, limit) -> List:
-    panels = []
+def _token_panels(result, values: torch.Tensor, name: str, delta_name: str, delta, limit, streams=None) -> List:
+    panels, shown = [], 0
     pairs = _rows_k(values, 2)
     for k, r in _take(pairs, limit):
+        shown += 1
         v = values[k] if k is not None else values
         v = v[r].double().tolist()
         target = _value(result.target, k, r)
@@ -30,7 +31,8 @@ def _token_panels(result, values: torch.Tensor, name: str, delta_name: str, delt
             f" · target{_target_word(result, k, r)} = {num(target, '.4g')} · Σ {name} = {num(sum(v), '.4g')}" + \
             (f" · {delta_name} {num(d, '.3g')}" if d is not None else "")
         panels.append(Tokens(title, _labels(result, r, len(v)), v, name, row=r, target_set=k))
-    return _left_out(len(panels), len(pairs), _what(values, 2)) + panels
+        panels += S2S.stream_panels(streams, k, r)
+    return _left_out(shown, len(pairs), _what(values, 2)) + panels
 
 
 def relevance(result, limit=MAX_ROWS) -> List:
@@ -51,7 +53,7 @@ def relevance(result, limit=MAX_ROWS) -> List:
                               "patch row", "patch column", row=r, target_set=k))
         return _left_out(len(out), len(pairs), _what(grid, 3)) + out
     return _token_panels(result, result.token_relevance, "relevance", "conservation delta", result.conservation_delta,
-                         limit)
+                         limit, getattr(result, "stream_relevance", None))
 
 
 def _over_image(result, grid: torch.Tensor, r: int):

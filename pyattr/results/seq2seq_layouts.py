@@ -20,10 +20,25 @@ def _names(tokens, row: int, ids: torch.Tensor) -> List[Optional[str]]:
     return [f"#{i}" for i in range(ids.shape[-1])]
 
 
-def _two_sides(result, src: torch.Tensor, tgt: torch.Tensor, name: str, delta, delta_name: str, limit) -> List:
-    panels = []
+def stream_panels(streams: Optional[torch.Tensor], k, r: int) -> List:
+    """Row ``r``'s relevance on the streams a model appends after the tokens (ProphetNet's
+    predicting streams, ``stream_relevance``): part of the conservation sum, so the view
+    shows it beside the tokens; none for other models."""
+    if streams is None:
+        return []
+    s = (streams[k] if k is not None else streams)[r].double()      # (streams, seq)
+    labels = [f"stream {j + 1} · {p}" for j in range(s.shape[0]) for p in range(s.shape[1])]
+    return [Tokens(f"row {r} · the model's predicting streams (inputs without a token; Σ {num(float(s.sum()), '.4g')})",
+                   labels, s.flatten().tolist(), "relevance", label_name="stream_input", index_name="stream_position",
+                   row=r, target_set=k)]
+
+
+def _two_sides(result, src: torch.Tensor, tgt: torch.Tensor, name: str, delta, delta_name: str, limit,
+               streams: Optional[torch.Tensor] = None) -> List:
+    panels, shown = [], 0
     pairs = _rows_k(src, 2)
     for k, r in _take(pairs, limit):
+        shown += 1
         s = (src[k] if k is not None else src)[r].double()
         t = (tgt[k] if k is not None else tgt)[r].double()
         head = (f"row {r}" + (f" · target set {k}" if k is not None else "") +
@@ -35,12 +50,13 @@ def _two_sides(result, src: torch.Tensor, tgt: torch.Tensor, name: str, delta, d
         panels.append(Tokens(f"row {r} · target prefix (Σ {num(float(t.sum()), '.4g')})",
                              _names(getattr(result, "decoder_tokens", None), r, t), t.tolist(), name,
                              label_name="decoder_token", index_name="decoder_position", row=r, target_set=k))
-    return _left_out(len(panels) // 2, len(pairs), _what(src, 2)) + panels
+        panels += stream_panels(streams, k, r)
+    return _left_out(shown, len(pairs), _what(src, 2)) + panels
 
 
 def seq2seq_relevance(result, limit) -> List:
     return _two_sides(result, result.source_relevance, result.target_relevance, "relevance",
-                      result.conservation_delta, "conservation delta", limit)
+                      result.conservation_delta, "conservation delta", limit, getattr(result, "stream_relevance", None))
 
 
 def seq2seq_attribution(result, limit) -> List:
