@@ -178,16 +178,16 @@ def patching(result, limit=MAX_ROWS) -> List:
             elif e.dim() == 2:
                 cols_name = names[-1]
                 cols = [str(j) for j in range(e.shape[1])]
-                what = ""
+                what = "summed over positions"  # by the call (sum_positions=True): its dims hold no position
             else:
                 e = e[:, None]
-                cols_name, cols, what = "effect", [node], ""
+                cols_name, cols, what = "effect", [node], "summed over positions"
             if e.shape[1] > 512 and limit is not None:
                 if r == rows[0]:
                     notes.append(Note(f"{node}: {e.shape[1]} {cols_name} columns, too many to draw; to_pandas() and "
                                       f".effects[{node!r}] hold them"))
                 continue
-            panels.append(Matrix(f"row {r} · {node} ({result.method}) {what} · clean metric "
+            panels.append(Matrix(f"row {r} · {node} ({result.method}){' ' + what if what else ''} · clean metric "
                                  f"{num(float(result.clean_metric[r]), '.4g')}, corrupt "
                                  f"{num(float(result.corrupt_metric[r]), '.4g')}",
                                  [str(i) for i in range(e.shape[0])], cols, _cells(e, node in result.sampled),
