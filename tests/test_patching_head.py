@@ -76,3 +76,31 @@ def test_perturbation_curves_run_the_head_at_the_targets_position():
     with torch.no_grad():
         want = model(ids).logits[:, -1, 5].double()
     torch.testing.assert_close(curve.values[:, 0], want, rtol=1e-5, atol=1e-6)
+
+
+def test_edge_effects_of_identical_inputs_are_exactly_zero_on_gpt2():
+    """The edge graph's runs read the full head, and so does its clean run (one identical
+    input, one value): a regression once the patching forwards cut the head."""
+    import transformers as T
+
+    from pyattr.patching import edge_effects
+
+    torch.manual_seed(0)
+    model = T.GPT2LMHeadModel(T.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=96, n_positions=64,
+                                           bos_token_id=0, eos_token_id=0)).eval()
+    ids = torch.randint(3, 90, (2, 6), generator=torch.Generator().manual_seed(0))
+    assert bool((edge_effects(model, ids, ids.clone(), LogitDiff(5, 9)).scores == 0).all())
+
+
+def test_estimates_from_a_non_finite_metric_are_refused():
+    model = tiny_causal_lm("llama", dtype=torch.float64)
+    enc = {"input_ids": torch.tensor([[5, 6, 7, 8], [0, 9, 10, 11]]), "attention_mask": torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])}
+    with torch.no_grad():
+        finite = bool(torch.isfinite(model(**enc).logits).all())
+    cor = {"input_ids": torch.tensor([[5, 6, 9, 8], [0, 9, 12, 11]]), "attention_mask": enc["attention_mask"]}
+    if finite:  # transformers' float64 eager attention gives NaN on left padding in 5.x; if fixed, it is finite
+        assert bool(torch.isfinite(attribution_patching(model, enc, cor, LogitDiff(3, 4))["residual"]).all())
+        return
+    for method in ("relp", "atp"):
+        with pytest.raises(ValueError, match=r"attribution_patching\(\): the model's output is not finite .* at row 1"):
+            attribution_patching(model, enc, cor, LogitDiff(3, 4), method=method)

@@ -184,3 +184,84 @@ def test_views_show_the_streams_share_beside_the_tokens():
     assert float(one.to_pandas()["relevance"].sum()) == pytest.approx(float(one.target[0] - one.conservation_delta[0]),
                                                                      rel=1e-5)
 
+
+
+def test_a_padded_decoder_input_is_refused_because_a_padded_row_is_not_the_row_alone():
+    model = _causal(dtype=torch.float32)
+    ids = torch.tensor([[5, 9, 17, 33, 8, 41], [12, 3, 77, 5, 6, 90]])
+    mask = torch.ones_like(ids)
+    mask[1, 4:] = 0
+    with torch.no_grad():  # the model's own: the padded row's logits are not the row alone's
+        padded = model(ids, attention_mask=mask).logits[1, 3]
+        alone = model(ids[1:, :4]).logits[0, 3]
+    assert (padded - alone).abs().max() > 1e-2
+    with pytest.raises(ValueError, match=r"attention_mask: relevance\(\) on ProphetNetForCausalLM with padding"):
+        pyattr.relevance(model, {"input_ids": ids, "attention_mask": mask})
+    s2s = tiny_seq2seq("prophetnet", dtype=torch.float32)
+    dec, dmask = torch.tensor([[2, 7, 8, 9], [2, 11, 12, 13]]), torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    with pytest.raises(ValueError, match="decoder_attention_mask: relevance.* with padding"):
+        pyattr.relevance(s2s, torch.tensor([[5, 9, 17], [6, 7, 8]]), decoder_input_ids=dec, decoder_attention_mask=dmask)
+    # an all-ones mask is no padding
+    full = pyattr.relevance(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, target=7)
+    torch.testing.assert_close(full.token_relevance, pyattr.relevance(model, ids, target=7).token_relevance)
+
+
+def test_citation_ablations_run_rows_of_one_length_together():
+    """Leave-one-out drops sources of different lengths: on ProphetNet the ablated prompts are
+    not padded into one batch (a padded row is not the row alone), so the scores do not depend
+    on batch_size and equal the ablations run one by one."""
+    model = _causal(dtype=torch.float32)
+    prompt, resp = torch.tensor([5, 9, 17, 33, 8, 41, 12]), torch.tensor([5, 6])
+    sources = [(1, 2), (2, 5), (5, 6)]
+    scores = [pyattr.context_attribution(model, prompt, sources=sources, response=resp, method="loo",
+                                         batch_size=b).scores for b in (64, 1)]
+    torch.testing.assert_close(scores[0], scores[1], rtol=1e-5, atol=1e-6)
+
+    def logprob(ids):
+        with torch.no_grad():
+            lp = model(torch.cat([ids, resp])[None]).logits[0].double().log_softmax(-1)
+        n = len(ids)
+        return float(lp[n - 1, resp[0]] + lp[n, resp[1]])
+
+    full = logprob(prompt)
+    for s, (a, b) in enumerate(sources):
+        want = full - logprob(torch.cat([prompt[:a], prompt[b:]]))
+        assert float(scores[0][0, s]) == pytest.approx(want, rel=1e-4, abs=1e-5)
+
+
+def test_non_finite_outputs_are_refused_not_returned_as_nan():
+    """ProphetNet's float64 output with any attention mask is NaN (transformers'): every
+    method that would return NaN says so (a mask pyattr adds itself included)."""
+    s2s = tiny_seq2seq("prophetnet")
+    src = torch.tensor([[5, 9, 17, 33]])
+    with pytest.raises(ValueError, match=r"relevance\(\): the model's output is not finite \(NaN or inf\) at row 0"):
+        pyattr.relevance(s2s, {"input_ids": src, "labels": torch.tensor([[7, 8, 9]])})
+    with pytest.raises(ValueError, match="log-probability of the response is not finite"):
+        pyattr.context_attribution(s2s, src[0], sources=[(0, 1), (1, 2)], response=torch.tensor([7, 8]), method="loo")
+    # without a mask its float64 output is finite, and so are the results
+    assert bool(torch.isfinite(pyattr.relevance(s2s, src, decoder_input_ids=torch.tensor([[2, 7, 8]])).target).all())
+
+
+def test_audit_counts_the_streams_as_inputs_of_the_entry():
+    model = _causal(biases=False)
+    ids = torch.tensor([[5, 9, 17, 33, 8, 41]])
+    r = pyattr.relevance(model, ids, target=7)
+    a = pyattr.audit(model, ids, target=7)
+    assert not a.leaks and abs(a.gap) <= 1e-9 * abs(a.target)
+    streams = float(r.stream_relevance.double().sum())
+    assert a.entry_relevance == pytest.approx(float(r.token_relevance.double().sum()) + streams, rel=1e-5)
+
+
+def test_layer_integrated_gradients_and_generated_citations_refuse_by_name():
+    model = _causal(dtype=torch.float32)
+    ids = torch.tensor([[5, 9, 17, 33, 8, 41]])
+    with pytest.raises(ValueError, match=r"layer: 'prophetnet.decoder.layers.0' holds 3 streams of 6 positions"):
+        pyattr.integrated_gradients(model, ids, target=7, layer="prophetnet.decoder.layers.0")
+    # at the entry's input the layer is the tokens' stream
+    lig = pyattr.integrated_gradients(model, ids, target=7, layer=ENTRY, attribute_to_layer_input=True)
+    assert lig.token_attribution.shape == (1, 6)
+    with pytest.raises(ValueError, match=r"context_attribution\(\): ProphetNetForCausalLM's logits at a position"):
+        pyattr.context_attribution(model, ids[0], sources=[(1, 3)], response=torch.tensor([5, 6]), method="attnlrp")
+    s2s = tiny_seq2seq("prophetnet", dtype=torch.float32)
+    with pytest.raises(ValueError, match="max_new_tokens: ProphetNetForConditionalGeneration's logits depend"):
+        pyattr.context_attribution(s2s, ids[0], sources=[(1, 3)], max_new_tokens=2, method="relevance")

@@ -30,6 +30,7 @@ from pyattr.architectures.seq2seq import (  # noqa: F401
     classifier_head,
     one_stack,
     refuse_one_forward_of_steps,
+    refuse_padded_streams,
     streams_decoder,
 )
 from pyattr.architectures.discover import arch_of, discover, padding_idx_embeddings, require  # noqa: F401, I001 - after the table it reads

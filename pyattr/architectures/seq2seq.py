@@ -242,3 +242,15 @@ def refuse_one_forward_of_steps(model, caller: str) -> None:
             "over the generated steps does not reproduce the logits that generated them; explain each step with "
             "pyattr.relevance on the tokens up to it")
 
+
+def refuse_padded_streams(model, mask, name: str, caller: str) -> None:
+    """A padded decoder input (``mask`` with a 0) of a decoder with appended streams
+    (ProphetNet) is not the row alone: its logits depend on the decoder input's length
+    (see :func:`refuse_one_forward_of_steps`). ValueError naming ``name``."""
+    if streams_decoder(model) is None or mask is None or bool(mask.bool().all()):
+        return
+    raise ValueError(
+        f"{name}: {caller}() on {type(model).__name__} with padding: its logits depend on the length of its decoder "
+        "input (its predicting streams' position bias is gathered by a length-dependent index), so a padded row is not "
+        "the row alone; explain rows of one length together (or one at a time)")
+

@@ -295,12 +295,17 @@ class ModuleAudit:
 
         return hook
 
-    def finish(self, value: torch.Tensor, grad_outputs: Optional[torch.Tensor] = None) -> RelevanceAudit:
-        """Backward from ``value`` (weighted by ``grad_outputs``) and the audit's rows."""
+    def finish(self, value: torch.Tensor, grad_outputs: Optional[torch.Tensor] = None,
+               extra_entries: Sequence[torch.Tensor] = ()) -> RelevanceAudit:
+        """Backward from ``value`` (weighted by ``grad_outputs``) and the audit's rows.
+        ``extra_entries``: leaves that enter with the entry (the streams ProphetNet appends
+        after the tokens: inputs of the entry module whose relevance is the model's own
+        share, not a leak)."""
         if self.entry is None:
             raise RuntimeError("audit: the entry was not reached during the forward")
         go = torch.ones_like(value) if grad_outputs is None else grad_outputs
-        tensors, index = [self.entry], {id(self.entry): 0}
+        extra = [t for t in extra_entries if t.requires_grad]
+        tensors, index = [self.entry, *extra], {id(t): i for i, t in enumerate([self.entry, *extra])}
         for c in self.calls:
             for t in c.ins + c.outs:
                 if id(t) not in index and t.requires_grad:
@@ -317,6 +322,8 @@ class ModuleAudit:
         # computed from parameters alone, when the parameters are trainable) carries no
         # relevance: its share is a constant's, counted neither in nor out
         on_path = _depends_on(self.entry, tensors) | {id(p) for ps in bias_at.values() for p in ps}
+        for t in extra:
+            on_path |= _depends_on(t, tensors) | {id(t)}
 
         def rel(t) -> tuple:
             g = grads[index[id(t)]] if id(t) in index and (id(t) in on_path or t is self.entry) else None
@@ -326,7 +333,7 @@ class ModuleAudit:
             return float(r.sum()), float(r.abs().sum())
 
         target = float((value.detach().double() * go.double()).sum())
-        entry, _ = rel(self.entry)
+        entry = sum(rel(t)[0] for t in [self.entry, *extra])
         rows: Dict[str, dict] = {}
         stale = []
         for c in self.calls:
@@ -338,9 +345,10 @@ class ModuleAudit:
                 row["in"] += s
                 row["mass"] += m
             if c.entry:
-                s, m = rel(self.entry)
-                row["in"] += s
-                row["mass"] += m
+                for t in [self.entry, *extra]:
+                    s, m = rel(t)
+                    row["in"] += s
+                    row["mass"] += m
             for t, v in zip(c.outs, c.versions):
                 if t._version != v:
                     stale.append(c.path)

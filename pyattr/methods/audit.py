@@ -81,8 +81,8 @@ def audit(model: nn.Module, inputs, target=None, rules: Optional[RelevanceRules]
             return x
 
         with rec, core.tap(prep.entry, prep.where, entry_fn, once=True), \
-                core.record_modules(model, T.module_paths(tgts), store):
+                core.record_modules(model, T.module_paths(tgts), store), core.stream_tails() as tails:
             fwd = run_model(model, prep, tgts, store)
             value, _, _ = evaluate_targets(tgts, fwd, several)
-            return rec.finish(value)
+            return rec.finish(value, extra_entries=tails[-1:])  # ProphetNet's streams enter with the tokens
 

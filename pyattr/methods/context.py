@@ -250,6 +250,9 @@ def _relevance_scores(model, prompt, ranges, response, spans, method):
     from pyattr.config import RelevanceRules
     from pyattr.methods.generation import generation_relevance
 
+    from pyattr.architectures import refuse_one_forward_of_steps
+
+    refuse_one_forward_of_steps(model, "context_attribution")  # the steps' relevance, as generation's
     rules = {"attnlrp": RelevanceRules.all("attnlrp"), "relevance": None, "gradient": RelevanceRules()}[method]
     res = generation_relevance(model, torch.tensor([list(prompt)]), continuation=torch.tensor(list(response)),
                                target="logprob", rules=rules)

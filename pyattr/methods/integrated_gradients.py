@@ -309,6 +309,8 @@ def _integrated(model, prep, tgts, baseline, grad_outputs, pairs, layer, rules, 
         x = seen["x"]
         if layer is not None and len(seen.get("acts", [])) != 1:
             raise ValueError(f"layer: {layer!r} ran {len(seen.get('acts', []))} times in one forward pass; layer IG needs one call")
+        if layer is not None:  # a layer holding ProphetNet's predicting streams has no position per token
+            core.check_not_streams(prep.entry, layer, seen["acts"], x.shape[1], "layer")
         # None is Captum's default, zeros (check_baseline's None means "no baseline": x₀ = x)
         end = seen["acts"][0] if layer is not None else x
         if layer is not None and _embedding_output(model, pairs[0]) and not (isinstance(baseline, str) and baseline == "pad"):

@@ -28,6 +28,7 @@ from pyattr.methods._core.baseline import (
 )
 from pyattr.methods._core.forward import (
     backward,
+    check_finite,
     check_grad_outputs,
     evaluate_targets,
     leaf,
@@ -258,11 +259,12 @@ def relevance_in_chunks(model: nn.Module, inputs, targets: Sequence[Target], rul
     precheck_baseline(model, baseline, inputs)
     prep = core.prepare(model, inputs, None, "relevance", False)
     tgts, several = T.normalize(list(targets), prep.input_ids.shape[0])
-    return _relevance(model, prep, tgts, several, core.rule_defaults(rules), baseline, None, False, chunks)
+    return _relevance(model, prep, tgts, several, core.rule_defaults(rules), baseline, None, False, chunks,
+                      finite=False)
 
 
 def _relevance(model, prep: core.Prepared, tgts, several: bool, rules: RelevanceRules, baseline, grad_outputs,
-               generic: bool, chunks=None) -> RelevanceResult:
+               generic: bool, chunks=None, finite: bool = True) -> RelevanceResult:
     store: dict = {}
     with core.attribution_pass(model, rules, generic, "relevance") as cov:
         xs: List[torch.Tensor] = []
@@ -278,6 +280,8 @@ def _relevance(model, prep: core.Prepared, tgts, several: bool, rules: Relevance
             raise core.entry_not_reached(model, prep)
         x = xs[0]
         value, tid, fixed = evaluate_targets(tgts, fwd, several)
+        if finite:  # generation checks its steps itself, naming the step
+            check_finite(value, "relevance", several)
         go = check_grad_outputs(grad_outputs, value)
         base = check_baseline(baseline, x)
         grad, *g_tails = backward(value, [x] + tails[-1:], go, several, chunks=chunks if several else None)

@@ -20,7 +20,7 @@ import pyattr.targets as T
 from pyattr._repr import summary_repr
 from pyattr.results import ResultViews
 from pyattr.config import RelevanceRuleCoverage, RelevanceRules
-from pyattr.methods._core.forward import backward, check_grad_outputs, evaluate_targets, leaf
+from pyattr.methods._core.forward import backward, check_finite, check_grad_outputs, evaluate_targets, leaf
 import pyattr.methods.seq2seq_baseline as B
 import pyattr.methods.seq2seq_inputs as SI
 import pyattr.methods.seq2seq_targets as ST
@@ -109,7 +109,7 @@ def _words_to_ids(target, tokenizer):
 def seq2seq_relevance(model: nn.Module, inputs, target, rules: RelevanceRules, *, decoder_input_ids=None,
                       attention_mask=None, decoder_attention_mask=None, grad_outputs=None,
                       caller: str = "relevance", tokenizer=None, baseline=None,
-                      batch_targets: Optional[int] = None) -> Seq2SeqRelevanceResult:
+                      batch_targets: Optional[int] = None, finite: bool = True) -> Seq2SeqRelevanceResult:
     """:func:`pyattr.relevance` of a decoder-side target of an encoder–decoder model
     (``batch_targets``: with k targets, at most this many per batched backward over the
     one forward's graph)."""
@@ -138,6 +138,8 @@ def seq2seq_relevance(model: nn.Module, inputs, target, rules: RelevanceRules, *
                              f"{type(model).__name__}'s forward pass")
         fwd = ST.forward(side, out, kwargs, store)
         value, tid, fixed = evaluate_targets(tgts, fwd, several)
+        if finite:  # generation checks its steps itself, naming the step
+            check_finite(value, caller, several)
         go = check_grad_outputs(grad_outputs, value)
         x_src, x_tgt = xs[0][0], xs[1][0]
         chunks = None

@@ -122,7 +122,7 @@ def response_logprobs(model: nn.Module, source, ranges, prefix, response, masks:
         # float64: the logit-probability of a near-certain token is a small difference of large terms
         lp = logits.double().log_softmax(-1).gather(-1, resp[None, :, None].expand(n, -1, 1))[..., 0].cpu()
         out[lo:lo + n] = _span_sums(lp, spans)
-    return out
+    return A.check_values(out)
 
 
 def relevance_scores(model: nn.Module, source, ranges, prefix, response, spans, method: str):

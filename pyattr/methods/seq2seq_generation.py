@@ -172,7 +172,7 @@ def seq2seq_generation_relevance(model: nn.Module, inputs, max_new_tokens, conti
             step_targets(b, gen[b, :k], width, n)
         r = seq2seq_relevance(model, {"input_ids": src[b:b + 1, real], "attention_mask": smask[b:b + 1, real]},
                               tgts, rules, decoder_input_ids=dec, caller="generation_relevance",
-                              batch_targets=batch_targets, baseline=baseline)
+                              batch_targets=batch_targets, baseline=baseline, finite=False)
         s_rel[b, :k, real] = r.source_relevance[:, 0].to(dt)
         t_rel[b, :k, :dec.shape[1]] = r.target_relevance[:, 0].to(dt)
         target[b, :k] = r.target[:, 0]

@@ -338,6 +338,7 @@ def prepare(model: nn.Module, inputs, attention_mask, decoder_input_ids, decoder
                          "explain the rows one at a time, or load the model with attention_type='original_full'")
     kwargs["decoder_input_ids"] = dec
     if dmask is not None:
+        A.refuse_padded_streams(model, dmask, "decoder_attention_mask", caller)
         kwargs["decoder_attention_mask"] = dmask
     kwargs.update(no_cache(model))
     return kwargs, dec, dmask, ents

@@ -19,6 +19,7 @@ from pyattr.patching.pairs import align, check_row_metric, metric_targets, prepa
 from pyattr.patching.result import PatchingResult, dims
 import pyattr.patching.seq2seq as S2P
 from pyattr.methods._core.stacks import is_encoder_decoder
+from pyattr.methods._core.forward import check_finite
 
 METHODS = ("relp", "atp", "atp*", "ig", "blockwise")
 
@@ -216,6 +217,7 @@ def attribution_patching(
     with core.attribution_pass(model, rules, generic, caller) as cov:
         with attn_c.recording() if star else blocks.recording() if blocks is not None else contextlib.nullcontext():
             value, acts_c, fixed = recording_forward(model, pair.clean, tgts, flat, grad=True)
+        check_finite(value, caller, False)  # an estimate from a NaN metric is NaN, not a number to read
         if not value.requires_grad:
             raise ValueError("metric: the value does not depend on the inputs through differentiable operations")
         extra = []

@@ -107,7 +107,7 @@ def split_run(model, lay, graph, prep, tgts, mode, metric="required", **kw):
     """One split forward: ``(metric value, the SplitForward with its records)``."""
     split = G.SplitForward(lay, graph, mode, **kw)
     with split.hooks():
-        value, _, fixed = recording_forward(model, prep, tgts, [], grad=mode == "grad", metric=metric)
+        value, _, fixed = recording_forward(model, prep, tgts, [], grad=mode == "grad", metric=metric, cut=False)
     if split.mismatch:
         raise ValueError(f"model: {type(model).__name__}'s residual stream is not what the edge graph reads: "
                          f"{split.mismatch[0]} (a norm after a block's output, a parallel block or a hook that "

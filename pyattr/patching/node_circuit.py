@@ -121,10 +121,12 @@ class NodeRuns:
         self.sites = [s for n in node_list for s in sites[n]]
         self.nodes = NodeSet(self.sites)
         self.batch = pair.clean.input_ids.shape[0]
-        self.clean, _, self.fixed = recording_forward(model, pair.clean, tgts, self.sites, grad=False)
+        # the full head, as every circuit run here reads it (one identical input, one value)
+        self.clean, _, self.fixed = recording_forward(model, pair.clean, tgts, self.sites, grad=False, cut=False)
         check_row_metric(model, pair.clean, self.fixed, self.clean, caller)
         self.ends: Optional[Tuple[float, float]] = None     # (m(full), m(∅)), see _ends
-        self.corrupt_value, self.corrupt, _ = recording_forward(model, pair.corrupt, self.fixed, self.sites, grad=False)
+        self.corrupt_value, self.corrupt, _ = recording_forward(model, pair.corrupt, self.fixed, self.sites, grad=False,
+                                                                cut=False)
 
     def metrics(self, keep: torch.Tensor) -> torch.Tensor:
         """Tensor[n, batch] float64: the metric of each circuit (``keep`` BoolTensor[n, N],

@@ -214,7 +214,8 @@ def _head_cut(model, prep: core.Prepared, tgts, sites: List[Site], metric: str) 
     return True
 
 
-def recording_forward(model, prep: core.Prepared, tgts, sites: List[Site], grad: bool, metric: str = "required"):
+def recording_forward(model, prep: core.Prepared, tgts, sites: List[Site], grad: bool, metric: str = "required",
+                      cut: bool = True):
     """One forward recording every site's activation: ``(metric value, activations, fixed
     targets)``.
 
@@ -222,14 +223,16 @@ def recording_forward(model, prep: core.Prepared, tgts, sites: List[Site], grad:
     run, so both run the same kernels (a clean and a corrupt copy of one input give
     bit-identical activations). ``metric``: ``"required"``; ``"optional"`` (a metric that
     cannot be read on this input, e.g. an absolute position beyond a shorter corrupt
-    input under an alignment, gives NaN); ``"skip"``."""
+    input under an alignment, gives NaN); ``"skip"``. ``cut``: the head may run at the
+    metric's positions only (off where the caller's other runs read the full head, as the
+    edge graph's: one identical input must give one value)."""
     store: List[Optional[torch.Tensor]] = [None] * len(sites)
     calls = [0] * len(sites)
     mods: dict = {}
     versions: List[int] = [0] * len(sites)
     with core.tap(prep.entry, prep.where, lambda t: leaf(t), once=True), _recording(sites, store, calls, versions), \
             core.record_modules(model, T.module_paths(tgts), mods):
-        fwd = run_model(model, prep, tgts, mods, keep_logits=_head_cut(model, prep, tgts, sites, metric))
+        fwd = run_model(model, prep, tgts, mods, keep_logits=cut and _head_cut(model, prep, tgts, sites, metric))
     _check_once(sites, calls)
     _check_recorded(sites, store, versions, tuple(prep.input_ids.shape[:2]))
     batch = prep.input_ids.shape[0]

@@ -17,6 +17,8 @@ from typing import List, Sequence, Tuple
 import torch
 from torch import nn
 
+import pyattr.architectures as A
+
 
 def ablated_rows(prompt: Sequence[int], ranges: Sequence[Tuple[int, int]], response: Sequence[int],
                  masks: torch.Tensor) -> List[List[int]]:
@@ -50,15 +52,16 @@ def response_logprobs(model: nn.Module, prompt: Sequence[int], ranges: Sequence[
     out = torch.empty(len(rows), len(spans), dtype=torch.float64)
     resp = torch.as_tensor(list(response), device=device)
     pad = 0
-    for lo in range(0, len(rows), batch_size):
-        chunk = rows[lo:lo + batch_size]
+    for idx in _chunks(model, rows, batch_size):
+        chunk = [rows[i] for i in idx]
         width = max(len(x) for x in chunk)
         ids = torch.full((len(chunk), width), pad, dtype=torch.long)
         mask = torch.zeros(len(chunk), width, dtype=torch.long)
         for i, x in enumerate(chunk):
             ids[i, :len(x)] = torch.as_tensor(x)
             mask[i, :len(x)] = 1
-        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+        kw = {} if bool(mask.all()) and A.streams_decoder(model) is not None else {"attention_mask": mask.to(device)}
+        logits = model(input_ids=ids.to(device), **kw).logits
         lengths = torch.as_tensor([len(x) for x in chunk], device=device)
         # the logit that predicts response token t sits one position before it
         pos = (lengths - r - 1)[:, None] + torch.arange(r, device=device)[None]
@@ -67,8 +70,34 @@ def response_logprobs(model: nn.Module, prompt: Sequence[int], ranges: Sequence[
         picked = logits.gather(1, pos[..., None].expand(-1, -1, logits.shape[-1])).double().log_softmax(-1)
         lp = picked.gather(-1, resp[None, :, None].expand(len(chunk), -1, 1))[..., 0].double().cpu()
         for j, (a, b) in enumerate(spans):
-            out[lo:lo + len(chunk), j] = lp[:, a:b].sum(-1)
+            out[idx, j] = lp[:, a:b].sum(-1)
+    return check_values(out)
+
+
+def check_values(out: torch.Tensor) -> torch.Tensor:
+    """``out`` (Tensor[ablations, spans]) when every value is finite; else ValueError: a fit
+    of NaN gives NaN scores (or an error inside the solver) with no number to read."""
+    bad = ~torch.isfinite(out)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"context_attribution(): the model's log-probability of the response is not finite (NaN or inf) on "
+            f"ablation {i} of {out.shape[0]}, so no source can be scored (some models' eager attention masks give NaN "
+            "in float64: transformers' left-padded eager attention, ProphetNet with any attention mask; try float32)")
     return out
+
+
+def _chunks(model: nn.Module, rows: List[List[int]], batch_size: int) -> List[torch.Tensor]:
+    """The rows' indices per forward: ``batch_size`` at a time; for a model whose logits
+    depend on its input's length (ProphetNet's predicting streams, where a padded row is not
+    the row alone) only rows of one length share a forward, unpadded (no mask: ProphetNet's
+    own mask gives NaN in float64)."""
+    if A.streams_decoder(model) is None:
+        return [torch.arange(lo, min(lo + batch_size, len(rows))) for lo in range(0, len(rows), batch_size)]
+    by_length: dict = {}
+    for i, x in enumerate(rows):
+        by_length.setdefault(len(x), []).append(i)
+    return [torch.tensor(g[lo:lo + batch_size]) for g in by_length.values() for lo in range(0, len(g), batch_size)]
 
 
 def random_masks(generator: torch.Generator, count: int, sources: int, keep: float = 0.5) -> torch.Tensor:

@@ -99,8 +99,15 @@ def generated(model, prompt, max_new_tokens, prefix=None) -> List[int]:
     if max_new_tokens is None or max_new_tokens < 1:
         raise ValueError("context_attribution: give response= (text or token ids) or max_new_tokens= (>= 1) "
                          "to generate it")
+    from pyattr.architectures import streams_decoder
     from pyattr.methods._core.generate import generate
 
+    if streams_decoder(model) is not None:
+        raise ValueError(
+            f"max_new_tokens: {type(model).__name__}'s logits depend on the length of its decoder input (its predicting "
+            "streams' position bias is gathered by a length-dependent index), so the response's log-probability "
+            "explained in one teacher-forced forward is not the one that generated it; pass response= to explain "
+            "the teacher-forced log-probability of a given response")
     device = next(model.parameters()).device
     ids = torch.tensor([list(prompt)], device=device)
     with generation_config_named():

@@ -178,6 +178,20 @@ def run_model(model: nn.Module, prep: Prepared, targets, store: dict, kwargs: Op
     return T.Forward(out, prep.input_ids, prep.attention_mask, store, kept)
 
 
+def check_finite(value: torch.Tensor, caller: str, several: bool) -> None:
+    """The explained value must be finite: relevance of a NaN or an infinity is NaN, with no
+    number a reader could use. ValueError naming the row (and the target of k)."""
+    bad = ~torch.isfinite(value.detach())
+    if not bool(bad.any()):
+        return
+    at = [int(i) for i in bad.nonzero()[0]]
+    where = f"row {at[1]}, target {at[0]}" if several and len(at) == 2 else f"row {at[-1] if at else 0}"
+    raise ValueError(
+        f"{caller}(): the model's output is not finite (NaN or inf) at {where}, so nothing can be computed from it "
+        "(some models' eager attention masks give NaN in float64: transformers' left-padded eager attention, "
+        "ProphetNet with any attention mask; try float32)")
+
+
 def check_caller_logits_to_keep(kwargs: dict, targets) -> None:
     """A ``logits_to_keep`` of the caller other than 0 (the full head) leaves logits at
     some positions only, indexed from 0 again; a logit target names its position in the

@@ -293,6 +293,7 @@ def prepare(model: nn.Module, inputs, attention_mask, caller: str, generic: bool
         return Prepared(kwargs, layout, None, entry, where, (rows, cols))
     kwargs = padding_positions(model, kwargs)
     R.check_model_forward(model, new_tokens(kwargs.get("attention_mask"), kwargs["input_ids"].shape[1]), caller)
+    A.refuse_padded_streams(model, kwargs.get("attention_mask"), "attention_mask", caller)
     if "use_cache" not in kwargs and accepts(model, "use_cache", by_name=True):
         # a key/value cache is never read by an attribution pass: not building one saves a
         # copy of every layer's keys and values

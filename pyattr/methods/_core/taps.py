@@ -94,7 +94,7 @@ def streams_relevance(tails: List[torch.Tensor], grads, seq: int, dtype) -> Opti
     return rel.reshape(*rel.shape[:-1], rel.shape[-1] // seq, seq)
 
 
-def check_not_streams(entry: nn.Module, path: str, calls: List[torch.Tensor], seq: int) -> None:
+def check_not_streams(entry: nn.Module, path: str, calls: List[torch.Tensor], seq: int, arg: str = "layers") -> None:
     """A module read per position inside a model whose ``entry`` appends streams (see
     ``_STREAMS``) holds every stream when its positions are the streams' total: ValueError,
     since its positions are not one per token."""
@@ -103,7 +103,7 @@ def check_not_streams(entry: nn.Module, path: str, calls: List[torch.Tensor], se
         return
     t = calls[0] if calls else None
     if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == n * seq:
-        raise ValueError(f"layers: {path!r} holds {n} streams of {seq} positions (shape {tuple(t.shape)}: the tokens' "
+        raise ValueError(f"{arg}: {path!r} holds {n} streams of {seq} positions (shape {tuple(t.shape)}: the tokens' "
                          f"stream and the {n - 1} the model appends, ProphetNet's predicting streams), not one position "
                          "per token; read the relevance of the tokens with pyattr.relevance (stream_relevance gives "
                          "the appended streams' share)")
