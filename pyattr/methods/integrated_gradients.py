@@ -22,6 +22,7 @@ from torch import nn
 from pyattr.methods._core.stacks import is_encoder_decoder
 from pyattr.methods.seq2seq_ig import seq2seq_integrated_gradients
 import pyattr.methods._core as core
+from pyattr.methods._core.convergence import CONVERGENCE_TOLERANCE, ConvergenceWarning, warn_unconverged  # noqa: F401
 import pyattr.methods._core.text as text
 import pyattr.methods._core.groups as G
 import pyattr.targets as T
@@ -348,7 +349,7 @@ def _integrated(model, prep, tgts, baseline, grad_outputs, pairs, layer, rules, 
     if multiply_by_inputs and not rules.any():
         # completeness holds for the true gradient only: a rule-modified one is no gradient
         # field, and its path integral need not add up to f(x) − f(x₀)
-        _warn_unconverged(delta, go.detach().double() * (t64 - f0), n_steps)
+        warn_unconverged(delta, go.detach().double() * (t64 - f0), n_steps)
     attr = attr64.float()
     tok = attr.sum(-1) if attr.dim() == 3 else None
     return AttributionResult(
@@ -362,36 +363,6 @@ def _integrated(model, prep, tgts, baseline, grad_outputs, pairs, layer, rules, 
         method=method,
         coverage=cov,
     )
-
-
-class ConvergenceWarning(UserWarning):
-    """:func:`integrated_gradients`: the attributions do not add up to ``f(x) − f(x₀)``
-    (the convergence delta is large against it): the path integral has not converged."""
-
-
-#: the share of ``f(x) − f(x₀)`` a convergence delta may reach before the result warns
-CONVERGENCE_TOLERANCE = 0.05
-
-
-def _warn_unconverged(delta: torch.Tensor, change: torch.Tensor, n_steps: int) -> None:
-    """Warn (:class:`ConvergenceWarning`) where a row's ``|delta|`` exceeds
-    :data:`CONVERGENCE_TOLERANCE` of ``|f(x) − f(x₀)|`` (Sundararajan et al. 2017, §2.2:
-    completeness is the check that the integral was approximated well enough)."""
-    import warnings
-
-    ratio = delta.abs() / change.abs().clamp(min=1e-12)
-    bad = (ratio > CONVERGENCE_TOLERANCE) & torch.isfinite(ratio)
-    if not bool(bad.any()):
-        return
-    r = int(torch.nonzero(bad)[0])
-    from pyattr.integration.plan_check import _caller_level
-
-    warnings.warn(ConvergenceWarning(
-        f"integrated_gradients: the attributions miss f(x) - f(baseline) by {float(delta[r]):+.3g} against "
-        f"{float(change[r]):+.3g} ({float(ratio[r]):.0%}; row {r}, {int(bad.sum())} of {bad.numel()} rows over "
-        f"{CONVERGENCE_TOLERANCE:.0%}) with n_steps={n_steps}: the path integral has not converged; raise n_steps, "
-        "or start from a baseline nearer the input (a zero embedding is ill-conditioned on RMSNorm models)"),
-        stacklevel=_caller_level())
 
 
 def _embedding_output(model: nn.Module, pair) -> bool:
