@@ -131,14 +131,16 @@ def test_a_callable_target_giving_one_value_for_all_levels_is_refused():
                                            steps=3)
 
 
-@pytest.mark.parametrize("arch", ["bart", "t5"])
+@pytest.mark.parametrize("arch", ["bart", "t5", "prophetnet"])
 def test_mean_embedding_replaces_the_encoders_token_embedding_by_its_vocabulary_mean(arch):
+    """The encoder's own token embedding (ProphetNet's is ``word_embeddings``, as its
+    get_input_embeddings() says)."""
     model = tiny_seq2seq(arch)
     src, dec = _ids(arch, seed=25, batch=1, src=6, tgt=3)
     rel = torch.arange(6, dtype=torch.float64)[None]                 # the last token most relevant
     c = pyattr.evaluate.perturbation_curve(model, src, rel, target=9, decoder_input_ids=dec, steps=6,
                                            perturbation="mean_embedding")
-    emb = model.get_encoder().embed_tokens
+    emb = model.get_encoder().get_input_embeddings()
     with torch.no_grad():
         mean = emb(torch.arange(emb.num_embeddings)[None])[0].mean(0)
         for j in (0, 2, 6):

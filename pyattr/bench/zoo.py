@@ -257,6 +257,9 @@ def _padded(pyattr, model, x, r, tid: int, note: Optional[dict] = None) -> Optio
     except (ValueError, TypeError, NotImplementedError, pyattr.RelevanceRuleUnsupportedError) as e:
         if not _from_pyattr(e):
             raise
+        if "is not finite" in str(e) and _not_finite(model, ids, mask):  # pyattr refused the model's own NaN
+            return {"status": "transformers", "detail": "the model's own output with an attention mask (the padded "
+                    "row) is not finite in float64 (pyattr refuses it)"}
         if not (causal and "pad on the right" in str(e)):
             return _refusal(e, model, "padded: ")
         # left padding refused as it should be (the forward takes no position ids): the
@@ -266,6 +269,9 @@ def _padded(pyattr, model, x, r, tid: int, note: Optional[dict] = None) -> Optio
             note["padding"] = "; left padding refused (no position_ids), padded on the right"
         ids, mask, real = torch.cat([x, pad], 1), torch.ones(1, x.shape[1] + 2, dtype=x.dtype), slice(0, x.shape[1])
         mask[:, -2:] = 0
+        if _not_finite(model, ids, mask):
+            return {"status": "transformers", "detail": "the model's own output with an attention mask (the padded "
+                    "row) is not finite in float64 (pyattr refuses it)"}
         rp = pyattr.relevance(model, {"input_ids": ids, "attention_mask": mask}, target=tid, generic=True)
     # the model's own pad noise: its output padded (positions counted along the mask where
     # its forward names position_ids) against alone
@@ -299,6 +305,12 @@ def _padded(pyattr, model, x, r, tid: int, note: Optional[dict] = None) -> Optio
                 "of its largest (positions counted along the mask where its forward takes position_ids)"}
     return {"status": "wrong", "detail": f"padded row differs from the row alone by {err:.3g} of the largest "
                                          f"relevance (target by {terr:.2g}; the model's own pad noise {noise:.1g})"}
+
+
+def _not_finite(model, ids: torch.Tensor, mask: torch.Tensor) -> bool:
+    """The model's own output on the padded row (a plain forward) is not finite."""
+    with torch.no_grad():
+        return not bool(torch.isfinite(_logits(model(input_ids=ids, attention_mask=mask, **_plain_kwargs(model)))).all())
 
 
 def _decoder(model) -> bool:

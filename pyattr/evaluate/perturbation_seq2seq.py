@@ -45,11 +45,25 @@ def source_relevance(relevance, shape) -> torch.Tensor:
 
 def _encoder_embedding(model: nn.Module) -> nn.Module:
     enc = model.get_encoder() if callable(getattr(model, "get_encoder", None)) else None
-    emb = getattr(enc, "embed_tokens", None)
+    emb = _own_embedding(enc)
     if not isinstance(emb, nn.Module):
-        raise ValueError(f"perturbation='mean_embedding': cannot find the encoder's token embedding (embed_tokens) "
-                         f"of {type(model).__name__}; use 'zero_embedding'")
+        raise ValueError(f"perturbation='mean_embedding': cannot find the encoder's token embedding (its "
+                         f"get_input_embeddings() or embed_tokens) of {type(model).__name__}; use 'zero_embedding'")
     return emb
+
+
+def _own_embedding(stack) -> "nn.Module | None":
+    """The token embedding a stack reports as its own (``get_input_embeddings()``: ProphetNet's
+    ``word_embeddings``), else its ``embed_tokens``."""
+    get = getattr(stack, "get_input_embeddings", None)
+    try:
+        emb = get() if callable(get) else None
+    except (NotImplementedError, AttributeError):
+        emb = None
+    if isinstance(getattr(emb, "weight", None), torch.Tensor):
+        return emb
+    emb = getattr(stack, "embed_tokens", None)
+    return emb if isinstance(emb, nn.Module) else None
 
 
 @torch.no_grad()
