@@ -37,6 +37,7 @@ from pyattr.methods._core.inputs import input_device
 from pyattr.methods._core.chunks import DEFAULT_BUDGET, SEGMENT_GROWTH, ChunkSizes, default_batch_targets, segment_end  # noqa: F401
 from pyattr.methods._core.peak_memory import PeakMemory
 from pyattr.methods.relevance import relevance, relevance_in_chunks
+from pyattr.methods._core.forward import check_steps_finite
 
 TARGETS = ("logit", "logprob", "prob")
 
@@ -448,13 +449,7 @@ def generation_relevance(
         value[:, t0:t1] = r.target.transpose(0, 1).double().cpu()
         delta[:, t0:t1] = r.conservation_delta.transpose(0, 1).double().cpu()
         t0 = t1
-    bad = steps.cpu() & ~torch.isfinite(value)
-    if bool(bad.any()):
-        row, step = (int(v) for v in bad.nonzero()[0])
-        raise ValueError(
-            f"the model's output is not finite (NaN or inf) at row {row}, step {step}: no relevance can be "
-            "computed there (transformers' eager attention in float64 gives NaN on left-padded rows; try "
-            "float32 or attn_implementation='sdpa')")
+    check_steps_finite(steps, value)
     # exact zeros: the step's own column and later, padding, and steps that do not exist
     cols = torch.arange(seq)
     own = width + torch.arange(generated)

@@ -15,6 +15,7 @@ import pyattr.targets as T
 from pyattr._repr import summary_repr
 from pyattr.results import ResultViews
 from pyattr.config import RelevanceRuleCoverage, RelevanceRules
+from pyattr.methods._core.forward import check_steps_finite
 from pyattr.methods._core.generate import generate
 from pyattr.methods._core.inputs import check_token_ids, normalise_inputs
 import pyattr.methods.seq2seq_baseline as B
@@ -180,13 +181,7 @@ def seq2seq_generation_relevance(model: nn.Module, inputs, max_new_tokens, conti
         if base is not None:
             base[b, :k] = r.baseline_target[:, 0]
         cov, backend = r.coverage, r.backend
-    bad = steps.cpu() & ~torch.isfinite(target)
-    if bool(bad.any()):
-        row, step = (int(v) for v in bad.nonzero()[0])
-        raise ValueError(
-            f"the model's output is not finite (NaN or inf) at row {row}, step {step}: no relevance can be computed "
-            "there (some models' eager attention masks in float64 add two float64 minima to -inf, ProphetNet's "
-            "among them; try float32)")
+    check_steps_finite(steps, target)
     seq_mask = torch.cat([torch.ones(batch, width, dtype=torch.long), steps.to("cpu").long()], 1)
     return Seq2SeqGenerationResult(source_ids=src, sequences=seq, prefix_width=width, source_relevance=s_rel,
                                    target_relevance=t_rel, target=target, conservation_delta=delta,

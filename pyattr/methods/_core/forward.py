@@ -192,6 +192,18 @@ def check_finite(value: torch.Tensor, caller: str, several: bool) -> None:
         "ProphetNet with any attention mask; try float32)")
 
 
+def check_steps_finite(steps: torch.Tensor, value: torch.Tensor) -> None:
+    """Every generated step's explained value (Tensor[batch, generated], where ``steps``
+    is true) must be finite: ValueError naming the first row and step that is not."""
+    bad = steps.cpu() & ~torch.isfinite(value)
+    if bool(bad.any()):
+        row, step = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(
+            f"the model's output is not finite (NaN or inf) at row {row}, step {step}: no relevance can be computed "
+            "there (some models' eager attention masks give NaN in float64: transformers' left-padded eager "
+            "attention, ProphetNet with any attention mask; try float32 or attn_implementation='sdpa')")
+
+
 def check_caller_logits_to_keep(kwargs: dict, targets) -> None:
     """A ``logits_to_keep`` of the caller other than 0 (the full head) leaves logits at
     some positions only, indexed from 0 again; a logit target names its position in the
