@@ -19,8 +19,10 @@ Function (LayerNorm, the Identity-rule).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from typing import Any, Type
+import threading
+from typing import Any, Iterator, Type
 
 import torch
 
@@ -80,3 +82,29 @@ def cpp_node_applies(device: torch.device, op: str) -> bool:
         return False
     # pyattr._C_stable has the kernels but not the C++ nodes
     return chosen == "cpp" and backends.extension.HAS_AUTOGRAD_NODES
+
+
+_first_order = threading.local()
+
+
+@contextlib.contextmanager
+def first_order_saves() -> Iterator[None]:
+    """Inside the block (this thread), the norms' rule Functions of a forward that no
+    parameter gradient is asked of save the per-row scale the LN-rule holds constant
+    instead of their input, for a backward that is not differentiated again: pyattr's own
+    passes, which run their backward once and never with ``create_graph``. On a
+    Llama-3.2-1B-shaped model in float32 that is 16 MB per block of 1024 tokens (two
+    norms' inputs) out of about 100 MB it saves. A backward that is being recorded
+    (``create_graph=True``) through such a node raises."""
+    _first_order.depth = getattr(_first_order, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _first_order.depth -= 1
+
+
+def first_order() -> bool:
+    """Inside :func:`first_order_saves`, in eager code (no ``torch.func`` transform or
+    compilation, which see the Function's own saves)."""
+    return (getattr(_first_order, "depth", 0) > 0 and not torch.compiler.is_compiling()
+            and not torch._C._are_functorch_transforms_active())

@@ -296,6 +296,9 @@ def test_check_tool_one_line_errors(tmp_path):
         (["--faithfulness", "--rounds", "2"], "--rounds sets the interleaved rounds of --generation, --long-context, "
                                               "--scale and --frameworks; pass one"),
         (["--generation", "--context", "16k"], "--context: expected positive token counts separated by commas, got '16k'"),
+        (["--e2e", "--allocator", "returned"], "--allocator applies to --scale; pass it"),
+        (["--scale", "--allocator", "returned", "--lxt-python", "python3"],
+         "--allocator returned measures pyattr's processes only; run --lxt-python without it"),
     ],
 )
 def test_cli_bench_bad_arguments(args, msg):

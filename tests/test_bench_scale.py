@@ -77,3 +77,28 @@ def test_quick_run_measures_every_variant_once(tmp_path, monkeypatch):
     plain = next(r for r in rows if r["variant"] == "plain")
     assert plain["memory_over_plain"] == 1.0 and "over_plain" in rows[1]
     report.validate(report.document("scale", __import__("torch").device("cpu"), rows))
+
+
+def test_the_returned_allocator_unmaps_freed_blocks():
+    """With ``allocator="returned"`` a freed tensor of 8 MB leaves the resident set (glibc's
+    default keeps it once its threshold has risen past that size); the table says which
+    allocator measured it; a name it does not know is refused."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from pyattr.bench.micro import return_freed_memory; "
+            "from pyattr.bench.e2e import rss_bytes; "
+            "ok = return_freed_memory() is not None if sys.argv[1] == 'returned' else True; "
+            "x = torch.ones(2**22); del x; "  # 16 MiB: raises glibc's dynamic threshold
+            "y = torch.ones(2**21); held = rss_bytes(); del y; print(ok, (held - rss_bytes()) / 2**20)")
+    dropped = {}
+    for mode in ("glibc", "returned"):
+        out = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, check=True)
+        ok, mb = out.stdout.strip().splitlines()[-1].split()
+        assert ok == "True"
+        dropped[mode] = float(mb)
+    assert dropped["returned"] > 7.0 and dropped["glibc"] < 1.0, dropped
+    md = scale.markdown([_row("plain", 1.0, allocator="returned")])
+    assert "with every block of 64 KiB or more unmapped when freed" in md
+    with pytest.raises(ValueError, match="allocator must be one of"):
+        scale.run_all(quick=True, allocator="jemalloc")

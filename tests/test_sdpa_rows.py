@@ -48,20 +48,55 @@ def test_gradient_from_the_live_rows_equals_the_native_backward(dtype, tol, mask
         assert torch.equal(got[0][:, :, other], torch.zeros_like(got[0][:, :, other]))
 
 
+@pytest.mark.parametrize("kernel_groups", [True, False], ids=["kernel groups", "repeated"])
+@pytest.mark.parametrize("rows", ["last", "all"])
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)], ids=["float64", "float32"])
-def test_grouped_query_attention(dtype, tol):
+def test_grouped_query_attention(dtype, tol, rows, kernel_groups, monkeypatch):
+    """Both backwards (live rows, native) against sdpa's enable_gqa; where this torch's
+    kernels take one key/value head per group, the Function saves those heads, not copies."""
+    if kernel_groups and not SR._kernel_groups():  # this torch's kernel refuses them: the probe was right
+        with pytest.raises(RuntimeError):
+            SR._forward_op(torch.ones(1, 2, 2, 4), torch.ones(1, 1, 2, 4), torch.ones(1, 1, 2, 4), 0.0, True)
+        return
+    monkeypatch.setattr(SR, "_groups", [kernel_groups])
     q, k, v = _qkv(dtype, h=4)
     k, v = k[:, :2].detach().requires_grad_(), v[:, :2].detach().requires_grad_()
     dout = torch.zeros(2, 4, 64, 16, dtype=dtype)
-    dout[:, :, -1] = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(3), dtype=dtype)
+    live = slice(63, 64) if rows == "last" else slice(None)
+    dout[:, :, live] = torch.randn(2, 4, dout[:, :, live].shape[2], 16, generator=torch.Generator().manual_seed(3),
+                                   dtype=dtype)
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     want = torch.autograd.grad(ref, (q, k, v), dout)
-    with SR.sparse_rows_sdpa():
+    saved = []
+    with SR.sparse_rows_sdpa(), torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t,
+                                                                        lambda t: t):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    assert torch.equal(out, ref)
+    assert type(out.grad_fn).__name__ == "SdpaRowsFunctionBackward" and torch.equal(out, ref)
+    heads = [s[1] for s in saved if len(s) == 4]  # q, k, v, out
+    assert heads == ([4, 2, 2, 4] if kernel_groups else [4, 4, 4, 4])
     got = torch.autograd.grad(out, (q, k, v), dout)
     for a, b in zip(got, want):
+        assert a.shape == b.shape
         torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+
+
+def test_grouped_query_double_backward_equals_the_math_backends():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = _qkv(torch.float64, h=4, s=16)
+    k, v = k[:, :2].detach().requires_grad_(), v[:, :2].detach().requires_grad_()
+    dout = torch.zeros(2, 4, 16, 16, dtype=torch.float64)
+    dout[:, :, -1] = 1.0
+    with sdpa_kernel([SDPBackend.MATH]):
+        ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    (gk,) = torch.autograd.grad(ref, k, dout, create_graph=True)
+    want = torch.autograd.grad(gk.square().sum(), q)
+    with SR.sparse_rows_sdpa():
+        out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert type(out.grad_fn).__name__ == "SdpaRowsFunctionBackward"
+    (gk2,) = torch.autograd.grad(out, k, dout, create_graph=True)
+    got = torch.autograd.grad(gk2.square().sum(), q)
+    torch.testing.assert_close(got[0], want[0], atol=1e-12, rtol=1e-12)
 
 
 def test_float64_closed_form():

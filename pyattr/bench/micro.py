@@ -222,7 +222,27 @@ def time_ms(run: Callable, device, warmup: int, repeats: int) -> List[float]:
 
 
 # glibc's mallopt parameters (malloc.h)
-_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
+
+
+def return_freed_memory() -> Optional[str]:
+    """Make glibc's malloc map every block of 64 KiB or more on its own and unmap it when
+    freed, in this process (a fixed ``M_MMAP_THRESHOLD``: glibc's default raises the
+    threshold after the first large free, up to 32 MiB, and serves smaller blocks from a
+    heap whose freed holes stay resident): the resident size then follows the tensors alive,
+    not the heap's fragmentation. Returns a description for the report, or None where glibc
+    is not the allocator (nothing changed)."""
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        ok = ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 1 << 16) == 1
+    except (OSError, AttributeError):
+        return None
+    return ("glibc malloc mapping every block of 64 KiB or more on its own and unmapping it when freed "
+            "(mallopt M_MMAP_THRESHOLD), so the resident size follows the tensors alive") if ok else None
 
 
 def keep_freed_memory() -> Optional[str]:

@@ -80,10 +80,23 @@ def _plain(model, ids, target: int) -> None:
     torch.autograd.grad(logit, x)
 
 
-def measure(variant: str, context: int, dtype: str, quick: bool = False) -> Dict:
+#: ``allocator``: glibc as the process starts (its heap keeps freed holes resident), or
+#: ``returned``: blocks of 64 KiB or more unmapped when freed (:func:`pyattr.bench.micro.return_freed_memory`)
+ALLOCATORS = ("glibc", "returned")
+
+
+def measure(variant: str, context: int, dtype: str, quick: bool = False, allocator: str = "glibc") -> Dict:
     import pyattr
     from pyattr.bench.e2e import rss_bytes
     from transformers import LlamaForCausalLM
+
+    if allocator not in ALLOCATORS:
+        raise ValueError(f"allocator must be one of {ALLOCATORS}, got {allocator!r}")
+    if allocator == "returned":
+        from pyattr.bench.micro import return_freed_memory
+
+        if return_freed_memory() is None:
+            raise RuntimeError("allocator='returned' needs glibc's malloc (Linux)")
 
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
@@ -114,22 +127,28 @@ def measure(variant: str, context: int, dtype: str, quick: bool = False) -> Dict
     n = sum(p.numel() for p in model.parameters())
     return {"variant": variant, "context": context, "dtype": dtype, "point": f"{dtype}:{context}",
             "seconds": seconds, "peak_rss_bytes": peak, "peak_extra_bytes": max(0, peak - base),
-            "peak_reset": reset, "parameters": n,
+            "peak_reset": reset, "parameters": n, "allocator": allocator,
             "model": f"Llama-3.2-1B-shaped ({model.config.num_hidden_layers} layers, hidden "
                      f"{model.config.hidden_size}, vocab {vocab}, {n / 1e9:.2f}B parameters, random weights), sdpa",
             "threads": torch.get_num_threads()}
 
 
 def run_all(quick: bool = False, rounds: int = None, lxt_python: str = None,
-            contexts: Sequence[int] = None, dtypes: Sequence[str] = DTYPES) -> List[Dict]:
+            contexts: Sequence[int] = None, dtypes: Sequence[str] = DTYPES, allocator: str = "glibc") -> List[Dict]:
     """Every variant at every (dtype, context) point in interleaved rounds; with
-    ``lxt_python`` also LXT's two variants, each in that Python's own process."""
+    ``lxt_python`` also LXT's two variants, each in that Python's own process. With
+    ``allocator="returned"`` pyattr's processes unmap freed blocks (:data:`ALLOCATORS`): their
+    peak memory is then the tensors', not the heap's (LXT's processes are not run then)."""
+    if allocator not in ALLOCATORS:
+        raise ValueError(f"allocator must be one of {ALLOCATORS}, got {allocator!r}")
+    if allocator != "glibc" and lxt_python:
+        raise ValueError("allocator='returned' applies to pyattr's processes only: run LXT with allocator='glibc'")
     from pyattr.bench.rounds import MAX_ROUNDS, ROUNDS, interleaved_grid
 
     path = checkpoint(quick)  # drawn once, before any timed process
     contexts = tuple(contexts or (QUICK_CONTEXTS if quick else CONTEXTS))
     points = [f"{d}:{c}" for d in dtypes for c in contexts]
-    extra = ["--quick"] if quick else []
+    extra = (["--quick"] if quick else []) + (["--allocator", allocator] if allocator != "glibc" else [])
     variants, commands = VARIANTS, {}
     if lxt_python:
         from pyattr.bench import long_context_lxt
@@ -159,7 +178,9 @@ def markdown(rows: List[Dict], contention=None) -> str:
 
     lines = [f"One relevance map, one target at the last position: {rows[0]['model']}, CPU, "
              f"{rows[0]['threads']} threads; time median (range) over {min(r['rounds'] for r in rows)} rounds, "
-             "ratios to the plain forward + backward per round; memory: the call's peak over the loaded model", "",
+             "ratios to the plain forward + backward per round; memory: the call's peak over the loaded model"
+             + ("" if rows[0].get("allocator", "glibc") == "glibc" else
+                ", with every block of 64 KiB or more unmapped when freed (the tensors' peak, not the heap's)"), "",
              "| dtype | tokens | rules | time (s) | time / plain | peak over model (MB) | memory / plain |",
              "|---|---:|---|---:|---:|---:|---:|"]
     for r in rows:
@@ -175,9 +196,10 @@ def _main(argv=None):
     p.add_argument("--variant", choices=VARIANTS, required=True)
     p.add_argument("--point", required=True, help="DTYPE:TOKENS")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--allocator", choices=ALLOCATORS, default="glibc")
     a = p.parse_args(argv)
     dtype, _, context = a.point.partition(":")
-    print(json.dumps(measure(a.variant, int(context), dtype, a.quick)))
+    print(json.dumps(measure(a.variant, int(context), dtype, a.quick, a.allocator)))
 
 
 if __name__ == "__main__":

@@ -368,6 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "cache) in bfloat16 and float32 (--dtypes) after 1k and 4k tokens (--context) under every "
                         "rule set against a plain forward + backward: time with its range over interleaved rounds, "
                         "the call's peak memory, instead")
+    b.add_argument("--allocator", choices=("glibc", "returned"), default=None,
+                   help="--scale: 'returned' unmaps every freed block of 64 KiB or more in pyattr's processes, so the "
+                        "peak memory is the tensors' and not glibc's heap fragmentation (default: glibc as it starts)")
     b.add_argument("--lxt-python", metavar="PYTHON",
                    help="--long-context, --scale: also time LXT's AttnLRP, run by this Python (a development "
                         "environment with lxt and the transformers 4 it supports; LXT is not a pyattr dependency)")

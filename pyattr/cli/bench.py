@@ -73,6 +73,11 @@ def _check_args(args):
         if shutil.which(lxt) is None or not os.access(shutil.which(lxt), os.X_OK):
             raise UsageError(f"--lxt-python: expected the path of a Python interpreter, got {lxt!r} (not an "
                              "executable file)")
+    allocator = getattr(args, "allocator", None)
+    if allocator is not None and not args.scale:
+        raise UsageError("--allocator applies to --scale; pass it")
+    if allocator == "returned" and lxt is not None:
+        raise UsageError("--allocator returned measures pyattr's processes only; run --lxt-python without it")
     if args.png is not None and not args.faithfulness:
         raise UsageError("--png is the perturbation-curve plot of --faithfulness; pass --faithfulness")
     for flag, path in (("--json", args.json), ("--markdown", args.markdown), ("--png", args.png)):
@@ -138,6 +143,7 @@ def run(args) -> int:
                 extra["rounds"] = args.rounds
             if simple == "scale":
                 extra["dtypes"] = [n for n in names if n in module.DTYPES] or list(module.DTYPES)
+                extra["allocator"] = getattr(args, "allocator", None) or "glibc"
             rows = module.run_all(quick=args.quick, **extra)
         except e2e.E2EError as e:  # a measurement process failed
             return fail("bench", str(e), status=1)

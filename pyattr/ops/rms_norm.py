@@ -13,7 +13,9 @@ from pyattr._validation import check_eps, check_float, check_has_hidden, check_n
 
 
 class RMSNormRuleFunction(torch.autograd.Function):
-    """Saves ``x`` and ``weight``; r is recomputed in the backward. Vmappable (the
+    """Saves ``x`` and ``weight``; r is recomputed in the backward. Inside pyattr's own
+    passes (:func:`pyattr._function.first_order_saves`) with no weight gradient asked, it
+    saves ``1/r`` per row (float32; float64 for float64) instead of ``x``. Vmappable (the
     batching rule of the backward op gives ``dweight`` per example)."""
 
     generate_vmap_rule = True
@@ -28,10 +30,24 @@ class RMSNormRuleFunction(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, weight, ctx.eps, ctx.offset, _ = inputs
-        ctx.save_for_backward(x, weight)
+        ctx.first_order = _function.first_order() and not (weight is not None and weight.requires_grad)
+        if ctx.first_order:  # the reference backward's 1/r, computed once here
+            x32 = x if x.dtype == torch.float64 else x.to(torch.float32)
+            ctx.save_for_backward(torch.rsqrt((x32 * x32).mean(-1, keepdim=True) + ctx.eps), weight)
+        else:
+            ctx.save_for_backward(x, weight)
 
     @staticmethod
     def backward(ctx, dy):
+        if ctx.first_order:
+            rinv, weight = ctx.saved_tensors
+            if torch.is_grad_enabled():
+                raise RuntimeError(
+                    "rms_norm: this node was recorded by one of pyattr's own passes, which keep 1/r "
+                    "instead of x and do not support a backward with create_graph=True")
+            d = dy.to(rinv.dtype) * rinv
+            dx = d if weight is None else d * (ctx.offset + weight.to(rinv.dtype))
+            return dx.to(dy.dtype), None, None, None, None
         x, weight = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[:2]
         impl = backends.backward_implementation(x.device, "rms_norm")

@@ -83,15 +83,35 @@ _state = {"open": 0, "outer": None}  # blocks open in all threads; what the name
 
 def _routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     if getattr(_local, "depth", 0) and _takes(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-        if query.shape[1] != key.shape[1]:  # grouped-query: each key/value head serves its group,
-            # as sdpa's enable_gqa does (the same output, bit for bit); the gradients of a
-            # group's copies are summed by the repeat's own backward
+        if query.shape[1] != key.shape[1] and not _kernel_groups():
+            # grouped-query on a torch whose flash kernel takes one key/value head per query
+            # head: each key/value head repeated for its group, as sdpa's enable_gqa does (the
+            # same output, bit for bit); the repeat's own backward sums a group's gradients
             n = query.shape[1] // key.shape[1]
             key, value = key.repeat_interleave(n, dim=1), value.repeat_interleave(n, dim=1)
         return SdpaRowsFunction.apply(query, key, value, attn_mask, is_causal, scale)
     kw = {"enable_gqa": enable_gqa} if enable_gqa else {}
     fn = _state["outer"] or _native_sdpa
     return fn(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kw)
+
+
+_groups = []
+
+
+def _kernel_groups() -> bool:
+    """Whether this torch's CPU flash kernels take fewer key/value heads than query heads
+    (each serving its group of queries, as ``enable_gqa``), forward and backward: then the
+    Function saves the key/value heads themselves, not their copies per query head (at
+    Llama-3.2-1B's 32/8 heads, 3/4 of what the saved keys and values would hold). Probed once."""
+    if not _groups:
+        try:
+            q, kv = torch.ones(1, 2, 2, 4), torch.ones(1, 1, 2, 4)
+            out, lse = _forward_op(q, kv, kv, 0.0, True)
+            dq, dk, dv = _backward_op(torch.ones_like(out), q, kv, kv, out, lse, 0.0, True)
+            _groups.append(out.shape == q.shape and dk.shape == kv.shape and dv.shape == kv.shape)
+        except (RuntimeError, TypeError, ValueError):
+            _groups.append(False)
+    return _groups[0]
 
 
 @contextlib.contextmanager
@@ -125,7 +145,8 @@ def rows_backward(dout, q, k, v, out, lse, mask: Optional[torch.Tensor], causal:
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     q_r = q[:, :, rows].to(acc)
     do_r = dout[:, :, rows].to(acc)
-    kk, vv = k.to(acc), v.to(acc)
+    n = q.shape[1] // k.shape[1]  # grouped-query: each key/value head serves n query heads
+    kk, vv = (t.to(acc) if n == 1 else t.to(acc).repeat_interleave(n, dim=1) for t in (k, v))
     s = torch.matmul(q_r, kk.transpose(-1, -2)) * scale          # (B, H, r, kv_len)
     if mask is not None:
         m = mask if mask.dim() >= 2 else mask.view(1, -1)
@@ -142,6 +163,8 @@ def rows_backward(dout, q, k, v, out, lse, mask: Optional[torch.Tensor], causal:
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dq[:, :, rows] = torch.matmul(ds, kk) * scale
     dk = torch.matmul(ds.transpose(-1, -2), q_r) * scale
+    if n > 1:  # a key/value head's gradient: the sum over the query heads of its group
+        dk, dv = (t.unflatten(1, (k.shape[1], n)).sum(2) for t in (dk, dv))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -157,7 +180,8 @@ def _backward(dout, q, k, v, out, lse, mask, causal: bool, scale: Optional[float
 class SdpaRowsFunction(torch.autograd.Function):
     """``F.scaled_dot_product_attention`` (CPU flash kernel) whose backward skips query rows
     without gradient; module docstring. Saves q, k, v, the output and its log-sum-exp (what
-    the native flash backward saves)."""
+    the native flash backward saves); grouped-query keys and values one head per group,
+    where this torch's kernels take them so (:func:`_kernel_groups`)."""
 
     @staticmethod
     def forward(ctx, query, key, value, mask, causal: bool, scale: Optional[float]):
@@ -174,7 +198,8 @@ class SdpaRowsFunction(torch.autograd.Function):
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
             with torch.enable_grad(), sdpa_kernel([SDPBackend.MATH]):
-                o = _native_sdpa(q, k, v, attn_mask=mask, is_causal=ctx.causal, scale=ctx.scale)
+                gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
+                o = _native_sdpa(q, k, v, attn_mask=mask, is_causal=ctx.causal, scale=ctx.scale, **gqa)
                 grads = torch.autograd.grad(o, (q, k, v), dout, create_graph=True, allow_unused=True)
             return (*grads, None, None, None)
         import pyattr.backends._vmap as _vmap

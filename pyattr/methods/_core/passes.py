@@ -11,6 +11,7 @@ from typing import List
 import torch
 from torch import nn
 
+import pyattr._function as _function
 import pyattr.methods._core.state as S
 from pyattr.integration.checkpoint import CHECKPOINT_INNER, bind_checkpoint
 from pyattr.config import RelevanceRules
@@ -188,7 +189,8 @@ def attribution_pass(model: nn.Module, rules: RelevanceRules, generic: bool, cal
     """Autograd on, eval mode, parameters frozen, the rules installed; yields the coverage.
     The output head's backward skips the zero rows of its gradient (:class:`SparseRowsHeadFunction`)."""
     with torch.enable_grad(), inference_state(model), S.keep_rotary_state(model), \
-            use_relevance_rules(model, rules, generic=generic) as cov, sparse_rows_head(model):
+            use_relevance_rules(model, rules, generic=generic) as cov, sparse_rows_head(model), \
+            _function.first_order_saves():
         if cov.inherited:
             raise RelevanceRuleConflictError(
                 f"{caller}(rules={rules}) runs inside a use_relevance_rules scope that keeps other "
