@@ -88,23 +88,26 @@ _first_order = threading.local()
 
 
 @contextlib.contextmanager
-def first_order_saves() -> Iterator[None]:
+def first_order_saves(on: bool = True) -> Iterator[None]:
     """Inside the block (this thread), the norms' rule Functions of a forward that no
     parameter gradient is asked of save the per-row scale the LN-rule holds constant
     instead of their input, for a backward that is not differentiated again: pyattr's own
     passes, which run their backward once and never with ``create_graph``. On a
     Llama-3.2-1B-shaped model in float32 that is 16 MB per block of 1024 tokens (two
     norms' inputs) out of about 100 MB it saves. A backward that is being recorded
-    (``create_graph=True``) through such a node raises."""
-    _first_order.depth = getattr(_first_order, "depth", 0) + 1
+    (``create_graph=True``) through such a node raises. ``on=False`` switches it off for an
+    inner block (a checkpointed block recomputed as its forward ran)."""
+    stack = _first_order.__dict__.setdefault("stack", [])
+    stack.append(bool(on))
     try:
         yield
     finally:
-        _first_order.depth -= 1
+        stack.pop()
 
 
 def first_order() -> bool:
     """Inside :func:`first_order_saves`, in eager code (no ``torch.func`` transform or
     compilation, which see the Function's own saves)."""
-    return (getattr(_first_order, "depth", 0) > 0 and not torch.compiler.is_compiling()
+    stack = getattr(_first_order, "stack", None)
+    return (bool(stack) and stack[-1] and not torch.compiler.is_compiling()
             and not torch._C._are_functorch_transforms_active())

@@ -8,6 +8,7 @@ from typing import Callable
 
 from torch import nn
 
+from pyattr._function import first_order, first_order_saves
 from pyattr.integration.attention import exactly as attention_exactly
 from pyattr.integration.attention import attention_mode
 from pyattr.integration.install import (
@@ -34,12 +35,13 @@ def bind_checkpoint(fn: Callable, owner: nn.Module) -> Callable:
         mods = list(_block_of(run_function, owner).modules())
         snap = snapshot(mods)  # the rules of this forward, whatever holds them
         modes = {id(m): attention_mode(m) for m in mods}
+        lean = first_order()  # what the forward's norms saved, which the recomputation must match
         first = [True]
 
         def run(*a, **k):
             if first[0]:
                 return run_function(*a, **k)
-            with recomputing(mods, snap), attention_exactly(mods, modes):
+            with recomputing(mods, snap), attention_exactly(mods, modes), first_order_saves(lean):
                 return run_function(*a, **k)
 
         try:

@@ -26,8 +26,9 @@ class LayerNormRuleFunction(torch.autograd.Function):
     Otherwise (16-bit inputs, whose native statistics are rounded to 16 bits; a module's
     own forward), and for parameter gradients or a backward being recorded (a second
     derivative needs σ as a function of ``x``), μ and σ are recomputed from ``x`` in
-    float32. Vmappable (the batching rule of the backward op gives ``dweight``/``dbias``
-    per example)."""
+    float32. Inside pyattr's own passes (:func:`pyattr._function.first_order_saves`) with
+    the parameters frozen it saves ``weight`` and the per-row rstd only. Vmappable (the
+    batching rule of the backward op gives ``dweight``/``dbias`` per example)."""
 
     generate_vmap_rule = True
 
@@ -48,10 +49,26 @@ class LayerNormRuleFunction(torch.autograd.Function):
         ctx.mark_non_differentiable(mean, rstd)
         ctx.has_bias = bias is not None
         ctx.stats = rstd.numel() > 0
+        ctx.first_order = _function.first_order() and not any(
+            p is not None and p.requires_grad for p in (weight, bias))
+        if ctx.first_order:  # pyattr's own pass: the per-row rstd, not x
+            ctx.save_for_backward(weight, rstd if ctx.stats else _rstd(x, ctx.eps))
+            return
         ctx.save_for_backward(x, weight, mean if ctx.stats else None, rstd if ctx.stats else None)
 
     @staticmethod
     def backward(ctx, dy, _dmean, _drstd):
+        if ctx.first_order:
+            weight, rstd = ctx.saved_tensors
+            if torch.is_grad_enabled():
+                raise RuntimeError(
+                    "layer_norm: this node was recorded by one of pyattr's own passes, which keep the "
+                    "per-row rstd instead of x and do not support a backward with create_graph=True")
+            if ctx.stats:  # what the saved-statistics path below computes
+                return layer_norm_rule_dx(dy, weight, rstd), None, None, None, None
+            # the reference backward's order: g = dy·w·rstd, dx = g − mean(g)
+            g = dy.to(rstd.dtype) * rstd if weight is None else dy.to(rstd.dtype) * weight.to(rstd.dtype) * rstd
+            return (g - g.mean(-1, keepdim=True)).to(dy.dtype), None, None, None, None
         x, weight, mean, rstd = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         if ctx.stats and not torch.is_grad_enabled():
@@ -68,6 +85,16 @@ class LayerNormRuleFunction(torch.autograd.Function):
         impl = backends.backward_implementation(x.device, "layer_norm")
         dx, dw, db = impl.layer_norm_backward(x, weight, ctx.eps, dy, need_w, need_b and ctx.has_bias)
         return (dx if need_x else None), dw, db, None, None
+
+
+def _rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """The per-row ``1/σ`` the reference backward computes from ``x`` (float32; float64 for
+    float64), for a 16-bit or module-forward LayerNorm whose forward returns no statistics."""
+    from pyattr.backends.reference import row_mean
+
+    x32 = x if x.dtype == torch.float64 else x.to(torch.float32)
+    xc = x32 - row_mean(x32)
+    return torch.rsqrt((xc * xc).mean(-1, keepdim=True) + eps)
 
 
 def _plain_cpp(dy: torch.Tensor) -> bool:
@@ -120,7 +147,9 @@ def layer_norm(
 
     Saved for backward: ``x`` and ``weight``, and for float32/float64 with
     ``nn.LayerNorm``'s own math the per-row mean and rstd of the native forward (one value
-    each per row), which the backward uses instead of recomputing μ and σ.
+    each per row), which the backward uses instead of recomputing μ and σ. Inside pyattr's
+    own attribution passes with ``weight`` and ``bias`` frozen: ``weight`` and the per-row
+    rstd only (such a node refuses a backward with ``create_graph=True``).
 
     On CPU with the ``cpp`` backend (float32/float64, plain tensors, eager code) the
     autograd node is a C++ Function (``pyattr._C.layer_norm_rule``) with the same forward
@@ -132,7 +161,9 @@ def layer_norm(
         ValueError: ``weight``/``bias`` not of shape ``(hidden,)``, tensors on different
             devices, ``eps`` negative or not finite.
     """
-    if _valid_for_cpp_function(x, weight, bias, eps) and _cpp_function_applies(x, weight, bias, _native):
+    if _valid_for_cpp_function(x, weight, bias, eps) and _cpp_function_applies(x, weight, bias, _native) and not (
+            _function.first_order() and not any(p is not None and p.requires_grad for p in (weight, bias))):
+        # (inside pyattr's own passes with frozen parameters the Python Function saves less)
         return backends._probe_extension()[0].layer_norm_rule(x, weight, bias, eps)
     check_float("x", x)
     check_has_hidden("x", x)

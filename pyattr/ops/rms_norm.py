@@ -77,7 +77,9 @@ def rms_norm(
         eps (float): finite, >= 0. Default: 1e-6.
         offset (float): added to the weight, 1.0 for Gemma's ``(1 + w)``. Default: 0.0.
 
-    Saved for backward: ``x`` and ``weight``.
+    Saved for backward: ``x`` and ``weight``; inside pyattr's own attribution passes, when
+    no weight gradient is asked, ``1/r`` per row (float32, float64 for float64) instead of
+    ``x`` (such a node refuses a backward with ``create_graph=True``).
 
     Raises:
         TypeError: non-floating tensors or non-numeric ``eps``/``offset``.
