@@ -102,3 +102,18 @@ def test_the_returned_allocator_unmaps_freed_blocks():
     assert "with every block of 64 KiB or more unmapped when freed" in md
     with pytest.raises(ValueError, match="allocator must be one of"):
         scale.run_all(quick=True, allocator="jemalloc")
+
+
+@pytest.mark.parametrize("name", ["cpu_scale", "cpu_scale_float32", "cpu_scale_rerun", "cpu_scale_rerun_float32",
+                                  "cpu_scale_returned"])
+def test_the_saved_documents_validate(name):
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / f"{name}.json"
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    report.validate(doc)
+    rows = doc["rows"]
+    assert {r["variant"] for r in rows} >= set(scale.VARIANTS)
+    assert all(r["parameters"] == 1_235_814_400 for r in rows if r["variant"] in scale.VARIANTS)
+    if name == "cpu_scale_returned":
+        assert {r["allocator"] for r in rows} == {"returned"}
