@@ -111,3 +111,11 @@ def first_order() -> bool:
     stack = getattr(_first_order, "stack", None)
     return (bool(stack) and stack[-1] and not torch.compiler.is_compiling()
             and not torch._C._are_functorch_transforms_active())
+
+
+def refuse_create_graph(op: str, kept: str) -> None:
+    """A first-order node's backward (:func:`first_order_saves`) being recorded for a second
+    derivative: it lacks the input that one needs, so it says so instead of a wrong value."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"{op}: this node was recorded by one of pyattr's own passes, which keep {kept} "
+                           "instead of x and do not support a backward with create_graph=True")

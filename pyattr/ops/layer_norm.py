@@ -60,10 +60,7 @@ class LayerNormRuleFunction(torch.autograd.Function):
     def backward(ctx, dy, _dmean, _drstd):
         if ctx.first_order:
             weight, rstd = ctx.saved_tensors
-            if torch.is_grad_enabled():
-                raise RuntimeError(
-                    "layer_norm: this node was recorded by one of pyattr's own passes, which keep the "
-                    "per-row rstd instead of x and do not support a backward with create_graph=True")
+            _function.refuse_create_graph("layer_norm", "the per-row rstd")
             if ctx.stats:  # what the saved-statistics path below computes
                 return layer_norm_rule_dx(dy, weight, rstd), None, None, None, None
             # the reference backward's order: g = dy·w·rstd, dx = g − mean(g)

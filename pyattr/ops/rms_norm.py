@@ -41,10 +41,7 @@ class RMSNormRuleFunction(torch.autograd.Function):
     def backward(ctx, dy):
         if ctx.first_order:
             rinv, weight = ctx.saved_tensors
-            if torch.is_grad_enabled():
-                raise RuntimeError(
-                    "rms_norm: this node was recorded by one of pyattr's own passes, which keep 1/r "
-                    "instead of x and do not support a backward with create_graph=True")
+            _function.refuse_create_graph("rms_norm", "1/r")
             d = dy.to(rinv.dtype) * rinv
             dx = d if weight is None else d * (ctx.offset + weight.to(rinv.dtype))
             return dx.to(dy.dtype), None, None, None, None
