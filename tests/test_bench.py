@@ -297,6 +297,8 @@ def test_check_tool_one_line_errors(tmp_path):
                                               "--scale and --frameworks; pass one"),
         (["--generation", "--context", "16k"], "--context: expected positive token counts separated by commas, got '16k'"),
         (["--e2e", "--allocator", "returned"], "--allocator applies to --scale; pass it"),
+        (["--scale", "--dtypes", "float16"], "--dtypes: --scale runs bfloat16 and float32, got 'float16'"),
+        (["--scale", "--dtypes", "bfloat16,float64"], "--dtypes: --scale runs bfloat16 and float32, got 'float64'"),
         (["--scale", "--allocator", "returned", "--lxt-python", "python3"],
          "--allocator returned measures pyattr's processes only; run --lxt-python without it"),
     ],

@@ -326,3 +326,24 @@ def test_peak_memory_observes_a_block_and_not_the_one_before():
     nothing = PeakMemory("meta")
     nothing.start()
     assert not nothing.observable and nothing.stop() is None
+
+
+def test_a_model_left_in_training_mode_generates_as_in_eval_mode():
+    """generate runs in eval mode, as the passes that explain its steps: GPT-2's dropout does
+    not sample the continuation; the model's training flags come back."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    model = T.GPT2LMHeadModel(T.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=96, n_positions=64,
+                                           resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5))
+    ids = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(1))
+    model.eval()
+    want = pyattr.generation_relevance(model, ids, max_new_tokens=6)
+    model.train()
+    model.transformer.h[1].eval()  # a mixed state, restored as it was
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        got = pyattr.generation_relevance(model, ids, max_new_tokens=6)
+        assert torch.equal(got.generated, want.generated)
+        torch.testing.assert_close(got.token_relevance, want.token_relevance, rtol=1e-6, atol=1e-6)
+    assert model.training and not model.transformer.h[1].training and model.transformer.h[0].training

@@ -11,7 +11,7 @@ from captum.attr import IntegratedGradients, LayerIntegratedGradients
 from captum.attr._utils.approximation_methods import approximation_parameters
 
 import pyattr
-from models import minilm, tiny_causal_lm
+from models import VOCAB, minilm, tiny_causal_lm
 from pyattr.methods.integrated_gradients import METHODS, gauss_legendre, path_points
 from pyattr.targets import Logit, ModuleOutput
 
@@ -491,3 +491,28 @@ def test_an_unconverged_integral_warns_with_the_measured_gap():
         warnings.simplefilter("error", pyattr.ConvergenceWarning)
         ig = pyattr.integrated_gradients(model, text, target="owl", n_steps=512, tokenizer=tok)
     assert abs(float(ig.convergence_delta[0])) <= 0.05 * float(ig.target[0] - ig.baseline_target[0])
+
+
+def test_a_layer_that_carries_a_rule_is_tapped_under_the_rules(llama64):
+    """layer= a norm that carries the LN-rule: pyattr's own tap replaces its output (no user
+    hook to refuse). At the final norm the head after it is linear, so the rules change
+    nothing downstream: the same attribution as without rules, complete to rounding."""
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
+    with_rules = pyattr.integrated_gradients(llama64, ids, 5, rules="all", layer="model.norm", n_steps=8)
+    plain = pyattr.integrated_gradients(llama64, ids, 5, rules="none", layer="model.norm", n_steps=8)
+    torch.testing.assert_close(with_rules.attribution, plain.attribution, rtol=1e-12, atol=1e-12)
+    assert float(with_rules.convergence_delta.abs().max()) < 1e-9
+    inner = pyattr.integrated_gradients(llama64, ids, 5, rules="all", layer="model.layers.1.input_layernorm",
+                                        n_steps=8)
+    assert inner.attribution.shape == (2, 7, 32) and bool(torch.isfinite(inner.attribution).all())
+
+
+def test_a_layer_the_gated_rule_never_runs_is_named(llama64):
+    ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(3))
+    with pytest.raises(pyattr.RelevanceRuleConflictError,
+                       match=r"^'model\.layers\.1\.mlp\.act_fn': the method reads or replaces this module's output "
+                             r"\(its layer or node argument\), but under the gated-activation rule act\(gate\)·up "
+                             r"runs as one op and act_fn never runs; name the MLP \('model\.layers\.1\.mlp'\)"):
+        pyattr.integrated_gradients(llama64, ids, 5, rules="all", layer="model.layers.1.mlp.act_fn", n_steps=4)
+    assert "_pyattr_tapped" not in llama64.model.layers[1].mlp.act_fn.__dict__  # the tap's mark is gone
+    pyattr.integrated_gradients(llama64, ids, 5, rules="ln", layer="model.layers.1.mlp.act_fn", n_steps=4)

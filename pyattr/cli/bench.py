@@ -30,6 +30,9 @@ def _check_args(args):
     bad = [n for n in names if n not in DTYPES]
     if bad:
         raise UsageError(f"--dtypes: expected some of {list(DTYPES)}, got {bad[0]!r}")
+    scale_bad = [n for n in names if n not in ("bfloat16", "float32")]
+    if args.scale and scale_bad:  # the 1B rows exist in these two (pyattr.bench.scale.DTYPES)
+        raise UsageError(f"--dtypes: --scale runs bfloat16 and float32, got {scale_bad[0]!r}")
     if args.repeats is not None and args.repeats < 1:
         raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
     if args.layers is not None and args.layers < 1:
@@ -142,7 +145,7 @@ def run(args) -> int:
             if getattr(args, "rounds", None):
                 extra["rounds"] = args.rounds
             if simple == "scale":
-                extra["dtypes"] = [n for n in names if n in module.DTYPES] or list(module.DTYPES)
+                extra["dtypes"] = names
                 extra["allocator"] = getattr(args, "allocator", None) or "glibc"
             rows = module.run_all(quick=args.quick, **extra)
         except e2e.E2EError as e:  # a measurement process failed

@@ -43,7 +43,18 @@ class Step:
     verify: Optional[Callable] = None
 
 
-def bypass_message(path: str, act: str = "act_fn") -> str:
+#: set on a module (a count) while one of pyattr's own methods taps its input or output
+TAPPED = "_pyattr_tapped"
+
+
+def bypass_message(path: str, act: str = "act_fn", module: Optional[nn.Module] = None) -> str:
+    if module is not None and module.__dict__.get(TAPPED):
+        return (
+            f"{path + '.' + act!r}: the method reads or replaces this module's output (its layer or node "
+            f"argument), but under the gated-activation rule act(gate)·up runs as one op and {act} never "
+            f"runs; name the MLP ({path!r}) or its projections instead, or switch off activation and "
+            "multiplicative_gate"
+        )
     return (
         f"{path + '.' + act!r} has hooks, but the gated-activation rule computes act(gate)·up "
         "in one op and would bypass them; remove the hooks or switch off activation and "
@@ -262,7 +273,7 @@ def gated_forward(kind: str, path: str, names=_GATED_NAMES):
 
         def forward(x):
             if has_hooks(act_mod):
-                raise RelevanceRuleConflictError(bypass_message(path, names[3]))
+                raise RelevanceRuleConflictError(bypass_message(path, names[3], act_mod))
             if nnsight_tracing(act_mod):  # the fused op would bypass the trace's view of act
                 return down(_gated_in_trace(act_mod, gate(x), up(x), state.active("activation"),
                                             state.active("multiplicative_gate")))
@@ -291,7 +302,7 @@ def gated_fused_forward(kind: str, path: str, form: FusedGatedForm):
 
         def forward(x):
             if has_hooks(act_mod):
-                raise RelevanceRuleConflictError(bypass_message(path, form.act))
+                raise RelevanceRuleConflictError(bypass_message(path, form.act, act_mod))
             a, b = proj(x).chunk(2, dim=-1)
             if nnsight_tracing(act_mod):  # the fused op would bypass the trace's view of act
                 h = _gated_in_trace(act_mod, a, b, state.active("activation"), state.active("multiplicative_gate"))

@@ -4,6 +4,7 @@ re-derived from the ids."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import List, Optional, Tuple
 
@@ -115,6 +116,18 @@ def _refuse_model_inputs(model: nn.Module, kw: dict) -> None:
                              "explained without it")
 
 
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module):
+    """``model.eval()`` for the block; every module's ``training`` flag restored after."""
+    training = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, t in training:
+            m.training = t
+
+
 def generate(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int,
              generate_kwargs: Optional[dict], prefix: Optional[list] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``model.generate`` on left-padded ``ids`` (greedy unless ``generate_kwargs`` or the
@@ -176,7 +189,9 @@ def generate(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, max_new_to
     from pyattr.integration.quantized import bitsandbytes_kept_for_gradients
 
     # bitsandbytes' 4-bit layers keep the layout the explaining backward needs
-    with torch.no_grad(), bitsandbytes_kept_for_gradients(model), _StopRecord(model) as record:
+    # in eval mode, as the passes that explain the steps run (a model left in training mode
+    # would sample its dropout into the continuation)
+    with torch.no_grad(), _eval_mode(model), bitsandbytes_kept_for_gradients(model), _StopRecord(model) as record:
         out = model.generate(input_ids=ids, attention_mask=mask, **kw)
     out = out.sequences if hasattr(out, "sequences") else out
     if prefix is not None:  # an encoder–decoder returns the decoder's sequence: its start, then the steps
