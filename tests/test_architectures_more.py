@@ -133,7 +133,11 @@ def test_encoder_biases_absorb_relevance(arch):
                 p.copy_(torch.randn_like(p) * 0.2)
     r = pyattr.relevance(m, _ids(3, 13))
     assert (r.conservation_delta.abs() > 1e-3 * r.target.abs()).any()
-    torch.testing.assert_close(r.token_relevance.double().sum(1), r.target - r.conservation_delta)
+    # token_relevance holds float32 sums over the hidden size: they round at float32's eps of
+    # the terms' magnitudes, which cancel in the total (DESIGN §13)
+    scale = r.relevance.double().abs().flatten(1).sum(1)
+    gap = r.token_relevance.double().sum(1) - (r.target - r.conservation_delta)
+    assert (gap.abs() <= 4 * torch.finfo(torch.float32).eps * scale).all(), (gap, scale)
 
 
 @pytest.mark.parametrize("arch", NEW)

@@ -116,7 +116,11 @@ def test_conservation_bias_free_decoders(arch, impl):
     r = pyattr.relevance(m, ids)
     assert (r.target.abs() > 1e-3).all()
     assert (r.conservation_delta.abs() <= 1e-4 * r.target.abs()).all(), (r.target, r.conservation_delta)
-    torch.testing.assert_close(r.token_relevance.double().sum(1), r.target - r.conservation_delta)
+    # token_relevance holds float32 sums over the hidden size: they round at float32's eps of
+    # the terms' magnitudes, which cancel in the total (DESIGN §13)
+    scale = r.relevance.double().abs().flatten(1).sum(1)
+    gap = r.token_relevance.double().sum(1) - (r.target - r.conservation_delta)
+    assert (gap.abs() <= 4 * torch.finfo(torch.float32).eps * scale).all(), (gap, scale)
 
 
 def test_llama_without_attention_rule_does_not_conserve():

@@ -154,7 +154,11 @@ def test_biases_absorb_relevance(kind):
     m = model(kind, dtype=torch.float64, biases=0.2)
     r = pyattr.relevance(m, pixels(3, dtype=torch.float64))
     assert (r.conservation_delta.abs() > 1e-3 * r.target.abs()).any()
-    torch.testing.assert_close(r.token_relevance.double().sum(1), r.target - r.conservation_delta)
+    # token_relevance holds float32 sums over the hidden size: they round at float32's eps of
+    # the terms' magnitudes, which cancel in the total (DESIGN §13)
+    scale = r.relevance.double().abs().flatten(1).sum(1)
+    gap = r.token_relevance.double().sum(1) - (r.target - r.conservation_delta)
+    assert (gap.abs() <= 4 * torch.finfo(torch.float32).eps * scale).all(), (gap, scale)
 
 
 @pytest.mark.parametrize("kind", ["vit_cls", "clip_cls"])
