@@ -16,8 +16,10 @@ The weights are drawn once (seed 0) and saved in bfloat16 under
 weights upcast. Each measurement runs in its own process; its peak memory is the peak
 resident set size from just before the timed call to its end (the kernel's high-water
 mark, reset through ``/proc/self/clear_refs``), minus the resident size at that reset:
-what the call itself adds over the loaded model. Rounds rotate the order
-(:mod:`pyattr.bench.rounds`); times are medians with their range, ratios per round.
+what the call itself adds over the loaded model; with ``allocator="returned"``
+(``--allocator returned``) every freed block of 64 KiB or more is unmapped, so that peak is
+the tensors' and not glibc's heap. Rounds rotate the order (:mod:`pyattr.bench.rounds`);
+times are medians with their range, ratios per round.
 """
 
 from __future__ import annotations
