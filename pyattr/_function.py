@@ -105,12 +105,14 @@ def first_order_saves(on: bool = True) -> Iterator[None]:
         stack.pop()
 
 
-def first_order() -> bool:
+def first_order(*params) -> bool:
     """Inside :func:`first_order_saves`, in eager code (no ``torch.func`` transform or
-    compilation, which see the Function's own saves)."""
+    compilation, which see the Function's own saves), and none of ``params`` (a rule op's
+    parameters, None allowed) asks for a gradient."""
     stack = getattr(_first_order, "stack", None)
     return (bool(stack) and stack[-1] and not torch.compiler.is_compiling()
-            and not torch._C._are_functorch_transforms_active())
+            and not torch._C._are_functorch_transforms_active()
+            and not any(p is not None and p.requires_grad for p in params))
 
 
 def refuse_create_graph(op: str, kept: str) -> None:

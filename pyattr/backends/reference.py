@@ -108,11 +108,8 @@ def layer_norm_backward(
     ``g = dy·w/σ``, ``dx = g − mean(g)``; ``dw = Σ dy·x̂``, ``db = Σ dy`` over all rows.
     μ is :func:`row_mean` (exact for constant rows, no overflow for huge finite ones).
     """
-    x32, dy32 = _up(x), _up(dy)
-    mu = row_mean(x32)
-    xc = x32 - mu
-    var = (xc * xc).mean(-1, keepdim=True)
-    rstd = torch.rsqrt(var + eps)
+    dy32 = _up(dy)
+    xc, rstd = layer_norm_centred(x, eps)
     g = dy32 * rstd if weight is None else dy32 * _up(weight) * rstd
     dx = g - g.mean(-1, keepdim=True)
     dw = db = None
@@ -140,6 +137,19 @@ def rms_norm_forward(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float
     return (n * (offset + weight.to(n.dtype))).to(x.dtype)
 
 
+def rms_norm_rinv(x32: torch.Tensor, eps: float) -> torch.Tensor:
+    """``1/r = 1/sqrt(mean(x²) + eps)`` per row of an upcast ``x``, shape ``(..., 1)``."""
+    return torch.rsqrt((x32 * x32).mean(-1, keepdim=True) + eps)
+
+
+def layer_norm_centred(x: torch.Tensor, eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(x − μ, 1/σ)`` of an upcast ``x`` per row (μ by :func:`row_mean`; ``1/σ`` of shape
+    ``(..., 1)``), as every LN-rule backward here computes them."""
+    x32 = _up(x)
+    xc = x32 - row_mean(x32)
+    return xc, torch.rsqrt((xc * xc).mean(-1, keepdim=True) + eps)
+
+
 def rms_norm_backward(
     x: torch.Tensor,
     weight: Optional[torch.Tensor],
@@ -152,7 +162,7 @@ def rms_norm_backward(
     ``dw = Σ dy·x/r`` (ordinary). Both as ``(dy/r)·w_eff`` and ``(dy/r)·x``, the order of
     the compiled kernels (it decides where a huge dy overflows)."""
     x32, dy32 = _up(x), _up(dy)
-    rinv = torch.rsqrt((x32 * x32).mean(-1, keepdim=True) + eps)
+    rinv = rms_norm_rinv(x32, eps)
     d = dy32 * rinv
     dx = d if weight is None else d * (offset + _up(weight))
     dw = None

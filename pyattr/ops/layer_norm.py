@@ -49,10 +49,11 @@ class LayerNormRuleFunction(torch.autograd.Function):
         ctx.mark_non_differentiable(mean, rstd)
         ctx.has_bias = bias is not None
         ctx.stats = rstd.numel() > 0
-        ctx.first_order = _function.first_order() and not any(
-            p is not None and p.requires_grad for p in (weight, bias))
-        if ctx.first_order:  # pyattr's own pass: the per-row rstd, not x
-            ctx.save_for_backward(weight, rstd if ctx.stats else _rstd(x, ctx.eps))
+        ctx.first_order = _function.first_order(weight, bias)
+        if ctx.first_order:  # pyattr's own pass: the per-row rstd (the reference backward's), not x
+            from pyattr.backends.reference import layer_norm_centred
+
+            ctx.save_for_backward(weight, rstd if ctx.stats else layer_norm_centred(x, ctx.eps)[1])
             return
         ctx.save_for_backward(x, weight, mean if ctx.stats else None, rstd if ctx.stats else None)
 
@@ -82,16 +83,6 @@ class LayerNormRuleFunction(torch.autograd.Function):
         impl = backends.backward_implementation(x.device, "layer_norm")
         dx, dw, db = impl.layer_norm_backward(x, weight, ctx.eps, dy, need_w, need_b and ctx.has_bias)
         return (dx if need_x else None), dw, db, None, None
-
-
-def _rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """The per-row ``1/σ`` the reference backward computes from ``x`` (float32; float64 for
-    float64), for a 16-bit or module-forward LayerNorm whose forward returns no statistics."""
-    from pyattr.backends.reference import row_mean
-
-    x32 = x if x.dtype == torch.float64 else x.to(torch.float32)
-    xc = x32 - row_mean(x32)
-    return torch.rsqrt((xc * xc).mean(-1, keepdim=True) + eps)
 
 
 def _plain_cpp(dy: torch.Tensor) -> bool:
@@ -158,8 +149,7 @@ def layer_norm(
         ValueError: ``weight``/``bias`` not of shape ``(hidden,)``, tensors on different
             devices, ``eps`` negative or not finite.
     """
-    if _valid_for_cpp_function(x, weight, bias, eps) and _cpp_function_applies(x, weight, bias, _native) and not (
-            _function.first_order() and not any(p is not None and p.requires_grad for p in (weight, bias))):
+    if _valid_for_cpp_function(x, weight, bias, eps) and _cpp_function_applies(x, weight, bias, _native) and not _function.first_order(weight, bias):
         # (inside pyattr's own passes with frozen parameters the Python Function saves less)
         return backends._probe_extension()[0].layer_norm_rule(x, weight, bias, eps)
     check_float("x", x)

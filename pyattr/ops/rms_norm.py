@@ -30,10 +30,11 @@ class RMSNormRuleFunction(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, weight, ctx.eps, ctx.offset, _ = inputs
-        ctx.first_order = _function.first_order() and not (weight is not None and weight.requires_grad)
+        ctx.first_order = _function.first_order(weight)
         if ctx.first_order:  # the reference backward's 1/r, computed once here
-            x32 = x if x.dtype == torch.float64 else x.to(torch.float32)
-            ctx.save_for_backward(torch.rsqrt((x32 * x32).mean(-1, keepdim=True) + ctx.eps), weight)
+            from pyattr.backends.reference import _up, rms_norm_rinv
+
+            ctx.save_for_backward(rms_norm_rinv(_up(x), ctx.eps), weight)
         else:
             ctx.save_for_backward(x, weight)
 
