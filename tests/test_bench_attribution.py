@@ -205,7 +205,12 @@ def test_estimators_bench_quick_run(tmp_path):
     assert len(four) == 9 and all(r["top2_in_circuit"] is None for r in four)  # exact and 8 estimators
     big = [r for r in doc["rows"] if r["model"].startswith("random Llama, 12 layers x 12 heads")]
     assert len(big) == 9 and all(r["speedup_vs_exact"] > 0 for r in big)
-    assert "top-2 = exact" in p.stdout
+    two = [r for r in doc["rows"] if "seconds_blockwise" in r]
+    assert [r["model"] for r in two] == [f"random {a}, 2 layers, hidden {h}, {n} heads" for a, h, n in
+                                         (("llama", 64, 4), ("llama", 128, 8), ("llama", 256, 8), ("gpt2", 256, 8))]
+    for r in two:   # blockwise is exact patching, with and without the last block's MLP cut
+        assert r["max_abs_diff"] < 1e-5 and r["blockwise_over_exact"] > 0 and r["whole_over_exact"] > 0, r
+    assert "top-2 = exact" in p.stdout and "Random 2-layer models" in p.stdout
 
 
 @pytest.mark.slow

@@ -154,11 +154,66 @@ def gpt2_size_rows(pairs: int = 8, seq: int = 16) -> List[Dict]:
     return rows
 
 
+#: (architecture, hidden size, heads) of the 2-layer models whose blockwise time is measured
+#: against activation patching's where the blocks' arithmetic, not the calls, costs most
+TWO_LAYER_SHAPES = (("llama", 64, 4), ("llama", 128, 8), ("llama", 256, 8), ("gpt2", 256, 8))
+
+
+def _two_layer(arch: str, hidden: int, heads: int, vocab: int):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if arch == "gpt2":
+        cfg = GPT2Config(n_embd=hidden, n_head=heads, n_layer=2, vocab_size=vocab, n_positions=64, bos_token_id=0,
+                         eos_token_id=0)
+        return GPT2LMHeadModel._from_config(cfg, attn_implementation="eager").eval()
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=4 * hidden, num_attention_heads=heads,
+                      num_key_value_heads=heads, num_hidden_layers=2, vocab_size=vocab)
+    return LlamaForCausalLM._from_config(cfg, attn_implementation="eager").eval()
+
+
+def two_layer_rows(pairs: int = 32, seq: int = 24, vocab: int = 512) -> List[Dict]:
+    """Blockwise head patching (every head summed over positions) against activation
+    patching on random 2-layer models (:data:`TWO_LAYER_SHAPES`), both in this run, with
+    and without the last block's MLP cut to the metric's position
+    (:mod:`pyattr.patching.last_block`); medians of :data:`REPEATS` runs each."""
+    from unittest import mock
+
+    import pyattr.patching as P
+    import pyattr.patching.blockwise as BW
+    import pyattr.targets as T
+
+    rows = []
+    for arch, hidden, heads in TWO_LAYER_SHAPES:
+        model = _two_layer(arch, hidden, heads, vocab)
+        g = torch.Generator().manual_seed(1)
+        clean = torch.randint(3, vocab, (pairs, seq), generator=g)
+        corrupt = clean.clone()
+        corrupt[:, seq // 2] = torch.randint(3, vocab, (pairs,), generator=g)
+        metric = T.LogitDiff(3, 7)
+        kw = dict(nodes="heads", sum_positions=True)
+        block = lambda: P.attribution_patching(model, clean, corrupt, metric, method="blockwise", **kw)  # noqa: E731
+        block()  # warm-up
+        exact, t_exact = _median_timed(lambda: P.activation_patching(model, clean, corrupt, metric, progress=False,
+                                                                     **kw))
+        est, t_block = _median_timed(block)
+        with mock.patch.object(BW.BlockCalls, "cut_last_mlp", lambda *a, **k: None):
+            whole, t_whole = _median_timed(block)
+        diff = max(float((e["heads"].double() - exact["heads"].double()).abs().max()) for e in (est, whole))
+        rows.append({"model": f"random {arch}, 2 layers, hidden {hidden}, {heads} heads", "pairs": pairs,
+                     "variant": "blockwise (exact, block by block)", "node": "heads",
+                     "seq": seq, "seconds": t_block, "seconds_exact": t_exact, "seconds_blockwise": t_block,
+                     "seconds_whole_last_block": t_whole, "blockwise_over_exact": t_block / t_exact,
+                     "whole_over_exact": t_whole / t_exact, "max_abs_diff": diff})
+    return rows
+
+
 def run_all(quick: bool = False) -> List[Dict]:
     n = 16 if quick else 64
     rows = [r for name, path in toy_models() for kind in ("value", "key")
             for r in toy_rows(kind, n, path, name)]
-    return rows + gpt2_size_rows(pairs=2 if quick else 8, seq=8 if quick else 16)
+    return (rows + gpt2_size_rows(pairs=2 if quick else 8, seq=8 if quick else 16)
+            + two_layer_rows(pairs=8 if quick else 32, seq=12 if quick else 24))
 
 
 def _f(v, spec="+.3f"):
@@ -193,7 +248,19 @@ def markdown(rows: List[Dict], contention=None) -> str:
                          f"{_f(h['pearson_summed'])} | {h['top2_equal_exact']:.0%} | {_pct(h['top2_in_circuit'])} | "
                          f"{h['time_over_exact']:.2f} |")
         lines.append("")
-    big = [r for r in rows if not r["model"].startswith("toy")]
+    two = [r for r in rows if "seconds_blockwise" in r]
+    if two:
+        lines += [f"**Random 2-layer models** ({two[0]['pairs']} pairs of {two[0]['seq']} tokens, vocabulary 512, "
+                  "float32, eager attention): every head summed over positions, blockwise against activation "
+                  f"patching in this run (medians of {REPEATS} runs each); the last block whole is blockwise without "
+                  "its MLP cut to the metric's position",
+                  "", "| model | activation patching (ms) | blockwise (ms) | blockwise / exact | last block whole / "
+                  "exact | max abs difference |", "|---|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['model']} | {r['seconds_exact'] * 1e3:.0f} | {r['seconds_blockwise'] * 1e3:.0f} | "
+                  f"{r['blockwise_over_exact']:.2f} | {r['whole_over_exact']:.2f} | {r['max_abs_diff']:.1e} |"
+                  for r in two]
+        lines.append("")
+    big = [r for r in rows if not r["model"].startswith("toy") and "seconds_blockwise" not in r]
     if big:
         lines += [f"**{big[0]['model']}**, {big[0]['pairs']} pairs: every head summed over positions "
                   f"(median of {REPEATS} runs)",

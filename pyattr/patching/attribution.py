@@ -187,6 +187,7 @@ def attribution_patching(
                          f"run) batch; method={method!r} takes none")
     if method == "blockwise":
         import pyattr.patching.blockwise as BW
+        from pyattr.patching.last_block import last_mlp
 
         batch_size = core.check_count("batch_size", batch_size) or BW.DEFAULT_BATCH
     if method == "ig":
@@ -227,6 +228,7 @@ def attribution_patching(
         if blocks is not None:
             blocks.check(model, batch)
             check_row_metric(model, pair.clean, fixed, value, "attribution_patching(method='blockwise')")
+            blocks.cut_last_mlp(model, last_mlp(model, generic), pair.clean, fixed, batch)
         if method == "ig":
             value = value.detach()
             grads = IG.path_gradients(model, pair, fixed, flat, steps, batch_size)

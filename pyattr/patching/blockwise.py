@@ -73,6 +73,9 @@ class BlockCalls(RecordedCalls):
         self.blocks = self.modules
         self.y: List[Optional[torch.Tensor]] = [None] * len(blocks)
         self.raw: list = [None] * len(blocks)
+        #: (mlp, positions): the last block's MLP runs at the metric's positions only
+        #: (:mod:`pyattr.patching.last_block`; None: the whole block)
+        self.cut: Optional[tuple] = None
 
     @property
     def x(self) -> List[Optional[torch.Tensor]]:
@@ -114,10 +117,23 @@ class BlockCalls(RecordedCalls):
         otherwise allocate its own graph while this one is still held."""
         n = len(self.blocks)
         self.calls, self.inputs, self.y, self.raw = [None] * n, [None] * n, [None] * n, [None] * n
+        self.cut = None
 
-    def run(self, layer: int, idx: torch.Tensor, x: torch.Tensor, batch: int) -> torch.Tensor:
-        """Block ``layer`` on rows ``idx`` of the recorded call with input ``x``; its output."""
-        return _first(self.rerun(layer, idx, x, batch))
+    def run(self, layer: int, idx: torch.Tensor, x: torch.Tensor, batch: int, whole: bool = False) -> torch.Tensor:
+        """Block ``layer`` on rows ``idx`` of the recorded call with input ``x``; its output
+        (the last block's at the metric's positions only, where :attr:`cut` is set and not
+        ``whole``: a patch inside its MLP needs every position)."""
+        from pyattr.patching.last_block import mlp_at
+
+        cut = self.cut if layer == len(self.blocks) - 1 and not whole else None
+        with mlp_at(*cut) if cut is not None else contextlib.nullcontext():
+            return _first(self.rerun(layer, idx, x, batch))
+
+    def cut_last_mlp(self, model: nn.Module, mlp: nn.Module, prep, targets, batch: int) -> None:
+        """Set :attr:`cut` where it holds (:func:`pyattr.patching.last_block.checked_cut`)."""
+        from pyattr.patching.last_block import checked_cut, kept_positions
+
+        self.cut = checked_cut(self, mlp, kept_positions(model, targets, prep), batch)
 
     @contextlib.contextmanager
     def replay(self, idx: torch.Tensor, batch: int, last_delta: torch.Tensor):
@@ -189,10 +205,20 @@ def _chunk(model, pair, fixed, flat, sources, chunk: list, layer: int, calls: Bl
         return patch_copies(flat[i], by_site[i], src[idx.to(src.device)], pair.valid[idx.to(pair.valid.device)],
                             base=base[idx.to(base.device)])
 
+    whole = calls.cut is not None and layer == len(calls.blocks) - 1 and any(inside_cut(calls.cut[0], flat[i]) for i in used)
     with core.taps([(flat[i].module, flat[i].where) for i in used], fn_for):
-        patched = calls.run(layer, idx, x, batch)
-    change = patched - reference(calls, refs, layer, idx, batch)   # the node's block's output, patched minus clean
+        patched = calls.run(layer, idx, x, batch, whole)
+    # the node's block's output, patched minus clean
+    change = patched - (reference(calls, refs, layer, idx, batch) if not whole else
+                        calls.run(layer, idx, calls.x[layer].detach()[idx], batch, whole))
     return downstream(model, pair, fixed, calls, idx, layer, change, batch, refs, clean_value)
+
+
+def inside_cut(mlp: nn.Module, site) -> bool:
+    """A node patched inside the cut MLP (its neurons, its input), which reads or writes
+    every position: the last block then runs whole for it."""
+    return site.module is not mlp and any(site.module is m for m in mlp.modules()) or \
+        (site.module is mlp and site.where == "input")
 
 
 def reference(calls: BlockCalls, refs: Dict[tuple, torch.Tensor], stage: int, idx: torch.Tensor,
