@@ -248,14 +248,14 @@ def patch_copies(site: Site, jobs: Sequence[Tuple[int, _Job]], sources: torch.Te
     the copy's own activation untouched, bit for bit, whatever the batch it ran in."""
 
     copies = [j for j, _ in jobs]
-    units = torch.tensor([job.unit for _, job in jobs])
-    positions = torch.tensor([job.position for _, job in jobs])
+    units = torch.tensor([job.unit for _, job in jobs], dtype=torch.long)
+    positions = torch.tensor([job.position for _, job in jobs], dtype=torch.long)
 
     def fn(t):
         # one masked update for every copy at once (a Python step per copy cost more than the
         # block on small models): the same elementwise sum or copy as unit by unit
         dev = t.device
-        rows = torch.tensor(copies, device=dev)
+        rows = torch.tensor(copies, dtype=torch.long, device=dev)
         width, seq = t.shape[-1], t.shape[1]
         unit_of = torch.arange(width, device=dev)
         if site.node == "heads":
