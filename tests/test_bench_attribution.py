@@ -207,7 +207,7 @@ def test_estimators_bench_quick_run(tmp_path):
     assert len(big) == 9 and all(r["speedup_vs_exact"] > 0 for r in big)
     two = [r for r in doc["rows"] if "seconds_blockwise" in r]
     assert [r["model"] for r in two] == [f"random {a}, 2 layers, hidden {h}, {n} heads" for a, h, n in
-                                         (("llama", 64, 4), ("llama", 128, 8), ("llama", 256, 8), ("gpt2", 256, 8))]
+                                         (("Llama", 64, 4), ("Llama", 128, 8), ("Llama", 256, 8), ("GPT-2", 256, 8))]
     for r in two:   # blockwise is exact patching, with and without the last block's MLP cut
         assert r["max_abs_diff"] < 1e-5 and r["blockwise_over_exact"] > 0 and r["whole_over_exact"] > 0, r
     assert "top-2 = exact" in p.stdout and "Random 2-layer models" in p.stdout

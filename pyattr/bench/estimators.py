@@ -156,14 +156,14 @@ def gpt2_size_rows(pairs: int = 8, seq: int = 16) -> List[Dict]:
 
 #: (architecture, hidden size, heads) of the 2-layer models whose blockwise time is measured
 #: against activation patching's where the blocks' arithmetic, not the calls, costs most
-TWO_LAYER_SHAPES = (("llama", 64, 4), ("llama", 128, 8), ("llama", 256, 8), ("gpt2", 256, 8))
+TWO_LAYER_SHAPES = (("Llama", 64, 4), ("Llama", 128, 8), ("Llama", 256, 8), ("GPT-2", 256, 8))
 
 
 def _two_layer(arch: str, hidden: int, heads: int, vocab: int):
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    if arch == "gpt2":
+    if arch == "GPT-2":
         cfg = GPT2Config(n_embd=hidden, n_head=heads, n_layer=2, vocab_size=vocab, n_positions=64, bos_token_id=0,
                          eos_token_id=0)
         return GPT2LMHeadModel._from_config(cfg, attn_implementation="eager").eval()

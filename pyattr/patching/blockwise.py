@@ -38,28 +38,13 @@ import pyattr.architectures as A
 import pyattr.methods._core as core
 import pyattr.targets as T
 from pyattr.methods._core.forward import evaluate_targets, run_model
-from pyattr.patching.calls import RecordedCalls, tensors
+from pyattr.patching.calls import RecordedCalls, first_output as _first, tensors, with_first_output as _with_first
 
 #: Patched nodes per block run (default of ``batch_size``).
 DEFAULT_BATCH = 256
 #: a module's hook tables (torch.nn.Module), emptied on a replayed block
 _HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
           "_forward_hooks_always_called")
-
-
-def _first(out):
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-        return out[0]
-    raise RuntimeError(f"method='blockwise': a block returned {type(out).__name__}, not a tensor or a tuple "
-                       "starting with one")
-
-
-def _with_first(out, x: torch.Tensor):
-    if isinstance(out, torch.Tensor):
-        return x
-    return type(out)((x, *out[1:])) if isinstance(out, tuple) else [x, *out[1:]]
 
 
 class BlockCalls(RecordedCalls):

@@ -42,6 +42,24 @@ def replace_input(args, kwargs, x, caller: str):
     raise RuntimeError(f"{caller}: the module's input tensor was not found")
 
 
+def first_output(out):
+    """A module's output tensor: the output itself or its tuple's first element (a block's
+    hidden states, an MLP's output beside router logits)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise RuntimeError(f"method='blockwise': a block returned {type(out).__name__}, not a tensor or a tuple "
+                       "starting with one")
+
+
+def with_first_output(out, x: torch.Tensor):
+    """``out`` with its output tensor (:func:`first_output`) replaced by ``x``."""
+    if isinstance(out, torch.Tensor):
+        return x
+    return type(out)((x, *out[1:])) if isinstance(out, tuple) else [x, *out[1:]]
+
+
 def tensors(obj) -> Iterator[torch.Tensor]:
     """The tensors of a call argument (inside tuples and lists; not inside a cache)."""
     if isinstance(obj, torch.Tensor):

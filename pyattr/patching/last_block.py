@@ -25,8 +25,8 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-from pyattr.patching.blockwise import _first, _with_first
-from pyattr.patching.calls import first_input, replace_input
+from pyattr.patching.calls import first_input, first_output as _first, replace_input
+from pyattr.patching.calls import with_first_output as _with_first
 
 
 @contextlib.contextmanager
