@@ -10,21 +10,29 @@ runs its MLP at the kept positions only, its output there exact, elsewhere the M
 0 (read by nothing). Attention still runs at every position: its keys and values are every
 position's.
 
-Observed, not assumed: the cut is kept only where the last block with it gives the
-recorded clean output at the kept positions (a mixture of experts with a token capacity, an
-MLP that mixes positions or takes its input in another layout fails that, and runs whole),
-and only where the model's head runs at the metric's positions (a language-model head that
-takes ``logits_to_keep``, every target a logit).
+Read off the module, then observed: the cut is made only for an MLP whose forward, as it
+runs now, does nothing but chain its own position-wise children (linear maps, known
+activations, dropout) with elementwise products and sums (:func:`positionwise`: a gated
+MLP, GPT-2's; not a mixture of experts, whose routing code is not read here, nor an MLP
+with a token capacity or any other step across positions, nor one with hooks on it or its
+children), where the last block with it gives the recorded clean output at the kept
+positions, and where the model's head runs at the metric's positions (a language-model
+head that takes ``logits_to_keep``, every target a logit). Elsewhere the block runs whole.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import functools
+import inspect
+import textwrap
 from typing import Optional, Tuple
 
 import torch
 from torch import nn
 
+from pyattr._module_forward import forward_of, replaced_on_instance
 from pyattr.patching.calls import first_input, first_output as _first, replace_input
 from pyattr.patching.calls import with_first_output as _with_first
 
@@ -76,11 +84,90 @@ def kept_positions(model: nn.Module, targets, prep) -> Optional[torch.Tensor]:
     return kept.cpu()
 
 
+#: children an MLP may call for its forward to be position-wise: their class's own forward
+_POSITIONWISE = (nn.Linear, nn.Dropout, nn.Identity)
+
+
+def _positionwise_child(mod: nn.Module) -> bool:
+    from pyattr.activations import _kind_of_module
+    from pyattr.integration.install import has_hooks
+
+    if has_hooks(mod) or replaced_on_instance(mod) or any(True for _ in mod.children()):
+        return False
+    if _kind_of_module(mod) is not None:   # a known activation, its forward observed
+        return True
+    classes = _POSITIONWISE + _conv1d()
+    return any(type(mod).forward is c.forward for c in classes if isinstance(mod, c))
+
+
+def _conv1d() -> tuple:
+    """transformers' Conv1D (GPT-2's linear map with transposed weights), where installed."""
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # pragma: no cover - transformers is a dependency of every model here
+        return ()
+    return (Conv1D,)
+
+
+@functools.lru_cache(maxsize=256)
+def _chain_of_children(code) -> Optional[frozenset]:
+    """The ``self.<name>`` attributes a forward calls, when its body is only assignments to
+    names, calls of ``self.<name>(...)`` on names and such calls, elementwise ``*`` ``+`` ``-``
+    ``/`` and a return (a docstring allowed); None for anything else (an index, a method of
+    a tensor, a reduction, a loop: any of them could mix positions)."""
+    try:
+        func = ast.parse(textwrap.dedent(inspect.getsource(code))).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return None
+    if not isinstance(func, ast.FunctionDef) or func.args.vararg or func.args.kwarg:
+        return None
+    body = func.body[1:] if func.body and isinstance(func.body[0], ast.Expr) and \
+        isinstance(getattr(func.body[0], "value", None), ast.Constant) else func.body
+    called = set()
+
+    def expr(e) -> bool:
+        if isinstance(e, ast.Name):
+            return True
+        if isinstance(e, ast.BinOp) and isinstance(e.op, (ast.Mult, ast.Add, ast.Sub, ast.Div)):
+            return expr(e.left) and expr(e.right)
+        if isinstance(e, ast.Call) and isinstance(e.func, ast.Attribute) and isinstance(e.func.value, ast.Name) \
+                and e.func.value.id == "self" and not e.keywords and len(e.args) == 1:
+            called.add(e.func.attr)
+            return expr(e.args[0])
+        return False
+
+    for st in body:
+        if isinstance(st, ast.Assign) and all(isinstance(t, ast.Name) for t in st.targets):
+            ok = expr(st.value)
+        elif isinstance(st, ast.Return) and st.value is not None:
+            ok = expr(st.value)
+        else:
+            ok = False
+        if not ok:
+            return None
+    return frozenset(called)
+
+
+def positionwise(mlp: nn.Module) -> bool:
+    """True when ``mlp`` computes each position from that position alone, as read off the
+    forward it runs now (module docstring): every statement chains its position-wise
+    children, none has hooks, nor the MLP itself."""
+    from pyattr.integration.install import has_hooks
+
+    fn = inspect.unwrap(forward_of(mlp))
+    code = getattr(fn, "__code__", None)
+    if inspect.ismethod(forward_of(mlp)) or code is None or has_hooks(mlp):
+        return False
+    called = _chain_of_children(code)
+    children = dict(mlp.named_children())
+    return bool(called) and all(n in children and _positionwise_child(children[n]) for n in called)
+
+
 def checked_cut(calls, mlp: nn.Module, positions: Optional[torch.Tensor], batch: int) -> Optional[Tuple]:
     """``(mlp, positions)`` when the last block with its MLP cut to ``positions`` gives the
     recorded clean output there (to float rounding: another matmul shape); else None."""
     last = len(calls.blocks) - 1
-    if mlp is None or positions is None or calls.y[last] is None or calls.y[last].dim() != 3:
+    if mlp is None or not positionwise(mlp) or positions is None or calls.y[last] is None or calls.y[last].dim() != 3:
         return None
     if positions.numel() == calls.y[last].shape[1]:
         return None        # every position is read: nothing to cut
