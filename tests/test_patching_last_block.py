@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from test_patching_blockwise import CLEAN, CORRUPT, _llama
-from transformers.models.llama.modeling_llama import LlamaMLP
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 from pyattr.patching import activation_patching, attribution_patching
 from pyattr.patching.last_block import checked_cut, last_mlp, mlp_at, positionwise
 from pyattr.targets import LogitDiff
@@ -139,3 +139,34 @@ def test_the_cut_is_kept_only_where_observed_exact():
     assert checked_cut(Calls(1e-3), mlp, pos, 2) is None            # another value there: the block runs whole
     assert checked_cut(Calls(0.0), mlp, torch.arange(6), 2) is None  # every position read: nothing to cut
     assert checked_cut(Calls(0.0), mlp, None, 2) is None             # the head runs at every position
+
+
+class _CentredNorm(LlamaRMSNorm):
+    """A final norm that centres over the sequence first: the head at the last position
+    then reads every position of the last block's output."""
+
+    def forward(self, x):
+        return super().forward(x - x.mean(1, keepdim=True))
+
+
+@pytest.mark.parametrize("how", ["hook", "module"])
+def test_a_head_that_reads_other_positions_keeps_the_block_whole(how, cuts):
+    from pyattr.patching import edge_attribution, edge_effects
+
+    model = _llama(2)
+    if how == "hook":  # a user's hook after the last block, on the final norm
+        model.model.norm.register_forward_hook(lambda m, args, out: out - out.mean(1, keepdim=True))
+    else:
+        model.model.norm.__class__ = _CentredNorm
+    nodes = ["residual", "heads", "mlp"]
+    est = attribution_patching(model, CLEAN, CORRUPT, LogitDiff(3, 7), nodes=nodes, method="blockwise")
+    exact = activation_patching(model, CLEAN, CORRUPT, LogitDiff(3, 7), nodes=nodes, progress=False)
+    for n in nodes:
+        assert exact[n].abs().max() > 1e-3
+        torch.testing.assert_close(est[n].double(), exact[n].double(), atol=1e-9, rtol=1e-7, msg=n)
+    if how == "hook":   # the edge graph reads the final norm as the table maps it
+        e = edge_attribution(model, CLEAN, CORRUPT, LogitDiff(3, 7), method="blockwise")
+        x = edge_effects(model, CLEAN, CORRUPT, LogitDiff(3, 7))
+        assert x.per_pair.abs().max() > 1e-3
+        torch.testing.assert_close(e.per_pair, x.per_pair, atol=1e-9, rtol=1e-7)
+    assert cuts     # the MLP cut was tried on the check run, then left off: the head read other positions

@@ -228,7 +228,7 @@ def attribution_patching(
         if blocks is not None:
             blocks.check(model, batch)
             check_row_metric(model, pair.clean, fixed, value, "attribution_patching(method='blockwise')")
-            blocks.cut_last_mlp(model, last_mlp(model, generic), pair.clean, fixed, batch)
+            blocks.cut_last_mlp(model, last_mlp(model, generic), pair, fixed, batch)
         if method == "ig":
             value = value.detach()
             grads = IG.path_gradients(model, pair, fixed, flat, steps, batch_size)

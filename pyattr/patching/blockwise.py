@@ -116,11 +116,26 @@ class BlockCalls(RecordedCalls):
         with mlp_at(*cut) if cut is not None else contextlib.nullcontext():
             return _first(self.rerun(layer, idx, x, batch))
 
-    def cut_last_mlp(self, model: nn.Module, mlp: nn.Module, prep, targets, batch: int) -> None:
-        """Set :attr:`cut` where it holds (:func:`pyattr.patching.last_block.checked_cut`)."""
+    def cut_last_mlp(self, model: nn.Module, mlp: nn.Module, pair, fixed, batch: int) -> None:
+        """Set :attr:`cut` where it holds: the last block's MLP at the metric's positions
+        gives the recorded output there (:func:`pyattr.patching.last_block.checked_cut`),
+        and what follows the last block (final norm, head, anyone's hooks on them) reads
+        those positions alone: the metric is unchanged, bit for bit, when the last block's
+        output changes everywhere else (observed on every row)."""
         from pyattr.patching.last_block import checked_cut, kept_positions
 
-        self.cut = checked_cut(self, mlp, kept_positions(model, targets, prep), batch)
+        cut = checked_cut(self, mlp, kept_positions(model, fixed, pair.clean), batch)
+        if cut is not None:
+            idx = torch.arange(batch, device=self.x[-1].device)
+            y = self.y[-1].detach()
+            g = torch.Generator().manual_seed(0)
+            elsewhere = torch.randn(y.shape, generator=g, dtype=torch.float64).to(y.device, y.dtype)
+            elsewhere[:, cut[1].to(y.device)] = 0
+            elsewhere *= y.abs().mean().clamp_min(1e-3)
+            same = _head(model, pair, fixed, self, idx, torch.zeros_like(y), batch)
+            if not torch.equal(_head(model, pair, fixed, self, idx, elsewhere, batch), same):
+                cut = None
+        self.cut = cut
 
     @contextlib.contextmanager
     def replay(self, idx: torch.Tensor, batch: int, last_delta: torch.Tensor):

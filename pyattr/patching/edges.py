@@ -219,7 +219,7 @@ def _blockwise(model, lay, graph, pair, tgts, batch_size) -> EdgeAttributionResu
         try:
             calls.check(model, pair.clean.input_ids.shape[0])
             check_row_metric(model, pair.clean, fixed, value, "edge_attribution(method='blockwise')")
-            calls.cut_last_mlp(model, lay.mlp[-1], pair.clean, fixed, pair.clean.input_ids.shape[0])
+            calls.cut_last_mlp(model, lay.mlp[-1], pair, fixed, pair.clean.input_ids.shape[0])
             value_x, split_x, _ = split_run(model, lay, graph, pair.corrupt, fixed, "record")
             per_pair = EB.effects(model, lay, graph, pair, fixed, torch.stack(split_c.acts), torch.stack(split_x.acts),
                                   calls, batch_size, value)

@@ -16,8 +16,12 @@ activations, dropout) with elementwise products and sums (:func:`positionwise`: 
 MLP, GPT-2's; not a mixture of experts, whose routing code is not read here, nor an MLP
 with a token capacity or any other step across positions, nor one with hooks on it or its
 children), where the last block with it gives the recorded clean output at the kept
-positions, and where the model's head runs at the metric's positions (a language-model
-head that takes ``logits_to_keep``, every target a logit). Elsewhere the block runs whole.
+positions, where the model's head runs at the metric's positions (a language-model head
+that takes ``logits_to_keep``, every target a logit), and where what follows the last block
+reads those positions alone: the metric is unchanged, bit for bit, when the last block's
+output changes at every other position (a final norm, or a hook on it, that mixes positions
+fails that; :meth:`pyattr.patching.blockwise.BlockCalls.cut_last_mlp`). Elsewhere the block
+runs whole.
 """
 
 from __future__ import annotations
