@@ -207,7 +207,8 @@ def _chunk(model, pair, fixed, flat, sources, chunk: list, layer: int, calls: Bl
         return patch_copies(flat[i], by_site[i], src[idx.to(src.device)], pair.valid[idx.to(pair.valid.device)],
                             base=base[idx.to(base.device)])
 
-    whole = calls.cut is not None and layer == len(calls.blocks) - 1 and any(inside_cut(calls.cut[0], flat[i]) for i in used)
+    last = layer == len(calls.blocks) - 1
+    whole = calls.cut is not None and last and any(inside_cut(calls.cut[0], flat[i]) for i in used)
     with core.taps([(flat[i].module, flat[i].where) for i in used], fn_for):
         patched = calls.run(layer, idx, x, batch, whole)
     # the node's block's output, patched minus clean
@@ -219,8 +220,8 @@ def _chunk(model, pair, fixed, flat, sources, chunk: list, layer: int, calls: Bl
 def inside_cut(mlp: nn.Module, site) -> bool:
     """A node patched inside the cut MLP (its neurons, its input), which reads or writes
     every position: the last block then runs whole for it."""
-    return site.module is not mlp and any(site.module is m for m in mlp.modules()) or \
-        (site.module is mlp and site.where == "input")
+    within = any(site.module is m for m in mlp.modules() if m is not mlp)
+    return within or (site.module is mlp and site.where == "input")
 
 
 def reference(calls: BlockCalls, refs: Dict[tuple, torch.Tensor], stage: int, idx: torch.Tensor,
