@@ -50,10 +50,13 @@ def flat_body(fn) -> Optional[str]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _flat_body_of(code) -> Optional[str]:
-    # Keyed by the code object: the planner and structural discovery ask for the same few
-    # forwards on every pass, and reading and parsing their source was most of a generic
-    # pass's time. A redefined or monkey-patched forward is another code object.
+def function_def(code) -> Optional[Tuple[ast.FunctionDef, list]]:
+    """The parsed definition of a function's code object and its statements without the
+    docstring (None if the source is unknown or not a function definition).
+
+    Keyed by the code object: the planner and structural discovery ask for the same few
+    forwards on every pass, and reading and parsing their source was most of a generic
+    pass's time. A redefined or monkey-patched forward is another code object."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(code)))
     except (OSError, TypeError, SyntaxError):
@@ -65,7 +68,15 @@ def _flat_body_of(code) -> Optional[str]:
     if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
             and isinstance(body[0].value.value, str):
         body = body[1:]
-    return ";".join(re.sub(r"\s+", "", ast.unparse(st)) for st in body)
+    return func, body
+
+
+@functools.lru_cache(maxsize=4096)
+def _flat_body_of(code) -> Optional[str]:
+    parsed = function_def(code)
+    if parsed is None:
+        return None
+    return ";".join(re.sub(r"\s+", "", ast.unparse(st)) for st in parsed[1])
 
 
 def module_body_matches(module: nn.Module, form) -> Optional["re.Match"]:

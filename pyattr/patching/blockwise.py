@@ -122,9 +122,11 @@ class BlockCalls(RecordedCalls):
         and what follows the last block (final norm, head, anyone's hooks on them) reads
         those positions alone: the metric is unchanged, bit for bit, when the last block's
         output changes everywhere else (observed on every row)."""
-        from pyattr.patching.last_block import checked_cut, kept_positions
+        from pyattr.methods._core.forward import head_positions
+        from pyattr.patching.last_block import checked_cut
 
-        cut = checked_cut(self, mlp, kept_positions(model, fixed, pair.clean), batch)
+        kept = head_positions(model, pair.clean, fixed, pair.clean.kwargs)
+        cut = checked_cut(self, mlp, None if kept is None else kept.cpu(), batch)
         if cut is not None:
             idx = torch.arange(batch, device=self.x[-1].device)
             y = self.y[-1].detach()

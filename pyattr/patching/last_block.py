@@ -30,13 +30,13 @@ import ast
 import contextlib
 import functools
 import inspect
-import textwrap
 from typing import Optional, Tuple
 
 import torch
 from torch import nn
 
 from pyattr._module_forward import forward_of, replaced_on_instance
+from pyattr.architectures.forms import function_def
 from pyattr.patching.calls import first_input, first_output as _first, replace_input
 from pyattr.patching.calls import with_first_output as _with_first
 
@@ -71,23 +71,6 @@ def mlp_at(mlp: nn.Module, positions: torch.Tensor):
             h.remove()
 
 
-def kept_positions(model: nn.Module, targets, prep) -> Optional[torch.Tensor]:
-    """The positions the output head runs at for ``targets`` (as
-    :func:`pyattr.methods._core.forward.run_model` cuts it), or None where it runs at every
-    position (a target that is not a logit, a model without a language-model head that takes
-    ``logits_to_keep``, a caller's own ``logits_to_keep`` or ``labels``)."""
-    import pyattr.targets as T
-    from pyattr.methods._core.forward import _lm_head
-    from pyattr.methods._core.inputs import accepts
-
-    if "logits_to_keep" in prep.kwargs or "labels" in prep.kwargs:
-        return None
-    kept = T.logit_positions(targets, prep.input_ids, prep.attention_mask)
-    if kept is None or not accepts(model, "logits_to_keep", by_name=True) or not _lm_head(model):
-        return None
-    return kept.cpu()
-
-
 #: children an MLP may call for its forward to be position-wise: their class's own forward
 _POSITIONWISE = (nn.Linear, nn.Dropout, nn.Identity)
 
@@ -119,14 +102,11 @@ def _chain_of_children(code) -> Optional[frozenset]:
     names, calls of ``self.<name>(...)`` on names and such calls, elementwise ``*`` ``+`` ``-``
     ``/`` and a return (a docstring allowed); None for anything else (an index, a method of
     a tensor, a reduction, a loop: any of them could mix positions)."""
-    try:
-        func = ast.parse(textwrap.dedent(inspect.getsource(code))).body[0]
-    except (OSError, TypeError, SyntaxError, IndexError):
+    parsed = function_def(code)
+    if parsed is None or not isinstance(parsed[0], ast.FunctionDef) or parsed[0].args.vararg \
+            or parsed[0].args.kwarg:
         return None
-    if not isinstance(func, ast.FunctionDef) or func.args.vararg or func.args.kwarg:
-        return None
-    body = func.body[1:] if func.body and isinstance(func.body[0], ast.Expr) and \
-        isinstance(getattr(func.body[0], "value", None), ast.Constant) else func.body
+    body = parsed[1]
     called = set()
 
     def expr(e) -> bool:
@@ -158,9 +138,9 @@ def positionwise(mlp: nn.Module) -> bool:
     children, none has hooks, nor the MLP itself."""
     from pyattr.integration.install import has_hooks
 
-    fn = inspect.unwrap(forward_of(mlp))
-    code = getattr(fn, "__code__", None)
-    if inspect.ismethod(forward_of(mlp)) or code is None or has_hooks(mlp):
+    fn = forward_of(mlp)
+    code = getattr(inspect.unwrap(fn), "__code__", None)
+    if inspect.ismethod(fn) or code is None or has_hooks(mlp):
         return False
     called = _chain_of_children(code)
     children = dict(mlp.named_children())

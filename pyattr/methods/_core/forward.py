@@ -162,13 +162,9 @@ def run_model(model: nn.Module, prep: Prepared, targets, store: dict, kwargs: Op
     hidden states (:func:`head_free`)."""
     kwargs = prep.kwargs if kwargs is None else kwargs
     check_caller_logits_to_keep(kwargs, targets)
-    kept = T.logit_positions(targets, prep.input_ids, prep.attention_mask) if keep_logits else None
-    # with labels, the model's own loss would compare the kept logits with every label
-    if (kept is not None and "logits_to_keep" not in kwargs and "labels" not in kwargs
-            and accepts(model, "logits_to_keep", by_name=True) and _lm_head(model)):
+    kept = head_positions(model, prep, targets, kwargs) if keep_logits else None
+    if kept is not None:
         kwargs = {**kwargs, "logits_to_keep": kept.to(prep.input_ids.device)}
-    else:
-        kept = None
     # each forward gets its own copy of the caller's caches and starts from the rotary
     # modules' pretrained state: no forward sees what an earlier one left behind
     kwargs = S.fresh(kwargs)
@@ -176,6 +172,19 @@ def run_model(model: nn.Module, prep: Prepared, targets, store: dict, kwargs: Op
     with R.first_real_token(model, prep.attention_mask), entry_layout(model, prep):
         out = model(**kwargs)
     return T.Forward(out, prep.input_ids, prep.attention_mask, store, kept)
+
+
+def head_positions(model: nn.Module, prep: Prepared, targets, kwargs: dict) -> Optional[torch.Tensor]:
+    """The positions the language-model head runs at under :func:`run_model`'s
+    ``keep_logits`` (the logit targets' positions, sorted), or None where it runs at every
+    position: a target that is not a logit, a model whose forward takes no ``logits_to_keep``
+    or whose logits are not a language-model head's, a caller's own ``logits_to_keep``, or
+    ``labels`` (the model's own loss would compare the kept logits with every label)."""
+    kept = T.logit_positions(targets, prep.input_ids, prep.attention_mask)
+    if (kept is None or "logits_to_keep" in kwargs or "labels" in kwargs
+            or not accepts(model, "logits_to_keep", by_name=True) or not _lm_head(model)):
+        return None
+    return kept
 
 
 def check_finite(value: torch.Tensor, caller: str, several: bool) -> None:
