@@ -145,7 +145,7 @@ def test_a_rebuilt_forward_that_differs_from_the_modules_own_is_refused(monkeypa
     """The first call of a scope runs the rebuilt forward and the module's own on two rows;
     they must agree bit for bit (here the rebuild is made off by one part in 1e7)."""
     import pyattr.integration.forwards as fw
-    import pyattr.integration.planner as planner
+    import pyattr.integration.gated_plan as planner
 
     real = fw.gated_forward
 

@@ -48,6 +48,7 @@ from torch import nn
 
 from pyattr._components import _has_class, is_component, is_transformer_bridge, native  # noqa: F401 - re-exported
 from pyattr.integration.errors import RelevanceRuleUnsupportedError
+from pyattr.integration.forwards import GATED_MEMORY
 
 _EDIT_WARNING = "A forward hook edited hook_scale/hook_normalized"
 
@@ -214,6 +215,8 @@ def bridge_seams(model: nn.Module, pl) -> Iterator[None]:
     reached = _Reached(model)
     for st in pl.steps:
         comp = comps.get(id(st.module))
+        if st.kind == GATED_MEMORY:  # not a rule: a component computing the MLP itself just keeps its memory
+            continue
         if st.kind == "attention":
             # q/k/v projections: under the AH-rule the held pattern below does their work;
             # AttnLRP's scaled gradients live only in them, so they must run

@@ -262,6 +262,45 @@ def _gated_in_trace(act_mod, g, u, identity: bool, half: bool):
     return a * u
 
 
+#: The gated op with the ordinary gradient, mounted on a gated MLP where both gated rules are
+#: off (the LN-rule alone, or attention rules alone): it saves ``gate`` and ``up`` for the
+#: backward, where the native graph also keeps ``act(gate)``, a third intermediate-wide
+#: tensor per MLP (on a 1B Llama a quarter of what a LN-rule-only pass keeps). Not a rule:
+#: the coverage does not list it, and where it cannot run as the module's own forward would
+#: (:func:`native_instead`) the module's own forward runs.
+GATED_MEMORY = "gated_memory"
+
+
+def native_instead(state, act_mod: nn.Module, ruled: bool) -> bool:
+    """Whether a gated MLP's rebuilt forward hands this call to the module's own forward:
+    only with no gated rule active (``ruled`` False, the :data:`GATED_MEMORY` mount alone),
+    where a hook on the activation (a user's, or a method's tap of the neurons) must see
+    its call, and where the first call's check found the rebuilt forward differing from
+    the module's own (:func:`lenient`). With a gated rule active that difference raises."""
+    if ruled:
+        if state.mismatch is not None:
+            raise state.mismatch
+        return False
+    return state.mismatch is not None or has_hooks(act_mod)
+
+
+def lenient(verify: Callable) -> Callable:
+    """The first-call check (:func:`verify_rebuilt`) of a :data:`GATED_MEMORY` mount: a
+    rebuilt forward that differs from the module's own is recorded on the state (the
+    module's own forward then runs) rather than refused, since no rule asked for it; a
+    gated rule active on the module then or later raises it."""
+    def check(module, state, fwd, args, kwargs) -> bool:
+        try:
+            return verify(module, state, fwd, args, kwargs)
+        except RelevanceRuleUnsupportedError as e:
+            if state.active("activation") or state.active("multiplicative_gate"):
+                raise
+            state.mismatch = e
+            return True
+
+    return check
+
+
 def gated_forward(kind: str, path: str, names=_GATED_NAMES):
     """``down(act(gate(x)) * up(x))`` through the fused gated op; ``names`` are the MLP's
     (gate, up, down, act) attributes."""
@@ -272,15 +311,14 @@ def gated_forward(kind: str, path: str, names=_GATED_NAMES):
         act = Activation(kind, forward_fn(act_mod, kind) if kind != "custom" else act_mod.forward)
 
         def forward(x):
+            identity, half = state.active("activation"), state.active("multiplicative_gate")
+            if native_instead(state, act_mod, identity or half):
+                return state.native(x)
             if has_hooks(act_mod):
                 raise RelevanceRuleConflictError(bypass_message(path, names[3], act_mod))
             if nnsight_tracing(act_mod):  # the fused op would bypass the trace's view of act
-                return down(_gated_in_trace(act_mod, gate(x), up(x), state.active("activation"),
-                                            state.active("multiplicative_gate")))
-            h = gated_activation(
-                gate(x), up(x), act, identity=state.active("activation"), half=state.active("multiplicative_gate")
-            )
-            return down(h)
+                return down(_gated_in_trace(act_mod, gate(x), up(x), identity, half))
+            return down(gated_activation(gate(x), up(x), act, identity=identity, half=half))
 
         return forward
 
@@ -301,13 +339,16 @@ def gated_fused_forward(kind: str, path: str, form: FusedGatedForm):
         drop = getattr(mlp, form.drop) if form.drop else None
 
         def forward(x):
+            identity, half = state.active("activation"), state.active("multiplicative_gate")
+            if native_instead(state, act_mod, identity or half):
+                return state.native(x)
             if has_hooks(act_mod):
                 raise RelevanceRuleConflictError(bypass_message(path, form.act, act_mod))
             a, b = proj(x).chunk(2, dim=-1)
             if nnsight_tracing(act_mod):  # the fused op would bypass the trace's view of act
-                h = _gated_in_trace(act_mod, a, b, state.active("activation"), state.active("multiplicative_gate"))
-                return down(h if drop is None else drop(h))
-            h = gated_activation(a, b, act, identity=state.active("activation"), half=state.active("multiplicative_gate"))
+                h = _gated_in_trace(act_mod, a, b, identity, half)
+            else:
+                h = gated_activation(a, b, act, identity=identity, half=half)
             return down(h if drop is None else drop(h))
 
         return forward

@@ -36,6 +36,7 @@ from pyattr.config import RelevanceRules
 from pyattr.integration.errors import RelevanceRuleUnsupportedError
 from pyattr.integration.forwards import ATTN_SCALES, fused_projection_forward
 from pyattr.integration.fused_qkv import THROUGH, column_roles, projections, role_pattern, value_columns
+from pyattr.integration.gated_plan import plan_gated_fused, plan_gated_named
 from pyattr.integration.moe_plan import plan_generic_moe
 from pyattr.integration.planner import Planner
 from pyattr.integration.structural import _eps, classify_norm, structural_norm_forward
@@ -119,10 +120,10 @@ def plan_generic(model: nn.Module, rules: RelevanceRules) -> Planner:
         if not name or id(mod) in pl.mounted:
             continue
         if name in gated:
-            pl.generic_gated_mlp(name, gated[name])
+            plan_gated_named(pl, name, gated[name])
             continue
         if name in fused:
-            pl.gated_fused_mlp(name, fused[name])
+            plan_gated_fused(pl, name, fused[name])
             continue
         if is_norm_like(mod):
             inside = any(name.startswith(a + ".") for a in inside_attention)

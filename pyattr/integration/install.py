@@ -111,6 +111,9 @@ class RuleState:
         self.hook = None
         self.patched: Optional[Callable] = None
         self.expected_out: Optional[int] = None
+        # a gated MLP's rebuilt forward that its first-call check found differing from the
+        # module's own, under the memory mount alone (pyattr.integration.forwards.lenient)
+        self.mismatch: Optional[Exception] = None
 
     def __deepcopy__(self, memo):
         raise RelevanceRuleConflictError(
@@ -339,7 +342,7 @@ def snapshot(modules: List[nn.Module]) -> list:
     for m in modules:
         st = state_of(m)
         if st is not None and st.counts:
-            snap.append((m, st.path, st.make_forward, st.check_output, dict(st.values)))
+            snap.append((m, st.path, st.make_forward, st.check_output, dict(st.values), st))
     return snap
 
 
@@ -361,10 +364,13 @@ def recomputing(modules: List[nn.Module], snap: list):
     held = []
     _local.recomputing = getattr(_local, "recomputing", 0) + 1
     try:
-        for m, path, make, check, values in snap:
+        for m, path, make, check, values, forward_state in snap:
             for kind, value in values.items():
                 acquire(m, path, kind, value, make, check)
                 held.append((m, kind))
+            # what the forward's first call found (after this snapshot): the recomputation
+            # runs the forward the forward ran
+            state_of(m).mismatch = forward_state.mismatch
         yield
     finally:
         _local.recomputing -= 1

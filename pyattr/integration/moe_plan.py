@@ -20,6 +20,7 @@ import pyattr.architectures as A
 from pyattr.activations import _kind_of_module
 from pyattr.integration.errors import RelevanceRuleUnsupportedError
 from pyattr.integration.forwards import experts_forward, projection_forward
+from pyattr.integration.gated_plan import gated_kinds
 from pyattr.integration.moe_checks import check_experts
 
 #: the names transformers gives a sparse block's router
@@ -46,7 +47,7 @@ def plan_gates(pl, path: str, block: nn.Module, router: str, make) -> List[nn.Mo
 def plan_experts(pl, epath: str, experts: nn.Module) -> None:
     """The gated rules on the experts' ``act(gate)·up`` (transformers' dispatcher form,
     checked by :func:`~pyattr.integration.moe_checks.check_experts`)."""
-    wanted = pl.gated_kinds(epath, experts)
+    wanted = gated_kinds(pl, epath, experts)
     if wanted:
         check_experts(epath, experts)
         kind = _kind_of_module(experts.act_fn) or "custom"

@@ -16,25 +16,18 @@ from pyattr.activations import Activation, _kind_of_module, forward_fn
 from pyattr.architectures.forms import (
     classify_norm,
     replaced_on_instance,
-    plain_fused_gated_forward,
-    plain_gated_forward,
     plain_gelu_head,
 )
 from pyattr.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.integration.errors import (
-    RelevanceRuleConflictError,
     RelevanceRuleUnsupportedError,
 )
 from pyattr.integration.forwards import (
     ATTN_SCALES,
-    FusedGatedForm,
     Step,
     activation_forward,
-    bypass_message,
     concat_pattern,
     fused_projection_forward,
-    gated_forward,
-    gated_fused_forward,
     head_forward,
     layer_norm_forward,
     norm_eps,
@@ -45,10 +38,8 @@ from pyattr.integration.forwards import (
     split_pattern,
     verify_rebuilt,
 )
-from pyattr.integration.install import (
-    has_hooks,
-    state_of,
-)
+from pyattr.integration.gated_plan import plan_gated, plan_gated_fused, plan_gated_named
+from pyattr.integration.install import state_of
 from pyattr.integration.moe_checks import check_moe_block
 from pyattr.integration.moe_plan import plan_experts, plan_gates
 
@@ -157,66 +148,6 @@ class Planner:
                 "LN-rule's backward assumes (observed on probe rows); the rule would give it another gradient. "
                 "Restore its forward, or switch normalization off")
 
-    def gated_mlp(self, path: str) -> None:
-        mlp = self.need(path)
-        for name in ("gate_proj", "up_proj", "down_proj", "act_fn"):
-            if not isinstance(getattr(mlp, name, None), nn.Module):
-                raise RelevanceRuleUnsupportedError(
-                    f"{path!r}: a gated MLP needs gate_proj, up_proj, down_proj and act_fn modules; "
-                    f"{name} is missing"
-                )
-        kind = _kind_of_module(mlp.act_fn) or "custom"
-        self.mounted.add(id(mlp.act_fn))
-        self.observed.add(id(mlp.act_fn))
-        wanted = [k for k in ("activation", "multiplicative_gate") if getattr(self.rules, k)]
-        if wanted and not plain_gated_forward(mlp):
-            msg = (
-                f"{path!r}: {forward_name(mlp)} is not the plain "
-                "down_proj(act_fn(gate_proj(x)) * up_proj(x)); the gated rule would change its forward"
-            )
-            if self.generic:
-                for k in wanted:
-                    self.cov._skip(path, msg)
-                return
-            raise RelevanceRuleUnsupportedError(msg)
-        for k in ("activation", "multiplicative_gate"):
-            if k not in wanted:
-                self.off(k, path, mlp, f"{k} rule off")
-        if not wanted:
-            return
-        if has_hooks(mlp.act_fn):
-            raise RelevanceRuleConflictError(bypass_message(path))
-        for k in wanted:
-            self.add(k, path, mlp, True, gated_forward(kind, path), check_output=False, rebuilt=True)
-
-    def gated_fused_mlp(self, path: str, form: FusedGatedForm) -> None:
-        """An MLP with one projection for gate and up (Phi-3's gate_up_proj, ModernBERT's
-        GeGLU Wi): the Identity- and Half-rules through the fused gated_activation op, as
-        for a gated MLP with separate projections."""
-        mlp = self.need(path)
-        for name in (form.proj, form.act, form.down) + ((form.drop,) if form.drop else ()):
-            if not isinstance(getattr(mlp, name, None), nn.Module):
-                raise RelevanceRuleUnsupportedError(
-                    f"{path!r}: a fused gated MLP needs {form.proj}, {form.act} and {form.down} modules; "
-                    f"{name} is missing"
-                )
-        act = getattr(mlp, form.act)
-        kind = _kind_of_module(act) or "custom"
-        self.mounted.add(id(act))
-        self.observed.add(id(act))
-        wanted = self.gated_kinds(path, mlp)
-        if not wanted:
-            return
-        if not plain_fused_gated_forward(mlp, form):
-            raise RelevanceRuleUnsupportedError(
-                f"{path!r}: {forward_name(mlp)} is not the plain a, b = {form.proj}(x).chunk(2); "
-                f"{form.down}(act(a) * b); the gated rule would change its forward"
-            )
-        if has_hooks(act):
-            raise RelevanceRuleConflictError(bypass_message(path, form.act))
-        for k in wanted:
-            self.add(k, path, mlp, True, gated_fused_forward(kind, path, form), check_output=False, rebuilt=True)
-
     def moe(self, path: str) -> None:
         """A sparse mixture-of-experts block (Mixtral, Qwen2-MoE, Qwen3-MoE): the routing
         rule on the router (and the shared-expert gate), the Identity- and Half-rules on
@@ -225,7 +156,7 @@ class Planner:
         block = self.need(path)
         experts, router = getattr(block, "experts", None), getattr(block, "gate", None)
         if not isinstance(experts, nn.Module):
-            self.gated_mlp(path)
+            plan_gated(self, path)
             return
         if not isinstance(router, nn.Module):
             raise RelevanceRuleUnsupportedError(f"{path!r}: a mixture-of-experts block needs a gate (router) module")
@@ -234,30 +165,7 @@ class Planner:
         plan_gates(self, path, block, "gate", router_forward())
         plan_experts(self, A.join(path, "experts"), experts)
         if isinstance(getattr(block, "shared_expert", None), nn.Module):
-            self.gated_mlp(A.join(path, "shared_expert"))
-
-    def gated_kinds(self, path: str, mod: nn.Module) -> List[str]:
-        """The gated rule kinds these rules ask for; the others are recorded as off."""
-        wanted = [k for k in ("activation", "multiplicative_gate") if getattr(self.rules, k)]
-        for k in ("activation", "multiplicative_gate"):
-            if k not in wanted:
-                self.off(k, path, mod, f"{k} rule off")
-        return wanted
-
-    def generic_gated_mlp(self, path: str, names) -> None:
-        """A gated MLP found by the form of its forward, under any attribute names."""
-        gate, up, down, act_name = names
-        mlp = self.need(path)
-        act = getattr(mlp, act_name)
-        kind = _kind_of_module(act) or "custom"
-        self.mounted.add(id(act))
-        wanted = self.gated_kinds(path, mlp)
-        if not wanted:
-            return
-        if has_hooks(act):
-            raise RelevanceRuleConflictError(bypass_message(path, act_name))
-        for k in wanted:
-            self.add(k, path, mlp, True, gated_forward(kind, path, names), check_output=False, rebuilt=True)
+            plan_gated(self, A.join(path, "shared_expert"))
 
     def structural_norm(self, path, mod, kind, weight_spec, eps, make_forward) -> None:
         self.mounted.add(id(mod))
@@ -428,13 +336,13 @@ def plan_block(pl: Planner, layer: str, arch) -> None:
     pl.qk_norms([A.join(layer, p) for p in arch.qk_norms], arch.norm, arch.offset)
     kind, p = arch.mlp
     if kind == "gated":
-        pl.gated_mlp(A.join(layer, p))
+        plan_gated(pl, A.join(layer, p))
     elif kind == "gated_fused":
-        pl.gated_fused_mlp(A.join(layer, p), arch.fused_mlp)
+        plan_gated_fused(pl, A.join(layer, p), arch.fused_mlp)
     elif kind == "moe":
         pl.moe(A.join(layer, p))
     elif kind == "gated_named":
-        pl.generic_gated_mlp(A.join(layer, p), arch.gated_extra)
+        plan_gated_named(pl, A.join(layer, p), arch.gated_extra)
     else:
         pl.activation(A.join(layer, p), A.join(layer, p.rsplit(".", 1)[0]))
 

@@ -14,7 +14,7 @@ from pyattr.integration.bridge import bridge_seams, check_plan as check_bridge, 
 from pyattr.integration.checkpoint import checkpoints_bound
 from pyattr.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.integration.errors import RelevanceRuleConflictError, RelevanceRuleUnsupportedError
-from pyattr.integration.forwards import Step
+from pyattr.integration.forwards import GATED_MEMORY, Step
 from pyattr.integration.install import (
     acquire,
     holds_patch,
@@ -157,6 +157,8 @@ def _replaced_inside_refused(model: nn.Module, steps: List[Step]) -> Iterator[No
     carrying a rule still runs its rule forward: one the user replaced on the instance
     inside the scope would run without its rule, silently; it raises
     :class:`RelevanceRuleConflictError` naming the module instead."""
+    # the memory mount is not a rule: a module replaced under it only runs as it would without it
+    steps = [st for st in steps if st.kind != GATED_MEMORY]
     mounted = {st.path: _at(model, st.path) for st in steps}
 
     def guard(mod, args):
