@@ -64,6 +64,39 @@ def test_identical_inputs_give_exactly_zero():
         assert torch.equal(est[n], torch.zeros_like(est[n])), n
 
 
+def test_a_patch_that_changes_nothing_is_not_run():
+    """Identical inputs: every node's patch is 0, so no block runs after the clean one; per
+    position, only the positions where the runs differ (from the changed token on) run."""
+    model = _llama(2)
+    calls = []
+    h = model.model.layers[0].register_forward_pre_hook(lambda mod, args: calls.append(args[0].shape[0]))
+    try:
+        est = attribution_patching(model, CLEAN, CLEAN.clone(), LogitDiff(3, 7), nodes=["heads"], method="blockwise")
+        assert max(calls) <= 2  # the recorded runs and probes alone (no batch of patched copies)
+        assert torch.equal(est["heads"], torch.zeros_like(est["heads"]))
+        calls.clear()
+        est = attribution_patching(model, CLEAN, CORRUPT, LogitDiff(3, 7), nodes=["heads"], method="blockwise",
+                                   sum_positions=False)
+    finally:
+        h.remove()
+    # heads of layer 0 move from the changed token on: positions 2-5 of row 0 and 4-5 of row 1,
+    # 4 heads each, beside one unpatched copy of each row
+    assert calls[-1] == 6 * 4 + 2 and max(calls[:-1]) <= 2
+    exact = activation_patching(model, CLEAN, CORRUPT, LogitDiff(3, 7), nodes=["heads"], progress=False,
+                                sum_positions=False)
+    torch.testing.assert_close(est["heads"].double(), exact["heads"].double(), atol=1e-6, rtol=1e-5)
+    assert torch.equal(est["heads"][0, :, :2], torch.zeros_like(est["heads"][0, :, :2]))
+
+
+def test_with_references_appends_one_unpatched_copy_per_row():
+    from pyattr.patching.blockwise import with_references
+
+    ext, ref = with_references(torch.tensor([2, 0, 2, 1]))
+    assert ext.tolist() == [2, 0, 2, 1, 0, 1, 2]
+    assert ref.tolist() == [6, 4, 6, 5]
+    assert torch.equal(ext[ref], torch.tensor([2, 0, 2, 1]))
+
+
 def test_batch_size_does_not_change_the_estimate():
     model = _llama(3)
     a = attribution_patching(model, CLEAN, CORRUPT, LogitDiff(3, 7), nodes=NODES, method="blockwise")

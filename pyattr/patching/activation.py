@@ -238,6 +238,21 @@ def _copies(model, pair: Pair, fixed, flat, row: int, n: int, clean_value: float
     return reference, [align(a, index) for a in acts]
 
 
+def job_mask(site: Site, jobs: Sequence[_Job], valid: torch.Tensor, seq: int, width: int) -> torch.Tensor:
+    """Bool ``(len(jobs), seq, width)``: where each job patches its site's activation (its
+    unit, a head's slice, a neuron or the whole width; at its position, or for position -1
+    at every position where its row of ``valid`` (``(len(jobs), seq)``) is set)."""
+    dev = valid.device
+    unit_of = torch.arange(width, device=dev)
+    if site.node == "heads":
+        unit_of = unit_of // (width // site.heads)
+    u = torch.tensor([job.unit for job in jobs], dtype=torch.long, device=dev)[:, None]
+    cols = (u < 0) | (unit_of[None] == u)
+    p = torch.tensor([job.position for job in jobs], dtype=torch.long, device=dev)[:, None]
+    at = torch.where(p >= 0, torch.arange(seq, device=dev)[None] == p, valid.bool())
+    return at[:, :, None] & cols[:, None, :]
+
+
 def patch_copies(site: Site, jobs: Sequence[Tuple[int, _Job]], sources: torch.Tensor, valid: torch.Tensor,
                  base: Optional[torch.Tensor] = None):
     """The tap body that patches a batch of copies: copy ``j`` of each ``(j, job)`` takes the
@@ -248,23 +263,13 @@ def patch_copies(site: Site, jobs: Sequence[Tuple[int, _Job]], sources: torch.Te
     the copy's own activation untouched, bit for bit, whatever the batch it ran in."""
 
     copies = [j for j, _ in jobs]
-    units = torch.tensor([job.unit for _, job in jobs], dtype=torch.long)
-    positions = torch.tensor([job.position for _, job in jobs], dtype=torch.long)
 
     def fn(t):
         # one masked update for every copy at once (a Python step per copy cost more than the
         # block on small models): the same elementwise sum or copy as unit by unit
         dev = t.device
         rows = torch.tensor(copies, dtype=torch.long, device=dev)
-        width, seq = t.shape[-1], t.shape[1]
-        unit_of = torch.arange(width, device=dev)
-        if site.node == "heads":
-            unit_of = unit_of // (width // site.heads)
-        u = units.to(dev)[:, None]
-        cols = (u < 0) | (unit_of[None] == u)
-        p = positions.to(dev)[:, None]
-        at = torch.where(p >= 0, torch.arange(seq, device=dev)[None] == p, valid.to(dev)[rows].bool())
-        mask = at[:, :, None] & cols[:, None, :]
+        mask = job_mask(site, [job for _, job in jobs], valid.to(dev)[rows], t.shape[1], t.shape[-1])
         old = t[rows]
         src = sources.to(dev)[rows]
         if base is None:

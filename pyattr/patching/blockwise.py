@@ -15,8 +15,10 @@ Elhage et al. 2021), where attribution patching's linear estimate, whatever the 
 rule, misses most of it.
 
 Cost: per node, a run of its own block, of each later block and of the output head; patched
-nodes of any rows batched ``batch_size`` per run, and one unpatched run per batch and block as
-a reference (identical clean and corrupt inputs give exactly 0). The last block runs its MLP
+nodes of any rows batched ``batch_size`` per run, beside one unpatched copy of each of their
+rows in the same run as the reference (:func:`with_references`); a node whose patch changes
+nothing (its corrupt value equals its clean one) is not run: its effect is exactly 0, so
+identical clean and corrupt inputs give exactly 0. The last block runs its MLP
 at the metric's positions only, where that is observed to hold (:mod:`pyattr.patching.last_block`).
 Against activation patching's whole model per node and per row, that saves the blocks before
 each node and the per-row forwards: 0.11–0.13 of its time on the toy decoders' heads, 0.21–0.28
@@ -178,7 +180,7 @@ def estimates(model: nn.Module, pair, fixed, flat, sources: List[torch.Tensor], 
     batch = pair.clean.input_ids.shape[0]
     out = torch.zeros(len(jobs), dtype=torch.float64)
     order = sorted(range(len(jobs)), key=lambda j: (flat[jobs[j].site].layer, jobs[j].site))
-    refs: Dict[tuple, torch.Tensor] = {}  # unpatched runs, per (stage, rows): chunks of one layout share them
+    refs: Dict[tuple, torch.Tensor] = {}  # the output head's unchanged runs, per rows: chunks of one layout share them
     with torch.no_grad():
         for start in range(0, len(order), batch_size):
             part = order[start:start + batch_size]
@@ -195,9 +197,14 @@ def _chunk(model, pair, fixed, flat, sources, chunk: list, layer: int, calls: Bl
            refs: Dict[tuple, torch.Tensor], clean_value: torch.Tensor) -> torch.Tensor:
     from pyattr.patching.activation import patch_copies
 
+    out = torch.zeros(len(chunk), dtype=torch.float64)
+    moved = [k for k, on in enumerate(_moves(flat, sources, chunk, pair.valid)) if on]
+    if not moved:
+        return out
+    chunk = [chunk[k] for k in moved]
     dev = calls.x[layer].device
     idx = torch.tensor([j.row for j in chunk], dtype=torch.long, device=dev)
-    x = calls.x[layer].detach()[idx]
+    ext, ref = with_references(idx)
     by_site: Dict[int, list] = {}
     for k, job in enumerate(chunk):
         by_site.setdefault(job.site, []).append((k, job))
@@ -212,11 +219,41 @@ def _chunk(model, pair, fixed, flat, sources, chunk: list, layer: int, calls: Bl
     last = layer == len(calls.blocks) - 1
     whole = calls.cut is not None and last and any(inside_cut(calls.cut[0], flat[i]) for i in used)
     with core.taps([(flat[i].module, flat[i].where) for i in used], fn_for):
-        patched = calls.run(layer, idx, x, batch, whole)
-    # the node's block's output, patched minus clean
-    change = patched - (reference(calls, refs, layer, idx, batch) if not whole else
-                        calls.run(layer, idx, calls.x[layer].detach()[idx], batch, whole))
-    return downstream(model, pair, fixed, calls, idx, layer, change, batch, refs, clean_value)
+        y = calls.run(layer, ext, calls.x[layer].detach()[ext], batch, whole)
+    # the node's block's output, patched minus clean (its row's unpatched copy in the same run)
+    out[moved] = downstream(model, pair, fixed, calls, idx, layer, y[:len(idx)] - y[ref], batch, refs, clean_value)
+    return out
+
+
+def _moves(flat, sources, chunk: list, valid: torch.Tensor) -> List[bool]:
+    """Per job: whether its patch changes its site's activation at all (the corrupt and the
+    clean value differ somewhere in its unit and positions). One that does not has effect
+    exactly 0 and is not run."""
+    from pyattr.patching.activation import job_mask
+
+    moves = [False] * len(chunk)
+    by_site: Dict[int, List[int]] = {}
+    for k, job in enumerate(chunk):
+        by_site.setdefault(job.site, []).append(k)
+    for i, ks in by_site.items():
+        src, base = sources[0][i], sources[1][i]
+        rows = torch.tensor([chunk[k].row for k in ks], dtype=torch.long, device=src.device)
+        differs = src[rows] != base.to(src.device)[rows]
+        mask = job_mask(flat[i], [chunk[k] for k in ks], valid.to(src.device)[rows], src.shape[1], src.shape[-1])
+        for k, on in zip(ks, (differs & mask).flatten(1).any(1).tolist()):
+            moves[k] = on
+    return moves
+
+
+def with_references(idx: torch.Tensor):
+    """``(ext, ref)``: the rows ``idx`` of a batch of copies with one unpatched copy of each
+    distinct row appended (``ext``), and for each copy the index in ``ext`` of its row's
+    unpatched copy (``ref``). Run in the same call, the unpatched copy is the reference its
+    patched copies are compared with, bit for bit alike where the patch changes nothing (as
+    activation patching keeps an unpatched copy in each batch); a separate reference run of
+    every copy doubled the blocks' work."""
+    rows, inverse = torch.unique(idx, return_inverse=True)
+    return torch.cat([idx, rows]), len(idx) + inverse
 
 
 def inside_cut(mlp: nn.Module, site) -> bool:
@@ -226,24 +263,19 @@ def inside_cut(mlp: nn.Module, site) -> bool:
     return within or (site.module is mlp and site.where == "input")
 
 
-def reference(calls: BlockCalls, refs: Dict[tuple, torch.Tensor], stage: int, idx: torch.Tensor,
-              batch: int) -> torch.Tensor:
-    """Block ``stage`` unpatched on rows ``idx`` in the same batch shape as the patched run
-    (cached per stage and rows), so that a patch that changes nothing gives exactly 0."""
-    key = (stage, tuple(idx.tolist()))
-    if key not in refs:
-        refs[key] = calls.run(stage, idx, calls.x[stage].detach()[idx], batch)
-    return refs[key]
-
-
 def downstream(model, pair, fixed, calls: BlockCalls, idx: torch.Tensor, layer: int, change: torch.Tensor,
                batch: int, refs: Dict[tuple, torch.Tensor], clean_value: torch.Tensor) -> torch.Tensor:
     """The metric's change (float64, cpu, per row of ``idx``) when block ``layer``'s output
     changes by ``change`` on those rows: each later block re-run on its recorded input plus
-    the change before it, then the output head on the last block's output plus its change."""
+    the change before it (beside an unchanged copy of each row, :func:`with_references`),
+    then the output head on the last block's output plus its change."""
+    ext, ref = with_references(idx)
+    n = len(idx)
     for later in range(layer + 1, len(calls.blocks)):  # each later block receives the change before it
-        x_l = calls.x[later].detach()[idx]
-        change = calls.run(later, idx, x_l + change.to(x_l.dtype), batch) - reference(calls, refs, later, idx, batch)
+        x_l = calls.x[later].detach()[ext]
+        carried = torch.cat([change, change.new_zeros((len(ext) - n, *change.shape[1:]))])
+        y = calls.run(later, ext, x_l + carried.to(x_l.dtype), batch)
+        change = y[:n] - y[ref]
     rows = tuple(idx.tolist())
     if ("head", rows) not in refs:
         refs[("head", rows)] = _head(model, pair, fixed, calls, idx, torch.zeros_like(change), batch)

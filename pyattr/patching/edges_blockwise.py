@@ -131,11 +131,14 @@ def effects(model, lay: G.Layout, graph: G.Graph, pair, fixed, acts_c: torch.Ten
                 if layer == n_layers:     # into the logits: the last block's output changes
                     change = delta
                 else:
+                    # beside an unchanged copy of each row (its input to the MLP's norm changed by 0)
+                    ext, ref = BW.with_references(idx)
                     ds = [edges[e][1] for e in part for _ in range(batch)]
-                    x = calls.x[layer].detach()[idx]
+                    ds += [graph.mlp_input[layer]] * (len(ext) - len(idx))
+                    delta = torch.cat([delta, delta.new_zeros((len(ext) - len(idx), *delta.shape[1:]))])
                     with edge_hooks(lay, graph, layer, ds, delta):
-                        patched = calls.run(layer, idx, x, batch)
-                    change = patched - BW.reference(calls, refs, layer, idx, batch)
+                        y = calls.run(layer, ext, calls.x[layer].detach()[ext], batch)
+                    change = y[:len(idx)] - y[ref]
                 value = BW.downstream(model, pair, fixed, calls, idx, min(layer, n_layers - 1), change, batch, refs,
                                       clean_value)
                 out[:, part] = value.reshape(len(part), batch).T
