@@ -21,8 +21,8 @@ nothing (its corrupt value equals its clean one) is not run: its effect is exact
 identical clean and corrupt inputs give exactly 0. The last block runs its MLP
 at the metric's positions only, where that is observed to hold (:mod:`pyattr.patching.last_block`).
 Against activation patching's whole model per node and per row, that saves the blocks before
-each node and the per-row forwards: 0.11–0.13 of its time on the toy decoders' heads, 0.21–0.28
-on random 2-layer models whose blocks' arithmetic dominates, 0.39 on 144 heads of a 12-layer
+each node and the per-row forwards: 0.13–0.16 of its time on the toy decoders' heads, 0.19–0.24
+on random 2-layer models whose blocks' arithmetic dominates, 0.37 on 144 heads of a 12-layer
 model with GPT-2's vocabulary (``pyattr bench --estimators``; the head runs at the metric's
 positions only on both sides). It still grows with nodes × later blocks, where the gradient
 estimates take a fixed number of passes.
