@@ -151,6 +151,11 @@ def test_relevance_takes_the_bridge_and_coverage_names_its_mounts():
     assert cov.mounts["model.layers.0.mlp"] == "blocks.0.mlp"
     assert cov.mounts["model.norm"] == "ln_final"
     assert set(cov.mounts) <= set(cov.installed)
+    # the LN-rule alone: the MLP's memory mount is not a rule, so no mount name either
+    with use_relevance_rules(bridge, RelevanceRules(normalization=True)) as cov:
+        pass
+    assert "model.layers.0.mlp" not in cov.mounts and "model.layers.0.mlp" not in cov.installed
+    assert set(cov.mounts) <= set(cov.installed) and cov.mounts["model.norm"] == "ln_final"
 
 
 def test_a_users_hook_editing_the_normalized_value_keeps_the_ln_rule():

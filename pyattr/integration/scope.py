@@ -116,7 +116,8 @@ def use_relevance_rules(
         model = mapped_inside(model, {**A.ARCHITECTURES, **A.SEQ2SEQ})
     pl = plan(model, rules, bool(generic))
     check_bridge(model, pl)
-    pl.cov._name_mounts({st.path: names[id(st.module)] for st in pl.steps if id(st.module) in names})
+    pl.cov._name_mounts({st.path: names[id(st.module)] for st in pl.steps
+                         if id(st.module) in names and st.kind != GATED_MEMORY})  # rules' mounts only
     if pl.generic and rules.any():
         # fail closed: the structural plan is checked on a probe before it answers
         check(model, rules, generic, installed, lambda m, r: plan(m, r, True))
