@@ -3,7 +3,7 @@
 # its CUDA kernels, run the CUDA tests (tests/test_cuda.py includes the paths added on the
 # CPU since: sdpa_rows leaving CUDA calls to sdpa's own backward, and the edge values --
 # NaN, inf, subnormals -- through the Triton and CUDA rule kernels against the CPU
-# reference), the kernel microbenchmarks at the issue shapes and
+# reference; the gated kernels with both rules off, the gated MLP's memory mount), the kernel microbenchmarks at the issue shapes and
 # the end-to-end relevance run, the frozen-attention kernel against
 # SDPA, and leave logs and JSON in OUTDIR. Budget: < 8 minutes.
 #   usage: benchmarks/gpu_check.sh OUTDIR

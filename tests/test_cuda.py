@@ -51,7 +51,7 @@ def test_half_and_gated_cuda(dtype, hidden):
         _close(a, b, dtype)
     for kind in KINDS:
         act = resolve_activation(kind)
-        for ident, half in ((True, True), (False, True), (True, False)):
+        for ident, half in ((True, True), (False, True), (True, False), (False, False)):  # both off: the memory mount
             for a, b in zip(compiled.gated_backward(g, u, d, act, ident, half), reference.gated_backward(g, u, d, act, ident, half)):
                 _close(a, b, dtype)
 
