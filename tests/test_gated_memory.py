@@ -15,7 +15,8 @@ import pyattr
 from pyattr import RelevanceRules, use_relevance_rules
 from pyattr.integration import forwards
 from pyattr.integration.errors import RelevanceRuleUnsupportedError
-from pyattr.integration.forwards import GATED_MEMORY, lenient, native_instead
+from pyattr.integration.errors import RelevanceRuleConflictError
+from pyattr.integration.gated_memory import GATED_MEMORY, MLPParts, lenient, native_instead
 from pyattr.integration.install import RuleState, state_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -166,8 +167,9 @@ def test_a_rebuilt_forward_that_differs_steps_aside(monkeypatch):
 
 
 def test_lenient_and_native_instead_units():
-    mlp = torch.nn.Linear(2, 2)
-    act = torch.nn.SiLU()
+    mlp = torch.nn.Module()
+    mlp.act = torch.nn.SiLU()
+    held = MLPParts(mlp, {"act": mlp.act}, "act")
     state = RuleState(mlp, "mlp")
     err = RelevanceRuleUnsupportedError("differs")
 
@@ -177,18 +179,115 @@ def test_lenient_and_native_instead_units():
     state.counts[GATED_MEMORY] = 1
     assert lenient(failing)(mlp, state, None, (), {}) is True
     assert state.mismatch is err
-    assert native_instead(state, act, ruled=False) is True
+    assert native_instead(state, held, ruled=False) is True
     with pytest.raises(RelevanceRuleUnsupportedError, match="differs"):
-        native_instead(state, act, ruled=True)
+        native_instead(state, held, ruled=True)
     state.counts["activation"] = 1
     with pytest.raises(RelevanceRuleUnsupportedError, match="differs"):
         lenient(failing)(mlp, state, None, (), {})
     fresh = RuleState(mlp, "mlp")
-    assert native_instead(fresh, act, ruled=False) is False
-    h = act.register_forward_hook(lambda *a: None)
-    assert native_instead(fresh, act, ruled=False) is True
-    assert native_instead(fresh, act, ruled=True) is False
+    assert native_instead(fresh, held, ruled=False) is False
+    h = mlp.act.register_forward_hook(lambda *a: None)
+    assert native_instead(fresh, held, ruled=False) is True
+    assert native_instead(fresh, held, ruled=True) is False
     h.remove()
+    g = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
+    try:
+        assert native_instead(fresh, held, ruled=False) is True
+        assert lenient(failing)(mlp, fresh, None, (), {}) is False  # deferred: its two rows would reach the hook
+        assert fresh.deferred and fresh.mismatch is None
+    finally:
+        g.remove()
+    assert native_instead(fresh, held, ruled=False) is True  # this call's check was put off
+    fresh.deferred = False
+    mlp.act.forward = torch.relu
+    assert held.changed() == "act.forward" and native_instead(fresh, held, ruled=False) is True
+    del mlp.act.forward
+    mlp.act = torch.nn.ReLU()
+    assert held.changed() == "act"
+
+
+@pytest.mark.parametrize("replace", ["act_fn", "gate_proj", "act_fn.forward"])
+def test_a_part_replaced_inside_the_scope_runs_or_raises(replace):
+    """An ablation that swaps a submodule of the MLP (or the activation's forward) after the
+    scope's first call: under the memory mount the module's own forward runs it, exactly;
+    under the gated rules it raises (it gave logits off by 1.05 and 3.44, and gradients off by
+    a third, before)."""
+    m = _model()
+    ids = torch.randint(3, 90, (1, 6))
+    mlp = m.model.layers[0].mlp
+
+    def swap():
+        if replace == "act_fn":
+            mlp.act_fn = torch.nn.ReLU()
+        elif replace == "gate_proj":
+            torch.manual_seed(3)
+            mlp.gate_proj = torch.nn.Linear(32, 48, bias=False).double()
+        else:
+            mlp.act_fn.forward = torch.relu
+
+    kept = {n: getattr(mlp, n) for n in ("act_fn", "gate_proj")}
+    try:
+        x = m.get_input_embeddings()(ids).requires_grad_(True)
+        with use_relevance_rules(m, LN):
+            m(ids)
+            swap()
+            out = m(inputs_embeds=x).logits[0, -1, 5]
+            got = torch.autograd.grad(out, x)[0]
+        with use_relevance_rules(m, LN), pytest.MonkeyPatch.context() as mp:
+            _without_mount(mp)
+            want_out = m(inputs_embeds=x).logits[0, -1, 5]
+            want = torch.autograd.grad(want_out, x)[0]
+        assert torch.equal(out, want_out)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+    finally:
+        for n, mod in kept.items():
+            setattr(mlp, n, mod)
+        mlp.act_fn.__dict__.pop("forward", None)
+    if replace == "act_fn.forward":
+        return  # under the gated rules the activation's forward is the rules' (observed at install)
+    with use_relevance_rules(m, RelevanceRules.all()):
+        m(ids)
+        swap()
+        with pytest.raises(RelevanceRuleConflictError, match=r"'model\.layers\.0\.mlp': .* was replaced while"):
+            m(ids)
+    for n, mod in kept.items():
+        setattr(mlp, n, mod)
+    mlp.act_fn.__dict__.pop("forward", None)
+
+
+def test_a_global_hook_sees_the_activation_and_torch_func_runs_first():
+    """Hooks on every module see the activation's call (its own forward runs); ``torch.func``
+    as the first call of the scope runs (the check is deferred, the module's own forward runs)."""
+    m = _model()
+    ids = torch.randint(3, 90, (1, 6))
+    x = m.get_input_embeddings()(ids).detach()
+    act = m.model.layers[0].mlp.act_fn
+    seen = []
+    g = torch.nn.modules.module.register_module_forward_hook(
+        lambda mod, a, out: seen.append(tuple(out.shape)) if mod is act else None)
+    try:
+        with use_relevance_rules(m, LN):
+            m(ids)
+    finally:
+        g.remove()
+    assert seen == [(1, 6, 48)]  # the one call of the forward, none of a check
+    with use_relevance_rules(m, LN):
+        jac = torch.func.jacrev(lambda e: m(inputs_embeds=e).logits[0, -1, :3])(x)
+    with use_relevance_rules(m, LN), pytest.MonkeyPatch.context() as mp:
+        _without_mount(mp)
+        want = torch.func.jacrev(lambda e: m(inputs_embeds=e).logits[0, -1, :3])(x)
+    torch.testing.assert_close(jac, want, rtol=1e-12, atol=1e-14)
+
+
+def test_copying_the_mlp_inside_the_scope_says_why():
+    import copy
+
+    m = _model()
+    with use_relevance_rules(m, LN):
+        with pytest.raises(RelevanceRuleConflictError, match="'model.layers.0.mlp' while it runs through pyattr's "
+                                                             "fused gated op"):
+            copy.deepcopy(m.model.layers[0].mlp)
 
 
 def test_gradient_checkpointing_runs_the_forward_it_ran(monkeypatch):

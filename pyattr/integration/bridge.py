@@ -48,7 +48,7 @@ from torch import nn
 
 from pyattr._components import _has_class, is_component, is_transformer_bridge, native  # noqa: F401 - re-exported
 from pyattr.integration.errors import RelevanceRuleUnsupportedError
-from pyattr.integration.forwards import GATED_MEMORY
+from pyattr.integration.install import GATED_MEMORY
 
 _EDIT_WARNING = "A forward hook edited hook_scale/hook_normalized"
 

@@ -20,6 +20,7 @@ from pyattr.integration.errors import (
     RelevanceRuleConflictError,
     RelevanceRuleUnsupportedError,
 )
+from pyattr.integration.gated_memory import MLPParts, native_instead
 from pyattr.integration.install import (
     has_hooks,
     per_column_scale,
@@ -262,57 +263,19 @@ def _gated_in_trace(act_mod, g, u, identity: bool, half: bool):
     return a * u
 
 
-#: The gated op with the ordinary gradient, mounted on a gated MLP where both gated rules are
-#: off (the LN-rule alone, or attention rules alone): it saves ``gate`` and ``up`` for the
-#: backward, where the native graph also keeps ``act(gate)``, a third intermediate-wide
-#: tensor per MLP (on a 1B Llama a quarter of what a LN-rule-only pass keeps). Not a rule:
-#: the coverage does not list it, and where it cannot run as the module's own forward would
-#: (:func:`native_instead`) the module's own forward runs.
-GATED_MEMORY = "gated_memory"
-
-
-def native_instead(state, act_mod: nn.Module, ruled: bool) -> bool:
-    """Whether a gated MLP's rebuilt forward hands this call to the module's own forward:
-    only with no gated rule active (``ruled`` False, the :data:`GATED_MEMORY` mount alone),
-    where a hook on the activation (a user's, or a method's tap of the neurons) must see
-    its call, and where the first call's check found the rebuilt forward differing from
-    the module's own (:func:`lenient`). With a gated rule active that difference raises."""
-    if ruled:
-        if state.mismatch is not None:
-            raise state.mismatch
-        return False
-    return state.mismatch is not None or has_hooks(act_mod)
-
-
-def lenient(verify: Callable) -> Callable:
-    """The first-call check (:func:`verify_rebuilt`) of a :data:`GATED_MEMORY` mount: a
-    rebuilt forward that differs from the module's own is recorded on the state (the
-    module's own forward then runs) rather than refused, since no rule asked for it; a
-    gated rule active on the module then or later raises it."""
-    def check(module, state, fwd, args, kwargs) -> bool:
-        try:
-            return verify(module, state, fwd, args, kwargs)
-        except RelevanceRuleUnsupportedError as e:
-            if state.active("activation") or state.active("multiplicative_gate"):
-                raise
-            state.mismatch = e
-            return True
-
-    return check
-
-
 def gated_forward(kind: str, path: str, names=_GATED_NAMES):
     """``down(act(gate(x)) * up(x))`` through the fused gated op; ``names`` are the MLP's
     (gate, up, down, act) attributes."""
     def make(mlp, state):
-        gate, up, down, act_mod = (getattr(mlp, n) for n in names)
+        gate, up, down, act_mod = parts = tuple(getattr(mlp, n) for n in names)
         # The module's own forward (bit-identical values) without its __call__: the
         # activation's hooks would be bypassed, which is checked at install and at each call.
         act = Activation(kind, forward_fn(act_mod, kind) if kind != "custom" else act_mod.forward)
+        held = MLPParts(mlp, dict(zip(names, parts)), names[3])
 
         def forward(x):
             identity, half = state.active("activation"), state.active("multiplicative_gate")
-            if native_instead(state, act_mod, identity or half):
+            if native_instead(state, held, identity or half):
                 return state.native(x)
             if has_hooks(act_mod):
                 raise RelevanceRuleConflictError(bypass_message(path, names[3], act_mod))
@@ -337,10 +300,12 @@ def gated_fused_forward(kind: str, path: str, form: FusedGatedForm):
         act = Activation(kind, forward_fn(act_mod, kind) if kind != "custom" else act_mod.forward)
         proj, down = getattr(mlp, form.proj), getattr(mlp, form.down)
         drop = getattr(mlp, form.drop) if form.drop else None
+        names = (form.proj, form.down, form.act) + ((form.drop,) if form.drop else ())
+        held = MLPParts(mlp, {n: getattr(mlp, n) for n in names}, form.act)
 
         def forward(x):
             identity, half = state.active("activation"), state.active("multiplicative_gate")
-            if native_instead(state, act_mod, identity or half):
+            if native_instead(state, held, identity or half):
                 return state.native(x)
             if has_hooks(act_mod):
                 raise RelevanceRuleConflictError(bypass_message(path, form.act, act_mod))

@@ -21,15 +21,14 @@ from pyattr.activations import _kind_of_module
 from pyattr.architectures.forms import plain_fused_gated_forward, plain_gated_forward
 from pyattr.integration.errors import RelevanceRuleConflictError, RelevanceRuleUnsupportedError
 from pyattr.integration.forwards import (
-    GATED_MEMORY,
     FusedGatedForm,
     Step,
     bypass_message,
     gated_forward,
     gated_fused_forward,
-    lenient,
     verify_rebuilt,
 )
+from pyattr.integration.gated_memory import GATED_MEMORY, global_hooks, lenient
 from pyattr.integration.install import has_hooks
 
 GATED_KINDS = ("activation", "multiplicative_gate")
@@ -119,6 +118,6 @@ def _mount(pl, path: str, mlp: nn.Module, act: nn.Module, kind: str, wanted: Lis
         for k in wanted:
             pl.add(k, path, mlp, True, make, check_output=False, rebuilt=True)
         return
-    if pl.rules.any() and plain and kind != "custom" and not has_hooks(act):
+    if pl.rules.any() and plain and kind != "custom" and not has_hooks(act) and not global_hooks():
         check = lenient(verify_rebuilt(path, (GATED_MEMORY, "True", getattr(make, "__qualname__", ""))))
         pl.steps.append(Step(mlp, path, GATED_MEMORY, True, make, False, check))

@@ -26,6 +26,9 @@ from pyattr._module_forward import nnsight_controller
 from pyattr.integration.errors import RelevanceRuleConflictError
 
 _STATE = "_pyattr_rules"
+#: the kind of the gated MLP's memory mount (pyattr.integration.gated_memory): a patch
+#: that is not a rule (the fused gated op with the ordinary gradient)
+GATED_MEMORY = "gated_memory"
 # open scopes running functional rules (pyattr.integration.functional); while any is open a
 # rule forward counts its depth, so that those rules leave what pyattr's own forwards compute
 FUNCTIONAL_SCOPES = [0]
@@ -114,10 +117,14 @@ class RuleState:
         # a gated MLP's rebuilt forward that its first-call check found differing from the
         # module's own, under the memory mount alone (pyattr.integration.forwards.lenient)
         self.mismatch: Optional[Exception] = None
+        # that check put off for this call (the module's own forward runs it)
+        self.deferred = False
 
     def __deepcopy__(self, memo):
+        what = ("it runs through pyattr's fused gated op (the memory mount of rules that leave the gated rules off)"
+                if set(self.counts) == {GATED_MEMORY} else "relevance rules are installed on it")
         raise RelevanceRuleConflictError(
-            f"cannot copy {self.path!r} while relevance rules are installed on it: the copy would "
+            f"cannot copy {self.path!r} while {what}: the copy would "
             "keep the rule patch bound to the original module. Copy the model outside the "
             "use_relevance_rules scope."
         )

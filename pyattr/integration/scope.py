@@ -14,8 +14,9 @@ from pyattr.integration.bridge import bridge_seams, check_plan as check_bridge, 
 from pyattr.integration.checkpoint import checkpoints_bound
 from pyattr.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.integration.errors import RelevanceRuleConflictError, RelevanceRuleUnsupportedError
-from pyattr.integration.forwards import GATED_MEMORY, Step
+from pyattr.integration.forwards import Step
 from pyattr.integration.install import (
+    GATED_MEMORY,
     acquire,
     holds_patch,
     release,
