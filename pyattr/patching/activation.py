@@ -263,19 +263,24 @@ def patch_copies(site: Site, jobs: Sequence[Tuple[int, _Job]], sources: torch.Te
     the copy's own activation untouched, bit for bit, whatever the batch it ran in."""
 
     copies = [j for j, _ in jobs]
+    leading = copies == list(range(len(copies)))  # the first copies in order: a slice, not a gather
 
     def fn(t):
         # one masked update for every copy at once (a Python step per copy cost more than the
         # block on small models): the same elementwise sum or copy as unit by unit
         dev = t.device
-        rows = torch.tensor(copies, dtype=torch.long, device=dev)
+        rows = slice(0, len(copies)) if leading else torch.tensor(copies, dtype=torch.long, device=dev)
         mask = job_mask(site, [job for _, job in jobs], valid.to(dev)[rows], t.shape[1], t.shape[-1])
         old = t[rows]
         src = sources.to(dev)[rows]
         if base is None:
             put = src.to(t.dtype)
         else:
-            put = old + (src.double() - base.to(dev)[rows].double()).to(t.dtype)
+            b = base.to(dev)[rows]
+            # in the activations' own dtype where all agree: one correctly rounded difference,
+            # as float64's then cast (0 where they are equal either way)
+            diff = src - b if src.dtype == b.dtype == t.dtype else src.double() - b.double()
+            put = old + diff.to(t.dtype)
         new = t.clone()
         new[rows] = torch.where(mask, put, old)
         return new

@@ -187,7 +187,9 @@ def attribution_patching(
                          f"run) batch; method={method!r} takes none")
     if method == "blockwise":
         import pyattr.patching.blockwise as BW
+        from pyattr.patching.attention_replay import attention_replay
         from pyattr.patching.last_block import last_mlp
+        from pyattr.patching.mlp_positions import block_mlps
 
         batch_size = core.check_count("batch_size", batch_size) or BW.DEFAULT_BATCH
     if method == "ig":
@@ -208,7 +210,8 @@ def attribution_patching(
     blocks = None
     if method == "blockwise":
         block_sites = node_sites(model, ["residual"], generic)["residual"]
-        blocks = BW.BlockCalls([s.module for s in block_sites])
+        blocks = BW.BlockCalls([s.module for s in block_sites], attention_replay(model, flat, generic),
+                               block_mlps(model, generic))
         BW.check_metric(model, tgts, blocks)
     if star:
         from pyattr.patching.atp_star import AttentionCalls

@@ -57,14 +57,29 @@ class BlockCalls(RecordedCalls):
 
     caller = "method='blockwise'"
 
-    def __init__(self, blocks: List[nn.Module]):
+    def __init__(self, blocks: List[nn.Module], attention=None, mlps=None):
         super().__init__(blocks, prepend=True)
+        #: each block's MLP from the first position its input changed
+        #: (:mod:`pyattr.patching.mlp_positions`; None: whole)
+        self.mlps = mlps
+        #: the node's own block's attention replayed where it cannot change
+        #: (:mod:`pyattr.patching.attention_replay`; None: every block runs whole)
+        self.attention = attention
         self.blocks = self.modules
         self.y: List[Optional[torch.Tensor]] = [None] * len(blocks)
         self.raw: list = [None] * len(blocks)
         #: (mlp, positions): the last block's MLP runs at the metric's positions only
         #: (:mod:`pyattr.patching.last_block`; None: the whole block)
         self.cut: Optional[tuple] = None
+
+    @contextlib.contextmanager
+    def recording(self):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(super().recording())
+            for part in (self.attention, self.mlps):
+                if part is not None:
+                    stack.enter_context(part.recording())
+            yield self
 
     @property
     def x(self) -> List[Optional[torch.Tensor]]:
@@ -107,15 +122,28 @@ class BlockCalls(RecordedCalls):
         n = len(self.blocks)
         self.calls, self.inputs, self.y, self.raw = [None] * n, [None] * n, [None] * n, [None] * n
         self.cut = None
+        for part in (self.attention, self.mlps):
+            if part is not None:
+                part.release()
 
-    def run(self, layer: int, idx: torch.Tensor, x: torch.Tensor, batch: int, whole: bool = False) -> torch.Tensor:
+    def run(self, layer: int, idx: torch.Tensor, x: torch.Tensor, batch: int, whole: bool = False,
+            ref: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Block ``layer`` on rows ``idx`` of the recorded call with input ``x``; its output
         (the last block's at the metric's positions only, where :attr:`cut` is set and not
-        ``whole``: a patch inside its MLP needs every position)."""
+        ``whole``: a patch inside its MLP needs every position). ``ref``: the rows' first
+        ``len(ref)`` are patched copies of the rows at ``ref``, and nothing is patched inside
+        the MLP: the MLP computes from the first position its input changed
+        (:mod:`pyattr.patching.mlp_positions`)."""
         from pyattr.patching.last_block import mlp_at
 
         cut = self.cut if layer == len(self.blocks) - 1 and not whole else None
-        with mlp_at(*cut) if cut is not None else contextlib.nullcontext():
+        if cut is not None:
+            part = mlp_at(*cut)
+        elif ref is not None and self.mlps is not None and self.mlps.usable(layer):
+            part = self.mlps.from_change(layer, idx, len(ref), ref, batch)
+        else:
+            part = contextlib.nullcontext()
+        with part:
             return _first(self.rerun(layer, idx, x, batch))
 
     def cut_last_mlp(self, model: nn.Module, mlp: nn.Module, pair, fixed, batch: int) -> None:
@@ -184,17 +212,19 @@ def estimates(model: nn.Module, pair, fixed, flat, sources: List[torch.Tensor], 
     with torch.no_grad():
         for start in range(0, len(order), batch_size):
             part = order[start:start + batch_size]
-            chunks: Dict[int, List[int]] = {}
-            for j in part:
-                chunks.setdefault(flat[jobs[j].site].layer, []).append(j)
-            for layer, js in chunks.items():
+            chunks: Dict[tuple, List[int]] = {}
+            for j in part:  # per layer, the nodes whose block can replay its attention apart
+                site = flat[jobs[j].site]
+                att = calls.attention is not None and calls.attention.usable(site.layer, [site])
+                chunks.setdefault((site.layer, att), []).append(j)
+            for (layer, att), js in chunks.items():
                 out[js] = _chunk(model, pair, fixed, flat, (sources, bases), [jobs[j] for j in js], layer, calls,
-                                 batch, refs, clean_value)
+                                 batch, refs, clean_value, att)
     return out
 
 
 def _chunk(model, pair, fixed, flat, sources, chunk: list, layer: int, calls: BlockCalls, batch: int,
-           refs: Dict[tuple, torch.Tensor], clean_value: torch.Tensor) -> torch.Tensor:
+           refs: Dict[tuple, torch.Tensor], clean_value: torch.Tensor, replay: bool = False) -> torch.Tensor:
     from pyattr.patching.activation import patch_copies
 
     out = torch.zeros(len(chunk), dtype=torch.float64)
@@ -218,8 +248,11 @@ def _chunk(model, pair, fixed, flat, sources, chunk: list, layer: int, calls: Bl
 
     last = layer == len(calls.blocks) - 1
     whole = calls.cut is not None and last and any(inside_cut(calls.cut[0], flat[i]) for i in used)
-    with core.taps([(flat[i].module, flat[i].where) for i in used], fn_for):
-        y = calls.run(layer, ext, calls.x[layer].detach()[ext], batch, whole)
+    mlp = calls.mlps.mlps[layer] if calls.mlps is not None else None
+    inside = mlp is not None and any(inside_cut(mlp, flat[i]) for i in used)
+    with core.taps([(flat[i].module, flat[i].where) for i in used], fn_for), \
+            calls.attention.replaying(layer, ext, batch) if replay else contextlib.nullcontext():
+        y = calls.run(layer, ext, calls.x[layer].detach()[ext], batch, whole, None if inside else ref)
     # the node's block's output, patched minus clean (its row's unpatched copy in the same run)
     out[moved] = downstream(model, pair, fixed, calls, idx, layer, y[:len(idx)] - y[ref], batch, refs, clean_value)
     return out
@@ -274,7 +307,7 @@ def downstream(model, pair, fixed, calls: BlockCalls, idx: torch.Tensor, layer: 
     for later in range(layer + 1, len(calls.blocks)):  # each later block receives the change before it
         x_l = calls.x[later].detach()[ext]
         carried = torch.cat([change, change.new_zeros((len(ext) - n, *change.shape[1:]))])
-        y = calls.run(later, ext, x_l + carried.to(x_l.dtype), batch)
+        y = calls.run(later, ext, x_l + carried.to(x_l.dtype), batch, ref=ref)
         change = y[:n] - y[ref]
     rows = tuple(idx.tolist())
     if ("head", rows) not in refs:

@@ -209,9 +209,10 @@ def _blockwise(model, lay, graph, pair, tgts, batch_size) -> EdgeAttributionResu
     """``method="blockwise"``: :mod:`pyattr.patching.edges_blockwise`."""
     import pyattr.patching.blockwise as BW
     import pyattr.patching.edges_blockwise as EB
+    from pyattr.patching.mlp_positions import MLPOutputs
 
     batch_size = core.check_count("batch_size", batch_size) or EB.DEFAULT_BATCH
-    calls = BW.BlockCalls(lay.blocks)
+    calls = BW.BlockCalls(lay.blocks, mlps=MLPOutputs(lay.mlp))
     BW.check_metric(model, tgts, calls)
     with core.attribution_pass(model, RelevanceRules(), False, "edge_attribution"), torch.no_grad():
         with calls.recording():

@@ -137,7 +137,7 @@ def effects(model, lay: G.Layout, graph: G.Graph, pair, fixed, acts_c: torch.Ten
                     ds += [graph.mlp_input[layer]] * (len(ext) - len(idx))
                     delta = torch.cat([delta, delta.new_zeros((len(ext) - len(idx), *delta.shape[1:]))])
                     with edge_hooks(lay, graph, layer, ds, delta):
-                        y = calls.run(layer, ext, calls.x[layer].detach()[ext], batch)
+                        y = calls.run(layer, ext, calls.x[layer].detach()[ext], batch, ref=ref)
                     change = y[:len(idx)] - y[ref]
                 value = BW.downstream(model, pair, fixed, calls, idx, min(layer, n_layers - 1), change, batch, refs,
                                       clean_value)
