@@ -18,14 +18,18 @@ Cost: per node, a run of its own block, of each later block and of the output he
 nodes of any rows batched ``batch_size`` per run, beside one unpatched copy of each of their
 rows in the same run as the reference (:func:`with_references`); a node whose patch changes
 nothing (its corrupt value equals its clean one) is not run: its effect is exactly 0, so
-identical clean and corrupt inputs give exactly 0. The last block runs its MLP
-at the metric's positions only, where that is observed to hold (:mod:`pyattr.patching.last_block`).
+identical clean and corrupt inputs give exactly 0. Three cuts, each observed to hold before
+it is made: the node's own block replays its attention where the node comes after it (only
+the output projection runs: :mod:`pyattr.patching.attention_replay`); every re-run block's
+MLP computes from the first position its input changed (:mod:`pyattr.patching.mlp_positions`);
+the last block runs its MLP at the metric's positions only (:mod:`pyattr.patching.last_block`).
 Against activation patching's whole model per node and per row, that saves the blocks before
-each node and the per-row forwards: 0.13–0.16 of its time on the toy decoders' heads, 0.19–0.24
-on random 2-layer models whose blocks' arithmetic dominates, 0.37 on 144 heads of a 12-layer
-model with GPT-2's vocabulary (``pyattr bench --estimators``; the head runs at the metric's
-positions only on both sides). It still grows with nodes × later blocks, where the gradient
-estimates take a fixed number of passes.
+each node, the node's block's attention, the MLPs before the change and the per-row forwards:
+0.10–0.12 of its time on the toy decoders' heads, 0.14–0.17 on random 2-layer models whose
+blocks' arithmetic dominates, 0.25 on 144 heads of a 12-layer model with GPT-2's vocabulary
+(``pyattr bench --estimators``; the head runs at the metric's positions only on both sides).
+It still grows with nodes × later blocks, where the gradient estimates take a fixed number of
+passes.
 """
 
 from __future__ import annotations
