@@ -208,6 +208,21 @@ def test_deepcopy_inside_scope_raises_and_outside_works():
     assert _patched(c) == []
 
 
+def test_pickle_inside_scope_raises_with_the_reason_and_outside_works():
+    import pickle
+
+    m = tiny_causal_lm("llama")
+    with pyattr.use_relevance_rules(m):
+        with pytest.raises(pyattr.RelevanceRuleConflictError,
+                           match=r"cannot pickle LlamaForCausalLM while relevance rules are installed on it; save"):
+            pickle.dumps(m)
+        with pytest.raises(pyattr.RelevanceRuleConflictError,
+                           match=r"cannot pickle 'model\.norm' while relevance rules are installed on it"):
+            pickle.dumps(m.model.norm)
+    c = pickle.loads(pickle.dumps(m))
+    assert _patched(c) == []
+
+
 def test_relevance_inside_a_scope_with_other_rules_raises():
     m = tiny_causal_lm("llama")
     ids = torch.randint(0, VOCAB, (1, 5))

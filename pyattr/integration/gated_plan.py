@@ -34,9 +34,14 @@ from pyattr.integration.install import has_hooks
 GATED_KINDS = ("activation", "multiplicative_gate")
 
 
+def wanted_kinds(pl) -> List[str]:
+    """The gated rule kinds ``pl``'s rules ask for."""
+    return [k for k in GATED_KINDS if getattr(pl.rules, k)]
+
+
 def gated_kinds(pl, path: str, mod: nn.Module) -> List[str]:
     """The gated rule kinds ``pl``'s rules ask for; the others are recorded as off."""
-    wanted = [k for k in GATED_KINDS if getattr(pl.rules, k)]
+    wanted = wanted_kinds(pl)
     for k in GATED_KINDS:
         if k not in wanted:
             pl.off(k, path, mod, f"{k} rule off")
@@ -55,7 +60,7 @@ def plan_gated(pl, path: str) -> None:
     kind = _kind_of_module(mlp.act_fn) or "custom"
     pl.mounted.add(id(mlp.act_fn))
     pl.observed.add(id(mlp.act_fn))
-    wanted = [k for k in GATED_KINDS if getattr(pl.rules, k)]
+    wanted = wanted_kinds(pl)  # before recording the others as off: a generic model may skip it whole
     plain = plain_gated_forward(mlp)
     if wanted and not plain:
         msg = (

@@ -146,6 +146,29 @@ def state_of(module: nn.Module) -> Optional[RuleState]:
     return module.__dict__.get(_STATE)
 
 
+class ScopeHook:
+    """A hook pyattr registers for a scope: calls ``fn``. Pickling it, with the module or the
+    model that holds it, raises :class:`RelevanceRuleConflictError` naming ``what`` (a local
+    function there failed with pickle's own message about the function); ``copy.deepcopy``
+    keeps it, as it keeps a function, so a copy is refused by the rule's state instead."""
+
+    def __init__(self, fn: Callable, what: str):
+        self.fn = fn
+        self.what = what
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        raise RelevanceRuleConflictError(
+            f"cannot pickle {self.what} while relevance rules are installed on it; save the model outside "
+            "the use_relevance_rules scope"
+        )
+
+
 def _output_check(state: RuleState):
     def hook(module, args, output):
         if torch.compiler.is_compiling():  # object identity is not traced; eager checks it
@@ -158,7 +181,7 @@ def _output_check(state: RuleState):
                 "Read the output in the hook without returning a new one, or hook another module."
             )
 
-    return hook
+    return ScopeHook(hook, repr(state.path))
 
 
 def acquire(

@@ -17,6 +17,7 @@ from pyattr.integration.errors import RelevanceRuleConflictError, RelevanceRuleU
 from pyattr.integration.forwards import Step
 from pyattr.integration.install import (
     GATED_MEMORY,
+    ScopeHook,
     acquire,
     holds_patch,
     release,
@@ -178,7 +179,7 @@ def _replaced_inside_refused(model: nn.Module, steps: List[Step]) -> Iterator[No
                     "in a component that may compute it without the rule); build the bridge first, then open the "
                     "scope on it")
 
-    handle = model.register_forward_pre_hook(guard, prepend=True)
+    handle = model.register_forward_pre_hook(ScopeHook(guard, type(model).__name__), prepend=True)
     try:
         yield
     finally:
