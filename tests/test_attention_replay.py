@@ -135,3 +135,49 @@ def test_no_heads_role_no_replay():
     model = tiny_causal_lm("llama", dtype=torch.float64)
     assert attention_replay(torch.nn.Linear(2, 2), [], True) is None
     assert attention_replay(model, [], False) is not None
+
+
+def test_an_attention_output_changed_in_place_after_its_projection_runs_whole(replayed):
+    """The attention's output is still the projection's output object, but a wrapper on the
+    instance steers it in place: the projection re-run on the clean run does not give it, so
+    nothing is replayed (found by a bad-input pass: the steering was lost)."""
+    model = tiny_causal_lm("llama", dtype=torch.float64)
+    g = torch.Generator().manual_seed(1)
+    for blk in model.model.layers:
+        v = torch.randn(model.config.hidden_size, generator=g, dtype=torch.float64)
+
+        def steered(*args, _forward=blk.self_attn.forward, _v=v, **kwargs):
+            out = _forward(*args, **kwargs)
+            out[0].add_(_v)
+            return out
+
+        blk.self_attn.forward = steered
+    _exact(model, nodes=["heads", "attention", "mlp"])
+    assert replayed and not any(replayed.values())
+
+
+def test_a_pre_hook_changing_the_projection_input_in_place_applies_once(replayed):
+    """A non-idempotent in-place pre-hook on the output projection: the recorded input is the
+    one the projection received before it (a copy), so the replay applies it once."""
+    model = tiny_causal_lm("llama", dtype=torch.float64)
+
+    def double_head_0(mod, args):
+        args[0][..., :8].mul_(2.0)
+
+    hooks = [blk.self_attn.o_proj.register_forward_pre_hook(double_head_0) for blk in model.model.layers]
+    try:
+        _exact(model, nodes=["heads", "attention", "mlp", "neurons"])
+    finally:
+        for h in hooks:
+            h.remove()
+    assert replayed[(0, "heads")] and replayed[(1, "attention")]
+
+
+def test_a_hook_registered_for_every_module_turns_the_replay_off(replayed):
+    model = tiny_causal_lm("llama", dtype=torch.float64)
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda mod, args: None)
+    try:
+        _exact(model, nodes=["heads", "mlp"])
+    finally:
+        handle.remove()
+    assert replayed and not any(replayed.values())

@@ -135,3 +135,60 @@ def test_only_position_wise_mlps_are_cut():
     parts = MLPOutputs([moe, llama, None])
     assert parts.mlps == [None, llama, None]
     assert not parts.usable(1)                      # nothing recorded yet
+
+
+class _TwoInputs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 4)
+
+    def forward(self, x, scale):
+        return self.fc2(self.act(self.fc1(x))) * scale
+
+
+def _mixing(forward):
+    import functools
+
+    @functools.wraps(forward)
+    def wrapped(self, x):
+        return forward(self, x + x.mean(1, keepdim=True))
+
+    return wrapped
+
+
+class _Decorated(_MLP):
+    forward = _mixing(_MLP.forward)
+
+
+def test_mlps_whose_positions_could_mix_are_not_cut():
+    """Found by a bad-input pass: a second input (a per-row scale pooled over positions), a
+    decorator that mixes positions around a chain of children, and a hook registered for
+    every module each made the cut wrong; each now keeps the MLP whole."""
+    from pyattr.patching.last_block import positionwise
+
+    assert positionwise(_MLP())
+    assert not positionwise(_TwoInputs())
+    assert not positionwise(_Decorated())
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda mod, args, out: None)
+    try:
+        assert not positionwise(_MLP())
+    finally:
+        handle.remove()
+
+
+def test_a_hook_for_every_module_keeps_blockwise_exact(starts):
+    model = tiny_causal_lm("llama", dtype=torch.float64)
+
+    def pooled(mod, args, out):
+        return out + 0.5 * out.mean(1, keepdim=True) if type(mod).__name__ == "LlamaMLP" else None
+
+    handle = torch.nn.modules.module.register_module_forward_hook(pooled)
+    try:
+        nodes = ["residual", "heads", "mlp"]
+        est = attribution_patching(model, CLEAN, CORRUPT, LogitDiff(3, 7), nodes=nodes, method="blockwise")
+        exact = activation_patching(model, CLEAN, CORRUPT, LogitDiff(3, 7), nodes=nodes, progress=False)
+    finally:
+        handle.remove()
+    assert not starts
+    for n in nodes:
+        torch.testing.assert_close(est[n].double(), exact[n].double(), atol=1e-9, rtol=1e-7, msg=n)

@@ -14,10 +14,13 @@ after the node's still run whole (their input changed).
 Observed, not read off the model type, on the clean run (:meth:`AttentionReplay.usable`):
 per block, the attention module and its output projection ran once each, the attention's
 own output (before its forward hooks) is the projection's output object (hooks included),
-and every patched site is the projection's input, the attention's output, or a module whose
-call began after the attention's call returned. Anywhere else (a residual node: the block's
-input; a site inside the attention's arithmetic; an architecture with no heads role; a block
-whose attention runs twice or adds anything after its projection) the block runs whole.
+the projection re-run through its hooks on its recorded input (a copy, taken before any
+pre-hook) gives that output bit for bit (nothing changed it in place afterwards), no hook
+is registered for every module, and every patched site is the projection's input, the
+attention's output, or a module whose call began after the attention's call returned.
+Anywhere else (a residual node: the block's input; a site inside the attention's
+arithmetic; an architecture with no heads role; a block whose attention runs twice or
+changes anything after its projection) the block runs whole.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ class AttentionReplay:
 
     def __init__(self, attn: Sequence[nn.Module], proj: Sequence[nn.Module], sites: Sequence):
         self.attn = list(attn)
-        self.proj = RecordedCalls(proj, prepend=True)
+        self.proj = RecordedCalls(proj, prepend=True, copy=True)
         self.proj.caller = "method='blockwise'"
         self.sites = list(sites)
         n = len(self.attn)
@@ -49,6 +52,7 @@ class AttentionReplay:
         self.attn_count = [0] * n
         self.attn_end: List[Optional[int]] = [None] * n
         self.site_start: dict = {}
+        self.replays: dict = {}    # block → whether its projection re-run gives the recorded output
 
     @contextlib.contextmanager
     def recording(self):
@@ -81,7 +85,7 @@ class AttentionReplay:
 
     def release(self) -> None:
         n = len(self.attn)
-        self.raw, self.proj_out = [None] * n, [None] * n
+        self.raw, self.proj_out, self.replays = [None] * n, [None] * n, {}
         self.proj.calls, self.proj.inputs = [None] * n, [None] * n
 
     def _site_after(self, layer: int, site) -> bool:
@@ -101,13 +105,28 @@ class AttentionReplay:
     def usable(self, layer: int, sites: Sequence) -> bool:
         """The attention of block ``layer`` can be replayed for a run patching ``sites``
         (module docstring)."""
+        from pyattr.integration.gated_memory import global_hooks
+
+        if global_hooks() or not all(self._site_after(layer, s) for s in sites):
+            return False
+        if layer not in self.replays:
+            self.replays[layer] = self._replays(layer)
+        return self.replays[layer]
+
+    def _replays(self, layer: int) -> bool:
         if self.attn_count[layer] != 1 or self.proj.count[layer] != 1 or self.raw[layer] is None:
             return False
         try:
             own = first_output(self.raw[layer])
         except RuntimeError:
             return False
-        return own is self.proj_out[layer] and all(self._site_after(layer, s) for s in sites)
+        x = self.proj.inputs[layer]
+        if own is not self.proj_out[layer] or x is None:
+            return False
+        idx = torch.arange(x.shape[0], device=x.device)
+        with torch.no_grad():
+            again = first_output(self.proj.rerun(layer, idx, x.clone(), x.shape[0]))
+        return again.shape == own.shape and torch.equal(again, own)
 
     @contextlib.contextmanager
     def replaying(self, layer: int, idx: torch.Tensor, batch: int):
@@ -116,7 +135,7 @@ class AttentionReplay:
         recorded input (rows ``idx``), through the projection's hooks."""
         attn = self.attn[layer]
         raw = select_rows(self.raw[layer], idx, batch)
-        proj_in = self.proj.inputs[layer].detach()[idx.to(self.proj.inputs[layer].device)]
+        proj_in = self.proj.inputs[layer][idx.to(self.proj.inputs[layer].device)]  # a copy: hooks may change it
 
         def forward(*args, **kwargs):
             return with_first_output(raw, first_output(self.proj.rerun(layer, idx, proj_in, batch)))

@@ -86,14 +86,17 @@ def select_rows(obj, idx: torch.Tensor, batch: int):
 class RecordedCalls:
     """Per module: its call (args, kwargs), its input (first tensor, in the graph) and how
     often it ran; :meth:`output` keeps what a subclass needs of the output. ``prepend``: the
-    recording pre-hook runs before any other (the input as the module receives it)."""
+    recording pre-hook runs before any other (the input as the module receives it); ``copy``:
+    the input is kept as a copy (a hook that changes it in place afterwards leaves it as
+    received)."""
 
     caller = "patching"
 
-    def __init__(self, modules: Sequence[nn.Module], prepend: bool = False):
+    def __init__(self, modules: Sequence[nn.Module], prepend: bool = False, copy: bool = False):
         self.modules = list(modules)
         n = len(self.modules)
         self.prepend = prepend
+        self.copy = copy
         self.calls: List[Optional[Tuple[tuple, dict]]] = [None] * n
         self.inputs: List[Optional[torch.Tensor]] = [None] * n
         self.count = [0] * n
@@ -107,7 +110,8 @@ class RecordedCalls:
         for i, mod in enumerate(self.modules):
             def pre(m, args, kwargs, i=i):
                 self.calls[i] = (args, kwargs)
-                self.inputs[i] = first_input(args, kwargs)
+                x = first_input(args, kwargs)
+                self.inputs[i] = x.detach().clone() if self.copy and x is not None else x
                 self.count[i] += 1
 
             def post(m, args, kwargs, out, i=i):

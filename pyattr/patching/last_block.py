@@ -101,10 +101,13 @@ def _chain_of_children(code) -> Optional[frozenset]:
     """The ``self.<name>`` attributes a forward calls, when its body is only assignments to
     names, calls of ``self.<name>(...)`` on names and such calls, elementwise ``*`` ``+`` ``-``
     ``/`` and a return (a docstring allowed); None for anything else (an index, a method of
-    a tensor, a reduction, a loop: any of them could mix positions)."""
+    a tensor, a reduction, a loop: any of them could mix positions), and for a forward that
+    takes anything besides its input (another tensor, cut or not, could carry other positions)."""
     parsed = function_def(code)
-    if parsed is None or not isinstance(parsed[0], ast.FunctionDef) or parsed[0].args.vararg \
-            or parsed[0].args.kwarg:
+    if parsed is None or not isinstance(parsed[0], ast.FunctionDef):
+        return None
+    sig = parsed[0].args
+    if sig.vararg or sig.kwarg or sig.kwonlyargs or len(sig.posonlyargs) + len(sig.args) != 2:
         return None
     body = parsed[1]
     called = set()
@@ -135,12 +138,14 @@ def _chain_of_children(code) -> Optional[frozenset]:
 def positionwise(mlp: nn.Module) -> bool:
     """True when ``mlp`` computes each position from that position alone, as read off the
     forward it runs now (module docstring): every statement chains its position-wise
-    children, none has hooks, nor the MLP itself."""
+    children, none has hooks, nor the MLP itself, and no hook is registered for every
+    module; a decorated forward is not read (the decorator could mix positions)."""
+    from pyattr.integration.gated_memory import global_hooks
     from pyattr.integration.install import has_hooks
 
     fn = forward_of(mlp)
-    code = getattr(inspect.unwrap(fn), "__code__", None)
-    if inspect.ismethod(fn) or code is None or has_hooks(mlp):
+    code = getattr(fn, "__code__", None)
+    if inspect.ismethod(fn) or code is None or inspect.unwrap(fn) is not fn or has_hooks(mlp) or global_hooks():
         return False
     called = _chain_of_children(code)
     children = dict(mlp.named_children())

@@ -11,7 +11,9 @@ MLP gives it).
 
 Observed on each call, not read off the model: the first position where any patched copy's
 MLP input differs, bit for bit, from its reference copy's (:func:`first_changed`); the
-MLP's forward position-wise as it runs now (:func:`pyattr.patching.last_block.positionwise`).
+MLP's forward position-wise as it runs now (:func:`pyattr.patching.last_block.positionwise`:
+its own chain of position-wise children, its input its only argument, no hooks on it nor
+hooks registered for every module).
 An MLP whose input changed at the first position, or that is not position-wise, runs whole;
 so does the last block's where it runs at the metric's positions only
 (:mod:`pyattr.patching.last_block`), and a block with a patched site inside its MLP.
@@ -55,7 +57,7 @@ class MLPOutputs:
                 continue
 
             def post(mod, args, out, i=i):  # first of the forward hooks: the forward's own output
-                self.raw[i] = out
+                self.raw[i] = out.detach().clone() if isinstance(out, torch.Tensor) else out
                 self.count[i] += 1
 
             handles.append(m.register_forward_hook(post, prepend=True))
@@ -69,7 +71,10 @@ class MLPOutputs:
         self.raw = [None] * len(self.mlps)
 
     def usable(self, layer: int) -> bool:
-        return self.mlps[layer] is not None and self.count[layer] == 1 and isinstance(self.raw[layer], torch.Tensor)
+        from pyattr.integration.gated_memory import global_hooks
+
+        return self.mlps[layer] is not None and self.count[layer] == 1 and isinstance(self.raw[layer], torch.Tensor) \
+            and not global_hooks()
 
     @contextlib.contextmanager
     def from_change(self, layer: int, idx: torch.Tensor, n: int, ref: torch.Tensor, batch: int):
