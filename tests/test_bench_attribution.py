@@ -206,8 +206,10 @@ def test_estimators_bench_quick_run(tmp_path):
     big = [r for r in doc["rows"] if r["model"].startswith("random Llama, 12 layers x 12 heads")]
     assert len(big) == 9 and all(r["speedup_vs_exact"] > 0 for r in big)
     two = [r for r in doc["rows"] if "seconds_blockwise" in r]
-    assert [r["model"] for r in two] == [f"random {a}, 2 layers, hidden {h}, {n} heads" for a, h, n in
-                                         (("Llama", 64, 4), ("Llama", 128, 8), ("Llama", 256, 8), ("GPT-2", 256, 8))]
+    shapes = [f"random {a}, 2 layers, hidden {h}, {n} heads" for a, h, n in
+              (("Llama", 64, 4), ("Llama", 128, 8), ("Llama", 256, 8), ("GPT-2", 256, 8))]
+    # the changed token mid-sequence, then the second one
+    assert [(r["model"], r["changed_token"]) for r in two] == [(m, at) for m in shapes for at in (two[0]["seq"] // 2, 1)]
     for r in two:   # blockwise is exact patching, with and without the last block's MLP cut
         assert r["max_abs_diff"] < 1e-5 and r["blockwise_over_exact"] > 0 and r["whole_over_exact"] > 0, r
     assert "top-2 = exact" in p.stdout and "Random 2-layer models" in p.stdout

@@ -17,6 +17,7 @@ exact head patching's.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from typing import Dict, List
@@ -176,7 +177,10 @@ def two_layer_rows(pairs: int = 32, seq: int = 24, vocab: int = 512) -> List[Dic
     """Blockwise head patching (every head summed over positions) against activation
     patching on random 2-layer models (:data:`TWO_LAYER_SHAPES`), both in this run, with
     and without the last block's MLP cut to the metric's position
-    (:mod:`pyattr.patching.last_block`); medians of :data:`REPEATS` interleaved runs each."""
+    (:mod:`pyattr.patching.last_block`); medians of :data:`REPEATS` interleaved runs each.
+    The corrupt run changes one token, mid-sequence or the second: each re-run MLP computes
+    from the changed token on (:mod:`pyattr.patching.mlp_positions`), so where it sits
+    matters to blockwise, not to activation patching."""
     from unittest import mock
 
     import pyattr.patching as P
@@ -184,12 +188,12 @@ def two_layer_rows(pairs: int = 32, seq: int = 24, vocab: int = 512) -> List[Dic
     import pyattr.targets as T
 
     rows = []
-    for arch, hidden, heads in TWO_LAYER_SHAPES:
+    for (arch, hidden, heads), at in itertools.product(TWO_LAYER_SHAPES, (seq // 2, 1)):
         model = _two_layer(arch, hidden, heads, vocab)
         g = torch.Generator().manual_seed(1)
         clean = torch.randint(3, vocab, (pairs, seq), generator=g)
         corrupt = clean.clone()
-        corrupt[:, seq // 2] = torch.randint(3, vocab, (pairs,), generator=g)
+        corrupt[:, at] = torch.randint(3, vocab, (pairs,), generator=g)
         metric = T.LogitDiff(3, 7)
         kw = dict(nodes="heads", sum_positions=True)
         block = lambda: P.attribution_patching(model, clean, corrupt, metric, method="blockwise", **kw)  # noqa: E731
@@ -208,7 +212,7 @@ def two_layer_rows(pairs: int = 32, seq: int = 24, vocab: int = 512) -> List[Dic
         diff = max(float((e["heads"].double() - exact["heads"].double()).abs().max()) for e in (est, whole))
         rows.append({"model": f"random {arch}, 2 layers, hidden {hidden}, {heads} heads", "pairs": pairs,
                      "variant": "blockwise (exact, block by block)", "node": "heads",
-                     "seq": seq, "seconds": t_block, "seconds_exact": t_exact, "seconds_blockwise": t_block,
+                     "seq": seq, "changed_token": at, "seconds": t_block, "seconds_exact": t_exact, "seconds_blockwise": t_block,
                      "seconds_whole_last_block": t_whole, "blockwise_over_exact": t_block / t_exact,
                      "whole_over_exact": t_whole / t_exact, "max_abs_diff": diff})
     return rows
@@ -259,10 +263,12 @@ def markdown(rows: List[Dict], contention=None) -> str:
         lines += [f"**Random 2-layer models** ({two[0]['pairs']} pairs of {two[0]['seq']} tokens, vocabulary 512, "
                   "float32, eager attention): every head summed over positions, blockwise against activation "
                   f"patching in this run (medians of {REPEATS} interleaved runs each); the last block whole is blockwise without "
-                  "its MLP cut to the metric's position",
-                  "", "| model | activation patching (ms) | blockwise (ms) | blockwise / exact | last block whole / "
-                  "exact | max abs difference |", "|---|---:|---:|---:|---:|---:|"]
-        lines += [f"| {r['model']} | {r['seconds_exact'] * 1e3:.0f} | {r['seconds_blockwise'] * 1e3:.0f} | "
+                  "its MLP cut to the metric's position; the changed token is the one position where the corrupt "
+                  "run differs (0-based)",
+                  "", "| model | changed token | activation patching (ms) | blockwise (ms) | blockwise / exact | last "
+                  "block whole / exact | max abs difference |", "|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['model']} | {r.get('changed_token', r['seq'] // 2)} | {r['seconds_exact'] * 1e3:.0f} | "
+                  f"{r['seconds_blockwise'] * 1e3:.0f} | "
                   f"{r['blockwise_over_exact']:.2f} | {r['whole_over_exact']:.2f} | {r['max_abs_diff']:.1e} |"
                   for r in two]
         lines.append("")
