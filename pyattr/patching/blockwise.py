@@ -25,8 +25,8 @@ MLP computes from the first position its input changed (:mod:`pyattr.patching.ml
 the last block runs its MLP at the metric's positions only (:mod:`pyattr.patching.last_block`).
 Against activation patching's whole model per node and per row, that saves the blocks before
 each node, the node's block's attention, the MLPs before the change and the per-row forwards:
-0.10–0.12 of its time on the toy decoders' heads, 0.14–0.17 on random 2-layer models whose
-blocks' arithmetic dominates, 0.25 on 144 heads of a 12-layer model with GPT-2's vocabulary
+0.10–0.13 of its time on the toy decoders' heads, 0.15–0.20 on random 2-layer models whose
+blocks' arithmetic dominates, 0.27 on 144 heads of a 12-layer model with GPT-2's vocabulary
 (``pyattr bench --estimators``; the head runs at the metric's positions only on both sides).
 It still grows with nodes × later blocks, where the gradient estimates take a fixed number of
 passes.
