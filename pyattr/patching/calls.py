@@ -60,6 +60,20 @@ def with_first_output(out, x: torch.Tensor):
     return type(out)((x, *out[1:])) if isinstance(out, tuple) else [x, *out[1:]]
 
 
+@contextlib.contextmanager
+def hooks_around(module: nn.Module, pre, post) -> Iterator[None]:
+    """While open, ``pre`` (a forward pre-hook with kwargs, after those registered earlier)
+    and ``post`` (a forward hook with kwargs, before any other) on ``module``: what a cut of
+    its input needs, the others seeing the input before and the output after it."""
+    handles = [module.register_forward_pre_hook(pre, with_kwargs=True),
+               module.register_forward_hook(post, with_kwargs=True, prepend=True)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def tensors(obj) -> Iterator[torch.Tensor]:
     """The tensors of a call argument (inside tuples and lists; not inside a cache)."""
     if isinstance(obj, torch.Tensor):

@@ -37,7 +37,7 @@ from torch import nn
 
 from pyattr._module_forward import forward_of, replaced_on_instance
 from pyattr.architectures.forms import function_def
-from pyattr.patching.calls import first_input, first_output as _first, replace_input
+from pyattr.patching.calls import first_input, first_output as _first, hooks_around, replace_input
 from pyattr.patching.calls import with_first_output as _with_first
 
 
@@ -62,13 +62,8 @@ def mlp_at(mlp: nn.Module, positions: torch.Tensor):
         full[:, positions.to(y.device)] = y
         return _with_first(out, full)
 
-    handles = [mlp.register_forward_pre_hook(pre, with_kwargs=True),
-               mlp.register_forward_hook(post, with_kwargs=True, prepend=True)]
-    try:
+    with hooks_around(mlp, pre, post):
         yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 #: children an MLP may call for its forward to be position-wise: their class's own forward

@@ -27,7 +27,8 @@ from typing import List, Optional, Sequence
 import torch
 from torch import nn
 
-from pyattr.patching.calls import first_input, first_output, replace_input, select_rows, with_first_output
+from pyattr.patching.calls import (first_input, first_output, hooks_around, replace_input, select_rows,
+                                   with_first_output)
 
 
 def first_changed(x: torch.Tensor, n: int, ref: torch.Tensor) -> int:
@@ -98,13 +99,8 @@ class MLPOutputs:
             full[:, p:] = first_output(out)
             return with_first_output(out, full)
 
-        handles = [mlp.register_forward_pre_hook(pre, with_kwargs=True),
-                   mlp.register_forward_hook(post, with_kwargs=True, prepend=True)]
-        try:
+        with hooks_around(mlp, pre, post):
             yield
-        finally:
-            for h in handles:
-                h.remove()
 
 
 def block_mlps(model: nn.Module, generic: bool) -> Optional[MLPOutputs]:
