@@ -14,6 +14,15 @@ _RULES_STATE = "_pyattr_rules"
 _QUANTIZED_PATCH = "_pyattr_quantized"
 
 
+def global_hooks() -> bool:
+    """Whether hooks registered for every module (``torch.nn.modules.module.register_module_*_hook``)
+    exist: they see every call a forward makes, so a forward rebuilt or cut by pyattr would
+    show them other calls than the module's own (the gated MLP's fused op; blockwise's cuts)."""
+    m = nn.modules.module
+    return bool(m._global_forward_hooks or m._global_forward_pre_hooks or m._global_backward_hooks
+                or m._global_backward_pre_hooks)
+
+
 def forward_of(module: nn.Module):
     """The forward ``module`` runs now, as the module computes it: a forward set on the
     instance (an ablation or steering tool, a kernel library such as Liger-Kernel), under

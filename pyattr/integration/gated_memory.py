@@ -17,19 +17,11 @@ from typing import Callable, Dict
 import torch
 from torch import nn
 
-from pyattr._module_forward import forward_of, nnsight_controller
+from pyattr._module_forward import forward_of, global_hooks, nnsight_controller
 from pyattr.integration.errors import RelevanceRuleConflictError, RelevanceRuleUnsupportedError
 from pyattr.integration.install import GATED_MEMORY, has_hooks
 
 __all__ = ["GATED_MEMORY", "MLPParts", "global_hooks", "lenient", "native_instead"]
-
-
-def global_hooks() -> bool:
-    """Whether hooks registered for every module (``torch.nn.modules.module.register_module_*_hook``)
-    exist: they would see the activation's call, which the fused op does not make."""
-    m = torch.nn.modules.module
-    return bool(m._global_forward_hooks or m._global_forward_pre_hooks or m._global_backward_hooks
-                or m._global_backward_pre_hooks)
 
 
 @dataclass

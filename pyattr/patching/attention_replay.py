@@ -32,6 +32,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import nn
 
+from pyattr._module_forward import global_hooks
 from pyattr.patching.calls import RecordedCalls, first_output, select_rows, with_first_output
 
 
@@ -105,8 +106,6 @@ class AttentionReplay:
     def usable(self, layer: int, sites: Sequence) -> bool:
         """The attention of block ``layer`` can be replayed for a run patching ``sites``
         (module docstring)."""
-        from pyattr.integration.gated_memory import global_hooks
-
         if global_hooks() or not all(self._site_after(layer, s) for s in sites):
             return False
         if layer not in self.replays:

@@ -35,7 +35,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-from pyattr._module_forward import forward_of, replaced_on_instance
+from pyattr._module_forward import forward_of, global_hooks, replaced_on_instance
 from pyattr.architectures.forms import function_def
 from pyattr.patching.calls import first_input, first_output as _first, hooks_around, replace_input
 from pyattr.patching.calls import with_first_output as _with_first
@@ -135,7 +135,6 @@ def positionwise(mlp: nn.Module) -> bool:
     forward it runs now (module docstring): every statement chains its position-wise
     children, none has hooks, nor the MLP itself, and no hook is registered for every
     module; a decorated forward is not read (the decorator could mix positions)."""
-    from pyattr.integration.gated_memory import global_hooks
     from pyattr.integration.install import has_hooks
 
     fn = forward_of(mlp)

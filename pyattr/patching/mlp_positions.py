@@ -27,6 +27,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import nn
 
+from pyattr._module_forward import global_hooks
 from pyattr.patching.calls import (first_input, first_output, hooks_around, replace_input, select_rows,
                                    with_first_output)
 
@@ -72,8 +73,6 @@ class MLPOutputs:
         self.raw = [None] * len(self.mlps)
 
     def usable(self, layer: int) -> bool:
-        from pyattr.integration.gated_memory import global_hooks
-
         return self.mlps[layer] is not None and self.count[layer] == 1 and isinstance(self.raw[layer], torch.Tensor) \
             and not global_hooks()
 
