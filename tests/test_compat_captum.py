@@ -291,3 +291,27 @@ def test_tcav_with_layer_relevance(llama64, tmp_path):
     torch.testing.assert_close(on["magnitude"].double(), s.mean(0), rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(on["sign_count"], (s > 0).float().mean(0))
     assert float((on["magnitude"] - off["magnitude"]).abs().max()) > 1e-3 * float(off["magnitude"].abs().max())
+
+
+@pytest.mark.parametrize("layer", ["model.layers.1.input_layernorm", "model.norm"])
+def test_captum_layer_methods_on_a_norm_inside_a_scope(layer):
+    """Reported: Captum's layer methods on a norm (a rule module) were refused inside a scope,
+    as replacing its output (their hook returns a clone). Captum's own LayerGradientXActivation
+    there gives pyattr.layer_relevance's numbers, and pyattr's drop-in the same."""
+    from captum.attr import LayerIntegratedGradients
+
+    m = tiny_causal_lm("llama")
+    x = torch.randint(0, 100, (1, 7), generator=torch.Generator().manual_seed(1))
+    want = pyattr.layer_relevance(m, x, [layer], target=5)[layer].relevance
+    def last(ids):
+        return m(ids).logits[:, -1]
+    with pyattr.use_relevance_rules(m):
+        got = LayerGradientXActivation(last, m.get_submodule(layer)).attribute(x, target=5)
+        lig = LayerIntegratedGradients(last, m.get_submodule(layer)).attribute(
+            x, baselines=torch.zeros_like(x), target=5, n_steps=4)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    # Captum's layer IG (its hook puts a new leaf in the norm's place) is pyattr's, rules on
+    base = m.get_input_embeddings()(torch.zeros_like(x)).detach()
+    ig = pyattr.integrated_gradients(m, x, target=5, baseline=base, n_steps=4, layer=layer,
+                                     rules=pyattr.RelevanceRules.all())
+    torch.testing.assert_close(lig.float(), ig.attribution.float(), rtol=1e-4, atol=1e-6)

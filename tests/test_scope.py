@@ -105,7 +105,9 @@ def test_conflicting_attention_modes_in_nested_scopes():
 def test_hook_replacing_rule_output_raises():
     m = tiny_causal_lm("llama")
     ids = torch.randint(0, VOCAB, (1, 5))
-    h = m.model.layers[0].self_attn.q_proj.register_forward_hook(lambda mod, a, out: out + 0)
+    # recomputed from the input (a function of the output is taken: test_hook_replacing_a_rule_modules_output)
+    h = m.model.layers[0].self_attn.q_proj.register_forward_hook(
+        lambda mod, a, out: torch.nn.functional.linear(a[0], mod.weight, mod.bias))
     try:
         m(ids)  # no scope: fine
         with pyattr.use_relevance_rules(m):
@@ -183,9 +185,11 @@ def test_hook_registered_inside_scope_is_checked_too():
     m = tiny_causal_lm("llama")
     ids = torch.randint(0, VOCAB, (1, 5))
     with pyattr.use_relevance_rules(m):
-        h = m.model.layers[0].self_attn.q_proj.register_forward_hook(lambda mod, a, out: out * 1.0)
+        # recomputed from the input: its gradient goes around the rule's backward
+        h = m.model.layers[0].self_attn.q_proj.register_forward_hook(
+            lambda mod, a, out: torch.nn.functional.linear(a[0], mod.weight, mod.bias))
         try:
-            with pytest.raises(pyattr.RelevanceRuleConflictError, match="replaced the output"):
+            with pytest.raises(pyattr.RelevanceRuleConflictError, match="replaced the output .* around the rule"):
                 m(ids)
         finally:
             h.remove()
@@ -260,3 +264,48 @@ def test_non_plain_gated_mlp_unsupported_or_skipped_in_generic():
     with pyattr.use_relevance_rules(m, generic=True) as cov:
         assert torch.equal(m(ids).logits, ref)
     assert "model.layers.0.mlp" in cov.skipped and "model.layers.1.mlp" in cov.installed
+
+
+@pytest.mark.parametrize("kind", ["clone", "scaled", "leaf", "recomputed", "recomputed_plus_output"])
+def test_hook_replacing_a_rule_modules_output(kind):
+    """Reported: Captum's layer methods (their hook returns ``output.clone()``) were refused on
+    a norm. A replacement that is a function of the rule's output, or a new leaf, keeps the
+    rule on every path to the input and is taken; one whose gradient reaches the input by
+    another path is refused."""
+    m = tiny_causal_lm("llama")
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(2))
+    norm = m.model.layers[1].input_layernorm
+
+    def rms(mod, h):
+        return mod.weight * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + mod.variance_epsilon)
+
+    seen = {}
+    hooks = {
+        "clone": lambda mod, a, out: out.clone(),
+        "scaled": lambda mod, a, out: out * 2.0,
+        "leaf": lambda mod, a, out: seen.setdefault("leaf", out.detach().clone().requires_grad_()),
+        "recomputed": lambda mod, a, out: rms(mod, a[0]),
+        "recomputed_plus_output": lambda mod, a, out: out + 0 * rms(mod, a[0]),
+    }
+    emb = m.get_input_embeddings()(ids).detach().requires_grad_()
+    with pyattr.use_relevance_rules(m):
+        want_out = m(inputs_embeds=emb).logits[0, -1, 5]
+        want_out.backward()
+        want = emb.grad.clone()
+        emb.grad = None
+        h = norm.register_forward_hook(hooks[kind])
+        try:
+            if kind.startswith("recomputed"):
+                with pytest.raises(pyattr.RelevanceRuleConflictError, match=r"'model.layers.1.input_layernorm'.*around"):
+                    m(inputs_embeds=emb)
+                return
+            y = m(inputs_embeds=emb).logits[0, -1, 5]
+            y.backward()
+        finally:
+            h.remove()
+    if kind == "clone":
+        torch.testing.assert_close(emb.grad, want, rtol=0, atol=0)
+    elif kind == "leaf":  # the upstream blocks get their gradient around the norm's output no more
+        assert seen["leaf"].grad is not None and seen["leaf"].grad.abs().sum() > 0
+    else:
+        assert emb.grad.abs().sum() > 0

@@ -25,7 +25,8 @@ from typing import Dict, Iterable, Iterator, Optional, Tuple
 import torch
 from torch import nn
 
-from pyattr.integration.install import _unbound_recomputation
+from pyattr.integration.errors import RelevanceRuleConflictError
+from pyattr.integration.install import ONE_THREAD, _in_backward, _unbound_recomputation
 from pyattr.ops.attention import AttnLRPAttentionFunction, FrozenAttentionFunction
 from pyattr.ops.sdpa_rows import sparse_rows_sdpa
 
@@ -35,6 +36,9 @@ _RECOMPUTED: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictio
 # registered modules set aside while a checkpointed block recomputes with other rules
 _SUSPENDED: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
 _SUSPENDED_ATTNLRP: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
+# the threads whose scopes registered a module (thread id -> registrations): a module is
+# shared by every thread, its attention rule is not
+_THREADS: "weakref.WeakKeyDictionary[nn.Module, Dict[int, int]]" = weakref.WeakKeyDictionary()
 # (holder id, name) -> [holder, name, original, had_local, count]
 _PATCHES: Dict[Tuple[int, str], list] = {}
 # keyword arguments that change the attention's math beyond q, k, v, mask, scale, softcap
@@ -94,6 +98,11 @@ def _spec(kind: str, module: nn.Module, query, key, mask, kwargs) -> Optional[tu
 def _wrap(original, kind: str):
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
         frozen = is_frozen(module)
+        if (frozen or is_attnlrp(module)) and torch.is_grad_enabled() and _other_thread(module):
+            raise RelevanceRuleConflictError(
+                f"the attention of {type(module).__name__} runs in a thread that opened no use_relevance_rules scope "
+                f"on it, while a scope in another thread holds its attention rule; its gradient would silently "
+                f"carry that rule. {ONE_THREAD}")
         # under AttnLRP only the eager core is replaced: its native backward keeps every
         # layer's (batch, heads, q_len, kv_len) pattern, sdpa's already recomputes blockwise
         recomputed = not frozen and kind == "eager" and is_attnlrp(module)
@@ -192,6 +201,14 @@ def _seams(module: nn.Module):
     return out
 
 
+def _other_thread(module: nn.Module) -> bool:
+    """Whether only other threads' scopes registered ``module`` (a recomputation during a
+    backward, on whatever thread the backward runs, runs what its forward ran)."""
+    held = _THREADS.get(module)
+    return (bool(held) and threading.get_ident() not in held and not _in_backward()
+            and not torch.compiler.is_compiling())
+
+
 def is_frozen(module: nn.Module) -> bool:
     return _REGISTERED.get(module, 0) > 0 and not _SUSPENDED.get(module, 0)
 
@@ -237,12 +254,19 @@ def frozen_attention(modules: Iterable[nn.Module], registry=None) -> Iterator[No
     """Register ``modules`` (attention modules under the AH-rule) for the ``with`` block."""
     registry = _REGISTERED if registry is None else registry
     done = []
+    me = threading.get_ident()
     try:
         for m in modules:
+            if _other_thread(m):
+                raise RelevanceRuleConflictError(
+                    f"the attention of {type(m).__name__} carries an attention rule from a use_relevance_rules scope "
+                    f"open in another thread; a scope here would run with it. {ONE_THREAD}")
             seams = _seams(m)
             for holder, name, kind, mapping in seams:
                 _patch(holder, name, kind, mapping)
             registry[m] = registry.get(m, 0) + 1
+            held = _THREADS.setdefault(m, {})
+            held[me] = held.get(me, 0) + 1
             done.append((m, seams))
         yield
     finally:
@@ -252,6 +276,12 @@ def frozen_attention(modules: Iterable[nn.Module], registry=None) -> Iterator[No
                 registry[m] = n
             else:
                 registry.pop(m, None)
+            held = _THREADS.get(m, {})
+            holder = me if me in held else next(iter(held), None)
+            if holder is not None:
+                held[holder] -= 1
+                if held[holder] <= 0:
+                    del held[holder]
             for holder, name, _, mapping in reversed(seams):
                 _unpatch(holder, name, mapping)
 

@@ -36,6 +36,7 @@ rule Functions themselves (gradient recording is off there), nothing is changed.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Iterator, Optional
 
 import torch
@@ -44,7 +45,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from pyattr.activations import Activation, phi
-from pyattr.integration.install import FUNCTIONAL_SCOPES, _rule_forward, in_rule_forward
+from pyattr.integration.errors import RelevanceRuleConflictError
+from pyattr.integration.install import FUNCTIONAL_SCOPES, ONE_THREAD, _rule_forward, in_rule_forward
 
 _TAG = "_pyattr_tag"
 
@@ -265,14 +267,24 @@ def functional_rules(model: nn.Module, rules, roots=(), native=()) -> Iterator[N
     mode = FunctionalRules(rules)
     depth = {"n": 0}
     tagged: list = []
+    owner = threading.get_ident()  # the mode is this thread's; another thread's forward runs without it
 
     def pre(mod, args, kwargs):
+        if threading.get_ident() != owner:
+            if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+                raise RelevanceRuleConflictError(
+                    f"{type(mod).__name__} runs in a thread that opened no use_relevance_rules scope on it, while a "
+                    f"scope in another thread holds relevance rules on it; its gradient would silently carry that "
+                    f"scope's rules. {ONE_THREAD}")
+            return
         if depth["n"] == 0:
             mode.__enter__()
             tagged.extend(_tag_inputs(args, kwargs))
         depth["n"] += 1
 
     def post(mod, args, kwargs, out):
+        if threading.get_ident() != owner:
+            return
         depth["n"] -= 1
         if depth["n"] == 0:
             mode.__exit__(None, None, None)

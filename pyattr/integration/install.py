@@ -24,6 +24,7 @@ from torch import nn
 
 from pyattr._module_forward import nnsight_controller
 from pyattr.integration.errors import RelevanceRuleConflictError
+from pyattr.integration.output_check import Output, takes_rule_gradient
 
 _STATE = "_pyattr_rules"
 #: the kind of the gated MLP's memory mount (pyattr.integration.gated_memory): a patch
@@ -114,11 +115,15 @@ class RuleState:
         self.hook = None
         self.patched: Optional[Callable] = None
         self.expected_out: Optional[int] = None
+        self.expected_ref = None  # what the output check keeps of it (output_check.Output)
         # a gated MLP's rebuilt forward that its first-call check found differing from the
         # module's own, under the memory mount alone (pyattr.integration.forwards.lenient)
         self.mismatch: Optional[Exception] = None
         # that check put off for this call (the module's own forward runs it)
         self.deferred = False
+        # the threads whose scopes hold the rules (thread id -> references): the module is
+        # shared by every thread, its rules are not (:func:`_other_thread`)
+        self.threads: Dict[int, int] = {}
 
     def __deepcopy__(self, memo):
         what = ("it runs through pyattr's fused gated op (the memory mount of rules that leave the gated rules off)"
@@ -170,18 +175,27 @@ class ScopeHook:
 
 
 def _output_check(state: RuleState):
-    def hook(module, args, output):
+    def hook(module, args, kwargs, output):
         if torch.compiler.is_compiling():  # object identity is not traced; eager checks it
             return
         expected, state.expected_out = state.expected_out, None
-        if expected is not None and id(output) != expected:
-            raise RelevanceRuleConflictError(
-                f"a forward hook on {state.path!r} replaced the output of a module that carries a "
-                "relevance rule; the rule's backward would silently not apply to the new value. "
-                "Read the output in the hook without returning a new one, or hook another module."
-            )
+        old, state.expected_ref = state.expected_ref, None
+        if expected is None or id(output) == expected:
+            return
+        if old is not None and takes_rule_gradient(output, old, args, kwargs):
+            return  # a copy or a function of the rule's output (Captum's layer hooks), or a new leaf
+        raise RelevanceRuleConflictError(
+            f"a forward hook on {state.path!r} replaced the output of a module that carries a "
+            "relevance rule with a value whose gradient reaches the module's input around the rule's "
+            "backward; the rule would silently not apply to it. Return the output, a function of it "
+            "(a clone, a scaled copy) or a new leaf, or hook another module."
+        )
 
     return ScopeHook(hook, repr(state.path))
+
+
+def _register_output_check(module: nn.Module, state: RuleState):
+    return module.register_forward_hook(_output_check(state), with_kwargs=True)
 
 
 def acquire(
@@ -200,6 +214,10 @@ def acquire(
     :class:`RelevanceRuleConflictError`.
     """
     state = state_of(module)
+    if state is not None and _other_thread(state) and not getattr(_local, "recomputing", 0):
+        raise RelevanceRuleConflictError(
+            f"{path!r} carries relevance rules from a use_relevance_rules scope open in another thread; a "
+            f"scope here would run with them. {ONE_THREAD}")
     if state is None:
         state = RuleState(module, path, make_forward, check_output, verify)
         fwd = make_forward(module, state)
@@ -209,6 +227,12 @@ def acquire(
                 # an activation-checkpoint recomputation, during a backward, of a forward
                 # that ran without rules: it must run as it did then
                 return state.native(*args, **kwargs)
+            if torch.is_grad_enabled() and _other_thread(state) and not _in_backward() \
+                    and not torch.compiler.is_compiling():
+                raise RelevanceRuleConflictError(
+                    f"{state.path!r} runs in a thread that opened no use_relevance_rules scope on it, while a scope "
+                    f"in another thread holds relevance rules on it; its gradient would silently carry that "
+                    f"scope's rules. {ONE_THREAD}")
             if state.verify is not None and not torch.compiler.is_compiling() \
                     and state.verify(module, state, fwd, args, kwargs):
                 state.verify = None  # checked: once per scope
@@ -222,6 +246,7 @@ def acquire(
                 out = fwd(*args, **kwargs)
             if check_output and not torch.compiler.is_compiling():
                 state.expected_out = id(out)
+                state.expected_ref = Output(out)
                 # keep the check last, after hooks registered inside the scope too
                 if state.hook is not None:
                     hooks = module._forward_hooks
@@ -235,7 +260,7 @@ def acquire(
         if check_output:
             # Appended last: hooks registered before the scope run first, so one that
             # returns a replacement output is seen here.
-            state.hook = module.register_forward_hook(_output_check(state))
+            state.hook = _register_output_check(module, state)
     if kind in state.counts:
         if state.values[kind] != value:
             raise RelevanceRuleConflictError(
@@ -246,6 +271,17 @@ def acquire(
     else:
         state.counts[kind] = 1
         state.values[kind] = value
+    me = threading.get_ident()
+    state.threads[me] = state.threads.get(me, 0) + 1
+
+
+ONE_THREAD = ("Rules are set on the model's modules, which every thread shares: use the model from one thread "
+               "while a scope is open on it, or give each thread its own copy of the model.")
+
+
+def _other_thread(state: RuleState) -> bool:
+    """Whether the rules on the module are held by scopes of other threads only."""
+    return bool(state.threads) and threading.get_ident() not in state.threads
 
 
 def release(module: nn.Module, kind: str) -> None:
@@ -253,6 +289,12 @@ def release(module: nn.Module, kind: str) -> None:
     state = state_of(module)
     if state is None or kind not in state.counts:
         return
+    me = threading.get_ident()
+    holder = me if me in state.threads else next(iter(state.threads), None)  # a scope left from another thread
+    if holder is not None:
+        state.threads[holder] -= 1
+        if state.threads[holder] <= 0:
+            del state.threads[holder]
     state.counts[kind] -= 1
     if state.counts[kind] == 0:
         del state.counts[kind]
@@ -413,4 +455,4 @@ def recomputing(modules: List[nn.Module], snap: list):
             else:
                 m.__dict__[st.slot] = fwd
             if st.hook is not None:
-                st.hook = m.register_forward_hook(_output_check(st))
+                st.hook = _register_output_check(m, st)

@@ -275,8 +275,7 @@ def _mean_attention(out) -> torch.Tensor:
 
 @torch.no_grad()
 def _attention_scores(model, prompt, ranges, response, spans):
-    device = next(model.parameters()).device
-    ids = torch.tensor([list(prompt) + list(response)], device=device)
+    ids = CI.joint_ids(model, prompt, response)
     out = model(input_ids=ids, output_attentions=True)
     att = _mean_attention(out)
     p = len(prompt)
@@ -366,7 +365,8 @@ def context_attribution(model: nn.Module, inputs, sources, *, response=None, max
             the encoder's input, and the response is on the decoder side, its inputs the
             model's own teacher-forcing shift of it; :mod:`pyattr.methods.seq2seq_context`);
             or a sentence-embedding model (an encoder without a language-model head, such as
-            all-MiniLM-L6-v2) with ``query=``.
+            all-MiniLM-L6-v2) with ``query=``. Or its name: a bundled model (``"induction"``,
+            ``"translation"``, ``"minilm"``), a local directory or a hub id, loaded with its tokenizer.
         inputs (str | list[str] | LongTensor[seq] | LongTensor[1, seq]): the prompt (context
             and query; for an embedding model the passage), a list of prompts (a batch), or
             one prompt's token ids.
@@ -417,6 +417,7 @@ def context_attribution(model: nn.Module, inputs, sources, *, response=None, max
         raise ValueError(f"model: {type(model).__name__} is an encoder–decoder model without a language-model head; "
                          "context_attribution explains a response its decoder generates (load the "
                          "conditional-generation class: T5ForConditionalGeneration, MarianMTModel, …)")
+    model, tokenizer = CI.named_model(model, tokenizer, query)
     method = DEFAULT_METHOD if method is None else method
     if method not in METHODS:
         raise ValueError(f"method: expected one of {list(METHODS)}, got {method!r}")

@@ -29,6 +29,7 @@ import pyattr.methods._core.ablation as A
 import pyattr.methods._core.context_inputs as CI
 import pyattr.methods.seq2seq_inputs as SI
 from pyattr._module_state import kept_state
+from pyattr.methods._core.tokens import refuse_unknown
 
 
 def source_of(model: nn.Module, tokenizer, text_or_ids):
@@ -73,6 +74,7 @@ def response_of(model: nn.Module, tokenizer, source: Sequence[int], response, ma
         if not response.strip():
             raise ValueError("response: the text is empty")
         ids = [int(i) for i in tokenizer(text_target=response)["input_ids"]]
+        refuse_unknown(tokenizer, ids, response, f"response[{row}]")
     else:
         ids = CI.ids_of(None, response, f"response[{row}]")
     SI.check_decoder_ids(model, torch.tensor([ids]), f"response[{row}]")

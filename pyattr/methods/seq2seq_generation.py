@@ -18,6 +18,7 @@ from pyattr.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.methods._core.forward import check_steps_finite
 from pyattr.methods._core.generate import generate
 from pyattr.methods._core.inputs import check_token_ids, normalise_inputs
+from pyattr.methods._core.tokens import refuse_unknown
 import pyattr.methods.seq2seq_baseline as B
 import pyattr.methods.seq2seq_inputs as SI
 from pyattr.methods.seq2seq import seq2seq_relevance, strings
@@ -84,6 +85,8 @@ def _continuation(model: nn.Module, continuation, batch: int, tokenizer):
         if len(texts) != batch or not all(t.strip() for t in texts):
             raise ValueError(f"continuation: expected one non-empty text, or one per source row ({batch})")
         rows = [[int(i) for i in tokenizer(text_target=t)["input_ids"]] for t in texts]
+        for i, (t, r) in enumerate(zip(texts, rows)):
+            refuse_unknown(tokenizer, r, t, f"continuation[{i}]")
     else:
         rows = SI.as_id_rows(continuation, "continuation")
         if rows is None:

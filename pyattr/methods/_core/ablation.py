@@ -46,6 +46,9 @@ def response_logprobs(model: nn.Module, prompt: Sequence[int], ranges: Sequence[
     Returns:
         Tensor[n, len(spans)], float64.
     """
+    from pyattr.methods._core.context_inputs import joint_ids
+
+    joint_ids(model, prompt, response)  # the length check: the prompt with every source kept reads the most
     rows = ablated_rows(prompt, ranges, response, masks)
     device = next(model.parameters()).device
     r = len(response)

@@ -13,6 +13,18 @@ from torch import nn
 import pyattr.methods._core.sources as S
 
 
+def named_model(model, tokenizer, query):
+    """``(model, tokenizer)``: a model given by name or directory (a bundled name, a local
+    directory, a hub id) loaded as the other methods load one, as the class its checkpoint
+    names, or the base model when a ``query`` asks for an embedding; else as given."""
+    if not (isinstance(model, str) or hasattr(model, "__fspath__")):
+        return model, tokenizer
+    from pyattr.hub import load_pretrained
+
+    tok, loaded = load_pretrained(model, causal=False if query is not None else None)
+    return loaded, tokenizer if tokenizer is not None else tok
+
+
 def prompt_of(model, tokenizer, text_or_ids, response, name, embedding=False, spec=None):
     """(prompt ids, offsets, special flags, text, response ids or None). An embedding model's
     prompt keeps the markers the tokenizer adds at its end (``[SEP]``): its embedding is of
@@ -37,7 +49,12 @@ def prompt_of(model, tokenizer, text_or_ids, response, name, embedding=False, sp
         if isinstance(response, str) and not response.strip():
             raise ValueError(f"{'query' if embedding else 'response'}: the text is empty")
         if isinstance(response, str) and not embedding:
-            joint_prompt, resp = continuation_ids(tokenizer, text_or_ids, response)
+            try:
+                joint_prompt, resp = continuation_ids(tokenizer, text_or_ids, response)
+            except ValueError as e:  # its messages name the continuation: here it is the response
+                text = str(e)
+                raise ValueError("response" + text[len("continuation"):] if text.startswith("continuation") else text
+                                 ) from None
             if joint_prompt != ids:
                 raise ValueError("response: the tokenizer reads the prompt's end differently when the response "
                                  "follows it; start the response at a word")
@@ -113,6 +130,15 @@ def generated(model, prompt, max_new_tokens, prefix=None) -> List[int]:
     with generation_config_named():
         gen, steps = generate(model, ids, torch.ones_like(ids), max_new_tokens, None, prefix=prefix)
     return gen[0][steps[0].to(gen.device)].tolist()
+
+
+def joint_ids(model, prompt, response) -> torch.Tensor:
+    """LongTensor[1, prompt + response] on the model's device, after the length check (the
+    last response token is read by no position that predicts one)."""
+    from pyattr.methods._core.inputs import check_length
+
+    check_length(model, [len(prompt) + len(response) - 1], "inputs", "the prompt and the response but its last token")
+    return torch.tensor([list(prompt) + list(response)], device=next(model.parameters()).device)
 
 
 def response_ids(model, prompt, response, max_new_tokens, row):

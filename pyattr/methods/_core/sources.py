@@ -29,12 +29,25 @@ def _char_spans_by_split(text: str, how: str) -> List[Tuple[int, int]]:
     return spans
 
 
+def _whole_word(text: str, piece: str, at: int) -> int:
+    """The first occurrence of ``piece`` from ``at`` that is not inside a longer word ("cat" in
+    "A cat", not in "category"), else the first occurrence (-1 if none)."""
+    first = i = text.find(piece, at)
+    while i >= 0:
+        before = i > 0 and piece[0].isalnum() and text[i - 1].isalnum()
+        after = i + len(piece) < len(text) and piece[-1].isalnum() and text[i + len(piece)].isalnum()
+        if not before and not after:
+            return i
+        i = text.find(piece, i + 1)
+    return first
+
+
 def _char_spans_of_texts(text: str, pieces: Sequence[str]) -> List[Tuple[int, int]]:
     spans, at = [], 0
     for k, piece in enumerate(pieces):
         if not isinstance(piece, str) or not piece.strip():
             raise ValueError(f"sources[{k}]: expected a non-empty text span of the prompt, got {piece!r}")
-        i = text.find(piece, at)
+        i = _whole_word(text, piece, at)
         if i < 0:
             where = " after the previous source" if at else ""
             raise ValueError(f"sources[{k}]: {piece!r} does not occur in the prompt{where} (sources are spans of "
@@ -50,6 +63,13 @@ def _tokens_of(char_spans, offsets, special, text: str) -> List[Tuple[int, int]]
         toks = [i for i, ((s, e), sp) in enumerate(zip(offsets, special)) if not sp and e > a and s < b]
         if not toks:
             raise ValueError(f"sources[{k}]: {text[a:b]!r} covers no token of the prompt")
+        first, last = offsets[toks[0]][0], offsets[toks[-1]][1]
+        if any(c.isalnum() for c in text[first:a] + text[b:last]):
+            # the source is part of a word the tokenizer reads as one token with letters outside
+            # it ("cat" in "category"): its scores would be the whole token's
+            raise ValueError(f"sources[{k}]: {text[a:b]!r} is part of {text[min(first, a):max(last, b)]!r}, which "
+                             "the tokenizer reads as one token or more with letters outside the source; give whole "
+                             "words (sources are found as the first match after the previous source)")
         out.append((toks[0], toks[-1] + 1))
     for k in range(1, len(out)):
         if out[k][0] < out[k - 1][1]:

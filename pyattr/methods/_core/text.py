@@ -376,28 +376,6 @@ def _class_names(result, model):
     return result
 
 
-def prompt_and_continuation(tokenizer, texts: List[str], continuation) -> tuple:
-    """``(inputs, continuation ids)`` of prompts and text continuations as the tokenizer
-    reads each joint text (:func:`pyattr.methods._core.tokens.continuation_ids`): the prompts
-    left-padded, one id list per row for the continuations."""
-    from pyattr.methods._core.tokens import continuation_ids
-
-    conts = [continuation] * len(texts) if isinstance(continuation, str) else list(continuation)
-    if len(conts) != len(texts):
-        raise ValueError(f"continuation: {len(conts)} texts for {len(texts)} prompts (one per prompt)")
-    prompts, ids = [], []
-    for i, (text, cont) in enumerate(zip(texts, conts)):
-        if not text.strip():
-            raise ValueError(f"inputs: text {i} is empty")
-        try:
-            p, c = continuation_ids(tokenizer, text, cont)
-        except ValueError as e:
-            raise ValueError(f"continuation {cont!r}: {e}") from None
-        prompts.append([int(t) for t in p])
-        ids.append([int(t) for t in c])
-    return _pad_rows(prompts, tokenizer, left=True), ids
-
-
 #: the methods that explain encoder–decoder models (methods/seq2seq.py, methods/seq2seq_generation.py)
 SEQ2SEQ_CALLERS = ("relevance", "generation_relevance", "integrated_gradients", "layer_relevance",
                    "perturbation_curve",
@@ -419,7 +397,10 @@ def text_inputs(caller: str, *, inputs: Sequence[str] = ("inputs",), target: Opt
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
-            bound = sig.bind(*args, **kwargs)
+            try:
+                bound = sig.bind(*args, **kwargs)
+            except TypeError as e:  # bind's message names no function
+                raise TypeError(f"{caller}() {e}") from None
             a = bound.arguments
             cont = a.get("continuation")
             for i, name in enumerate(inputs):  # a text's mask is the tokenizer's
@@ -462,6 +443,8 @@ def text_inputs(caller: str, *, inputs: Sequence[str] = ("inputs",), target: Opt
                 if call.tokenizer is None:
                     raise ValueError(f"{caller}(): a text continuation needs tokenizer= (the model "
                                      f"{str(a['model'])!r} came without one)")
+                from pyattr.methods._core.tokens import prompt_and_continuation
+
                 texts = [a[inputs[0]]] if isinstance(a[inputs[0]], str) else list(a[inputs[0]])
                 call.inputs, a["continuation"] = prompt_and_continuation(call.tokenizer, texts, cont)
                 real = [r[m.bool()].tolist() for r, m in zip(call.inputs["input_ids"], call.inputs["attention_mask"])]

@@ -220,7 +220,21 @@ def continuation_ids(tokenizer, text: str, continuation: str) -> Tuple[List[int]
     prompt, cont = ids[:split], ids[split:]
     if not cont:
         raise ValueError("continuation has no tokens")
+    refuse_unknown(tokenizer, cont, continuation, "continuation")
     return prompt, cont
+
+
+def refuse_unknown(tokenizer, ids, text: str, name: str) -> None:
+    """A ValueError where the tokenizer read part of ``text`` (tokenized to ``ids``) as its
+    unknown token: the log-probability explained would be that of ``<unk>``, not of the text (a
+    text that spells the unknown token itself is taken)."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    word = getattr(tokenizer, "unk_token", None)
+    if unk is None or unk not in [int(i) for i in ids] or (word and word in text):
+        return
+    raise ValueError(f"{name}: the tokenizer reads part of {text!r} as its unknown token {word!r}, so the "
+                     f"log-probability explained would be that of {word!r}, not of the text; use words in the "
+                     "tokenizer's vocabulary, or pass token ids")
 
 
 def check_token_count(name: str, n_tokens: int, model, tokenizer) -> None:
@@ -234,3 +248,25 @@ def check_token_count(name: str, n_tokens: int, model, tokenizer) -> None:
     limit = max_positions(model)
     if limit is not None and n_tokens > limit:
         raise ValueError(f"{name} is {n_tokens} tokens long; the model reads at most {limit}")
+
+
+def prompt_and_continuation(tokenizer, texts: List[str], continuation) -> tuple:
+    """``(inputs, continuation ids)`` of prompts and text continuations as the tokenizer
+    reads each joint text (:func:`pyattr.methods._core.tokens.continuation_ids`): the prompts
+    left-padded, one id list per row for the continuations."""
+    from pyattr.methods._core.id_lists import _pad_rows
+
+    conts = [continuation] * len(texts) if isinstance(continuation, str) else list(continuation)
+    if len(conts) != len(texts):
+        raise ValueError(f"continuation: {len(conts)} texts for {len(texts)} prompts (one per prompt)")
+    prompts, ids = [], []
+    for i, (text, cont) in enumerate(zip(texts, conts)):
+        if not text.strip():
+            raise ValueError(f"inputs: text {i} is empty")
+        try:
+            p, c = continuation_ids(tokenizer, text, cont)
+        except ValueError as e:
+            raise ValueError(f"continuation {cont!r}: {e}") from None
+        prompts.append([int(t) for t in p])
+        ids.append([int(t) for t in c])
+    return _pad_rows(prompts, tokenizer, left=True), ids
