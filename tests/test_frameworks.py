@@ -262,3 +262,19 @@ def test_nnsight_inside_a_rule_carrying_mlp_in_the_first_trace_of_a_scope():
             with lm.output.logits[0, -1, 7].backward():
                 g = emb.grad.save()
     close(g, want)
+
+
+@pytest.mark.parametrize("kind, at_zero", [("relu", 0.0), ("silu", 0.5), ("gelu", 0.5)])
+def test_identity_rule_of_a_traced_activation_at_zero(kind, at_zero):
+    """Under an nnsight trace the gated MLP's Identity-rule divides the activation's real output
+    by its input; where the input is 0 it takes the activation's own φ(0), as every backend does
+    (reported: ½ for every kind, so a ReLU-gated MLP differed from pyattr.relevance there)."""
+    from pyattr.activations import known
+    from pyattr.integration.forwards import _IdentityOfOutput
+
+    act = known(kind)
+    g = torch.tensor([0.0, -0.0, 1.5, -2.0], requires_grad=True)
+    a = _IdentityOfOutput.apply(g, act.fn(g.detach()), act)
+    a.backward(torch.ones(4))
+    want = torch.tensor([at_zero, at_zero, float(act.fn(torch.tensor(1.5)) / 1.5), float(act.fn(torch.tensor(-2.0)) / -2.0)])
+    torch.testing.assert_close(g.grad, want, rtol=1e-6, atol=0)

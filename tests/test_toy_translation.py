@@ -25,7 +25,8 @@ def _alignment(rules, count=30, seed=5):
     for words in tr.sentences(torch.Generator().manual_seed(seed), count):
         n = len(words)
         r = pyattr.generation_relevance(model, " ".join(words), tokenizer=tok, max_new_tokens=n + 1, rules=rules)
-        assert r.sequence_tokens[0][1:n + 1] == tr.translate(words)
+        # tokens as decoded within the row (the decoder-only results' convention): a space before all but the first
+        assert r.sequence_tokens[0][1:n + 1] == [w if i == 0 else " " + w for i, w in enumerate(tr.translate(words))]
         for t in range(n):  # target word t is source word n - 1 - t; every source token (</s> too) competes
             hits += int(r.source_relevance[0, t].argmax()) == n - 1 - t
             total += 1
@@ -45,8 +46,8 @@ def test_text_in_both_sides_and_word_targets():
     model, tok = toy.load_translation()
     r = pyattr.relevance(model, ["sun cat red", "dog owl fox bee"], tokenizer=tok,
                          decoder_input_ids=["RED CAT", "BEE"], target=["SUN", "FOX"])
-    assert r.source_tokens == [["sun", "cat", "red", "</s>", None], ["dog", "owl", "fox", "bee", "</s>"]]
-    assert r.decoder_tokens == [["<pad>", "RED", "CAT"], ["<pad>", "BEE", None]]
+    assert r.source_tokens == [["sun", " cat", " red", "</s>", None], ["dog", " owl", " fox", " bee", "</s>"]]
+    assert r.decoder_tokens == [["<pad>", "RED", " CAT"], ["<pad>", "BEE", None]]
     assert r.target_ids.tolist() == [tok.convert_tokens_to_ids("SUN"), tok.convert_tokens_to_ids("FOX")]
     assert r.source_relevance[0].argmax() == 0 and r.source_relevance[1].argmax() == 2  # sun; fox
     ids = pyattr.relevance(model, tok("sun cat red", return_tensors="pt")["input_ids"],
@@ -74,10 +75,10 @@ def test_views_show_both_sides_and_results_save_and_load(tmp_path, capsys):
     assert "fox(+" in text
     g.show()
     text = capsys.readouterr().out
-    assert "each generated token (rows) over the source" in text and "3: SUN" in text
+    assert "each generated token (rows) over the source" in text and "3:  SUN" in text
     df = r.to_pandas()
     src_rows = df[(df.row == 1) & df.source_token.notna()]
-    assert src_rows.source_token.tolist() == ["dog", "owl", "fox", "bee", "</s>"]
+    assert src_rows.source_token.tolist() == ["dog", " owl", " fox", " bee", "</s>"]
     assert df[(df.row == 1) & df.decoder_token.notna()].decoder_token.tolist() == ["<pad>", "BEE"]
     assert torch.allclose(torch.tensor(src_rows.relevance.tolist(), dtype=torch.float32), r.source_relevance[1])
     assert "<table" in g.to_html() or "<svg" in g.to_html()
@@ -118,20 +119,20 @@ def test_generate_command_explains_a_translation_model():
 
 def test_the_bundled_name_loads_the_model_and_its_tokenizer():
     r = pyattr.relevance("translation", "sun cat red", decoder_input_ids="RED CAT", target="SUN")
-    assert r.source_tokens == [["sun", "cat", "red", "</s>"]] and r.target_tokens == ["SUN"]
+    assert r.source_tokens == [["sun", " cat", " red", "</s>"]] and r.target_tokens == ["SUN"]
     assert int(r.source_relevance[0].argmax()) == 0
 
 
 def test_text_sources_are_not_left_padded_and_text_continuations_are_target_text():
     model, tok = toy.load_translation()
     g = pyattr.generation_relevance(model, ["sun cat red fox", "dog owl fox"], max_new_tokens=6, tokenizer=tok)
-    assert g.source_tokens == [["sun", "cat", "red", "fox", "</s>"], ["dog", "owl", "fox", "</s>", None]]
+    assert g.source_tokens == [["sun", " cat", " red", " fox", "</s>"], ["dog", " owl", " fox", "</s>", None]]
     alone = pyattr.generation_relevance(model, "dog owl fox", max_new_tokens=6, tokenizer=tok)
-    assert g.sequence_tokens[1][:5] == alone.sequence_tokens[0][:5] == ["<pad>", "FOX", "OWL", "DOG", "</s>"]
+    assert g.sequence_tokens[1][:5] == alone.sequence_tokens[0][:5] == ["<pad>", "FOX", " OWL", " DOG", "</s>"]
     c = pyattr.generation_relevance(model, ["sun cat red", "dog owl fox"], continuation=["RED CAT SUN", "FOX OWL"],
                                     tokenizer=tok)
-    assert c.sequence_tokens[0] == ["<pad>", "RED", "CAT", "SUN", "</s>"]
-    assert c.sequence_tokens[1] == ["<pad>", "FOX", "OWL", "</s>", None] and c.step_mask[1].tolist() == [1, 1, 1, 0]
+    assert c.sequence_tokens[0] == ["<pad>", "RED", " CAT", " SUN", "</s>"]
+    assert c.sequence_tokens[1] == ["<pad>", "FOX", " OWL", "</s>", None] and c.step_mask[1].tolist() == [1, 1, 1, 0]
     ids = pyattr.generation_relevance(model, tok("sun cat red", return_tensors="pt")["input_ids"],
                                       continuation=tok(text_target="RED CAT SUN")["input_ids"])
     assert torch.allclose(c.target[0], ids.target[0], rtol=1e-6, atol=0)

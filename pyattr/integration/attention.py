@@ -27,7 +27,7 @@ from torch import nn
 
 from pyattr.integration.errors import RelevanceRuleConflictError
 from pyattr.integration.install import ONE_THREAD, _in_backward, _unbound_recomputation
-from pyattr.ops.attention import AttnLRPAttentionFunction, FrozenAttentionFunction
+from pyattr.ops.attention import AttnLRPAttentionFunction, FrozenAttentionFunction, held_pattern_output
 from pyattr.ops.sdpa_rows import sparse_rows_sdpa
 
 _REGISTERED: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
@@ -127,6 +127,14 @@ def _wrap(original, kind: str):
             return original(module, query, key, value, attention_mask, **kwargs)
 
         mask = None if mask is None else mask.detach()
+        if torch._C._are_functorch_transforms_active():
+            # torch.func's transforms take Functions in setup_context form only: the same rules
+            # in autograd ops (AttnLRP's core gradient is the plain one; the AH-rule's is P·v's
+            # with the pattern a constant)
+            out, weights = native()
+            if frozen:
+                out = held_pattern_output(out, query.detach(), k_used.detach(), value, mask, scaling, softcap, causal)
+            return out, weights
         if frozen:
             out, weights = FrozenAttentionFunction.apply(
                 value, query.detach(), k_used.detach(), mask, scaling, softcap, causal, native)

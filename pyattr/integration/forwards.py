@@ -15,7 +15,7 @@ from torch import nn
 
 import pyattr.architectures as A
 from pyattr._module_forward import forward_name, forward_of, nnsight_controller, nnsight_tracing
-from pyattr.activations import Activation, forward_fn
+from pyattr.activations import Activation, forward_fn, phi
 from pyattr.integration.errors import (
     RelevanceRuleConflictError,
     RelevanceRuleUnsupportedError,
@@ -115,11 +115,16 @@ def verify_rebuilt(path: str, rule: tuple = ()):
         # bitsandbytes' Linear4bit even repacks its weight for CPU inference for good. What
         # they save goes to a hook of their own: an activation checkpoint counts what the
         # forward saves, and its recomputation runs no check.
-        with torch.autograd.graph.saved_tensors_hooks(_keep, _keep), _submodule_hooks_held(module):
+        # Under torch.func's transforms (which take no saved-tensor hooks) the rows run without
+        # gradient, where nothing is saved.
+        transformed = torch._C._are_functorch_transforms_active()
+        with contextlib.nullcontext() if transformed else torch.autograd.graph.saved_tensors_hooks(_keep, _keep), \
+                _submodule_hooks_held(module), torch.no_grad() if transformed else contextlib.nullcontext():
             with torch.no_grad():
                 rows = x.detach().reshape(-1, x.shape[-1])
                 xs = rows[sorted({0, rows.shape[0] - 1})]
-            xs.requires_grad_(x.requires_grad and torch.is_grad_enabled())
+            if x.requires_grad and torch.is_grad_enabled():
+                xs.requires_grad_()
             if args:
                 want, have = state.native(xs, *args[1:], **kwargs), fwd(xs, *args[1:], **kwargs)
             else:
@@ -233,29 +238,32 @@ _GATED_NAMES = ("gate_proj", "up_proj", "down_proj", "act_fn")
 
 class _IdentityOfOutput(torch.autograd.Function):
     """``a`` (an activation's output, as its module computed it from ``g``) carrying the
-    Identity-rule to ``g``: ``dg = φ·dy`` with ``φ = a/g`` (``zero_limit`` where ``g = 0``),
-    and ``dy`` itself to ``a`` (whose own graph starts from a detached copy of ``g``)."""
+    Identity-rule to ``g``: ``dg = φ·dy`` with ``φ = a/g`` (where ``g = 0``, the activation's
+    own φ(0), :func:`pyattr.activations.phi`: ½, a ReLU's 0), and ``dy`` itself to ``a``
+    (whose own graph starts from a detached copy of ``g``)."""
 
     @staticmethod
-    def forward(ctx, g, a, zero_limit):
+    def forward(ctx, g, a, act):
         ctx.save_for_backward(g, a)
-        ctx.zero_limit = zero_limit
+        ctx.act = act
         return a.view_as(a)
 
     @staticmethod
     def backward(ctx, dy):
         g, a = ctx.saved_tensors
-        phi = torch.where(g == 0, torch.full_like(a, ctx.zero_limit), a / torch.where(g == 0, torch.ones_like(g), g))
-        return dy * phi, dy, None
+        zero = g == 0
+        at_zero = phi(torch.zeros((), dtype=torch.float32 if g.dtype != torch.float64 else g.dtype), ctx.act)
+        phi_ = torch.where(zero, at_zero.to(a.dtype), a / torch.where(zero, torch.ones_like(g), g))
+        return dy * phi_, dy, None
 
 
-def _gated_in_trace(act_mod, g, u, identity: bool, half: bool):
+def _gated_in_trace(act_mod, act: Activation, g, u, identity: bool, half: bool):
     """``act(g)·u`` under the Identity- and Half-rules with the activation module called
     through its nnsight controller: a trace's ``.input`` / ``.output`` / ``.grad`` of the
     activation see its real call, and an edit of its output is what the rules act on (the
     Identity-rule of what it computes). Forward values are the module's own, bit for bit."""
     if identity:
-        a = _IdentityOfOutput.apply(g, act_mod(g.detach().requires_grad_(g.requires_grad)), 0.5)
+        a = _IdentityOfOutput.apply(g, act_mod(g.detach().requires_grad_(g.requires_grad)), act)
     else:
         a = act_mod(g)
     if half:
@@ -280,7 +288,7 @@ def gated_forward(kind: str, path: str, names=_GATED_NAMES):
             if has_hooks(act_mod):
                 raise RelevanceRuleConflictError(bypass_message(path, names[3], act_mod))
             if nnsight_tracing(act_mod):  # the fused op would bypass the trace's view of act
-                return down(_gated_in_trace(act_mod, gate(x), up(x), identity, half))
+                return down(_gated_in_trace(act_mod, act, gate(x), up(x), identity, half))
             return down(gated_activation(gate(x), up(x), act, identity=identity, half=half))
 
         return forward
@@ -311,7 +319,7 @@ def gated_fused_forward(kind: str, path: str, form: FusedGatedForm):
                 raise RelevanceRuleConflictError(bypass_message(path, form.act, act_mod))
             a, b = proj(x).chunk(2, dim=-1)
             if nnsight_tracing(act_mod):  # the fused op would bypass the trace's view of act
-                h = _gated_in_trace(act_mod, a, b, identity, half)
+                h = _gated_in_trace(act_mod, act, a, b, identity, half)
             else:
                 h = gated_activation(a, b, act, identity=identity, half=half)
             return down(h if drop is None else drop(h))

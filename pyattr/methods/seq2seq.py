@@ -51,7 +51,8 @@ class Seq2SeqRelevanceResult(ResultViews):
         coverage (RelevanceRuleCoverage): what the rule scope installed and skipped.
         backend (str): the backend that ran the rule backwards.
         source_tokens, decoder_tokens (list of lists of str, or None): with ``tokenizer=``,
-            each source token and each decoder input token as a string (None at padding).
+            each source token and each decoder input token as a string, as decoded in its row
+            (``" RED"``, as a decoder-only result's ``tokens``; None at padding).
         target_tokens (list of str, or None): with ``tokenizer=``, the explained token of
             each row (logit targets), as the other results name it.
         baseline_target (Tensor like ``target``, float64, or None): f(x₀) with a baseline;
@@ -189,11 +190,11 @@ def explained(tokenizer, tid: Optional[torch.Tensor]):
 
 
 def strings(tokenizer, ids: torch.Tensor, mask) -> Optional[List[List[Optional[str]]]]:
-    """Each token as the tokenizer writes it (None at padding), or None without a tokenizer."""
+    """Each token as the decoder-only results show it (what the tokenizer's decoding of the
+    row adds for it, :func:`pyattr.methods._core.text.token_strings`; None at padding), or
+    None without a tokenizer."""
     if tokenizer is None:
         return None
-    rows = []
-    for i, row in enumerate(ids.tolist()):
-        toks = tokenizer.convert_ids_to_tokens(row)
-        rows.append([t if mask is None or int(mask[i, j]) else None for j, t in enumerate(toks)])
-    return rows
+    from pyattr.methods._core.text import token_strings
+
+    return token_strings(tokenizer, ids, mask)

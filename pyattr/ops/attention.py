@@ -116,6 +116,39 @@ class FrozenAttentionFunction(torch.autograd.Function):
         return dv.to(dtype).reshape(shape), None, None, None, None, None, None, None
 
 
+def held_pattern_output(out, query, key, value, mask, scaling: float, softcap: Optional[float], causal: bool):
+    """``out`` (the native call's output, (batch, q_len, heads, v_dim)) with
+    :class:`FrozenAttentionFunction`'s gradient in autograd operations, for ``torch.func``
+    transforms: ``out`` held, plus ``P·v − (P·v)`` held, which is 0 and carries ``dV = Pᵀ·dO``
+    (``query`` and ``key`` come detached). ``P`` is computed as
+    :func:`pyattr.backends.reference.attention_dv_reference` computes it, in full (no blocks);
+    where ``P·v`` is not finite the difference would not be 0, and there no gradient flows."""
+    from pyattr.backends.reference import _acc, additive_mask
+
+    b, h, lq, _ = query.shape
+    hkv, lk = key.shape[1], key.shape[2]
+    acc = _acc(query.dtype)
+    k = key.to(acc).repeat_interleave(h // hkv, dim=1)
+    v = value[:, :, :lk].to(acc).repeat_interleave(h // hkv, dim=1)  # keys past the causal cut: never attended
+    scores = torch.matmul(query.to(acc), k.transpose(-1, -2)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    m = additive_mask(mask, lk, acc)
+    if m is not None:
+        scores = scores + m
+    hidden = None
+    if causal:
+        hidden = torch.arange(lk, device=scores.device) > torch.arange(lq, device=scores.device).unsqueeze(1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    p = torch.softmax(scores, dim=-1)
+    zero = scores.amax(-1, keepdim=True) == float("-inf")
+    p = p.masked_fill(zero if hidden is None else hidden | zero, 0.0)
+    pv = torch.matmul(p, v)
+    delta = (pv - pv.detach()).transpose(1, 2)
+    delta = torch.where(torch.isfinite(delta), delta, torch.zeros((), dtype=delta.dtype, device=delta.device))
+    return out.detach() + delta.to(out.dtype)
+
+
 def check_attention_backward(q, k, v, dout, mask) -> None:
     """Shapes: as :func:`check_attention_dv`, and v (batch, kv_heads, kv_len, v_dim) with
     dout's last dimension v_dim."""
