@@ -76,3 +76,14 @@ def test_unexpected_keyword_names_the_function(toy_model):
     m, tk = toy_model
     with pytest.raises(TypeError, match=r"^edge_attribution\(\) got an unexpected keyword argument 'decoder_input_ids'"):
         pyattr.patching.edge_attribution(m, "sun cat red", "sun dog red", 3, tokenizer=tk, decoder_input_ids="x")
+
+
+def test_one_token_id_response_and_empty_sources(toy_model):
+    m, tk = toy_model
+    ids = tk("sun cat red dog fish owl", return_tensors="pt")["input_ids"][0]
+    owl = tk.convert_tokens_to_ids("owl")
+    one = pyattr.context_attribution(m, ids, [(1, 3), (3, 5)], response=owl, method="loo")
+    listed = pyattr.context_attribution(m, ids, [(1, 3), (3, 5)], response=[owl], method="loo")
+    torch.testing.assert_close(one.scores, listed.scores, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"^sources: expected at least one \(a text span of the prompt, or a token"):
+        pyattr.context_attribution(m, "sun cat red dog fish owl", [], response="owl", tokenizer=tk)

@@ -241,7 +241,7 @@ def test_views_say_which_rows_they_draw_and_to_pandas_has_every_row(toy):
     torch.testing.assert_close(torch.tensor(df[df.panel == 9].relevance.to_numpy()), r.token_relevance[9].double())
     assert note in r.to_html()
     fig = r.plot()
-    assert note in fig._suptitle.get_text()
+    assert note in " ".join(fig._suptitle.get_text().split())  # wrapped to the figure's width
     lay = pyattr.layer_relevance(model, [TEXT] * 10, "residual", target="owl", tokenizer=tok)
     assert "the first 8 of 10 rows are drawn" in lay._repr_html_()
     assert lay.to_pandas().panel.nunique() == 10

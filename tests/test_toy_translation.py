@@ -138,3 +138,23 @@ def test_text_sources_are_not_left_padded_and_text_continuations_are_target_text
     assert torch.allclose(c.target[0], ids.target[0], rtol=1e-6, atol=0)
     with pytest.raises(ValueError, match="target token 'zebra' is not in the vocabulary"):
         pyattr.relevance(model, "sun cat red", target="zebra", decoder_input_ids="RED CAT", tokenizer=tok)
+
+
+def test_two_stack_results_name_their_attributes_and_generation_lists_top_sources():
+    """Reported by a new user: ``token_relevance`` on an encoder–decoder result was a bare
+    AttributeError, and generation's result had no ``top_sources``."""
+    model, tok = toy.load_translation()
+    r = pyattr.relevance(model, "sun cat red", tokenizer=tok, decoder_input_ids="RED CAT", target="SUN")
+    with pytest.raises(AttributeError, match=r"Seq2SeqRelevanceResult has no 'token_relevance': .*source_relevance"):
+        r.token_relevance
+    assert getattr(r, "tokens", None) is None and not hasattr(r, "token_attribution")
+    g = pyattr.generation_relevance(model, ["sun cat red fox", "dog owl"], tokenizer=tok, max_new_tokens=5)
+    top = g.top_sources(0, k=3)
+    assert [t.token for t in top][0] == " fox" and [t.column for t in top][0] == 3  # FOX comes from fox
+    vals = g.source_relevance[0, 0]
+    assert [t.relevance for t in top] == sorted(vals.tolist(), reverse=True)[:3]
+    second = g.top_sources(1, row=1)  # row 1's source is padded: its padding is never listed
+    assert second[0].token == " owl" and all(t.token is not None for t in second) and len(second) == 3
+    assert g.top_sources(4, row=1) == []  # the row finished earlier: that step does not exist
+    with pytest.raises(IndexError, match=r"step must be an int in \[-5, 5\)"):
+        g.top_sources(5)

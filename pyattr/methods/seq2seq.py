@@ -19,6 +19,7 @@ import pyattr.methods._core as core
 import pyattr.targets as T
 from pyattr._repr import summary_repr
 from pyattr.results import ResultViews
+from pyattr.methods.seq2seq_names import TwoStacks
 from pyattr.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.methods._core.forward import backward, check_finite, check_grad_outputs, evaluate_targets, leaf
 import pyattr.methods.seq2seq_baseline as B
@@ -29,7 +30,7 @@ from pyattr.methods._core.stacks import is_encoder_decoder, refuse_encoder_decod
 
 
 @dataclass
-class Seq2SeqRelevanceResult(ResultViews):
+class Seq2SeqRelevanceResult(TwoStacks, ResultViews):
     """Output of :func:`pyattr.relevance` on an encoder–decoder model.
 
     With k targets per row every tensor field gains a leading ``k`` dimension.

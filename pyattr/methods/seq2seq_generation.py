@@ -14,6 +14,7 @@ from torch import nn
 import pyattr.targets as T
 from pyattr._repr import summary_repr
 from pyattr.results import ResultViews
+from pyattr.methods.seq2seq_names import SourcesOfSteps
 from pyattr.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.methods._core.forward import check_steps_finite
 from pyattr.methods._core.generate import generate
@@ -25,7 +26,7 @@ from pyattr.methods.seq2seq import seq2seq_relevance, strings
 
 
 @dataclass
-class Seq2SeqGenerationResult(ResultViews):
+class Seq2SeqGenerationResult(SourcesOfSteps, ResultViews):
     """Output of :func:`pyattr.generation_relevance` on an encoder–decoder model.
 
     Attributes:

@@ -19,13 +19,14 @@ import pyattr.methods.seq2seq_targets as ST
 import pyattr.targets as T
 from pyattr._repr import summary_repr
 from pyattr.results import ResultViews
+from pyattr.methods.seq2seq_names import TwoStacks
 from pyattr.config import RelevanceRuleCoverage, RelevanceRules
 from pyattr.methods._core.forward import evaluate_targets, leaf
 from pyattr.methods.seq2seq import _words_to_ids, explained, prepare, strings
 
 
 @dataclass
-class Seq2SeqAttributionResult(ResultViews):
+class Seq2SeqAttributionResult(TwoStacks, ResultViews):
     """Output of :func:`pyattr.integrated_gradients` on an encoder–decoder model.
 
     Attributes:

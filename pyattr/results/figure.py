@@ -45,9 +45,14 @@ def figure(panels: List, heading: str):
     widths = [max(6.0, 0.5 * len(p.cols) + 2) if isinstance(p, Matrix) else
               max(6.0, 0.55 * sum(lab is not None for lab in p.labels) + 2) if isinstance(p, Tokens) else 6.0
               for p in panels]
-    fig = Figure(figsize=(min(max(widths), 24), sum(heights) + 0.6), layout="constrained")
+    width = min(max(widths), 24)
+    fig = Figure(figsize=(width, sum(heights) + 0.6), layout="constrained")
     axes = fig.subplots(len(panels), 1, squeeze=False, height_ratios=heights)[:, 0]
-    fig.suptitle(_plain("\n".join([heading] + [textwrap.fill(n, 110) for n in notes])), fontsize=10 if notes else None)
+    # titles wrapped to what the figure's width holds at their font size (a 6-inch figure: about
+    # 60 characters at 9 pt, the axes narrower than the figure by the colour bar)
+    chars = max(40, int(width * 10))
+    fig.suptitle(_plain("\n".join([heading] + [textwrap.fill(n, chars + 10) for n in notes])),
+                 fontsize=10 if notes else None)
     cmap = _cmap()
     for ax, p in zip(axes, panels):
         if isinstance(p, Graph):
@@ -88,7 +93,7 @@ def figure(panels: List, heading: str):
                 ax.set_xlabel(_plain(p.col_name))
                 ax.set_ylabel(_plain(p.row_name))
             fig.colorbar(im, ax=ax, label=_plain(p.value_name), shrink=0.9)
-        ax.set_title(_plain(textwrap.fill(p.title, 100)), fontsize=9)
+        ax.set_title(_plain(textwrap.fill(p.title, chars)), fontsize=9)
     return fig
 
 

@@ -180,11 +180,13 @@ def check_spans(spans, length: int):
 
 
 def ids_of(model, value, name: str) -> List[int]:
-    """One sequence of token ids: a list of ints, a LongTensor[n] or [1, n]."""
+    """One sequence of token ids: a list of ints, a LongTensor[n] or [1, n], or one id."""
     try:
         t = torch.as_tensor(value)
     except (TypeError, ValueError, RuntimeError):
         t = None
+    if t is not None and t.dim() == 0 and not t.is_floating_point() and t.dtype != torch.bool:
+        t = t.reshape(1)  # one token id
     if t is None or t.is_floating_point() or t.dtype == torch.bool or t.dim() not in (1, 2) or (
             t.dim() == 2 and t.shape[0] != 1) or t.numel() == 0:
         got = f"{t.dtype} of shape {tuple(t.shape)}" if t is not None else type(value).__name__

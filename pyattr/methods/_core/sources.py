@@ -95,7 +95,8 @@ def check_ranges(ranges, length: int, name: str = "sources", whose: str = "the p
                              "order, not overlapping")
         out.append((a, b))
     if not out:
-        raise ValueError(f"{name}: expected at least one token range")
+        raise ValueError(f"{name}: expected at least one (a text span of the prompt, or a token range "
+                         "(start, end))" if name == "sources" else f"{name}: expected at least one token range")
     return out
 
 
