@@ -15,9 +15,8 @@ from __future__ import annotations
 from pyattr._repr import summary_repr
 from pyattr.results import ResultViews
 
-import operator
 from dataclasses import dataclass
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -38,16 +37,9 @@ from pyattr.methods._core.chunks import DEFAULT_BUDGET, SEGMENT_GROWTH, ChunkSiz
 from pyattr.methods._core.peak_memory import PeakMemory
 from pyattr.methods.relevance import relevance, relevance_in_chunks
 from pyattr.methods._core.forward import check_steps_finite
+from pyattr.methods._core.top import TopSource, index_in as _index  # noqa: F401 - TopSource re-exported
 
 TARGETS = ("logit", "logprob", "prob")
-
-
-class TopSource(NamedTuple):
-    """One source of a generated step (:meth:`GenerationRelevanceResult.top_sources`)."""
-
-    column: int  #: position in ``sequences``
-    token: Union[str, int]  #: the token's text where the result has it, else its id
-    relevance: float
 
 
 @dataclass
@@ -162,17 +154,6 @@ class GenerationRelevanceResult(ResultViews):
                 raise ValueError(f"aggregate: segment ({s!r}, {e!r}) is not a column range within [0, {seq}]")
         out = torch.stack([rel[:, s:e].sum(-1) for s, e in groups], -1)
         return [f"{s}:{e}" for s, e in groups], out
-
-
-def _index(value, lo: int, hi: int, name: str) -> int:
-    """An int (Python, NumPy or 0-d tensor; not a bool) in [lo, hi), else IndexError."""
-    try:
-        i = None if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        i = None
-    if i is None or not lo <= i < hi:
-        raise IndexError(f"{name} must be an int in [{lo}, {hi}), got {value!r}")
-    return i
 
 
 def refuse_other_inputs(inputs) -> None:

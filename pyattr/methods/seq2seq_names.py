@@ -39,7 +39,7 @@ class SourcesOfSteps(TwoStacks):
         listed), else its id; ``[]`` for a step that does not exist, see ``step_mask``).
         Errors as the decoder-only result's."""
         import pyattr.methods._core as core
-        from pyattr.methods.generation import TopSource, _index
+        from pyattr.methods._core.top import TopSource, index_in as _index
 
         batch, steps = self.step_mask.shape
         step, row = _index(step, -steps, steps, "step") % steps, _index(row, 0, batch, "row")
