@@ -48,9 +48,13 @@ class ResultViews:
 
         print(text(self._panels(), self._heading()))
 
-    def plot(self):
+    def plot(self, path=None):
         """A matplotlib figure of the result: heatmaps with a colour bar centred on 0
         (blue negative, red positive, grey where a cell does not apply), curves as lines.
+
+        Args:
+            path (str | os.PathLike, optional): also write the figure there (a PNG, or the
+                format the suffix names, as ``Figure.savefig`` reads it).
 
         Returns:
             matplotlib.figure.Figure (``fig.savefig("out.png")`` writes it).
@@ -60,7 +64,10 @@ class ResultViews:
         """
         from pyattr.results.figure import figure
 
-        return figure(self._panels(), self._heading())
+        fig = figure(self._panels(), self._heading())
+        if path is not None:
+            fig.savefig(path)
+        return fig
 
     def to_pandas(self):
         """Every cell as one row of a long ``pandas.DataFrame``: the panel, its coordinates

@@ -188,10 +188,11 @@ def dataframe(panels: List):
             rows = [lead + [i, lab, v] for i, (lab, v) in enumerate(zip(p.labels, p.values)) if lab is not None]
             frames.append(pd.DataFrame(rows, columns=head + [p.index_name, p.label_name, p.value_name]))
         elif isinstance(p, Matrix):
-            rows = [lead + [i, r, j, c, v] for i, (r, vals) in enumerate(zip(p.rows, p.values))
+            extra = dict(p.coords or {})
+            rows = [lead + list(extra.values()) + [i, r, j, c, v] for i, (r, vals) in enumerate(zip(p.rows, p.values))
                     for j, (c, v) in enumerate(zip(p.cols, vals)) if v is not None]
-            frames.append(pd.DataFrame(rows, columns=head + [f"{p.row_name}_index", p.row_name,
-                                                             f"{p.col_name}_index", p.col_name, p.value_name]))
+            frames.append(pd.DataFrame(rows, columns=head + list(extra) + [
+                f"{p.row_name}_index", p.row_name, f"{p.col_name}_index", p.col_name, p.value_name]))
         elif isinstance(p, Curves):
             rows = [lead + [name, x, v] for y, name in zip(p.ys, p.names) for x, v in zip(p.x, y)]
             frames.append(pd.DataFrame(rows, columns=head + ["series", p.x_name, p.y_name]))

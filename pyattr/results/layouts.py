@@ -165,11 +165,23 @@ def patching(result, limit=MAX_ROWS) -> List:
         notes += [Note(f"{node}: {n.text}") for n in _left_out(len(rows), eff.shape[0])]
         for r in rows:
             e = eff[r].double()
+            if "position" in names and ("head" in names or "neuron" in names) and limit is None:
+                # the long table (to_pandas()): every position's cells, the position a column
+                for pos in range(e.shape[1]):
+                    tok = labels[r][pos] if labels is not None and r < len(labels) and len(labels[r]) == e.shape[1] \
+                        else None
+                    panels.append(Matrix(f"row {r} · {node} ({result.method}) at position {pos}",
+                                         [str(i) for i in range(e.shape[0])], [str(j) for j in range(e.shape[2])],
+                                         _cells(e[:, pos], node in result.sampled), "layer", names[-1], "effect",
+                                         row=r, coords={"position": pos, "token": tok}))
+                continue
             if "position" in names and ("head" in names or "neuron" in names):
-                e = torch.nansum(e, dim=1)
+                # drawn as the sum of the per-position effects (NaN where no position was patched,
+                # a sample's unpatched neurons): not the effect of patching every position at once
+                e = torch.nansum(e, dim=1).masked_fill(torch.isnan(e).all(dim=1), math.nan)
                 cols_name = names[-1]
                 cols = [str(j) for j in range(e.shape[1])]
-                what = "summed over positions"
+                what = "as the sum of its per-position effects (patching every position at once: sum_positions=True)"
             elif "position" in names:
                 cols_name = "token"
                 cols = labels[r] if labels is not None and r < len(labels) and len(labels[r]) == e.shape[1] else \
@@ -181,7 +193,7 @@ def patching(result, limit=MAX_ROWS) -> List:
                 what = "summed over positions"  # by the call (sum_positions=True): its dims hold no position
             else:
                 e = e[:, None]
-                cols_name, cols, what = "effect", [node], "summed over positions"
+                cols_name, cols, what = "node", [node], "summed over positions"
             if e.shape[1] > 512 and limit is not None:
                 if r == rows[0]:
                     notes.append(Note(f"{node}: {e.shape[1]} {cols_name} columns, too many to draw; to_pandas() and "

@@ -44,6 +44,8 @@ class Matrix:
     scale: Optional[float] = None  # the colour scale's end; None: this panel's largest |value|
     row: Optional[int] = None  # the batch row the panel shows (to_pandas()'s "row" column)
     target_set: Optional[int] = None
+    # coordinates every cell of the panel shares, as to_pandas() columns (a position's token)
+    coords: Optional[dict] = None
 
 
 @dataclass

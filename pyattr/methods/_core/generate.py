@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from typing import List, Optional, Tuple
 
 import torch
@@ -130,8 +131,9 @@ def _eval_mode(model: nn.Module):
 
 def generate(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int,
              generate_kwargs: Optional[dict], prefix: Optional[list] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``model.generate`` on left-padded ``ids`` (greedy unless ``generate_kwargs`` or the
-    model's generation config say otherwise; one sequence per prompt): the generated ids
+    """``model.generate`` on left-padded ``ids`` (greedy unless ``generate_kwargs`` say
+    otherwise, also where the model's generation config samples, which is then warned
+    about; one sequence per prompt): the generated ids
     (batch, generated) and which steps exist (BoolTensor, the same shape), as
     ``generate``'s own stopping criteria decided (:class:`_StopRecord`).
 
@@ -163,6 +165,10 @@ def generate(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, max_new_to
         gc.max_new_tokens, gc.max_length = max_new_tokens, None
         kw["generation_config"] = gc
     else:
+        if "do_sample" not in kw and getattr(getattr(model, "generation_config", None), "do_sample", False):
+            warnings.warn("generation_relevance generates greedily; model.generation_config has do_sample=True, so "
+                          "model.generate would sample: pass generate_kwargs={'do_sample': True} to sample as it does",
+                          UserWarning, stacklevel=4)
         kw = {"max_new_tokens": max_new_tokens, "do_sample": False, **kw}
     # what generate will use: the arguments, then the passed config, then the model's own
     effective = gc if gc is not None else getattr(model, "generation_config", None)
