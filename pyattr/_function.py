@@ -29,6 +29,15 @@ import torch
 _TWIN = "_pyattr_eager_twin"
 
 
+def no_forward_mode(ctx, *args):
+    """Every rule Function's ``jvp``: the rules are backward rules, and forward-mode AD has none
+    to run (torch's own message named neither pyattr nor what to do)."""
+    raise NotImplementedError(
+        "pyattr's relevance rules are defined on the backward pass; forward-mode AD (torch.func.jvp, jacfwd, "
+        "hessian, torch.autograd.forward_ad) cannot carry them. Use reverse mode (backward(), "
+        "torch.autograd.grad, torch.func.grad / vjp / jacrev), or run it outside the use_relevance_rules scope")
+
+
 def _twin(cls: Type[torch.autograd.Function]) -> Type[torch.autograd.Function]:
     params = inspect.signature(cls.forward).parameters.values()
     if any(p.default is not p.empty or p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params):
@@ -47,7 +56,7 @@ def _twin(cls: Type[torch.autograd.Function]) -> Type[torch.autograd.Function]:
 
     # same name, so the graph shows the same <Name>Backward node either way
     twin = type(cls.__name__, (torch.autograd.Function,), {
-        "forward": staticmethod(forward), "backward": staticmethod(backward),
+        "forward": staticmethod(forward), "backward": staticmethod(backward), "jvp": staticmethod(no_forward_mode),
         "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
     })
     setattr(cls, _TWIN, twin)

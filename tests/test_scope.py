@@ -1,5 +1,7 @@
 """use_relevance_rules: instance patching, refcounted nesting, restoration, conflicts."""
 
+import re
+
 import pytest
 import torch
 
@@ -309,3 +311,42 @@ def test_hook_replacing_a_rule_modules_output(kind):
         assert seen["leaf"].grad is not None and seen["leaf"].grad.abs().sum() > 0
     else:
         assert emb.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("kind", ["from_what_the_input_was_made_of", "pre_hook_copy", "mlp_recomputed"])
+def test_hook_replacements_made_from_earlier_tensors_are_refused(kind):
+    """Reported: a replacement recomputed from tensors the input was made of (captured by other
+    hooks), or from the input before a pre-hook's copy, passed the check (it only stopped at the
+    input's own node); and the gated MLP's output was not checked at all."""
+    m = tiny_causal_lm("llama")
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+    layer = m.model.layers[0]
+    norm = layer.post_attention_layernorm
+    kept, handles = {}, []
+
+    def rms(mod, h):
+        return mod.weight * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + mod.variance_epsilon)
+
+    if kind == "from_what_the_input_was_made_of":
+        handles.append(layer.self_attn.register_forward_hook(lambda mod, a, out: kept.__setitem__("attn", out[0])))
+        handles.append(layer.input_layernorm.register_forward_pre_hook(lambda mod, a: kept.__setitem__("res", a[0])))
+        handles.append(norm.register_forward_hook(lambda mod, a, out: rms(mod, kept["res"] + kept["attn"])))
+        path = "model.layers.0.post_attention_layernorm"
+    elif kind == "pre_hook_copy":
+        handles.append(norm.register_forward_pre_hook(lambda mod, a: (kept.__setitem__("x", a[0]), (a[0] * 1.0,))[1]))
+        handles.append(norm.register_forward_hook(lambda mod, a, out: rms(mod, kept["x"])))
+        path = "model.layers.0.post_attention_layernorm"
+    else:
+        mlp = layer.mlp
+        handles.append(mlp.register_forward_hook(
+            lambda mod, a, out: mod.down_proj(mod.act_fn(mod.gate_proj(a[0])) * mod.up_proj(a[0]))))
+        path = "model.layers.0.mlp"
+    try:
+        ref = m(ids).logits
+        with pyattr.use_relevance_rules(m):
+            with pytest.raises(pyattr.RelevanceRuleConflictError, match=rf"{re.escape(repr(path))} replaced the output"):
+                m(ids)
+        torch.testing.assert_close(m(ids).logits, ref, rtol=0, atol=0)  # outside the scope: as before
+    finally:
+        for h in handles:
+            h.remove()

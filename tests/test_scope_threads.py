@@ -98,3 +98,67 @@ def test_generic_scope_functional_rules_stay_in_their_thread():
     assert isinstance(out["plain"], pyattr.RelevanceRuleConflictError) and "another thread" in str(out["plain"])
     assert out["no_grad"] is None
     torch.testing.assert_close(_grad_x_input(m, ids), plain, rtol=1e-5, atol=1e-6)
+
+
+def test_a_scope_belongs_to_its_thread_not_to_a_reused_thread_ident():
+    """Reported: ownership by ``threading.get_ident()`` passed to a later, unrelated thread that
+    got the same ident. A thread opens a scope and ends without closing it; any later thread,
+    whatever its ident, is not its owner."""
+    m = tiny_causal_lm("llama")
+    ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(1))
+    scope = pyattr.use_relevance_rules(m)
+    opener = threading.Thread(target=scope.__enter__)
+    opener.start()
+    opener.join()
+    try:
+        for _ in range(3):  # a new thread, often with the ended one's ident
+            got = {}
+            t = threading.Thread(target=lambda: got.setdefault("e", _raises(lambda: _grad_x_input(m, ids))))
+            t.start()
+            t.join()
+            assert isinstance(got["e"], pyattr.RelevanceRuleConflictError), got
+    finally:
+        scope.__exit__(None, None, None)
+
+
+def _raises(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        return e
+    return None
+
+
+def test_a_checkpoint_swaps_only_its_own_threads_models():
+    """Reported: a checkpoint recorded and, in its recomputation, swapped the rules of every
+    scoped model, another thread's own copy included (that thread got its previous rules)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from pyattr.integration.checkpoint import _scoped_modules
+
+    a, b = tiny_causal_lm("llama"), tiny_causal_lm("llama", seed=1)
+    inside, release, seen = threading.Event(), threading.Event(), {}
+
+    def other():
+        with pyattr.use_relevance_rules(b):
+            inside.set()
+            release.wait(60)
+
+    t = threading.Thread(target=other)
+    t.start()
+    try:
+        assert inside.wait(60)
+        with pyattr.use_relevance_rules(a):
+            mods = {id(x) for x in _scoped_modules()}
+            seen["a"] = all(id(x) in mods for x in a.modules())
+            seen["b"] = any(id(x) in mods for x in b.modules())
+            ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(2))
+            emb = a.get_input_embeddings()(ids).detach().requires_grad_()
+            checkpoint(lambda e: a(inputs_embeds=e, use_cache=False).logits, emb,
+                       use_reentrant=False)[0, -1, 5].backward()
+    finally:
+        release.set()
+        t.join(60)
+    assert seen == {"a": True, "b": False}
+    torch.testing.assert_close((emb * emb.grad).sum(-1), pyattr.relevance(a, ids, target=5).token_relevance,
+                               rtol=1e-5, atol=1e-6)

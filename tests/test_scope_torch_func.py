@@ -46,3 +46,29 @@ def test_jacrev_of_two_targets():
     with pyattr.use_relevance_rules(m):
         jac = tf.jacrev(lambda e: m(inputs_embeds=e).logits[0, -1, [5, 7]])(emb)  # (2, 1, seq, hidden)
     torch.testing.assert_close((jac * emb).sum(-1)[:, 0], want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("how", ["jvp", "jacfwd", "forward_ad"])
+def test_forward_mode_is_refused_by_name(how):
+    """Reported: forward-mode AD inside a scope failed with torch's message about a missing jvp,
+    naming neither pyattr nor what to do instead."""
+    import torch.autograd.forward_ad as fwAD
+
+    m = tiny_causal_lm("llama")
+    ids = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(3))
+    emb = m.get_input_embeddings()(ids).detach()
+
+    def f(e):
+        return m(inputs_embeds=e).logits[0, -1, 5]
+
+    with pyattr.use_relevance_rules(m):
+        with pytest.raises(NotImplementedError, match=r"pyattr's relevance rules are defined on the backward pass; "
+                                                      r"forward-mode AD .* Use reverse mode"):
+            if how == "jvp":
+                tf.jvp(f, (emb,), (torch.ones_like(emb),))
+            elif how == "jacfwd":
+                tf.jacfwd(f)(emb)
+            else:
+                with fwAD.dual_level():
+                    f(fwAD.make_dual(emb, torch.ones_like(emb)))
+    tf.jvp(f, (emb,), (torch.ones_like(emb),))  # outside the scope: the model's own

@@ -36,9 +36,9 @@ _RECOMPUTED: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictio
 # registered modules set aside while a checkpointed block recomputes with other rules
 _SUSPENDED: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
 _SUSPENDED_ATTNLRP: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
-# the threads whose scopes registered a module (thread id -> registrations): a module is
+# the threads whose scopes registered a module (thread -> registrations; the object: idents are reused): a module is
 # shared by every thread, its attention rule is not
-_THREADS: "weakref.WeakKeyDictionary[nn.Module, Dict[int, int]]" = weakref.WeakKeyDictionary()
+_THREADS: "weakref.WeakKeyDictionary[nn.Module, Dict[threading.Thread, int]]" = weakref.WeakKeyDictionary()
 # (holder id, name) -> [holder, name, original, had_local, count]
 _PATCHES: Dict[Tuple[int, str], list] = {}
 # keyword arguments that change the attention's math beyond q, k, v, mask, scale, softcap
@@ -213,7 +213,7 @@ def _other_thread(module: nn.Module) -> bool:
     """Whether only other threads' scopes registered ``module`` (a recomputation during a
     backward, on whatever thread the backward runs, runs what its forward ran)."""
     held = _THREADS.get(module)
-    return (bool(held) and threading.get_ident() not in held and not _in_backward()
+    return (bool(held) and threading.current_thread() not in held and not _in_backward()
             and not torch.compiler.is_compiling())
 
 
@@ -262,7 +262,7 @@ def frozen_attention(modules: Iterable[nn.Module], registry=None) -> Iterator[No
     """Register ``modules`` (attention modules under the AH-rule) for the ``with`` block."""
     registry = _REGISTERED if registry is None else registry
     done = []
-    me = threading.get_ident()
+    me = threading.current_thread()
     try:
         for m in modules:
             if _other_thread(m):

@@ -10,8 +10,9 @@ function they will run again (:func:`bind_torch_checkpoint`)."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
-from typing import Callable, Iterable, List
+from typing import Callable, Dict, Iterable, List
 
 import torch
 from torch import nn
@@ -30,8 +31,13 @@ CHECKPOINT_INNER = "_pyattr_checkpoint_inner"
 _BOUND = "_pyattr_checkpoint_bound"
 
 _SCOPES = "_pyattr_checkpoint_scopes"
-#: models with a rule scope open now (what a checkpoint started anywhere may run)
-_SCOPED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+#: models with a rule scope open now, and the threads that opened them (thread -> scopes): a
+#: checkpoint records the rules of the models its own thread has scopes on (another thread's
+#: model is refused in this thread's forwards anyway, and must not be swapped under it)
+_SCOPED: "weakref.WeakKeyDictionary[nn.Module, Dict[threading.Thread, int]]" = weakref.WeakKeyDictionary()
+#: per thread, the modules of the recomputations running now: a checkpoint started inside one
+#: (a checkpointed block inside a checkpointed model) records their rules, scope or none
+_RECOMPUTING = threading.local()
 
 
 def _block_of(run_function, owner: nn.Module) -> nn.Module:
@@ -43,12 +49,25 @@ def _block_of(run_function, owner: nn.Module) -> nn.Module:
 
 
 def _scoped_modules() -> List[nn.Module]:
-    """Every module of every model a scope is open on now."""
+    """Every module of every model this thread has a scope open on, and of the recomputations
+    this thread runs now."""
+    me = threading.current_thread()
     found = {}
-    for model in list(_SCOPED):
-        for m in model.modules():
+    for model, threads in list(_SCOPED.items()):
+        if threads.get(me):
+            for m in model.modules():
+                found[id(m)] = m
+    for mods in getattr(_RECOMPUTING, "stack", ()):
+        for m in mods:
             found[id(m)] = m
     return list(found.values())
+
+
+def _binds() -> bool:
+    """Whether a checkpoint started now records rules: this thread has a scope open, or runs
+    a recomputation."""
+    me = threading.current_thread()
+    return bool(getattr(_RECOMPUTING, "stack", None)) or any(t.get(me) for t in list(_SCOPED.values()))
 
 
 def _rules(m: nn.Module):
@@ -81,9 +100,14 @@ def bound_run(run_function: Callable, modules: Callable[[], Iterable[nn.Module]]
         # the scope of the forward); recomputing() still marks the recomputation as bound
         changed = [m for i, m in now.items() if _rules(m) != rules.get(i, ({}, None))]
         ids = {id(m) for m in changed}
-        with recomputing(changed, [e for e in snap if id(e[0]) in ids]), \
-                attention_exactly(changed, modes), first_order_saves(lean):
-            return run_function(*a, **k)
+        stack = _RECOMPUTING.__dict__.setdefault("stack", [])
+        stack.append(mods)
+        try:
+            with recomputing(changed, [e for e in snap if id(e[0]) in ids]), \
+                    attention_exactly(changed, modes), first_order_saves(lean):
+                return run_function(*a, **k)
+        finally:
+            stack.pop()
 
     setattr(run, _BOUND, True)
     return run
@@ -122,13 +146,13 @@ def bind_torch_checkpoint() -> bool:
         return False
 
     def reentrant_forward(ctx, run_function, *args):
-        if _SCOPED:
+        if _binds():
             run_function = bound_run(run_function, _scoped_modules, 1)
         return forward(ctx, run_function, *args)
 
     def non_reentrant(gen):
         def entry(fn, *args, **kwargs):
-            if _SCOPED:
+            if _binds():
                 fn = bound_run(fn, _scoped_modules, 0)
             return gen(fn, *args, **kwargs)
 
@@ -166,7 +190,9 @@ def checkpoints_bound(model: nn.Module):
     count = model.__dict__.get(_SCOPES, 0)
     model.__dict__[_SCOPES] = count + 1
     bind_torch_checkpoint()
-    _SCOPED.add(model)
+    me = threading.current_thread()
+    owners = _SCOPED.setdefault(model, {})
+    owners[me] = owners.get(me, 0) + 1
     wrap_checkpoint_functions(model)
     hook = model.register_forward_pre_hook(lambda mod, args: wrap_checkpoint_functions(model))
     try:
@@ -174,9 +200,16 @@ def checkpoints_bound(model: nn.Module):
     finally:
         hook.remove()
         model.__dict__[_SCOPES] -= 1
+        owners = _SCOPED.get(model, {})
+        holder = me if me in owners else next(iter(owners), None)  # a scope left from another thread
+        if holder is not None:
+            owners[holder] -= 1
+            if owners[holder] <= 0:
+                del owners[holder]
+        if not owners:
+            _SCOPED.pop(model, None)
         if model.__dict__[_SCOPES] == 0:
             del model.__dict__[_SCOPES]
-            _SCOPED.discard(model)
             for mod in model.modules():
                 fn = mod.__dict__.get("_gradient_checkpointing_func")
                 if hasattr(fn, CHECKPOINT_INNER):

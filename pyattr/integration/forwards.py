@@ -30,6 +30,7 @@ from pyattr.ops.layer_norm import layer_norm
 from pyattr.ops.rms_norm import rms_norm
 from pyattr.rules.identity import apply_identity_rule
 from pyattr.rules.scale import scale_gradient
+from pyattr._function import no_forward_mode
 
 
 @dataclass
@@ -90,6 +91,16 @@ def _checked_on(module: nn.Module, rule: tuple, x: torch.Tensor) -> tuple:
     return (rule, mods, tensors, x.dtype, x.device, x.requires_grad and torch.is_grad_enabled())
 
 
+def _no_dispatch_modes():
+    """The dispatch modes active now (selective checkpointing's cache) set aside for the block,
+    where this torch can (its private ``_disable_current_modes``); else nothing changes."""
+    try:
+        from torch.utils._python_dispatch import _disable_current_modes
+    except ImportError:
+        return contextlib.nullcontext()
+    return _disable_current_modes()
+
+
 def verify_rebuilt(path: str, rule: tuple = ()):
     """The check of a rebuilt forward (a gated MLP's, a head's: pyattr computes what the
     module's own forward would, through the rule ops): on the first call of the scope, the
@@ -117,9 +128,12 @@ def verify_rebuilt(path: str, rule: tuple = ()):
         # forward saves, and its recomputation runs no check.
         # Under torch.func's transforms (which take no saved-tensor hooks) the rows run without
         # gradient, where nothing is saved.
+        # Outside any dispatch mode too: selective activation checkpointing's records every op
+        # the forward runs, and its recomputation runs no check.
         transformed = torch._C._are_functorch_transforms_active()
         with contextlib.nullcontext() if transformed else torch.autograd.graph.saved_tensors_hooks(_keep, _keep), \
-                _submodule_hooks_held(module), torch.no_grad() if transformed else contextlib.nullcontext():
+                _submodule_hooks_held(module), torch.no_grad() if transformed else contextlib.nullcontext(), \
+                _no_dispatch_modes():
             with torch.no_grad():
                 rows = x.detach().reshape(-1, x.shape[-1])
                 xs = rows[sorted({0, rows.shape[0] - 1})]
@@ -247,6 +261,8 @@ class _IdentityOfOutput(torch.autograd.Function):
         ctx.save_for_backward(g, a)
         ctx.act = act
         return a.view_as(a)
+
+    jvp = staticmethod(no_forward_mode)
 
     @staticmethod
     def backward(ctx, dy):

@@ -267,10 +267,10 @@ def functional_rules(model: nn.Module, rules, roots=(), native=()) -> Iterator[N
     mode = FunctionalRules(rules)
     depth = {"n": 0}
     tagged: list = []
-    owner = threading.get_ident()  # the mode is this thread's; another thread's forward runs without it
+    owner = threading.current_thread()  # the mode is this thread's; another thread's forward runs without it
 
     def pre(mod, args, kwargs):
-        if threading.get_ident() != owner:
+        if threading.current_thread() != owner:
             if torch.is_grad_enabled() and not torch.compiler.is_compiling():
                 raise RelevanceRuleConflictError(
                     f"{type(mod).__name__} runs in a thread that opened no use_relevance_rules scope on it, while a "
@@ -283,7 +283,7 @@ def functional_rules(model: nn.Module, rules, roots=(), native=()) -> Iterator[N
         depth["n"] += 1
 
     def post(mod, args, kwargs, out):
-        if threading.get_ident() != owner:
+        if threading.current_thread() != owner:
             return
         depth["n"] -= 1
         if depth["n"] == 0:

@@ -121,7 +121,7 @@ def _mount(pl, path: str, mlp: nn.Module, act: nn.Module, kind: str, wanted: Lis
         if has_hooks(act):
             raise RelevanceRuleConflictError(bypass_message(path, act_name))
         for k in wanted:
-            pl.add(k, path, mlp, True, make, check_output=False, rebuilt=True)
+            pl.add(k, path, mlp, True, make, check_output=True, rebuilt=True)
         return
     if pl.rules.any() and plain and kind != "custom" and not has_hooks(act) and not global_hooks():
         check = lenient(verify_rebuilt(path, (GATED_MEMORY, "True", getattr(make, "__qualname__", ""))))

@@ -82,6 +82,25 @@ def read_slot(module: nn.Module, slot: str):
     return module.__dict__.get(slot, MISSING)
 
 
+def _raw_slot(module: nn.Module, slot: str):
+    """What ``slot`` holds as it is (nnsight's body object itself), for putting it back."""
+    if slot == NNSIGHT:
+        ctrl = nnsight_controller(module)
+        return ctrl.state.body if ctrl is not None else MISSING
+    return module.__dict__.get(slot, MISSING)
+
+
+def _set_raw_slot(module: nn.Module, slot: str, value) -> None:
+    if slot == NNSIGHT:
+        ctrl = nnsight_controller(module)
+        if ctrl is not None and value is not MISSING:
+            ctrl.state.body = value
+    elif value is MISSING:
+        module.__dict__.pop(slot, None)
+    else:
+        module.__dict__[slot] = value
+
+
 def write_rule_forward(module: nn.Module, slot: str, fn: Callable) -> None:
     if slot == NNSIGHT:
         nnsight_controller(module).state.body = _Body(fn)
@@ -114,16 +133,18 @@ class RuleState:
         self.native: Callable = slot_forward(module, self.slot)
         self.hook = None
         self.patched: Optional[Callable] = None
-        self.expected_out: Optional[int] = None
-        self.expected_ref = None  # what the output check keeps of it (output_check.Output)
+        # per thread (a no_grad forward in another thread runs between a call and its check):
+        # the id of the output the rule forward returned and what the check keeps of it
+        self.expected: Dict[threading.Thread, tuple] = {}
         # a gated MLP's rebuilt forward that its first-call check found differing from the
         # module's own, under the memory mount alone (pyattr.integration.forwards.lenient)
         self.mismatch: Optional[Exception] = None
         # that check put off for this call (the module's own forward runs it)
         self.deferred = False
-        # the threads whose scopes hold the rules (thread id -> references): the module is
-        # shared by every thread, its rules are not (:func:`_other_thread`)
-        self.threads: Dict[int, int] = {}
+        # the threads whose scopes hold the rules (thread -> references; the object, not its
+        # ident, which a later thread may reuse): the module is shared by every thread, its
+        # rules are not (:func:`_other_thread`)
+        self.threads: Dict[threading.Thread, int] = {}
 
     def __deepcopy__(self, memo):
         what = ("it runs through pyattr's fused gated op (the memory mount of rules that leave the gated rules off)"
@@ -139,6 +160,15 @@ class RuleState:
             f"cannot pickle {self.path!r} while relevance rules are installed on it; "
             "save the model outside the use_relevance_rules scope"
         )
+
+    def expected_id(self) -> Optional[int]:
+        """The id of the output this thread's last rule forward returned, not yet checked."""
+        got = self.expected.get(threading.current_thread())
+        return None if got is None else got[0]
+
+    def replace_expected(self, out) -> None:
+        """pyattr's own replacement of the output (a method's tap): the check takes it."""
+        self.expected[threading.current_thread()] = (id(out), None)
 
     def active(self, kind: str) -> bool:
         return self.counts.get(kind, 0) > 0
@@ -178,17 +208,17 @@ def _output_check(state: RuleState):
     def hook(module, args, kwargs, output):
         if torch.compiler.is_compiling():  # object identity is not traced; eager checks it
             return
-        expected, state.expected_out = state.expected_out, None
-        old, state.expected_ref = state.expected_ref, None
+        expected, old = state.expected.pop(threading.current_thread(), (None, None))
         if expected is None or id(output) == expected:
             return
-        if old is not None and takes_rule_gradient(output, old, args, kwargs):
+        if old is not None and takes_rule_gradient(output, old):
             return  # a copy or a function of the rule's output (Captum's layer hooks), or a new leaf
         raise RelevanceRuleConflictError(
             f"a forward hook on {state.path!r} replaced the output of a module that carries a "
-            "relevance rule with a value whose gradient reaches the module's input around the rule's "
-            "backward; the rule would silently not apply to it. Return the output, a function of it "
-            "(a clone, a scaled copy) or a new leaf, or hook another module."
+            "relevance rule with a value that is not a function of that output alone (with constants and "
+            "parameters): its gradient could reach the model's inputs around the rule's backward, which would "
+            "silently not apply. Return the output, a function of it (a clone, a scaled or steered copy) or a new "
+            "leaf, or hook another module."
         )
 
     return ScopeHook(hook, repr(state.path))
@@ -245,8 +275,7 @@ def acquire(
             else:
                 out = fwd(*args, **kwargs)
             if check_output and not torch.compiler.is_compiling():
-                state.expected_out = id(out)
-                state.expected_ref = Output(out)
+                state.expected[threading.current_thread()] = (id(out), Output(out))
                 # keep the check last, after hooks registered inside the scope too
                 if state.hook is not None:
                     hooks = module._forward_hooks
@@ -271,7 +300,7 @@ def acquire(
     else:
         state.counts[kind] = 1
         state.values[kind] = value
-    me = threading.get_ident()
+    me = threading.current_thread()
     state.threads[me] = state.threads.get(me, 0) + 1
 
 
@@ -281,7 +310,7 @@ ONE_THREAD = ("Rules are set on the model's modules, which every thread shares: 
 
 def _other_thread(state: RuleState) -> bool:
     """Whether the rules on the module are held by scopes of other threads only."""
-    return bool(state.threads) and threading.get_ident() not in state.threads
+    return bool(state.threads) and threading.current_thread() not in state.threads
 
 
 def release(module: nn.Module, kind: str) -> None:
@@ -289,7 +318,7 @@ def release(module: nn.Module, kind: str) -> None:
     state = state_of(module)
     if state is None or kind not in state.counts:
         return
-    me = threading.get_ident()
+    me = threading.current_thread()
     holder = me if me in state.threads else next(iter(state.threads), None)  # a scope left from another thread
     if holder is not None:
         state.threads[holder] -= 1
@@ -431,7 +460,7 @@ def recomputing(modules: List[nn.Module], snap: list):
         st = state_of(m)
         if st is None:
             continue
-        suspended.append((m, st, m.__dict__.get(st.slot, MISSING)))
+        suspended.append((m, st, _raw_slot(m, st.slot)))
         _unpatch(m, st)
     held = []
     _local.recomputing = getattr(_local, "recomputing", 0) + 1
@@ -450,9 +479,6 @@ def recomputing(modules: List[nn.Module], snap: list):
             release(m, kind)
         for m, st, fwd in reversed(suspended):
             m.__dict__[_STATE] = st
-            if fwd is MISSING:
-                m.__dict__.pop(st.slot, None)
-            else:
-                m.__dict__[st.slot] = fwd
+            _set_raw_slot(m, st.slot, fwd)
             if st.hook is not None:
                 st.hook = _register_output_check(m, st)

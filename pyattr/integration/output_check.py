@@ -2,46 +2,24 @@
 gradient.
 
 A rule module's backward lives in its output's autograd node. A hook that returns a new
-output is harmless where the gradient reaching the module's inputs through the new value
-still passes that node: a copy or any function of the output (Captum's layer methods return
+output is harmless where the new value is a function of that output alone, with constants and
+parameters (a copy, a scaled or steered copy: Captum's layer methods return
 ``output.clone()``), or a new leaf (an interpolated activation, Captum's layer integrated
-gradients: nothing upstream gets a gradient through it, so there is no rule to miss). It
-bypasses the rule where the new value reaches the module's inputs by another path (the
-output recomputed from the input with plain operations), which the graph walk below finds.
+gradients: nothing upstream gets a gradient through it, so there is no rule to miss). Every
+other replacement is refused, fail closed: one whose graph reaches a node that existed before
+the output (the module's input, what the input was made from, an earlier activation a hook
+kept) could carry gradient to the model's inputs around the rule, as a norm recomputed from
+the input would. Which nodes are new is read off autograd's own per-thread sequence numbers:
+a node made after the output has a larger one.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
-
 import torch
+from torch import nn
 
 #: autograd nodes walked before a replacement is refused as undecided (fail closed)
 WALK_LIMIT = 5000
-
-
-def _tensors(value):
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
-
-
-def _input_nodes(inputs: Iterable[torch.Tensor]) -> set:
-    """The autograd nodes gradient flows to from the module's inputs: their grad_fn, or the
-    accumulator of an input leaf that requires grad."""
-    nodes = set()
-    for t in inputs:
-        if not t.requires_grad:
-            continue
-        node = t.grad_fn
-        if node is None:
-            node = t.view_as(t).grad_fn.next_functions[0][0]  # the leaf's AccumulateGrad
-        nodes.add(node)
-    return nodes
 
 
 class Output:
@@ -61,28 +39,32 @@ def _item(v):
     return (True, id(v), v.grad_fn) if isinstance(v, torch.Tensor) else (False, id(v), None)
 
 
-def _reaches_inputs(new: torch.Tensor, stop, inputs: set) -> Optional[bool]:
-    """Whether ``new``'s graph reaches an input node without passing the node ``stop``;
-    None: more than :data:`WALK_LIMIT` nodes."""
+def _of_output_only(new: torch.Tensor, stop) -> bool:
+    """Whether ``new``'s graph, walked down to the output's node ``stop``, holds only nodes
+    made after it and the accumulators of parameters."""
+    after = stop._sequence_nr()
     seen, todo = set(), [new.grad_fn]
     while todo:
         node = todo.pop()
-        if node is None or node in seen or node is stop:
+        if node is None or node is stop or node in seen:
             continue
-        if node in inputs:
-            return True
         seen.add(node)
         if len(seen) > WALK_LIMIT:
-            return None
+            return False
+        if type(node).__name__ == "AccumulateGrad":
+            if not isinstance(getattr(node, "variable", None), nn.Parameter):
+                return False  # a leaf the caller made: possibly the model's own input
+            continue
+        if node._sequence_nr() < after:
+            return False  # made before the output: the input, or what it was made from
         todo.extend(n for n, _ in node.next_functions)
-    return False
+    return True
 
 
-def takes_rule_gradient(new, old: Output, args, kwargs) -> bool:
-    """Whether the replacement ``new`` of the output ``old`` (the module called with ``args``
-    and ``kwargs``) leaves the rule's backward on every path to the inputs: the same
-    structure, each tensor the same object, one that records no gradient, or one whose
-    graph meets the inputs only through the old output's node."""
+def takes_rule_gradient(new, old: Output) -> bool:
+    """Whether the replacement ``new`` of the output ``old`` leaves the rule's backward on every
+    path to the model's inputs: the same structure, each tensor the same object, one that
+    records no gradient, or a function of the old output alone (:func:`_of_output_only`)."""
     if not torch.is_grad_enabled():
         return True  # nothing is recorded: no backward to miss the rule
     if old.items is None or isinstance(new, torch.Tensor) != old.tensor:
@@ -90,7 +72,6 @@ def takes_rule_gradient(new, old: Output, args, kwargs) -> bool:
     news = [new] if old.tensor else (list(new) if isinstance(new, (tuple, list)) else None)
     if news is None or len(news) != len(old.items):
         return False
-    inputs = None
     for n, (was_tensor, ident, node) in zip(news, old.items):
         if id(n) == ident:
             continue
@@ -98,10 +79,6 @@ def takes_rule_gradient(new, old: Output, args, kwargs) -> bool:
             return False
         if not n.requires_grad or n.grad_fn is None:
             continue  # a constant or a new leaf: no gradient reaches the module through it
-        if node is None:
-            return False
-        if inputs is None:
-            inputs = _input_nodes(_tensors(args) + _tensors(kwargs))
-        if _reaches_inputs(n, node, inputs) is not False:
+        if node is None or not _of_output_only(n, node):
             return False
     return True

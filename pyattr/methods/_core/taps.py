@@ -184,11 +184,11 @@ def tap(module: nn.Module, where: str, fn: Callable[[torch.Tensor], Optional[tor
                 return None
             replaced = _replace_first(out, new)
             rule = state_of(mod)
-            if rule is not None and rule.expected_out == id(out):
+            if rule is not None and rule.expected_id() == id(out):
                 # pyattr's own replacement of a rule module's output (a layer's interpolation,
                 # a patched value): the method reads gradients at the new value, so the rule's
                 # backward not reaching it is what it asks for; the scope's check lets it pass
-                rule.expected_out = id(replaced)
+                rule.replace_expected(replaced)
             return replaced
 
         h = module.register_forward_hook(post)
