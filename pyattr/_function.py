@@ -29,9 +29,11 @@ import torch
 _TWIN = "_pyattr_eager_twin"
 
 
-def no_forward_mode(ctx, *args):
-    """Every rule Function's ``jvp``: the rules are backward rules, and forward-mode AD has none
-    to run (torch's own message named neither pyattr nor what to do)."""
+def no_forward_mode(ctx=None, *args):
+    """The rule Functions' ``jvp`` (their eager twins'; a Function of its own with one is not
+    traced by ``torch.compile``) and, under ``torch.func``'s forward-mode transforms, what
+    :func:`apply` raises: the rules are backward rules, and forward-mode AD has none to run
+    (torch's own message named neither pyattr nor what to do)."""
     raise NotImplementedError(
         "pyattr's relevance rules are defined on the backward pass; forward-mode AD (torch.func.jvp, jacfwd, "
         "hessian, torch.autograd.forward_ad) cannot carry them. Use reverse mode (backward(), "
@@ -63,11 +65,22 @@ def _twin(cls: Type[torch.autograd.Function]) -> Type[torch.autograd.Function]:
     return twin
 
 
+def refuse_forward_mode() -> None:
+    """Under ``torch.func.jvp`` / ``jacfwd`` / ``hessian`` (a forward-mode transform on the
+    stack), :func:`no_forward_mode`'s refusal."""
+    stack = getattr(torch._C._functorch, "get_interpreter_stack", lambda: None)() or ()
+    if any(i.key() == torch._C._functorch.TransformType.Jvp for i in stack):
+        no_forward_mode()
+
+
 def apply(cls: Type[torch.autograd.Function], *args: Any) -> Any:
     """``cls.apply(*args)``, through the combined-form twin where that is the same call.
 
     ``args`` are positional and complete (every ``forward`` parameter given)."""
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+    if torch.compiler.is_compiling():
+        return cls.apply(*args)
+    if torch._C._are_functorch_transforms_active():
+        refuse_forward_mode()
         return cls.apply(*args)
     twin = cls.__dict__.get(_TWIN) or _twin(cls)
     return twin.apply(*args)

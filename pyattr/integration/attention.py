@@ -25,6 +25,7 @@ from typing import Dict, Iterable, Iterator, Optional, Tuple
 import torch
 from torch import nn
 
+from pyattr._function import refuse_forward_mode
 from pyattr.integration.errors import RelevanceRuleConflictError
 from pyattr.integration.install import ONE_THREAD, _in_backward, _unbound_recomputation
 from pyattr.ops.attention import AttnLRPAttentionFunction, FrozenAttentionFunction, held_pattern_output
@@ -131,6 +132,7 @@ def _wrap(original, kind: str):
             # torch.func's transforms take Functions in setup_context form only: the same rules
             # in autograd ops (AttnLRP's core gradient is the plain one; the AH-rule's is P·v's
             # with the pattern a constant)
+            refuse_forward_mode()
             out, weights = native()
             if frozen:
                 out = held_pattern_output(out, query.detach(), k_used.detach(), value, mask, scaling, softcap, causal)
@@ -212,9 +214,10 @@ def _seams(module: nn.Module):
 def _other_thread(module: nn.Module) -> bool:
     """Whether only other threads' scopes registered ``module`` (a recomputation during a
     backward, on whatever thread the backward runs, runs what its forward ran)."""
+    if torch.compiler.is_compiling():  # the thread is not traced: compiled code runs in its caller's
+        return False
     held = _THREADS.get(module)
-    return (bool(held) and threading.current_thread() not in held and not _in_backward()
-            and not torch.compiler.is_compiling())
+    return bool(held) and threading.current_thread() not in held and not _in_backward()
 
 
 def is_frozen(module: nn.Module) -> bool:

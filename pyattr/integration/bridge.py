@@ -49,7 +49,6 @@ from torch import nn
 from pyattr._components import _has_class, is_component, is_transformer_bridge, native  # noqa: F401 - re-exported
 from pyattr.integration.errors import RelevanceRuleUnsupportedError
 from pyattr.integration.install import GATED_MEMORY
-from pyattr._function import no_forward_mode
 
 _EDIT_WARNING = "A forward hook edited hook_scale/hook_normalized"
 
@@ -91,8 +90,6 @@ class _Held(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         return x.view_as(x)
-
-    jvp = staticmethod(no_forward_mode)
 
     @staticmethod
     def backward(ctx, grad):

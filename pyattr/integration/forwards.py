@@ -30,7 +30,6 @@ from pyattr.ops.layer_norm import layer_norm
 from pyattr.ops.rms_norm import rms_norm
 from pyattr.rules.identity import apply_identity_rule
 from pyattr.rules.scale import scale_gradient
-from pyattr._function import no_forward_mode
 
 
 @dataclass
@@ -261,8 +260,6 @@ class _IdentityOfOutput(torch.autograd.Function):
         ctx.save_for_backward(g, a)
         ctx.act = act
         return a.view_as(a)
-
-    jvp = staticmethod(no_forward_mode)
 
     @staticmethod
     def backward(ctx, dy):

@@ -270,8 +270,8 @@ def functional_rules(model: nn.Module, rules, roots=(), native=()) -> Iterator[N
     owner = threading.current_thread()  # the mode is this thread's; another thread's forward runs without it
 
     def pre(mod, args, kwargs):
-        if threading.current_thread() != owner:
-            if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and threading.current_thread() != owner:
+            if torch.is_grad_enabled():
                 raise RelevanceRuleConflictError(
                     f"{type(mod).__name__} runs in a thread that opened no use_relevance_rules scope on it, while a "
                     f"scope in another thread holds relevance rules on it; its gradient would silently carry that "
@@ -283,7 +283,7 @@ def functional_rules(model: nn.Module, rules, roots=(), native=()) -> Iterator[N
         depth["n"] += 1
 
     def post(mod, args, kwargs, out):
-        if threading.current_thread() != owner:
+        if not torch.compiler.is_compiling() and threading.current_thread() != owner:
             return
         depth["n"] -= 1
         if depth["n"] == 0:

@@ -257,8 +257,8 @@ def acquire(
                 # an activation-checkpoint recomputation, during a backward, of a forward
                 # that ran without rules: it must run as it did then
                 return state.native(*args, **kwargs)
-            if torch.is_grad_enabled() and _other_thread(state) and not _in_backward() \
-                    and not torch.compiler.is_compiling():
+            if not torch.compiler.is_compiling() and torch.is_grad_enabled() and _other_thread(state) \
+                    and not _in_backward():  # (the thread is not traced: compiled code runs in its caller's)
                 raise RelevanceRuleConflictError(
                     f"{state.path!r} runs in a thread that opened no use_relevance_rules scope on it, while a scope "
                     f"in another thread holds relevance rules on it; its gradient would silently carry that "

@@ -37,8 +37,6 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, Optional
 
 import torch
-
-from pyattr._function import no_forward_mode
 from torch import nn
 
 from pyattr.integration.errors import RelevanceRuleConflictError, RelevanceRuleUnsupportedError
@@ -274,8 +272,6 @@ class QuantizedLinearFunction(torch.autograd.Function):
         ctx.x_dtype = x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         return run(x)
-
-    jvp = staticmethod(no_forward_mode)
 
     @staticmethod
     def backward(ctx, dy):

@@ -21,8 +21,6 @@ from typing import Callable, Optional
 
 import torch
 
-from pyattr._function import no_forward_mode
-
 import pyattr.backends as backends
 from pyattr.backends.reference import (  # noqa: F401 (public here too)
     additive_mask,
@@ -106,8 +104,6 @@ class FrozenAttentionFunction(torch.autograd.Function):
         ctx.save_for_backward(query, key, mask)
         ctx.value_meta = (value.dtype, value.shape)
         return out, weights
-
-    jvp = staticmethod(no_forward_mode)
 
     @staticmethod
     def backward(ctx, dout, _dweights):
@@ -204,8 +200,6 @@ class AttnLRPAttentionFunction(torch.autograd.Function):
         ctx.scaling, ctx.softcap, ctx.causal, ctx.kv_len = scaling, softcap, causal, kv_len
         ctx.save_for_backward(query, key, value, mask)
         return out, weights
-
-    jvp = staticmethod(no_forward_mode)
 
     @staticmethod
     def backward(ctx, dout, _dweights):

@@ -8,7 +8,6 @@ import pyattr._function as _function
 import pyattr.backends as backends
 from pyattr._validation import check_float, check_same_device
 from pyattr.activations import Activation, resolve_activation
-from pyattr._function import no_forward_mode
 
 
 class GatedActivationFunction(torch.autograd.Function):
@@ -26,8 +25,6 @@ class GatedActivationFunction(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         gate, up, ctx.act, ctx.identity, ctx.half = inputs
         ctx.save_for_backward(gate, up)
-
-    jvp = staticmethod(no_forward_mode)
 
     @staticmethod
     def backward(ctx, dh):

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 import pyattr._function as _function
 import pyattr.backends as backends
 from pyattr._validation import check_eps, check_float, check_has_hidden, check_norm_param, check_same_device
-from pyattr._function import no_forward_mode
 
 
 def _plain_layer_norm(native: Optional[Callable]) -> bool:
@@ -57,8 +56,6 @@ class LayerNormRuleFunction(torch.autograd.Function):
             ctx.save_for_backward(weight, rstd if ctx.stats else layer_norm_centred(x, ctx.eps)[1])
             return
         ctx.save_for_backward(x, weight, mean if ctx.stats else None, rstd if ctx.stats else None)
-
-    jvp = staticmethod(no_forward_mode)
 
     @staticmethod
     def backward(ctx, dy, _dmean, _drstd):

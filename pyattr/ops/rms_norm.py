@@ -10,7 +10,6 @@ import torch
 import pyattr._function as _function
 import pyattr.backends as backends
 from pyattr._validation import check_eps, check_float, check_has_hidden, check_norm_param, check_same_device
-from pyattr._function import no_forward_mode
 
 
 class RMSNormRuleFunction(torch.autograd.Function):
@@ -38,8 +37,6 @@ class RMSNormRuleFunction(torch.autograd.Function):
             ctx.save_for_backward(rms_norm_rinv(_up(x), ctx.eps), weight)
         else:
             ctx.save_for_backward(x, weight)
-
-    jvp = staticmethod(no_forward_mode)
 
     @staticmethod
     def backward(ctx, dy):

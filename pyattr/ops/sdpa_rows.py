@@ -39,7 +39,6 @@ from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
-from pyattr._function import no_forward_mode
 
 #: the sparse backward runs when at most 1/SPARSE_SHARE of the query rows carry gradient
 SPARSE_SHARE = 8
@@ -190,8 +189,6 @@ class SdpaRowsFunction(torch.autograd.Function):
         ctx.causal, ctx.scale = causal, scale
         ctx.save_for_backward(query, key, value, out, lse, mask)
         return out
-
-    jvp = staticmethod(no_forward_mode)
 
     @staticmethod
     def backward(ctx, dout):

@@ -12,7 +12,6 @@ import pyattr._function as _function
 import pyattr.backends as backends
 from pyattr._validation import check_broadcast, check_float, check_same_device
 from pyattr.backends._vmap import sum_to
-from pyattr._function import no_forward_mode
 
 
 class HalfRuleFunction(torch.autograd.Function):
@@ -27,8 +26,6 @@ class HalfRuleFunction(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(*inputs)
-
-    jvp = staticmethod(no_forward_mode)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):

@@ -15,7 +15,6 @@ import pyattr._function as _function
 import pyattr.backends as backends
 from pyattr._validation import check_float
 from pyattr.activations import Activation, resolve_activation
-from pyattr._function import no_forward_mode
 
 
 class IdentityRuleFunction(torch.autograd.Function):
@@ -33,8 +32,6 @@ class IdentityRuleFunction(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         x, ctx.act = inputs
         ctx.save_for_backward(x)
-
-    jvp = staticmethod(no_forward_mode)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):

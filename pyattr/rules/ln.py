@@ -15,7 +15,6 @@ import pyattr._function as _function
 import pyattr.backends as backends
 from pyattr._validation import check_broadcast, check_eps, check_float, check_has_hidden, check_norm_param, check_same_device
 from pyattr.backends._vmap import sum_to
-from pyattr._function import no_forward_mode
 
 
 class LNRuleFunction(torch.autograd.Function):
@@ -36,8 +35,6 @@ class LNRuleFunction(torch.autograd.Function):
         else:
             ctx.denom = denom
         ctx.num_shape = num.shape
-
-    jvp = staticmethod(no_forward_mode)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):

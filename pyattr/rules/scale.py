@@ -14,7 +14,6 @@ import torch
 import pyattr._function as _function
 from pyattr._validation import check_float, check_same_device
 from pyattr.backends._vmap import sum_to
-from pyattr._function import no_forward_mode
 
 
 class ScaleGradientFunction(torch.autograd.Function):
@@ -29,8 +28,6 @@ class ScaleGradientFunction(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.scale = inputs[1]
-
-    jvp = staticmethod(no_forward_mode)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):

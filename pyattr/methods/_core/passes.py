@@ -17,7 +17,6 @@ from pyattr.integration.checkpoint import CHECKPOINT_INNER, bind_checkpoint
 from pyattr.config import RelevanceRules
 from pyattr.integration.errors import RelevanceRuleConflictError
 from pyattr.integration.scope import use_relevance_rules
-from pyattr._function import no_forward_mode
 
 
 def check_parameters_usable(model: nn.Module, caller: str) -> None:
@@ -134,8 +133,6 @@ class SparseRowsHeadFunction(torch.autograd.Function):
         ctx.save_for_backward(weight)
         ctx.h_meta = (h.shape, h.dtype)
         return logits.view_as(logits)
-
-    jvp = staticmethod(no_forward_mode)
 
     @staticmethod
     def backward(ctx, dy):
