@@ -27,7 +27,7 @@ from torch import nn
 
 from pyattr._function import refuse_forward_mode
 from pyattr.integration.errors import RelevanceRuleConflictError
-from pyattr.integration.install import ONE_THREAD, _in_backward, _unbound_recomputation
+from pyattr.integration.install import ONE_THREAD, _in_backward, _unbound_recomputation, hold, unhold
 from pyattr.ops.attention import AttnLRPAttentionFunction, FrozenAttentionFunction, held_pattern_output
 from pyattr.ops.sdpa_rows import sparse_rows_sdpa
 
@@ -276,8 +276,7 @@ def frozen_attention(modules: Iterable[nn.Module], registry=None) -> Iterator[No
             for holder, name, kind, mapping in seams:
                 _patch(holder, name, kind, mapping)
             registry[m] = registry.get(m, 0) + 1
-            held = _THREADS.setdefault(m, {})
-            held[me] = held.get(me, 0) + 1
+            hold(_THREADS.setdefault(m, {}), me)
             done.append((m, seams))
         yield
     finally:
@@ -287,12 +286,7 @@ def frozen_attention(modules: Iterable[nn.Module], registry=None) -> Iterator[No
                 registry[m] = n
             else:
                 registry.pop(m, None)
-            held = _THREADS.get(m, {})
-            holder = me if me in held else next(iter(held), None)
-            if holder is not None:
-                held[holder] -= 1
-                if held[holder] <= 0:
-                    del held[holder]
+            unhold(_THREADS.get(m, {}), me)
             for holder, name, _, mapping in reversed(seams):
                 _unpatch(holder, name, mapping)
 

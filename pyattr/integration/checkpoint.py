@@ -14,16 +14,17 @@ import threading
 import weakref
 from typing import Callable, Dict, Iterable, List
 
-import torch
 from torch import nn
 
 from pyattr._function import first_order, first_order_saves
 from pyattr.integration.attention import exactly as attention_exactly
 from pyattr.integration.attention import attention_mode
 from pyattr.integration.install import (
+    hold,
     recomputing,
     snapshot,
     state_of,
+    unhold,
 )
 
 CHECKPOINT_INNER = "_pyattr_checkpoint_inner"
@@ -131,10 +132,10 @@ def bind_torch_checkpoint() -> bool:
     """Bind ``torch.utils.checkpoint.checkpoint`` however it was imported: torch's reentrant
     implementation (``CheckpointFunction``, whose forward runs the function once) and its
     non-reentrant one (the generator that keeps the function only for the recomputation) take
-    their function through :func:`bound_run` while any model has a scope open (with none, the
-    function as it is: a recomputation of a forward that ran without rules runs without
-    them). Done once per process; False where this torch has neither entry by these names
-    (its checkpoints then recompute without rules, as before)."""
+    their function through :func:`bound_run` where the calling thread has a scope open or runs
+    a recomputation (elsewhere the function as it is: a recomputation of a forward that ran
+    without rules runs without them). Done once per process; False where this torch has
+    neither entry by these names (its checkpoints then recompute without rules, as before)."""
     if _torch_bound[0]:
         return True
     import torch.utils.checkpoint as tuc
@@ -190,9 +191,7 @@ def checkpoints_bound(model: nn.Module):
     count = model.__dict__.get(_SCOPES, 0)
     model.__dict__[_SCOPES] = count + 1
     bind_torch_checkpoint()
-    me = threading.current_thread()
-    owners = _SCOPED.setdefault(model, {})
-    owners[me] = owners.get(me, 0) + 1
+    me = hold(_SCOPED.setdefault(model, {}))
     wrap_checkpoint_functions(model)
     hook = model.register_forward_pre_hook(lambda mod, args: wrap_checkpoint_functions(model))
     try:
@@ -200,13 +199,8 @@ def checkpoints_bound(model: nn.Module):
     finally:
         hook.remove()
         model.__dict__[_SCOPES] -= 1
-        owners = _SCOPED.get(model, {})
-        holder = me if me in owners else next(iter(owners), None)  # a scope left from another thread
-        if holder is not None:
-            owners[holder] -= 1
-            if owners[holder] <= 0:
-                del owners[holder]
-        if not owners:
+        unhold(_SCOPED.get(model, {}), me)
+        if not _SCOPED.get(model):
             _SCOPED.pop(model, None)
         if model.__dict__[_SCOPES] == 0:
             del model.__dict__[_SCOPES]

@@ -205,7 +205,7 @@ class ScopeHook:
 
 
 def _output_check(state: RuleState):
-    def hook(module, args, kwargs, output):
+    def hook(module, args, output):
         if torch.compiler.is_compiling():  # object identity is not traced; eager checks it
             return
         expected, old = state.expected.pop(threading.current_thread(), (None, None))
@@ -222,10 +222,6 @@ def _output_check(state: RuleState):
         )
 
     return ScopeHook(hook, repr(state.path))
-
-
-def _register_output_check(module: nn.Module, state: RuleState):
-    return module.register_forward_hook(_output_check(state), with_kwargs=True)
 
 
 def acquire(
@@ -289,7 +285,7 @@ def acquire(
         if check_output:
             # Appended last: hooks registered before the scope run first, so one that
             # returns a replacement output is seen here.
-            state.hook = _register_output_check(module, state)
+            state.hook = module.register_forward_hook(_output_check(state))
     if kind in state.counts:
         if state.values[kind] != value:
             raise RelevanceRuleConflictError(
@@ -300,12 +296,30 @@ def acquire(
     else:
         state.counts[kind] = 1
         state.values[kind] = value
-    me = threading.current_thread()
-    state.threads[me] = state.threads.get(me, 0) + 1
+    hold(state.threads)
 
 
 ONE_THREAD = ("Rules are set on the model's modules, which every thread shares: use the model from one thread "
                "while a scope is open on it, or give each thread its own copy of the model.")
+
+
+def hold(holders: Dict[threading.Thread, int], me: Optional[threading.Thread] = None) -> threading.Thread:
+    """One more scope of this thread (or ``me``) in ``holders`` (thread → scopes); returns it.
+    Keyed by the thread object: a later thread may reuse an ended one's ident."""
+    me = threading.current_thread() if me is None else me
+    holders[me] = holders.get(me, 0) + 1
+    return me
+
+
+def unhold(holders: Dict[threading.Thread, int], me: Optional[threading.Thread] = None) -> None:
+    """One scope fewer: this thread's (or ``me``'s), else, for a scope left from another thread
+    than the one that opened it, any holder's."""
+    me = threading.current_thread() if me is None else me
+    holder = me if me in holders else next(iter(holders), None)
+    if holder is not None:
+        holders[holder] -= 1
+        if holders[holder] <= 0:
+            del holders[holder]
 
 
 def _other_thread(state: RuleState) -> bool:
@@ -318,12 +332,7 @@ def release(module: nn.Module, kind: str) -> None:
     state = state_of(module)
     if state is None or kind not in state.counts:
         return
-    me = threading.current_thread()
-    holder = me if me in state.threads else next(iter(state.threads), None)  # a scope left from another thread
-    if holder is not None:
-        state.threads[holder] -= 1
-        if state.threads[holder] <= 0:
-            del state.threads[holder]
+    unhold(state.threads)
     state.counts[kind] -= 1
     if state.counts[kind] == 0:
         del state.counts[kind]
@@ -481,4 +490,4 @@ def recomputing(modules: List[nn.Module], snap: list):
             m.__dict__[_STATE] = st
             _set_raw_slot(m, st.slot, fwd)
             if st.hook is not None:
-                st.hook = _register_output_check(m, st)
+                st.hook = m.register_forward_hook(_output_check(st))

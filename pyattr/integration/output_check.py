@@ -25,7 +25,7 @@ WALK_LIMIT = 5000
 class Output:
     """What the check keeps of a rule module's output: per tensor its ``id`` and its autograd
     node (the tensor itself may be gone by the time the hooks run: a hook that returns a new
-    value drops the last reference to it), per other value the value."""
+    value drops the last reference to it), per other value its ``id``."""
 
     __slots__ = ("tensor", "items")
 
