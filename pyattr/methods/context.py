@@ -372,7 +372,8 @@ def context_attribution(model: nn.Module, inputs, sources, *, response=None, max
             one prompt's token ids.
         sources: ``"sentence"``, ``"line"``, ``"paragraph"`` or ``"word"`` (the prompt split so,
             by the tokenizer's character offsets), a list of text spans of the prompt in
-            order, or a list of token ranges ``(start, end)``; for a batch, one such per row
+            order (whole words first: "cat" in "a cat", not "category"; part of a word's token
+            is refused), or a list of token ranges ``(start, end)``; for a batch, one per row
             (a split name applies to every row). Tokens in no source (the query, a system
             line, ``[CLS]``/``[SEP]``) are always kept.
         response (str | LongTensor | list[int] | list, optional): the response to explain
