@@ -221,6 +221,11 @@ def circuit_faithfulness(model: nn.Module, clean, corrupt, edges_or_circuit, *, 
         check_row_metric(model, pair.clean, fixed, v_c, "circuit_faithfulness")
         v_x, split_x, _ = split_run(model, lay, graph, pair.corrupt, fixed, "record")
         m = patched_metrics(model, lay, graph, pair, fixed, torch.stack(split_x.acts), masks, batch_size)
+    # the empty circuit is the corrupt run and the whole graph the clean one: their own metrics, so that
+    # f(∅) = 0 and f(all) = 1 exactly rather than to the split forward's rounding
+    kept = masks & graph.valid
+    m[~kept.flatten(1).any(1)] = v_x.detach().double().cpu()
+    m[(kept == graph.valid).flatten(1).all(1)] = v_c.detach().double().cpu()
     clean_m, corrupt_m = float(v_c.double().mean()), float(v_x.double().mean())
     if clean_m == corrupt_m:
         raise ValueError("metric: clean and corrupt give the same mean metric, so faithfulness (m(C) − m(∅)) / "
@@ -254,6 +259,11 @@ def edge_effects(model, clean, corrupt, metric, *, attention_mask=None, corrupt_
         check_row_metric(model, pair.clean, fixed, v_c, "edge_effects")
         v_x, split_x, _ = split_run(model, lay, graph, pair.corrupt, fixed, "record")
         m = patched_metrics(model, lay, graph, pair, fixed, torch.stack(split_x.acts), masks, batch_size)
+    # the empty circuit is the corrupt run and the whole graph the clean one: their own metrics, so that
+    # f(∅) = 0 and f(all) = 1 exactly rather than to the split forward's rounding
+    kept = masks & graph.valid
+    m[~kept.flatten(1).any(1)] = v_x.detach().double().cpu()
+    m[(kept == graph.valid).flatten(1).all(1)] = v_c.detach().double().cpu()
     per_pair = (m - v_c.double().cpu()[None]).T
     return EdgeAttributionResult(per_pair.mean(0), per_pair, graph.edge_names(), list(graph.upstream),
                                  list(graph.downstream), v_c.double().cpu(), v_x.double().cpu(), "exact", len(edges))
