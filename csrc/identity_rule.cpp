@@ -17,6 +17,8 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include "second_order.h"
+
 namespace pyattr {
 
 namespace {
@@ -56,6 +58,10 @@ struct IdentityRule : public torch::autograd::Function<IdentityRule> {
     const at::Tensor& dy = grads[0];
     const std::string kind = ctx->saved_data["kind"].toStringRef();
     if (!ctx->needs_input_grad(0)) return {at::Tensor(), at::Tensor()};
+    // recorded for a second derivative with an incoming gradient computed from the graph:
+    // refused (second_order.h; pyattr/_function.py, refuse_second_pass)
+    TORCH_CHECK(!at::GradMode::is_enabled() || !grads[0].defined() || grads[0].grad_fn() == nullptr,
+                PYATTR_SECOND_PASS_MESSAGE);
     if (at::GradMode::is_enabled()) {
       const auto acc = [](const at::Tensor& t) { return t.to(t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat); };
       return {(acc(dy) * reference_phi(acc(x), kind)).to(x.scalar_type()), at::Tensor()};

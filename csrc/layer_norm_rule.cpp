@@ -19,6 +19,8 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include "second_order.h"
+
 namespace pyattr {
 
 namespace {
@@ -105,6 +107,10 @@ struct LayerNormRule : public torch::autograd::Function<LayerNormRule> {
     const bool need_w = has_w && ctx->needs_input_grad(1);
     const bool need_b = has_b && ctx->needs_input_grad(has_w ? 2 : 1);
     Triple r;
+    // recorded for a second derivative with an incoming gradient computed from the graph:
+    // refused (second_order.h; pyattr/_function.py, refuse_second_pass)
+    TORCH_CHECK(!at::GradMode::is_enabled() || !grads[0].defined() || grads[0].grad_fn() == nullptr,
+                PYATTR_SECOND_PASS_MESSAGE);
     if (at::GradMode::is_enabled()) {
       r = reference_backward(x, w, eps, dy, need_w, need_b);
     } else if (!need_w && !need_b) {

@@ -54,6 +54,10 @@ def _twin(cls: Type[torch.autograd.Function]) -> Type[torch.autograd.Function]:
         return out
 
     def backward(ctx, *grads):
+        if torch.is_grad_enabled() and any(isinstance(g, torch.Tensor) and g.grad_fn is not None for g in grads):
+            native = getattr(cls, "native_jacobian", None)  # a node that runs no rule this time
+            if native is None or not native(ctx):
+                refuse_second_pass(cls.__name__)
         return cls.backward(ctx, *grads)
 
     # same name, so the graph shows the same <Name>Backward node either way
@@ -63,6 +67,23 @@ def _twin(cls: Type[torch.autograd.Function]) -> Type[torch.autograd.Function]:
     })
     setattr(cls, _TWIN, twin)
     return twin
+
+
+def refuse_second_pass(name: str) -> None:
+    """A rule node's backward recorded for a second derivative (``create_graph=True``) with an
+    incoming gradient computed from the graph (a nonlinearity after the op: ``op(x) ** 2``,
+    any model): the second derivative would flow back through the op's *output*, where the
+    derivative of the rule gradient needs the forward's own Jacobian and the op's node has
+    only the rule's, so the number would not be that derivative. With an incoming gradient
+    that is a given tensor (a leaf: ``grad_outputs``, gradgradcheck's), the second derivative
+    is exact and runs. The C++ nodes (csrc/second_order.h) say the same."""
+    raise RuntimeError(
+        f"{name}: a second derivative (create_graph=True) would flow back through the output of one of pyattr's "
+        "rule ops, whose node gives the rule's Jacobian where the derivative of the rule gradient needs the "
+        "forward's own, so the result would not be that derivative. Second-order gradients are exact with respect "
+        "to a rule op's own input and a given incoming gradient only (identity_rule(x, act) with grad_outputs); "
+        "through a model under use_relevance_rules, differentiate the rule gradient by finite differences, or "
+        "take second derivatives outside the scope")
 
 
 def refuse_forward_mode() -> None:

@@ -67,3 +67,28 @@ def check_broadcast(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) 
         raise ValueError(
             f"{name_a} of shape {tuple(a.shape)} and {name_b} of shape {tuple(b.shape)} do not broadcast"
         ) from None
+
+
+def refuse_meta_model(model, caller: str) -> None:
+    """A model whose parameters are on the meta device (shapes without values) and not
+    offloaded (accelerate's ``_hf_hook`` loads them per module): ValueError naming it, before
+    a kernel's ``.item()`` fails."""
+    params, modules = getattr(model, "parameters", None), getattr(model, "modules", None)
+    if not callable(params) or not any(p.is_meta for p in params()):
+        return
+    if callable(modules) and any(hasattr(m, "_hf_hook") for m in modules()):
+        return
+    raise ValueError(f"model: {caller} runs the model, and {type(model).__name__}'s parameters are on the meta "
+                     "device (shapes without values); load its weights first (from_pretrained, or "
+                     "load_state_dict(..., assign=True))")
+
+
+def refuse_meta(model, arguments: dict, caller: str) -> None:
+    """:func:`refuse_meta_model`, and a tensor argument on the meta device: ValueError naming
+    the argument."""
+    refuse_meta_model(model, caller)
+    for name, value in arguments.items():
+        tensors = value.values() if isinstance(value, dict) else [value]
+        if any(isinstance(t, torch.Tensor) and t.is_meta for t in tensors):
+            raise ValueError(f"{name}: a tensor on the meta device (shapes without values); pass it on the "
+                             "model's device")

@@ -124,9 +124,12 @@ def test_bad_prompts_are_recorded_not_skipped(lm, tmp_path):
 
 @pytest.mark.parametrize("content, name, message", [
     ("", "empty.jsonl", "holds no prompts"),
-    ("id,prompt\n1,hello\n", "p.csv", "has no column 'text' (columns: ['id', 'prompt']); pass --text-field"),
+    ("id,prompt\n1,hello\n", "p.csv", "has no column 'text' (columns: ['id', 'prompt']); pass text_field= (--text-field)"),
     ('{"id": 1, "text": "a"}\n{"id": 1, "text": "b"}\n', "dup.jsonl", "the id '1' appears more than once"),
     ("hello", "p.txt", "expected a .jsonl, .csv or .parquet file"),
+    # a JSON-lines file none of whose rows has the field: one error, as a table without the column
+    ('{"body": "a"}\n{"body": "b"}\n', "nofield.jsonl",
+     "data (--data): no row of nofield.jsonl has the field 'text'; pass text_field= (--text-field)"),
 ])
 def test_bad_data_files_raise_one_clear_error(tmp_path, content, name, message):
     path = tmp_path / name
@@ -272,6 +275,9 @@ def test_edited_data_or_another_list_is_another_run(lm, tmp_path):
     with pytest.raises(RunError, match="nt.csv has no column 'text'"):
         pyattr.run(model, _csv_without_text(tmp_path), tmp_path / "new", tokenizer=tok)
     assert not (tmp_path / "new").exists()  # a refused file creates no output directory
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(RunError, match="out \\(--out\\): '.*a_file' is a file; expected a directory"):
+        pyattr.run(model, ["the cat sat"], tmp_path / "a_file", tokenizer=tok)
 
 
 def test_file_forms_and_unusual_text(lm, tmp_path):
@@ -287,7 +293,7 @@ def test_file_forms_and_unusual_text(lm, tmp_path):
     pyattr.run(model, tmp_path / "sur.jsonl", tmp_path / "o", tokenizer=tok)
     df = _read(tmp_path / "o")
     assert df["error"][0] == "line 1: field 'text' is not valid Unicode (a lone surrogate)" and df["error"].isna()[1]
-    with pytest.raises(RunError, match="--target: no prompt of bom.jsonl has the field 'answr'"):
+    with pytest.raises(RunError, match="target \\(--target\\): no prompt of bom.jsonl has the field 'answr'"):
         read_prompts(tmp_path / "bom.jsonl", target_field="answr")
     with pytest.raises(RunError, match="data: item 0 is a int; expected strings or dicts"):
         read_prompts([1, 2])

@@ -39,20 +39,20 @@ def read_prompts(data: Union[str, Path, Sequence], text_field: str = "text", tar
         if bad:
             raise RunError(f"data: item {bad[0]} is a {type(data[bad[0]]).__name__}; expected strings or dicts")
         rows = [{text_field: d} if isinstance(d, str) else d for d in data]
-        return _checked(_from_rows(rows, text_field, target_field, "data"), "data", target_field)
+        return _checked(_from_rows(rows, text_field, target_field, "data"), "data", target_field, text_field)
     if not isinstance(data, (str, Path)):
         raise RunError(f"data: expected a file path or a list of strings / dicts, got {type(data).__name__}")
     path = Path(data)
     if not path.is_file():
-        raise RunError(f"--data: {str(path)!r} is not a file")
+        raise RunError(f"data (--data): {str(path)!r} is not a file")
     suffix = path.suffix.lower()
     if suffix == ".json" and path.read_bytes().lstrip(b"\xef\xbb\xbf \t\r\n")[:1] == b"[":
         try:
             rows = json.loads(path.read_text(encoding="utf-8-sig"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise RunError(f"--data: {path.name} is not a valid JSON array ({e})") from None
+            raise RunError(f"data (--data): {path.name} is not a valid JSON array ({e})") from None
         if not all(isinstance(r, dict) for r in rows):
-            raise RunError(f"--data: {path.name}: a JSON array must hold objects")
+            raise RunError(f"data (--data): {path.name}: a JSON array must hold objects")
         prompts = _from_rows(rows, text_field, target_field, path.name)
     elif suffix in (".jsonl", ".json", ".ndjson"):
         prompts = _read_jsonl(path, text_field, target_field)
@@ -62,33 +62,36 @@ def read_prompts(data: Union[str, Path, Sequence], text_field: str = "text", tar
         try:
             text = raw.decode("utf-8-sig")
         except UnicodeDecodeError as e:
-            raise RunError(f"--data: {path.name} is not UTF-8 (byte {e.start})") from None
+            raise RunError(f"data (--data): {path.name} is not UTF-8 (byte {e.start})") from None
         rows = list(csv.DictReader(io.StringIO(text)))
         if rows and text_field not in rows[0]:
-            raise RunError(f"--data: {path.name} has no column {text_field!r} (columns: {list(rows[0])}); pass --text-field")
+            raise RunError(f"data (--data): {path.name} has no column {text_field!r} (columns: {list(rows[0])}); pass text_field= (--text-field)")
         prompts = _from_rows(rows, text_field, target_field, path.name)
     elif suffix == ".parquet":
         import pyarrow.parquet as pq
 
         table = pq.read_table(path)
         if text_field not in table.column_names:
-            raise RunError(f"--data: {path.name} has no column {text_field!r} (columns: {table.column_names}); pass --text-field")
+            raise RunError(f"data (--data): {path.name} has no column {text_field!r} (columns: {table.column_names}); pass text_field= (--text-field)")
         prompts = _from_rows(table.to_pylist(), text_field, target_field, path.name)
     else:
-        raise RunError(f"--data: {path.name}: expected a .jsonl, .csv or .parquet file")
-    return _checked(prompts, path.name, target_field)
+        raise RunError(f"data (--data): {path.name}: expected a .jsonl, .csv or .parquet file")
+    return _checked(prompts, path.name, target_field, text_field)
 
 
-def _checked(prompts: List[Prompt], name: str, target_field) -> List[Prompt]:
+def _checked(prompts: List[Prompt], name: str, target_field, text_field: str) -> List[Prompt]:
     if not prompts:
-        raise RunError(f"--data: {name} holds no prompts")
+        raise RunError(f"data (--data): {name} holds no prompts")
+    if all(p.error is not None and p.error.endswith(f"field {text_field!r} missing") for p in prompts):
+        raise RunError(f"data (--data): no row of {name} has the field {text_field!r}; pass text_field= "
+                       "(--text-field)")
     seen: set = set()
     for p in prompts:
         if p.id in seen:
-            raise RunError(f"--data: the id {p.id!r} appears more than once; ids must be unique (they key the store)")
+            raise RunError(f"data (--data): the id {p.id!r} appears more than once; ids must be unique (they key the store)")
         seen.add(p.id)
     if target_field is not None and all(p.target is None for p in prompts):
-        raise RunError(f"--target: no prompt of {name} has the field {target_field!r}")
+        raise RunError(f"target (--target): no prompt of {name} has the field {target_field!r}")
     return prompts
 
 

@@ -156,6 +156,8 @@ def run(
     prompts = read_prompts(data, text_field, target)  # a bad file fails before OUT is created
     _check_model(model, rules, generic)  # and so does a model the rules cannot be placed on
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise RunError(f"out (--out): {str(out)!r} is a file; expected a directory (new or of this run)")
     out.mkdir(parents=True, exist_ok=True)
     lock = lock_output(out, rank)
     try:

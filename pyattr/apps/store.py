@@ -134,7 +134,7 @@ def check_manifest(out: Path, manifest: dict) -> None:
     try:
         old = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
-        raise RunError(f"--out: {str(path)!r} is unreadable; remove it (and the shards) to start over") from None
+        raise RunError(f"out (--out): {str(path)!r} is unreadable; remove it (and the shards) to start over") from None
     same = [k for k in _SAME if k != "max_tokens_per_batch" or manifest.get("dtype") != "float32"]
     diff = [k for k in same if old.get(k) != manifest.get(k)]
     if diff:
@@ -161,5 +161,5 @@ def lock_output(out: Path, rank: int):
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         f.close()
-        raise RunError(f"--out: another run is writing to {str(out)!r} (rank {rank}); wait for it or use another directory") from None
+        raise RunError(f"out (--out): another run is writing to {str(out)!r} (rank {rank}); wait for it or use another directory") from None
     return f

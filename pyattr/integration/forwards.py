@@ -100,6 +100,14 @@ def _no_dispatch_modes():
     return _disable_current_modes()
 
 
+def _is_fake(x: torch.Tensor) -> bool:
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return False
+    return bool(is_fake(x))
+
+
 def verify_rebuilt(path: str, rule: tuple = ()):
     """The check of a rebuilt forward (a gated MLP's, a head's: pyattr computes what the
     module's own forward would, through the rule ops): on the first call of the scope, the
@@ -115,6 +123,8 @@ def verify_rebuilt(path: str, rule: tuple = ()):
     def verify(module, state, fwd, args, kwargs) -> bool:
         x = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.numel() == 0 or not x.is_floating_point():
+            return False
+        if x.is_meta or _is_fake(x):  # a shape-only run (meta, a fake-tensor trace) has no values to compare
             return False
         key = _checked_on(module, rule, x)
         seen = _VERIFIED.setdefault(module, set())

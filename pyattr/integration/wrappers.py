@@ -49,8 +49,8 @@ def framework_inner(obj):
     ``_module``; a tdhook ``HookingContext`` (what ``method.prepare(model, …)`` returns) in
     its ``TensorDictModule``, a tdhook ``HookedModule`` (what its ``with`` gives) in
     ``hook_root``; a tensordict ``TensorDictModule`` in ``module``; a TransformerLens
-    ``TransformerBridge`` in ``original_model``. Read by class name and module, so none of
-    them need be installed."""
+    ``TransformerBridge`` in ``original_model``; a PEFT ``PeftModel`` in ``get_base_model()``
+    (:func:`_peft_base`). Read by class name and module, so none of them need be installed."""
     if _named(obj, "nnsight", "Envoy"):
         return obj.__dict__.get("_module")
     if _named(obj, "tdhook", "HookingContext"):
@@ -61,7 +61,22 @@ def framework_inner(obj):
         return getattr(obj, "module", None)
     if is_transformer_bridge(obj):
         return getattr(obj, "original_model", None)
+    if _named(obj, "peft", "PeftModel") and callable(getattr(obj, "get_base_model", None)):
+        return _peft_base(obj)
     return None
+
+
+def _peft_base(obj):
+    """A PEFT ``PeftModel``'s model: its adapters (LoRA, IA³, …) are injected into that
+    model's own modules, so its forward is the PeftModel's. Prompt learning (prompt, prefix,
+    p-tuning) instead changes the inputs in ``PeftModel.forward``: the model alone would
+    explain another forward, so it is refused."""
+    config = getattr(obj, "active_peft_config", None)
+    if getattr(config, "is_prompt_learning", False):
+        raise TypeError(f"model: a PeftModel with a prompt-learning adapter ({type(config).__name__}) adds virtual "
+                        "tokens in PeftModel.forward, which pyattr does not read; explain a model with injected "
+                        "adapters (LoRA, IA3, ...) or one with the adapter merged")
+    return obj.get_base_model()
 
 
 def framework_tokenizer(obj):

@@ -231,9 +231,11 @@ def _contrast(contrast, batch: int, generated: int, device) -> Optional[torch.Te
         return None
     if isinstance(contrast, int) and not isinstance(contrast, bool):
         return torch.full((batch, generated), contrast, dtype=torch.long, device=device)
-    c = torch.as_tensor(contrast)
-    if c.dtype not in (torch.int64, torch.int32):
-        raise TypeError("contrast must be a token id or token ids (batch, generated) / (generated,)")
+    c = None if isinstance(contrast, (str, bytes)) else torch.as_tensor(contrast)
+    if c is None or c.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"contrast must be a token id or token ids (batch, generated) / (generated,), got "
+                        f"{type(contrast).__name__} {contrast!r:.40}; a word's id is "
+                        "tokenizer.convert_tokens_to_ids(word)")
     c = c.long().to(device)
     if c.dim() == 1:
         c = c.expand(batch, -1)

@@ -22,7 +22,8 @@ from torch import nn
 from pyattr.methods._core.stacks import is_encoder_decoder
 from pyattr.methods.seq2seq_ig import seq2seq_integrated_gradients
 import pyattr.methods._core as core
-from pyattr.methods._core.convergence import CONVERGENCE_TOLERANCE, ConvergenceWarning, warn_unconverged  # noqa: F401
+from pyattr.methods._core.convergence import (CONVERGENCE_TOLERANCE, ConvergenceWarning,  # noqa: F401
+                                              baseline_hint, warn_unconverged)
 import pyattr.methods._core.text as text
 import pyattr.methods._core.groups as G
 import pyattr.targets as T
@@ -349,7 +350,7 @@ def _integrated(model, prep, tgts, baseline, grad_outputs, pairs, layer, rules, 
     if multiply_by_inputs and not rules.any():
         # completeness holds for the true gradient only: a rule-modified one is no gradient
         # field, and its path integral need not add up to f(x) − f(x₀)
-        warn_unconverged(delta, go.detach().double() * (t64 - f0), n_steps)
+        warn_unconverged(delta, go.detach().double() * (t64 - f0), n_steps, baseline_hint(model, baseline))
     attr = attr64.float()
     tok = attr.sum(-1) if attr.dim() == 3 else None
     return AttributionResult(

@@ -156,8 +156,9 @@ def relevance(
             embeddings (batch, seq, hidden) or (seq, hidden). Relevance becomes
             ``(x − x₀) · g`` and the delta is taken against ``f(x) − f(x₀)`` (one more
             forward, without gradient).
-        grad_outputs (Tensor, optional): the initial gradient, shaped like the target
-            ((batch,), or (k, batch)); default ones (tdhook's ``init_attr_grads``).
+        grad_outputs (Tensor, optional): the initial gradient, shaped like the target's value
+            ((batch,), or (k, batch) as ``result.target``: the transpose of (batch, k) target
+            ids), finite; default ones (tdhook's ``init_attr_grads``).
         attention_mask (Tensor[batch, seq], optional): 1 for real tokens.
         generic (bool): for an architecture without a rule map, structural rule installation
             and the roles structural discovery reads off the module graph; relevance is measured
@@ -284,7 +285,8 @@ def _relevance(model, prep: core.Prepared, tgts, several: bool, rules: Relevance
             check_finite(value, "relevance", several)
         go = check_grad_outputs(grad_outputs, value)
         base = check_baseline(baseline, x)
-        grad, *g_tails = backward(value, [x] + tails[-1:], go, several, chunks=chunks if several else None)
+        grad, *g_tails = backward(value, [x] + tails[-1:], go, several, chunks=chunks if several else None,
+                                  finite=finite)
         backend_name = backends.select(x.device, "identity")
         del fwd, store
         if base is not None:

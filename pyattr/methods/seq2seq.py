@@ -149,7 +149,8 @@ def seq2seq_relevance(model: nn.Module, inputs, target, rules: RelevanceRules, *
             from pyattr.methods._core.chunks import ChunkSizes
 
             chunks = ChunkSizes(batch_targets, fixed=True)
-        g_src, g_tgt, *g_tails = backward(value, [x_src, x_tgt] + tails[-1:], go, several, chunks=chunks)
+        g_src, g_tgt, *g_tails = backward(value, [x_src, x_tgt] + tails[-1:], go, several, chunks=chunks,
+                                          finite=finite)
         backend_name = backends.select(x_src.device, "identity")
         del out, fwd, store
         if baseline is not None:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import pyattr.methods._core as core
-from pyattr.methods._core.convergence import warn_unconverged
+from pyattr.methods._core.convergence import baseline_hint, warn_unconverged
 import pyattr.methods.seq2seq_baseline as B
 import pyattr.methods.seq2seq_inputs as SI
 import pyattr.methods.seq2seq_targets as ST
@@ -137,7 +137,7 @@ def seq2seq_integrated_gradients(model: nn.Module, inputs, target, *, decoder_in
     a_src, a_tgt = integrate(x_src, x0[0], g_src), integrate(x_tgt, x0[1], g_tgt)
     t64, b64 = value.detach().double(), value0.detach().double()
     delta = a_src.double().sum(-1) + a_tgt.double().sum(-1) - (t64 - b64)
-    warn_unconverged(delta, t64 - b64, n)  # completeness checked as on one stack
+    warn_unconverged(delta, t64 - b64, n, baseline_hint(model, baseline))  # completeness checked as on one stack
     return Seq2SeqAttributionResult(
         source_attribution=a_src, target_attribution=a_tgt, convergence_delta=delta, target=t64,
         baseline_target=b64, target_ids=tid, n_steps=n, method=method, coverage=cov,

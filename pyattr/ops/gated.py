@@ -22,6 +22,12 @@ class GatedActivationFunction(torch.autograd.Function):
         return a * up
 
     @staticmethod
+    def native_jacobian(ctx) -> bool:
+        """Neither rule on: the backward is the product's own gradient (a second derivative
+        through it is exact, :func:`pyattr._function.refuse_second_pass`)."""
+        return not (ctx.identity or ctx.half)
+
+    @staticmethod
     def setup_context(ctx, inputs, output):
         gate, up, ctx.act, ctx.identity, ctx.half = inputs
         ctx.save_for_backward(gate, up)

@@ -13,6 +13,7 @@ import pyattr.methods._core as core
 import pyattr.methods._core.groups as G
 import pyattr.methods._core.positions as P
 import pyattr.targets as T
+from pyattr._validation import refuse_meta_model
 from pyattr.methods._core.forward import evaluate_targets, head_free, leaf, run_model
 from pyattr.patching.nodes import Site
 
@@ -29,12 +30,7 @@ def prepare_pair(model, clean, corrupt, alignment, clean_mask, corrupt_mask, cal
                  generic: bool = False) -> Pair:
     """Clean and corrupt checked and lined up. ``alignable`` False (EAP-IG, which
     interpolates position by position): clean and corrupt must line up as they are."""
-    # meta parameters with no offloading hook (accelerate's _hf_hook loads them per module)
-    if any(p.device.type == "meta" for p in model.parameters()) and not any(
-            hasattr(m, "_hf_hook") for m in model.modules()):
-        raise ValueError(f"model: {caller} runs the model, and {type(model).__name__}'s parameters are on the meta "
-                         "device (shapes without values); load its weights first (from_pretrained, or "
-                         "load_state_dict(..., assign=True))")
+    refuse_meta_model(model, caller)
     for name, value in (("clean", clean), ("corrupt", corrupt)):
         if core.is_pixels(value):
             raise TypeError(

@@ -239,14 +239,16 @@ def text(panels: List, heading: str, width: int = 100) -> str:
                 line += piece
             out.append("  " + line.rstrip())
         elif isinstance(p, Matrix):
-            # row labels as wide as the longest (up to 24 characters, cut on the left so that
-            # "model.layers.0" and "model.layers.1" stay apart), one space before each cell
-            w = min(max((len(label(r)) for r in p.rows), default=0), 24)
+            # row labels as wide as the longest (up to 32 characters, cut on the left behind "…"
+            # so that "model.layers.0" and "model.layers.1" stay apart), one space before each cell
+            w = min(max((len(label(r)) for r in p.rows), default=0), 32)
             cols = [label(c)[:8] for c in p.cols][:16]
             out.append("  " + " " * w + "".join(f" {c:>8}" for c in cols) + (" …" if len(p.cols) > 16 else ""))
             for r, vals in list(zip(p.rows, p.values))[:24]:
                 cells = "".join("        ·" if v is None else f" {num(v, '8.2g'):>8}" for v in vals[:16])
-                out.append(f"  {label(r)[-w:] if w else '':>{w}}" + cells)
+                name = label(r)
+                name = name if len(name) <= w else "…" + name[1 - w:]
+                out.append(f"  {name:>{w}}" + cells)
         elif isinstance(p, Curves):
             for y, name in zip(p.ys, p.names):
                 out.append(f"  {name}: " + " ".join(num(v, ".3g") for v in y))

@@ -30,6 +30,12 @@ class ScaleGradientFunction(torch.autograd.Function):
         ctx.scale = inputs[1]
 
     @staticmethod
+    def native_jacobian(ctx) -> bool:
+        """A scale of 1 is the identity's own gradient (:func:`pyattr._function.refuse_second_pass`)."""
+        s = ctx.scale
+        return bool((s == 1).all()) if isinstance(s, torch.Tensor) else s == 1
+
+    @staticmethod
     def backward(ctx, dy: torch.Tensor):
         c = ctx.scale
         if isinstance(c, torch.Tensor):

@@ -82,11 +82,16 @@ def logit_positions(targets: Sequence["Target"], input_ids: torch.Tensor, attent
     return torch.unique(pos)
 
 
-def _gather_logit(logits, pos, tid, name="target"):
-    vocab = logits.shape[-1]
-    tid = tid.to(logits.device)
+def _in_vocab(tid: torch.Tensor, vocab: int, name: str) -> torch.Tensor:
+    """``tid`` where every id is one of the ``vocab`` logits (a negative id would index from
+    the end, silently another token)."""
     if bool(((tid < 0) | (tid >= vocab)).any()):
         raise ValueError(f"{name}: token ids must be in [0, {vocab}), got {tid.tolist()}")
+    return tid
+
+
+def _gather_logit(logits, pos, tid, name="target"):
+    tid = _in_vocab(tid.to(logits.device), logits.shape[-1], name)
     rows = torch.arange(logits.shape[0], device=logits.device)
     return logits[rows, pos.to(logits.device), tid]
 
@@ -199,13 +204,11 @@ class LogProb(Target):
         picked = logits[rows, pos.to(logits.device)]
         lp = torch.log_softmax(picked.to(torch.promote_types(picked.dtype, torch.float32)), dim=-1)
         out = lp.exp() if self.prob else lp
-        tid = token_ids(self.token_id, logits.shape[0]).to(logits.device)
-        if bool(((tid < 0) | (tid >= out.shape[-1])).any()):
-            raise ValueError(f"target: token ids must be in [0, {out.shape[-1]}), got {tid.tolist()}")
+        tid = _in_vocab(token_ids(self.token_id, logits.shape[0]).to(logits.device), out.shape[-1], "target")
         v = out[rows, tid]
         if self.contrast is not None:
-            cid = token_ids(self.contrast, logits.shape[0], "target (contrast)").to(logits.device)
-            v = v - out[rows, cid]
+            cid = token_ids(self.contrast, logits.shape[0], "contrast").to(logits.device)
+            v = v - out[rows, _in_vocab(cid, out.shape[-1], "contrast")]
         return v.to(logits.dtype), tid
 
     def rows(self, index, batch):

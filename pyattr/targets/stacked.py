@@ -16,16 +16,15 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from pyattr.targets.base import Forward, Target, token_ids
-from pyattr.targets.logits import Logit, LogitDiff, LogProb, _kept_index, _logits, _positions
+from pyattr.targets.logits import Logit, LogitDiff, LogProb, _in_vocab, _kept_index, _logits, _positions
 
 
 def _ids(targets, attr: str, batch: int, name: str, device, vocab: Optional[int] = None) -> torch.Tensor:
     """Every target's ids for ``attr``, one after the other; with ``vocab`` each target's
     checked as its own ``value`` checks them (the same message)."""
     parts = [token_ids(getattr(t, attr), batch, name).to(device) for t in targets]
-    for ids in parts if vocab is not None else ():
-        if bool(((ids < 0) | (ids >= vocab)).any()):
-            raise ValueError(f"target: token ids must be in [0, {vocab}), got {ids.tolist()}")
+    if vocab is not None:
+        parts = [_in_vocab(ids, vocab, name.split(" ")[0]) for ids in parts]
     return torch.cat(parts)
 
 
@@ -62,6 +61,6 @@ def stacked_values(targets: Sequence[Target], fwd: Forward) -> Optional[Tuple[to
         tid = _ids(targets, "token_id", batch, "target", dev, vocab)
         vals = out[at, tid]
         if targets[0].contrast is not None:
-            vals = vals - out[at, _ids(targets, "contrast", batch, "target (contrast)", dev)]
+            vals = vals - out[at, _ids(targets, "contrast", batch, "contrast", dev, vocab)]
         vals = vals.to(logits.dtype)
     return vals.view(k, batch), tid.view(k, batch)

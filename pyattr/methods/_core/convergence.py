@@ -16,7 +16,16 @@ class ConvergenceWarning(UserWarning):
 CONVERGENCE_TOLERANCE = 0.05
 
 
-def warn_unconverged(delta: torch.Tensor, change: torch.Tensor, n_steps: int) -> None:
+def baseline_hint(model, baseline) -> str:
+    """What to add to the warning about the baseline: a zero embedding is ill-conditioned on
+    RMS-norm models (the norm's gradient near 0 grows as 1/|x|), said only where it holds."""
+    zero = baseline is None or (isinstance(baseline, str) and baseline == "zeros")
+    # T5's layer norm is an RMS norm under its own name
+    rms = any("RMSNorm" in type(m).__name__ or type(m).__name__.endswith("T5LayerNorm") for m in model.modules())
+    return " (a zero embedding is ill-conditioned on RMSNorm models)" if zero and rms else ""
+
+
+def warn_unconverged(delta: torch.Tensor, change: torch.Tensor, n_steps: int, hint: str = "") -> None:
     """Warn (:class:`ConvergenceWarning`) where a row's ``|delta|`` exceeds
     :data:`CONVERGENCE_TOLERANCE` of ``|f(x) − f(x₀)|`` (Sundararajan et al. 2017, §2.2:
     completeness is the check that the integral was approximated well enough)."""
@@ -33,5 +42,5 @@ def warn_unconverged(delta: torch.Tensor, change: torch.Tensor, n_steps: int) ->
         f"integrated_gradients: the attributions miss f(x) - f(baseline) by {float(delta[r]):+.3g} against "
         f"{float(change[r]):+.3g} ({float(ratio[r]):.0%}; row {r}, {int(bad.sum())} of {bad.numel()} rows over "
         f"{CONVERGENCE_TOLERANCE:.0%}) with n_steps={n_steps}: the path integral has not converged; raise n_steps, "
-        "or start from a baseline nearer the input (a zero embedding is ill-conditioned on RMSNorm models)"),
+        f"or start from a baseline nearer the input{hint}"),
         stacklevel=_caller_level())

@@ -50,14 +50,17 @@ def check_grad_outputs(grad_outputs, value: torch.Tensor) -> torch.Tensor:
     if not (grad_outputs.is_floating_point()):
         raise TypeError(f"grad_outputs must be a floating tensor, got dtype {grad_outputs.dtype}")
     if grad_outputs.shape != value.shape:
-        raise ValueError(
-            f"grad_outputs of shape {tuple(grad_outputs.shape)} must match the target's shape {tuple(value.shape)}"
-        )
+        layout = (" (k targets, batch): the result's target layout, the transpose of (batch, k) target ids"
+                  if value.dim() == 2 else " (batch,)")
+        raise ValueError(f"grad_outputs of shape {tuple(grad_outputs.shape)} must match the target's shape "
+                         f"{tuple(value.shape)}{layout}")
+    if not bool(torch.isfinite(grad_outputs).all()):
+        raise ValueError("grad_outputs holds NaN or inf; the relevance would be NaN")
     return grad_outputs.to(device=value.device, dtype=value.dtype)
 
 
 def backward(value: torch.Tensor, wrt: List[torch.Tensor], go: torch.Tensor, several: bool, retain: bool = False,
-             chunks=None):
+             chunks=None, finite: bool = True):
     """Gradients of ``value`` (weighted by ``go``) with respect to ``wrt``; k targets run
     as one batched backward (``is_grads_batched``). ``chunks`` (k targets only): an object
     with ``next() -> int`` and ``measured(steps, seconds, peak_bytes)`` and a ``meter``
@@ -94,7 +97,23 @@ def backward(value: torch.Tensor, wrt: List[torch.Tensor], go: torch.Tensor, sev
             "target: the explained value does not depend on the inputs (its gradient at the input "
             "embeddings is empty); choose a target computed after the embeddings"
         )
+    if finite:
+        check_gradient_finite(grads[0], several)
     return grads
+
+
+def check_gradient_finite(grad: torch.Tensor, several: bool) -> None:
+    """A finite explained value can still have a NaN gradient (a softmax over a row its mask
+    hides entirely, at a pad position, is NaN in float64's eager attention): relevance from it
+    would be NaN. ValueError naming the row (and the target of k)."""
+    bad = ~torch.isfinite(grad.detach())
+    if not bool(bad.any()):
+        return
+    at = [int(i) for i in bad.nonzero()[0]]
+    where = f"row {at[1]}, target {at[0]}" if several else f"row {at[0]}"
+    raise ValueError(f"the model's backward gives a gradient that is not finite (NaN or inf) at {where}, though the "
+                     "explained value is finite, so its relevance would be NaN (an eager attention mask that hides a "
+                     "whole row, at a pad position, does this in float64; try float32 or attn_implementation='sdpa')")
 
 
 def _chunked(value: torch.Tensor, wrt: List[torch.Tensor], g: torch.Tensor, chunks, retain: bool):

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import pyattr.architectures as A
+import pyattr.methods._core.input_checks as IC
 import pyattr.methods._core.positions as P
 import pyattr.methods._core.readout as R
 from pyattr.methods._core.taps import mark_entry_streams
@@ -291,6 +292,7 @@ def prepare(model: nn.Module, inputs, attention_mask, caller: str, generic: bool
         rows, cols = patch_grid(model, px, caller, generic)
         layout = torch.full((px.shape[0], 1 + rows * cols), -1, dtype=torch.long, device=px.device)
         return Prepared(kwargs, layout, None, entry, where, (rows, cols))
+    IC.refuse_media_with_tokens(model, kwargs, caller)
     kwargs = padding_positions(model, kwargs)
     R.check_model_forward(model, new_tokens(kwargs.get("attention_mask"), kwargs["input_ids"].shape[1]), caller)
     A.refuse_padded_streams(model, kwargs.get("attention_mask"), "attention_mask", caller)
@@ -300,6 +302,8 @@ def prepare(model: nn.Module, inputs, attention_mask, caller: str, generic: bool
         kwargs["use_cache"] = False
     ids = kwargs["input_ids"]
     check_token_ids(model, ids, name)
+    IC.check_token_types(model, kwargs)
+    IC.warn_padding_without_mask(model, kwargs, name, caller)
     kwargs = _fit_positions(model, kwargs)
     check_length(model, _read_lengths(model, kwargs), name)
     return Prepared(kwargs, ids, new_tokens(kwargs.get("attention_mask"), ids.shape[1]), entry, where)

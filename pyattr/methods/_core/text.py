@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from pyattr._module_state import kept_state
+from pyattr._validation import refuse_meta
 from pyattr.config import RelevanceRules
 from pyattr.methods._core.id_lists import _pad_rows, ids_from_lists
 from pyattr.methods._core.stacks import refuse_encoder_decoder
@@ -466,6 +467,7 @@ def text_inputs(caller: str, *, inputs: Sequence[str] = ("inputs",), target: Opt
                                      call.model, caller, left=left, name=name)
             # the model as the call found it: a forward may change the model it runs on
             # (BigBird switches itself to full attention on a short input, for every later call)
+            refuse_meta(a["model"], a, caller)
             with kept_state(a["model"]) if isinstance(a["model"], nn.Module) else contextlib.nullcontext():
                 result = fn(*bound.args, **bound.kwargs)
             if getattr(result, "own_tokens", False):  # an encoder–decoder result fills both sides' tokens itself
