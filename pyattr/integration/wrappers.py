@@ -94,11 +94,12 @@ def framework_tokenizer(obj):
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The model inside ``nn.DataParallel`` / ``DistributedDataParallel`` wrappers (any depth),
-    and inside the wrappers of nnsight, tdhook and TransformerLens (:func:`framework_inner`).
+    and inside the wrappers of nnsight, tdhook, TransformerLens and PEFT (:func:`framework_inner`).
 
     Raises:
         TypeError: ``model`` is sharded with FSDP (``FullyShardedDataParallel`` or
-            ``fully_shard``): no process holds whole parameters to explain with.
+            ``fully_shard``): no process holds whole parameters to explain with; a PEFT
+            model with a prompt-learning adapter (:func:`_peft_base`).
     """
     from torch.nn.parallel import DistributedDataParallel
 
