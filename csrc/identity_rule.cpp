@@ -59,7 +59,7 @@ struct IdentityRule : public torch::autograd::Function<IdentityRule> {
     const std::string kind = ctx->saved_data["kind"].toStringRef();
     if (!ctx->needs_input_grad(0)) return {at::Tensor(), at::Tensor()};
     // recorded for a second derivative with an incoming gradient computed from the graph:
-    // refused (second_order.h; pyattr/_function.py, refuse_second_pass)
+    // refused (second_order.h; pyattr/_function.py, check_second_order)
     TORCH_CHECK(!at::GradMode::is_enabled() || !grads[0].defined() || grads[0].grad_fn() == nullptr,
                 PYATTR_SECOND_PASS_MESSAGE);
     if (at::GradMode::is_enabled()) {

@@ -108,7 +108,7 @@ struct LayerNormRule : public torch::autograd::Function<LayerNormRule> {
     const bool need_b = has_b && ctx->needs_input_grad(has_w ? 2 : 1);
     Triple r;
     // recorded for a second derivative with an incoming gradient computed from the graph:
-    // refused (second_order.h; pyattr/_function.py, refuse_second_pass)
+    // refused (second_order.h; pyattr/_function.py, check_second_order)
     TORCH_CHECK(!at::GradMode::is_enabled() || !grads[0].defined() || grads[0].grad_fn() == nullptr,
                 PYATTR_SECOND_PASS_MESSAGE);
     if (at::GradMode::is_enabled()) {

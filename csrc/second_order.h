@@ -1,7 +1,7 @@
 // The refusal of a backward recorded for a second derivative (create_graph=True) whose
 // incoming gradient was computed from the graph: the second derivative would flow back
 // through the rule node's output, where it needs the forward's own Jacobian and the node
-// has the rule's. The same words as pyattr/_function.py's refuse_second_pass.
+// has the rule's. The same words as pyattr/_function.py's check_second_order.
 #pragma once
 
 #define PYATTR_SECOND_PASS_MESSAGE                                                                           \

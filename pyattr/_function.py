@@ -54,10 +54,6 @@ def _twin(cls: Type[torch.autograd.Function]) -> Type[torch.autograd.Function]:
         return out
 
     def backward(ctx, *grads):
-        if torch.is_grad_enabled() and any(isinstance(g, torch.Tensor) and g.grad_fn is not None for g in grads):
-            native = getattr(cls, "native_jacobian", None)  # a node that runs no rule this time
-            if native is None or not native(ctx):
-                refuse_second_pass(cls.__name__)
         return cls.backward(ctx, *grads)
 
     # same name, so the graph shows the same <Name>Backward node either way
@@ -69,21 +65,69 @@ def _twin(cls: Type[torch.autograd.Function]) -> Type[torch.autograd.Function]:
     return twin
 
 
-def refuse_second_pass(name: str) -> None:
-    """A rule node's backward recorded for a second derivative (``create_graph=True``) with an
-    incoming gradient computed from the graph (a nonlinearity after the op: ``op(x) ** 2``,
-    any model): the second derivative would flow back through the op's *output*, where the
-    derivative of the rule gradient needs the forward's own Jacobian and the op's node has
-    only the rule's, so the number would not be that derivative. With an incoming gradient
-    that is a given tensor (a leaf: ``grad_outputs``, gradgradcheck's), the second derivative
-    is exact and runs. The C++ nodes (csrc/second_order.h) say the same."""
-    raise RuntimeError(
-        f"{name}: a second derivative (create_graph=True) would flow back through the output of one of pyattr's "
-        "rule ops, whose node gives the rule's Jacobian where the derivative of the rule gradient needs the "
-        "forward's own, so the result would not be that derivative. Second-order gradients are exact with respect "
-        "to a rule op's own input and a given incoming gradient only (identity_rule(x, act) with grad_outputs); "
-        "through a model under use_relevance_rules, differentiate the rule gradient by finite differences, or "
-        "take second derivatives outside the scope")
+def second_order_checked(cls=None, *, held: bool = False):
+    """Class decorator of a rule Function: its backward refuses to be recorded for a further
+    derivative where that derivative would not be the derivative of the rule gradient
+    (:func:`check_second_order`), on every path (the eager twin calls the same backward).
+    ``held``: the Function holds a value constant (no gradient to its input), so any
+    recorded backward through it misses that value's dependence on the input."""
+    def wrap(cls):
+        inner = cls.backward
+        # where the forward ran under a torch.func transform, its backward runs as functorch
+        # records it (tf.vjp's function too, later, outside the transform): only a nested
+        # level is a further derivative there
+        setup = "setup_context" if "setup_context" in cls.__dict__ else "forward"
+        first = getattr(cls, setup)
+
+        def marked(ctx, *args):
+            ctx.pyattr_functorch = torch._C._are_functorch_transforms_active()
+            return first(ctx, *args)
+
+        def backward(ctx, *grads):
+            check_second_order(cls, ctx, grads, held)
+            return inner(ctx, *grads)
+
+        setattr(cls, setup, staticmethod(marked))
+        cls.backward = staticmethod(backward)
+        return cls
+
+    return wrap(cls) if cls is not None else wrap
+
+
+def _grad_levels() -> int:
+    stack = getattr(torch._C._functorch, "get_interpreter_stack", lambda: None)() or ()
+    return sum(i.key() == torch._C._functorch.TransformType.Grad for i in stack)
+
+
+def check_second_order(cls, ctx, grads, held: bool) -> None:
+    """A rule node's backward recorded for a further derivative (eager ``create_graph=True``,
+    or a ``torch.func.grad`` inside another) raises where the second derivative would flow
+    back through the op's *output* (an incoming gradient computed from the graph: a
+    nonlinearity after the op, any model; under ``torch.func`` every nested level), since
+    the node has the rule's Jacobian where the forward's own is needed, or through a held
+    value (``held``). A node that runs no rule this time (``cls.native_jacobian(ctx)``)
+    and a given incoming gradient (a leaf: ``grad_outputs``, gradgradcheck's) run: their
+    second derivative is exact. The C++ nodes (csrc/second_order.h) say the same."""
+    if not torch.is_grad_enabled():
+        return
+    functorch = getattr(ctx, "pyattr_functorch", False) or torch._C._are_functorch_transforms_active()
+    if functorch and _grad_levels() < 2:  # one torch.func.grad records its own backward
+        return
+    native = getattr(cls, "native_jacobian", None)
+    if native is not None and native(ctx):
+        return
+    from pyattr.backends._vmap import batched  # is_grads_batched's gradients hide their grad_fn
+
+    if held or functorch or any(isinstance(g, torch.Tensor) and (g.grad_fn is not None or batched(g))
+                                for g in grads):
+        what = "a value the rule holds constant" if held else "the output of one of pyattr's rule ops"
+        raise RuntimeError(
+            f"{cls.__name__}: a second derivative (create_graph=True) would flow back through {what}, whose node "
+            "gives the rule's Jacobian where the derivative of the rule gradient needs the forward's own, so the "
+            "result would not be that derivative. Second-order gradients are exact with respect to a rule op's own "
+            "input and a given incoming gradient only (identity_rule(x, act) with grad_outputs); through a model "
+            "under use_relevance_rules, differentiate the rule gradient by finite differences, or take second "
+            "derivatives outside the scope")
 
 
 def refuse_forward_mode() -> None:

@@ -112,8 +112,8 @@ def test_a_second_derivative_back_through_a_rule_output_is_refused(name, backend
 
 
 @pytest.mark.parametrize("rules,msg", [
-    (pyattr.RelevanceRules(attention="frozen"), "FrozenAttentionFunction: a second derivative \\(create_graph=True\\) through the "
-                                  "AH-rule's attention"),
+    (pyattr.RelevanceRules(attention="frozen"), "FrozenAttentionFunction: a second derivative \\(create_graph=True\\) would flow back "
+                                  "through a value the rule holds constant"),
     (pyattr.RelevanceRules(normalization=True), SECOND_PASS),
     (pyattr.RelevanceRules(attention="attnlrp"), SECOND_PASS),
     (pyattr.RelevanceRules.all(), SECOND_PASS),
@@ -181,3 +181,29 @@ def test_custom_activation_second_order_at_zero(op):
     assert torch.isfinite(res[1][1]).all()
     torch.testing.assert_close(res[1][0], res[0][0], atol=1e-12, rtol=1e-10)
     torch.testing.assert_close(res[1][1], res[0][1], atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("how", ["nested torch.func.grad", "is_grads_batched"])
+def test_second_derivatives_by_other_routes_are_refused_too(how):
+    """The check sits in every rule Function's backward, not in one way of calling it: a
+    ``torch.func.grad`` inside another, and a batched backward recorded with
+    ``create_graph=True`` (whose gradients hide their ``grad_fn``), are refused as eager
+    ``create_graph=True`` is; one level of ``torch.func.grad`` / ``vjp`` still runs
+    (tests/test_scope_torch_func.py)."""
+    import torch.func as tf
+
+    m = tiny_causal_lm("llama", dtype=torch.float64)
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(2))
+    emb = m.get_input_embeddings()(ids).detach()
+
+    def f(e):
+        return m(inputs_embeds=e).logits[0, -1, 3]
+
+    with pyattr.use_relevance_rules(m, pyattr.RelevanceRules(normalization=True)):
+        with pytest.raises(RuntimeError, match=SECOND_PASS):
+            if how == "is_grads_batched":
+                e = emb.clone().requires_grad_(True)
+                out = m(inputs_embeds=e).logits[0, -1, :2]
+                torch.autograd.grad(out, e, torch.eye(2, dtype=out.dtype), is_grads_batched=True, create_graph=True)
+            else:
+                tf.grad(lambda e: (e * tf.grad(f)(e)).sum(-1)[0, 2])(emb)

@@ -46,6 +46,7 @@ from typing import Dict, Iterator, List
 import torch
 from torch import nn
 
+import pyattr._function as _function
 from pyattr._components import _has_class, is_component, is_transformer_bridge, native  # noqa: F401 - re-exported
 from pyattr.integration.errors import RelevanceRuleUnsupportedError
 from pyattr.integration.install import GATED_MEMORY
@@ -84,6 +85,7 @@ def mount_names(bridge) -> Dict[int, str]:
     return names
 
 
+@_function.second_order_checked(held=True)
 class _Held(torch.autograd.Function):
     """The same values, held constant: no gradient passes to the input."""
 

@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+import pyattr._function as _function
 import pyattr.architectures as A
 from pyattr._module_forward import forward_name, forward_of, nnsight_controller, nnsight_tracing
 from pyattr.activations import Activation, forward_fn, phi
@@ -259,6 +260,7 @@ def activation_forward(kind: str):
 _GATED_NAMES = ("gate_proj", "up_proj", "down_proj", "act_fn")
 
 
+@_function.second_order_checked
 class _IdentityOfOutput(torch.autograd.Function):
     """``a`` (an activation's output, as its module computed it from ``g``) carrying the
     Identity-rule to ``g``: ``dg = φ·dy`` with ``φ = a/g`` (where ``g = 0``, the activation's

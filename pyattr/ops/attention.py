@@ -21,6 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
+import pyattr._function as _function
 import pyattr.backends as backends
 from pyattr.backends.reference import (  # noqa: F401 (public here too)
     additive_mask,
@@ -85,6 +86,9 @@ def _fold_targets(q, k, dout, mask, scaling, softcap, causal):
     return torch._add_batch_dim(dv, 0, level)
 
 
+# held: the AH-rule's gradient Pᵀ·dO depends on the input through the pattern, which the rule
+# holds constant (q and k detached), so no recorded backward could carry that dependence
+@_function.second_order_checked(held=True)
 class FrozenAttentionFunction(torch.autograd.Function):
     """The native attention call as forward; ``dV = Pᵀ·dO`` as backward (q and k get none).
 
@@ -107,15 +111,6 @@ class FrozenAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dweights):
-        if torch.is_grad_enabled():
-            # A backward recorded for a second derivative: the AH-rule's gradient Pᵀ·dO depends
-            # on the input through the pattern, which the rule holds constant (q and k detached),
-            # so no recorded graph could carry that dependence; its derivative would miss it.
-            raise RuntimeError(
-                "FrozenAttentionFunction: a second derivative (create_graph=True) through the AH-rule's attention: "
-                "the rule holds the attention pattern constant, so the rule gradient's dependence on the input "
-                "through the pattern is in no graph and its derivative would miss it. Differentiate the rule "
-                "gradient by finite differences, or take second derivatives outside use_relevance_rules")
         query, key, mask = ctx.saved_tensors
         dtype, shape = ctx.value_meta
         do = dout.transpose(1, 2)  # (batch, heads, q_len, v_dim)

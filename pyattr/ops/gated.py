@@ -10,6 +10,7 @@ from pyattr._validation import check_float, check_same_device
 from pyattr.activations import Activation, resolve_activation
 
 
+@_function.second_order_checked
 class GatedActivationFunction(torch.autograd.Function):
     """Saves ``gate`` and ``up`` only; ``act(gate)`` and φ are recomputed in the backward.
     Vmappable."""
@@ -24,7 +25,7 @@ class GatedActivationFunction(torch.autograd.Function):
     @staticmethod
     def native_jacobian(ctx) -> bool:
         """Neither rule on: the backward is the product's own gradient (a second derivative
-        through it is exact, :func:`pyattr._function.refuse_second_pass`)."""
+        through it is exact, :func:`pyattr._function.check_second_order`)."""
         return not (ctx.identity or ctx.half)
 
     @staticmethod

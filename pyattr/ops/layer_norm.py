@@ -18,6 +18,7 @@ def _plain_layer_norm(native: Optional[Callable]) -> bool:
     return native is None or getattr(native, "__func__", None) is torch.nn.LayerNorm.forward
 
 
+@_function.second_order_checked
 class LayerNormRuleFunction(torch.autograd.Function):
     """Saves ``x`` and ``weight``; for float32 / float64 inputs with a plain LayerNorm
     forward also the per-row mean and rstd that ``torch.native_layer_norm`` (the forward:

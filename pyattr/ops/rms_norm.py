@@ -12,6 +12,7 @@ import pyattr.backends as backends
 from pyattr._validation import check_eps, check_float, check_has_hidden, check_norm_param, check_same_device
 
 
+@_function.second_order_checked
 class RMSNormRuleFunction(torch.autograd.Function):
     """Saves ``x`` and ``weight``; r is recomputed in the backward. Inside pyattr's own
     passes (:func:`pyattr._function.first_order_saves`) with no weight gradient asked, it

@@ -14,6 +14,7 @@ from pyattr._validation import check_broadcast, check_float, check_same_device
 from pyattr.backends._vmap import sum_to
 
 
+@_function.second_order_checked
 class HalfRuleFunction(torch.autograd.Function):
     """Saves ``u`` and ``v`` (each is the other's gradient factor). Vmappable."""
 

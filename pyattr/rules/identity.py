@@ -17,6 +17,7 @@ from pyattr._validation import check_float
 from pyattr.activations import Activation, resolve_activation
 
 
+@_function.second_order_checked
 class IdentityRuleFunction(torch.autograd.Function):
     """Saves ``x`` only; φ is recomputed from it in the backward. Vmappable: the forward
     and backward are batched as they stand (the backward's kernels have batching rules)."""

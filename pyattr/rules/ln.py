@@ -17,6 +17,7 @@ from pyattr._validation import check_broadcast, check_eps, check_float, check_ha
 from pyattr.backends._vmap import sum_to
 
 
+@_function.second_order_checked
 class LNRuleFunction(torch.autograd.Function):
     """``num / denom`` with no gradient to ``denom``. Saves ``denom`` only. Vmappable."""
 

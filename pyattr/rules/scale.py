@@ -16,6 +16,7 @@ from pyattr._validation import check_float, check_same_device
 from pyattr.backends._vmap import sum_to
 
 
+@_function.second_order_checked
 class ScaleGradientFunction(torch.autograd.Function):
     """Saves nothing but the (small) scale. Vmappable."""
 
@@ -31,7 +32,7 @@ class ScaleGradientFunction(torch.autograd.Function):
 
     @staticmethod
     def native_jacobian(ctx) -> bool:
-        """A scale of 1 is the identity's own gradient (:func:`pyattr._function.refuse_second_pass`)."""
+        """A scale of 1 is the identity's own gradient (:func:`pyattr._function.check_second_order`)."""
         s = ctx.scale
         return bool((s == 1).all()) if isinstance(s, torch.Tensor) else s == 1
 
