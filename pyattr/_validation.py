@@ -79,8 +79,9 @@ def refuse_meta_model(model, caller: str) -> None:
     if callable(modules) and any(hasattr(m, "_hf_hook") for m in modules()):
         return
     raise ValueError(f"model: {caller} runs the model, and {type(model).__name__}'s parameters are on the meta "
-                     "device (shapes without values); load its weights first (from_pretrained, or "
-                     "load_state_dict(..., assign=True))")
+                     "device (shapes without values); load its weights first (from_pretrained, "
+                     "load_state_dict(..., assign=True), or for an nnsight LanguageModel, which loads lazily, "
+                     "dispatch=True or .dispatch())")
 
 
 def refuse_meta(model, arguments: dict, caller: str) -> None:

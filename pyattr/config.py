@@ -5,7 +5,7 @@ from __future__ import annotations
 from pyattr._repr import summary_repr
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Union
+from typing import Dict, List, Optional, Union
 
 _ATTENTION_MODES = {False: False, True: "frozen", "frozen": "frozen", "attnlrp": "attnlrp"}
 _ROUTING_MODES = {False: False, True: "frozen", "frozen": "frozen"}
@@ -133,3 +133,32 @@ class RelevanceRuleCoverage:
         if path not in self.skipped and path not in self.installed:
             self.skipped.append(path)
             self.reasons[path] = reason
+
+
+RULE_SHORTHANDS = ("all", "attnlrp", "ln", "none")
+
+
+def rules_from(rules, name: str = "rules") -> Optional[RelevanceRules]:
+    """``None`` / a :class:`RelevanceRules` unchanged; ``"all"`` (the four rules, AH-rule
+    attention), ``"attnlrp"`` (the four rules, AttnLRP attention), ``"ln"`` (the LN-rule
+    alone), ``"none"`` (every rule off: plain gradient × input).
+
+    Anything else is returned as given, for the method to check (:func:`pyattr.methods._core.inputs.rule_defaults`).
+
+    Raises:
+        ValueError: an unknown shorthand.
+    """
+    if not isinstance(rules, str):  # RelevanceRules, None, or what the method itself refuses
+        return rules
+    if isinstance(rules, str):
+        key = rules.strip().lower()
+        if key == "all":
+            return RelevanceRules.all()
+        if key == "attnlrp":
+            return RelevanceRules.all("attnlrp")
+        if key == "ln":
+            return RelevanceRules(normalization=True)
+        if key == "none":
+            return RelevanceRules()
+        raise ValueError(f"{name}: expected a RelevanceRules or one of {', '.join(map(repr, RULE_SHORTHANDS))}, "
+                         f"got {rules!r}")

@@ -31,9 +31,15 @@ def test_a_contrast_token_outside_the_vocabulary_is_refused(lm, contrast):
     msg = f"contrast: token ids must be in \\[0, 50\\), got \\[{contrast}\\]"
     with pytest.raises(ValueError, match=msg):
         pyattr.relevance(model, TEXT, tokenizer=tok, target=LogProb(6, contrast=contrast))
-    with pytest.raises(ValueError, match=msg):  # k steps read together (targets/stacked.py)
-        pyattr.generation_relevance(model, "sun cat red tree sun", tokenizer=tok, max_new_tokens=2, target="logprob",
-                                    contrast=contrast)
+    # generation checks them before it explains, named as the contrast for every target kind
+    for kind in ("logprob", "logit"):
+        with pytest.raises(ValueError, match=f"contrast: token ids must be in \\[0, 50\\) \\(the input embedding's rows, "
+                                             f"config.vocab_size\\), got \\[{contrast}\\]"):
+            pyattr.generation_relevance(model, "sun cat red tree sun", tokenizer=tok, max_new_tokens=2, target=kind,
+                                        contrast=contrast)
+    # k targets read together (targets/stacked.py) name it too
+    with pytest.raises(ValueError, match=msg):
+        pyattr.relevance(model, TEXT, tokenizer=tok, target=[LogProb(6, contrast=contrast), LogProb(7, contrast=contrast)])
 
 
 def test_a_contrast_word_is_refused_with_the_way_to_its_id(lm):
@@ -75,10 +81,13 @@ def test_meta_models_and_tensors_are_refused_by_name(lm):
         pyattr.relevance(model, ids.to("meta"))
     with pytest.raises(ValueError, match="baseline: a tensor on the meta device"):
         pyattr.relevance(model, ids, baseline=torch.zeros(1, ids.shape[1], 64, device="meta"))
-    # a shape-only forward under a user's scope has no values to check, and runs
-    with pyattr.use_relevance_rules(meta):
-        out = meta(input_ids=torch.ones(1, 5, dtype=torch.long, device="meta")).logits
-    assert out.is_meta and out.shape == (1, 5, 50)
+    # a scope on it too: loading may put other modules in place of those that carry the rules
+    # (an nnsight LanguageModel's dispatch does), which then run without them
+    with pytest.raises(ValueError, match="model: use_relevance_rules runs the model, and LlamaForCausalLM's "
+                                         "parameters are on the meta device .* dispatch=True or .dispatch\\(\\)"):
+        with pyattr.use_relevance_rules(meta):
+            pass
+    # a shape-only forward (fake tensors) under a user's scope has no values to check, and runs
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode(allow_non_fake_inputs=True), pyattr.use_relevance_rules(model):
@@ -104,6 +113,12 @@ def test_padded_ids_without_their_mask_warn(lm):
         warnings.simplefilter("error")
         pyattr.relevance(model, enc)  # with its mask: silent, and right
         pyattr.relevance(model, enc["input_ids"][:1])  # no pad in it
+        eos = model.config.eos_token_id
+        try:  # a pad token that is also one of several EOS tokens legitimately ends a row
+            model.config.eos_token_id = [7, 0]
+            pyattr.relevance(model, enc["input_ids"])
+        finally:
+            model.config.eos_token_id = eos
 
 
 def test_token_type_ids_past_the_table_are_refused():
@@ -164,3 +179,17 @@ def test_the_zero_baseline_hint_names_rms_norms_only_where_they_are():
     llama, bert = tiny_causal_lm("llama"), tiny_causal_lm("bert")
     assert baseline_hint(llama, "zeros") == baseline_hint(llama, None) != ""
     assert baseline_hint(llama, "pad") == "" and baseline_hint(bert, "zeros") == ""
+
+
+def test_the_scope_takes_the_methods_rule_shorthands(lm):
+    model, tok = lm
+    ids = tok(TEXT, return_tensors="pt")["input_ids"]
+    want = pyattr.relevance(model, ids, rules="attnlrp")
+    with pyattr.use_relevance_rules(model, "attnlrp"):
+        x = model.get_input_embeddings()(ids).detach().requires_grad_()
+        model(inputs_embeds=x).logits[0, -1, int(want.target_ids[0])].backward()
+    torch.testing.assert_close((x.grad * x).sum(-1), want.token_relevance, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="rules: expected a RelevanceRules or one of 'all', 'attnlrp', 'ln', 'none', "
+                                         "got 'lrp'"):
+        with pyattr.use_relevance_rules(model, "lrp"):
+            pass

@@ -516,3 +516,20 @@ def test_a_layer_the_gated_rule_never_runs_is_named(llama64):
         pyattr.integrated_gradients(llama64, ids, 5, rules="all", layer="model.layers.1.mlp.act_fn", n_steps=4)
     assert "_pyattr_tapped" not in llama64.model.layers[1].mlp.act_fn.__dict__  # the tap's mark is gone
     pyattr.integrated_gradients(llama64, ids, 5, rules="ln", layer="model.layers.1.mlp.act_fn", n_steps=4)
+
+
+@pytest.mark.parametrize("layer", ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.k_proj"])
+def test_layer_ig_at_a_projection_the_ah_rule_holds_is_zero(layer):
+    """The AH-rule detaches q and k: no gradient reaches them, and layer_relevance reads 0
+    there. The path point put in place of the projection's output had carried the native
+    attention gradient past the rule (0.16 at q_proj); it is held as the output is."""
+    from models import tiny_causal_lm
+
+    m = tiny_causal_lm("llama", dtype=torch.float64)
+    ids = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(1))
+    ig = pyattr.integrated_gradients(m, ids, target=5, layer=layer, n_steps=4, rules="all")
+    assert torch.count_nonzero(ig.attribution) == 0
+    lr = pyattr.layer_relevance(m, ids, [layer], target=5, rules="all")
+    assert torch.count_nonzero(lr.layers[layer].relevance) == 0
+    assert torch.count_nonzero(pyattr.integrated_gradients(m, ids, target=5, layer=layer, n_steps=4,
+                                                           rules="attnlrp").attribution) > 0

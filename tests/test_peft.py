@@ -65,3 +65,14 @@ def test_a_prompt_learning_peft_model_is_refused_by_name():
     with pytest.raises(TypeError, match="prompt-learning adapter"):
         with pyattr.use_relevance_rules(pm):
             pass
+
+
+def test_a_mixed_peft_model_is_its_base_model_with_the_adapters():
+    base = tiny_causal_lm("llama", dtype=torch.float64)
+    torch.manual_seed(1)
+    cfg = peft.LoraConfig(r=4, target_modules=TARGETS["llama"], init_lora_weights=False)
+    mixed = peft.get_peft_model(base, cfg, mixed=True).eval()
+    ids = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(4))
+    wrapped = pyattr.relevance(mixed, ids, target=5)
+    inner = pyattr.relevance(mixed.base_model.model, ids, target=5)
+    assert torch.equal(wrapped.token_relevance, inner.token_relevance)

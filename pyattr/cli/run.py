@@ -20,7 +20,7 @@ def parse_rules(text: str):
     normalization, activation, multiplicative_gate, attention (the AH-rule), routing
     (frozen mixture-of-experts routing)."""
     from pyattr.config import RelevanceRules
-    from pyattr.methods._core.text import RULE_SHORTHANDS, rules_from
+    from pyattr.config import RULE_SHORTHANDS, rules_from
 
     if text.strip().lower() in RULE_SHORTHANDS:
         return rules_from(text)

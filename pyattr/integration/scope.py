@@ -12,7 +12,8 @@ import pyattr.architectures as A
 from pyattr.integration.attention import attnlrp_attention, frozen_attention
 from pyattr.integration.bridge import bridge_seams, check_plan as check_bridge, is_transformer_bridge, mount_names
 from pyattr.integration.checkpoint import checkpoints_bound
-from pyattr.config import RelevanceRuleCoverage, RelevanceRules
+from pyattr.config import RelevanceRuleCoverage, RelevanceRules, rules_from
+from pyattr._validation import refuse_meta_model
 from pyattr.integration.errors import RelevanceRuleConflictError, RelevanceRuleUnsupportedError
 from pyattr.integration.forwards import Step
 from pyattr.integration.install import (
@@ -72,7 +73,8 @@ def use_relevance_rules(
             :mod:`pyattr.integration.bridge`), an nnsight ``NNsight`` / ``LanguageModel`` (the
             rule forwards run inside its traces), a tdhook context or hooked module, or a
             module of the user's around one such model (:func:`~pyattr.integration.wrappers.mapped_inside`).
-        rules (RelevanceRules, optional): which rules. ``RelevanceRules()`` is every rule off
+        rules (RelevanceRules | str, optional): which rules, or one of the methods' shorthands
+            ``"all"``, ``"attnlrp"``, ``"ln"``, ``"none"``. ``RelevanceRules()`` is every rule off
             (TransformerLens' defaults: ``RelevanceRules(normalization=True)`` is the
             LN-rule alone). Default (``None``): ``RelevanceRules.all()``, the four rules
             with the AH-rule.
@@ -112,7 +114,10 @@ def use_relevance_rules(
     """
     names = mount_names(model) if is_transformer_bridge(model) else {}
     model = unwrap(model)
-    rules = RelevanceRules.all() if rules is None else rules
+    # rules placed on modules that hold no weights yet: loading may put other module objects
+    # in their place (an nnsight LanguageModel's dispatch does), which then run without them
+    refuse_meta_model(model, "use_relevance_rules")
+    rules = RelevanceRules.all() if rules is None else rules_from(rules)  # "all", "attnlrp", "ln", "none" too
     generic = check_mode(generic)
     if not generic and isinstance(model, nn.Module):
         model = mapped_inside(model, {**A.ARCHITECTURES, **A.SEQ2SEQ})

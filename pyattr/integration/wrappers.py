@@ -63,6 +63,8 @@ def framework_inner(obj):
         return getattr(obj, "original_model", None)
     if _named(obj, "peft", "PeftModel") and callable(getattr(obj, "get_base_model", None)):
         return _peft_base(obj)
+    if _named(obj, "peft", "PeftMixedModel"):  # forward: base_model (the tuner) → its model
+        return getattr(getattr(obj, "base_model", None), "model", None)
     return None
 
 

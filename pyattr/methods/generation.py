@@ -401,6 +401,8 @@ def generation_relevance(
     if generated == 0:
         raise ValueError("nothing to explain: the continuation is empty (or generation stopped at once)")
     alt = _contrast(contrast, batch, generated, ids.device)
+    if alt is not None:
+        core.check_token_ids(model, alt, "contrast")
     seqs = torch.cat([ids, gen], 1)
     full_mask = torch.cat([mask, torch.ones_like(gen)], 1)
     seq = seqs.shape[1]

@@ -28,6 +28,7 @@ import pyattr.methods._core.text as text
 import pyattr.methods._core.groups as G
 import pyattr.targets as T
 from pyattr.config import RelevanceRuleCoverage, RelevanceRules
+from pyattr.integration.install import rule_holds_output
 from pyattr.integration.wrappers import unwrap
 from pyattr.methods._core.baseline import (
     baseline_forward,
@@ -394,9 +395,14 @@ def _chunk_grads(model, prep, pairs, fixed, rows, batch, start, end, alphas, go)
     tg = [t.rows(rows, batch) for t in fixed]
     store: dict = {}
 
+    held = []
+
     def replace(t):
         if t.shape != points.shape:
             raise ValueError(f"the value at the path has shape {tuple(t.shape)}, expected {tuple(points.shape)}")
+        if torch.is_grad_enabled() and not t.requires_grad and rule_holds_output(where_mod):
+            held.append(True)  # the AH-rule's q/k: no gradient reaches it, the path point neither
+            return points.detach()
         return points
 
     where_mod, where = pairs[0] if pairs else (prep.entry, prep.where)
@@ -406,6 +412,8 @@ def _chunk_grads(model, prep, pairs, fixed, rows, batch, start, end, alphas, go)
         with core.record_modules(model, T.module_paths(tg), store):
             value, _, _ = evaluate_targets(tg, run_model(model, sub, tg, store, keep_logits=head_free(model, [where_mod])),
                                            False)
+        if held:
+            return torch.zeros_like(points, dtype=torch.float64)
         if not value.requires_grad:
             raise ValueError("target: the explained value does not depend on the inputs, so every attribution would be 0")
         (g,) = torch.autograd.grad(value, points, go.to(value.dtype), allow_unused=True)

@@ -20,7 +20,9 @@ def warn_padding_without_mask(model: nn.Module, kwargs: dict, name: str, caller:
     if kwargs.get("attention_mask") is not None or not isinstance(ids, torch.Tensor) or ids.dim() != 2 \
             or ids.shape[1] == 0 or not isinstance(pad, int) or ids.is_meta:
         return
-    if pad in (getattr(cfg, "bos_token_id", None), getattr(cfg, "eos_token_id", None)):
+    ends = [getattr(cfg, "bos_token_id", None), getattr(cfg, "eos_token_id", None)]
+    ends = [i for e in ends for i in (e if isinstance(e, (list, tuple)) else [e])]  # eos may be a list
+    if pad in ends:
         return
     if bool((ids[:, [0, -1]] == pad).any()):
         warnings.warn(f"{caller}: {name} hold the pad token (id {pad}) at a row's start or end and no attention_mask "

@@ -19,40 +19,11 @@ from torch import nn
 
 from pyattr._module_state import kept_state
 from pyattr._validation import refuse_meta
-from pyattr.config import RelevanceRules
+from pyattr.config import RelevanceRules, rules_from
 from pyattr.methods._core.id_lists import _pad_rows, ids_from_lists
 from pyattr.methods._core.stacks import refuse_encoder_decoder
 
 #: ``rules=`` shorthands, as the command line's ``--rules`` reads them
-RULE_SHORTHANDS = ("all", "attnlrp", "ln", "none")
-
-
-def rules_from(rules, name: str = "rules") -> Optional[RelevanceRules]:
-    """``None`` / a :class:`RelevanceRules` unchanged; ``"all"`` (the four rules, AH-rule
-    attention), ``"attnlrp"`` (the four rules, AttnLRP attention), ``"ln"`` (the LN-rule
-    alone), ``"none"`` (every rule off: plain gradient × input).
-
-    Anything else is returned as given, for the method to check (:func:`pyattr.methods._core.inputs.rule_defaults`).
-
-    Raises:
-        ValueError: an unknown shorthand.
-    """
-    if not isinstance(rules, str):  # RelevanceRules, None, or what the method itself refuses
-        return rules
-    if isinstance(rules, str):
-        key = rules.strip().lower()
-        if key == "all":
-            return RelevanceRules.all()
-        if key == "attnlrp":
-            return RelevanceRules.all("attnlrp")
-        if key == "ln":
-            return RelevanceRules(normalization=True)
-        if key == "none":
-            return RelevanceRules()
-        raise ValueError(f"{name}: expected a RelevanceRules or one of {', '.join(map(repr, RULE_SHORTHANDS))}, "
-                         f"got {rules!r}")
-
-
 def is_text(inputs) -> bool:
     """A string, or a non-empty list / tuple of strings."""
     return isinstance(inputs, str) or (isinstance(inputs, (list, tuple)) and len(inputs) > 0
