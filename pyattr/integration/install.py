@@ -181,14 +181,6 @@ def state_of(module: nn.Module) -> Optional[RuleState]:
     return module.__dict__.get(_STATE)
 
 
-def rule_holds_output(module: nn.Module) -> bool:
-    """``module`` carries the AH-rule's attention mount (a q or k projection, whose output the
-    rule detaches): a value put in place of its output gets no gradient under the rule."""
-    st = state_of(module)
-    value = st.value("attention") if st is not None and st.active("attention") else None
-    return isinstance(value, tuple) and value[0] == "frozen"
-
-
 class ScopeHook:
     """A hook pyattr registers for a scope: calls ``fn``. Pickling it, with the module or the
     model that holds it, raises :class:`RelevanceRuleConflictError` naming ``what`` (a local

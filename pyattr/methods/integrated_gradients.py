@@ -28,7 +28,6 @@ import pyattr.methods._core.text as text
 import pyattr.methods._core.groups as G
 import pyattr.targets as T
 from pyattr.config import RelevanceRuleCoverage, RelevanceRules
-from pyattr.integration.install import rule_holds_output
 from pyattr.integration.wrappers import unwrap
 from pyattr.methods._core.baseline import (
     baseline_forward,
@@ -43,6 +42,7 @@ from pyattr.methods._core.forward import (
     run_model,
 )
 from pyattr.methods._core.progress import Progress
+from pyattr.methods._core.taps import rule_holds_output
 
 METHODS = ("gausslegendre", "riemann_left", "riemann_right", "riemann_middle", "riemann_trapezoid")
 

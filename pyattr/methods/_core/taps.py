@@ -237,3 +237,11 @@ def record_modules(model: nn.Module, paths: Sequence[str], store: Dict[str, torc
         return fn
 
     return taps(pairs, fn_for)
+
+
+def rule_holds_output(module: nn.Module) -> bool:
+    """``module`` carries the AH-rule's attention mount (a q or k projection, whose output the
+    rule detaches): a value put in place of its output gets no gradient under the rule."""
+    st = state_of(module)
+    value = st.value("attention") if st is not None and st.active("attention") else None
+    return isinstance(value, tuple) and value[0] == "frozen"
