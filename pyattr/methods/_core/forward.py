@@ -106,11 +106,9 @@ def check_gradient_finite(grad: torch.Tensor, several: bool) -> None:
     """A finite explained value can still have a NaN gradient (a softmax over a row its mask
     hides entirely, at a pad position, is NaN in float64's eager attention): relevance from it
     would be NaN. ValueError naming the row (and the target of k)."""
-    bad = ~torch.isfinite(grad.detach())
-    if not bool(bad.any()):
+    where = _not_finite_at(grad, several)
+    if where is None:
         return
-    at = [int(i) for i in bad.nonzero()[0]]
-    where = f"row {at[1]}, target {at[0]}" if several else f"row {at[0]}"
     raise ValueError(f"the model's backward gives a gradient that is not finite (NaN or inf) at {where}, though the "
                      "explained value is finite, so its relevance would be NaN (an eager attention mask that hides a "
                      "whole row, at a pad position, does this in float64; try float32 or attn_implementation='sdpa')")
@@ -206,14 +204,23 @@ def head_positions(model: nn.Module, prep: Prepared, targets, kwargs: dict) -> O
     return kept
 
 
+def _not_finite_at(t: torch.Tensor, several: bool) -> Optional[str]:
+    """Where ``t`` (a value (batch,) / (k, batch), or a gradient with the same leading
+    dimensions) first holds a NaN or an infinity: ``"row r"`` (``"row r, target j"`` of k
+    targets); None where it is finite."""
+    bad = ~torch.isfinite(t.detach())
+    if not bool(bad.any()):
+        return None
+    at = [int(i) for i in bad.nonzero()[0]]
+    return f"row {at[1]}, target {at[0]}" if several and len(at) >= 2 else f"row {at[0] if at else 0}"
+
+
 def check_finite(value: torch.Tensor, caller: str, several: bool) -> None:
     """The explained value must be finite: relevance of a NaN or an infinity is NaN, with no
     number a reader could use. ValueError naming the row (and the target of k)."""
-    bad = ~torch.isfinite(value.detach())
-    if not bool(bad.any()):
+    where = _not_finite_at(value, several)
+    if where is None:
         return
-    at = [int(i) for i in bad.nonzero()[0]]
-    where = f"row {at[1]}, target {at[0]}" if several and len(at) == 2 else f"row {at[-1] if at else 0}"
     raise ValueError(
         f"{caller}(): the model's output is not finite (NaN or inf) at {where}, so nothing can be computed from it "
         "(some models' eager attention masks give NaN in float64: transformers' left-padded eager attention, "
