@@ -168,6 +168,11 @@ def test_cli_bench_reports_oversubscription(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(os, "getloadavg", lambda: (50.0, 50.0, 50.0))
     # no window measurement: the load average is what decides then (a measured window would)
     monkeypatch.setattr(contention, "_busy_seconds", lambda cpus: None)
+    # in this process the allocator stays as it is: keep_freed_memory's mallopt is for a bench's
+    # own process (it made a later test's freed 256 MiB come back as the next block's memory)
+    from pyattr.bench import micro
+
+    monkeypatch.setattr(micro, "keep_freed_memory", lambda: None)
     out, md = tmp_path / "b.json", tmp_path / "b.md"
     assert main(["bench", "--ops", "identity", "--dtypes", "float32", "--shapes", "16x64,16x32", "--repeats", "2",
                  "--json", str(out), "--markdown", str(md)]) == 0
